@@ -1,0 +1,172 @@
+"""The only module that touches JAX internals; version shims live here.
+
+jaxrev targets JAX 0.10.2 (Python 3.11) and the newest JAX (Python 3.12). Everything that
+differs between them (primitive names, `scan` parameters, where call-like primitives keep their
+sub-jaxprs) is resolved here, so the interpreters read one vocabulary.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import jax
+from jax.extend import core as jex_core
+from jax._src.interpreters import ad as _ad
+from jax._src.interpreters import batching as _batching
+from jax._src.interpreters import mlir as _mlir
+
+from jax._src import core as _core
+from jax._src import source_info_util as _siu
+from jax._src import custom_derivatives as _cd
+from jax._src.interpreters import partial_eval as _pe
+from jax._src.lax import lax as _lax
+from jax._src.lax import slicing as _slicing
+from jax._src.lax import control_flow as _cf
+
+JAX_VERSION = tuple(int(p) for p in jax.__version__.split(".")[:3])
+
+Primitive = jex_core.Primitive
+Jaxpr = jex_core.Jaxpr
+ClosedJaxpr = jex_core.ClosedJaxpr
+JaxprEqn = jex_core.JaxprEqn
+Literal = jex_core.Literal
+Var = jex_core.Var
+DropVar = jex_core.DropVar
+Tracer = _core.Tracer
+
+primitive_jvps = _ad.primitive_jvps
+primitive_transposes = _ad.primitive_transposes
+primitive_batchers = _batching.primitive_batchers
+not_mapped = None  # batching marks an unbatched operand with None
+register_lowering = _mlir.register_lowering
+lower_fun = _mlir.lower_fun
+
+
+def _prim(*names: str, modules: Sequence[Any] = (_lax, _slicing, _cf)) -> Primitive | None:
+    for mod in modules:
+        for name in names:
+            p = getattr(mod, name, None)
+            if isinstance(p, _core.Primitive):
+                return p
+    return None
+
+
+class _Prims:
+    """Primitive objects by a stable name (a missing one is None on this JAX version)."""
+
+    def __init__(self) -> None:
+        for name in ("add sub mul div neg exp exp2 log log1p expm1 tanh atanh sinh asinh "
+                     "logistic integer_pow pow sqrt rsqrt cbrt square convert_element_type "
+                     "reshape transpose rev concatenate broadcast_in_dim select_n dot_general "
+                     "squeeze copy real imag complex conj max min reduce_sum round split pad "
+                     "abs sign floor ceil sin cos tan exp2 reduce_precision "
+                     "optimization_barrier").split():
+            setattr(self, name, _prim(name + "_p"))
+        self.slice = _prim("slice_p")
+        self.scatter_add = _prim("scatter_add_p")
+        self.scatter = _prim("scatter_p")
+        self.dynamic_slice = _prim("dynamic_slice_p")
+        self.dynamic_update_slice = _prim("dynamic_update_slice_p")
+        self.gather = _prim("gather_p")
+        self.cumsum = _prim("cumsum_p")
+        self.cumprod = _prim("cumprod_p")
+        self.scan = _prim("scan_p")
+        self.while_ = _prim("while_p")
+        self.cond = _prim("cond_p")
+        from jax._src import pjit as _pjit
+        self.jit = getattr(_pjit, "jit_p", None) or getattr(_pjit, "pjit_p", None)
+        self.custom_jvp_call = getattr(_cd, "custom_jvp_call_p", None)
+        self.custom_vjp_call = (getattr(_cd, "custom_vjp_call_p", None)
+                                or getattr(_cd, "custom_vjp_call_jaxpr_p", None))
+        # `closed_call` was renamed `eval_jaxpr` in JAX 0.12.
+        self.closed_call = (getattr(_core, "closed_call_p", None)
+                            or getattr(_core, "eval_jaxpr_p", None))
+        try:
+            from jax._src.lax.control_flow import loops as _loops
+            self.cumsum = self.cumsum or getattr(_loops, "cumsum_p", None)
+        except ImportError:  # pragma: no cover
+            pass
+        try:
+            from jax._src import pjit as _pjit2
+            self.sharding_constraint = getattr(_pjit2, "sharding_constraint_p", None)
+        except ImportError:  # pragma: no cover
+            self.sharding_constraint = None
+        from jax._src import dispatch as _dispatch
+        self.device_put = getattr(_dispatch, "device_put_p", None)
+
+
+prims = _Prims()
+
+# Call-like primitives and the parameter that holds their sub-jaxpr. One table for every
+# interpreter (DESIGN.md §3.1); loops and branches have their own rules.
+_CALL_PARAM_NAMES = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+CALL_PRIMITIVES = {p for p in (prims.jit, prims.custom_jvp_call, prims.custom_vjp_call,
+                               prims.closed_call) if p is not None}
+
+
+def call_jaxpr(params: dict) -> ClosedJaxpr:
+    """The sub-jaxpr of a call-like equation (from its params), as a ClosedJaxpr."""
+    for name in _CALL_PARAM_NAMES:
+        if name in params:
+            return as_closed(params[name])
+    raise KeyError("no sub-jaxpr among the params of a call-like equation")
+
+
+def as_closed(j: Any) -> ClosedJaxpr:
+    if isinstance(j, ClosedJaxpr):
+        return j
+    return ClosedJaxpr(j, ())
+
+
+def scan_info(p: dict) -> tuple[int, int, ClosedJaxpr, int, bool]:
+    """(num_consts, num_carry, body, length, reverse) of a `scan`'s params on any JAX version."""
+    if "num_consts" in p:
+        nc, ncar = p["num_consts"], p["num_carry"]
+    else:  # JAX >= 0.12 describes the operands by a flat tree
+        nc, ncar, _ = (len(t) for t in p["ft_in"].unpack())
+    return nc, ncar, as_closed(p["jaxpr"]), p["length"], p["reverse"]
+
+
+def cond_branches(p: dict) -> list[ClosedJaxpr]:
+    return [as_closed(b) for b in p["branches"]]
+
+
+def while_info(p: dict) -> tuple[ClosedJaxpr, int, ClosedJaxpr, int]:
+    return as_closed(p["cond_jaxpr"]), p["cond_nconsts"], as_closed(p["body_jaxpr"]), p["body_nconsts"]
+
+
+def bind_eqn(eqn: JaxprEqn, invals: Sequence[Any]) -> list[Any]:
+    """Evaluate one equation on values (or tracers), keeping the user's source info."""
+    params = eqn.primitive.get_bind_params(eqn.params)
+    name_stack = _siu.current_name_stack() + eqn.source_info.name_stack
+    with _siu.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
+        out = eqn.primitive.bind(*invals, **params)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def user_source(eqn: JaxprEqn) -> tuple[str | None, int | None, str]:
+    """(file, line, summary) of the user's code that produced `eqn`."""
+    frame = _siu.user_frame(eqn.source_info.traceback)
+    summary = _siu.summarize(eqn.source_info)
+    if frame is None:
+        return None, None, summary
+    return frame.file_name, frame.start_line, summary
+
+
+def trace_to_closed(fun: Callable, *args: Any) -> tuple[ClosedJaxpr, list[Any], Any]:
+    """Trace `fun` to a const-free ClosedJaxpr; closed-over values become leading inputs.
+
+    Returns (closed_jaxpr, consts, out_tree). The consts may be tracers of an outer trace, which
+    is why they are passed as explicit operands instead of being baked into the jaxpr.
+    """
+    closed, out_shape = jax.make_jaxpr(fun, return_shape=True)(*args)
+    jaxpr = _pe.convert_constvars_jaxpr(closed.jaxpr)
+    out_tree = jax.tree_util.tree_structure(out_shape)
+    return ClosedJaxpr(jaxpr, ()), list(closed.consts), out_tree
+
+
+def eval_closed(closed: ClosedJaxpr, *args: Any) -> list[Any]:
+    return _core.eval_jaxpr(closed.jaxpr, closed.consts, *args)
+
+
+def is_concrete(x: Any) -> bool:
+    return not isinstance(x, _core.Tracer)

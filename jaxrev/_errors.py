@@ -1,0 +1,50 @@
+"""Error classes and the helpers that make every message name the primitive and the user's line."""
+from __future__ import annotations
+
+from typing import Any
+
+
+class JaxrevError(Exception):
+    """Base class of every error jaxrev raises on purpose."""
+
+
+class NotInvertibleError(JaxrevError):
+    """A program loses information, so `jr.reverse` cannot run it backwards.
+
+    Attributes: `primitive` (its name), `file`, `line` (the user's source line, when known).
+    """
+
+    def __init__(self, message: str, primitive: str | None = None,
+                 file: str | None = None, line: int | None = None) -> None:
+        super().__init__(message)
+        self.primitive = primitive
+        self.file = file
+        self.line = line
+
+
+class ReversibilityError(JaxrevError):
+    """A round trip `reverse(f)(f(x))` drifted from `x` beyond the tolerance asked for."""
+
+
+class SingularJacobianError(JaxrevError):
+    """A step's pivot vanished while inverting a Jacobian."""
+
+
+WAYS_OUT = (
+    "Ways out: give the lossy step an inverse with `@jr.custom_inverse`, register a rule for "
+    "the primitive with `jr.register_inverse`, or keep the information the step drops as part "
+    "of the state.")
+
+
+def where(eqn: Any) -> tuple[str | None, int | None, str]:
+    from jaxrev._compat import user_source
+    return user_source(eqn)
+
+
+def not_invertible(eqn: Any, reason: str, hint: str | None = None) -> NotInvertibleError:
+    """Build the error for equation `eqn`, naming its primitive and the user's source line."""
+    file, line, summary = where(eqn)
+    name = eqn.primitive.name
+    msg = (f"jaxrev.reverse cannot invert `{name}` at {summary}: {reason}\n"
+           f"{hint or WAYS_OUT}")
+    return NotInvertibleError(msg, primitive=name, file=file, line=line)

@@ -1,0 +1,143 @@
+"""Shared jaxpr machinery: the value environment, literals, the Unknown marker, liveness."""
+from __future__ import annotations
+
+from typing import Any, Iterable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrev._compat import (CALL_PRIMITIVES, ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Literal,
+                            Var, call_jaxpr, cond_branches, prims, scan_info)
+
+
+class Unknown:
+    """Stands for an input an inverse rule must recover; carries the input's abstract value."""
+
+    __slots__ = ("aval",)
+
+    def __init__(self, aval: Any) -> None:
+        self.aval = aval
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.aval.shape
+
+    @property
+    def dtype(self) -> Any:
+        return self.aval.dtype
+
+    def __repr__(self) -> str:
+        return f"Unknown({self.aval.str_short()})"
+
+
+def is_unknown(x: Any) -> bool:
+    return isinstance(x, Unknown)
+
+
+class Env:
+    """Values of a jaxpr's variables; a variable absent from it is not known yet."""
+
+    def __init__(self) -> None:
+        self.vals: dict[Var, Any] = {}
+
+    def known(self, v: Any) -> bool:
+        return isinstance(v, Literal) or v in self.vals
+
+    def read(self, v: Any) -> Any:
+        if isinstance(v, Literal):
+            return v.val
+        return self.vals[v]
+
+    def read_or_unknown(self, v: Any) -> Any:
+        return self.read(v) if self.known(v) else Unknown(v.aval)
+
+    def write(self, v: Any, val: Any) -> None:
+        if isinstance(v, (Literal, DropVar)) or v in self.vals:
+            return
+        self.vals[v] = fit_to_aval(val, v.aval)
+
+    def copy(self) -> "Env":
+        e = Env()
+        e.vals = dict(self.vals)
+        return e
+
+
+def fit_to_aval(val: Any, aval: Any) -> Any:
+    """Cast a recovered value to the variable's dtype and, where a rule recovered a value of a
+    broadcast operand on the broadcast shape, pick the operand back out (a left inverse)."""
+    shape = tuple(aval.shape)
+    vshape = tuple(np.shape(val))
+    if vshape != shape:
+        if len(vshape) < len(shape) or not _broadcastable(shape, vshape):
+            raise ValueError(f"jaxrev internal error: value of shape {vshape} for {aval}")
+        lead = len(vshape) - len(shape)
+        idx = tuple([0] * lead + [slice(None) if s == vs else slice(0, 1)
+                                  for s, vs in zip(shape, vshape[lead:])])
+        val = jnp.reshape(val[idx], shape)
+    if jnp.result_type(val) != aval.dtype:
+        val = jax.lax.convert_element_type(val, aval.dtype)
+    return val
+
+
+def _broadcastable(small: Sequence[int], big: Sequence[int]) -> bool:
+    small = tuple(small)[::-1]
+    big = tuple(big)[::-1]
+    return all(s == b or s == 1 for s, b in zip(small, big))
+
+
+def used_vars(jaxpr: Jaxpr) -> set[Var]:
+    """Variables that some equation or the output reads (liveness at the level of a jaxpr)."""
+    used: set[Var] = set()
+    for eqn in jaxpr.eqns:
+        used.update(v for v in eqn.invars if isinstance(v, Var))
+    used.update(v for v in jaxpr.outvars if isinstance(v, Var))
+    return used
+
+
+def consumers(jaxpr: Jaxpr) -> dict[Var, list[int]]:
+    out: dict[Var, list[int]] = {}
+    for i, eqn in enumerate(jaxpr.eqns):
+        for v in eqn.invars:
+            if isinstance(v, Var):
+                out.setdefault(v, []).append(i)
+    return out
+
+
+def producers(jaxpr: Jaxpr) -> dict[Var, int]:
+    return {v: i for i, eqn in enumerate(jaxpr.eqns) for v in eqn.outvars
+            if not isinstance(v, DropVar)}
+
+
+def forward_known(jaxpr: Jaxpr, known_in: Sequence[bool]) -> list[bool]:
+    """Which outputs are computable from the inputs marked known, by forward evaluation only."""
+    known = {v for v, k in zip(jaxpr.invars, known_in) if k}
+    known.update(jaxpr.constvars)
+    for eqn in jaxpr.eqns:
+        if all(isinstance(v, Literal) or v in known for v in eqn.invars):
+            known.update(eqn.outvars)
+    return [isinstance(v, Literal) or v in known for v in jaxpr.outvars]
+
+
+def sub_jaxprs(eqn: JaxprEqn) -> list[ClosedJaxpr]:
+    """Every sub-jaxpr of an equation, through the one table of `_compat`."""
+    p = eqn.primitive
+    if p in CALL_PRIMITIVES:
+        return [call_jaxpr(eqn.params)]
+    if p is prims.scan:
+        return [scan_info(eqn.params)[2]]
+    if p is prims.cond:
+        return cond_branches(eqn.params)
+    out = []
+    for v in eqn.params.values():
+        if isinstance(v, ClosedJaxpr):
+            out.append(v)
+        elif isinstance(v, Jaxpr):
+            out.append(ClosedJaxpr(v, ()))
+        elif isinstance(v, tuple) and v and all(isinstance(b, ClosedJaxpr) for b in v):
+            out.extend(v)
+    return out
+
+
+def size_of(avals: Iterable[Any]) -> int:
+    return int(sum(int(np.prod(a.shape, dtype=np.int64)) for a in avals))

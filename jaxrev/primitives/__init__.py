@@ -1,0 +1,1 @@
+"""jaxrev's own primitives (rotations, quantum gates) live here."""
