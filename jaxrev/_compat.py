@@ -170,3 +170,11 @@ def eval_closed(closed: ClosedJaxpr, *args: Any) -> list[Any]:
 
 def is_concrete(x: Any) -> bool:
     return not isinstance(x, _core.Tracer)
+
+
+def new_var(aval: Any) -> Var:
+    return Var(aval)
+
+
+def has_user_frame(eqn: JaxprEqn) -> bool:
+    return _siu.user_frame(eqn.source_info.traceback) is not None

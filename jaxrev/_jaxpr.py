@@ -141,3 +141,60 @@ def sub_jaxprs(eqn: JaxprEqn) -> list[ClosedJaxpr]:
 
 def size_of(avals: Iterable[Any]) -> int:
     return int(sum(int(np.prod(a.shape, dtype=np.int64)) for a in avals))
+
+
+def inline_calls(closed: ClosedJaxpr) -> ClosedJaxpr:
+    """Flatten call-like equations (`jit`, `custom_jvp_call`, ...) into one jaxpr.
+
+    Inversion works across call boundaries this way: a linear lump or a `select_n` case split
+    may span code inside and outside `jnp.where`'s or `jnp.cumsum`'s inner `jit`. Inner equations
+    with no user frame of their own take the source line of the call that contains them.
+    """
+    if not any(e.primitive in CALL_PRIMITIVES for e in closed.jaxpr.eqns):
+        return closed
+    from jaxrev._compat import has_user_frame, new_var
+    jaxpr = closed.jaxpr
+    consts = list(closed.consts)
+    constvars = list(jaxpr.constvars)
+    sub: dict[Var, Any] = {}
+
+    def s(a: Any) -> Any:
+        return sub.get(a, a) if isinstance(a, Var) else a
+
+    eqns: list[JaxprEqn] = []
+
+    def inline(eqn: JaxprEqn, outer_src: Any) -> None:
+        if eqn.primitive not in CALL_PRIMITIVES:
+            new_in = [s(v) for v in eqn.invars]
+            src = eqn.source_info if outer_src is None or has_user_frame(eqn) else outer_src
+            eqns.append(eqn.replace(invars=new_in, source_info=src))
+            return
+        inner = call_jaxpr(eqn.params)
+        ij = inner.jaxpr
+        src = eqn.source_info if outer_src is None or has_user_frame(eqn) else outer_src
+        # fresh variables: the same inner jaxpr may be inlined more than once
+        for v, c in zip(ij.constvars, inner.consts):
+            nv = new_var(v.aval)
+            constvars.append(nv)
+            consts.append(c)
+            sub[v] = nv
+        for v, a in zip(ij.invars, eqn.invars):
+            sub[v] = s(a)
+        for ie in ij.eqns:
+            outs = []
+            for o in ie.outvars:
+                if isinstance(o, DropVar):
+                    outs.append(o)
+                else:
+                    nv = new_var(o.aval)
+                    sub[o] = nv
+                    outs.append(nv)
+            inline(ie.replace(outvars=outs), src)
+        for o, io in zip(eqn.outvars, ij.outvars):
+            if not isinstance(o, DropVar):
+                sub[o] = s(io)
+
+    for eqn in jaxpr.eqns:
+        inline(eqn, None)
+    new = jaxpr.replace(constvars=constvars, eqns=eqns, outvars=[s(v) for v in jaxpr.outvars])
+    return ClosedJaxpr(new, consts)

@@ -170,13 +170,15 @@ def _cond_impl(index, *args, branches, post_jaxpr, post_nconsts):
     # batched index (after vmap): every branch runs, each element keeps its own
     outs = [eval_closed(b, *ops) for b in branches]
     idx = jnp.clip(index, 0, len(branches) - 1)
-    res = []
-    for k in range(len(outs[0])):
-        r = outs[0][k]
-        for b in range(1, len(branches)):
-            r = _select(idx == b, outs[b][k], r)
-        res.append(r)
-    return res
+    return [_select_cases(idx, [o[k] for o in outs]) for k in range(len(outs[0]))]
+
+
+def _select_cases(idx: Any, cases: Sequence[Any]) -> Any:
+    """Element b of the result is element b of `cases[idx[b]]` (idx has the leading shape)."""
+    r = cases[0]
+    for b in range(1, len(cases)):
+        r = _select(idx == b, cases[b], r)
+    return r
 
 
 cond_p.def_impl(_cond_impl)

@@ -29,7 +29,7 @@ from jaxrev._compat import (CALL_PRIMITIVES, ClosedJaxpr, DropVar, Jaxpr, JaxprE
                             Primitive, Var, bind_eqn, call_jaxpr, cond_branches, eval_closed,
                             is_concrete, prims, scan_info, trace_to_closed)
 from jaxrev._errors import NotInvertibleError, WAYS_OUT, not_invertible
-from jaxrev._jaxpr import (Env, Unknown, consumers, forward_known, is_unknown, producers,
+from jaxrev._jaxpr import (Env, Unknown, consumers, forward_known, inline_calls, is_unknown,
                            size_of, used_vars)
 from jaxrev.transforms import control_flow as _cf
 
@@ -92,18 +92,20 @@ def _apply_rule(eqn: JaxprEqn, env: Env) -> list[Any] | None:
     return None if rec is None else list(rec)
 
 
-def propagate(jaxpr: Jaxpr, env: Env, goals: Sequence[Any], *,
+def propagate(jaxpr: Jaxpr, env: Env, goals: Sequence[Any] | None, *,
               allow: Callable[[JaxprEqn], bool] | None = None,
               forward_only: bool = False,
               on_invert: Callable[[JaxprEqn, list[Var]], None] | None = None) -> list[_Stuck]:
-    """Fill `env` until every goal is known. Returns [] on success, else what blocked it."""
+    """Fill `env` until every goal is known (or, with `goals=None`, as far as it goes).
+
+    Returns [] on success, else the equations that blocked it."""
     eqns = jaxpr.eqns
     used = used_vars(jaxpr)
     pending = list(range(len(eqns)))
     stuck: dict[int, _Stuck] = {}
     group_done = False
     while True:
-        if all(env.known(g) for g in goals):
+        if goals is not None and all(env.known(g) for g in goals):
             return []
         progress = False
         still = []
@@ -195,6 +197,7 @@ def invert_jaxpr(closed: ClosedJaxpr, ins: Sequence[Any], outs: Sequence[Any], *
 
     With `strict`, raise when an unknown input cannot be recovered; otherwise return None there.
     """
+    closed = inline_calls(closed)
     jaxpr = closed.jaxpr
     env = Env()
     for v, c in zip(jaxpr.constvars, closed.consts):
@@ -284,7 +287,7 @@ def _case_split_step(jaxpr, env, pending, used) -> bool:
             e = env.copy()
             if isinstance(c, Var):
                 e.write(c, out)
-            propagate(jaxpr, e, [], allow=lambda q: q is not eqn and _elementwise_in(q, shape))
+            propagate(jaxpr, e, None, allow=lambda q: q is not eqn and _elementwise_in(q, shape))
             branches.append(e)
         p = env.read(pred)
         merged = False
@@ -475,6 +478,7 @@ def _invert_call(fun, args, argnums, on_invert=None, forward_env=None):
     argnums = _normalize_argnums(argnums, len(args))
     closed, flat, state_ids, out_shape = _trace_program(fun, args, argnums)
     s_tree = _check_structure(fun, args, argnums, out_shape)
+    closed = inline_calls(closed)
     jaxpr = closed.jaxpr
     is_state = set(i for ids in state_ids for i in ids)
     env = Env()
@@ -881,8 +885,12 @@ def _switch_inverse(index, branches, ins, outs):
             return [rec[k] for k in unknown]
         return f
 
-    rec = lax.switch(jnp.clip(index, 0, len(branches) - 1), [inv_branch(b) for b in branches],
-                     list(outs), known_vals)
+    index = jnp.clip(index, 0, len(branches) - 1)
+    if jnp.ndim(index) == 0:
+        rec = lax.switch(index, [inv_branch(b) for b in branches], list(outs), known_vals)
+    else:  # a batched index (vmap of a jaxrev cond): invert every branch, keep each element's own
+        per = [inv_branch(b)(list(outs), known_vals) for b in branches]
+        rec = [_cf._select_cases(index, [p[k] for p in per]) for k in range(len(unknown))]
     res: list[Any] = [None] * len(ins)
     for k, r in zip(unknown, rec):
         res[k] = r
