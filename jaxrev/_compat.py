@@ -22,6 +22,11 @@ from jax._src.lax import lax as _lax
 from jax._src.lax import slicing as _slicing
 from jax._src.lax import control_flow as _cf
 
+import os as _os
+
+# jaxrev's own frames are library frames: errors must point at the user's line, not ours
+_siu.register_exclusion(_os.path.dirname(_os.path.abspath(__file__)) + _os.sep)
+
 JAX_VERSION = tuple(int(p) for p in jax.__version__.split(".")[:3])
 
 Primitive = jex_core.Primitive

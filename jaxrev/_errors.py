@@ -31,9 +31,9 @@ class SingularJacobianError(JaxrevError):
 
 
 WAYS_OUT = (
-    "Ways out: give the lossy step an inverse with `@jr.custom_inverse`, register a rule for "
-    "the primitive with `jr.register_inverse`, or keep the information the step drops as part "
-    "of the state.")
+    "Ways out: keep the information the step drops as part of the state (or compute the step "
+    "from parameters only), or register an inverse rule for the primitive with "
+    "`jr.register_inverse(primitive, rule)`.")
 
 
 def where(eqn: Any) -> tuple[str | None, int | None, str]:
@@ -44,6 +44,8 @@ def where(eqn: Any) -> tuple[str | None, int | None, str]:
 def not_invertible(eqn: Any, reason: str, hint: str | None = None) -> NotInvertibleError:
     """Build the error for equation `eqn`, naming its primitive and the user's source line."""
     file, line, summary = where(eqn)
+    if not summary:
+        summary = "an equation with no user source line (library or jaxrev-generated code)"
     name = eqn.primitive.name
     msg = (f"jaxrev.reverse cannot invert `{name}` at {summary}: {reason}\n"
            f"{hint or WAYS_OUT}")

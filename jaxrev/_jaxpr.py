@@ -164,35 +164,34 @@ def inline_calls(closed: ClosedJaxpr) -> ClosedJaxpr:
     eqns: list[JaxprEqn] = []
 
     def inline(eqn: JaxprEqn, outer_src: Any) -> None:
-        if eqn.primitive not in CALL_PRIMITIVES:
-            new_in = [s(v) for v in eqn.invars]
-            src = eqn.source_info if outer_src is None or has_user_frame(eqn) else outer_src
-            eqns.append(eqn.replace(invars=new_in, source_info=src))
-            return
-        inner = call_jaxpr(eqn.params)
-        ij = inner.jaxpr
         src = eqn.source_info if outer_src is None or has_user_frame(eqn) else outer_src
-        # fresh variables: the same inner jaxpr may be inlined more than once
-        for v, c in zip(ij.constvars, inner.consts):
-            nv = new_var(v.aval)
-            constvars.append(nv)
-            consts.append(c)
-            sub[v] = nv
-        for v, a in zip(ij.invars, eqn.invars):
-            sub[v] = s(a)
-        for ie in ij.eqns:
+        if eqn.primitive not in CALL_PRIMITIVES:
+            # fresh output variables: the same inner jaxpr may be inlined more than once
             outs = []
-            for o in ie.outvars:
+            for o in eqn.outvars:
                 if isinstance(o, DropVar):
                     outs.append(o)
                 else:
-                    nv = new_var(o.aval)
-                    sub[o] = nv
+                    sub[o] = nv = new_var(o.aval)
                     outs.append(nv)
-            inline(ie.replace(outvars=outs), src)
-        for o, io in zip(eqn.outvars, ij.outvars):
+            eqns.append(eqn.replace(invars=[s(v) for v in eqn.invars], outvars=outs,
+                                    source_info=src))
+            return
+        inner = call_jaxpr(eqn.params)
+        ij = inner.jaxpr
+        for v, c in zip(ij.constvars, inner.consts):
+            sub[v] = nv = new_var(v.aval)
+            constvars.append(nv)
+            consts.append(c)
+        outer_in = [s(a) for a in eqn.invars]
+        for v, a in zip(ij.invars, outer_in):
+            sub[v] = a
+        for ie in ij.eqns:
+            inline(ie, src)
+        inner_out = [s(io) for io in ij.outvars]
+        for o, io in zip(eqn.outvars, inner_out):
             if not isinstance(o, DropVar):
-                sub[o] = s(io)
+                sub[o] = io
 
     for eqn in jaxpr.eqns:
         inline(eqn, None)

@@ -33,7 +33,8 @@ from jaxrev._jaxpr import (Env, Unknown, consumers, forward_known, inline_calls,
                            size_of, used_vars)
 from jaxrev.transforms import control_flow as _cf
 
-__all__ = ["reverse", "inverse_rules", "join_rules", "Lossy", "NeedMore", "invert_jaxpr"]
+__all__ = ["reverse", "register_inverse", "inverse_rules", "join_rules", "Lossy", "NeedMore",
+           "invert_jaxpr"]
 
 inverse_rules: dict[Primitive, Callable[..., Sequence[Any]]] = {}
 """Inverse rule per primitive: ``rule(out, *invals, **params) -> recovered invals``."""
@@ -89,7 +90,39 @@ def _apply_rule(eqn: JaxprEqn, env: Env) -> list[Any] | None:
         rec = rule(out, *ins, **eqn.params)
     except Lossy as e:
         raise not_invertible(eqn, e.reason, e.hint) from None
-    return None if rec is None else list(rec)
+    if rec is None:
+        return None
+    if not isinstance(rec, (list, tuple)) or len(rec) != len(ins):
+        name = getattr(rule, "__qualname__", repr(rule))
+        raise TypeError(
+            f"inverse rule {name} for `{eqn.primitive.name}` must return a list or tuple with one "
+            f"entry per input ({len(ins)}: the recovered value or None), got {rec!r:.200}")
+    return list(rec)
+
+
+def register_inverse(primitive: Primitive, rule: Callable[..., Sequence[Any]]) -> None:
+    """Make `reverse` able to invert `primitive`.
+
+    `rule(out, *invals, **params)` receives the equation's output (a list for a primitive with
+    multiple results), its inputs with the unknown ones passed as `Unknown` objects (which carry
+    `.aval`, `.shape`, `.dtype`), and its params; it returns one entry per input: the recovered
+    value, or None where it recovers nothing. Raise `jaxrev.transforms.reverse.Lossy(reason)`
+    where the step destroys information.
+
+    Example:
+        >>> import jax.numpy as jnp, jaxrev as jr
+        >>> from jax.extend.core import Primitive
+        >>> double_p = Primitive("double"); double_p.def_impl(lambda x: 2 * x)
+        >>> _ = double_p.def_abstract_eval(lambda a: a)
+        >>> jr.register_inverse(double_p, lambda out, x: [out / 2])
+        >>> jr.reverse(lambda x: double_p.bind(x))(jnp.ones(2))
+        Array([0.5, 0.5], dtype=float32)
+    """
+    if not isinstance(primitive, Primitive):
+        raise TypeError(f"register_inverse expects a jax.extend.core.Primitive, got {primitive!r}")
+    if not callable(rule):
+        raise TypeError(f"register_inverse expects a callable rule, got {rule!r}")
+    inverse_rules[primitive] = rule
 
 
 def propagate(jaxpr: Jaxpr, env: Env, goals: Sequence[Any] | None, *,
@@ -420,23 +453,28 @@ def _solve_lump(lump_eqns, env, inputs, outputs) -> None:
         u = jnp.linalg.solve(J, r)
         sols = [jnp.reshape(u[offs[m]:offs[m + 1]], v.aval.shape) for m, v in enumerate(inputs)]
     if all(is_concrete(s) for s in sols) and not all(bool(jnp.all(jnp.isfinite(s))) for s in sols):
-        raise not_invertible(lump_eqns[-1], "these equations are invertible only together, and "
-                             "together they form a singular linear map")
+        # blame a reduction if there is one: it is where the information goes
+        culprit = next((e for e in lump_eqns if e.primitive is prims.reduce_sum), lump_eqns[-1])
+        raise not_invertible(culprit, "it belongs to a group of equations that are invertible "
+                             "only together, and together they form a singular linear map")
     for v, s in zip(inputs, sols):
         env.write(v, s)
 
 
 # --------------------------------------------------------------------------- reverse()
 
-def _normalize_argnums(argnums: int | Sequence[int], nargs: int) -> tuple[int, ...]:
+def _normalize_argnums(argnums: int | Sequence[int], nargs: int,
+                       fun: Callable | None = None) -> tuple[int, ...]:
     nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    name = getattr(fun, "__name__", repr(fun)) if fun is not None else "the function"
     out = []
     for a in nums:
         if not isinstance(a, (int, np.integer)) or not -nargs <= a < nargs:
-            raise ValueError(f"argnums {argnums!r} out of range for {nargs} positional arguments")
+            raise ValueError(f"argnums {argnums!r} out of range: {name} was called with "
+                             f"{nargs} positional arguments")
         out.append(int(a) % nargs)
     if len(set(out)) != len(out):
-        raise ValueError(f"argnums {argnums!r} repeats an argument")
+        raise ValueError(f"argnums {argnums!r} repeats an argument of {name}")
     return tuple(out)
 
 
@@ -475,7 +513,7 @@ def _check_structure(fun, args, argnums, out_shape) -> Any:
 
 def _invert_call(fun, args, argnums, on_invert=None, forward_env=None):
     """Core of `reverse`: returns (state values, jaxpr, env)."""
-    argnums = _normalize_argnums(argnums, len(args))
+    argnums = _normalize_argnums(argnums, len(args), fun)
     closed, flat, state_ids, out_shape = _trace_program(fun, args, argnums)
     s_tree = _check_structure(fun, args, argnums, out_shape)
     closed = inline_calls(closed)
@@ -614,8 +652,7 @@ def _integer_pow(out, x, *, y, **_):
         return [1 / out]
     if y % 2 == 0:
         raise Lossy(f"x**{y} loses the sign of x",
-                    "Ways out: keep the sign in the state, or use an odd power or `jnp.abs` "
-                    "inside a `@jr.custom_inverse` if the values are known to be positive.")
+                    "Ways out: keep the sign in the state, or use an odd power.")
     if jnp.issubdtype(out.dtype, jnp.complexfloating):
         raise Lossy(f"x**{y} has {abs(y)} complex roots")
     r = jnp.abs(out) ** (1.0 / y)

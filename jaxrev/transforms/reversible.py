@@ -45,6 +45,8 @@ def _rel_err(a: Any, b: Any) -> float:
     b = np.asarray(b, dtype=a.dtype)
     if a.size == 0:
         return 0.0
+    if not (np.all(np.isfinite(a)) and np.all(np.isfinite(b))):
+        return float("inf")
     scale = max(float(np.max(np.abs(b))), np.finfo(np.float64).tiny)
     return float(np.max(np.abs(a - b))) / scale
 
@@ -62,7 +64,7 @@ def check_reversible(fun: Callable, *args: Any, argnums: int | Sequence[int] = 0
         >>> rep.max_error < 1e-6
         True
     """
-    nums = _normalize_argnums(argnums, len(args))
+    nums = _normalize_argnums(argnums, len(args), fun)
     y = fun(*args)
     outs = (y,) if len(nums) == 1 else tuple(y)
     inv_args = list(args)
@@ -92,7 +94,7 @@ def check_reversible(fun: Callable, *args: Any, argnums: int | Sequence[int] = 0
                        if isinstance(v, Var) and inv_env.known(v) and fwd.known(v)), default=0.0)
         _, _, summary = user_source(eqn)
         steps.append((err_in - err_out, f"`{eqn.primitive.name}` at {summary}"))
-    steps.sort(key=lambda s: -s[0])
+    steps = sorted((s for s in steps if s[0] > 0), key=lambda s: -s[0])
     worst = steps[0][1] if steps and steps[0][0] > 0 else None
     rep = ReversibilityReport(max(leaf_errors, default=0.0), leaf_errors, worst, steps)
     if rtol is not None and rep.max_error > rtol:
