@@ -64,7 +64,7 @@ class _Prims:
                      "reshape transpose rev concatenate broadcast_in_dim select_n dot_general "
                      "squeeze copy real imag complex conj max min reduce_sum round split pad "
                      "abs sign floor ceil sin cos tan exp2 reduce_precision "
-                     "optimization_barrier").split():
+                     "optimization_barrier stack").split():
             setattr(self, name, _prim(name + "_p"))
         self.slice = _prim("slice_p")
         self.scatter_add = _prim("scatter_add_p")
@@ -95,6 +95,11 @@ class _Prims:
             self.sharding_constraint = getattr(_pjit2, "sharding_constraint_p", None)
         except ImportError:  # pragma: no cover
             self.sharding_constraint = None
+        try:
+            from jax._src.lax.control_flow import solves as _solves
+            self.linear_solve = getattr(_solves, "linear_solve_p", None)
+        except ImportError:  # pragma: no cover
+            self.linear_solve = None
         from jax._src import dispatch as _dispatch
         self.device_put = getattr(_dispatch, "device_put_p", None)
 

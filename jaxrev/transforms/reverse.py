@@ -26,7 +26,7 @@ import numpy as np
 from jax import lax
 
 from jaxrev._compat import (CALL_PRIMITIVES, ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Literal,
-                            Primitive, Var, bind_eqn, call_jaxpr, cond_branches, eval_closed,
+                            Primitive, Var, as_closed, bind_eqn, call_jaxpr, cond_branches, eval_closed,
                             is_concrete, prims, scan_info, trace_to_closed)
 from jaxrev._errors import NotInvertibleError, WAYS_OUT, not_invertible
 from jaxrev._jaxpr import (Env, Unknown, consumers, forward_known, inline_calls, is_unknown,
@@ -433,10 +433,16 @@ def _solve_lump(lump_eqns, env, inputs, outputs) -> None:
                     for m, v in enumerate(inputs)]
             _, d = jax.jvp(F, zeros, tang)
             cols.append(jnp.stack([jnp.asarray(x, dtype) for x in d], -1))
-        A = jnp.stack(cols, -1)
-        b = jnp.stack([y - f for y, f in zip(ys, f0)], -1)
-        u = jnp.linalg.solve(A, b[..., None])[..., 0]
-        sols = [u[..., m] for m in range(k)]
+        # A depends on known values only; applying inv(A) by elementwise mul/add keeps the
+        # result an elementwise linear lump again, so reverse(reverse(f)) works
+        Ainv = jnp.linalg.inv(jnp.stack(cols, -1))
+        rs = [y - f for y, f in zip(ys, f0)]
+        sols = []
+        for m in range(k):
+            u = Ainv[..., m, 0] * rs[0]
+            for j in range(1, k):
+                u = u + Ainv[..., m, j] * rs[j]
+            sols.append(u)
     else:
         sizes = [int(np.prod(v.aval.shape, dtype=np.int64)) for v in inputs]
         offs = np.cumsum([0] + sizes)
@@ -650,6 +656,8 @@ def _integer_pow(out, x, *, y, **_):
         return [out]
     if y == -1:
         return [1 / out]
+    if y == 3 and not jnp.issubdtype(out.dtype, jnp.complexfloating):
+        return [lax.cbrt(out)]  # one primitive, so that the inverse is invertible again
     if y % 2 == 0:
         raise Lossy(f"x**{y} loses the sign of x",
                     "Ways out: keep the sign in the state, or use an odd power.")
@@ -702,6 +710,12 @@ def _concatenate(out, *xs, dimension, **_):
                    else None)
         start += n
     return res
+
+
+@_r(prims.stack)
+def _stack(out, *xs, axis, **_):
+    return [lax.index_in_dim(out, k, axis, keepdims=False) if is_unknown(x) else None
+            for k, x in enumerate(xs)]
 
 
 @_r(prims.split)
@@ -806,6 +820,17 @@ def _scatter_add(out, operand, indices, updates, **params):
     if is_unknown(operand) and not is_unknown(indices) and not is_unknown(updates):
         return [prims.scatter_add.bind(out, indices, -updates, **params), None, None]
     return None
+
+
+@_r(prims.linear_solve)
+def _linear_solve(outs, *ins, const_lengths, jaxprs, **_):
+    # x = A^{-1} b  inverts to  b = A x, with the matvec the solve carries
+    n = sum(const_lengths)
+    mv = ins[:const_lengths[0]]
+    if any(is_unknown(c) for c in mv) or any(is_unknown(o) for o in outs):
+        raise NeedMore("the solve's matrix or its solution is not known yet")
+    b = eval_closed(as_closed(jaxprs[0]), *mv, *outs)
+    return [None] * n + [bi if is_unknown(x) else None for bi, x in zip(b, ins[n:])]
 
 
 @_r(prims.optimization_barrier)
@@ -994,6 +1019,9 @@ def _jaxrev_cond(outs, index, *ins, branches, post_jaxpr, post_nconsts):
 
 def _join_slices(aval, pieces):
     shape = tuple(aval.shape)
+    joined = _concat_slices(shape, pieces)
+    if joined is not None:
+        return joined
     covered = np.zeros(shape, bool)
     for params, _ in pieces:
         covered[_slice_index(params)] = True
@@ -1003,6 +1031,35 @@ def _join_slices(aval, pieces):
     for params, val in pieces:
         x = x.at[_slice_index(params)].set(val)
     return x
+
+
+def _concat_slices(shape, pieces):
+    """Pieces that tile one axis with unit strides join back by `concatenate`, which keeps
+    the operand's sharding and is itself invertible (so `reverse(reverse(f))` works)."""
+    spans = {}
+    axis = None
+    for params, val in pieces:
+        if any(st != 1 for st in (params.get("strides") or ())):
+            return None
+        st, lim = params["start_indices"], params["limit_indices"]
+        partial = [d for d in range(len(shape)) if (st[d], lim[d]) != (0, shape[d])]
+        if len(partial) > 1 or (axis is not None and partial and partial[0] != axis):
+            return None
+        if partial:
+            axis = partial[0]
+        d = axis if axis is not None else 0
+        spans.setdefault((st[d], lim[d]), val)
+    if axis is None:
+        return next(iter(spans.values()))
+    pos, parts = 0, []
+    for (a, b), val in sorted(spans.items()):
+        if a != pos:
+            return None  # overlapping or gapped pieces: the general path handles them
+        parts.append(val)
+        pos = b
+    if pos != shape[axis]:
+        return None
+    return parts[0] if len(parts) == 1 else lax.concatenate(parts, axis)
 
 
 def _slice_index(params):
@@ -1028,7 +1085,7 @@ for _p in (prims.add, prims.sub, prims.mul, prims.div, prims.neg, prims.exp, pri
 for _p in (prims.add, prims.sub, prims.neg, prims.reshape, prims.squeeze, prims.transpose,
            prims.rev, prims.slice, prims.concatenate, prims.broadcast_in_dim, prims.reduce_sum,
            prims.cumsum, prims.copy, prims.convert_element_type, prims.select_n, prims.pad,
-           prims.split):
+           prims.split, prims.stack):
     if _p is not None:
         _LINEAR.add(_p)
 
