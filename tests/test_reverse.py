@@ -453,3 +453,46 @@ def test_check_reversible_report():
     assert rep.max_error < 1e-12
     assert "round-trip relative error" in str(rep)
     assert isinstance(rep.leaf_errors, list) and len(rep.leaf_errors) == 2
+
+
+# ----------------------------------------------------------------------------- user rules
+
+def _make_scale_p():
+    from jax.extend.core import Primitive
+    from jax.interpreters import mlir
+
+    p = Primitive("test_scale3")
+    p.def_impl(lambda x: 3.0 * x)
+    p.def_abstract_eval(lambda a: a)
+    mlir.register_lowering(p, mlir.lower_fun(lambda x: 3.0 * x, multiple_results=False))
+    return p
+
+
+scale3_p = _make_scale_p()
+
+
+def test_register_inverse_for_a_primitive_defined_here():
+    f = lambda x: jnp.exp(scale3_p.bind(x))
+    x = jnp.linspace(-1, 1, 4)
+    with pytest.raises(jr.NotInvertibleError, match="test_scale3"):
+        jr.reverse(f)(f(x))
+    jr.register_inverse(scale3_p, lambda out, x: [out / 3.0])
+    try:
+        assert rel(jr.reverse(f)(f(x)), x) < 1e-15
+        assert rel(jax.jit(jr.reverse(f))(f(x)), x) < 1e-15
+    finally:
+        jr.transforms.inverse_rules.pop(scale3_p)
+
+
+def test_register_inverse_wrong_output_names_the_rule():
+    def bad_rule(out, x):
+        return out / 3.0  # not a list with one entry per input
+
+    jr.register_inverse(scale3_p, bad_rule)
+    try:
+        with pytest.raises(TypeError, match="bad_rule.*test_scale3"):
+            jr.reverse(lambda x: scale3_p.bind(x))(jnp.ones(2))
+    finally:
+        jr.transforms.inverse_rules.pop(scale3_p)
+    with pytest.raises(TypeError, match="Primitive"):
+        jr.register_inverse("add", bad_rule)
