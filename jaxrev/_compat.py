@@ -140,10 +140,6 @@ def cond_branches(p: dict) -> list[ClosedJaxpr]:
     return [as_closed(b) for b in p["branches"]]
 
 
-def while_info(p: dict) -> tuple[ClosedJaxpr, int, ClosedJaxpr, int]:
-    return as_closed(p["cond_jaxpr"]), p["cond_nconsts"], as_closed(p["body_jaxpr"]), p["body_nconsts"]
-
-
 def bind_eqn(eqn: JaxprEqn, invals: Sequence[Any]) -> list[Any]:
     """Evaluate one equation on values (or tracers), keeping the user's source info."""
     params = eqn.primitive.get_bind_params(eqn.params)

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrev._compat import (CALL_PRIMITIVES, ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Literal,
-                            Var, call_jaxpr, cond_branches, prims, scan_info)
+                            Var, call_jaxpr)
 
 
 class Unknown:
@@ -104,11 +104,6 @@ def consumers(jaxpr: Jaxpr) -> dict[Var, list[int]]:
     return out
 
 
-def producers(jaxpr: Jaxpr) -> dict[Var, int]:
-    return {v: i for i, eqn in enumerate(jaxpr.eqns) for v in eqn.outvars
-            if not isinstance(v, DropVar)}
-
-
 def forward_known(jaxpr: Jaxpr, known_in: Sequence[bool]) -> list[bool]:
     """Which outputs are computable from the inputs marked known, by forward evaluation only."""
     known = {v for v, k in zip(jaxpr.invars, known_in) if k}
@@ -117,26 +112,6 @@ def forward_known(jaxpr: Jaxpr, known_in: Sequence[bool]) -> list[bool]:
         if all(isinstance(v, Literal) or v in known for v in eqn.invars):
             known.update(eqn.outvars)
     return [isinstance(v, Literal) or v in known for v in jaxpr.outvars]
-
-
-def sub_jaxprs(eqn: JaxprEqn) -> list[ClosedJaxpr]:
-    """Every sub-jaxpr of an equation, through the one table of `_compat`."""
-    p = eqn.primitive
-    if p in CALL_PRIMITIVES:
-        return [call_jaxpr(eqn.params)]
-    if p is prims.scan:
-        return [scan_info(eqn.params)[2]]
-    if p is prims.cond:
-        return cond_branches(eqn.params)
-    out = []
-    for v in eqn.params.values():
-        if isinstance(v, ClosedJaxpr):
-            out.append(v)
-        elif isinstance(v, Jaxpr):
-            out.append(ClosedJaxpr(v, ()))
-        elif isinstance(v, tuple) and v and all(isinstance(b, ClosedJaxpr) for b in v):
-            out.extend(v)
-    return out
 
 
 def size_of(avals: Iterable[Any]) -> int:

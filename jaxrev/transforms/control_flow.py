@@ -67,11 +67,15 @@ while_p.def_abstract_eval(
 register_lowering(while_p, lower_fun(_while_impl, multiple_results=True))
 
 
+def _instantiate(primals: Sequence[Any], tangents: Sequence[Any]) -> tuple[Any, ...]:
+    """Symbolic zero tangents as arrays: these JVP rules run `jax.jvp` on the impl."""
+    return tuple(jnp.zeros(jnp.shape(p), jnp.result_type(p)) if type(t).__name__ == "Zero" else t
+                 for p, t in zip(primals, tangents))
+
+
 def _while_jvp(primals, tangents, **params):
-    tangents = [jnp.zeros(jnp.shape(p), jnp.result_type(p)) if type(t).__name__ == "Zero" else t
-                for p, t in zip(primals, tangents)]
-    out, out_dot = jax.jvp(partial(_while_impl, **params), tuple(primals), tuple(tangents))
-    return out, out_dot
+    return jax.jvp(partial(_while_impl, **params), tuple(primals),
+                   _instantiate(primals, tangents))
 
 
 primitive_jvps[while_p] = _while_jvp
@@ -188,9 +192,8 @@ register_lowering(cond_p, lower_fun(_cond_impl, multiple_results=True))
 
 def _cond_jvp(primals, tangents, **params):
     index, *ops = primals
-    tangents = [jnp.zeros(jnp.shape(p), jnp.result_type(p)) if type(t).__name__ == "Zero" else t
-                for p, t in zip(ops, tangents[1:])]
-    return jax.jvp(lambda *o: _cond_impl(index, *o, **params), tuple(ops), tuple(tangents))
+    return jax.jvp(lambda *o: _cond_impl(index, *o, **params), tuple(ops),
+                   _instantiate(ops, tangents[1:]))
 
 
 primitive_jvps[cond_p] = _cond_jvp

@@ -25,8 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxrev._compat import (CALL_PRIMITIVES, ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Literal,
-                            Primitive, Var, as_closed, bind_eqn, call_jaxpr, cond_branches, eval_closed,
+from jaxrev._compat import (ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Literal,
+                            Primitive, Var, as_closed, bind_eqn, cond_branches, eval_closed,
                             is_concrete, prims, scan_info, trace_to_closed)
 from jaxrev._errors import NotInvertibleError, WAYS_OUT, not_invertible
 from jaxrev._jaxpr import (Env, Unknown, consumers, forward_known, inline_calls, is_unknown,
@@ -136,7 +136,9 @@ def propagate(jaxpr: Jaxpr, env: Env, goals: Sequence[Any] | None, *,
     used = used_vars(jaxpr)
     pending = list(range(len(eqns)))
     stuck: dict[int, _Stuck] = {}
-    group_done = False
+    # what was known around an equation when its rule last failed: a rule (a loop's, say, which
+    # traces its body) is only tried again once something about its equation has changed
+    tried: dict[int, tuple[bool, ...]] = {}
     while True:
         if goals is not None and all(env.known(g) for g in goals):
             return []
@@ -162,6 +164,10 @@ def propagate(jaxpr: Jaxpr, env: Env, goals: Sequence[Any] | None, *,
             if eqn.primitive not in inverse_rules:
                 stuck[i] = _Stuck(eqn, "there is no inverse rule for it", no_rule=True)
                 continue
+            seen = tuple(env.known(v) for v in (*eqn.invars, *eqn.outvars))
+            if i in stuck and tried.get(i) == seen:
+                continue
+            tried[i] = seen
             try:
                 rec = _apply_rule(eqn, env)
             except NeedMore as e:
@@ -224,12 +230,10 @@ def _raise_stuck(stuck: list[_Stuck], what: str) -> None:
                          s.hint)
 
 
-def invert_jaxpr(closed: ClosedJaxpr, ins: Sequence[Any], outs: Sequence[Any], *,
-                 strict: bool = True) -> list[Any]:
-    """Recover the `Unknown` entries of `ins` from the known `outs` (Unknown where not known).
-
-    With `strict`, raise when an unknown input cannot be recovered; otherwise return None there.
-    """
+def _seed(closed: ClosedJaxpr, ins: Sequence[Any], outs: Sequence[Any]):
+    """Inline `closed`'s calls and fill a fresh env with its consts and the known entries of
+    `ins` and `outs` (`Unknown` elsewhere). Returns (jaxpr, env, goals): the goals are the
+    inputs passed as `Unknown`."""
     closed = inline_calls(closed)
     jaxpr = closed.jaxpr
     env = Env()
@@ -241,27 +245,19 @@ def invert_jaxpr(closed: ClosedJaxpr, ins: Sequence[Any], outs: Sequence[Any], *
     for v, y in zip(jaxpr.outvars, outs):
         if not is_unknown(y) and isinstance(v, Var):
             env.write(v, y)
-    goals = [v for v, x in zip(jaxpr.invars, ins) if is_unknown(x)]
+    return jaxpr, env, [v for v, x in zip(jaxpr.invars, ins) if is_unknown(x)]
+
+
+def invert_jaxpr(closed: ClosedJaxpr, ins: Sequence[Any], outs: Sequence[Any]) -> list[Any]:
+    """Recover the `Unknown` entries of `ins` from the known `outs` (`Unknown` where not known);
+    None for the inputs that were known. Raises `NotInvertibleError` where it cannot."""
+    jaxpr, env, goals = _seed(closed, ins, outs)
     stuck = propagate(jaxpr, env, goals)
-    if strict and not all(env.known(g) for g in goals):
-        missing = [i for i, (v, x) in enumerate(zip(jaxpr.invars, ins))
-                   if is_unknown(x) and not env.known(v)]
-        if _blame(stuck) is None:
-            _raise_stuck(stuck, f"input(s) {missing}")
-        raise NeedMore(f"cannot recover input(s) {missing}", inner=stuck)
-    if not strict and not any(env.known(g) for g in goals):
-        raise NeedMore("no unknown input could be recovered", inner=stuck)
-    return [env.read(v) if is_unknown(x) and env.known(v) else None
-            for v, x in zip(jaxpr.invars, ins)]
-
-
-def _strict_or_raise(closed, ins, outs):
-    """invert_jaxpr inside a traced loop or branch body: any failure is final there."""
-    try:
-        return invert_jaxpr(closed, ins, outs)
-    except NeedMore as e:
-        _raise_stuck(e.inner, "")
-        raise  # pragma: no cover
+    missing = [i for i, (v, x) in enumerate(zip(jaxpr.invars, ins))
+               if is_unknown(x) and not env.known(v)]
+    if missing:
+        _raise_stuck(stuck, f"input(s) {missing}" if _blame(stuck) is None else "")
+    return [env.read(v) if is_unknown(x) else None for v, x in zip(jaxpr.invars, ins)]
 
 
 # --------------------------------------------------------------------------- group steps
@@ -359,11 +355,6 @@ def _is_affine(eqns: Sequence[JaxprEqn], active: set[Var]) -> bool:
                 return False
         elif p is prims.div:
             if act[1]:
-                return False
-        elif p in CALL_PRIMITIVES:
-            sub = call_jaxpr(eqn.params).jaxpr
-            sub_active = {sv for sv, a in zip(sub.invars, act) if a}
-            if not _is_affine(sub.eqns, sub_active):
                 return False
         else:
             return False
@@ -522,20 +513,13 @@ def _invert_call(fun, args, argnums, on_invert=None, forward_env=None):
     argnums = _normalize_argnums(argnums, len(args), fun)
     closed, flat, state_ids, out_shape = _trace_program(fun, args, argnums)
     s_tree = _check_structure(fun, args, argnums, out_shape)
-    closed = inline_calls(closed)
-    jaxpr = closed.jaxpr
-    is_state = set(i for ids in state_ids for i in ids)
-    env = Env()
-    for v, c in zip(jaxpr.constvars, closed.consts):
-        env.write(v, c)
-    for i, (v, x) in enumerate(zip(jaxpr.invars, flat)):
-        if i not in is_state:
-            env.write(v, x)
-    ys = [flat[i] for ids in state_ids for i in ids]  # the state positions hold the outputs
-    for v, y in zip(jaxpr.outvars, ys):
-        if isinstance(v, Var):
-            env.write(v, y)
-    goals = [jaxpr.invars[i] for ids in state_ids for i in ids]
+    state_pos = [i for ids in state_ids for i in ids]
+    ins = list(flat)
+    for i in state_pos:
+        ins[i] = Unknown(closed.jaxpr.invars[i].aval)
+    ys = [flat[i] for i in state_pos]  # the state positions hold the outputs
+    jaxpr, env, _ = _seed(closed, ins, ys)
+    goals = [jaxpr.invars[i] for i in state_pos]  # in the state's leaf order
     stuck = propagate(jaxpr, env, goals, on_invert=on_invert)
     missing = [k for k, g in enumerate(goals) if not env.known(g)]
     if missing:
@@ -773,7 +757,6 @@ def _dot_general(out, lhs, rhs, *, dimension_numbers, **_):
     if len(xc) != 1 or len(w_free) != 1 or w.shape[wc[0]] != w.shape[w_free[0]]:
         raise Lossy("multiplying by a matrix is invertible only for a known square matrix "
                     f"contracted on one dimension (got operand shape {tuple(w.shape)})")
-    nb = len(xb)
     x_free = [d for d in range(x.aval.ndim) if d not in xc and d not in xb]
     n = w.shape[wc[0]]
     # canonical forms: W as (B..., n_contract, n_free); Y as (B..., F, n_free) or (B..., n_free, F)
@@ -848,15 +831,6 @@ if prims.device_put is not None:
                                        else _identity)
 
 
-def _call_rule(outs, *ins, **params):
-    return invert_jaxpr(call_jaxpr(params), ins, outs if isinstance(outs, list) else [outs],
-                        strict=False)
-
-
-for _p in CALL_PRIMITIVES:
-    inverse_rules[_p] = _call_rule
-
-
 @_r(prims.scan)
 def _scan(outs, *ins, **params):
     nc, ncar, body, length, rev = scan_info(params)
@@ -881,19 +855,16 @@ def _scan(outs, *ins, **params):
     xk = [x for x in xs if not is_unknown(x)]
     if known_idx:
         def kbody(ck, xs_t):
-            env = Env()
-            for v, c in zip(bj.constvars, body.consts):
-                env.write(v, c)
-            for v, c in zip(bj.invars[:nc], consts):
-                env.write(v, c)
+            ins_t = list(consts) + [Unknown(v.aval) for v in bj.invars[nc:]]
             for i, c in zip(known_idx, ck):
-                env.write(bj.invars[nc + i], c)
+                ins_t[nc + i] = c
             it = iter(xs_t)
-            for v, kn in zip(bj.invars[nc + ncar:], xs_known):
+            for j, kn in enumerate(xs_known):
                 if kn:
-                    env.write(v, next(it))
-            goals = [bj.outvars[i] for i in known_idx]
-            propagate(bj, env, goals, forward_only=True)
+                    ins_t[nc + ncar + j] = next(it)
+            jaxpr, env, _ = _seed(body, ins_t, [Unknown(v.aval) for v in bj.outvars])
+            goals = [jaxpr.outvars[i] for i in known_idx]
+            propagate(jaxpr, env, goals, forward_only=True)
             return [env.read(g) for g in goals], list(ck)
 
         _, kin = lax.scan(kbody, [init[i] for i in known_idx], xk, length=length, reverse=rev)
@@ -916,7 +887,7 @@ def _scan(outs, *ins, **params):
             outs_t[i] = c
         for j, y in zip(ys_known_idx, ys_t):
             outs_t[ncar + j] = y
-        rec = _strict_or_raise(body, ins_t, outs_t)
+        rec = invert_jaxpr(body, ins_t, outs_t)
         c_prev = [rec[nc + i] for i in unk]
         x_rec = [rec[nc + ncar + j] for j, kn in enumerate(xs_known) if not kn]
         return c_prev, x_rec
@@ -943,7 +914,7 @@ def _switch_inverse(index, branches, ins, outs):
         def f(outs_, known_):
             it = iter(known_)
             ins_ = [x if is_unknown(x) else next(it) for x in ins]
-            rec = _strict_or_raise(b, ins_, list(outs_))
+            rec = invert_jaxpr(b, ins_, list(outs_))
             return [rec[k] for k in unknown]
         return f
 
@@ -992,7 +963,7 @@ def _jaxrev_while(outs, *ins, cond_jaxpr, body_jaxpr, post_jaxpr, cond_nconsts, 
 
     def inv_body(*a):
         b, c = a[:body_nconsts], a[body_nconsts:]
-        rec = _strict_or_raise(body_jaxpr, [*b, *[Unknown(v.aval) for v in
+        rec = invert_jaxpr(body_jaxpr, [*b, *[Unknown(v.aval) for v in
                                                   body_jaxpr.jaxpr.invars[body_nconsts:]]], list(c))
         return rec[body_nconsts:]
 

@@ -5,7 +5,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxrev._compat import Var, user_source
