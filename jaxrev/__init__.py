@@ -6,11 +6,12 @@ from jaxrev._errors import (JaxrevError, NotInvertibleError, ReversibilityError,
                             SingularJacobianError)
 from jaxrev.transforms.control_flow import cond, while_loop
 from jaxrev.transforms.reverse import register_inverse, reverse
-from jaxrev.transforms.reversible import ReversibilityReport, check_reversible
+from jaxrev.transforms.reversible import (MemoryReport, ReversibilityReport, check_reversible,
+                                         memory_report, reversible)
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "reverse", "register_inverse", "check_reversible", "ReversibilityReport", "while_loop", "cond",
+    "reverse", "reversible", "memory_report", "MemoryReport", "register_inverse", "check_reversible", "ReversibilityReport", "while_loop", "cond",
     "JaxrevError", "NotInvertibleError", "ReversibilityError", "SingularJacobianError",
 ]

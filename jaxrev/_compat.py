@@ -184,3 +184,27 @@ def new_var(aval: Any) -> Var:
 
 def has_user_frame(eqn: JaxprEqn) -> bool:
     return _siu.user_frame(eqn.source_info.traceback) is not None
+
+
+from jax._src import ad_util as _ad_util
+
+Zero = _ad_util.Zero
+UndefinedPrimal = _ad.UndefinedPrimal
+
+
+def is_undefined_primal(x: Any) -> bool:
+    return isinstance(x, _ad.UndefinedPrimal)
+
+
+def is_symbolic_zero(x: Any) -> bool:
+    return isinstance(x, _ad_util.Zero)
+
+
+def hoist_consts(closed: ClosedJaxpr) -> tuple[ClosedJaxpr, list[Any]]:
+    """Move a ClosedJaxpr's consts to leading inputs, so they can be passed as operands (they
+    may be tracers of an outer trace, which gradients must flow to)."""
+    jaxpr = _pe.convert_constvars_jaxpr(closed.jaxpr)
+    return ClosedJaxpr(jaxpr, ()), list(closed.consts)
+
+
+ShapedArray = _core.ShapedArray

@@ -128,10 +128,13 @@ def register_inverse(primitive: Primitive, rule: Callable[..., Sequence[Any]]) -
 def propagate(jaxpr: Jaxpr, env: Env, goals: Sequence[Any] | None, *,
               allow: Callable[[JaxprEqn], bool] | None = None,
               forward_only: bool = False,
-              on_invert: Callable[[JaxprEqn, list[Var]], None] | None = None) -> list[_Stuck]:
+              on_invert: Callable[[JaxprEqn, list[Var]], None] | None = None,
+              soft: bool = False) -> list[_Stuck]:
     """Fill `env` until every goal is known (or, with `goals=None`, as far as it goes).
 
-    Returns [] on success, else the equations that blocked it."""
+    Returns [] on success, else the equations that blocked it. With `soft`, a step that loses
+    information is one more blocked equation instead of an error (`reversible` stores what it
+    loses and goes on)."""
     eqns = jaxpr.eqns
     used = used_vars(jaxpr)
     pending = list(range(len(eqns)))
@@ -172,6 +175,11 @@ def propagate(jaxpr: Jaxpr, env: Env, goals: Sequence[Any] | None, *,
                 rec = _apply_rule(eqn, env)
             except NeedMore as e:
                 stuck[i] = _Stuck(eqn, e.reason, e.inner, e.hint)
+                continue
+            except NotInvertibleError as e:
+                if not soft:
+                    raise
+                stuck[i] = _Stuck(eqn, str(e))
                 continue
             wrote = []
             for v, r in zip(eqn.invars, rec or ()):
@@ -491,18 +499,18 @@ def _trace_program(fun: Callable, args: Sequence[Any], argnums: tuple[int, ...])
     return closed, flat, state_leaf_ids, out_shape
 
 
-def _check_structure(fun, args, argnums, out_shape) -> Any:
+def _check_structure(fun, args, argnums, out_shape, who: str = "jaxrev.reverse") -> Any:
     state = args[argnums[0]] if len(argnums) == 1 else tuple(args[a] for a in argnums)
     s_leaves, s_tree = jax.tree_util.tree_flatten(state)
     o_leaves, o_tree = jax.tree_util.tree_flatten(out_shape)
     name = getattr(fun, "__name__", repr(fun))
     if s_tree != o_tree:
-        raise ValueError(f"jaxrev.reverse: {name} must return the structure of its state "
+        raise ValueError(f"{who}: {name} must return the structure of its state "
                          f"(argnums={argnums}): expected {s_tree}, got {o_tree}")
     for i, (s, o) in enumerate(zip(s_leaves, o_leaves)):
         if tuple(jnp.shape(s)) != tuple(o.shape) or jnp.result_type(s) != o.dtype:
             raise ValueError(
-                f"jaxrev.reverse: {name}'s output leaf {i} is {o.dtype}{list(o.shape)} but the "
+                f"{who}: {name}'s output leaf {i} is {o.dtype}{list(o.shape)} but the "
                 f"state leaf is {jnp.result_type(s)}{list(jnp.shape(s))}; the output must have "
                 "the state's shapes and dtypes")
     return s_tree
