@@ -181,6 +181,7 @@ class _Plan:
     store: list = field(default_factory=list)            # Vars stored once per run of it
     why: dict = field(default_factory=dict)              # Var -> equation that forced it
     loops: dict = field(default_factory=dict)            # eqn index -> _LoopPlan
+    decisions: dict = field(default_factory=dict)        # missing Vars -> Vars stored for them
 
 
 @dataclass(eq=False)
@@ -326,46 +327,72 @@ def _rebuild(P: _Plan, i: int, hi: int, env: Env, goals: list, res: _Res) -> Non
             break
         n *= 4
     blame = eqns[i] if 0 <= i < len(eqns) else None
-    missing = [g for g in goals if not env.known(g)]
+    missing = tuple(g for g in goals if not env.known(g))
     if not missing:
         return
-    # store the fewest bytes: the missing values themselves, or the unknown inputs of the
-    # jaxpr they are computed from (a loop body's carry, say, when a relu feeds a sum)
-    roots = _unknown_roots(eqns[:hi], env, missing)
-    if roots is not None and _nbytes(roots) < _nbytes(missing):
-        for r in roots:
-            env.write(r, res.store(r, blame))
-        propagate(_Window(eqns[:hi]), env, missing, forward_only=True)
-        if all(env.known(g) for g in missing):
-            return
-    for g in missing:
-        if not env.known(g):
-            env.write(g, res.store(g, blame))
+    if res.planning:
+        chosen = _choose_store(eqns[:hi], env, list(missing))
+    else:
+        chosen = res.P.decisions[missing]
+    for r in chosen:
+        env.write(r, res.store(r, blame))
+    if any(not env.known(g) for g in missing):
+        propagate(_Window(eqns[:hi]), env, list(missing), soft=True)
+    left = [g for g in missing if not env.known(g)]
+    for g in left:
+        env.write(g, res.store(g, blame))
+    if res.planning:
+        res.P.decisions[missing] = [*chosen, *left]
 
 
+_MAX_STORE_CANDIDATES = 16
+
+
+def _choose_store(eqns: Sequence[JaxprEqn], env: Env, missing: list) -> list:
+    """What to store so that `missing` can be rebuilt, in the fewest bytes: a single value from
+    which the rest follows (a loop body's overwritten carry, say), else the cheaper of the
+    missing values themselves and the unknown inputs they are computed from."""
+    roots, ancestors = _unknown_ancestry(eqns, env, missing)
+    cands = sorted(dict.fromkeys([*missing, *roots, *ancestors[:_MAX_STORE_CANDIDATES]]),
+                   key=lambda v: _nbytes([v]))
+    best = missing if roots is None or _nbytes(missing) <= _nbytes(roots) else roots
+    for c in cands:
+        if _nbytes([c]) >= _nbytes(best):
+            break
+        trial = env.copy()
+        trial.write(c, jnp.zeros(c.aval.shape, c.aval.dtype))
+        propagate(_Window(eqns), trial, missing, soft=True)
+        if all(trial.known(g) for g in missing):
+            return [c]
+    return list(best)
 def _nbytes(vs: Sequence[Var]) -> int:
     return int(sum(np.prod(v.aval.shape, dtype=np.int64) * np.dtype(v.aval.dtype).itemsize
                    for v in vs))
 
 
-def _unknown_roots(eqns: Sequence[JaxprEqn], env: Env, goals: Sequence[Var]) -> list | None:
-    """The unknown jaxpr inputs that `goals` are computed from (None if one of them depends on
-    an unknown value produced outside `eqns`, which a forward run could not reach)."""
+def _unknown_ancestry(eqns: Sequence[JaxprEqn], env: Env, goals: Sequence[Var]
+                      ) -> tuple[list | None, list]:
+    """The unknown jaxpr inputs that `goals` are computed from (None if one of them depends
+    on an unknown value produced outside `eqns`), and the unknown values in between, nearest
+    first."""
     producer = {o: e for e in eqns for o in e.outvars if _is_var(o)}
     roots: dict = {}
-    seen: set = set()
-    stack = list(goals)
-    while stack:
-        v = stack.pop()
-        if not _is_var(v) or env.known(v) or v in seen:
-            continue
-        seen.add(v)
+    between: list = []
+    seen: set = set(goals)
+    queue = list(goals)
+    while queue:
+        v = queue.pop(0)
         e = producer.get(v)
         if e is None:
             roots[v] = None
-        else:
-            stack.extend(e.invars)
-    return list(roots)
+            continue
+        if v not in goals:
+            between.append(v)
+        for u in e.invars:
+            if _is_var(u) and not env.known(u) and u not in seen:
+                seen.add(u)
+                queue.append(u)
+    return list(roots), between
 
 
 def _vjp_eqn(e: JaxprEqn, env: Env, ctenv: dict | None, active: set) -> None:

@@ -1,0 +1,49 @@
+"""Shared benchmark plumbing: XLA memory plans, interleaved timing, result files."""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from typing import Any, Callable
+
+import jax
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def temp_bytes(fn: Callable, *args: Any) -> int:
+    """XLA's planned scratch memory for `jit(fn)(*args)` (DESIGN.md §4)."""
+    return int(jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes)
+
+
+def interleaved_medians(fns: dict[str, Callable[[], Any]], reps: int = 5,
+                        warmup: int = 1) -> dict[str, float]:
+    """Median seconds per call; calls are interleaved so machine noise hits all alike."""
+    for f in fns.values():
+        for _ in range(warmup):
+            jax.block_until_ready(f())
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(reps):
+        for k, f in fns.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(f())
+            times[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def write_results(name: str, data: dict, table: str) -> tuple[str, str]:
+    os.makedirs(RESULTS, exist_ok=True)
+    jpath = os.path.join(RESULTS, f"{name}.json")
+    mpath = os.path.join(RESULTS, f"{name}.md")
+    with open(jpath, "w") as f:
+        json.dump(data, f, indent=1, default=float)
+    with open(mpath, "w") as f:
+        f.write(table)
+    return jpath, mpath
+
+
+def device_info() -> dict:
+    d = jax.devices()[0]
+    return {"backend": jax.default_backend(), "device": str(d.device_kind),
+            "jax": jax.__version__}
