@@ -108,9 +108,14 @@ prims = _Prims()
 
 # Call-like primitives and the parameter that holds their sub-jaxpr. One table for every
 # interpreter (DESIGN.md §3.1); loops and branches have their own rules.
+from jax._src import ad_checkpoint as _ad_checkpoint
+
+prims.remat = getattr(_ad_checkpoint, "remat_p", None)
+
 _CALL_PARAM_NAMES = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+# `jax.checkpoint` (remat) is a call too: rebuilding by inversion makes its recomputation moot
 CALL_PRIMITIVES = {p for p in (prims.jit, prims.custom_jvp_call, prims.custom_vjp_call,
-                               prims.closed_call) if p is not None}
+                               prims.closed_call, prims.remat) if p is not None}
 
 
 def call_jaxpr(params: dict) -> ClosedJaxpr:

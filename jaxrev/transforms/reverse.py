@@ -112,7 +112,7 @@ def register_inverse(primitive: Primitive, rule: Callable[..., Sequence[Any]]) -
     Example:
         >>> import jax.numpy as jnp, jaxrev as jr
         >>> from jax.extend.core import Primitive
-        >>> double_p = Primitive("double"); double_p.def_impl(lambda x: 2 * x)
+        >>> double_p = Primitive("double"); _ = double_p.def_impl(lambda x: 2 * x)
         >>> _ = double_p.def_abstract_eval(lambda a: a)
         >>> jr.register_inverse(double_p, lambda out, x: [out / 2])
         >>> jr.reverse(lambda x: double_p.bind(x))(jnp.ones(2))

@@ -182,6 +182,7 @@ class _Plan:
     why: dict = field(default_factory=dict)              # Var -> equation that forced it
     loops: dict = field(default_factory=dict)            # eqn index -> _LoopPlan
     decisions: dict = field(default_factory=dict)        # missing Vars -> Vars stored for them
+    labels: dict = field(default_factory=dict)           # Var -> what it is, for the report
 
 
 @dataclass(eq=False)
@@ -222,11 +223,13 @@ class _Res:
                 self.loop_vals[i] = values[k:k + m]
                 k += m
 
-    def store(self, v: Var, eqn: JaxprEqn | None) -> Any:
+    def store(self, v: Var, eqn: JaxprEqn | None, label: str | None = None) -> Any:
         if self.planning:
             if v not in self.P.why:
                 self.P.store.append(v)
                 self.P.why[v] = eqn
+                if label:
+                    self.P.labels[v] = label
             return jnp.zeros(v.aval.shape, v.aval.dtype)
         if v not in self.vals:  # the planning walk and this one disagree: a jaxrev bug
             raise AssertionError(f"jaxrev internal error: no stored value for {v}")
@@ -467,8 +470,8 @@ def _outs_known(P: _Plan, i: int, env: Env, outs: Sequence[Any], res: _Res) -> N
         if isinstance(v, DropVar):
             raise not_invertible(e, "the loop's final carry is discarded, so it cannot be run "
                                     "backwards", "Ways out: return the final carry.")
-        if not env.known(v):
-            env.write(v, res.store(v, e))
+        if not env.known(v):  # a final carry the output does not use (a loop counter, say)
+            env.write(v, res.store(v, e, "final loop carry that the output discards"))
 
 
 class _BodyWalk:
@@ -1014,8 +1017,9 @@ def _report_entries(P: _Plan, count: int, out: list[dict]) -> None:
     for v in P.store:
         nbytes = int(np.prod(v.aval.shape, dtype=np.int64)) * np.dtype(v.aval.dtype).itemsize
         why = P.why.get(v)
-        what = ("branch index of a cond" if why is not None and why.primitive is prims.cond
-                else "value a lossy step cannot rebuild")
+        what = P.labels.get(v) or (
+            "branch index of a cond" if why is not None and why.primitive is prims.cond
+            else "value a lossy step cannot rebuild")
         out.append(dict(what=what, shape=tuple(v.aval.shape),
                         dtype=str(v.aval.dtype), bytes=nbytes, count=count,
                         where=_describe(P.why.get(v))))
@@ -1036,8 +1040,8 @@ def memory_report(fun: Callable, *args: Any, argnums: int | Sequence[int] = 0) -
         >>> import jax, jax.numpy as jnp, jaxrev as jr
         >>> f = lambda x: jax.lax.fori_loop(0, 10, lambda i, x: jax.nn.relu(x) + 1.0, x)
         >>> rep = jr.memory_report(f, jnp.ones(4))
-        >>> rep.total_bytes  # the relu's input, 4 float32 per iteration
-        160
+        >>> rep.total_bytes  # the relu's input (4 float32) per iteration, the counter once
+        164
     """
     j, state, operands, _ = _bind_reversible(fun, args, argnums)
     P = _top_plan(j, state)
