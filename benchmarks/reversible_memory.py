@@ -221,7 +221,8 @@ def make_table(d):
         out.append(f"| {k} | {v / 1e6:.2f} |")
     out += ["", f"jax.grad / reversible memory: "
                 f"{u['mem']['jax.grad'] / max(u['mem']['jr.reversible'], 1):.1f}x; "
-                f"time reversible / grad: {u['time']['jr.reversible'] / u['time']['jax.grad']:.2f}; "
+                "time reversible / grad: "
+                f"{u['time']['jr.reversible'] / u['time']['jax.grad']:.2f}; "
                 f"gradient relative error {u['grad_rel_err']:.1e}", ""]
     return "\n".join(out)
 

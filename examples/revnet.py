@@ -41,20 +41,18 @@ def net(state, blocks):
 rev_net = jr.reversible(net, argnums=0)  # same signature, same outputs, tape-free gradient
 
 
-def init(key):
-    def layer(k):
-        ka, kc = jax.random.split(k)
-        return {"a": jax.random.normal(ka, (FEATURES, HIDDEN)) / np.sqrt(FEATURES),
-                "b": jnp.zeros(HIDDEN),
+def init(rng):
+    # numpy for the set-up: it is instant, where each jax.random call would be compiled
+    def layer():
+        return {"a": rng.normal(size=(FEATURES, HIDDEN)) / np.sqrt(FEATURES),
+                "b": np.zeros(HIDDEN),
                 # small output weights: each block starts near the identity, so 32 of them
                 # stacked neither explode nor vanish
-                "c": 0.1 * jax.random.normal(kc, (HIDDEN, FEATURES)) / np.sqrt(HIDDEN)}
+                "c": 0.1 * rng.normal(size=(HIDDEN, FEATURES)) / np.sqrt(HIDDEN)}
 
-    keys = jax.random.split(key, 2 * BLOCKS + 2)
-    blocks = [{"f": layer(keys[2 * i]), "g": layer(keys[2 * i + 1])} for i in range(BLOCKS)]
-    return {"embed": jax.random.normal(keys[-2], (2, 2 * FEATURES)),
-            "readout": 0.1 * jax.random.normal(keys[-1], (2 * FEATURES, CLASSES)),
-            "blocks": blocks}
+    return {"embed": rng.normal(size=(2, 2 * FEATURES)),
+            "readout": 0.1 * rng.normal(size=(2 * FEATURES, CLASSES)),
+            "blocks": [{"f": layer(), "g": layer()} for _ in range(BLOCKS)]}
 
 
 def embed(params, x):
@@ -81,8 +79,10 @@ def spirals(n, rng):
     return np.stack([r * np.cos(theta), r * np.sin(theta)], 1) * 2.0, labels
 
 
-def temp_bytes(f, *args):
-    return jax.jit(f).lower(*args).compile().memory_analysis().temp_size_in_bytes
+def compiled(f, *args):
+    # One compile serves both to run f and to read XLA's temporary-buffer size.
+    c = jax.jit(f).lower(*args).compile()
+    return c(*args), c.memory_analysis().temp_size_in_bytes
 
 
 def main():
@@ -90,20 +90,18 @@ def main():
     rng = np.random.default_rng(0)
     x, labels = map(jnp.asarray, spirals(BATCH, rng))
     x_test, labels_test = map(jnp.asarray, spirals(1024, rng))
-    params = init(jax.random.PRNGKey(0))
+    params = jax.tree_util.tree_map(jnp.asarray, init(rng))
     loss, loss_plain = make_loss(rev_net), make_loss(net)
 
     # 1. The gradient matches plain jax.grad (which keeps all 64 hidden activations).
-    g_rev = jax.jit(jax.grad(loss))(params, x, labels)
-    g_ref = jax.jit(jax.grad(loss_plain))(params, x, labels)
+    g_rev, m_rev = compiled(jax.grad(loss), params, x, labels)
+    g_ref, m_ref = compiled(jax.grad(loss_plain), params, x, labels)
     flat_rev, flat_ref = (jnp.concatenate([a.ravel() for a in jax.tree_util.tree_leaves(g)])
                           for g in (g_rev, g_ref))
     rel = float(jnp.linalg.norm(flat_rev - flat_ref) / jnp.linalg.norm(flat_ref))
     print(f"{BLOCKS} blocks, gradient vs jax.grad, relative error: {rel:.2e}")
 
     # 2. Memory: XLA's temporary buffers for the whole gradient, both ways.
-    m_rev = temp_bytes(jax.grad(loss), params, x, labels)
-    m_ref = temp_bytes(jax.grad(loss_plain), params, x, labels)
     print(f"temp memory: reversible {m_rev / 1e6:.2f} MB, jax.grad {m_ref / 1e6:.2f} MB")
     print(f"memory ratio (reversible / jax.grad): {m_rev / m_ref:.3f}")
     # Nothing lossy in the network, so nothing is stored beyond inputs and outputs:
@@ -125,9 +123,9 @@ def main():
         first = float(value) if first is None else first
         if step % 50 == 0:
             print(f"step {step:4d}  loss {float(value):.4f}")
-    logits = (jnp.concatenate(rev_net(embed(params, x_test), params["blocks"]), 1)
-              @ params["readout"])
-    acc = float(jnp.mean(jnp.argmax(logits, 1) == labels_test))
+    predict = jax.jit(lambda p, x: jnp.argmax(
+        jnp.concatenate(rev_net(embed(p, x), p["blocks"]), 1) @ p["readout"], 1))
+    acc = float(jnp.mean(predict(params, x_test) == labels_test))
     print(f"loss went from {first:.4f} to {float(value):.4f}; held-out accuracy {acc:.3f}")
     print(f"revnet finished in {time.perf_counter() - t0:.1f} s")
 

@@ -12,6 +12,7 @@ from jaxrev.transforms.reversible import (MemoryReport, ReversibilityReport, che
 __version__ = "0.1.0"
 
 __all__ = [
-    "reverse", "reversible", "memory_report", "MemoryReport", "register_inverse", "check_reversible", "ReversibilityReport", "while_loop", "cond",
+    "reverse", "reversible", "memory_report", "MemoryReport", "register_inverse",
+    "check_reversible", "ReversibilityReport", "while_loop", "cond",
     "JaxrevError", "NotInvertibleError", "ReversibilityError", "SingularJacobianError",
 ]

@@ -14,6 +14,8 @@ from jax._src.interpreters import ad as _ad
 from jax._src.interpreters import batching as _batching
 from jax._src.interpreters import mlir as _mlir
 
+from jax._src import ad_checkpoint as _ad_checkpoint
+from jax._src import ad_util as _ad_util
 from jax._src import core as _core
 from jax._src import source_info_util as _siu
 from jax._src import custom_derivatives as _cd
@@ -108,8 +110,6 @@ prims = _Prims()
 
 # Call-like primitives and the parameter that holds their sub-jaxpr. One table for every
 # interpreter (DESIGN.md §3.1); loops and branches have their own rules.
-from jax._src import ad_checkpoint as _ad_checkpoint
-
 prims.remat = getattr(_ad_checkpoint, "remat_p", None)
 
 _CALL_PARAM_NAMES = ("jaxpr", "call_jaxpr", "fun_jaxpr")
@@ -190,8 +190,6 @@ def new_var(aval: Any) -> Var:
 def has_user_frame(eqn: JaxprEqn) -> bool:
     return _siu.user_frame(eqn.source_info.traceback) is not None
 
-
-from jax._src import ad_util as _ad_util
 
 Zero = _ad_util.Zero
 UndefinedPrimal = _ad.UndefinedPrimal

@@ -32,7 +32,7 @@ def tour() -> str:
 
 def test_tour_runs_to_the_end(tour):
     for title in ("1. affine coupling layer", "2. leapfrog integrator", "3. jr.while_loop",
-                  "4. jr.check_reversible", "5. an error on purpose"):
+                  "4. jr.check_reversible", "5. jr.reversible", "6. an error on purpose"):
         assert title in tour
     assert tour.rstrip().endswith("tour finished")
 
@@ -61,9 +61,73 @@ def test_tour_check_reversible_report(tour):
     assert _number(tour, "round-trip relative error:") < 1e-12
 
 
+def test_tour_reversible_gradient(tour):
+    assert _number(tour, "relative difference from jax.grad:") < 1e-12
+    m = re.search(r"20,000 steps: jax.grad ([0-9,]+) B, jr.reversible ([0-9,]+) B", tour)
+    assert m, tour
+    assert int(m.group(2).replace(",", "")) * 100 < int(m.group(1).replace(",", ""))
+
+
 def test_tour_error_on_purpose(tour):
     assert "NotInvertibleError (primitive 'max'" in tour
     assert "jaxrev.reverse cannot invert `max` at " in tour
     # the message names the user's file and line, and a way out
     assert re.search(r"cannot invert `max` at \S*tour\.py:\d+", tour), tour
     assert "Ways out" in tour
+
+
+# ------------------------------------------------------------------ reversible gradients
+
+@pytest.fixture(scope="module")
+def revnet() -> str:
+    return _run("revnet.py")
+
+
+def test_revnet_gradient_memory_and_training(revnet):
+    # the tape-free gradient is jax.grad's, in a fraction of the temporary memory
+    assert _number(revnet, "gradient vs jax.grad, relative error:") < 1e-9
+    assert _number(revnet, "memory ratio (reversible / jax.grad):") < 0.5
+    assert "reversible(net) stores nothing beyond its inputs and outputs." in revnet
+    m = re.search(r"loss went from ([0-9.]+) to ([0-9.]+); held-out accuracy ([0-9.]+)", revnet)
+    assert m, revnet
+    assert float(m.group(2)) < 0.25 * float(m.group(1))
+    assert float(m.group(3)) > 0.9
+
+
+@pytest.fixture(scope="module")
+def nbody() -> str:
+    return _run("nbody.py")
+
+
+def test_nbody_gradient_matches_jax_grad(nbody):
+    for steps in (1000, 4000):
+        assert _number(nbody, f"{steps} steps gradient vs jax.grad, relative error:") < 1e-9
+
+
+def test_nbody_memory_flat_in_steps(nbody):
+    mem = {int(s): (int(r), int(g)) for s, r, g in re.findall(
+        r"(\d+) steps temp memory: reversible (\d+) B, jax.grad (\d+) B", nbody)}
+    assert set(mem) == {1000, 4000}, nbody
+    assert mem[4000][0] == mem[1000][0]          # reversible: the same at 4x the steps
+    assert mem[4000][1] > 3 * mem[1000][1]       # jax.grad: grows with the steps
+    assert _number(nbody, "4000 steps memory ratio (reversible / jax.grad):") < 1e-3
+
+
+@pytest.fixture(scope="module")
+def flow() -> str:
+    return _run("flow.py")
+
+
+def test_flow_gradient_and_memory(flow):
+    assert _number(flow, "gradient vs jax.grad, relative error:") < 1e-9
+    assert _number(flow, "memory ratio (reversible / jax.grad):") < 0.5
+    assert "reversible(flow) stores nothing beyond its inputs and outputs." in flow
+
+
+def test_flow_trains_and_samples_backwards(flow):
+    m = re.search(r"held-out negative log-likelihood: ([0-9.]+) \(untrained flow: ([0-9.]+)\)",
+                  flow)
+    assert m, flow
+    assert float(m.group(1)) < float(m.group(2)) - 1.0
+    assert _number(flow, "flow(reverse(flow)(z)) round-trip max error:") < 1e-10
+    assert _number(flow, "reverse(flow)(flow(x)) round-trip max error:") < 1e-10

@@ -349,3 +349,29 @@ def test_nested_jit_round_trip(name):
     f = NESTED_JIT[name]
     x, p = jnp.array([0.5, -1.0, 2.0]), jnp.array([0.1, 0.2, -0.3])
     assert rel_err(jr.reverse(f)(f(x, p), p), x) <= RTOL64
+
+
+# ----------------------------------------------------------------------------- reversible
+
+def _grad_err(ga, gb) -> float:
+    la, lb = jax.tree_util.tree_leaves(ga), jax.tree_util.tree_leaves(gb)
+    assert len(la) == len(lb)
+    scale = max([float(np.max(np.abs(np.asarray(a)))) for a in la] + [1e-300])
+    return max([float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) / scale
+                for a, b in zip(la, lb)] + [0.0])
+
+
+@settings(max_examples=n_examples(15), **COMMON)
+@given(programs(ALL_KINDS))
+def test_reversible_gradients_match_jax_grad(prog):
+    """Gradients of `reversible(f)` with respect to the state and every parameter, under jit,
+    equal jax.grad's on the same random program."""
+    f, x, params, steps = prog
+
+    def loss(fun):
+        return jax.jit(jax.grad(lambda x, p: jnp.sum(jnp.sin(fun(x, p))), argnums=(0, 1)))
+
+    _forward(f, x, params)
+    g_ref = loss(f)(x, params)
+    g = loss(jr.reversible(f))(x, params)
+    assert _grad_err(g_ref, g) <= 1e-8, (steps, _grad_err(g_ref, g))

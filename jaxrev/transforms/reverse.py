@@ -115,8 +115,8 @@ def register_inverse(primitive: Primitive, rule: Callable[..., Sequence[Any]]) -
         >>> double_p = Primitive("double"); _ = double_p.def_impl(lambda x: 2 * x)
         >>> _ = double_p.def_abstract_eval(lambda a: a)
         >>> jr.register_inverse(double_p, lambda out, x: [out / 2])
-        >>> jr.reverse(lambda x: double_p.bind(x))(jnp.ones(2))
-        Array([0.5, 0.5], dtype=float32)
+        >>> jr.reverse(lambda x: double_p.bind(x))(jnp.ones(2)).tolist()
+        [0.5, 0.5]
     """
     if not isinstance(primitive, Primitive):
         raise TypeError(f"register_inverse expects a jax.extend.core.Primitive, got {primitive!r}")
@@ -548,8 +548,8 @@ def reverse(fun: Callable, argnums: int | Sequence[int] = 0) -> Callable:
         >>> import jax.numpy as jnp, jaxrev as jr
         >>> f = lambda x, w: jnp.cumsum(x * w) + 1.0
         >>> x, w = jnp.arange(3.0), jnp.array([1.0, 2.0, 4.0])
-        >>> jr.reverse(f)(f(x, w), w)
-        Array([0., 1., 2.], dtype=float32)
+        >>> jr.reverse(f)(f(x, w), w).tolist()
+        [0.0, 1.0, 2.0]
     """
 
     @functools.wraps(fun)

@@ -15,124 +15,31 @@ and the forward run stores exactly those values (per iteration inside loops).
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
+from functools import partial, wraps
 from typing import Any, Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
-from jaxrev._compat import Var, user_source
-from jaxrev._errors import ReversibilityError
-from jaxrev._jaxpr import Env
-from jaxrev.transforms.reverse import _invert_call, _normalize_argnums, propagate
+from jaxrev._compat import (ClosedJaxpr, DropVar, JaxprEqn, Literal, Primitive, ShapedArray,
+                            Var, bind_eqn, cond_branches, eval_closed, hoist_consts,
+                            is_symbolic_zero, lower_fun, not_mapped, primitive_batchers,
+                            primitive_jvps, primitive_transposes, prims, register_lowering,
+                            scan_info, trace_to_closed, user_source)
+from jaxrev._errors import ReversibilityError, not_invertible
+from jaxrev._jaxpr import Env, inline_calls
+from jaxrev.transforms import control_flow as _cf
+from jaxrev.transforms.reverse import (_check_structure, _invert_call, _normalize_argnums,
+                                       _trace_program, propagate)
 
 __all__ = ["reversible", "memory_report", "MemoryReport", "check_reversible",
            "ReversibilityReport", "reversible_p", "reversible_lin_p"]
 
 
-@dataclass
-class ReversibilityReport:
-    """Round-trip error of `reverse(fun)(fun(x))` against `x`.
-
-    `max_error` is the largest relative (max-norm) error over the state leaves; `leaf_errors`
-    lists them all; `worst` names the equation and source line whose inversion added the most
-    error (None when the round trip is exact).
-    """
-
-    max_error: float
-    leaf_errors: list[float]
-    worst: str | None
-    steps: list[tuple[float, str]] = field(default_factory=list)
-
-    def __str__(self) -> str:
-        lines = [f"round-trip relative error: {self.max_error:.3e} "
-                 f"(per state leaf: {', '.join(f'{e:.2e}' for e in self.leaf_errors)})"]
-        if self.worst is not None:
-            lines.append(f"error grows most at: {self.worst}")
-        for err, where in self.steps[:5]:
-            lines.append(f"  {err:.2e} added by {where}")
-        return "\n".join(lines)
-
-
-def _rel_err(a: Any, b: Any) -> float:
-    a = np.asarray(a, dtype=np.complex128 if np.iscomplexobj(a) else np.float64)
-    b = np.asarray(b, dtype=a.dtype)
-    if a.size == 0:
-        return 0.0
-    if not (np.all(np.isfinite(a)) and np.all(np.isfinite(b))):
-        return float("inf")
-    scale = max(float(np.max(np.abs(b))), np.finfo(np.float64).tiny)
-    return float(np.max(np.abs(a - b))) / scale
-
-
-def check_reversible(fun: Callable, *args: Any, argnums: int | Sequence[int] = 0,
-                     rtol: float | None = None) -> ReversibilityReport:
-    """Run `fun` forward and `reverse(fun)` backward on `args` and report the drift.
-
-    Raises `ReversibilityError` when `rtol` is given and the relative error exceeds it. Runs
-    eagerly (values are compared equation by equation to find where the error grows).
-
-    Example:
-        >>> import jax.numpy as jnp, jaxrev as jr
-        >>> rep = jr.check_reversible(lambda x: jnp.exp(x) * 3.0, jnp.linspace(0.0, 1.0, 5))
-        >>> rep.max_error < 1e-6
-        True
-    """
-    nums = _normalize_argnums(argnums, len(args), fun)
-    y = fun(*args)
-    outs = (y,) if len(nums) == 1 else tuple(y)
-    inv_args = list(args)
-    for a, o in zip(nums, outs):
-        inv_args[a] = o
-    events: list[tuple[Any, list[Var]]] = []
-    state, jaxpr, inv_env = _invert_call(fun, tuple(inv_args), nums,
-                                         on_invert=lambda e, vs: events.append((e, vs)))
-    x_true = args[nums[0]] if len(nums) == 1 else tuple(args[a] for a in nums)
-    leaf_errors = [_rel_err(a, b) for a, b in zip(jax.tree_util.tree_leaves(state),
-                                                  jax.tree_util.tree_leaves(x_true))]
-    # forward values of every variable, to see where the backward run drifts
-    fwd = Env()
-    flat_args = jax.tree_util.tree_leaves(tuple(args))
-    for v, x in zip(jaxpr.invars, flat_args):
-        fwd.write(v, x)
-    inv_consts = {v: inv_env.read(v) for v in jaxpr.constvars}
-    for v, c in inv_consts.items():
-        fwd.write(v, c)
-    propagate(jaxpr, fwd, list(v for v in jaxpr.outvars if isinstance(v, Var)),
-              forward_only=True)
-    steps = []
-    for eqn, wrote in events:
-        err_in = max((_rel_err(inv_env.read(v), fwd.read(v)) for v in wrote if fwd.known(v)),
-                     default=0.0)
-        err_out = max((_rel_err(inv_env.read(v), fwd.read(v)) for v in eqn.outvars
-                       if isinstance(v, Var) and inv_env.known(v) and fwd.known(v)), default=0.0)
-        _, _, summary = user_source(eqn)
-        steps.append((err_in - err_out, f"`{eqn.primitive.name}` at {summary}"))
-    steps = sorted((s for s in steps if s[0] > 0), key=lambda s: -s[0])
-    worst = steps[0][1] if steps and steps[0][0] > 0 else None
-    rep = ReversibilityReport(max(leaf_errors, default=0.0), leaf_errors, worst, steps)
-    if rtol is not None and rep.max_error > rtol:
-        raise ReversibilityError(f"round trip exceeds rtol={rtol:g}\n{rep}")
-    return rep
-
-
-# =========================================================================== reversible
-
-from collections import OrderedDict  # noqa: E402
-from functools import partial, wraps  # noqa: E402
-
-import jax.numpy as jnp  # noqa: E402
-from jax import lax  # noqa: E402
-
-from jaxrev._compat import (ClosedJaxpr, DropVar, JaxprEqn, Literal, Primitive,  # noqa: E402
-                            ShapedArray, bind_eqn, cond_branches, eval_closed, hoist_consts,
-                            is_symbolic_zero, lower_fun, not_mapped, primitive_batchers,
-                            primitive_jvps, primitive_transposes, prims, register_lowering,
-                            scan_info, trace_to_closed)
-from jaxrev._errors import not_invertible  # noqa: E402
-from jaxrev._jaxpr import inline_calls  # noqa: E402
-from jaxrev.transforms import control_flow as _cf  # noqa: E402
-from jaxrev.transforms.reverse import _check_structure, _trace_program  # noqa: E402
 
 reversible_p = Primitive("jaxrev_reversible")
 reversible_p.multiple_results = True
@@ -959,7 +866,8 @@ def reversible(fun: Callable, argnums: int | Sequence[int] = 0) -> Callable:
         ...     x, y = xy
         ...     x = x + jnp.tanh(th * y)
         ...     return x, y + jnp.sin(x)
-        >>> f = jr.reversible(lambda xy, th: jax.lax.fori_loop(0, 100, lambda i, s: step(s, th), xy))
+        >>> loop = lambda xy, th: jax.lax.fori_loop(0, 100, lambda i, s: step(s, th), xy)
+        >>> f = jr.reversible(loop)
         >>> g = jax.grad(lambda th: f((jnp.ones(3), jnp.zeros(3)), th)[1].sum())(0.5)
         >>> bool(jnp.isfinite(g))
         True
@@ -1048,3 +956,91 @@ def memory_report(fun: Callable, *args: Any, argnums: int | Sequence[int] = 0) -
     entries: list[dict] = []
     _report_entries(P, 1, entries)
     return MemoryReport(entries, getattr(fun, "__name__", "fun"))
+
+
+# =========================================================================== check_reversible
+
+@dataclass
+class ReversibilityReport:
+    """Round-trip error of `reverse(fun)(fun(x))` against `x`.
+
+    `max_error` is the largest relative (max-norm) error over the state leaves; `leaf_errors`
+    lists them all; `worst` names the equation and source line whose inversion added the most
+    error (None when the round trip is exact).
+    """
+
+    max_error: float
+    leaf_errors: list[float]
+    worst: str | None
+    steps: list[tuple[float, str]] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        lines = [f"round-trip relative error: {self.max_error:.3e} "
+                 f"(per state leaf: {', '.join(f'{e:.2e}' for e in self.leaf_errors)})"]
+        if self.worst is not None:
+            lines.append(f"error grows most at: {self.worst}")
+        for err, where in self.steps[:5]:
+            lines.append(f"  {err:.2e} added by {where}")
+        return "\n".join(lines)
+
+
+def _rel_err(a: Any, b: Any) -> float:
+    a = np.asarray(a, dtype=np.complex128 if np.iscomplexobj(a) else np.float64)
+    b = np.asarray(b, dtype=a.dtype)
+    if a.size == 0:
+        return 0.0
+    if not (np.all(np.isfinite(a)) and np.all(np.isfinite(b))):
+        return float("inf")
+    scale = max(float(np.max(np.abs(b))), np.finfo(np.float64).tiny)
+    return float(np.max(np.abs(a - b))) / scale
+
+
+def check_reversible(fun: Callable, *args: Any, argnums: int | Sequence[int] = 0,
+                     rtol: float | None = None) -> ReversibilityReport:
+    """Run `fun` forward and `reverse(fun)` backward on `args` and report the drift.
+
+    Raises `ReversibilityError` when `rtol` is given and the relative error exceeds it. Runs
+    eagerly (values are compared equation by equation to find where the error grows).
+
+    Example:
+        >>> import jax.numpy as jnp, jaxrev as jr
+        >>> rep = jr.check_reversible(lambda x: jnp.exp(x) * 3.0, jnp.linspace(0.0, 1.0, 5))
+        >>> rep.max_error < 1e-6
+        True
+    """
+    nums = _normalize_argnums(argnums, len(args), fun)
+    y = fun(*args)
+    outs = (y,) if len(nums) == 1 else tuple(y)
+    inv_args = list(args)
+    for a, o in zip(nums, outs):
+        inv_args[a] = o
+    events: list[tuple[Any, list[Var]]] = []
+    state, jaxpr, inv_env = _invert_call(fun, tuple(inv_args), nums,
+                                         on_invert=lambda e, vs: events.append((e, vs)))
+    x_true = args[nums[0]] if len(nums) == 1 else tuple(args[a] for a in nums)
+    leaf_errors = [_rel_err(a, b) for a, b in zip(jax.tree_util.tree_leaves(state),
+                                                  jax.tree_util.tree_leaves(x_true))]
+    # forward values of every variable, to see where the backward run drifts
+    fwd = Env()
+    flat_args = jax.tree_util.tree_leaves(tuple(args))
+    for v, x in zip(jaxpr.invars, flat_args):
+        fwd.write(v, x)
+    inv_consts = {v: inv_env.read(v) for v in jaxpr.constvars}
+    for v, c in inv_consts.items():
+        fwd.write(v, c)
+    propagate(jaxpr, fwd, list(v for v in jaxpr.outvars if isinstance(v, Var)),
+              forward_only=True)
+    steps = []
+    for eqn, wrote in events:
+        err_in = max((_rel_err(inv_env.read(v), fwd.read(v)) for v in wrote if fwd.known(v)),
+                     default=0.0)
+        err_out = max((_rel_err(inv_env.read(v), fwd.read(v)) for v in eqn.outvars
+                       if isinstance(v, Var) and inv_env.known(v) and fwd.known(v)), default=0.0)
+        _, _, summary = user_source(eqn)
+        steps.append((err_in - err_out, f"`{eqn.primitive.name}` at {summary}"))
+    steps = sorted((s for s in steps if s[0] > 0), key=lambda s: -s[0])
+    worst = steps[0][1] if steps and steps[0][0] > 0 else None
+    rep = ReversibilityReport(max(leaf_errors, default=0.0), leaf_errors, worst, steps)
+    if rtol is not None and rep.max_error > rtol:
+        raise ReversibilityError(f"round trip exceeds rtol={rtol:g}\n{rep}")
+    return rep
