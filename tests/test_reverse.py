@@ -495,3 +495,14 @@ def test_register_inverse_wrong_output_names_the_rule():
         jr.transforms.inverse_rules.pop(scale3_p)
     with pytest.raises(TypeError, match="Primitive"):
         jr.register_inverse("add", bad_rule)
+
+
+def test_two_selects_case_split_do_not_recurse():
+    # each case split propagates with the other select still pending: the nested
+    # propagations must not split on the outer select again
+    def f(x, p):
+        y = jnp.where(p > 0, x * 2.0, x * 3.0)
+        return jnp.where(p > 1, y + 1.0, jnp.exp(y))
+    x = jnp.linspace(-1.0, 1.0, 5)
+    p = jnp.array([-1.0, 0.5, 2.0, 0.5, 3.0])
+    assert jnp.max(jnp.abs(jr.reverse(f)(f(x, p), p) - x)) < 1e-12

@@ -414,3 +414,24 @@ def test_structure_mismatch_names_function():
         return x[:2]
     with pytest.raises(ValueError, match="jaxrev.reversible: shrink"):
         jr.reversible(shrink)(jnp.ones(3))
+
+
+@pytest.mark.parametrize("shift", [0.0, -3.0])
+def test_lossy_step_inside_a_cond_branch(shift):
+    def f(x, th):
+        return jax.lax.cond(jnp.sum(x) > 0,
+                            lambda x: jnp.maximum(x * th, 0.0) + 0.5 * x,  # COND-LOSSY
+                            lambda x: x * th - 1.0, x)
+    x = jnp.linspace(-1.0, 1.5, 4) + shift
+    L = lambda f: lambda x, th: jnp.sum(jnp.sin(f(x, th)))
+    assert rel(jax.grad(L(f), argnums=(0, 1))(x, 0.7),
+               jax.grad(L(jr.reversible(f)), argnums=(0, 1))(x, 0.7)) < 1e-13
+    rep = jr.memory_report(f, x, 0.7)
+    # the branch index and the lossy branch's input (zeros when the other branch ran)
+    assert rep.total_bytes == 4 + 4 * 8, str(rep)
+    assert f"test_reversible.py:{_line_of('COND-LOSSY')}" in str(rep)
+    # vmapped: the index is batched
+    xb = jnp.stack([x, -x - 2.0])
+    tot = lambda f: lambda xb, th: jnp.sum(jax.vmap(L(f), (0, None))(xb, th))
+    assert rel(jax.grad(tot(f), argnums=(0, 1))(xb, 0.7),
+               jax.grad(tot(jr.reversible(f)), argnums=(0, 1))(xb, 0.7)) < 1e-13

@@ -199,8 +199,11 @@ def propagate(jaxpr: Jaxpr, env: Env, goals: Sequence[Any] | None, *,
             continue
         if forward_only:
             return list(stuck.values())
-        if (_join_step(jaxpr, env, pending, used) or _case_split_step(jaxpr, env, pending, used)
-                or _lump_step(jaxpr, env, pending, used)):
+        # group steps see only the allowed equations (a case split nests propagations, each
+        # restricted further, so they cannot recurse into each other)
+        gp = pending if allow is None else [i for i in pending if allow(eqns[i])]
+        if (_join_step(jaxpr, env, gp, used) or _case_split_step(jaxpr, env, gp, used, allow)
+                or _lump_step(jaxpr, env, gp, used)):
             continue
         return [s for i, s in sorted(stuck.items())] or [
             _Stuck(eqns[i], "its result does not reach the output") for i in pending
@@ -303,7 +306,7 @@ def _elementwise_in(eqn: JaxprEqn, shape: tuple[int, ...]) -> bool:
             and all(tuple(v.aval.shape) in (shape, ()) for v in eqn.invars))
 
 
-def _case_split_step(jaxpr, env, pending, used) -> bool:
+def _case_split_step(jaxpr, env, pending, used, allow=None) -> bool:
     """`out = select_n(p, c0, c1, ...)` with `p` known: propagate once per case assuming
     `c_k == out`, restricted to elementwise equations of `out`'s shape, and merge the values
     recovered in every case with `select_n(p, ...)`. Exact, because along elementwise paths each
@@ -324,7 +327,8 @@ def _case_split_step(jaxpr, env, pending, used) -> bool:
             e = env.copy()
             if isinstance(c, Var):
                 e.write(c, out)
-            propagate(jaxpr, e, None, allow=lambda q: q is not eqn and _elementwise_in(q, shape))
+            propagate(jaxpr, e, None, allow=lambda q: (q is not eqn and _elementwise_in(q, shape)
+                                                       and (allow is None or allow(q))))
             branches.append(e)
         p = env.read(pred)
         merged = False

@@ -94,14 +94,29 @@ class _Plan:
 
 @dataclass(eq=False)
 class _LoopPlan:
-    kind: str                 # "scan" (the body's residuals, stacked) or "while" (trip count)
-    body: _Plan
+    """Residuals of a loop or cond: "scan" (the body's, stacked per iteration), "while" (the trip
+    count) or "cond" (every branch's, side by side; the branch not taken leaves zeros)."""
+
+    kind: str
+    body: _Plan | None
     length: int | None = None
+    branches: list | None = None
+
+
+def _branch_slices(lp: _LoopPlan) -> list[tuple[int, int]]:
+    out, k = [], 0
+    for bp in lp.branches:
+        n = len(_res_avals(bp))
+        out.append((k, k + n))
+        k += n
+    return out
 
 
 def _loop_avals(lp: _LoopPlan) -> list[jax.ShapeDtypeStruct]:
     if lp.kind == "while":
         return [jax.ShapeDtypeStruct((), jnp.int32)]
+    if lp.kind == "cond":
+        return [a for bp in lp.branches for a in _res_avals(bp)]
     return [jax.ShapeDtypeStruct((lp.length, *a.shape), a.dtype) for a in _res_avals(lp.body)]
 
 
@@ -595,13 +610,9 @@ def _cond_sweep(P, i, env, ctenv, active, res):
     ok = tuple(env.known(v) for v in ops)
     nout = len(e.outvars)
     bps = [_plan_for(b, ok, (True,) * nout, tuple(not k for k in ok)) for b in branches]
-    for bp in bps:
-        if _res_avals(bp):
-            v = bp.store[0] if bp.store else None
-            raise not_invertible(
-                bp.why.get(v) or e, "a step in a branch of a cond loses information",
-                "Ways out: make the branch invertible (jaxrev stores lossy steps in straight "
-                "code and in scan bodies, not yet inside cond branches).")
+    lp = _LoopPlan("cond", None, branches=bps)
+    lres = res.loop(i, lp) if any(_res_avals(bp) for bp in bps) else []
+    spans = _branch_slices(lp)
     want = ctenv is not None
     act = ([_is_var(v) and v in active for v in ops] if want else None)
     outs = [env.read(v) for v in e.outvars]
@@ -609,8 +620,8 @@ def _cond_sweep(P, i, env, ctenv, active, res):
     cts = [c if c is not None else _zero_ct(v.aval) for c, v in zip(cts, e.outvars)]
     known_ops = [env.read(v) for v, k in zip(ops, ok) if k]
 
-    def branch_fn(bp):
-        def f(outs, cts, known_ops):
+    def branch_fn(bp, span):
+        def f(outs, cts, known_ops, lres):
             J = bp.closed.jaxpr
             benv = _seed_env(bp, ok, known_ops, (True,) * nout, outs)
             bct = None
@@ -622,18 +633,18 @@ def _cond_sweep(P, i, env, ctenv, active, res):
                     if _is_float(v.aval):
                         _acc(bct, v, g)
             goals = [v for v, k in zip(J.invars, ok) if not k]
-            _walk(bp, benv, bct, bactive, _Res(bp, []), goals)
+            _walk(bp, benv, bct, bactive, _Res(bp, lres[span[0]:span[1]]), goals)
             rec = [benv.read(v) for v in goals]
             g = [_get_ct(bct, v) for v, a in zip(J.invars, act) if a] if want else []
             return rec, g
         return f
 
     idx = jnp.clip(env.read(index), 0, len(branches) - 1)
-    fns = [branch_fn(bp) for bp in bps]
+    fns = [branch_fn(bp, span) for bp, span in zip(bps, spans)]
     if jnp.ndim(idx) == 0:
-        rec, g = lax.switch(idx, fns, outs, cts, known_ops)
+        rec, g = lax.switch(idx, fns, outs, cts, known_ops, list(lres))
     else:  # a batched index (vmap of jr.cond): every branch, then each element's own
-        per = [f(outs, cts, known_ops) for f in fns]
+        per = [f(outs, cts, known_ops, list(lres)) for f in fns]
         rec = [_cf._select_cases(idx, [q[0][k] for q in per]) for k in range(len(per[0][0]))]
         g = [_cf._select_cases(idx, [q[1][k] for q in per]) for k in range(len(per[0][1]))]
     for v, val in zip([v for v, k in zip(ops, ok) if not k], rec):
@@ -674,6 +685,8 @@ def _forward(P: _Plan, args: Sequence[Any]) -> tuple[list[Any], list[Any]]:
             outs = bind_eqn(e, ins)
         elif lp.kind == "scan":
             outs, lres[i] = _forward_scan(e, lp, ins)
+        elif lp.kind == "cond":
+            outs, lres[i] = _forward_cond(e, lp, ins)
         else:
             outs, lres[i] = _forward_while(e, ins)
         for o, val in zip(e.outvars, outs):
@@ -695,6 +708,30 @@ def _forward_scan(e: JaxprEqn, lp: _LoopPlan, ins: Sequence[Any]):
 
     c, (ys, r) = lax.scan(f, list(init), list(xs), length=length, reverse=rev)
     return [*c, *ys], list(r)
+
+
+def _forward_cond(e: JaxprEqn, lp: _LoopPlan, ins: Sequence[Any]):
+    npc = e.params["post_nconsts"] if e.primitive is _cf.cond_p else 0
+    index, ops = ins[0], ins[1 + npc:]
+    avals = _loop_avals(lp)
+
+    def branch(b, span):
+        def f(ops):
+            outs, r = _forward(lp.branches[b], ops)
+            res = [jnp.zeros(a.shape, a.dtype) for a in avals]
+            res[span[0]:span[1]] = r
+            return outs, res
+        return f
+
+    fns = [branch(b, span) for b, span in enumerate(_branch_slices(lp))]
+    index = jnp.clip(index, 0, len(fns) - 1)
+    if jnp.ndim(index) == 0:
+        outs, res = lax.switch(index, fns, list(ops))
+        return list(outs), list(res)
+    per = [f(list(ops)) for f in fns]  # a batched index (a vmapped jr.cond)
+    pick = lambda k, j: _cf._select_cases(index, [q[k][j] for q in per])  # noqa: E731
+    return ([pick(0, j) for j in range(len(per[0][0]))],
+            [pick(1, j) for j in range(len(per[0][1]))])
 
 
 def _forward_while(e: JaxprEqn, ins: Sequence[Any]):
@@ -750,14 +787,23 @@ def _rev_jvp(primals, tangents, *, jaxpr, state, store):
     return ys, out_t
 
 
-def _rev_batch(args, dims, *, jaxpr, state, store):
+def _batch_front(args, dims):
+    """(batch size, operands with their batch axis first, vmap in_axes)."""
     size = next(x.shape[d] for x, d in zip(args, dims) if d is not not_mapped)
     args = [jnp.moveaxis(x, d, 0) if d is not not_mapped else x for x, d in zip(args, dims)]
-    in_axes = [0 if d is not not_mapped else None for d in dims]
+    return size, args, [0 if d is not not_mapped else None for d in dims]
+
+
+def _vmapped(fun, args, dims):
+    size, args, in_axes = _batch_front(args, dims)
+    outs = jax.vmap(fun, in_axes=in_axes, axis_size=size)(*args)
+    return outs, [0] * len(outs)
+
+
+def _rev_batch(args, dims, *, jaxpr, state, store):
     if store:  # the forward run of a linearization: its residuals keep the unbatched plan
-        outs = jax.vmap(partial(_rev_impl, jaxpr=jaxpr, state=state, store=True),
-                        in_axes=in_axes, axis_size=size)(*args)
-        return outs, [0] * len(outs)
+        return _vmapped(partial(_rev_impl, jaxpr=jaxpr, state=state, store=True), args, dims)
+    size, args, in_axes = _batch_front(args, dims)
     avals = [jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for x in args]
     bj, consts, _ = trace_to_closed(
         jax.vmap(lambda *a: eval_closed(jaxpr, *a), in_axes=in_axes, axis_size=size), *avals)
@@ -823,11 +869,7 @@ def _lin_jvp(primals, tangents, **params):
 
 
 def _lin_batch(args, dims, **params):
-    size = next(x.shape[d] for x, d in zip(args, dims) if d is not not_mapped)
-    args = [jnp.moveaxis(x, d, 0) if d is not not_mapped else x for x, d in zip(args, dims)]
-    in_axes = [0 if d is not not_mapped else None for d in dims]
-    outs = jax.vmap(partial(_lin_impl, **params), in_axes=in_axes, axis_size=size)(*args)
-    return outs, [0] * len(outs)
+    return _vmapped(partial(_lin_impl, **params), args, dims)
 
 
 reversible_lin_p.def_impl(_lin_impl)
@@ -937,6 +979,9 @@ def _report_entries(P: _Plan, count: int, out: list[dict]) -> None:
         if lp.kind == "while":
             out.append(dict(what="trip count of a while loop", shape=(), dtype="int32", bytes=4,
                             count=count, where=_describe(eqns[i])))
+        elif lp.kind == "cond":
+            for bp in lp.branches:
+                _report_entries(bp, count, out)
         else:
             _report_entries(lp.body, count * lp.length, out)
 
