@@ -993,8 +993,8 @@ def memory_report(fun: Callable, *args: Any, argnums: int | Sequence[int] = 0) -
         >>> import jax, jax.numpy as jnp, jaxrev as jr
         >>> f = lambda x: jax.lax.fori_loop(0, 10, lambda i, x: jax.nn.relu(x) + 1.0, x)
         >>> rep = jr.memory_report(f, jnp.ones(4))
-        >>> rep.total_bytes  # the relu's input (4 float32) per iteration, the counter once
-        164
+        >>> [(e["count"], e["where"].split()[0]) for e in rep.entries]  # how often, what step
+        [(1, '`scan`'), (10, '`max`')]
     """
     j, state, operands, _ = _bind_reversible(fun, args, argnums)
     P = _top_plan(j, state)
