@@ -111,6 +111,7 @@ prims = _Prims()
 # Call-like primitives and the parameter that holds their sub-jaxpr. One table for every
 # interpreter (DESIGN.md §3.1); loops and branches have their own rules.
 prims.remat = getattr(_ad_checkpoint, "remat_p", None)
+prims.add_any = getattr(_ad_util, "add_jaxvals_p", None)  # the sum JAX's tangent programs use
 
 _CALL_PARAM_NAMES = ("jaxpr", "call_jaxpr", "fun_jaxpr")
 # `jax.checkpoint` (remat) is a call too: rebuilding by inversion makes its recomputation moot

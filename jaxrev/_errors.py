@@ -15,11 +15,13 @@ class NotInvertibleError(JaxrevError):
     """
 
     def __init__(self, message: str, primitive: str | None = None,
-                 file: str | None = None, line: int | None = None) -> None:
+                 file: str | None = None, line: int | None = None,
+                 singular: bool = False) -> None:
         super().__init__(message)
         self.primitive = primitive
         self.file = file
         self.line = line
+        self.singular = singular  # the step divides by an exact zero (a vanished pivot)
 
 
 class ReversibilityError(JaxrevError):
@@ -27,7 +29,17 @@ class ReversibilityError(JaxrevError):
 
 
 class SingularJacobianError(JaxrevError):
-    """A step's pivot vanished while inverting a Jacobian."""
+    """A step's pivot vanished while inverting a Jacobian.
+
+    Attributes: `primitive`, `file`, `line` of the step (None when the dense fallback found it).
+    """
+
+    def __init__(self, message: str, primitive: str | None = None,
+                 file: str | None = None, line: int | None = None) -> None:
+        super().__init__(message)
+        self.primitive = primitive
+        self.file = file
+        self.line = line
 
 
 WAYS_OUT = (
@@ -41,7 +53,8 @@ def where(eqn: Any) -> tuple[str | None, int | None, str]:
     return user_source(eqn)
 
 
-def not_invertible(eqn: Any, reason: str, hint: str | None = None) -> NotInvertibleError:
+def not_invertible(eqn: Any, reason: str, hint: str | None = None,
+                   singular: bool = False) -> NotInvertibleError:
     """Build the error for equation `eqn`, naming its primitive and the user's source line."""
     file, line, summary = where(eqn)
     if not summary:
@@ -49,4 +62,4 @@ def not_invertible(eqn: Any, reason: str, hint: str | None = None) -> NotInverti
     name = eqn.primitive.name
     msg = (f"jaxrev.reverse cannot invert `{name}` at {summary}: {reason}\n"
            f"{hint or WAYS_OUT}")
-    return NotInvertibleError(msg, primitive=name, file=file, line=line)
+    return NotInvertibleError(msg, primitive=name, file=file, line=line, singular=singular)

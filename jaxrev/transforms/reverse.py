@@ -47,10 +47,11 @@ join_rules: dict[Primitive, Callable[..., Any]] = {}
 class Lossy(Exception):
     """Raised by an inverse rule when its equation destroys information."""
 
-    def __init__(self, reason: str, hint: str | None = None) -> None:
+    def __init__(self, reason: str, hint: str | None = None, singular: bool = False) -> None:
         super().__init__(reason)
         self.reason = reason
         self.hint = hint
+        self.singular = singular
 
 
 class NeedMore(Exception):
@@ -89,7 +90,7 @@ def _apply_rule(eqn: JaxprEqn, env: Env) -> list[Any] | None:
     try:
         rec = rule(out, *ins, **eqn.params)
     except Lossy as e:
-        raise not_invertible(eqn, e.reason, e.hint) from None
+        raise not_invertible(eqn, e.reason, e.hint, singular=e.singular) from None
     if rec is None:
         return None
     if not isinstance(rec, (list, tuple)) or len(rec) != len(ins):
@@ -359,6 +360,9 @@ def _is_affine(eqns: Sequence[JaxprEqn], active: set[Var]) -> bool:
         if p in _LINEAR:
             if p is prims.select_n and act[0]:
                 return False
+            if any(a and not jnp.issubdtype(v.aval.dtype, jnp.inexact)
+                   for a, v in zip(act, eqn.invars)):
+                return False  # an unknown index or integer operand
             if p is prims.convert_element_type and not jnp.issubdtype(
                     eqn.params["new_dtype"], jnp.inexact):
                 return False
@@ -465,7 +469,8 @@ def _solve_lump(lump_eqns, env, inputs, outputs) -> None:
         # blame a reduction if there is one: it is where the information goes
         culprit = next((e for e in lump_eqns if e.primitive is prims.reduce_sum), lump_eqns[-1])
         raise not_invertible(culprit, "it belongs to a group of equations that are invertible "
-                             "only together, and together they form a singular linear map")
+                             "only together, and together they form a singular linear map",
+                             singular=True)
     for v, s in zip(inputs, sols):
         env.write(v, s)
 
@@ -578,7 +583,7 @@ def _r(*ps: Primitive | None):
 
 def _check_nonzero(v: Any, what: str) -> None:
     if is_concrete(v) and np.any(np.asarray(v) == 0):
-        raise Lossy(f"{what} is zero, which destroys the value")
+        raise Lossy(f"{what} is zero, which destroys the value", singular=True)
 
 
 def _add(out, x, y, **_):
@@ -590,6 +595,8 @@ def _add(out, x, y, **_):
 
 
 inverse_rules[prims.add] = _add
+if prims.add_any is not None:
+    inverse_rules[prims.add_any] = _add
 
 
 def _sub(out, x, y, **_):
@@ -790,7 +797,7 @@ def _dot_general(out, lhs, rhs, *, dimension_numbers, **_):
         order = list(xb) + [xc[0]] + x_free
     X = jnp.transpose(X, np.argsort(order))
     if is_concrete(X) and not bool(jnp.all(jnp.isfinite(X))):
-        raise Lossy("the known matrix is singular")
+        raise Lossy("the known matrix is singular", singular=True)
     return [X, None] if x_is_lhs else [None, X]
 
 
@@ -1061,14 +1068,16 @@ for _p in (prims.add, prims.sub, prims.mul, prims.div, prims.neg, prims.exp, pri
            prims.logistic, prims.integer_pow, prims.pow, prims.sqrt, prims.rsqrt, prims.cbrt,
            prims.convert_element_type, prims.select_n, prims.copy, prims.max, prims.min,
            prims.abs, prims.sign, prims.sin, prims.cos, prims.tan, prims.square, prims.conj,
-           prims.floor, prims.ceil, prims.round):
+           prims.floor, prims.ceil, prims.round, prims.add_any):
     if _p is not None:
         _ELEMENTWISE.add(_p)
 
 for _p in (prims.add, prims.sub, prims.neg, prims.reshape, prims.squeeze, prims.transpose,
            prims.rev, prims.slice, prims.concatenate, prims.broadcast_in_dim, prims.reduce_sum,
            prims.cumsum, prims.copy, prims.convert_element_type, prims.select_n, prims.pad,
-           prims.split, prims.stack):
+           prims.split, prims.stack, prims.scatter_add, prims.gather, prims.dynamic_slice,
+           prims.dynamic_update_slice, prims.add_any, prims.imag, prims.real, prims.complex,
+           prims.conj):
     if _p is not None:
         _LINEAR.add(_p)
 

@@ -1,0 +1,212 @@
+"""Inverse accumulation against jax.jvp, Lineax (LU, GMRES) and dense jacfwd + solve.
+
+Workloads (issue 4):
+- single-slot chain, n = 4000: x_{i} += tanh(w_i x_{i-1}) for i = 1..n-1 in turn (a `scan`
+  over the slots), then x *= exp(0.1 sin x). Invertible, lower-triangular Jacobian.
+- leapfrog chain of a nonlinear Klein-Gordon lattice, n = 2000 (1000 sites, q and p), 200
+  kick-drift-kick steps. Invertible (a symplectic map).
+- coupling chain with `.at[1:].add` updates, n = 2000: x.at[1:].add(tanh(w x[:-1])) then an
+  elementwise scale, 4 times. Not invertible step by step (each update reads the values it
+  shifts), its tangent program is: the "linearize" strategy.
+
+For each: time (median of interleaved runs) of jr.inverse_jvp, jr.inverse_vjp, jax.jvp,
+Lineax LU on the materialised Jacobian, Lineax GMRES on `JacobianLinearOperator`, and dense
+jacfwd + `jnp.linalg.solve`; relative residuals ||J t - v|| / ||v||. Writes
+results/inverse_ad.{json,md,png}.
+
+    python benchmarks/inverse_ad.py [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+jax.config.update("jax_enable_x64", True)
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import jaxrev as jr  # noqa: E402
+from _common import RESULTS, device_info, interleaved_medians, write_results  # noqa: E402
+
+try:
+    from tqdm import tqdm
+except ImportError:  # pragma: no cover
+    def tqdm(it, **_):
+        return it
+
+try:
+    import lineax as lx
+except ImportError:  # pragma: no cover
+    lx = None
+
+
+def single_slot_chain(n):
+    w = jnp.asarray(np.random.default_rng(0).standard_normal(n) * 0.5)
+
+    def f(x):
+        def body(prev, xw):
+            xi, wi = xw
+            xi = xi + jnp.tanh(wi * prev)
+            return xi, xi
+        first = x[:1]
+        _, rest = jax.lax.scan(body, x[0], (x[1:], w[1:]))
+        x = jnp.concatenate([first, rest])
+        return x * jnp.exp(0.1 * jnp.sin(x))
+    return f, jnp.asarray(np.random.default_rng(1).standard_normal(n))
+
+
+def klein_gordon(n, steps=200, dt=0.02):
+    sites = n // 2
+
+    def force(q):
+        lap = jnp.roll(q, 1) + jnp.roll(q, -1) - 2.0 * q
+        return lap - q - q ** 3
+
+    def f(x):
+        q, p = x[:sites], x[sites:]
+
+        def body(_, s):
+            q, p = s
+            p = p + 0.5 * dt * force(q)
+            q = q + dt * p
+            return q, p + 0.5 * dt * force(q)
+        q, p = jax.lax.fori_loop(0, steps, body, (q, p))
+        return jnp.concatenate([q, p])
+    x0 = jnp.concatenate([jnp.asarray(0.5 * np.sin(np.linspace(0, 6 * np.pi, sites))),
+                          jnp.zeros(sites)])
+    return f, x0
+
+
+def coupling_chain(n, layers=4):
+    ws = [jnp.asarray(np.random.default_rng(k).standard_normal(n - 1) * 0.5)
+          for k in range(layers)]
+
+    def f(x):
+        for w in ws:
+            x = x.at[1:].add(jnp.tanh(w * x[:-1]))
+            x = x * 1.1 + 0.1 * jnp.sin(x)
+        return x
+    return f, jnp.asarray(np.random.default_rng(2).standard_normal(n))
+
+
+def residual(f, x, t, v):
+    jt = jax.jvp(f, (x,), (t,))[1]
+    return float(jnp.linalg.norm(jt - v) / jnp.linalg.norm(v))
+
+
+def residual_t(f, x, w, c):
+    wj = jax.vjp(f, x)[1](w)[0]
+    return float(jnp.linalg.norm(wj - c) / jnp.linalg.norm(c))
+
+
+def run_workload(name, f, x, dense_ok=True, reps=5):
+    n = x.shape[0]
+    v = jnp.asarray(np.random.default_rng(3).standard_normal(n))
+    fns = {
+        "jax.jvp": jax.jit(lambda x, v: jax.jvp(f, (x,), (v,))[1]),
+        "jr.inverse_jvp": jax.jit(lambda x, v: jr.inverse_jvp(f, (x,), v)[1][0]),
+        "jr.inverse_vjp": jax.jit(lambda x, v: jr.inverse_vjp(f, x)[1]((v,))),
+    }
+    if dense_ok:
+        fns["dense jacfwd + solve"] = jax.jit(
+            lambda x, v: jnp.linalg.solve(jax.jacfwd(f)(x), v))
+    if lx is not None:
+        if dense_ok:
+            fns["lineax LU"] = jax.jit(lambda x, v: lx.linear_solve(
+                lx.MatrixLinearOperator(jax.jacfwd(f)(x)), v, lx.LU()).value)
+        gm = lx.GMRES(rtol=1e-10, atol=1e-10, restart=50, max_steps=4000)
+        fns["lineax GMRES"] = jax.jit(lambda x, v: lx.linear_solve(
+            lx.JacobianLinearOperator(lambda x, _: f(x), x), v, gm, throw=False).value)
+    out = {}
+    for k, g in fns.items():
+        out[k] = g(x, v)
+    res = {k: (residual_t(f, x, o, v) if k == "jr.inverse_vjp" else residual(f, x, o, v))
+           for k, o in out.items() if k != "jax.jvp"}
+    times = interleaved_medians({k: (lambda g=g: g(x, v)) for k, g in fns.items()}, reps=reps)
+    method = "reverse"
+    try:
+        jax.eval_shape(lambda x, v: jr.inverse_jvp(f, (x,), v, method="reverse"), x, v)
+    except jr.NotInvertibleError:
+        method = "linearize"
+    return {"name": name, "n": n, "times": times, "residuals": res, "strategy": method}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args(argv)
+    q = args.quick
+    work = [("single-slot chain", *single_slot_chain(400 if q else 4000)),
+            ("Klein-Gordon leapfrog, 200 steps", *klein_gordon(200 if q else 2000)),
+            ("coupling chain .at[1:].add", *coupling_chain(300 if q else 2000))]
+    rows = []
+    for name, f, x in tqdm(work, desc="inverse AD workloads"):
+        rows.append(run_workload(name, f, x))
+    data = {"device": device_info(), "rows": rows}
+    table = make_table(data)
+    suffix = "_quick" if q else ""
+    write_results("inverse_ad" + suffix, data, table)
+    plot(data, os.path.join(RESULTS, f"inverse_ad{suffix}.png"))
+    print(table)
+
+
+def make_table(d):
+    rows = d["rows"]
+    names = list(rows[0]["times"])
+    out = [f"# Inverse accumulation ({d['device']['backend']}, JAX {d['device']['jax']})", "",
+           "Seconds (median of interleaved runs, jit-compiled); relative residual in brackets.",
+           "", "| workload | n | strategy | " + " | ".join(names) + " |",
+           "|---" * (len(names) + 3) + "|"]
+    for r in rows:
+        cells = []
+        for k in names:
+            t = r["times"].get(k)
+            res = r["residuals"].get(k)
+            cells.append("n/a" if t is None else
+                         f"{t:.4f}" + (f" ({res:.1e})" if res is not None else ""))
+        out.append(f"| {r['name']} | {r['n']} | {r['strategy']} | " + " | ".join(cells) + " |")
+    out += ["", "Ratios (others / jr.inverse_jvp; inverse_vjp / jax.jvp):", "",
+            "| workload | GMRES / inverse_jvp | dense LU (lineax) / inverse_jvp | "
+            "jacfwd+solve / inverse_jvp | inverse_vjp / jvp | inverse_jvp / jvp |",
+            "|---|---|---|---|---|---|"]
+    for r in rows:
+        t = r["times"]
+        ij = t["jr.inverse_jvp"]
+
+        def ratio(k, base=ij):
+            return f"{t[k] / base:.1f}" if k in t else "n/a"
+        out.append(f"| {r['name']} | {ratio('lineax GMRES')} | {ratio('lineax LU')} | "
+                   f"{ratio('dense jacfwd + solve')} | "
+                   f"{t['jr.inverse_vjp'] / t['jax.jvp']:.2f} | {ij / t['jax.jvp']:.2f} |")
+    return "\n".join(out) + "\n"
+
+
+def plot(d, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # pragma: no cover
+        return
+    rows = d["rows"]
+    names = list(rows[0]["times"])
+    fig, ax = plt.subplots(figsize=(10, 4))
+    width = 0.8 / len(names)
+    for j, k in enumerate(names):
+        ax.bar([i + j * width for i in range(len(rows))],
+               [r["times"].get(k, np.nan) for r in rows], width, label=k)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(rows))])
+    ax.set_xticklabels([f"{r['name']}\nn={r['n']}" for r in rows], fontsize=8)
+    ax.set_yscale("log")
+    ax.set_ylabel("seconds")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,377 @@
+"""Inverse accumulation AD: J⁻¹v (`inverse_jvp`), vᵀJ⁻¹ (`inverse_vjp`) and log|det J|.
+
+A square program is a product of step Jacobians J = E_T … E_1, so J⁻¹ = E_1⁻¹ … E_T⁻¹: one
+inverted step at a time, in reverse order for J⁻¹v and in program order for J⁻ᵀw (DESIGN.md
+§3.4). jaxrev already knows how to invert steps: `reverse`'s rules and its lumps. The three
+strategies below use them, tried in this order:
+
+- ``"reverse"``: the program itself is invertible. Then J⁻¹ is the Jacobian of the inverse
+  program at the outputs: `inverse_jvp` is a JVP of `reverse(fun)`, which rebuilds the primal
+  values backwards (no tape). `inverse_vjp` is the memory-free VJP of `reverse(fun)`: its
+  backward sweep runs `fun`'s steps in program order and rebuilds as it goes.
+- ``"linearize"``: the program is not invertible, but its tangent program is. This is the usual
+  case, since a step's Jacobian is invertible far more often than the step. `jax.linearize`
+  records the step partials (the tape), and `reverse` inverts the linear program equation by
+  equation:
+  - a multiplication by a partial becomes a division by it (the pivot);
+  - an elementwise lump is solved per element;
+  - a square linear lump is solved densely;
+  - slices and concatenations are permutations;
+  - a `scan` inverts one iteration at a time.
+- ``"dense"``: one lump of size n. Materialise J with `jacfwd` and LU-solve it. Always correct;
+  O(n) JVPs plus O(n³).
+
+A pivot that is exactly zero raises `SingularJacobianError` naming the step and its source
+line (on concrete values); ``on_singular="nan"`` returns NaN instead. Under `jit` the values
+are not known when the program is traced: singular steps then give non-finite results, which
+``on_singular="raise"`` turns into an error when the program runs.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrev._compat import is_concrete
+from jaxrev._errors import NotInvertibleError, SingularJacobianError
+from jaxrev.transforms.reverse import reverse
+from jaxrev.transforms.reversible import reversible
+
+__all__ = ["inverse_jvp", "inverse_vjp", "slogdet_jacobian", "METHODS"]
+
+METHODS = ("auto", "reverse", "linearize", "dense")
+_ON_SINGULAR = ("raise", "nan")
+
+
+# --------------------------------------------------------------------------- plumbing
+
+def _name(fun: Callable) -> str:
+    return getattr(fun, "__name__", repr(fun))
+
+
+def _check_args(fun, primals, method, on_singular, who):
+    if not isinstance(primals, (tuple, list)):
+        raise TypeError(f"{who}: primals must be a tuple of {_name(fun)}'s arguments, got "
+                        f"{type(primals).__name__}")
+    if method not in METHODS:
+        raise ValueError(f"{who}: method must be one of {METHODS}, got {method!r}")
+    if on_singular not in _ON_SINGULAR:
+        raise ValueError(f"{who}: on_singular must be one of {_ON_SINGULAR}, got "
+                         f"{on_singular!r}")
+
+
+class _Square:
+    """`fun` of all its arguments, flattened: x (one vector) -> y (one vector), with the
+    pytree bookkeeping to go back and forth."""
+
+    def __init__(self, fun: Callable, primals: Sequence[Any], who: str) -> None:
+        self.fun, self.who = fun, who
+        self.primals = tuple(primals)
+        self.in_leaves, self.in_tree = jax.tree_util.tree_flatten(self.primals)
+        out_shape = jax.eval_shape(fun, *self.primals)
+        self.out_leaves_shape, self.out_tree = jax.tree_util.tree_flatten(out_shape)
+        n_in = sum(int(np.size(x)) for x in self.in_leaves)
+        n_out = sum(int(np.prod(o.shape, dtype=np.int64)) for o in self.out_leaves_shape)
+        if n_in != n_out:
+            raise ValueError(
+                f"{who}: {_name(fun)} maps {n_in} input numbers to {n_out} outputs; its "
+                "Jacobian must be square (every argument counts as an input)")
+        for x in self.in_leaves:
+            if not jnp.issubdtype(jnp.result_type(x), jnp.inexact):
+                raise TypeError(f"{who}: every input of {_name(fun)} must be a float or complex "
+                                f"array (its Jacobian is inverted), got {jnp.result_type(x)}")
+        # same pytree structure, shapes and dtypes in and out: `reverse` can work on `fun` as
+        # it is; otherwise it works on the flattened map
+        in_struct = jax.tree_util.tree_structure(
+            self.primals[0] if len(self.primals) == 1 else self.primals)
+        self.same = (in_struct == self.out_tree and all(
+            tuple(np.shape(x)) == tuple(o.shape) and jnp.result_type(x) == o.dtype
+            for x, o in zip(self.in_leaves, self.out_leaves_shape)))
+
+    # the state passed to / returned by `reverse`
+    def state_in(self, leaves):
+        args = jax.tree_util.tree_unflatten(self.in_tree, list(leaves))
+        return args[0] if len(args) == 1 else tuple(args)
+
+    def args_of(self, state):
+        return (state,) if len(self.primals) == 1 else tuple(state)
+
+    def out_tree_of(self, leaves):
+        return jax.tree_util.tree_unflatten(self.out_tree, list(leaves))
+
+    def in_tree_of(self, leaves):
+        return tuple(jax.tree_util.tree_unflatten(self.in_tree, list(leaves)))
+
+    def ravel_in(self, leaves):
+        return jnp.concatenate([jnp.ravel(x) for x in leaves]) if leaves else jnp.zeros(0)
+
+    def unravel(self, vec, shapes_dtypes):
+        out, k = [], 0
+        for shape, dtype in shapes_dtypes:
+            m = int(np.prod(shape, dtype=np.int64))
+            out.append(jnp.reshape(vec[k:k + m], shape).astype(dtype))
+            k += m
+        return out
+
+    @property
+    def in_sd(self):
+        return [(tuple(np.shape(x)), jnp.result_type(x)) for x in self.in_leaves]
+
+    @property
+    def out_sd(self):
+        return [(tuple(o.shape), o.dtype) for o in self.out_leaves_shape]
+
+    def flat_fun(self) -> Callable:
+        """x_vec -> y_vec."""
+        def f(v):
+            args = self.in_tree_of(self.unravel(v, self.in_sd))
+            outs = jax.tree_util.tree_leaves(self.fun(*args))
+            return jnp.concatenate([jnp.ravel(o) for o in outs])
+        return f
+
+    def state_fun(self, fun: Callable) -> Callable:
+        """`fun` (of the original arguments) as a map of one state, for `reverse`."""
+        if self.same:
+            return lambda state: fun(*self.args_of(state))
+        in_sd = self.in_sd
+
+        def g(v):
+            args = self.in_tree_of(self.unravel(v, in_sd))
+            outs = jax.tree_util.tree_leaves(fun(*args))
+            return jnp.concatenate([jnp.ravel(o) for o in outs])
+        return g
+
+    def to_state_out(self, out_leaves):
+        """Output-side leaves as the state `reverse(state_fun)` takes."""
+        if self.same:
+            return self.state_in(out_leaves)
+        return jnp.concatenate([jnp.ravel(o) for o in out_leaves])
+
+    def from_state_in(self, state):
+        """The state returned by `reverse(state_fun)` as input-side leaves."""
+        if self.same:
+            return jax.tree_util.tree_leaves(state)
+        return self.unravel(state, self.in_sd)
+
+    def from_state_out(self, state):
+        """A state of `state_fun`'s output as output-side leaves."""
+        if self.same:
+            return jax.tree_util.tree_leaves(state)
+        return self.unravel(state, self.out_sd)
+
+    def to_state_in(self, in_leaves):
+        if self.same:
+            return self.state_in(in_leaves)
+        return self.ravel_in(in_leaves)
+
+
+def _singular_error(err: NotInvertibleError, who: str) -> SingularJacobianError:
+    msg = str(err).replace("jaxrev.reverse cannot invert", f"{who}: the Jacobian is singular at",
+                           1)
+    return SingularJacobianError(msg, primitive=err.primitive, file=err.file, line=err.line)
+
+
+def _nan_like(leaves):
+    return [jnp.full(jnp.shape(x), jnp.nan, jnp.result_type(x)) for x in leaves]
+
+
+def _guard(leaves, on_singular: str, who: str):
+    """Traced results (under jit) cannot be checked when traced: with "raise", check them when
+    the program runs."""
+    if on_singular != "raise" or all(is_concrete(x) for x in leaves):
+        return leaves
+    ok = jnp.all(jnp.asarray([jnp.all(jnp.isfinite(x)) for x in leaves]))
+
+    def check(ok):
+        if not bool(ok):
+            raise SingularJacobianError(
+                f"{who}: the result is not finite: a pivot of the Jacobian vanished (or "
+                "overflowed) while the program ran. Run it without jit to name the step, or "
+                "pass on_singular='nan'.")
+
+    jax.debug.callback(check, ok)
+    return leaves
+
+
+def _try(methods: Sequence[str], attempt: Callable[[str], Any], who: str, on_singular: str,
+         nan_shape: Callable[[], Any]):
+    """Run `attempt(method)` for the first method that applies. A vanished pivot ends the
+    search: a singular Jacobian is singular whichever way it is inverted."""
+    last: NotInvertibleError | None = None
+    for m in methods:
+        try:
+            return attempt(m), m
+        except NotInvertibleError as e:
+            if e.singular:
+                if on_singular == "nan":
+                    return nan_shape(), m
+                raise _singular_error(e, who) from None
+            last = e
+    assert last is not None
+    raise last
+
+
+def _methods(method: str) -> tuple[str, ...]:
+    return ("reverse", "linearize", "dense") if method == "auto" else (method,)
+
+
+# --------------------------------------------------------------------------- dense fallback
+
+def _dense_solve(J, b, transpose: bool, on_singular: str, who: str):
+    lu, piv = jax.scipy.linalg.lu_factor(J)
+    diag = jnp.diagonal(lu)
+    if is_concrete(diag) and bool(jnp.any(diag == 0)):
+        k = int(jnp.argmax(diag == 0))
+        if on_singular == "nan":
+            return jnp.full_like(b, jnp.nan)
+        raise SingularJacobianError(
+            f"{who}: the Jacobian is singular (dense fallback: pivot {k} of its LU "
+            "factorization vanished; no single step could be named because no step-by-step "
+            "inversion applied)")
+    return jax.scipy.linalg.lu_solve((lu, piv), b, trans=1 if transpose else 0)
+
+
+# --------------------------------------------------------------------------- inverse_jvp
+
+def inverse_jvp(fun: Callable, primals: Sequence[Any], out_tangent: Any, *,
+                method: str = "auto", on_singular: str = "raise") -> tuple[Any, tuple]:
+    """Solve ``J @ in_tangents == out_tangent`` step by step; returns ``(fun(*primals),
+    in_tangents)``.
+
+    `J` is the Jacobian of `fun` with respect to all of `primals` (it must be square);
+    `out_tangent` has the structure of `fun`'s output and `in_tangents` is a tuple matching
+    `primals`. `method` picks the strategy (see the module docs); "auto" tries "reverse",
+    then "linearize", then "dense".
+
+    Example:
+        >>> import jax.numpy as jnp, jaxrev as jr
+        >>> f = lambda x: jnp.cumsum(jnp.exp(x))
+        >>> y, (t,) = jr.inverse_jvp(f, (jnp.zeros(3),), jnp.ones(3))
+        >>> t.tolist()  # J = lower-triangular ones times diag(exp(0))
+        [1.0, 0.0, 0.0]
+    """
+    who = "jaxrev.inverse_jvp"
+    _check_args(fun, primals, method, on_singular, who)
+    sq = _Square(fun, primals, who)
+    out_leaves = jax.tree_util.tree_leaves(out_tangent)
+    if jax.tree_util.tree_structure(out_tangent) != sq.out_tree:
+        raise ValueError(f"{who}: out_tangent must have the structure of {_name(fun)}'s output "
+                         f"({sq.out_tree}), got {jax.tree_util.tree_structure(out_tangent)}")
+    y = fun(*primals)
+    y_leaves = jax.tree_util.tree_leaves(y)
+
+    def attempt(m):
+        if m == "reverse":
+            inv = reverse(sq.state_fun(fun))
+            _, t = jax.jvp(inv, (sq.to_state_out(y_leaves),), (sq.to_state_out(out_leaves),))
+            return sq.from_state_in(t)
+        if m == "linearize":
+            _, lin = jax.linearize(fun, *primals)
+            t = reverse(sq.state_fun(lin))(sq.to_state_out(out_leaves))
+            return sq.from_state_in(t)
+        J = jax.jacfwd(sq.flat_fun())(sq.ravel_in(sq.in_leaves))
+        b = jnp.concatenate([jnp.ravel(o) for o in out_leaves])
+        return sq.unravel(_dense_solve(J, b, False, on_singular, who), sq.in_sd)
+
+    leaves, _ = _try(_methods(method), attempt, who, on_singular,
+                     lambda: _nan_like(sq.in_leaves))
+    leaves = _guard(leaves, on_singular, who)
+    return y, sq.in_tree_of(leaves)
+
+
+# --------------------------------------------------------------------------- inverse_vjp
+
+def inverse_vjp(fun: Callable, *primals: Any, method: str = "auto",
+                on_singular: str = "raise") -> tuple[Any, Callable]:
+    """Returns ``(fun(*primals), ivjp_fn)``: ``ivjp_fn(in_cotangents)`` is the output
+    cotangent `w` with ``vjp_fn(w) == in_cotangents``, that is ``J⁻ᵀ in_cotangents``.
+
+    `in_cotangents` is a tuple matching `primals`. With method "reverse" (tried first by
+    "auto") no tape is kept: the sweep runs `fun`'s steps in program order, rebuilding values
+    as it goes.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, jaxrev as jr
+        >>> f = lambda x: jnp.cumsum(x) * 2.0
+        >>> x = jnp.arange(3.0)
+        >>> y, ivjp = jr.inverse_vjp(f, x)
+        >>> w = ivjp((jnp.ones(3),))
+        >>> jax.vjp(f, x)[1](w)[0].tolist()
+        [1.0, 1.0, 1.0]
+    """
+    who = "jaxrev.inverse_vjp"
+    _check_args(fun, primals, method, on_singular, who)
+    sq = _Square(fun, primals, who)
+    y = fun(*primals)
+    y_leaves = jax.tree_util.tree_leaves(y)
+
+    def ivjp_fn(in_cotangents):
+        if not isinstance(in_cotangents, (tuple, list)) or len(in_cotangents) != len(primals):
+            raise ValueError(f"{who}: in_cotangents must be a tuple with one entry per primal "
+                             f"({len(primals)}), got {type(in_cotangents).__name__}")
+        c_leaves = jax.tree_util.tree_leaves(tuple(in_cotangents))
+
+        def attempt(m):
+            if m == "reverse":
+                inv = reversible(reverse(sq.state_fun(fun)))
+                _, pull = jax.vjp(inv, sq.to_state_out(y_leaves))
+                (w,) = pull(sq.to_state_in(c_leaves))
+                return sq.from_state_out(w)
+            if m == "linearize":
+                _, lin = jax.linearize(fun, *primals)
+                lin_t = jax.linear_transpose(lin, *primals)
+                # lin_t: output cotangent -> tuple of input cotangents; invert it
+                t_state = _TransposedState(sq, lin_t)
+                w = reverse(t_state)(sq.to_state_in(c_leaves))
+                return sq.from_state_out(w)
+            J = jax.jacfwd(sq.flat_fun())(sq.ravel_in(sq.in_leaves))
+            c = sq.ravel_in(c_leaves)
+            return sq.unravel(_dense_solve(J, c, True, on_singular, who), sq.out_sd)
+
+        leaves, _ = _try(_methods(method), attempt, who, on_singular,
+                         lambda: _nan_like(y_leaves))
+        leaves = _guard(leaves, on_singular, who)
+        return sq.out_tree_of(leaves)
+
+    return y, ivjp_fn
+
+
+class _TransposedState:
+    """The transposed linear map as a function of one output-side state, returning the
+    input-side state: what `reverse` inverts for the "linearize" inverse VJP."""
+
+    def __init__(self, sq: _Square, lin_t: Callable) -> None:
+        self.sq, self.lin_t = sq, lin_t
+        self.__name__ = "transpose_of_jvp"
+
+    def __call__(self, w_state):
+        sq = self.sq
+        cts = self.lin_t(sq.out_tree_of(sq.from_state_out(w_state)))
+        return sq.to_state_in(jax.tree_util.tree_leaves(tuple(cts)))
+
+
+# --------------------------------------------------------------------------- slogdet
+
+def slogdet_jacobian(fun: Callable, *primals: Any, method: str = "auto") -> tuple[Any, Any]:
+    """``(sign, log|det J|)`` of `fun`'s Jacobian with respect to all of `primals`.
+
+    Example:
+        >>> import jax.numpy as jnp, jaxrev as jr
+        >>> sign, logdet = jr.slogdet_jacobian(lambda x: jnp.exp(x), jnp.array([1.0, 2.0]))
+        >>> float(sign), round(float(logdet), 6)
+        (1.0, 3.0)
+    """
+    who = "jaxrev.slogdet_jacobian"
+    _check_args(fun, primals, method, "raise", who)
+    sq = _Square(fun, primals, who)
+    from jaxrev.transforms.lumps import structured_slogdet
+    if method in ("auto", "linearize", "reverse"):
+        try:
+            return structured_slogdet(sq, fun, primals)
+        except NotImplementedError:
+            if method != "auto":
+                raise
+    J = jax.jacfwd(sq.flat_fun())(sq.ravel_in(sq.in_leaves))
+    return jnp.linalg.slogdet(J)

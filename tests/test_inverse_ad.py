@@ -1,0 +1,204 @@
+"""Inverse accumulation: `inverse_jvp`, `inverse_vjp`, `slogdet_jacobian` against dense solves."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxrev as jr
+
+THIS_FILE = __file__
+
+
+def _line_of(tag):
+    with open(THIS_FILE) as f:
+        return next(i for i, line in enumerate(f, 1) if line.rstrip().endswith("# " + tag))
+
+
+def flat(tree):
+    return jnp.concatenate([jnp.ravel(x) for x in jax.tree_util.tree_leaves(tree)])
+
+
+def dense_jac(fun, primals):
+    leaves, tree = jax.tree_util.tree_flatten(tuple(primals))
+    shapes = [jnp.shape(x) for x in leaves]
+
+    def g(v):
+        out, k = [], 0
+        for s in shapes:
+            m = int(np.prod(s, dtype=np.int64))
+            out.append(jnp.reshape(v[k:k + m], s))
+            k += m
+        return flat(fun(*jax.tree_util.tree_unflatten(tree, out)))
+    return jax.jacfwd(g)(flat(primals))
+
+
+def rel(a, b):
+    a, b = np.asarray(a), np.asarray(b)
+    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-300))
+
+
+rng = np.random.default_rng(0)
+
+
+def dense_map(n=6):
+    A = jnp.asarray(rng.standard_normal((n, n)) / np.sqrt(n))
+    return (lambda x: x + 0.3 * jnp.tanh(A @ x) + 0.1 * x ** 3), jnp.asarray(rng.standard_normal(n))
+
+
+def coupling_chain(n=300, steps=4):
+    ws = [jnp.asarray(rng.standard_normal(n - 1) * 0.5) for _ in range(steps)]
+
+    def f(x):
+        for w in ws:
+            x = x.at[1:].add(jnp.tanh(w * x[:-1]))  # each entry pushed by its left neighbour
+            x = x * 1.1 + 0.1 * jnp.sin(x)
+        return x
+    return f, jnp.asarray(rng.standard_normal(n))
+
+
+def leapfrog_chain(n=64, steps=30, dt=0.05):
+    def force(q):
+        lap = jnp.roll(q, 1) + jnp.roll(q, -1) - 2 * q
+        return lap - q - 0.1 * q ** 3
+
+    def f(qp):
+        q, p = qp
+
+        def body(i, s):
+            q, p = s
+            p = p + 0.5 * dt * force(q)
+            q = q + dt * p
+            return q, p + 0.5 * dt * force(q)
+        return jax.lax.fori_loop(0, steps, body, (q, p))
+    q0 = jnp.asarray(np.sin(np.linspace(0, 3, n)))
+    return f, (q0, jnp.zeros(n))
+
+
+def banded_scan(n=40, steps=12):
+    w = jnp.asarray(rng.standard_normal(n) * 0.3)
+
+    def f(x):
+        def body(x, k):
+            x = x + 0.2 * jnp.tanh(w * jnp.roll(x, 1) + k)
+            return x * jnp.exp(0.05 * jnp.cos(x)), None
+        return jax.lax.scan(body, x, jnp.arange(steps, dtype=x.dtype))[0]
+    return f, jnp.asarray(rng.standard_normal(n))
+
+
+CASES = {"dense_map": dense_map, "coupling_chain": coupling_chain,
+         "banded_scan": banded_scan}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("method", ["auto", "linearize", "dense"])
+def test_inverse_jvp_matches_dense_solve(name, method):
+    f, x = CASES[name]()
+    v = jnp.asarray(rng.standard_normal(x.shape))
+    y, (t,) = jr.inverse_jvp(f, (x,), v, method=method)
+    J = dense_jac(f, (x,))
+    assert rel(t, jnp.linalg.solve(J, v)) < 1e-9
+    assert rel(y, f(x)) == 0.0
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("method", ["auto", "linearize", "dense"])
+def test_inverse_vjp_matches_dense_solve(name, method):
+    f, x = CASES[name]()
+    c = jnp.asarray(rng.standard_normal(x.shape))
+    _, ivjp = jr.inverse_vjp(f, x, method=method)
+    w = ivjp((c,))
+    J = dense_jac(f, (x,))
+    assert rel(w, jnp.linalg.solve(J.T, c)) < 1e-9
+
+
+def test_invertible_program_uses_reverse_and_pytrees():
+    f, qp = leapfrog_chain()
+    v = (jnp.asarray(rng.standard_normal(64)), jnp.asarray(rng.standard_normal(64)))
+    _, (t,) = jr.inverse_jvp(f, (qp,), v, method="reverse")
+    J = dense_jac(f, (qp,))
+    assert isinstance(t, tuple) and len(t) == 2
+    assert rel(flat(t), jnp.linalg.solve(J, flat(v))) < 1e-9
+    _, ivjp = jr.inverse_vjp(f, qp, method="reverse")
+    (w_q, w_p) = ivjp((v,))
+    assert rel(flat((w_q, w_p)), jnp.linalg.solve(J.T, flat(v))) < 1e-9
+
+
+def test_several_primals_with_different_output_structure():
+    def f(a, b):  # two inputs of sizes 2 and 3 -> one output of size 5
+        return jnp.concatenate([a * jnp.exp(b[:2]), b + jnp.sum(a)])
+    a, b = jnp.array([1.0, -2.0]), jnp.array([0.3, 0.1, -0.4])
+    v = jnp.arange(1.0, 6.0)
+    _, (ta, tb) = jr.inverse_jvp(f, (a, b), v)
+    J = dense_jac(f, (a, b))
+    assert rel(jnp.concatenate([ta, tb]), jnp.linalg.solve(J, v)) < 1e-12
+    _, ivjp = jr.inverse_vjp(f, a, b)
+    w = ivjp((jnp.ones(2), jnp.ones(3)))
+    assert rel(w, jnp.linalg.solve(J.T, jnp.ones(5))) < 1e-12
+
+
+def test_jit_and_vmap():
+    f, x = dense_map()
+    V = jnp.asarray(rng.standard_normal((3,) + x.shape))
+    J = dense_jac(f, (x,))
+    ts = jax.jit(jax.vmap(lambda v: jr.inverse_jvp(f, (x,), v)[1][0]))(V)
+    assert rel(ts, jnp.linalg.solve(J, V.T).T) < 1e-9
+    xs = x + 0.1 * V
+    ts = jax.vmap(lambda x: jr.inverse_jvp(f, (x,), jnp.ones_like(x))[1][0])(xs)
+    for k in range(3):
+        assert rel(ts[k], jnp.linalg.solve(dense_jac(f, (xs[k],)), jnp.ones_like(x))) < 1e-9
+
+
+def test_float32():
+    f, x = coupling_chain(n=50, steps=2)
+    x32 = x.astype(jnp.float32)
+    _, (t,) = jr.inverse_jvp(f, (x32,), jnp.ones(50, jnp.float32))
+    assert t.dtype == jnp.float32
+    J = dense_jac(f, (x,))
+    assert rel(t, jnp.linalg.solve(J, jnp.ones(50))) < 1e-4
+
+
+@pytest.mark.parametrize("name", list(CASES) + ["leapfrog"])
+def test_slogdet_matches_dense(name):
+    f, x = leapfrog_chain() if name == "leapfrog" else CASES[name]()
+    sign, logdet = jr.slogdet_jacobian(f, x)
+    s_ref, l_ref = jnp.linalg.slogdet(dense_jac(f, (x,)))
+    assert float(sign) == float(s_ref)
+    assert abs(float(logdet) - float(l_ref)) < 1e-9 * max(1.0, abs(float(l_ref)))
+
+
+def test_singular_step_is_named():
+    p = jnp.array([1.0, 0.0, 2.0])
+
+    def f(x):
+        x = x + jnp.tanh(x[::-1]) * 0.0
+        return x * p  # SINGULAR-STEP
+    with pytest.raises(jr.SingularJacobianError) as ei:
+        jr.inverse_jvp(f, (jnp.ones(3),), jnp.ones(3))
+    assert f"test_inverse_ad.py:{_line_of('SINGULAR-STEP')}" in str(ei.value)
+    assert ei.value.primitive == "mul"
+    _, (t,) = jr.inverse_jvp(f, (jnp.ones(3),), jnp.ones(3), on_singular="nan")
+    assert bool(jnp.all(jnp.isnan(t)))
+    with pytest.raises(jr.SingularJacobianError):
+        jr.inverse_vjp(f, jnp.ones(3))[1]((jnp.ones(3),))
+
+
+def test_singular_under_jit_raises_when_run():
+    def f(x, p):
+        return x * p
+    g = jax.jit(lambda p: jr.inverse_jvp(lambda x: f(x, p), (jnp.ones(2),), jnp.ones(2))[1][0])
+    assert bool(jnp.all(jnp.isfinite(g(jnp.array([1.0, 2.0])))))
+    with pytest.raises(Exception, match="not finite"):
+        jax.block_until_ready(g(jnp.array([1.0, 0.0])))
+
+
+def test_errors_name_the_function():
+    def shrink(x):
+        return x[:2]
+    with pytest.raises(ValueError, match="shrink maps 3 input numbers to 2 outputs"):
+        jr.inverse_jvp(shrink, (jnp.ones(3),), jnp.ones(2))
+    with pytest.raises(ValueError, match="method must be one of"):
+        jr.inverse_jvp(jnp.sin, (jnp.ones(3),), jnp.ones(3), method="magic")
+    with pytest.raises(TypeError, match="primals must be a tuple"):
+        jr.inverse_jvp(jnp.sin, jnp.ones(3), jnp.ones(3))
