@@ -506,3 +506,15 @@ def test_two_selects_case_split_do_not_recurse():
     x = jnp.linspace(-1.0, 1.0, 5)
     p = jnp.array([-1.0, 0.5, 2.0, 0.5, 3.0])
     assert jnp.max(jnp.abs(jr.reverse(f)(f(x, p), p) - x)) < 1e-12
+
+
+def test_scan_final_carry_recovered_from_its_per_iteration_output():
+    # the final carry is discarded, but the body also emits it: its last entry stands in
+    def body(c, _):
+        c = c * 2.0 + 1.0
+        return c, c
+
+    def f(x):
+        return jax.lax.scan(body, x[0], None, length=1)[1]
+    x = jnp.array([0.75])
+    assert jnp.max(jnp.abs(jr.reverse(f)(f(x)) - x)) == 0.0

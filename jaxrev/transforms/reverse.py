@@ -410,13 +410,13 @@ def _lump_step(jaxpr, env, pending, used) -> bool:
 
 
 def _solve_lump(lump_eqns, env, inputs, outputs) -> None:
-    def F(*xs):
+    def F(*xs, known=env.read):
         local: dict[Var, Any] = dict(zip(inputs, xs))
 
         def read(v):
             if isinstance(v, Literal):
                 return v.val
-            return local[v] if v in local else env.read(v)
+            return local[v] if v in local else known(v)
 
         for eqn in lump_eqns:
             for v, o in zip(eqn.outvars, bind_eqn(eqn, [read(v) for v in eqn.invars])):
@@ -460,10 +460,12 @@ def _solve_lump(lump_eqns, env, inputs, outputs) -> None:
             return jnp.concatenate([jnp.ravel(jnp.asarray(f, dtype)) for f in F(*xs)])
 
         u0 = jnp.zeros(int(offs[-1]), dtype)
-        J = jax.jacfwd(Fflat, holomorphic=jnp.issubdtype(dtype, jnp.complexfloating))(u0) \
-            if jnp.issubdtype(dtype, jnp.complexfloating) else jax.jacfwd(Fflat)(u0)
         r = jnp.concatenate([jnp.ravel(y) for y in ys]) - Fflat(u0)
-        u = jnp.linalg.solve(J, r)
+        u = _structured_lump_solve(F, inputs, lump_eqns, env, offs, dtype, r)
+        if u is None:  # one dense lump: n JVPs and an LU
+            J = jax.jacfwd(Fflat, holomorphic=jnp.issubdtype(dtype, jnp.complexfloating))(u0) \
+                if jnp.issubdtype(dtype, jnp.complexfloating) else jax.jacfwd(Fflat)(u0)
+            u = jnp.linalg.solve(J, r)
         sols = [jnp.reshape(u[offs[m]:offs[m + 1]], v.aval.shape) for m, v in enumerate(inputs)]
     if all(is_concrete(s) for s in sols) and not all(bool(jnp.all(jnp.isfinite(s))) for s in sols):
         # blame a reduction if there is one: it is where the information goes
@@ -473,6 +475,49 @@ def _solve_lump(lump_eqns, env, inputs, outputs) -> None:
                              singular=True)
     for v, s in zip(inputs, sols):
         env.write(v, s)
+
+
+def _structured_lump_solve(F, inputs, lump_eqns, env, offs, dtype, r):
+    """Solve a lump whose matrix is banded and triangular (see `lumps`); None if it is not."""
+    from jaxrev.transforms import lumps
+    n = int(offs[-1])
+    if n < lumps.MIN_STRUCTURED_SIZE or jnp.issubdtype(dtype, jnp.complexfloating):
+        return None
+    produced = {v for e in lump_eqns for v in _real_outvars(e)}
+    stand_in: dict[Var, Any] = {}
+    rng = np.random.default_rng(0)
+    for e in lump_eqns:
+        for v in e.invars:
+            if not isinstance(v, Var) or v in inputs or v in produced or v in stand_in:
+                continue
+            val = env.read(v)
+            if is_concrete(val):
+                stand_in[v] = np.asarray(val)
+            elif jnp.issubdtype(v.aval.dtype, jnp.inexact):
+                stand_in[v] = rng.standard_normal(v.aval.shape).astype(v.aval.dtype) + 1.5
+            else:
+                return None  # a run-time index or predicate may change the pattern
+
+    def flat(u, known):
+        xs = [jnp.reshape(u[offs[m]:offs[m + 1]], v.aval.shape).astype(v.aval.dtype)
+              for m, v in enumerate(inputs)]
+        return jnp.concatenate([jnp.ravel(jnp.asarray(f, dtype)) for f in F(*xs, known=known)])
+
+    pattern = lumps.probe_pattern(lambda u: flat(u, stand_in.__getitem__), n, dtype)
+    if pattern is None:
+        return None
+    lo, up = lumps.band_of(pattern)
+    b = lo if up == 0 else up
+    if (lo and up) or b > max(8, n // 16):
+        return None
+    u, pivots = lumps.banded_triangular_solve(lambda u: flat(u, env.read), n, b, up == 0, r,
+                                              dtype)
+    if is_concrete(pivots) and bool(jnp.any(pivots == 0)):
+        k = int(jnp.argmax(pivots == 0))
+        raise not_invertible(lump_eqns[-1], "it belongs to a group of equations that are "
+                             f"invertible only together, and their triangular system has a zero "
+                             f"pivot (row {k})", singular=True)
+    return u
 
 
 # --------------------------------------------------------------------------- reverse()
@@ -868,6 +913,7 @@ def _scan(outs, *ins, **params):
             break
         K = newK
     unk = [i for i in range(ncar) if not K[i]]
+    carry_out = _carry_from_ys(bj, ncar, length, rev, carry_out, ys)
     if any(is_unknown(carry_out[i]) for i in unk):
         raise NeedMore("the loop's final carry is not known")
     known_idx = [i for i in range(ncar) if K[i]]
@@ -922,6 +968,22 @@ def _scan(outs, *ins, **params):
         if not kn:
             res[nc + ncar + j] = next(it)
     return res
+
+
+def _carry_from_ys(bj, ncar, length, rev, carry_out, ys):
+    """A final carry that is unknown but also emitted as an output per iteration (a body
+    returning ``(x, x)``) is that output's last entry."""
+    carry_out = list(carry_out)
+    if length == 0:
+        return carry_out
+    for i in range(ncar):
+        if not is_unknown(carry_out[i]) or not isinstance(bj.outvars[i], Var):
+            continue
+        for j, y in enumerate(ys):
+            if not is_unknown(y) and bj.outvars[ncar + j] is bj.outvars[i]:
+                carry_out[i] = y[0] if rev else y[-1]
+                break
+    return carry_out
 
 
 def _switch_inverse(index, branches, ins, outs):
