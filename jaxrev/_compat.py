@@ -212,3 +212,18 @@ def hoist_consts(closed: ClosedJaxpr) -> tuple[ClosedJaxpr, list[Any]]:
 
 
 ShapedArray = _core.ShapedArray
+
+
+def differentiation_depth() -> int:
+    """How many JVP / linearize traces enclose the code being traced right now."""
+    kinds = tuple(k for k in (getattr(_ad, "JVPTrace", None), getattr(_ad, "LinearizeTrace", None))
+                  if k is not None)
+    t = _core.trace_ctx.trace
+    depth = 0
+    seen = 0
+    while t is not None and seen < 1000:
+        if isinstance(t, kinds):
+            depth += 1
+        t = getattr(t, "parent_trace", None)
+        seen += 1
+    return depth

@@ -1,0 +1,294 @@
+"""Custom rules: `custom_inverse` (to `reverse` what `custom_vjp` is to `grad`).
+
+`@jr.custom_inverse` marks a function whose inverse the user supplies with `.definverse`. The
+function binds `custom_inverse_p`, a primitive carrying both jaxprs:
+
+- evaluated, differentiated (`jvp`, `grad`), batched or compiled, it is the function itself;
+- `reverse`, `reversible` and the inverse transforms invert it by evaluating the inverse, so
+  the inverse Jacobian of `f` is the Jacobian of `inv_fun`.
+
+This is how a step with no closed-form inverse, such as a monotone function inverted by Newton
+iterations, joins an invertible program.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrev._compat import (Primitive, differentiation_depth, eval_closed, lower_fun, not_mapped,
+                            primitive_batchers, primitive_jvps, register_lowering,
+                            trace_to_closed)
+from jaxrev._jaxpr import is_unknown
+from jaxrev.transforms.reverse import (NeedMore, _check_structure, _normalize_argnums,
+                                       inverse_rules)
+
+__all__ = ["custom_inverse", "custom_inverse_p", "hook", "nestlevel", "forward_mode"]
+
+custom_inverse_p = Primitive("jaxrev_custom_inverse")
+custom_inverse_p.multiple_results = True
+
+
+def _avals(xs: Sequence[Any]) -> list[jax.ShapeDtypeStruct]:
+    return [jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for x in xs]
+
+
+class custom_inverse:
+    """Give a function an inverse of your own, used by every jaxrev transform.
+
+    `fun(*args)` returns the structure, shapes and dtypes of its state `args[argnums]` (as for
+    `reverse`); `inv_fun` has `fun`'s signature with the outputs in the state positions:
+    ``inv_fun(fun(x, theta), theta) == x``. `fun` itself stays an ordinary JAX function: `jit`,
+    `vmap`, `grad` and `jvp` see `fun`.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, jaxrev as jr
+        >>> @jr.custom_inverse
+        ... def f(x):
+        ...     return x + 0.5 * jnp.sin(x)  # monotone; no closed-form inverse
+        >>> @f.definverse
+        ... def f_inv(y):
+        ...     newton = lambda i, x: x - (x + 0.5 * jnp.sin(x) - y) / (1 + 0.5 * jnp.cos(x))
+        ...     return jax.lax.fori_loop(0, 30, newton, y)
+        >>> x = jnp.array([0.3, -1.0])
+        >>> bool(jnp.allclose(jr.reverse(f)(f(x)), x))
+        True
+    """
+
+    def __init__(self, fun: Callable, argnums: int | Sequence[int] = 0) -> None:
+        functools.update_wrapper(self, fun)
+        self.fun = fun
+        self.argnums = argnums
+        self.inv_fun: Callable | None = None
+
+    def definverse(self, inv_fun: Callable) -> Callable:
+        """Register `inv_fun` as the inverse; returns it (usable as a decorator)."""
+        if not callable(inv_fun):
+            raise TypeError(f"definverse of {self.__name__} expects a callable, got {inv_fun!r}")
+        self.inv_fun = inv_fun
+        return inv_fun
+
+    def __get__(self, obj, objtype=None):  # methods: bind like a function
+        return self if obj is None else functools.partial(self, obj)
+
+    def __call__(self, *args: Any) -> Any:
+        name = getattr(self.fun, "__name__", "fun")
+        if self.inv_fun is None:
+            raise TypeError(f"custom_inverse function {name} has no inverse: call "
+                            f"{name}.definverse(inv_fun) first")
+        nums = _normalize_argnums(self.argnums, len(args), self.fun)
+        flat, in_tree = jax.tree_util.tree_flatten(tuple(args))
+        flat = [jnp.asarray(x) for x in flat]
+        marks = jax.tree_util.tree_unflatten(in_tree, list(range(len(flat))))
+        state_pos = [i for a in nums for i in jax.tree_util.tree_leaves(marks[a])]
+
+        def flat_of(fn):
+            return lambda *leaves: jax.tree_util.tree_leaves(
+                fn(*jax.tree_util.tree_unflatten(in_tree, list(leaves))))
+
+        fj, fconsts, _ = trace_to_closed(flat_of(self.fun), *_avals(flat))
+        out_shape = jax.eval_shape(self.fun, *args)
+        s_tree = _check_structure(self.fun, args, nums, out_shape, who="jaxrev.custom_inverse")
+        ij, iconsts, _ = trace_to_closed(flat_of(self.inv_fun), *_avals(flat))
+        inv_name = getattr(self.inv_fun, "__name__", "inv_fun")
+        inv_out = ij.out_avals
+        want = [fj.in_avals[len(fconsts) + i] for i in state_pos]
+        if len(inv_out) != len(want) or any(
+                tuple(a.shape) != tuple(b.shape) or a.dtype != b.dtype
+                for a, b in zip(inv_out, want)):
+            raise ValueError(
+                f"jaxrev.custom_inverse: the inverse {inv_name} of {name} must return the "
+                f"state's leaves ({[w.str_short() for w in want]}), got "
+                f"{[a.str_short() for a in inv_out]}")
+        outs = custom_inverse_p.bind(
+            *fconsts, *iconsts, *flat, fun_jaxpr=fj, inv_jaxpr=ij, n_fconsts=len(fconsts),
+            n_iconsts=len(iconsts), state=tuple(i in state_pos for i in range(len(flat))))
+        return jax.tree_util.tree_unflatten(s_tree, outs)
+
+
+def _split(args, n_fconsts, n_iconsts):
+    return (args[:n_fconsts], args[n_fconsts:n_fconsts + n_iconsts],
+            args[n_fconsts + n_iconsts:])
+
+
+def _impl(*args, fun_jaxpr, inv_jaxpr, n_fconsts, n_iconsts, state):
+    fc, _, xs = _split(args, n_fconsts, n_iconsts)
+    return eval_closed(fun_jaxpr, *fc, *xs)
+
+
+def _jvp(primals, tangents, **params):
+    from jaxrev.transforms.reversible import _tangent_args
+    return jax.jvp(functools.partial(_impl, **params), tuple(primals),
+                   _tangent_args(primals, tangents))
+
+
+def _batch(args, dims, *, fun_jaxpr, inv_jaxpr, n_fconsts, n_iconsts, state):
+    size = next(jnp.shape(a)[d] for a, d in zip(args, dims) if d is not not_mapped)
+    args = [jnp.moveaxis(a, d, 0) if d is not not_mapped else a for a, d in zip(args, dims)]
+    axes = [0 if d is not not_mapped else None for d in dims]
+    fc, ic, xs = _split(args, n_fconsts, n_iconsts)
+    fa, ia, xa = _split(axes, n_fconsts, n_iconsts)
+    # the state is batched on both sides; parameters keep their own batching
+    xs = [jnp.broadcast_to(x, (size,) + jnp.shape(x)) if s and a is None else x
+          for x, a, s in zip(xs, xa, state)]
+    xa = [0 if s else a for a, s in zip(xa, state)]
+
+    def vm(closed, c, ca):
+        fn = jax.vmap(lambda *a: eval_closed(closed, *a), in_axes=(*ca, *xa), axis_size=size)
+        new, consts, _ = trace_to_closed(fn, *_avals([*c, *xs]))
+        return new, consts
+
+    fj, fk = vm(fun_jaxpr, fc, fa)
+    ij, ik = vm(inv_jaxpr, ic, ia)
+    # vmap's own constants (hoisted by trace_to_closed) lead each jaxpr's inputs
+    out = custom_inverse_p.bind(*fk, *fc, *ik, *ic, *xs, fun_jaxpr=fj, inv_jaxpr=ij,
+                                n_fconsts=len(fk) + len(fc), n_iconsts=len(ik) + len(ic),
+                                state=state)
+    return out, [0] * len(out)
+
+
+custom_inverse_p.def_impl(_impl)
+custom_inverse_p.def_abstract_eval(
+    lambda *avals, fun_jaxpr, **_: list(fun_jaxpr.out_avals))
+register_lowering(custom_inverse_p, lower_fun(_impl, multiple_results=True))
+primitive_jvps[custom_inverse_p] = _jvp
+primitive_batchers[custom_inverse_p] = _batch
+
+
+def _inverse_rule(outs, *ins, fun_jaxpr, inv_jaxpr, n_fconsts, n_iconsts, state):
+    fc, ic, xs = _split(list(ins), n_fconsts, n_iconsts)
+    if any(is_unknown(c) for c in [*fc, *ic]) or any(
+            is_unknown(x) for x, s in zip(xs, state) if not s):
+        raise NeedMore("the inverse's parameters are not known yet")
+    if any(is_unknown(o) for o in outs):
+        raise NeedMore("the outputs are not known yet")
+    it = iter(outs)
+    args = [next(it) if s else x for x, s in zip(xs, state)]
+    rec = eval_closed(inv_jaxpr, *ic, *args)
+    it = iter(rec)
+    return [None] * (n_fconsts + n_iconsts) + [next(it) if s else None for s in state]
+
+
+inverse_rules[custom_inverse_p] = _inverse_rule
+
+
+# --------------------------------------------------------------------------- hook, nestlevel
+
+def hook(fn: Callable[[Any], Any], x: Any) -> Any:
+    """Identity on `x`; in the backward pass, `fn` is applied to `x`'s cotangent.
+
+    For clipping, rescaling or inspecting gradients where they flow. `fn` takes and returns a
+    cotangent with `x`'s structure.
+
+    Example:
+        >>> import jax, jaxrev as jr
+        >>> float(jax.grad(lambda x: jr.hook(lambda g: -g, x) ** 2)(3.0))
+        -6.0
+    """
+    if not callable(fn):
+        raise TypeError(f"jr.hook expects a callable as its first argument, got {fn!r}")
+    return _hook(fn, x)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _hook(fn, x):
+    return x
+
+
+def _hook_fwd(fn, x):
+    return x, None
+
+
+def _hook_bwd(fn, _, g):
+    out = fn(g)
+    name = getattr(fn, "__name__", repr(fn))
+    if jax.tree_util.tree_structure(out) != jax.tree_util.tree_structure(g) or any(
+            jnp.shape(a) != jnp.shape(b) for a, b in zip(jax.tree_util.tree_leaves(out),
+                                                         jax.tree_util.tree_leaves(g))):
+        raise ValueError(f"jr.hook: {name} must return a cotangent with the structure and "
+                         f"shapes of its input ({jax.tree_util.tree_structure(g)}), got "
+                         f"{jax.tree_util.tree_structure(out)}")
+    out = jax.tree_util.tree_map(lambda o, r: jnp.asarray(o, jnp.result_type(r)), out, g)
+    return (out,)
+
+
+_hook.defvjp(_hook_fwd, _hook_bwd)
+
+
+def nestlevel() -> int:
+    """The order of differentiation the calling code is traced under (0 when not
+    differentiated): 1 inside `grad`, 2 inside `grad(grad(...))` or `hessian`.
+
+    Read at trace time, so a function staged out by `jit` on its own (`grad(jit(f))`) sees the
+    level at which `jit` traced it.
+
+    Example:
+        >>> import jax, jaxrev as jr
+        >>> def f(x):
+        ...     print("level", jr.nestlevel())
+        ...     return x ** 3
+        >>> _ = f(1.0)
+        level 0
+        >>> _ = jax.grad(jax.grad(f))(1.0)
+        level 2
+    """
+    return differentiation_depth()
+
+
+# --------------------------------------------------------------------------- forward_mode
+
+def forward_mode(fun: Callable) -> Callable:
+    """`fun` whose Jacobian is computed in forward mode during the primal run and applied in
+    the backward pass (Zygote's `forwarddiff`): for functions with few inputs, one JVP per input
+    instead of a stored tape; the backward pass does not evaluate `fun` again.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, jaxrev as jr
+        >>> f = jr.forward_mode(lambda x: jnp.sin(x) * x[::-1])
+        >>> g = jax.grad(lambda x: jnp.sum(f(x)))(jnp.array([0.5, 1.0]))
+        >>> g.shape
+        (2,)
+    """
+    name = getattr(fun, "__name__", "fun")
+
+    @functools.wraps(fun)
+    def wrapped(*args):
+        leaves, tree = jax.tree_util.tree_flatten(args)
+        for x in leaves:
+            if not jnp.issubdtype(jnp.result_type(x), jnp.inexact):
+                raise TypeError(f"jr.forward_mode({name}): every input must be a float array "
+                                f"(got {jnp.result_type(x)})")
+        shapes = [jnp.shape(x) for x in leaves]
+        dtypes = [jnp.result_type(x) for x in leaves]
+        offs = np.cumsum([0] + [int(np.prod(s, dtype=np.int64)) for s in shapes])
+
+        def f_flat(*ls):
+            return fun(*jax.tree_util.tree_unflatten(tree, list(ls)))
+
+        def split(vec):
+            return [jnp.reshape(vec[offs[k]:offs[k + 1]], s).astype(d)
+                    for k, (s, d) in enumerate(zip(shapes, dtypes))]
+
+        @jax.custom_vjp
+        def g(*ls):
+            return f_flat(*ls)
+
+        def fwd(*ls):
+            basis = jnp.eye(int(offs[-1]), dtype=jnp.result_type(*dtypes))
+            y, jac = jax.vmap(lambda e: jax.jvp(f_flat, ls, tuple(split(e))), out_axes=(None, 0))(
+                basis)
+            return y, jac  # every output leaf of jac gains a leading input axis
+
+        def bwd(jac, ct):
+            vec = sum(jnp.tensordot(j, c, axes=jnp.ndim(c))
+                      for j, c in zip(jax.tree_util.tree_leaves(jac),
+                                      jax.tree_util.tree_leaves(ct)))
+            return tuple(split(vec))
+
+        g.defvjp(fwd, bwd)
+        return g(*leaves)
+
+    return wrapped

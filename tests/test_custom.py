@@ -1,0 +1,161 @@
+"""`jr.custom_inverse`: a user-supplied inverse honoured by reverse, reversible, inverse AD."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxrev as jr
+
+
+@jr.custom_inverse
+def kepler(x):
+    """Monotone (derivative >= 0.5): its inverse is found by Newton iterations only."""
+    return x + 0.5 * jnp.sin(x)
+
+
+@kepler.definverse
+def kepler_inv(y):
+    def newton(_, x):
+        return x - (x + 0.5 * jnp.sin(x) - y) / (1.0 + 0.5 * jnp.cos(x))
+    return jax.lax.fori_loop(0, 40, newton, y)
+
+
+def program(x, w):
+    """kepler inside a larger invertible program, with parameters."""
+    def body(c, _):
+        a, b = c
+        a = a + jnp.tanh(w * b)
+        b = kepler(b * 1.3) + 0.1 * a
+        return (a, b), None
+    return jax.lax.scan(body, x, None, length=5)[0]
+
+
+X = (jnp.linspace(-1.0, 1.0, 4), jnp.linspace(0.5, 2.0, 4))
+W = jnp.array([0.3, -0.7, 1.1, 0.2])
+
+
+def rel(a, b):
+    return max(float(jnp.max(jnp.abs(u - v)) / jnp.max(jnp.abs(v)))
+               for u, v in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)))
+
+
+def test_function_itself_is_unchanged():
+    x = jnp.linspace(-2, 2, 5)
+    plain = lambda x: x + 0.5 * jnp.sin(x)  # noqa: E731
+    assert rel(kepler(x), plain(x)) == 0
+    assert rel(jax.grad(lambda x: jnp.sum(kepler(x) ** 2))(x),
+               jax.grad(lambda x: jnp.sum(plain(x) ** 2))(x)) < 1e-15
+    assert rel(jax.jit(jax.vmap(kepler))(x[:, None]), plain(x[:, None])) < 1e-15
+    assert rel(jax.jvp(kepler, (x,), (x,))[1], jax.jvp(plain, (x,), (x,))[1]) < 1e-15
+
+
+def test_reverse_uses_the_inverse():
+    x = jnp.linspace(-2, 2, 5)
+    assert rel(jr.reverse(kepler)(kepler(x)), x) < 1e-14
+    y = program(X, W)
+    assert rel(jr.reverse(program)(y, W), X) < 1e-12
+    # vmapped, and under jit
+    Xb = jax.tree_util.tree_map(lambda a: jnp.stack([a, a * 0.5]), X)
+    Yb = jax.vmap(program, (0, None))(Xb, W)
+    assert rel(jax.jit(jax.vmap(jr.reverse(program), (0, None)))(Yb, W), Xb) < 1e-12
+
+
+def test_reversible_gradients():
+    loss = lambda f: lambda x, w: jnp.sum(f(x, w)[0] ** 2) + jnp.sum(jnp.sin(f(x, w)[1]))  # noqa
+    g_ref = jax.grad(loss(program), argnums=(0, 1))(X, W)
+    g = jax.grad(loss(jr.reversible(program)), argnums=(0, 1))(X, W)
+    assert rel(g, g_ref) < 1e-11
+    assert jr.memory_report(program, X, W).total_bytes == 0
+
+
+def test_inverse_jvp_is_exact():
+    flat = lambda z: jnp.concatenate(program((z[:4], z[4:]), W))  # noqa: E731
+    z = jnp.concatenate(X)
+    v = jnp.asarray(np.random.default_rng(0).standard_normal(8))
+    _, (t,) = jr.inverse_jvp(flat, (z,), v, method="reverse")
+    J = jax.jacfwd(flat)(z)
+    assert rel(t, jnp.linalg.solve(J, v)) < 1e-10
+
+
+def test_errors_name_the_function():
+    @jr.custom_inverse
+    def g(x):
+        return x * 2.0
+
+    with pytest.raises(TypeError, match="custom_inverse function g has no inverse"):
+        g(jnp.ones(2))
+
+    g.definverse(lambda y: y[:1])
+    with pytest.raises(ValueError, match="the inverse <lambda> of g must return"):
+        g(jnp.ones(2))
+
+    @jr.custom_inverse
+    def h(x):
+        return x[:1]
+
+    h.definverse(lambda y: y)
+    with pytest.raises(ValueError, match="jaxrev.custom_inverse: h's output leaf 0"):
+        h(jnp.ones(2))
+    with pytest.raises(TypeError, match="expects a callable"):
+        h.definverse(3)
+
+
+# --------------------------------------------------------------------------- hook, nestlevel
+
+def test_hook_flips_the_gradient():
+    assert float(jax.grad(lambda x: jr.hook(lambda g: -g, x) ** 2)(3.0)) == -6.0
+    # pytrees, and clipping inside a larger gradient
+    def loss(p):
+        p = jr.hook(lambda g: jax.tree_util.tree_map(lambda a: jnp.clip(a, -1.0, 1.0), g), p)
+        return jnp.sum(p["w"] ** 3) + p["b"] * 10.0
+    g = jax.jit(jax.grad(loss))({"w": jnp.array([0.1, 2.0]), "b": 1.0})
+    assert np.allclose(g["w"], [0.03, 1.0]) and float(g["b"]) == 1.0
+    # forward values untouched
+    assert float(jr.hook(lambda g: 2 * g, 5.0)) == 5.0
+
+
+def test_hook_errors_name_the_hook():
+    with pytest.raises(TypeError, match="jr.hook expects a callable"):
+        jr.hook(3.0, 1.0)
+
+    def bad(g):
+        return (g, g)
+    with pytest.raises(ValueError, match="jr.hook: bad must return a cotangent"):
+        jax.grad(lambda x: jr.hook(bad, x) ** 2)(1.0)
+
+
+def test_nestlevel():
+    seen = []
+
+    def f(x):
+        seen.append(jr.nestlevel())
+        return x ** 3
+
+    f(2.0)
+    jax.grad(f)(2.0)
+    jax.grad(jax.grad(f))(2.0)
+    jax.hessian(f)(2.0)
+    jax.jit(jax.grad(f))(2.0)
+    assert seen == [0, 1, 2, 2, 1]
+
+
+# --------------------------------------------------------------------------- forward_mode
+
+def test_forward_mode_gradients_and_no_reevaluation():
+    def f(a, b):
+        return {"u": jnp.sin(a) * b[0], "v": jnp.exp(a * b[1]).sum()}
+
+    fm = jr.forward_mode(f)
+    a, b = jnp.array([0.3, -1.2, 0.7]), jnp.array([1.5, 0.25])
+    loss = lambda f: lambda a, b: jnp.sum(f(a, b)["u"] ** 2) + f(a, b)["v"]  # noqa: E731
+    g_ref = jax.grad(loss(f), argnums=(0, 1))(a, b)
+    g = jax.grad(loss(fm), argnums=(0, 1))(a, b)
+    assert rel(g, g_ref) < 1e-12
+    # the backward pass applies the stored Jacobian: no sin / exp left in it
+    _, pull = jax.vjp(fm, a, b)
+    back = str(jax.make_jaxpr(pull)(fm(a, b)))
+    assert "sin" not in back and "exp" not in back
+    with pytest.raises(TypeError, match="forward_mode"):
+        jr.forward_mode(lambda n: n * 2)(jnp.arange(3))
