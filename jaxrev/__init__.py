@@ -5,7 +5,8 @@
 from jaxrev._errors import (JaxrevError, NotInvertibleError, ReversibilityError,
                             SingularJacobianError)
 from jaxrev.transforms.control_flow import cond, while_loop
-from jaxrev.transforms.custom import custom_inverse, forward_mode, hook, nestlevel
+from jaxrev.transforms.custom import (custom_inverse, forward_mode, hook, nestlevel, recompute,
+                                     store)
 from jaxrev.transforms.inverse_ad import inverse_jvp, inverse_vjp, slogdet_jacobian
 from jaxrev.transforms.reverse import register_inverse, reverse
 from jaxrev.transforms.reversible import (MemoryReport, ReversibilityReport, check_reversible,
@@ -17,6 +18,6 @@ __all__ = [
     "reverse", "reversible", "memory_report", "MemoryReport", "register_inverse",
     "check_reversible", "ReversibilityReport", "while_loop", "cond",
     "inverse_jvp", "inverse_vjp", "slogdet_jacobian", "custom_inverse",
-    "hook", "nestlevel", "forward_mode",
+    "hook", "nestlevel", "forward_mode", "store", "recompute",
     "JaxrevError", "NotInvertibleError", "ReversibilityError", "SingularJacobianError",
 ]

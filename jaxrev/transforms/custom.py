@@ -20,13 +20,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrev._compat import (Primitive, differentiation_depth, eval_closed, lower_fun, not_mapped,
-                            primitive_batchers, primitive_jvps, register_lowering,
-                            trace_to_closed)
+                            primitive_batchers, primitive_jvps, primitive_transposes,
+                            register_lowering, trace_to_closed)
 from jaxrev._jaxpr import is_unknown
 from jaxrev.transforms.reverse import (NeedMore, _check_structure, _normalize_argnums,
                                        inverse_rules)
 
-__all__ = ["custom_inverse", "custom_inverse_p", "hook", "nestlevel", "forward_mode"]
+__all__ = ["custom_inverse", "custom_inverse_p", "hook", "nestlevel", "forward_mode", "store",
+           "recompute", "store_p", "recompute_p"]
 
 custom_inverse_p = Primitive("jaxrev_custom_inverse")
 custom_inverse_p.multiple_results = True
@@ -292,3 +293,52 @@ def forward_mode(fun: Callable) -> Callable:
         return g(*leaves)
 
     return wrapped
+
+
+# --------------------------------------------------------------------------- store / recompute
+
+def _identity_primitive(name: str) -> Primitive:
+    p = Primitive(name)
+    p.def_impl(lambda x: x)
+    p.def_abstract_eval(lambda a: a)
+    register_lowering(p, lower_fun(lambda x: x, multiple_results=False))
+    primitive_jvps[p] = lambda primals, tangents: (p.bind(primals[0]), tangents[0])
+    primitive_transposes[p] = lambda ct, x: [ct]
+    primitive_batchers[p] = lambda args, dims: (p.bind(args[0]), dims[0])
+    inverse_rules[p] = lambda out, x: [out]
+    return p
+
+
+store_p = _identity_primitive("jaxrev_store")
+recompute_p = _identity_primitive("jaxrev_recompute")
+
+
+def store(x: Any) -> Any:
+    """Mark `x` to be kept by `reversible`'s forward run (Slang's ``[PreferCheckpoint]``).
+
+    The backward sweep then reads the kept value instead of rebuilding it, which resets the
+    rounding drift at that point (and costs its bytes, per iteration inside a loop; see
+    `memory_report`). An identity everywhere else.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, jaxrev as jr
+        >>> f = lambda x: jax.lax.fori_loop(0, 10, lambda i, x: jr.store(x * 1.5) + 1.0, x)
+        >>> [e["what"] for e in jr.memory_report(f, jnp.ones(3)).entries][-1]
+        'value kept by jr.store'
+    """
+    return jax.tree_util.tree_map(store_p.bind, x)
+
+
+def recompute(x: Any) -> Any:
+    """Mark `x` never to be stored by `reversible` (Slang's ``[PreferRecompute]``): where a
+    lossy step needs it, `reversible` stores the values it is computed from instead and
+    recomputes it. An identity everywhere else.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, jaxrev as jr
+        >>> step = lambda x: jnp.maximum(jr.recompute(x * 2.0), 0.0) + jnp.sin(x)
+        >>> f = lambda x: jax.lax.fori_loop(0, 4, lambda i, x: step(x), x)
+        >>> jr.memory_report(f, jnp.ones(3)).total_bytes > 0
+        True
+    """
+    return jax.tree_util.tree_map(recompute_p.bind, x)

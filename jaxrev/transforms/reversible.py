@@ -31,8 +31,9 @@ from jaxrev._compat import (ClosedJaxpr, DropVar, JaxprEqn, Literal, Primitive, 
                             primitive_jvps, primitive_transposes, prims, register_lowering,
                             scan_info, trace_to_closed, user_source)
 from jaxrev._errors import ReversibilityError, not_invertible
-from jaxrev._jaxpr import Env, inline_calls
+from jaxrev._jaxpr import Env, fit_to_aval, inline_calls
 from jaxrev.transforms import control_flow as _cf
+from jaxrev.transforms.custom import recompute_p, store_p
 from jaxrev.transforms.reverse import (_check_structure, _invert_call, _normalize_argnums,
                                        _trace_program, propagate)
 
@@ -278,9 +279,14 @@ def _choose_store(eqns: Sequence[JaxprEqn], env: Env, missing: list) -> list:
     which the rest follows (a loop body's overwritten carry, say), else the cheaper of the
     missing values themselves and the unknown inputs they are computed from."""
     roots, ancestors = _unknown_ancestry(eqns, env, missing)
-    cands = sorted(dict.fromkeys([*missing, *roots, *ancestors[:_MAX_STORE_CANDIDATES]]),
-                   key=lambda v: _nbytes([v]))
+    # values marked with jr.recompute are never candidates: their sources are stored instead
+    no_store = {v for e in eqns if e.primitive is recompute_p for v in [*e.invars, *e.outvars]}
+    cands = sorted((c for c in dict.fromkeys([*missing, *roots,
+                                              *ancestors[:_MAX_STORE_CANDIDATES]])
+                    if c not in no_store), key=lambda v: _nbytes([v]))
     best = missing if roots is None or _nbytes(missing) <= _nbytes(roots) else roots
+    if roots is not None and any(m in no_store for m in missing):
+        best = roots
     for c in cands:
         if _nbytes([c]) >= _nbytes(best):
             break
@@ -360,6 +366,10 @@ def _walk(P: _Plan, env: Env, ctenv: dict | None, active_in: set, res: _Res,
             if any(_is_var(o) and not env.known(o) for o in e.outvars):
                 for o, val in zip(e.outvars, bind_eqn(e, [env.read(v) for v in e.invars])):
                     env.write(o, val)
+    for e in eqns:  # values the user asked to keep (jr.store) are read, not rebuilt: the kept
+        o = e.outvars[0]  # value replaces a rebuilt one (a loop carry), resetting its drift
+        if e.primitive is store_p and _is_var(o):
+            env.vals[o] = fit_to_aval(res.store(o, e, "value kept by jr.store"), o.aval)
     for i in reversed(range(len(eqns))):
         e = eqns[i]
         if i not in forward:
@@ -932,7 +942,8 @@ class MemoryReport:
 
     `entries` is a list of dicts: `what`, `shape`, `dtype`, `bytes` (per store), `count` (how many
     times it is stored: the iterations of the loops around it), `where` (the user's file:line and
-    the primitive). `total_bytes` sums bytes × count.
+    the primitive that needs it), `made` (the step that computes the value, where it has one).
+    `total_bytes` sums bytes × count.
     """
 
     def __init__(self, entries: list[dict], name: str) -> None:
@@ -950,7 +961,11 @@ class MemoryReport:
         for e in self.entries:
             per = (f"{e['bytes']} B per iteration x {e['count']}" if e["count"] != 1
                    else f"{e['bytes']} B per call")
-            lines.append(f"  {e['what']} {e['dtype']}{list(e['shape'])}: {per}  ({e['where']})")
+            made = e.get("made") or ""
+            made = f"; {made}" if made.startswith("an input") else (
+                f"; computed by {made}" if made else "")
+            lines.append(f"  {e['what']} {e['dtype']}{list(e['shape'])}: {per}  "
+                         f"(needed by {e['where']}{made})")
         return "\n".join(lines)
 
     __repr__ = __str__
@@ -964,6 +979,7 @@ def _describe(eqn: JaxprEqn | None) -> str:
 
 
 def _report_entries(P: _Plan, count: int, out: list[dict]) -> None:
+    producer = {o: e for e in P.closed.jaxpr.eqns for o in e.outvars if _is_var(o)}
     for v in P.store:
         nbytes = int(np.prod(v.aval.shape, dtype=np.int64)) * np.dtype(v.aval.dtype).itemsize
         why = P.why.get(v)
@@ -972,7 +988,9 @@ def _report_entries(P: _Plan, count: int, out: list[dict]) -> None:
             else "value a lossy step cannot rebuild")
         out.append(dict(what=what, shape=tuple(v.aval.shape),
                         dtype=str(v.aval.dtype), bytes=nbytes, count=count,
-                        where=_describe(P.why.get(v))))
+                        where=_describe(P.why.get(v)),
+                        made=(_describe(producer[v]) if v in producer
+                              else "an input of the function or loop body")))
     eqns = P.closed.jaxpr.eqns
     for i in sorted(P.loops):
         lp = P.loops[i]
