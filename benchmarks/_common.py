@@ -47,3 +47,12 @@ def device_info() -> dict:
     d = jax.devices()[0]
     return {"backend": jax.default_backend(), "device": str(d.device_kind),
             "jax": jax.__version__}
+
+
+def progress(iterable, **kwargs):
+    """A tqdm progress bar when tqdm is installed (the `bench` extra), else the iterable."""
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover
+        return iterable
+    return tqdm(iterable, **kwargs)

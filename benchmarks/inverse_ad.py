@@ -36,13 +36,8 @@ jax.config.update("jax_enable_x64", True)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jaxrev as jr  # noqa: E402
-from _common import RESULTS, device_info, interleaved_medians, write_results  # noqa: E402
-
-try:
-    from tqdm import tqdm
-except ImportError:  # pragma: no cover
-    def tqdm(it, **_):
-        return it
+from _common import (RESULTS, device_info, interleaved_medians, progress,  # noqa: E402
+                     write_results)
 
 try:
     import lineax as lx
@@ -134,7 +129,7 @@ def main(argv=None):
     work = [("Klein-Gordon leapfrog, 200 steps", *klein_gordon(200 if q else 2000)),
             ("coupling chain .at[1:].add", *coupling_chain(300 if q else 2000))]
     rows = []
-    for name, f, x in tqdm(work, desc="inverse AD workloads"):
+    for name, f, x in progress(work, desc="inverse AD workloads"):
         rows.append(run_workload(name, f, x))
     data = {"device": device_info(), "rows": rows}
     table = make_table(data)

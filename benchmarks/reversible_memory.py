@@ -24,14 +24,8 @@ jax.config.update("jax_enable_x64", True)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jaxrev as jr  # noqa: E402
-from _common import (RESULTS, device_info, interleaved_medians, temp_bytes,  # noqa: E402
-                     write_results)
-
-try:
-    from tqdm import tqdm
-except ImportError:  # pragma: no cover
-    def tqdm(it, **_):
-        return it
+from _common import (RESULTS, device_info, interleaved_medians, progress,  # noqa: E402
+                     temp_bytes, write_results)
 
 try:
     import equinox as eqx
@@ -114,7 +108,7 @@ def main(argv=None):
     if eqx is not None:
         methods["equinox checkpointed"] = coupled_equinox
     rows = []
-    for depth in tqdm(depths, desc="coupled scan depths"):
+    for depth in progress(depths, desc="coupled scan depths"):
         row = {"depth": depth, "mem": {}, "time": {}}
         fns = {}
         for name, mk in methods.items():
