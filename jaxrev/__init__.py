@@ -8,7 +8,7 @@ from jaxrev.transforms.control_flow import cond, while_loop
 from jaxrev.transforms.custom import (custom_inverse, forward_mode, hook, nestlevel, recompute,
                                      store)
 from jaxrev.transforms.inverse_ad import inverse_jvp, inverse_vjp, slogdet_jacobian
-from jaxrev.transforms.reverse import register_inverse, reverse
+from jaxrev.transforms.reverse import register_inverse, register_inverse_jvp, reverse
 from jaxrev.transforms.reversible import (MemoryReport, ReversibilityReport, check_reversible,
                                          memory_report, reversible)
 
@@ -16,6 +16,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "reverse", "reversible", "memory_report", "MemoryReport", "register_inverse",
+    "register_inverse_jvp",
     "check_reversible", "ReversibilityReport", "while_loop", "cond",
     "inverse_jvp", "inverse_vjp", "slogdet_jacobian", "custom_inverse",
     "hook", "nestlevel", "forward_mode", "store", "recompute",

@@ -209,3 +209,51 @@ def test_recompute_changes_what_is_stored():
     assert "`mul`" in marked.entries[0]["made"] and marked.total_bytes == 8, str(marked)
     L = lambda f: jax.grad(lambda x, w: jnp.sum(jnp.sin(f(x, w))), argnums=(0, 1))  # noqa: E731
     assert rel(L(jr.reversible(lambda x, w: f(x, w, jr.recompute)))(x, w), L(f)(x, w)) < 1e-13
+
+
+# --------------------------------------------------------------------------- register_inverse_jvp
+
+def _cube_primitive(with_jvp_rule):
+    from jax.extend.core import Primitive
+    p = Primitive("test_cube")
+    p.def_impl(lambda x: x ** 3)
+    p.def_abstract_eval(lambda a: a)
+    from jaxrev._compat import primitive_jvps
+    primitive_jvps[p] = lambda xs, ts: (p.bind(xs[0]), 3 * xs[0] ** 2 * ts[0])
+    # the inverse is computed where JAX cannot differentiate it
+    jr.register_inverse(p, lambda out, x: [jax.lax.stop_gradient(jnp.cbrt(out))])
+    if with_jvp_rule:
+        jr.register_inverse_jvp(p, lambda t, out, x: [t / (3 * x ** 2)])
+    return p
+
+
+def test_register_inverse_jvp_gives_the_inverse_its_derivative():
+    plain, ruled = _cube_primitive(False), _cube_primitive(True)
+    y = jnp.array([8.0, -27.0, 0.125])
+    assert float(jnp.max(jnp.abs(jax.jvp(jr.reverse(plain.bind), (y,), (jnp.ones(3),))[1]))) == 0
+    t = jax.jvp(jr.reverse(ruled.bind), (y,), (jnp.ones(3),))[1]
+    assert rel(t, 1.0 / (3 * jnp.cbrt(y) ** 2)) < 1e-14
+    # inverse_jvp's "reverse" strategy goes through it, also with a parameter in the step
+    f = lambda x, a: ruled.bind(x * a) + a  # noqa: E731
+    x = jnp.array([0.5, 1.5, -2.0])
+    _, (tx,) = jr.inverse_jvp(lambda x: f(x, 2.0), (x,), jnp.ones(3), method="reverse")
+    J = jax.jacfwd(lambda x: f(x, 2.0))(x)
+    assert rel(tx, jnp.linalg.solve(J, jnp.ones(3))) < 1e-12
+    # the parameter's tangent is accounted for: d/da of reverse(f)(y, a)
+    g = jax.grad(lambda a: jnp.sum(jr.reverse(f)(jnp.array([9.0, 3.5, 30.0]), a)))(2.0)
+    g_ref = jax.grad(lambda a: jnp.sum(jnp.cbrt(jnp.array([9.0, 3.5, 30.0]) - a) / a))(2.0)
+    assert abs(float(g) - float(g_ref)) < 1e-12
+
+
+def test_register_inverse_jvp_errors():
+    with pytest.raises(TypeError, match="expects a jax.extend.core.Primitive"):
+        jr.register_inverse_jvp("cube", lambda *a: None)
+    p = _cube_primitive(False)
+    with pytest.raises(TypeError, match="expects a callable rule"):
+        jr.register_inverse_jvp(p, 3)
+
+    def bad_rule(t, out, x):
+        return t
+    jr.register_inverse_jvp(p, bad_rule)
+    with pytest.raises(TypeError, match="inverse-JVP rule .*bad_rule for `test_cube`"):
+        jax.jvp(jr.reverse(p.bind), (jnp.ones(2),), (jnp.ones(2),))
