@@ -101,6 +101,14 @@ def test_errors_name_the_function():
     with pytest.raises(TypeError, match="expects a callable"):
         h.definverse(3)
 
+    @jr.custom_inverse
+    def k(x, w):
+        return x * w
+
+    k.definverse(lambda y: y)  # forgot the parameter
+    with pytest.raises(TypeError, match="the inverse <lambda> of k must take k's arguments"):
+        k(jnp.ones(2), 2.0)
+
 
 # --------------------------------------------------------------------------- hook, nestlevel
 

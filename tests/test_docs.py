@@ -9,7 +9,8 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PAGES = ["docs/custom_rules.md"]
+PAGES = sorted(os.path.join("docs", "rules", f)
+               for f in os.listdir(os.path.join(ROOT, "docs", "rules")) if f.endswith(".md"))
 
 
 def _blocks(page):

@@ -93,8 +93,16 @@ class custom_inverse:
         fj, fconsts, _ = trace_to_closed(flat_of(self.fun), *_avals(flat))
         out_shape = jax.eval_shape(self.fun, *args)
         s_tree = _check_structure(self.fun, args, nums, out_shape, who="jaxrev.custom_inverse")
-        ij, iconsts, _ = trace_to_closed(flat_of(self.inv_fun), *_avals(flat))
         inv_name = getattr(self.inv_fun, "__name__", "inv_fun")
+        try:
+            ij, iconsts, _ = trace_to_closed(flat_of(self.inv_fun), *_avals(flat))
+        except TypeError as e:
+            if "positional argument" not in str(e) and "argument" not in str(e):
+                raise
+            raise TypeError(
+                f"jaxrev.custom_inverse: the inverse {inv_name} of {name} must take {name}'s "
+                f"arguments ({len(args)} of them, the outputs in the state positions): {e}"
+            ) from None
         inv_out = ij.out_avals
         want = [fj.in_avals[len(fconsts) + i] for i in state_pos]
         if len(inv_out) != len(want) or any(

@@ -36,7 +36,8 @@ import numpy as np
 
 from jaxrev._compat import is_concrete
 from jaxrev._errors import NotInvertibleError, SingularJacobianError
-from jaxrev.transforms.reverse import reverse
+# the inverse-JVP registry lives beside the inverse rules it completes (reverse.py applies both)
+from jaxrev.transforms.reverse import inverse_jvp_rules, reverse  # noqa: F401
 from jaxrev.transforms.reversible import reversible
 
 __all__ = ["inverse_jvp", "inverse_vjp", "slogdet_jacobian", "METHODS"]
