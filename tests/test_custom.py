@@ -265,3 +265,25 @@ def test_register_inverse_jvp_errors():
     jr.register_inverse_jvp(p, bad_rule)
     with pytest.raises(TypeError, match="inverse-JVP rule .*bad_rule for `test_cube`"):
         jax.jvp(jr.reverse(p.bind), (jnp.ones(2),), (jnp.ones(2),))
+
+
+def test_recompute_changes_measured_memory():
+    def step(x, w, mark):
+        s = mark(jnp.sum(x))
+        h = mark(jnp.maximum(mark(s * w), 0.0))  # one number a lossy step needs
+        return x + mark(0.001 * h)
+
+    def loop(mark):
+        return lambda x, w: jax.lax.fori_loop(0, 50, lambda i, x: step(x, w, mark), x)
+
+    x, w = jnp.linspace(-1.0, 1.0, 1000), 0.3
+    plain, marked = loop(lambda v: v), loop(jr.recompute)
+    # by default one number per iteration is kept; with every candidate marked, the loop's
+    # carry (1000 numbers) is kept instead and the marked values are recomputed from it
+    assert jr.memory_report(plain, x, w).total_bytes == 8 + 50 * 8
+    assert jr.memory_report(marked, x, w).total_bytes == 8 + 50 * 1000 * 8
+    grad = lambda f: jax.grad(lambda x, w: jnp.sum(jr.reversible(f)(x, w) ** 2),  # noqa: E731
+                              argnums=(0, 1))
+    assert _temp(grad(marked), x, w) > _temp(grad(plain), x, w) + 0.9 * 50 * 1000 * 8
+    ref = jax.grad(lambda x, w: jnp.sum(plain(x, w) ** 2), argnums=(0, 1))(x, w)
+    assert rel(grad(marked)(x, w), ref) < 1e-12 and rel(grad(plain)(x, w), ref) < 1e-12
