@@ -202,3 +202,32 @@ def test_errors_name_the_function():
         jr.inverse_jvp(jnp.sin, (jnp.ones(3),), jnp.ones(3), method="magic")
     with pytest.raises(TypeError, match="primals must be a tuple"):
         jr.inverse_jvp(jnp.sin, jnp.ones(3), jnp.ones(3))
+
+
+def test_singular_banded_lump_is_named():
+    n = 100
+    d = jnp.ones(n).at[40].set(0.0)
+
+    def f(x):
+        x = x * d  # one vanishing pivot inside a triangular lump
+        return x.at[1:].add(0.3 * x[:-1])  # BANDED-LUMP
+    with pytest.raises(jr.SingularJacobianError) as ei:
+        jr.inverse_jvp(f, (jnp.ones(n),), jnp.ones(n), method="linearize")
+    assert "singular" in str(ei.value)
+    assert ei.value.line is not None
+    _, (t,) = jr.inverse_jvp(f, (jnp.ones(n),), jnp.ones(n), method="linearize",
+                             on_singular="nan")
+    assert bool(jnp.all(jnp.isnan(t)))
+
+
+def test_singular_known_matrix_and_dense_fallback():
+    A = jnp.array([[1.0, 2.0], [2.0, 4.0]])
+
+    def f(x):
+        return A @ x  # SINGULAR-MATRIX
+    with pytest.raises(jr.SingularJacobianError) as ei:
+        jr.inverse_jvp(f, (jnp.ones(2),), jnp.ones(2))
+    assert f"test_inverse_ad.py:{_line_of('SINGULAR-MATRIX')}" in str(ei.value)
+    with pytest.raises(jr.SingularJacobianError, match="dense fallback"):
+        jr.inverse_jvp(lambda x: jnp.array([x[0] * x[1], x[0] * x[1]]), (jnp.ones(2),),
+                       jnp.ones(2), method="dense")

@@ -178,11 +178,24 @@ def _nan_like(leaves):
     return [jnp.full(jnp.shape(x), jnp.nan, jnp.result_type(x)) for x in leaves]
 
 
-def _guard(leaves, on_singular: str, who: str):
-    """Traced results (under jit) cannot be checked when traced: with "raise", check them when
-    the program runs."""
-    if on_singular != "raise" or all(is_concrete(x) for x in leaves):
+def _guard(leaves, on_singular: str, who: str, diagnose: Callable[[], Any] | None = None):
+    """With "raise", a non-finite result is a vanished pivot. Concrete results are checked now
+    (and `diagnose` re-runs the inversion on plain values, where its rules check their pivots
+    and name the step); traced ones (under jit) when the program runs."""
+    if on_singular != "raise":
         return leaves
+    if all(is_concrete(x) for x in leaves):
+        if all(bool(jnp.all(jnp.isfinite(x))) for x in leaves):
+            return leaves
+        if diagnose is not None:
+            try:
+                diagnose()
+            except NotInvertibleError as e:
+                if e.singular:
+                    raise _singular_error(e, who) from None
+        raise SingularJacobianError(
+            f"{who}: the result is not finite: a pivot of the Jacobian vanished (or overflowed); "
+            "no single step could be named. Pass on_singular='nan' to get NaN instead.")
     ok = jnp.all(jnp.asarray([jnp.all(jnp.isfinite(x)) for x in leaves]))
 
     def check(ok):
@@ -279,9 +292,14 @@ def inverse_jvp(fun: Callable, primals: Sequence[Any], out_tangent: Any, *,
         b = jnp.concatenate([jnp.ravel(o) for o in out_leaves])
         return sq.unravel(_dense_solve(J, b, False, on_singular, who), sq.in_sd)
 
-    leaves, _ = _try(_methods(method), attempt, who, on_singular,
-                     lambda: _nan_like(sq.in_leaves))
-    leaves = _guard(leaves, on_singular, who)
+    leaves, used = _try(_methods(method), attempt, who, on_singular,
+                        lambda: _nan_like(sq.in_leaves))
+
+    def diagnose():  # the inverse program on plain values checks every pivot it divides by
+        if used == "reverse":
+            reverse(sq.state_fun(fun))(sq.to_state_out(y_leaves))
+
+    leaves = _guard(leaves, on_singular, who, diagnose)
     return y, sq.in_tree_of(leaves)
 
 
@@ -334,9 +352,14 @@ def inverse_vjp(fun: Callable, *primals: Any, method: str = "auto",
             c = sq.ravel_in(c_leaves)
             return sq.unravel(_dense_solve(J, c, True, on_singular, who), sq.out_sd)
 
-        leaves, _ = _try(_methods(method), attempt, who, on_singular,
-                         lambda: _nan_like(y_leaves))
-        leaves = _guard(leaves, on_singular, who)
+        leaves, used = _try(_methods(method), attempt, who, on_singular,
+                            lambda: _nan_like(y_leaves))
+
+        def diagnose():
+            if used == "reverse":
+                reverse(sq.state_fun(fun))(sq.to_state_out(y_leaves))
+
+        leaves = _guard(leaves, on_singular, who, diagnose)
         return sq.out_tree_of(leaves)
 
     return y, ivjp_fn
