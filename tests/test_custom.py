@@ -287,3 +287,15 @@ def test_recompute_changes_measured_memory():
     assert _temp(grad(marked), x, w) > _temp(grad(plain), x, w) + 0.9 * 50 * 1000 * 8
     ref = jax.grad(lambda x, w: jnp.sum(plain(x, w) ** 2), argnums=(0, 1))(x, w)
     assert rel(grad(marked)(x, w), ref) < 1e-12 and rel(grad(plain)(x, w), ref) < 1e-12
+
+
+def test_hook_and_forward_mode_compose_with_jvp():
+    x, y = jnp.array([0.3, 0.7]), jnp.array([1.1, -0.4])
+    f = lambda x, y: (jnp.sin(x) * y, x * y ** 2)  # noqa: E731
+    assert rel(jax.jvp(jr.forward_mode(f), (x, y), (x, y))[1], jax.jvp(f, (x, y), (x, y))[1]) \
+        < 1e-14
+    h = lambda x: jnp.sum(jr.hook(lambda g: 2 * g, x) ** 3)  # noqa: E731
+    assert float(jax.jvp(h, (x,), (x,))[1]) == float(jax.jvp(lambda x: jnp.sum(x ** 3), (x,),
+                                                            (x,))[1])
+    assert rel(jax.hessian(h)(x), jnp.diag(12 * x)) < 1e-14  # the hook doubles the cotangent
+    assert rel(jax.vmap(jax.grad(h))(jnp.stack([x, y])), 6 * jnp.stack([x, y]) ** 2) < 1e-14

@@ -435,3 +435,39 @@ def test_lossy_step_inside_a_cond_branch(shift):
     tot = lambda f: lambda xb, th: jnp.sum(jax.vmap(L(f), (0, None))(xb, th))
     assert rel(jax.grad(tot(f), argnums=(0, 1))(xb, 0.7),
                jax.grad(tot(jr.reversible(f)), argnums=(0, 1))(xb, 0.7)) < 1e-13
+
+
+# --------------------------------------------------------------------------- review findings
+
+def test_grad_of_vmap_with_per_element_trip_counts():
+    def wl(x):
+        def body(s):
+            a, b, i = s
+            a = a + jnp.tanh(b)
+            return a, b + jnp.sin(a), i + 1
+        return jnp.stack(jax.lax.while_loop(lambda s: s[0] < 3.0, body, (x[0], x[1], 0))[:2])
+    X = jnp.array([[0.1, 0.2], [0.5, 0.9]])  # the two elements stop after different counts
+    ref = jax.jacfwd(lambda X: jax.vmap(wl)(X).sum())(X)
+    assert rel(ref, jax.grad(lambda X: jax.vmap(jr.reversible(wl))(X).sum())(X)) < 1e-12
+
+
+def test_grad_of_vmap_jr_while_with_unbatched_parameter():
+    def f(s, th):
+        def body(c):
+            a, b, k = c
+            a = a + th * jnp.tanh(b)
+            return a, b + jnp.sin(a), k + 1
+        return jr.while_loop(lambda c: c[0] < 2.0, body, s, lambda c: c[2] > 0)
+
+    def L(F):
+        return lambda a, b, th: jnp.sum(jax.vmap(lambda a, b: F((a, b, 0), th)[0])(a, b))
+    a, b = jnp.array([0.1, 1.5]), jnp.array([0.5, 0.9])
+    ref = jax.jacfwd(L(f), 2)(a, b, 0.3)
+    assert abs(float(jax.grad(L(jr.reversible(f)), 2)(a, b, 0.3)) - float(ref)) < 1e-12
+
+
+def test_equation_without_outputs():
+    def f(x):
+        jax.debug.print("x={x}", x=x)
+        return x * 2.0
+    assert rel(jax.grad(lambda x: jr.reversible(f)(x).sum())(jnp.ones(2)), 2 * jnp.ones(2)) == 0

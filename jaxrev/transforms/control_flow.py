@@ -12,6 +12,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jaxrev._compat import (ClosedJaxpr, Primitive, eval_closed, lower_fun, not_mapped,
@@ -69,8 +70,14 @@ register_lowering(while_p, lower_fun(_while_impl, multiple_results=True))
 
 def _instantiate(primals: Sequence[Any], tangents: Sequence[Any]) -> tuple[Any, ...]:
     """Symbolic zero tangents as arrays: these JVP rules run `jax.jvp` on the impl."""
-    return tuple(jnp.zeros(jnp.shape(p), jnp.result_type(p)) if type(t).__name__ == "Zero" else t
-                 for p, t in zip(primals, tangents))
+    out = []
+    for p, t in zip(primals, tangents):
+        if type(t).__name__ == "Zero":
+            dt = jnp.result_type(p)
+            t = (jnp.zeros(jnp.shape(p), dt) if jnp.issubdtype(dt, jnp.inexact)
+                 else np.zeros(jnp.shape(p), jax.dtypes.float0))  # integer primals: float0
+        out.append(t)
+    return tuple(out)
 
 
 def _while_jvp(primals, tangents, **params):

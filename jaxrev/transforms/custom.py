@@ -26,8 +26,8 @@ from jaxrev._jaxpr import is_unknown
 from jaxrev.transforms.reverse import (NeedMore, _check_structure, _normalize_argnums,
                                        inverse_rules)
 
-__all__ = ["custom_inverse", "custom_inverse_p", "hook", "nestlevel", "forward_mode", "store",
-           "recompute", "store_p", "recompute_p"]
+__all__ = ["custom_inverse", "custom_inverse_p", "hook", "hook_p", "nestlevel", "forward_mode",
+           "store", "recompute", "store_p", "recompute_p"]
 
 custom_inverse_p = Primitive("jaxrev_custom_inverse")
 custom_inverse_p.multiple_results = True
@@ -186,11 +186,15 @@ inverse_rules[custom_inverse_p] = _inverse_rule
 
 # --------------------------------------------------------------------------- hook, nestlevel
 
+hook_p = Primitive("jaxrev_hook")
+hook_p.multiple_results = True
+
+
 def hook(fn: Callable[[Any], Any], x: Any) -> Any:
     """Identity on `x`; in the backward pass, `fn` is applied to `x`'s cotangent.
 
     For clipping, rescaling or inspecting gradients where they flow. `fn` takes and returns a
-    cotangent with `x`'s structure.
+    cotangent with `x`'s structure. Forward mode (`jvp`) passes tangents through unchanged.
 
     Example:
         >>> import jax, jaxrev as jr
@@ -199,32 +203,39 @@ def hook(fn: Callable[[Any], Any], x: Any) -> Any:
     """
     if not callable(fn):
         raise TypeError(f"jr.hook expects a callable as its first argument, got {fn!r}")
-    return _hook(fn, x)
+    leaves, tree = jax.tree_util.tree_flatten(x)
+    out = hook_p.bind(*[jnp.asarray(v) for v in leaves], fn=fn, tree=tree)
+    return jax.tree_util.tree_unflatten(tree, out)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _hook(fn, x):
-    return x
-
-
-def _hook_fwd(fn, x):
-    return x, None
-
-
-def _hook_bwd(fn, _, g):
+def _hook_transpose(cts, *xs, fn, tree):
+    from jaxrev._compat import is_symbolic_zero
+    cts = [jnp.zeros(x.aval.shape, x.aval.dtype) if is_symbolic_zero(c) else c
+           for c, x in zip(cts, xs)]
+    g = jax.tree_util.tree_unflatten(tree, cts)
     out = fn(g)
     name = getattr(fn, "__name__", repr(fn))
-    if jax.tree_util.tree_structure(out) != jax.tree_util.tree_structure(g) or any(
-            jnp.shape(a) != jnp.shape(b) for a, b in zip(jax.tree_util.tree_leaves(out),
-                                                         jax.tree_util.tree_leaves(g))):
+    leaves, out_tree = jax.tree_util.tree_flatten(out)
+    if out_tree != tree or any(jnp.shape(a) != jnp.shape(b) for a, b in zip(leaves, cts)):
         raise ValueError(f"jr.hook: {name} must return a cotangent with the structure and "
-                         f"shapes of its input ({jax.tree_util.tree_structure(g)}), got "
-                         f"{jax.tree_util.tree_structure(out)}")
-    out = jax.tree_util.tree_map(lambda o, r: jnp.asarray(o, jnp.result_type(r)), out, g)
-    return (out,)
+                         f"shapes of its input ({tree}), got {out_tree}")
+    return [jnp.asarray(o, jnp.result_type(c)) for o, c in zip(leaves, cts)]
 
 
-_hook.defvjp(_hook_fwd, _hook_bwd)
+def _hook_jvp(primals, tangents, *, fn, tree):
+    from jaxrev.transforms.reversible import _tangent_args
+    return (hook_p.bind(*primals, fn=fn, tree=tree),
+            hook_p.bind(*_tangent_args(primals, tangents), fn=fn, tree=tree))
+
+
+hook_p.def_impl(lambda *xs, fn, tree: list(xs))
+hook_p.def_abstract_eval(lambda *avals, fn, tree: list(avals))
+register_lowering(hook_p, lower_fun(lambda *xs, fn, tree: list(xs), multiple_results=True))
+primitive_jvps[hook_p] = _hook_jvp
+primitive_transposes[hook_p] = _hook_transpose
+primitive_batchers[hook_p] = lambda args, dims, *, fn, tree: (
+    hook_p.bind(*args, fn=fn, tree=tree), list(dims))
+inverse_rules[hook_p] = lambda outs, *xs, fn, tree: list(outs)
 
 
 def nestlevel() -> int:
@@ -281,23 +292,21 @@ def forward_mode(fun: Callable) -> Callable:
             return [jnp.reshape(vec[offs[k]:offs[k + 1]], s).astype(d)
                     for k, (s, d) in enumerate(zip(shapes, dtypes))]
 
-        @jax.custom_vjp
+        @jax.custom_jvp
         def g(*ls):
             return f_flat(*ls)
 
-        def fwd(*ls):
+        @g.defjvp
+        def g_jvp(primals, tangents):
+            # the whole Jacobian by one JVP per input number, in the primal run; the tangent
+            # map is a contraction with it, which reverse mode transposes without calling fun
             basis = jnp.eye(int(offs[-1]), dtype=jnp.result_type(*dtypes))
-            y, jac = jax.vmap(lambda e: jax.jvp(f_flat, ls, tuple(split(e))), out_axes=(None, 0))(
-                basis)
-            return y, jac  # every output leaf of jac gains a leading input axis
+            y, jac = jax.vmap(lambda e: jax.jvp(f_flat, primals, tuple(split(e))),
+                              out_axes=(None, 0))(basis)
+            t = jnp.concatenate([jnp.ravel(jnp.asarray(v, jnp.result_type(*dtypes)))
+                                 for v in tangents])
+            return y, jax.tree_util.tree_map(lambda j: jnp.tensordot(t, j, axes=1), jac)
 
-        def bwd(jac, ct):
-            vec = sum(jnp.tensordot(j, c, axes=jnp.ndim(c))
-                      for j, c in zip(jax.tree_util.tree_leaves(jac),
-                                      jax.tree_util.tree_leaves(ct)))
-            return tuple(split(vec))
-
-        g.defvjp(fwd, bwd)
         return g(*leaves)
 
     return wrapped

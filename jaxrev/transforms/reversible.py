@@ -102,6 +102,7 @@ class _LoopPlan:
     body: _Plan | None
     length: int | None = None
     branches: list | None = None
+    count_shape: tuple = ()   # a while loop's trip count: one per element of a vmapped loop
 
 
 def _branch_slices(lp: _LoopPlan) -> list[tuple[int, int]]:
@@ -115,7 +116,7 @@ def _branch_slices(lp: _LoopPlan) -> list[tuple[int, int]]:
 
 def _loop_avals(lp: _LoopPlan) -> list[jax.ShapeDtypeStruct]:
     if lp.kind == "while":
-        return [jax.ShapeDtypeStruct((), jnp.int32)]
+        return [jax.ShapeDtypeStruct(lp.count_shape, jnp.int32)]
     if lp.kind == "cond":
         return [a for bp in lp.branches for a in _res_avals(bp)]
     return [jax.ShapeDtypeStruct((lp.length, *a.shape), a.dtype) for a in _res_avals(lp.body)]
@@ -367,8 +368,10 @@ def _walk(P: _Plan, env: Env, ctenv: dict | None, active_in: set, res: _Res,
                 for o, val in zip(e.outvars, bind_eqn(e, [env.read(v) for v in e.invars])):
                     env.write(o, val)
     for e in eqns:  # values the user asked to keep (jr.store) are read, not rebuilt: the kept
-        o = e.outvars[0]  # value replaces a rebuilt one (a loop carry), resetting its drift
-        if e.primitive is store_p and _is_var(o):
+        if e.primitive is not store_p:  # value replaces a rebuilt one (a loop carry),
+            continue                    # resetting its drift
+        o = e.outvars[0]
+        if _is_var(o):
             env.vals[o] = fit_to_aval(res.store(o, e, "value kept by jr.store"), o.aval)
     for i in reversed(range(len(eqns))):
         e = eqns[i]
@@ -556,11 +559,24 @@ def _while_sweep(P, i, env, ctenv, active, res):
     else:
         c_ct0, k_ct0 = None, None
 
-    def bstep(c, c_ct, k_ct):
-        c_prev, c_prev_ct, _, _, kc = step(c, c_ct, [], [], [], [])
+    def bstep(go, c, c_ct, k_ct):
+        """One backward iteration where `go` holds (a scalar, or one flag per element of a
+        vmapped loop: finished elements keep their values and add no cotangent)."""
+        batched = jnp.ndim(go) > 0
+        if batched and c_ct is not None:  # finished elements must not feed the constants
+            c_ct_in = [None if g is None else _cf._select(go, g, jnp.zeros_like(g))
+                       for g in c_ct]
+        else:
+            c_ct_in = c_ct
+        c_prev, c_prev_ct, _, _, kc = step(c, c_ct_in, [], [], [], [])
         if want:
             k_ct = [a + b for a, b in zip(k_ct, kc)]
-        return c_prev, c_prev_ct, k_ct
+        if not batched:
+            return c_prev, c_prev_ct, k_ct
+        return ([_cf._select(go, a, b) for a, b in zip(c_prev, c)],
+                None if c_prev_ct is None else
+                [None if a is None else _cf._select(go, a, b) for a, b in zip(c_prev_ct, c_ct)],
+                k_ct)
 
     if ours:
         pvals = [env.read(v) for v in pc]
@@ -568,27 +584,18 @@ def _while_sweep(P, i, env, ctenv, active, res):
         def more(c):
             return eval_closed(p["post_jaxpr"], *pvals, *c)[0]
 
-        def body_fn(s):
-            c, c_ct, k_ct = s
-            new = bstep(c, c_ct, k_ct)
-            go = more(c)
-            if jnp.ndim(go) == 0:
-                return new
-            # batched post condition (after vmap): elements already back at the start stay
-            c_new, ct_new, k_new = new
-            return ([_cf._select(go, a, b) for a, b in zip(c_new, c)],
-                    None if ct_new is None else
-                    [None if a is None else _cf._select(go, a, b) for a, b in zip(ct_new, c_ct)],
-                    None if k_new is None else
-                    [_cf._select(go, a, b) for a, b in zip(k_new, k_ct)])
-
-        c_first, c_first_ct, k_ct = lax.while_loop(lambda s: jnp.any(more(s[0])), body_fn,
-                                                   (c0, c_ct0, k_ct0))
+        c_first, c_first_ct, k_ct = lax.while_loop(
+            lambda s: jnp.any(more(s[0])), lambda s: bstep(more(s[0]), *s), (c0, c_ct0, k_ct0))
     else:
-        n = res.loop(i, _LoopPlan("while", bp))[0]
-        _, c_first, c_first_ct, k_ct = lax.while_loop(
-            lambda s: jnp.any(s[0] > 0), lambda s: (s[0] - 1, *bstep(*s[1:])),
-            (n, c0, c_ct0, k_ct0))
+        count_shape = tuple(p["cond_jaxpr"].out_avals[0].shape)  # per element under vmap
+        n = res.loop(i, _LoopPlan("while", bp, count_shape=count_shape))[0]
+
+        def back(s):
+            k = s[0]
+            return (k - (k > 0).astype(k.dtype), *bstep(k > 0, *s[1:]))
+
+        _, c_first, c_first_ct, k_ct = lax.while_loop(lambda s: jnp.any(s[0] > 0), back,
+                                                       (n, c0, c_ct0, k_ct0))
     for v, val in zip(init, c_first):
         env.write(v, val)
     if want:
@@ -745,13 +752,25 @@ def _forward_cond(e: JaxprEqn, lp: _LoopPlan, ins: Sequence[Any]):
 
 
 def _forward_while(e: JaxprEqn, ins: Sequence[Any]):
+    """The loop, counting its iterations. A vmapped `lax.while_loop` has one predicate per
+    element (JAX masks finished elements when lowering it): each element keeps its own count."""
     p = e.params
     ncc, nbc = p["cond_nconsts"], p["body_nconsts"]
     cc, bc, init = ins[:ncc], ins[ncc:ncc + nbc], ins[ncc + nbc:]
-    n, c = lax.while_loop(
-        lambda s: eval_closed(p["cond_jaxpr"], *cc, *s[1])[0],
-        lambda s: (s[0] + 1, eval_closed(p["body_jaxpr"], *bc, *s[1])),
-        (jnp.int32(0), list(init)))
+
+    def pred(c):
+        return eval_closed(p["cond_jaxpr"], *cc, *c)[0]
+
+    def body(s):
+        n, c = s
+        go = pred(c)
+        new = eval_closed(p["body_jaxpr"], *bc, *c)
+        if jnp.ndim(go) == 0:
+            return n + 1, new
+        return n + go.astype(jnp.int32), [_cf._select(go, a, b) for a, b in zip(new, c)]
+
+    n0 = jnp.zeros(tuple(p["cond_jaxpr"].out_avals[0].shape), jnp.int32)
+    n, c = lax.while_loop(lambda s: jnp.any(pred(s[1])), body, (n0, list(init)))
     return list(c), [n]
 
 
@@ -995,8 +1014,10 @@ def _report_entries(P: _Plan, count: int, out: list[dict]) -> None:
     for i in sorted(P.loops):
         lp = P.loops[i]
         if lp.kind == "while":
-            out.append(dict(what="trip count of a while loop", shape=(), dtype="int32", bytes=4,
-                            count=count, where=_describe(eqns[i])))
+            size = int(np.prod(lp.count_shape, dtype=np.int64))
+            out.append(dict(what="trip count of a while loop", shape=lp.count_shape,
+                            dtype="int32", bytes=4 * size, count=count,
+                            where=_describe(eqns[i]), made=_describe(eqns[i])))
         elif lp.kind == "cond":
             for bp in lp.branches:
                 _report_entries(bp, count, out)
