@@ -56,3 +56,14 @@ def progress(iterable, **kwargs):
     except ImportError:  # pragma: no cover
         return iterable
     return tqdm(iterable, **kwargs)
+
+
+def pyplot():
+    """matplotlib's pyplot on the Agg backend, or None when matplotlib is not installed."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # pragma: no cover
+        return None
+    return plt

@@ -36,7 +36,7 @@ jax.config.update("jax_enable_x64", True)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jaxrev as jr  # noqa: E402
-from _common import (RESULTS, device_info, interleaved_medians, progress,  # noqa: E402
+from _common import (RESULTS, device_info, interleaved_medians, progress, pyplot,  # noqa: E402
                      write_results)
 
 try:
@@ -171,11 +171,8 @@ def make_table(d):
 
 
 def plot(d, path):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:  # pragma: no cover
+    plt = pyplot()
+    if plt is None:
         return
     rows = d["rows"]
     names = list(rows[0]["times"])
