@@ -1,19 +1,14 @@
 """Inverse accumulation against jax.jvp, Lineax (LU, GMRES) and dense jacfwd + solve.
 
 Workloads (issue 4):
-- single-slot chain, n = 4000: x_{i} += tanh(w_i x_{i-1}) for i = 1..n-1 in turn (a `scan`
-  over the slots), then x *= exp(0.1 sin x). Invertible, lower-triangular Jacobian.
+- single-slot chain, n = 4000: x_i += tanh(w_i x_{i-1}) for i = 1..n-1 in turn (a `scan` over
+  the slots that carries the new value of the previous slot), then x = sinh(x). Its inverse is
+  parallel: each iteration's incoming carry is the previous iteration's output.
 - leapfrog chain of a nonlinear Klein-Gordon lattice, n = 2000 (1000 sites, q and p), 200
   kick-drift-kick steps. Invertible (a symplectic map).
 - coupling chain with `.at[1:].add` updates, n = 2000: x.at[1:].add(tanh(w x[:-1])) then an
   elementwise scale, 4 times. Not invertible step by step (each update reads the values it
   shifts), its tangent program is: the "linearize" strategy.
-
-Not measured yet: the single-slot chain (x_i += tanh(w_i x_{i-1}) for i = 1..n-1 in turn). As a
-`scan` over the slots its inverse needs each iteration's incoming carry, which is the previous
-iteration's output; as a `fori_loop` of `x.at[i].add(...)` each iteration is a lump whose
-pattern depends on the run-time index `i`. Neither is solved per element yet (it falls back to
-a dense lump).
 
 For each: time (median of interleaved runs) of jr.inverse_jvp, jr.inverse_vjp, jax.jvp,
 Lineax LU on the materialised Jacobian, Lineax GMRES on `JacobianLinearOperator`, and dense
@@ -43,6 +38,19 @@ try:
     import lineax as lx
 except ImportError:  # pragma: no cover
     lx = None
+
+
+def single_slot_chain(n):
+    w = jnp.asarray(np.random.default_rng(0).standard_normal(n) * 0.5)
+
+    def f(x):
+        def body(prev, xw):  # slot i is pushed by the new value of slot i - 1
+            xi, wi = xw
+            xi = xi + jnp.tanh(wi * prev)
+            return xi, xi
+        _, rest = jax.lax.scan(body, x[0], (x[1:], w[1:]))
+        return jnp.sinh(jnp.concatenate([x[:1], rest]))
+    return f, jnp.asarray(np.random.default_rng(1).standard_normal(n))
 
 
 def klein_gordon(n, steps=200, dt=0.02):
@@ -126,7 +134,8 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args(argv)
     q = args.quick
-    work = [("Klein-Gordon leapfrog, 200 steps", *klein_gordon(200 if q else 2000)),
+    work = [("single-slot chain", *single_slot_chain(400 if q else 4000)),
+            ("Klein-Gordon leapfrog, 200 steps", *klein_gordon(200 if q else 2000)),
             ("coupling chain .at[1:].add", *coupling_chain(300 if q else 2000))]
     rows = []
     for name, f, x in progress(work, desc="inverse AD workloads"):

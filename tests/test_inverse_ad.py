@@ -231,3 +231,26 @@ def test_singular_known_matrix_and_dense_fallback():
     with pytest.raises(jr.SingularJacobianError, match="dense fallback"):
         jr.inverse_jvp(lambda x: jnp.array([x[0] * x[1], x[0] * x[1]]), (jnp.ones(2),),
                        jnp.ones(2), method="dense")
+
+
+@pytest.mark.parametrize("method", ["reverse", "linearize"])
+def test_single_slot_chain(method):
+    n = 300
+    w = jnp.asarray(rng.standard_normal(n) * 0.5)
+
+    def f(x):
+        def body(prev, xw):
+            xi, wi = xw
+            xi = xi + jnp.tanh(wi * prev)
+            return xi, xi
+        _, rest = jax.lax.scan(body, x[0], (x[1:], w[1:]))
+        return jnp.sinh(jnp.concatenate([x[:1], rest]))
+    x = jnp.asarray(rng.standard_normal(n))
+    v = jnp.asarray(rng.standard_normal(n))
+    _, (t,) = jr.inverse_jvp(f, (x,), v, method=method)
+    J = dense_jac(f, (x,))
+    assert rel(t, jnp.linalg.solve(J, v)) < 1e-9
+    # the transposed chain accumulates into the previous slot's cotangent: the "linearize"
+    # inverse VJP cannot invert it step by step; "auto" takes the tape-free "reverse" way
+    _, ivjp = jr.inverse_vjp(f, x, method="auto" if method == "linearize" else method)
+    assert rel(ivjp((v,)), jnp.linalg.solve(J.T, v)) < 1e-9

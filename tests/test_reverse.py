@@ -518,3 +518,26 @@ def test_scan_final_carry_recovered_from_its_per_iteration_output():
         return jax.lax.scan(body, x[0], None, length=1)[1]
     x = jnp.array([0.75])
     assert jnp.max(jnp.abs(jr.reverse(f)(f(x)) - x)) == 0.0
+
+
+def single_slot_chain(n=30):
+    w = jnp.linspace(-1.0, 1.0, n)
+
+    def f(x):
+        def body(prev, xw):  # slot i is pushed by the new value of slot i - 1
+            xi, wi = xw
+            xi = xi + jnp.tanh(wi * prev)
+            return xi, xi
+        _, rest = jax.lax.scan(body, x[0], (x[1:], w[1:]))
+        return jnp.concatenate([x[:1], rest])  # x[:1] and x[0] slice x twice
+    return f
+
+
+@pytest.mark.parametrize("use_jit", [False, True])
+def test_chain_over_slots_inverts_in_parallel(use_jit):
+    # the carry the body also emits is known at every iteration once its start is: the
+    # start comes back through an identical slice (x[:1] in the output, x[0] into the loop)
+    f = single_slot_chain()
+    x = jnp.sin(jnp.arange(30.0))
+    inv = jax.jit(jr.reverse(f)) if use_jit else jr.reverse(f)
+    assert jnp.max(jnp.abs(inv(f(x)) - x)) < 1e-13

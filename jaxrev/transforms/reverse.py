@@ -289,7 +289,8 @@ def propagate(jaxpr: Jaxpr, env: Env, goals: Sequence[Any] | None, *,
         # group steps see only the allowed equations (a case split nests propagations, each
         # restricted further, so they cannot recurse into each other)
         gp = pending if allow is None else [i for i in pending if allow(eqns[i])]
-        if (_join_step(jaxpr, env, gp, used) or _case_split_step(jaxpr, env, gp, used, allow)
+        if (_twin_step(jaxpr, env, gp) or _join_step(jaxpr, env, gp, used)
+                or _case_split_step(jaxpr, env, gp, used, allow)
                 or _lump_step(jaxpr, env, gp, used)):
             continue
         return [s for i, s in sorted(stuck.items())] or [
@@ -359,6 +360,59 @@ def invert_jaxpr(closed: ClosedJaxpr, ins: Sequence[Any], outs: Sequence[Any]) -
 
 
 # --------------------------------------------------------------------------- group steps
+
+def _signature(eqn: JaxprEqn) -> tuple | None:
+    """What makes two equations compute the same value (None: not comparable)."""
+    if getattr(eqn, "effects", None):
+        return None
+    params = []
+    for k, v in sorted(eqn.params.items()):
+        if isinstance(v, (Jaxpr, ClosedJaxpr)):
+            return None
+        try:
+            hash(v)
+        except TypeError:
+            return None
+        params.append((k, v))
+    ins = []
+    for v in eqn.invars:
+        if isinstance(v, Literal):
+            val = np.asarray(v.val)
+            ins.append(("lit", str(val.dtype), val.tobytes(), val.shape))
+        else:
+            ins.append(v)
+    return (eqn.primitive, tuple(ins), tuple(params))
+
+
+def _twin_step(jaxpr, env, pending) -> bool:
+    """An equation identical to one whose outputs are known has those outputs (JAX does not
+    deduplicate: `x[:1]` and `x[0]` slice `x` twice)."""
+    eqns = jaxpr.eqns
+    done: dict[tuple, JaxprEqn] = {}
+    for e in eqns:
+        if all(env.known(o) for o in _real_outvars(e)) and _real_outvars(e):
+            sig = _signature(e)
+            if sig is not None:
+                done.setdefault(sig, e)
+    if not done:
+        return False
+    progress = False
+    for i in pending:
+        e = eqns[i]
+        outs = _real_outvars(e)
+        if not outs or all(env.known(o) for o in outs):
+            continue
+        sig = _signature(e)
+        twin = done.get(sig) if sig is not None else None
+        if twin is None or twin is e:
+            continue
+        for o, t in zip(e.outvars, twin.outvars):
+            if isinstance(o, Var) and not isinstance(o, DropVar) and not env.known(o) \
+                    and isinstance(t, Var) and env.known(t):
+                env.write(o, env.read(t))
+                progress = True
+    return progress
+
 
 def _join_step(jaxpr, env, pending, used) -> bool:
     """Rebuild an unknown variable from several known pieces read off it (slices)."""
@@ -998,29 +1052,49 @@ def _scan(outs, *ins, **params):
         if newK == K:
             break
         K = newK
-    unk = [i for i in range(ncar) if not K[i]]
+    # a carry the body also emits per iteration, with a known start, is known at every
+    # iteration: its input is the previous iteration's output (a chain over slots)
+    emitted = {}
+    waiting = False  # such a carry whose start is not known yet
+    for i in range(ncar):
+        if K[i] or not isinstance(bj.outvars[i], Var) or length == 0:
+            continue
+        for j, y in enumerate(ys):
+            if not is_unknown(y) and bj.outvars[ncar + j] is bj.outvars[i]:
+                if is_unknown(init[i]):
+                    waiting = True
+                    break
+                first = jnp.expand_dims(jnp.asarray(init[i], y.dtype), 0)
+                emitted[i] = (jnp.concatenate([y[1:], first]) if rev else
+                              jnp.concatenate([first, y[:-1]]))
+                break
+    unk = [i for i in range(ncar) if not K[i] and i not in emitted]
     carry_out = _carry_from_ys(bj, ncar, length, rev, carry_out, ys)
     if any(is_unknown(carry_out[i]) for i in unk):
         raise NeedMore("the loop's final carry is not known")
-    known_idx = [i for i in range(ncar) if K[i]]
+    fwd_idx = [i for i in range(ncar) if K[i]]
+    known_idx = sorted([*fwd_idx, *emitted])
     xk = [x for x in xs if not is_unknown(x)]
-    if known_idx:
+    kin_of: dict[int, Any] = dict(emitted)
+    if fwd_idx:
+        known_idx_fwd = fwd_idx
         def kbody(ck, xs_t):
             ins_t = list(consts) + [Unknown(v.aval) for v in bj.invars[nc:]]
-            for i, c in zip(known_idx, ck):
+            for i, c in zip(known_idx_fwd, ck):
                 ins_t[nc + i] = c
             it = iter(xs_t)
             for j, kn in enumerate(xs_known):
                 if kn:
                     ins_t[nc + ncar + j] = next(it)
             jaxpr, env, _ = _seed(body, ins_t, [Unknown(v.aval) for v in bj.outvars])
-            goals = [jaxpr.outvars[i] for i in known_idx]
+            goals = [jaxpr.outvars[i] for i in known_idx_fwd]
             propagate(jaxpr, env, goals, forward_only=True)
             return [env.read(g) for g in goals], list(ck)
 
-        _, kin = lax.scan(kbody, [init[i] for i in known_idx], xk, length=length, reverse=rev)
-    else:
-        kin = []
+        _, kin_fwd = lax.scan(kbody, [init[i] for i in fwd_idx], xk, length=length,
+                              reverse=rev)
+        kin_of.update(zip(fwd_idx, kin_fwd))
+    kin = [kin_of[i] for i in known_idx]
     ys_known_idx = [j for j, y in enumerate(ys) if not is_unknown(y)]
 
     def ibody(c_unk, sl):
@@ -1043,9 +1117,14 @@ def _scan(outs, *ins, **params):
         x_rec = [rec[nc + ncar + j] for j, kn in enumerate(xs_known) if not kn]
         return c_prev, x_rec
 
-    c0, xs_rec = lax.scan(ibody, [carry_out[i] for i in unk],
-                          (kin, [ys[j] for j in ys_known_idx], xk), length=length,
-                          reverse=not rev)
+    try:
+        c0, xs_rec = lax.scan(ibody, [carry_out[i] for i in unk],
+                              (kin, [ys[j] for j in ys_known_idx], xk), length=length,
+                              reverse=not rev)
+    except NotInvertibleError:
+        if waiting:  # may work once the chain's start is known
+            raise NeedMore("the start of a carry that the loop also emits is not known yet")
+        raise
     res: list[Any] = [None] * len(ins)
     for i, c in zip(unk, c0):
         res[nc + i] = c
