@@ -172,3 +172,25 @@ def inline_calls(closed: ClosedJaxpr) -> ClosedJaxpr:
         inline(eqn, None)
     new = jaxpr.replace(constvars=constvars, eqns=eqns, outvars=[s(v) for v in jaxpr.outvars])
     return ClosedJaxpr(new, consts)
+
+
+def instantiate_tangents(primals: Sequence[Any], tangents: Sequence[Any]) -> tuple[Any, ...]:
+    """Tangents as arrays, for JVP rules that run `jax.jvp` on an impl: symbolic zeros (or None)
+    become zeros, float0 ones for integer primals."""
+    from jaxrev._compat import is_symbolic_zero
+    out = []
+    for p, t in zip(primals, tangents):
+        if t is None or is_symbolic_zero(t):
+            dt = jnp.result_type(p)
+            t = (jnp.zeros(jnp.shape(p), dt) if jnp.issubdtype(dt, jnp.inexact)
+                 else np.zeros(jnp.shape(p), jax.dtypes.float0))
+        out.append(t)
+    return tuple(out)
+
+
+def batch_front(args: Sequence[Any], dims: Sequence[Any]) -> tuple[int, list, list]:
+    """For a batching rule: (batch size, operands with their batch axis first, vmap in_axes)."""
+    from jaxrev._compat import not_mapped
+    size = next(jnp.shape(x)[d] for x, d in zip(args, dims) if d is not not_mapped)
+    args = [jnp.moveaxis(x, d, 0) if d is not not_mapped else x for x, d in zip(args, dims)]
+    return size, args, [0 if d is not not_mapped else None for d in dims]

@@ -498,8 +498,8 @@ def test_register_inverse_wrong_output_names_the_rule():
 
 
 def test_two_selects_case_split_do_not_recurse():
-    # each case split propagates with the other select still pending: the nested
-    # propagations must not split on the outer select again
+    # two case splits in one program (the nested-split recursion itself is pinned down by
+    # test_reversible.py::test_lossy_step_inside_a_cond_branch, whose vmapped cond recursed)
     def f(x, p):
         y = jnp.where(p > 0, x * 2.0, x * 3.0)
         return jnp.where(p > 1, y + 1.0, jnp.exp(y))

@@ -12,12 +12,12 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from jaxrev._compat import (ClosedJaxpr, Primitive, eval_closed, lower_fun, not_mapped,
                             primitive_batchers, primitive_jvps, register_lowering,
                             trace_to_closed)
+from jaxrev._jaxpr import instantiate_tangents
 
 __all__ = ["while_loop", "cond", "while_p", "cond_p"]
 
@@ -68,21 +68,9 @@ while_p.def_abstract_eval(
 register_lowering(while_p, lower_fun(_while_impl, multiple_results=True))
 
 
-def _instantiate(primals: Sequence[Any], tangents: Sequence[Any]) -> tuple[Any, ...]:
-    """Symbolic zero tangents as arrays: these JVP rules run `jax.jvp` on the impl."""
-    out = []
-    for p, t in zip(primals, tangents):
-        if type(t).__name__ == "Zero":
-            dt = jnp.result_type(p)
-            t = (jnp.zeros(jnp.shape(p), dt) if jnp.issubdtype(dt, jnp.inexact)
-                 else np.zeros(jnp.shape(p), jax.dtypes.float0))  # integer primals: float0
-        out.append(t)
-    return tuple(out)
-
-
 def _while_jvp(primals, tangents, **params):
     return jax.jvp(partial(_while_impl, **params), tuple(primals),
-                   _instantiate(primals, tangents))
+                   instantiate_tangents(primals, tangents))
 
 
 primitive_jvps[while_p] = _while_jvp
@@ -200,7 +188,7 @@ register_lowering(cond_p, lower_fun(_cond_impl, multiple_results=True))
 def _cond_jvp(primals, tangents, **params):
     index, *ops = primals
     return jax.jvp(lambda *o: _cond_impl(index, *o, **params), tuple(ops),
-                   _instantiate(ops, tangents[1:]))
+                   instantiate_tangents(ops, tangents[1:]))
 
 
 primitive_jvps[cond_p] = _cond_jvp

@@ -19,10 +19,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrev._compat import (Primitive, differentiation_depth, eval_closed, lower_fun, not_mapped,
-                            primitive_batchers, primitive_jvps, primitive_transposes,
+from jaxrev._compat import (Primitive, differentiation_depth, eval_closed, lower_fun, primitive_batchers, primitive_jvps, primitive_transposes,
                             register_lowering, trace_to_closed)
-from jaxrev._jaxpr import is_unknown
+from jaxrev._jaxpr import batch_front, instantiate_tangents, is_unknown
 from jaxrev.transforms.reverse import (NeedMore, _check_structure, _normalize_argnums,
                                        inverse_rules)
 
@@ -129,15 +128,12 @@ def _impl(*args, fun_jaxpr, inv_jaxpr, n_fconsts, n_iconsts, state):
 
 
 def _jvp(primals, tangents, **params):
-    from jaxrev.transforms.reversible import _tangent_args
     return jax.jvp(functools.partial(_impl, **params), tuple(primals),
-                   _tangent_args(primals, tangents))
+                   instantiate_tangents(primals, tangents))
 
 
 def _batch(args, dims, *, fun_jaxpr, inv_jaxpr, n_fconsts, n_iconsts, state):
-    size = next(jnp.shape(a)[d] for a, d in zip(args, dims) if d is not not_mapped)
-    args = [jnp.moveaxis(a, d, 0) if d is not not_mapped else a for a, d in zip(args, dims)]
-    axes = [0 if d is not not_mapped else None for d in dims]
+    size, args, axes = batch_front(args, dims)
     fc, ic, xs = _split(args, n_fconsts, n_iconsts)
     fa, ia, xa = _split(axes, n_fconsts, n_iconsts)
     # the state is batched on both sides; parameters keep their own batching
@@ -223,9 +219,8 @@ def _hook_transpose(cts, *xs, fn, tree):
 
 
 def _hook_jvp(primals, tangents, *, fn, tree):
-    from jaxrev.transforms.reversible import _tangent_args
     return (hook_p.bind(*primals, fn=fn, tree=tree),
-            hook_p.bind(*_tangent_args(primals, tangents), fn=fn, tree=tree))
+            hook_p.bind(*instantiate_tangents(primals, tangents), fn=fn, tree=tree))
 
 
 hook_p.def_impl(lambda *xs, fn, tree: list(xs))

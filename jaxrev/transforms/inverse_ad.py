@@ -209,6 +209,14 @@ def _guard(leaves, on_singular: str, who: str, diagnose: Callable[[], Any] | Non
     return leaves
 
 
+def _diagnoser(used: str, sq: _Square, fun: Callable, y_leaves) -> Callable[[], Any] | None:
+    """Re-running the inverse program on plain values checks every pivot it divides by (inside
+    a JVP its rules see tracers and cannot); the "linearize" strategy already ran on values."""
+    if used != "reverse":
+        return None
+    return lambda: reverse(sq.state_fun(fun))(sq.to_state_out(y_leaves))
+
+
 def _try(methods: Sequence[str], attempt: Callable[[str], Any], who: str, on_singular: str,
          nan_shape: Callable[[], Any]):
     """Run `attempt(method)` for the first method that applies. A vanished pivot ends the
@@ -295,11 +303,7 @@ def inverse_jvp(fun: Callable, primals: Sequence[Any], out_tangent: Any, *,
     leaves, used = _try(_methods(method), attempt, who, on_singular,
                         lambda: _nan_like(sq.in_leaves))
 
-    def diagnose():  # the inverse program on plain values checks every pivot it divides by
-        if used == "reverse":
-            reverse(sq.state_fun(fun))(sq.to_state_out(y_leaves))
-
-    leaves = _guard(leaves, on_singular, who, diagnose)
+    leaves = _guard(leaves, on_singular, who, _diagnoser(used, sq, fun, y_leaves))
     return y, sq.in_tree_of(leaves)
 
 
@@ -355,11 +359,7 @@ def inverse_vjp(fun: Callable, *primals: Any, method: str = "auto",
         leaves, used = _try(_methods(method), attempt, who, on_singular,
                             lambda: _nan_like(y_leaves))
 
-        def diagnose():
-            if used == "reverse":
-                reverse(sq.state_fun(fun))(sq.to_state_out(y_leaves))
-
-        leaves = _guard(leaves, on_singular, who, diagnose)
+        leaves = _guard(leaves, on_singular, who, _diagnoser(used, sq, fun, y_leaves))
         return sq.out_tree_of(leaves)
 
     return y, ivjp_fn

@@ -361,6 +361,7 @@ def invert_jaxpr(closed: ClosedJaxpr, ins: Sequence[Any], outs: Sequence[Any]) -
 
 # --------------------------------------------------------------------------- group steps
 
+@functools.lru_cache(maxsize=65536)  # equations hash by identity; called on every stuck sweep
 def _signature(eqn: JaxprEqn) -> tuple | None:
     """What makes two equations compute the same value (None: not comparable)."""
     if getattr(eqn, "effects", None):
@@ -1054,22 +1055,22 @@ def _scan(outs, *ins, **params):
         K = newK
     # a carry the body also emits per iteration, with a known start, is known at every
     # iteration: its input is the previous iteration's output (a chain over slots)
+    emits = _emitted_carries(bj, ncar, length, ys)
     emitted = {}
     waiting = False  # such a carry whose start is not known yet
-    for i in range(ncar):
-        if K[i] or not isinstance(bj.outvars[i], Var) or length == 0:
+    for i, j in emits.items():
+        if K[i]:
             continue
-        for j, y in enumerate(ys):
-            if not is_unknown(y) and bj.outvars[ncar + j] is bj.outvars[i]:
-                if is_unknown(init[i]):
-                    waiting = True
-                    break
-                first = jnp.expand_dims(jnp.asarray(init[i], y.dtype), 0)
-                emitted[i] = (jnp.concatenate([y[1:], first]) if rev else
-                              jnp.concatenate([first, y[:-1]]))
-                break
+        if is_unknown(init[i]):
+            waiting = True
+            continue
+        y = ys[j]
+        first = jnp.expand_dims(jnp.asarray(init[i], y.dtype), 0)
+        emitted[i] = jnp.concatenate([y[1:], first]) if rev else jnp.concatenate([first, y[:-1]])
     unk = [i for i in range(ncar) if not K[i] and i not in emitted]
-    carry_out = _carry_from_ys(bj, ncar, length, rev, carry_out, ys)
+    # an unknown final carry that is also emitted is the last emitted value
+    carry_out = [ys[emits[i]][0 if rev else -1] if is_unknown(c) and i in emits else c
+                 for i, c in enumerate(carry_out)]
     if any(is_unknown(carry_out[i]) for i in unk):
         raise NeedMore("the loop's final carry is not known")
     fwd_idx = [i for i in range(ncar) if K[i]]
@@ -1135,20 +1136,20 @@ def _scan(outs, *ins, **params):
     return res
 
 
-def _carry_from_ys(bj, ncar, length, rev, carry_out, ys):
-    """A final carry that is unknown but also emitted as an output per iteration (a body
-    returning ``(x, x)``) is that output's last entry."""
-    carry_out = list(carry_out)
+def _emitted_carries(bj, ncar, length, ys) -> dict[int, int]:
+    """Carry i -> output j for carries the body also emits per iteration (a body returning
+    ``(x, x)``) whose per-iteration outputs are known."""
+    out: dict[int, int] = {}
     if length == 0:
-        return carry_out
+        return out
     for i in range(ncar):
-        if not is_unknown(carry_out[i]) or not isinstance(bj.outvars[i], Var):
+        if not isinstance(bj.outvars[i], Var):
             continue
         for j, y in enumerate(ys):
             if not is_unknown(y) and bj.outvars[ncar + j] is bj.outvars[i]:
-                carry_out[i] = y[0] if rev else y[-1]
+                out[i] = j
                 break
-    return carry_out
+    return out
 
 
 def _switch_inverse(index, branches, ins, outs):

@@ -27,11 +27,12 @@ from jax import lax
 
 from jaxrev._compat import (ClosedJaxpr, DropVar, JaxprEqn, Literal, Primitive, ShapedArray,
                             Var, bind_eqn, cond_branches, eval_closed, hoist_consts,
-                            is_symbolic_zero, lower_fun, not_mapped, primitive_batchers,
+                            is_symbolic_zero, lower_fun, primitive_batchers,
                             primitive_jvps, primitive_transposes, prims, register_lowering,
                             scan_info, trace_to_closed, user_source)
 from jaxrev._errors import ReversibilityError, not_invertible
-from jaxrev._jaxpr import Env, fit_to_aval, inline_calls
+from jaxrev._jaxpr import (Env, batch_front, fit_to_aval, inline_calls,
+                            instantiate_tangents)
 from jaxrev.transforms import control_flow as _cf
 from jaxrev.transforms.custom import recompute_p, store_p
 from jaxrev.transforms.reverse import (_check_structure, _invert_call, _normalize_argnums,
@@ -466,6 +467,31 @@ def _loop_activity(ins: Sequence[Any], active: set, nc: int, ncar: int, body: Cl
     return out
 
 
+def _loop_cts_in(ctenv, cout, body, nc, act):
+    """The backward loop's starting cotangents: the final carry's (taken out of `ctenv`) and
+    zeros for the active constants; (None, None) when no cotangents are pulled."""
+    if ctenv is None:
+        return None, None
+    c_ct = [(_get_ct(ctenv, v) if a else None) for v, a in zip(cout, act[nc:nc + len(cout)])]
+    for v in cout:
+        ctenv.pop(v, None)
+    k_ct = [_zero_ct(v.aval) for v, a in zip(body.jaxpr.invars[:nc], act[:nc]) if a]
+    return c_ct, k_ct
+
+
+def _loop_cts_out(env, ctenv, init, c_first, c_first_ct, consts, k_ct, act, nc):
+    """Write what the backward loop rebuilt and pulled back: the starting carry, its
+    cotangent, and the constants' accumulated cotangents."""
+    for v, val in zip(init, c_first):
+        env.write(v, val)
+    if ctenv is None:
+        return
+    for v, g in zip(init, c_first_ct):
+        _acc(ctenv, v, g)
+    for v, g in zip([v for v, a in zip(consts, act[:nc]) if a], k_ct):
+        _acc(ctenv, v, g)
+
+
 def _scan_sweep(P, i, env, ctenv, active, res):
     e = P.closed.jaxpr.eqns[i]
     nc, ncar, body, length, rev = scan_info(e.params)
@@ -488,14 +514,7 @@ def _scan_sweep(P, i, env, ctenv, active, res):
     yct = [c is not None for c in ys_ct]
     step = _BodyWalk(bp, nc, ncar, xk, yk, [env.read(v) for v in consts], act, yct)
     c0 = [env.read(v) for v in cout]
-    if want:
-        a_car = act[nc:nc + ncar]
-        c_ct0 = [(_get_ct(ctenv, v) if a else None) for v, a in zip(cout, a_car)]
-        for v in cout:
-            ctenv.pop(v, None)
-        k_ct0 = [_zero_ct(v.aval) for v, a in zip(body.jaxpr.invars[:nc], act[:nc]) if a]
-    else:
-        c_ct0, k_ct0 = None, None
+    c_ct0, k_ct0 = _loop_cts_in(ctenv, cout, body, nc, act)
 
     def bstep(carry, sl):
         c, c_ct, k_ct = carry
@@ -509,16 +528,11 @@ def _scan_sweep(P, i, env, ctenv, active, res):
           [env.read(v) for v, k in zip(xs, xk) if k], list(lres))
     (c_first, c_first_ct, k_ct), (x_rec, x_ct) = lax.scan(
         bstep, (c0, c_ct0, k_ct0), sl, length=length, reverse=not rev)
-    for v, val in zip(init, c_first):
-        env.write(v, val)
+    _loop_cts_out(env, ctenv, init, c_first, c_first_ct, consts, k_ct, act, nc)
     for v, val in zip([v for v, k in zip(xs, xk) if not k], x_rec):
         env.write(v, val)
     if want:
-        for v, g in zip(init, c_first_ct):
-            _acc(ctenv, v, g)
         for v, g in zip([v for v, a in zip(xs, act[nc + ncar:]) if a], x_ct):
-            _acc(ctenv, v, g)
-        for v, g in zip([v for v, a in zip(consts, act[:nc]) if a], k_ct):
             _acc(ctenv, v, g)
 
 
@@ -551,13 +565,7 @@ def _while_sweep(P, i, env, ctenv, active, res):
     act = _loop_activity([*bc, *init], active, nbc, ncar, body) if want else None
     step = _BodyWalk(bp, nbc, ncar, (), (), [env.read(v) for v in bc], act, ())
     c0 = [env.read(v) for v in e.outvars]
-    if want:
-        c_ct0 = [(_get_ct(ctenv, v) if a else None) for v, a in zip(e.outvars, act[nbc:])]
-        for v in e.outvars:
-            ctenv.pop(v, None)
-        k_ct0 = [_zero_ct(v.aval) for v, a in zip(body.jaxpr.invars[:nbc], act[:nbc]) if a]
-    else:
-        c_ct0, k_ct0 = None, None
+    c_ct0, k_ct0 = _loop_cts_in(ctenv, e.outvars, body, nbc, act)
 
     def bstep(go, c, c_ct, k_ct):
         """One backward iteration where `go` holds (a scalar, or one flag per element of a
@@ -596,13 +604,7 @@ def _while_sweep(P, i, env, ctenv, active, res):
 
         _, c_first, c_first_ct, k_ct = lax.while_loop(lambda s: jnp.any(s[0] > 0), back,
                                                        (n, c0, c_ct0, k_ct0))
-    for v, val in zip(init, c_first):
-        env.write(v, val)
-    if want:
-        for v, g in zip(init, c_first_ct):
-            _acc(ctenv, v, g)
-        for v, g in zip([v for v, a in zip(bc, act[:nbc]) if a], k_ct):
-            _acc(ctenv, v, g)
+    _loop_cts_out(env, ctenv, init, c_first, c_first_ct, bc, k_ct, act, nbc)
 
 
 def _cond_sweep(P, i, env, ctenv, active, res):
@@ -790,21 +792,10 @@ def _rev_abstract(*avals, jaxpr, state, store):
     return outs
 
 
-def _tangent_args(primals: Sequence[Any], tangents: Sequence[Any]) -> tuple[Any, ...]:
-    out = []
-    for p, t in zip(primals, tangents):
-        if t is None or is_symbolic_zero(t):
-            dt = jnp.result_type(p)
-            t = (jnp.zeros(jnp.shape(p), dt) if jnp.issubdtype(dt, jnp.inexact)
-                 else np.zeros(jnp.shape(p), jax.dtypes.float0))
-        out.append(t)
-    return tuple(out)
-
-
 def _rev_jvp(primals, tangents, *, jaxpr, state, store):
     if store:  # forward mode of the run that also returns residuals: a plain JVP
         f = partial(_rev_impl, jaxpr=jaxpr, state=state, store=True)
-        return jax.jvp(f, tuple(primals), _tangent_args(primals, tangents))
+        return jax.jvp(f, tuple(primals), instantiate_tangents(primals, tangents))
     nz = tuple(not is_symbolic_zero(t) for t in tangents)
     outs = reversible_p.bind(*primals, jaxpr=jaxpr, state=state, store=True)
     n = len(jaxpr.out_avals)
@@ -816,15 +807,8 @@ def _rev_jvp(primals, tangents, *, jaxpr, state, store):
     return ys, out_t
 
 
-def _batch_front(args, dims):
-    """(batch size, operands with their batch axis first, vmap in_axes)."""
-    size = next(x.shape[d] for x, d in zip(args, dims) if d is not not_mapped)
-    args = [jnp.moveaxis(x, d, 0) if d is not not_mapped else x for x, d in zip(args, dims)]
-    return size, args, [0 if d is not not_mapped else None for d in dims]
-
-
 def _vmapped(fun, args, dims):
-    size, args, in_axes = _batch_front(args, dims)
+    size, args, in_axes = batch_front(args, dims)
     outs = jax.vmap(fun, in_axes=in_axes, axis_size=size)(*args)
     return outs, [0] * len(outs)
 
@@ -832,7 +816,7 @@ def _vmapped(fun, args, dims):
 def _rev_batch(args, dims, *, jaxpr, state, store):
     if store:  # the forward run of a linearization: its residuals keep the unbatched plan
         return _vmapped(partial(_rev_impl, jaxpr=jaxpr, state=state, store=True), args, dims)
-    size, args, in_axes = _batch_front(args, dims)
+    size, args, in_axes = batch_front(args, dims)
     avals = [jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for x in args]
     bj, consts, _ = trace_to_closed(
         jax.vmap(lambda *a: eval_closed(jaxpr, *a), in_axes=in_axes, axis_size=size), *avals)
@@ -870,7 +854,7 @@ def _lin_impl(*args, jaxpr, state, nz, nres):
           for v in J.invars]
     it = iter(tans)
     ts = [next(it) if z else None for z in nz]
-    _, out_t = jax.jvp(lambda *a: eval_closed(jaxpr, *a), tuple(xs), _tangent_args(xs, ts))
+    _, out_t = jax.jvp(lambda *a: eval_closed(jaxpr, *a), tuple(xs), instantiate_tangents(xs, ts))
     return list(out_t)
 
 
@@ -894,7 +878,7 @@ def _lin_transpose(cts, *args, jaxpr, state, nz, nres):
 
 
 def _lin_jvp(primals, tangents, **params):
-    return jax.jvp(partial(_lin_impl, **params), tuple(primals), _tangent_args(primals, tangents))
+    return jax.jvp(partial(_lin_impl, **params), tuple(primals), instantiate_tangents(primals, tangents))
 
 
 def _lin_batch(args, dims, **params):
