@@ -619,7 +619,7 @@ def _solve_lump(lump_eqns, env, inputs, outputs) -> None:
 
 
 def _structured_lump_solve(F, inputs, lump_eqns, env, offs, dtype, r):
-    """Solve a lump whose matrix is banded and triangular (see `lumps`); None if it is not."""
+    """Solve a lump whose matrix is banded (see `lumps`); None if it is not."""
     from jaxrev.transforms import lumps
     n = int(offs[-1])
     if n < lumps.MIN_STRUCTURED_SIZE or jnp.issubdtype(dtype, jnp.complexfloating):
@@ -648,16 +648,20 @@ def _structured_lump_solve(F, inputs, lump_eqns, env, offs, dtype, r):
     if pattern is None:
         return None
     lo, up = lumps.band_of(pattern)
-    b = lo if up == 0 else up
-    if (lo and up) or b > max(8, n // 16):
+    if lo + up > max(8, n // 16):
         return None
-    u, pivots = lumps.banded_triangular_solve(lambda u: flat(u, env.read), n, b, up == 0, r,
-                                              dtype)
+    G = lambda u: flat(u, env.read)  # noqa: E731
+    if lo and up:
+        u, pivots, _ = lumps.banded_solve(G, n, lo, up, r, dtype)
+        what = "banded system (solved with partial pivoting)"
+    else:
+        u, pivots = lumps.banded_triangular_solve(G, n, lo or up, up == 0, r, dtype)
+        what = "triangular system"
     if is_concrete(pivots) and bool(jnp.any(pivots == 0)):
         k = int(jnp.argmax(pivots == 0))
         raise not_invertible(lump_eqns[-1], "it belongs to a group of equations that are "
-                             f"invertible only together, and their triangular system has a zero "
-                             f"pivot (row {k})", singular=True)
+                             f"invertible only together, and their {what} has a zero pivot "
+                             f"(row {k})", singular=True)
     return u
 
 
