@@ -4,6 +4,7 @@
 """
 from jaxrev._errors import (JaxrevError, NotInvertibleError, ReversibilityError,
                             SingularJacobianError)
+from jaxrev import optim
 from jaxrev.transforms.control_flow import cond, while_loop
 from jaxrev.transforms.custom import (custom_inverse, forward_mode, hook, nestlevel, recompute,
                                      store)
@@ -20,5 +21,5 @@ __all__ = [
     "check_reversible", "ReversibilityReport", "while_loop", "cond",
     "inverse_jvp", "inverse_vjp", "slogdet_jacobian", "custom_inverse",
     "hook", "nestlevel", "forward_mode", "store", "recompute",
-    "JaxrevError", "NotInvertibleError", "ReversibilityError", "SingularJacobianError",
+    "optim", "JaxrevError", "NotInvertibleError", "ReversibilityError", "SingularJacobianError",
 ]

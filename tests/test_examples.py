@@ -131,3 +131,29 @@ def test_flow_trains_and_samples_backwards(flow):
     assert float(m.group(1)) < float(m.group(2)) - 1.0
     assert _number(flow, "flow(reverse(flow)(z)) round-trip max error:") < 1e-10
     assert _number(flow, "reverse(flow)(flow(x)) round-trip max error:") < 1e-10
+
+
+# ------------------------------------------------------------------ Newton optimizers
+
+@pytest.fixture(scope="module")
+def newton() -> str:
+    return _run("newton.py")
+
+
+def test_newton_example(newton):
+    m = re.search(r"steps to \|x - \(1, 1\)\| < 1e-8: (\d+); error ([0-9.e+-]+)", newton)
+    assert m, newton
+    assert int(m.group(1)) <= 30 and float(m.group(2)) < 1e-8
+    m = re.search(r"loss ([0-9.e+-]+) after \d+ iterations \(converged\)", newton)
+    assert m and float(m.group(1)) < 1e-10, newton
+    assert _number(newton, "relative residual") < 1e-9
+    m = re.search(r"4\. root .*\n\s+residual ([0-9.e+-]+) after \d+ Newton steps \(converged\)",
+                  newton)
+    assert m and float(m.group(1)) < 1e-10, newton
+
+
+@pytest.mark.slow
+def test_graph_embedding_example():
+    out = _run("graph_embedding.py")
+    assert "smallest dimension with a zero-loss embedding: k = 5" in out
+    assert re.search(r"k = 5: loss [0-9.e+-]+ after \d+ Newton steps; l2/l1 = 1\.41421356", out)

@@ -44,9 +44,10 @@ def probe_pattern(F_probe: Callable[[Any], Any], n: int, dtype: Any) -> np.ndarr
         return None
     try:
         with jax.ensure_compile_time_eval():
-            J = jax.jacfwd(F_probe)(jnp.zeros(n, dtype))
+            # one compiled program: op-by-op evaluation would compile every op of the lump
+            J = jax.jit(jax.jacfwd(F_probe))(jnp.zeros(n, dtype))
             J = np.asarray(J)
-    except jax.errors.ConcretizationTypeError:
+    except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
         return None
     return J != 0
 
@@ -157,9 +158,9 @@ def _eliminate(band: Any, r: Any, lo: int) -> tuple[Any, Any]:
             p = jnp.argmax(jnp.abs(W[:, 0]))
             perm = jnp.arange(lo + 1).at[0].set(p).at[p].set(0)
             W, rw = W[perm], rw[perm]
-            l = W[1:, 0] / W[0, 0]
-            W = W.at[1:].add(-l[:, None] * W[0][None, :])
-            rw = rw.at[1:].add(-l * rw[0])
+            mult = W[1:, 0] / W[0, 0]
+            W = W.at[1:].add(-mult[:, None] * W[0][None, :])
+            rw = rw.at[1:].add(-mult * rw[0])
         out = (W[0], rw[0])
         W = jnp.concatenate([jnp.pad(W[1:, 1:], ((0, 0), (0, 1))), row_in[None]], 0)
         rw = jnp.concatenate([rw[1:], r_in[None]])

@@ -1,0 +1,218 @@
+"""jaxrev.optim: Newton directions against dense Hessian solves, the optax interface, minimize
+(Newton and trust region) and root on the issue's problems."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxrev as jr
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from graph_embedding import free_loss, solve, starts  # noqa: E402
+from newton import (broyden_tridiagonal, chained_rosenbrock, extended_rosenbrock,  # noqa: E402
+                    rosenbrock)
+
+rng = np.random.default_rng(0)
+
+
+def rel(a, b):
+    a, b = np.asarray(a), np.asarray(b)
+    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-300))
+
+
+def dense_newton(f, x, damping=0.0):
+    v, unravel = jax.flatten_util.ravel_pytree(x)
+    fv = lambda v: f(unravel(v))
+    H = jax.hessian(fv)(v) + damping * jnp.eye(v.size)
+    return unravel(jnp.linalg.solve(H, jax.grad(fv)(v)))
+
+
+def dense_objective(x):
+    A = jnp.asarray(np.random.default_rng(1).standard_normal((6, 6)) / 3)
+    return jnp.sum(jnp.cosh(A @ x)) + 0.5 * jnp.sum(x ** 2)
+
+
+# ------------------------------------------------------------------ newton_direction
+
+@pytest.mark.parametrize("damping", [0.0, 0.5])
+def test_newton_direction_matches_dense_solve(damping):
+    x = jnp.asarray(rng.standard_normal(6))
+    d = jr.optim.newton_direction(dense_objective, x, damping=damping)
+    assert rel(d, dense_newton(dense_objective, x, damping)) < 1e-9
+
+
+def test_newton_direction_of_a_pytree_and_float32():
+    def f(p):
+        return jnp.sum(p["w"] ** 4) + jnp.sum(jnp.exp(p["b"])) + jnp.sum(p["w"]) * p["b"][0]
+    p = {"w": jnp.asarray(rng.standard_normal((2, 3))), "b": jnp.asarray(rng.standard_normal(2))}
+    d = jr.optim.newton_direction(f, p)
+    ref = dense_newton(f, p)
+    assert jax.tree_util.tree_structure(d) == jax.tree_util.tree_structure(p)
+    for k in p:
+        assert rel(d[k], ref[k]) < 1e-9
+    p32 = jax.tree_util.tree_map(lambda a: a.astype(jnp.float32), p)
+    d32 = jr.optim.newton_direction(f, p32)
+    assert d32["w"].dtype == jnp.float32
+    for k in p:
+        assert rel(d32[k], ref[k]) < 1e-3
+
+
+def test_newton_direction_under_jit_and_vmap():
+    xs = jnp.asarray(rng.standard_normal((3, 6)))
+    ds = jax.jit(jax.vmap(lambda x: jr.optim.newton_direction(dense_objective, x)))(xs)
+    for x, d in zip(xs, ds):
+        assert rel(d, dense_newton(dense_objective, x)) < 1e-9
+
+
+# ------------------------------------------------------------------ optax
+
+def test_pure_newton_solves_rosenbrock_through_optax():
+    # the issue's figure: from (-1.2, 1) to 1e-8 within 30 steps
+    opt = jr.optim.newton()
+    x = jnp.array([-1.2, 1.0])
+    state = opt.init(x)
+    step = jax.jit(lambda x, s: opt.update(jax.grad(rosenbrock)(x), s, x, value_fn=rosenbrock))
+    for k in range(1, 31):
+        u, state = step(x, state)
+        x = optax.apply_updates(x, u)
+        if float(jnp.max(jnp.abs(x - 1.0))) < 1e-8:
+            break
+    assert float(jnp.max(jnp.abs(x - 1.0))) < 1e-8 and k <= 30
+    assert int(state[0].count) == k
+
+
+def test_newton_with_an_optax_line_search():
+    opt = optax.chain(jr.optim.newton(),
+                      optax.scale_by_backtracking_linesearch(max_backtracking_steps=30))
+    x = jnp.array([-1.2, 1.0])
+    state = opt.init(x)
+
+    @jax.jit
+    def step(x, state):
+        value, grad = jax.value_and_grad(rosenbrock)(x)
+        u, state = opt.update(grad, state, x, value=value, grad=grad, value_fn=rosenbrock)
+        return optax.apply_updates(x, u), state, value
+    values = []
+    for _ in range(40):
+        x, state, value = step(x, state)
+        values.append(float(value))
+    assert all(b <= a for a, b in zip(values, values[1:]))  # the line search never goes up
+    assert float(jnp.max(jnp.abs(x - 1.0))) < 1e-8
+
+
+def test_damped_newton_is_levenberg():
+    x = jnp.asarray(rng.standard_normal(6))
+    opt = jr.optim.newton(learning_rate=0.5, damping=2.0)
+    g = jax.grad(dense_objective)(x)
+    u, _ = opt.update(g, opt.init(x), x, value_fn=dense_objective)
+    assert rel(u, -0.5 * dense_newton(dense_objective, x, 2.0)) < 1e-9
+
+
+def test_scale_by_newton_errors():
+    t = jr.optim.scale_by_newton()
+    x = jnp.ones(2)
+    with pytest.raises(ValueError, match="value_fn"):
+        t.update(x, t.init(x), x)
+    with pytest.raises(ValueError, match="needs params"):
+        t.update(x, t.init(x), value_fn=rosenbrock)
+    with pytest.raises(ValueError, match="damping"):
+        jr.optim.scale_by_newton(damping=-1.0)
+
+
+# ------------------------------------------------------------------ minimize
+
+@pytest.mark.parametrize("method", ["newton", "trust-region"])
+def test_minimize_rosenbrock(method):
+    x, info = jax.jit(lambda x0: jr.optim.minimize(rosenbrock, x0, method=method))(
+        jnp.array([-1.2, 1.0]))
+    assert info.message == "converged" and float(info.residual) <= 1e-8
+    assert rel(x, jnp.ones(2)) < 1e-8
+
+
+def test_trust_region_extended_rosenbrock_100():
+    x0 = jnp.tile(jnp.array([-1.2, 1.0]), 50)
+    x, info = jax.jit(lambda x0: jr.optim.minimize(extended_rosenbrock, x0, tol=1e-10))(x0)
+    assert float(extended_rosenbrock(x)) < 1e-10 and info.message == "converged"
+
+
+def test_trust_region_petersen_embedding_k5():
+    # the issue's figure: loss < 1e-10 at k = 5 (NiLang §4.3); two starts at once under vmap
+    fixed, x0 = starts(5, (0, 1))
+    x, info = solve(fixed, x0)
+    assert float(jnp.min(info.value)) < 1e-10
+    i = int(jnp.argmin(info.value))
+    assert float(free_loss(fixed[i])(x[i])) < 1e-10
+
+
+def test_trust_region_escapes_a_saddle_where_newton_would_not():
+    # at the origin the Hessian is indefinite (a saddle with zero gradient along y would stop
+    # plain Newton); the trust region finds a minimum at (±1, ±1/√2)... with f = -1.25
+    f = lambda v: (v[0] ** 2 - 1) ** 2 + (2 * v[1] ** 2 - 1) ** 2 / 4 - 1.25 + 0 * v[0]
+    x, info = jr.optim.minimize(f, jnp.array([0.1, 0.05]), method="trust-region")
+    assert info.message == "converged"
+    assert float(f(x)) < -1.25 + 1e-12
+    H = jax.hessian(f)(x)
+    assert bool(jnp.all(jnp.linalg.eigvalsh(H) > 0))
+
+
+def test_minimize_pytree_vmap_and_status():
+    def f(p):
+        return jnp.sum((p["a"] - 2.0) ** 4 + (p["a"] - 2.0) ** 2) + jnp.cosh(p["b"] - 1.0)
+    p0 = {"a": jnp.zeros(3), "b": jnp.asarray(0.0)}
+    p, info = jr.optim.minimize(f, p0, method="newton")
+    assert rel(p["a"], 2.0 * jnp.ones(3)) < 1e-9 and abs(float(p["b"]) - 1.0) < 1e-9
+    starts_ = jnp.asarray(rng.standard_normal((4, 2)))
+    xs, infos = jax.vmap(lambda x0: jr.optim.minimize(rosenbrock, x0))(starts_)
+    assert bool(jnp.all(infos.status == 0)) and rel(xs, jnp.ones((4, 2))) < 1e-8
+    _, info = jr.optim.minimize(rosenbrock, jnp.array([-1.2, 1.0]), maxiter=2)
+    assert info.message == "max_iterations" and int(info.iterations) == 2
+
+
+def test_minimize_errors():
+    with pytest.raises(ValueError, match="method must be"):
+        jr.optim.minimize(rosenbrock, jnp.zeros(2), method="bfgs")
+    with pytest.raises(ValueError, match="tol must be"):
+        jr.optim.minimize(rosenbrock, jnp.zeros(2), tol=0.0)
+    with pytest.raises(TypeError, match="scalar"):
+        jr.optim.minimize(lambda x: x ** 2, jnp.zeros(2))
+    with pytest.raises(TypeError, match="floating"):
+        jr.optim.minimize(rosenbrock, jnp.zeros(2, jnp.int32))
+
+
+# ------------------------------------------------------------------ root
+
+def test_root_broyden_tridiagonal_200():
+    # the issue's figure: residual < 1e-10
+    x, info = jax.jit(lambda x0: jr.optim.root(broyden_tridiagonal, x0))(-jnp.ones(200))
+    assert float(jnp.max(jnp.abs(broyden_tridiagonal(x)))) < 1e-10
+    assert info.message == "converged" and int(info.iterations) < 20
+
+
+def test_root_pytree_float32_and_errors():
+    def F(p):
+        return {"u": p["u"] ** 3 - p["v"], "v": jnp.exp(p["v"]) - 2.0}
+    p, info = jr.optim.root(F, {"u": jnp.ones(1), "v": jnp.zeros(1)})
+    assert abs(float(p["v"][0]) - np.log(2.0)) < 1e-12
+    assert abs(float(p["u"][0]) - np.log(2.0) ** (1 / 3)) < 1e-9 and float(info.residual) < 1e-10
+    x32, info32 = jr.optim.root(lambda x: x ** 3 - 8.0, jnp.ones(3, jnp.float32), tol=1e-5)
+    assert x32.dtype == jnp.float32 and info32.message == "converged"
+    with pytest.raises(ValueError, match="square"):
+        jr.optim.root(lambda x: x[:2], jnp.ones(3))
+    # a singular Jacobian at the root's start: no step can be taken
+    _, info = jr.optim.root(lambda x: x ** 2 + 1.0, jnp.zeros(2))
+    assert info.message in ("stalled", "non_finite")
+
+
+def test_chained_rosenbrock_newton_direction_is_banded():
+    n = 300
+    x = jnp.asarray(1.0 + 0.01 * rng.standard_normal(n))
+    d = jax.jit(lambda x: jr.optim.newton_direction(chained_rosenbrock, x))(x)
+    assert rel(d, dense_newton(chained_rosenbrock, x)) < 1e-9
+    jaxpr = str(jax.make_jaxpr(lambda x: jr.optim.newton_direction(chained_rosenbrock, x))(x))
+    assert "= lu " not in jaxpr and "= lu[" not in jaxpr
