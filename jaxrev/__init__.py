@@ -5,6 +5,7 @@
 from jaxrev._errors import (JaxrevError, NotInvertibleError, ReversibilityError,
                             SingularJacobianError)
 from jaxrev import optim
+from jaxrev.primitives import apply_gate, rot, swap
 from jaxrev.transforms.control_flow import cond, while_loop
 from jaxrev.transforms.custom import (custom_inverse, forward_mode, hook, nestlevel, recompute,
                                      store)
@@ -21,5 +22,5 @@ __all__ = [
     "check_reversible", "ReversibilityReport", "while_loop", "cond",
     "inverse_jvp", "inverse_vjp", "slogdet_jacobian", "custom_inverse",
     "hook", "nestlevel", "forward_mode", "store", "recompute",
-    "optim", "JaxrevError", "NotInvertibleError", "ReversibilityError", "SingularJacobianError",
+    "optim", "rot", "swap", "apply_gate", "JaxrevError", "NotInvertibleError", "ReversibilityError", "SingularJacobianError",
 ]

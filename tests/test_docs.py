@@ -11,7 +11,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGES = sorted(os.path.join("docs", "rules", f)
                for f in os.listdir(os.path.join(ROOT, "docs", "rules")) if f.endswith(".md")) \
-    + [os.path.join("docs", "optim.md")]
+    + [os.path.join("docs", "optim.md"), os.path.join("docs", "primitives.md")]
 
 
 def _blocks(page):

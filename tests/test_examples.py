@@ -157,3 +157,19 @@ def test_graph_embedding_example():
     out = _run("graph_embedding.py")
     assert "smallest dimension with a zero-loss embedding: k = 5" in out
     assert re.search(r"k = 5: loss [0-9.e+-]+ after \d+ Newton steps; l2/l1 = 1\.41421356", out)
+
+
+# ------------------------------------------------------------------ quantum circuit
+
+def test_quantum_circuit_example():
+    out = _run("quantum_circuit.py")
+    assert _number(out, "gradient vs jax.grad, relative error:") < 1e-9
+    mem = {int(d): (int(r.replace(",", "")), int(g.replace(",", ""))) for d, r, g in re.findall(
+        r"depth (\d+): gradient temp memory: reversible ([0-9,]+) B, jax.grad ([0-9,]+) B", out)}
+    assert set(mem) == {10, 40}, out
+    assert mem[10][0] == mem[40][0] and mem[40][1] > 3 * mem[10][1]
+    m = re.search(r"energy went from ([-0-9.]+) to ([-0-9.]+) in \d+ Adam steps "
+                  r"\(exact ground state ([-0-9.]+)\)", out)
+    assert m, out
+    assert float(m.group(2)) < float(m.group(1)) and float(m.group(2)) < float(m.group(3)) + 0.1
+    assert _number(out, "reverse(circuit) round-trip max error:") < 1e-12
