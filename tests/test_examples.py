@@ -152,9 +152,10 @@ def test_newton_example(newton):
     assert m and float(m.group(1)) < 1e-10, newton
 
 
-@pytest.mark.slow
 def test_graph_embedding_example():
     out = _run("graph_embedding.py")
+    assert _number(out, "reversible gradient vs jax.grad, relative error:") < 1e-12
+    assert _number(out, "forward-over-reverse Hessian vs jax.hessian, relative error:") < 1e-12
     assert "smallest dimension with a zero-loss embedding: k = 5" in out
     assert re.search(r"k = 5: loss [0-9.e+-]+ after \d+ Newton steps; l2/l1 = 1\.41421356", out)
 
