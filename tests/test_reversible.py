@@ -471,3 +471,46 @@ def test_equation_without_outputs():
         jax.debug.print("x={x}", x=x)
         return x * 2.0
     assert rel(jax.grad(lambda x: jr.reversible(f)(x).sum())(jnp.ones(2)), 2 * jnp.ones(2)) == 0
+
+
+# ------------------------------------------------------------------ loops over parameters only
+
+def test_loop_over_parameters_alone_runs_backwards():
+    # the state joins only after the loop: the loop is computed forward from the parameter,
+    # and its derivative must still run it backwards (a while loop jax.grad refuses; a scan
+    # whose tape would grow with its length)
+    def f(acc, x):
+        s = jax.lax.while_loop(lambda c: c[0] < 5, lambda c: (c[0] + 1, c[1] * x), (0, x))[1]
+        return acc + s
+    g = jax.grad(lambda x: jr.reversible(f)(0.0, x))(1.1)
+    assert abs(float(g) - 6 * 1.1 ** 5) < 1e-12
+
+    def h(acc, x):
+        def body(c, _):
+            a, b = c
+            a = a + jnp.tanh(x * b)
+            return (a, b + jnp.sin(a)), None
+        a, b = jax.lax.scan(body, (x, x), None, length=length)[0]
+        return acc + a + b
+    x = jnp.full(512, 0.3)
+    L = lambda run: jax.grad(lambda x: jnp.sum(run(jnp.zeros(512), x)))
+    mems = []
+    for length in (50, 200):
+        assert rel(L(jr.reversible(h))(x), L(h)(x)) < 1e-11
+        mems.append(_temp(L(jr.reversible(h)), x))
+    assert mems[0] == mems[1]
+
+
+def test_grad_of_vmap_through_while_loops_of_different_lengths_is_finite():
+    # finished elements are back at their start, where the inverted step divides by k = 0
+    def f(s, x):
+        def body(c):
+            k, s = c
+            k = k + 1
+            return k, s + x / k
+        return jax.lax.while_loop(lambda c: c[0] < x, body, (jnp.zeros_like(x), s))[1]
+    xs = jnp.array([2.0, 5.0, 3.5])
+    ref = jnp.array([1.5, 1 + 1 / 2 + 1 / 3 + 1 / 4 + 1 / 5, 1 + 1 / 2 + 1 / 3 + 1 / 4])
+    g1 = jax.grad(lambda xs: jnp.sum(jax.vmap(lambda x: jr.reversible(f)(0.0, x))(xs)))(xs)
+    g2 = jax.grad(lambda xs: jnp.sum(jr.reversible(jax.vmap(f))(jnp.zeros(3), xs)))(xs)
+    assert rel(g1, ref) < 1e-14 and rel(g2, ref) < 1e-14

@@ -351,6 +351,18 @@ def _vjp_eqn(e: JaxprEqn, env: Env, ctenv: dict | None, active: set) -> None:
         _acc(ctenv, e.invars[k], c)
 
 
+def _differentiated_loop(e: JaxprEqn, ctenv: dict | None, active: set, res: _Res) -> bool:
+    """Whether a loop computed from known inputs is swept backwards for its derivative. The
+    planning walk says yes to any loop with float inputs (it cannot know which will be
+    differentiated), so that the forward run stores what the sweep needs (a trip count)."""
+    floats = [v for v in e.invars
+              if _is_var(v) and jnp.issubdtype(v.aval.dtype, jnp.inexact)]
+    if res.planning:
+        return bool(floats)
+    return ctenv is not None and any(v in active for v in floats) and any(
+        _is_var(o) and o in ctenv for o in e.outvars)
+
+
 def _walk(P: _Plan, env: Env, ctenv: dict | None, active_in: set, res: _Res,
           goals: Sequence[Var]) -> None:
     """Walk `P`'s jaxpr last equation first: rebuild each equation's inputs from its outputs,
@@ -376,14 +388,19 @@ def _walk(P: _Plan, env: Env, ctenv: dict | None, active_in: set, res: _Res,
             env.vals[o] = fit_to_aval(res.store(o, e, "value kept by jr.store"), o.aval)
     for i in reversed(range(len(eqns))):
         e = eqns[i]
+        sweep = _sweeps.get(e.primitive)
         if i not in forward:
-            sweep = _sweeps.get(e.primitive)
             if sweep is not None:
                 sweep(P, i, env, ctenv, active, res)
                 continue
             unk = [v for v in e.invars if _is_var(v) and not env.known(v)]
             if unk:
                 _rebuild(P, i, i + 1, env, unk, res)
+        elif sweep is not None and _differentiated_loop(e, ctenv, active, res):
+            # a loop over parameters alone is computed forward, but its derivative still runs
+            # it backwards: a plain VJP would keep its tape (or refuse a while loop)
+            sweep(P, i, env, ctenv, active, res)
+            continue
         _vjp_eqn(e, env, ctenv, active)
     missing = [g for g in goals if not env.known(g)]
     if missing:
@@ -483,7 +500,8 @@ def _loop_cts_out(env, ctenv, init, c_first, c_first_ct, consts, k_ct, act, nc):
     """Write what the backward loop rebuilt and pulled back: the starting carry, its
     cotangent, and the constants' accumulated cotangents."""
     for v, val in zip(init, c_first):
-        env.write(v, val)
+        if _is_var(v) and not env.known(v):  # a known start (a parameter) stays exact
+            env.write(v, val)
     if ctenv is None:
         return
     for v, g in zip(init, c_first_ct):
@@ -563,7 +581,8 @@ def _while_sweep(P, i, env, ctenv, active, res):
             "`reversible` can store, or make the step invertible.")
     want = ctenv is not None
     act = _loop_activity([*bc, *init], active, nbc, ncar, body) if want else None
-    step = _BodyWalk(bp, nbc, ncar, (), (), [env.read(v) for v in bc], act, ())
+    bvals = [env.read(v) for v in bc]
+    step = _BodyWalk(bp, nbc, ncar, (), (), bvals, act, ())
     c0 = [env.read(v) for v in e.outvars]
     c_ct0, k_ct0 = _loop_cts_in(ctenv, e.outvars, body, nbc, act)
 
@@ -571,12 +590,18 @@ def _while_sweep(P, i, env, ctenv, active, res):
         """One backward iteration where `go` holds (a scalar, or one flag per element of a
         vmapped loop: finished elements keep their values and add no cotangent)."""
         batched = jnp.ndim(go) > 0
-        if batched and c_ct is not None:  # finished elements must not feed the constants
-            c_ct_in = [None if g is None else _cf._select(go, g, jnp.zeros_like(g))
-                       for g in c_ct]
-        else:
-            c_ct_in = c_ct
-        c_prev, c_prev_ct, _, _, kc = step(c, c_ct_in, [], [], [], [])
+        c_in, c_ct_in = c, c_ct
+        if batched:
+            # finished elements are back at their start, where the inverted step may be
+            # undefined (k = 0 in x / k): they step back from one forward step instead, a
+            # point the loop itself computes, with a zero cotangent, so that 0 · inf never
+            # reaches the constants' cotangents
+            ahead = eval_closed(body, *bvals, *c)
+            c_in = [_cf._select(go, a, b) for a, b in zip(c, ahead)]
+            if c_ct is not None:
+                c_ct_in = [None if g is None else _cf._select(go, g, jnp.zeros_like(g))
+                           for g in c_ct]
+        c_prev, c_prev_ct, _, _, kc = step(c_in, c_ct_in, [], [], [], [])
         if want:
             k_ct = [a + b for a, b in zip(k_ct, kc)]
         if not batched:
