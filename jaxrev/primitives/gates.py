@@ -119,9 +119,17 @@ def _views(state, locs, ctrl_locs, ctrl_vals):
     return psi, idx, axes, nb
 
 
+_SMALL_GATE = 2
+"""Gates on at most this many qubits are applied as 4ᵏ fused multiply-adds of state slices:
+on CPU that is several times faster than a `dot_general` with a 2ᵏ x 2ᵏ matrix, which XLA
+turns into a transpose, a small matmul and a transpose back."""
+
+
 def _contract(sub, matrix, axes, nb):
     """out[.., a, ..] = Σ_b M[a, b] sub[.., b, ..] over the qubit axes `axes`."""
     k = len(axes)
+    if k <= _SMALL_GATE:
+        return _contract_slices(sub, matrix, axes, nb)
     m = matrix.reshape(matrix.shape[:-2] + (2,) * (2 * k))
     sub_idx = list(range(sub.ndim))
     out_idx = list(sub_idx)
@@ -131,6 +139,44 @@ def _contract(sub, matrix, axes, nb):
     batch = sub_idx[:nb] if matrix.ndim > 2 else []
     m_idx = batch + new + [sub_idx[ax] for ax in axes]
     return jnp.einsum(m, m_idx, sub, sub_idx, out_idx)
+
+
+def _slice_at(x, axes, bits):
+    idx = [slice(None)] * x.ndim
+    for ax, b in zip(axes, bits):
+        idx[ax] = b
+    return x[tuple(idx)]
+
+
+def _bits(i: int, k: int) -> tuple[int, ...]:
+    return tuple((i >> (k - 1 - j)) & 1 for j in range(k))
+
+
+def _contract_slices(sub, matrix, axes, nb):
+    k = len(axes)
+    K = 2 ** k
+    slices = [_slice_at(sub, axes, _bits(b, k)) for b in range(K)]
+    rest = slices[0].ndim - nb
+
+    def entry(a, b):  # M[.., a, b], broadcast over the slice's qubit axes
+        e = matrix[..., a, b]
+        return e.reshape(e.shape + (1,) * rest) if matrix.ndim > 2 else e
+    outs = {_bits(a, k): sum(entry(a, b) * slices[b] for b in range(K)) for a in range(K)}
+    # put the k axes back where they were: stack the highest axis first, each at its position
+    # among the axes still missing
+    order = sorted(range(k), key=lambda j: axes[j])
+    for depth in reversed(range(k)):
+        j = order[depth]
+        pos = axes[j] - depth
+        merged = {}
+        for key in {kk[:j] + kk[j + 1:] for kk in outs}:
+            parts = [outs[key[:j] + (v,) + key[j:]] for v in (0, 1)]
+            merged[key] = jnp.stack(parts, axis=pos)
+        outs = merged
+        # the remaining keys index the other loc axes, in `locs` order without j
+        axes = [a for t, a in enumerate(axes) if t != j]
+        order = sorted(range(len(axes)), key=lambda t: axes[t])
+    return outs[()]
 
 
 def _impl(state, matrix, *, locs, ctrl_locs, ctrl_vals, rest, unitary):
@@ -151,6 +197,14 @@ def _matrix_cotangent(state, ct, matrix_aval, locs, ctrl_locs, ctrl_vals):
     if ctrl_locs:
         psi, cpsi = psi[idx], cpsi[idx]
     k = len(axes)
+    if k <= _SMALL_GATE:  # 4ᵏ fused products and sums, as in `_contract_slices`
+        K = 2 ** k
+        red = tuple(range(nb if len(matrix_aval.shape) > 2 else 0, psi.ndim - k))
+        cs = [_slice_at(cpsi, axes, _bits(a, k)) for a in range(K)]
+        ss = [_slice_at(psi, axes, _bits(b, k)) for b in range(K)]
+        g = jnp.stack([jnp.stack([jnp.sum(cs[a] * ss[b], axis=red) for b in range(K)], -1)
+                       for a in range(K)], -2)
+        return g.reshape(matrix_aval.shape).astype(matrix_aval.dtype)
     s_idx = list(range(psi.ndim))
     c_idx = list(s_idx)
     a_new = list(range(psi.ndim, psi.ndim + k))
