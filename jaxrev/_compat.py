@@ -227,3 +227,11 @@ def differentiation_depth() -> int:
         t = getattr(t, "parent_trace", None)
         seen += 1
     return depth
+
+
+def staged_constants():
+    """The opposite of `jax.ensure_compile_time_eval` inside it: operations on constants are
+    staged into the program again, so a large intermediate (an identity basis pushed through a
+    lump) is computed when the program runs instead of becoming an embedded constant."""
+    from jax._src import config as _config
+    return _config.eager_constant_folding(False)

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrev._compat import is_concrete
+from jaxrev._compat import is_concrete, staged_constants
 from jaxrev._errors import NotInvertibleError, SingularJacobianError
 # the inverse-JVP registry lives beside the inverse rules it completes (reverse.py applies both)
 from jaxrev.transforms.reverse import inverse_jvp_rules, reverse  # noqa: F401
@@ -296,9 +296,10 @@ def inverse_jvp(fun: Callable, primals: Sequence[Any], out_tangent: Any, *,
             _, lin = jax.linearize(fun, *primals)
             t = reverse(sq.state_fun(lin))(sq.to_state_out(out_leaves))
             return sq.from_state_in(t)
-        J = jax.jacfwd(sq.flat_fun())(sq.ravel_in(sq.in_leaves))
-        b = jnp.concatenate([jnp.ravel(o) for o in out_leaves])
-        return sq.unravel(_dense_solve(J, b, False, on_singular, who), sq.in_sd)
+        with staged_constants():  # the n x n identity basis must not become a constant
+            J = jax.jacfwd(sq.flat_fun())(sq.ravel_in(sq.in_leaves))
+            b = jnp.concatenate([jnp.ravel(o) for o in out_leaves])
+            return sq.unravel(_dense_solve(J, b, False, on_singular, who), sq.in_sd)
 
     leaves, used = _try(_methods(method), attempt, who, on_singular,
                         lambda: _nan_like(sq.in_leaves))
@@ -352,9 +353,10 @@ def inverse_vjp(fun: Callable, *primals: Any, method: str = "auto",
                 t_state = _TransposedState(sq, lin_t)
                 w = reverse(t_state)(sq.to_state_in(c_leaves))
                 return sq.from_state_out(w)
-            J = jax.jacfwd(sq.flat_fun())(sq.ravel_in(sq.in_leaves))
-            c = sq.ravel_in(c_leaves)
-            return sq.unravel(_dense_solve(J, c, True, on_singular, who), sq.out_sd)
+            with staged_constants():
+                J = jax.jacfwd(sq.flat_fun())(sq.ravel_in(sq.in_leaves))
+                c = sq.ravel_in(c_leaves)
+                return sq.unravel(_dense_solve(J, c, True, on_singular, who), sq.out_sd)
 
         leaves, used = _try(_methods(method), attempt, who, on_singular,
                             lambda: _nan_like(y_leaves))

@@ -5,9 +5,9 @@ A lump is a group of equations invertible only together; inside `reverse` (and s
 tangent programs that `inverse_jvp` inverts) an affine lump ``F(u) = A u + c`` is solved for
 `u`. Elementwise lumps are solved per element by `reverse` itself. For the others this module:
 
-1. finds the sparsity pattern of `A` by evaluating the lump once on concrete stand-ins (the
-   known values themselves where they are concrete, random numbers for traced floats), at
-   trace time. Integer or boolean values that are only known at run time (an index, a
+1. finds the band of `A` by JVPs of the lump with the unit vectors, a block at a time, on
+   concrete stand-ins (the known values themselves where they are concrete, random numbers for
+   traced floats), at trace time. Integer or boolean values that are only known at run time (an index, a
    predicate) could change the pattern, so the lump stays dense then;
 2. if `A` is banded and triangular (lower or upper, after no reordering), gets its entries from
    `bandwidth + 1` JVPs with coloured seeds and solves by substitution in O(n · bandwidth),
@@ -27,38 +27,46 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-__all__ = ["band_of", "probe_pattern", "band_entries", "banded_triangular_solve", "banded_solve",
+__all__ = ["probe_band", "band_entries", "banded_triangular_solve", "banded_solve",
            "MIN_STRUCTURED_SIZE"]
 
 MIN_STRUCTURED_SIZE = 64
 """Below this size a dense solve is as cheap as finding structure."""
 
-MAX_PROBE_SIZE = 8192
-"""Above this size the pattern probe (an n x n evaluation) is too big; the lump stays dense."""
+MAX_PROBE_SIZE = 32768
+"""Above this size the pattern probe (n JVPs of the lump, O(n²) work at trace time) is too
+costly; the lump stays dense."""
+
+_PROBE_BLOCK = 512
+"""Columns probed at once: the probe holds n x _PROBE_BLOCK numbers, never the n x n pattern."""
 
 
-def probe_pattern(F_probe: Callable[[Any], Any], n: int, dtype: Any) -> np.ndarray | None:
-    """Boolean n x n pattern of the affine map `F_probe` (all of whose captured values are
-    concrete), or None when it cannot be evaluated concretely."""
+def probe_band(F_probe: Callable[[Any], Any], n: int, dtype: Any) -> tuple[int, int] | None:
+    """(lower, upper) bandwidth of the affine map `F_probe` (all of whose captured values are
+    concrete), from JVPs with the unit vectors, a block of columns at a time; None when it
+    cannot be evaluated concretely or is too big."""
     if n > MAX_PROBE_SIZE:
         return None
+    zero = jnp.zeros(n, dtype)
+    cols = min(n, _PROBE_BLOCK)
+
+    # one compiled program for every block: op-by-op evaluation would compile each op
+    @jax.jit
+    def block(start):
+        basis = (jnp.arange(n)[None, :] == start + jnp.arange(cols)[:, None]).astype(dtype)
+        return jax.vmap(lambda e: jax.jvp(F_probe, (zero,), (e,))[1])(basis)
+    lo = up = 0
     try:
         with jax.ensure_compile_time_eval():
-            # one compiled program: op-by-op evaluation would compile every op of the lump
-            J = jax.jit(jax.jacfwd(F_probe))(jnp.zeros(n, dtype))
-            J = np.asarray(J)
+            for start in range(0, n, cols):
+                Y = np.asarray(block(start)) != 0   # Y[c, i] = A[i, start + c]
+                c, i = np.nonzero(Y)
+                if c.size:
+                    d = i - (start + c)
+                    lo, up = max(lo, int(d.max())), max(up, int((-d).max()))
     except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
         return None
-    return J != 0
-
-
-def band_of(pattern: np.ndarray) -> tuple[int, int]:
-    """(lower, upper) bandwidth of a square boolean pattern."""
-    i, j = np.nonzero(pattern)
-    if i.size == 0:
-        return 0, 0
-    d = i - j
-    return int(max(d.max(), 0)), int(max((-d).max(), 0))
+    return lo, up
 
 
 def band_entries(F: Callable[[Any], Any], n: int, lo: int, up: int, dtype: Any) -> Any:

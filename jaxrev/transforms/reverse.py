@@ -27,7 +27,7 @@ from jax import lax
 
 from jaxrev._compat import (ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Literal,
                             Primitive, Var, as_closed, bind_eqn, cond_branches, eval_closed,
-                            is_concrete, prims, scan_info, trace_to_closed)
+                            is_concrete, prims, scan_info, staged_constants, trace_to_closed)
 from jaxrev._errors import NotInvertibleError, WAYS_OUT, not_invertible
 from jaxrev._jaxpr import (Env, Unknown, consumers, forward_known, inline_calls, is_unknown,
                            size_of, used_vars)
@@ -604,9 +604,10 @@ def _solve_lump(lump_eqns, env, inputs, outputs) -> None:
         r = jnp.concatenate([jnp.ravel(y) for y in ys]) - Fflat(u0)
         u = _structured_lump_solve(F, inputs, lump_eqns, env, offs, dtype, r)
         if u is None:  # one dense lump: n JVPs and an LU
-            J = jax.jacfwd(Fflat, holomorphic=jnp.issubdtype(dtype, jnp.complexfloating))(u0) \
-                if jnp.issubdtype(dtype, jnp.complexfloating) else jax.jacfwd(Fflat)(u0)
-            u = jnp.linalg.solve(J, r)
+            with staged_constants():  # else the n x n identity basis is folded into constants
+                J = jax.jacfwd(Fflat, holomorphic=jnp.issubdtype(dtype, jnp.complexfloating))(
+                    u0) if jnp.issubdtype(dtype, jnp.complexfloating) else jax.jacfwd(Fflat)(u0)
+                u = jnp.linalg.solve(J, r)
         sols = [jnp.reshape(u[offs[m]:offs[m + 1]], v.aval.shape) for m, v in enumerate(inputs)]
     if all(is_concrete(s) for s in sols) and not all(bool(jnp.all(jnp.isfinite(s))) for s in sols):
         # blame a reduction if there is one: it is where the information goes
@@ -644,10 +645,10 @@ def _structured_lump_solve(F, inputs, lump_eqns, env, offs, dtype, r):
               for m, v in enumerate(inputs)]
         return jnp.concatenate([jnp.ravel(jnp.asarray(f, dtype)) for f in F(*xs, known=known)])
 
-    pattern = lumps.probe_pattern(lambda u: flat(u, stand_in.__getitem__), n, dtype)
-    if pattern is None:
+    band = lumps.probe_band(lambda u: flat(u, stand_in.__getitem__), n, dtype)
+    if band is None:
         return None
-    lo, up = lumps.band_of(pattern)
+    lo, up = band
     if lo + up > max(8, n // 16):
         return None
     G = lambda u: flat(u, env.read)  # noqa: E731
