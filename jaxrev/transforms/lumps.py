@@ -7,8 +7,8 @@ tangent programs that `inverse_jvp` inverts) an affine lump ``F(u) = A u + c`` i
 
 1. finds the band of `A` by JVPs of the lump with the unit vectors, a block at a time, on
    concrete stand-ins (the known values themselves where they are concrete, random numbers for
-   traced floats), at trace time. Integer or boolean values that are only known at run time (an index, a
-   predicate) could change the pattern, so the lump stays dense then;
+   traced floats), at trace time. Integer or boolean values that are only known at run time
+   (an index, a predicate) could change the pattern, so the lump stays dense then;
 2. if `A` is banded and triangular (lower or upper, after no reordering), gets its entries from
    `bandwidth + 1` JVPs with coloured seeds and solves by substitution in O(n · bandwidth),
    checking every pivot;
