@@ -40,6 +40,7 @@ import scipy.special  # noqa: E402
 from jax import lax  # noqa: E402
 
 import jaxrev as jr  # noqa: E402
+import _timing  # noqa: E402  (beside this script)
 
 NU = 2            # the paper's J_2
 X0 = 1.0          # ... at x = 1 (Table 3)
@@ -184,15 +185,7 @@ def problem(size: int = 1) -> dict:
 
 def seconds_per_call(f: Callable, *args, number: int = 20, repeat: int = 5) -> float:
     """Best of `repeat` timings of `number` calls (after a warm-up call that compiles)."""
-    jax.block_until_ready(f(*args))
-    best = math.inf
-    for _ in range(repeat):
-        t = time.perf_counter()
-        for _ in range(number):
-            out = f(*args)
-        jax.block_until_ready(out)
-        best = min(best, (time.perf_counter() - t) / number)
-    return best
+    return _timing.seconds_per_call(f, *args, number=number, repeat=repeat)
 
 
 def rel(a, b) -> float:

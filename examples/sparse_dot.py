@@ -27,7 +27,6 @@ non-zero of B. The script prints XLA's figure for it, compiled but not run.
 """
 from __future__ import annotations
 
-import math
 import time
 from typing import Callable
 
@@ -42,6 +41,7 @@ from jax import lax  # noqa: E402
 from jax.experimental import sparse  # noqa: E402
 
 import jaxrev as jr  # noqa: E402
+import _timing  # noqa: E402  (beside this script)
 
 N, DENSITY = 1000, 0.05
 
@@ -155,15 +155,7 @@ def problem(size: int = N) -> dict:
 
 def seconds_per_call(f: Callable, *args, number: int = 10, repeat: int = 5) -> float:
     """Best of `repeat` timings of `number` calls (after a warm-up call that compiles)."""
-    jax.block_until_ready(f(*args))
-    best = math.inf
-    for _ in range(repeat):
-        t = time.perf_counter()
-        for _ in range(number):
-            out = f(*args)
-        jax.block_until_ready(out)
-        best = min(best, (time.perf_counter() - t) / number)
-    return best
+    return _timing.seconds_per_call(f, *args, number=number, repeat=repeat)
 
 
 def temp_bytes(f: Callable, *args) -> int:

@@ -70,10 +70,7 @@ def outputs(_scripts) -> dict[str, str]:
     return out
 
 
-def _number(out: str, label: str) -> float:
-    m = re.search(re.escape(label) + r"\s*([-+0-9.eE]+)", out)
-    assert m, f"{label!r} not printed:\n{out}"
-    return float(m.group(1))
+from test_examples import _number  # noqa: E402  (the examples' printed-figure reader)
 
 
 # ------------------------------------------------------------------ readers

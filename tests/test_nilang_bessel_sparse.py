@@ -4,9 +4,7 @@ references in float64, and one run of each script with its printed figures check
 from __future__ import annotations
 
 import functools
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -185,19 +183,7 @@ def test_sparse_problem():
 
 # ------------------------------------------------------------------ the scripts
 
-def _run(script: str) -> str:
-    env = dict(os.environ)
-    env.setdefault("JAX_PLATFORMS", "cpu")
-    proc = subprocess.run([sys.executable, str(ROOT / "examples" / script)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"{script} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
-    return proc.stdout
-
-
-def _number(out: str, label: str) -> float:
-    m = re.search(re.escape(label) + r"\s*([-+0-9.eE]+|nan|inf)", out)
-    assert m, f"{label!r} not printed:\n{out}"
-    return float(m.group(1))
+from test_examples import _number, _run  # noqa: E402  (the examples' script runner)
 
 
 def test_bessel_script():

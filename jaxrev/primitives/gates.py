@@ -20,11 +20,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrev._compat import (Primitive, ShapedArray, is_symbolic_zero, is_undefined_primal,
-                            lower_fun, not_mapped, primitive_batchers, primitive_jvps,
-                            primitive_transposes, register_lowering)
+                            not_mapped)
 from jaxrev._jaxpr import Unknown
-from jaxrev.primitives.rotations import all_batched
-from jaxrev.transforms.reverse import Lossy, inverse_jvp_rules, inverse_rules
+from jaxrev.primitives.rotations import all_batched, define
+from jaxrev.transforms.reverse import Lossy
 
 __all__ = ["apply_gate", "apply_gate_p"]
 
@@ -289,11 +288,5 @@ def _inverse_jvp(t_out, out, state, matrix, **params):
             None]
 
 
-apply_gate_p.def_impl(_impl)
-apply_gate_p.def_abstract_eval(_abstract)
-register_lowering(apply_gate_p, lower_fun(_impl, multiple_results=False))
-primitive_jvps[apply_gate_p] = _jvp
-primitive_transposes[apply_gate_p] = _transpose
-primitive_batchers[apply_gate_p] = _batch
-inverse_rules[apply_gate_p] = _inverse
-inverse_jvp_rules[apply_gate_p] = _inverse_jvp
+define(apply_gate_p, impl=_impl, abstract=_abstract, jvp=_jvp, transpose=_transpose,
+       batch=_batch, inverse=_inverse, inverse_jvp=_inverse_jvp)

@@ -115,6 +115,19 @@ def _rot_transpose(cts, a, b, theta):
             None]
 
 
+def define(p: Primitive, *, impl, abstract, jvp, transpose, batch, inverse, inverse_jvp) -> None:
+    """Give a jaxrev primitive every rule: evaluation, abstract evaluation, an XLA lowering of
+    `impl` (the same on every platform), JVP, transpose, batching, inverse and inverse JVP."""
+    p.def_impl(impl)
+    p.def_abstract_eval(abstract)
+    register_lowering(p, lower_fun(impl, multiple_results=p.multiple_results))
+    primitive_jvps[p] = jvp
+    primitive_transposes[p] = transpose
+    primitive_batchers[p] = batch
+    inverse_rules[p] = inverse
+    inverse_jvp_rules[p] = inverse_jvp
+
+
 def all_batched(args, dims) -> list:
     """For a batching rule: every operand with its batch axis first, unbatched ones
     broadcast along it."""
@@ -145,14 +158,8 @@ def _rot_inverse_jvp(t_out, outs, a, b, theta):
     return [ta, tb, None]
 
 
-rot_p.def_impl(_rot_impl)
-rot_p.def_abstract_eval(_rot_abstract)
-register_lowering(rot_p, lower_fun(_rot_impl, multiple_results=True))
-primitive_jvps[rot_p] = _rot_jvp
-primitive_transposes[rot_p] = _rot_transpose
-primitive_batchers[rot_p] = _rot_batch
-inverse_rules[rot_p] = _rot_inverse
-inverse_jvp_rules[rot_p] = _rot_inverse_jvp
+define(rot_p, impl=_rot_impl, abstract=_rot_abstract, jvp=_rot_jvp, transpose=_rot_transpose,
+       batch=_rot_batch, inverse=_rot_inverse, inverse_jvp=_rot_inverse_jvp)
 
 
 # --------------------------------------------------------------------------- swap rules
@@ -181,11 +188,7 @@ def _swap_batch(args, dims):
     return swap_p.bind(*all_batched(args, dims)), [0, 0]
 
 
-swap_p.def_impl(_swap_impl)
-swap_p.def_abstract_eval(lambda a, b: [b, a])
-register_lowering(swap_p, lower_fun(_swap_impl, multiple_results=True))
-primitive_jvps[swap_p] = _swap_jvp
-primitive_transposes[swap_p] = _swap_transpose
-primitive_batchers[swap_p] = _swap_batch
-inverse_rules[swap_p] = lambda outs, a, b: [outs[1], outs[0]]
-inverse_jvp_rules[swap_p] = lambda t, outs, a, b: [t[1], t[0]]
+define(swap_p, impl=_swap_impl, abstract=lambda a, b: [b, a], jvp=_swap_jvp,
+       transpose=_swap_transpose, batch=_swap_batch,
+       inverse=lambda outs, a, b: [outs[1], outs[0]],
+       inverse_jvp=lambda t, outs, a, b: [t[1], t[0]])
