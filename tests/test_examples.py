@@ -152,6 +152,7 @@ def test_newton_example(newton):
     assert m and float(m.group(1)) < 1e-10, newton
 
 
+@pytest.mark.slow  # the same functions are tested in-process by test_optim
 def test_graph_embedding_example():
     out = _run("graph_embedding.py")
     assert _number(out, "reversible gradient vs jax.grad, relative error:") < 1e-12
@@ -162,6 +163,7 @@ def test_graph_embedding_example():
 
 # ------------------------------------------------------------------ quantum circuit
 
+@pytest.mark.slow  # the same circuit is tested in-process by test_primitives
 def test_quantum_circuit_example():
     out = _run("quantum_circuit.py")
     assert _number(out, "gradient vs jax.grad, relative error:") < 1e-9
