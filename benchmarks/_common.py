@@ -49,6 +49,15 @@ def device_info() -> dict:
             "jax": jax.__version__}
 
 
+def optional(module: str) -> Any:
+    """A peer's module (from the `bench` extra), or None when it is not installed."""
+    import importlib
+    try:
+        return importlib.import_module(module)
+    except ImportError:  # pragma: no cover
+        return None
+
+
 def progress(iterable, **kwargs):
     """A tqdm progress bar when tqdm is installed (the `bench` extra), else the iterable."""
     try:

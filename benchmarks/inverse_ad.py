@@ -31,13 +31,10 @@ jax.config.update("jax_enable_x64", True)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jaxrev as jr  # noqa: E402
-from _common import (RESULTS, device_info, interleaved_medians, progress, pyplot,  # noqa: E402
-                     write_results)
+from _common import (RESULTS, device_info, interleaved_medians, optional, progress,  # noqa: E402
+                     pyplot, write_results)
 
-try:
-    import lineax as lx
-except ImportError:  # pragma: no cover
-    lx = None
+lx = optional("lineax")
 
 
 def single_slot_chain(n):

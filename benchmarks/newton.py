@@ -41,17 +41,11 @@ jax.config.update("jax_enable_x64", True)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jaxrev as jr  # noqa: E402
-from _common import (RESULTS, device_info, interleaved_medians, progress, pyplot,  # noqa: E402
-                     write_results)
+from _common import (RESULTS, device_info, interleaved_medians, optional, progress,  # noqa: E402
+                     pyplot, write_results)
 
-try:
-    import lineax as lx
-except ImportError:  # pragma: no cover
-    lx = None
-try:
-    import optimistix as optx
-except ImportError:  # pragma: no cover
-    optx = None
+lx = optional("lineax")
+optx = optional("optimistix")
 
 SIZES_A = (100, 300, 1000, 3000, 4000, 10000)
 SIZES_A_QUICK = (100, 1000, 4000)

@@ -56,15 +56,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
 import jaxrev as jr  # noqa: E402
-from _common import (RESULTS, device_info, interleaved_medians, progress, pyplot,  # noqa: E402
-                     temp_bytes, write_results)
+from _common import (RESULTS, device_info, interleaved_medians, optional, progress,  # noqa: E402
+                     pyplot, temp_bytes, write_results)
 from quantum_circuit import G_FIELD, circuit, ising_energy, zero_state  # noqa: E402
 
-try:
-    import pennylane as qml
-    from pennylane import numpy as pnp
-except ImportError:  # pragma: no cover
-    qml = pnp = None
+qml = optional("pennylane")
+pnp = optional("pennylane.numpy")
 
 JAX_METHODS = ("jaxrev", "jax.grad")
 TARGET = (16, 100)  # the figures: 16 qubits, depth 100

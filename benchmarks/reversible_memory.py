@@ -24,13 +24,10 @@ jax.config.update("jax_enable_x64", True)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jaxrev as jr  # noqa: E402
-from _common import (RESULTS, device_info, interleaved_medians, progress, pyplot,  # noqa: E402
-                     temp_bytes, write_results)
+from _common import (RESULTS, device_info, interleaved_medians, optional, progress,  # noqa: E402
+                     pyplot, temp_bytes, write_results)
 
-try:
-    import equinox as eqx
-except ImportError:  # pragma: no cover
-    eqx = None
+eqx = optional("equinox")
 
 
 def step(c, th):

@@ -132,6 +132,11 @@ class _Square:
             return jnp.concatenate([jnp.ravel(o) for o in outs])
         return f
 
+    def dense_jacobian(self):
+        """J materialised by `jacfwd`: one lump of size n."""
+        with staged_constants():  # the n x n identity basis must not become a constant
+            return jax.jacfwd(self.flat_fun())(self.ravel_in(self.in_leaves))
+
     def state_fun(self, fun: Callable) -> Callable:
         """`fun` (of the original arguments) as a map of one state, for `reverse`."""
         if self.same:
@@ -296,10 +301,8 @@ def inverse_jvp(fun: Callable, primals: Sequence[Any], out_tangent: Any, *,
             _, lin = jax.linearize(fun, *primals)
             t = reverse(sq.state_fun(lin))(sq.to_state_out(out_leaves))
             return sq.from_state_in(t)
-        with staged_constants():  # the n x n identity basis must not become a constant
-            J = jax.jacfwd(sq.flat_fun())(sq.ravel_in(sq.in_leaves))
-            b = jnp.concatenate([jnp.ravel(o) for o in out_leaves])
-            return sq.unravel(_dense_solve(J, b, False, on_singular, who), sq.in_sd)
+        b = jnp.concatenate([jnp.ravel(o) for o in out_leaves])
+        return sq.unravel(_dense_solve(sq.dense_jacobian(), b, False, on_singular, who), sq.in_sd)
 
     leaves, used = _try(_methods(method), attempt, who, on_singular,
                         lambda: _nan_like(sq.in_leaves))
@@ -353,10 +356,9 @@ def inverse_vjp(fun: Callable, *primals: Any, method: str = "auto",
                 t_state = _TransposedState(sq, lin_t)
                 w = reverse(t_state)(sq.to_state_in(c_leaves))
                 return sq.from_state_out(w)
-            with staged_constants():
-                J = jax.jacfwd(sq.flat_fun())(sq.ravel_in(sq.in_leaves))
-                c = sq.ravel_in(c_leaves)
-                return sq.unravel(_dense_solve(J, c, True, on_singular, who), sq.out_sd)
+            c = sq.ravel_in(c_leaves)
+            return sq.unravel(_dense_solve(sq.dense_jacobian(), c, True, on_singular, who),
+                              sq.out_sd)
 
         leaves, used = _try(_methods(method), attempt, who, on_singular,
                             lambda: _nan_like(y_leaves))
@@ -395,5 +397,4 @@ def slogdet_jacobian(fun: Callable, *primals: Any, method: str = "auto") -> tupl
     who = "jaxrev.slogdet_jacobian"
     _check_args(fun, primals, method, "raise", who)
     sq = _Square(fun, primals, who)
-    J = jax.jacfwd(sq.flat_fun())(sq.ravel_in(sq.in_leaves))
-    return jnp.linalg.slogdet(J)
+    return jnp.linalg.slogdet(sq.dense_jacobian())
