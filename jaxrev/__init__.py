@@ -6,13 +6,16 @@ from jaxrev._errors import (JaxrevError, NotInvertibleError, ReversibilityError,
                             SingularJacobianError)
 from jaxrev import optim
 from jaxrev.primitives import apply_gate, rot, swap
-from jaxrev.transforms.control_flow import cond, while_loop
+from jaxrev.transforms.cond_rules import cond
 from jaxrev.transforms.custom import (custom_inverse, forward_mode, hook, nestlevel, recompute,
                                      store)
 from jaxrev.transforms.inverse_ad import inverse_jvp, inverse_vjp, slogdet_jacobian
-from jaxrev.transforms.reverse import register_inverse, register_inverse_jvp, reverse
-from jaxrev.transforms.reversible import (MemoryReport, ReversibilityReport, check_reversible,
-                                         memory_report, reversible)
+from jaxrev.transforms.registry import register_inverse, register_inverse_jvp
+from jaxrev.transforms.reports import (MemoryReport, ReversibilityReport, check_reversible,
+                                      memory_report)
+from jaxrev.transforms.reverse import reverse
+from jaxrev.transforms.reversible import reversible
+from jaxrev.transforms.while_rules import while_loop
 
 __version__ = "0.1.0"
 

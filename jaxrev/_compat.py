@@ -6,6 +6,7 @@ sub-jaxprs) is resolved here, so the interpreters read one vocabulary.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import jax
@@ -133,13 +134,24 @@ def as_closed(j: Any) -> ClosedJaxpr:
     return ClosedJaxpr(j, ())
 
 
-def scan_info(p: dict) -> tuple[int, int, ClosedJaxpr, int, bool]:
-    """(num_consts, num_carry, body, length, reverse) of a `scan`'s params on any JAX version."""
+@dataclass(frozen=True)
+class ScanParams:
+    """A `scan`'s params in one vocabulary: operands are ``consts, carry, xs``."""
+
+    nconsts: int
+    ncarry: int
+    body: ClosedJaxpr
+    length: int
+    reverse: bool
+
+
+def scan_info(p: dict) -> ScanParams:
+    """A `scan`'s params on any JAX version."""
     if "num_consts" in p:
         nc, ncar = p["num_consts"], p["num_carry"]
     else:  # JAX >= 0.12 describes the operands by a flat tree
         nc, ncar, _ = (len(t) for t in p["ft_in"].unpack())
-    return nc, ncar, as_closed(p["jaxpr"]), p["length"], p["reverse"]
+    return ScanParams(nc, ncar, as_closed(p["jaxpr"]), p["length"], p["reverse"])
 
 
 def cond_branches(p: dict) -> list[ClosedJaxpr]:
@@ -174,10 +186,6 @@ def trace_to_closed(fun: Callable, *args: Any) -> tuple[ClosedJaxpr, list[Any], 
     jaxpr = _pe.convert_constvars_jaxpr(closed.jaxpr)
     out_tree = jax.tree_util.tree_structure(out_shape)
     return ClosedJaxpr(jaxpr, ()), list(closed.consts), out_tree
-
-
-def eval_closed(closed: ClosedJaxpr, *args: Any) -> list[Any]:
-    return _core.eval_jaxpr(closed.jaxpr, closed.consts, *args)
 
 
 def is_concrete(x: Any) -> bool:

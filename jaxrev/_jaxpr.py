@@ -1,14 +1,15 @@
-"""Shared jaxpr machinery: the value environment, literals, the Unknown marker, liveness."""
+"""Shared jaxpr machinery: the value environment, the one forward evaluator, the Unknown marker,
+liveness, call inlining, and the batched-select helpers every control-flow rule uses."""
 from __future__ import annotations
 
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxrev._compat import (CALL_PRIMITIVES, ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Literal,
-                            Var, call_jaxpr)
+                            Var, bind_eqn, call_jaxpr)
 
 
 class Unknown:
@@ -33,6 +34,15 @@ class Unknown:
 
 def is_unknown(x: Any) -> bool:
     return isinstance(x, Unknown)
+
+
+def is_var(v: Any) -> bool:
+    """A variable that holds a value (not a literal, not a dropped output)."""
+    return isinstance(v, Var) and not isinstance(v, DropVar)
+
+
+def real_outvars(eqn: JaxprEqn) -> list[Var]:
+    return [v for v in eqn.outvars if not isinstance(v, DropVar)]
 
 
 class Env:
@@ -61,6 +71,47 @@ class Env:
         e = Env()
         e.vals = dict(self.vals)
         return e
+
+
+# --------------------------------------------------------------------------- the evaluator
+
+EqnRule = Callable[[int, JaxprEqn, list], "list | None"]
+
+
+def evaluate(eqns: Sequence[JaxprEqn], env: Env, *, partial: bool = False,
+             used: set | None = None, rule: EqnRule | None = None) -> bool:
+    """Run `eqns` forward in order, writing their outputs into `env`: the one evaluator every
+    jaxrev interpreter uses.
+
+    With `partial`, equations with an unknown input are skipped (what is computable from what
+    is known); with `used`, an equation runs only for outputs in it; `rule(index, eqn, invals)`
+    may evaluate an equation itself (returning its outputs) or decline with None. Returns
+    whether anything was written.
+    """
+    wrote = False
+    for i, e in enumerate(eqns):
+        outs = real_outvars(e)
+        if outs and all(env.known(o) or (used is not None and o not in used) for o in outs):
+            continue
+        if partial and not all(env.known(v) for v in e.invars):
+            continue
+        ins = [env.read(v) for v in e.invars]
+        vals = rule(i, e, ins) if rule is not None else None
+        for v, o in zip(e.outvars, bind_eqn(e, ins) if vals is None else vals):
+            env.write(v, o)
+        wrote = wrote or bool(outs)
+    return wrote
+
+
+def eval_closed(closed: ClosedJaxpr, *args: Any) -> list[Any]:
+    """Evaluate a closed jaxpr on values or tracers."""
+    env = Env()
+    for v, c in zip(closed.jaxpr.constvars, closed.consts):
+        env.write(v, c)
+    for v, a in zip(closed.jaxpr.invars, args):
+        env.write(v, a)
+    evaluate(closed.jaxpr.eqns, env)
+    return [env.read(v) for v in closed.jaxpr.outvars]
 
 
 def fit_to_aval(val: Any, aval: Any) -> Any:
@@ -194,3 +245,49 @@ def batch_front(args: Sequence[Any], dims: Sequence[Any]) -> tuple[int, list, li
     size = next(jnp.shape(x)[d] for x, d in zip(args, dims) if d is not not_mapped)
     args = [jnp.moveaxis(x, d, 0) if d is not not_mapped else x for x, d in zip(args, dims)]
     return size, args, [0 if d is not not_mapped else None for d in dims]
+
+
+# --------------------------------------------------------------------------- batched selects
+
+def select_batched(pred: Any, new: Any, old: Any) -> Any:
+    """Per-batch-element select; `pred` has the leading (batch) shape of the operands."""
+    p = jnp.reshape(pred, jnp.shape(pred) + (1,) * (jnp.ndim(new) - jnp.ndim(pred)))
+    return jnp.where(p, new, old)
+
+
+def switch_batched(index: Any, fns: Sequence[Callable[..., Any]], *args: Any) -> Any:
+    """`lax.switch(index, fns, *args)`, also for a batched index (a vmapped `jr.cond` or a
+    branch index stored per element): then every branch runs and element b of each output
+    leaf comes from branch `index[b]`. The index is clipped, as `lax.switch` does."""
+    index = jnp.clip(index, 0, len(fns) - 1)
+    if jnp.ndim(index) == 0:
+        return jax.lax.switch(index, list(fns), *args)
+    per = [f(*args) for f in fns]
+    leaves = [jax.tree_util.tree_leaves(p) for p in per]
+    out = []
+    for k in range(len(leaves[0])):
+        r = leaves[0][k]
+        for b in range(1, len(fns)):
+            r = select_batched(index == b, leaves[b][k], r)
+        out.append(r)
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(per[0]), out)
+
+
+def vmap_closed(closed: ClosedJaxpr, in_axes: Sequence[Any], args: Sequence[Any]
+                ) -> ClosedJaxpr:
+    """`closed` vmapped over `in_axes` (for the batching rules of primitives carrying jaxprs)."""
+    from jaxrev._compat import trace_to_closed
+    fn = jax.vmap(lambda *a: eval_closed(closed, *a), in_axes=tuple(in_axes))
+    new, consts, _ = trace_to_closed(
+        fn, *[jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for x in args])
+    assert not consts
+    return new
+
+
+def move_batch(x: Any, d: Any, size: int, force: bool) -> tuple[Any, Any]:
+    """An operand with its batch axis first; an unbatched one is broadcast when `force`."""
+    if d is None:
+        if not force:
+            return x, None
+        return jnp.broadcast_to(x, (size,) + jnp.shape(x)), 0
+    return jnp.moveaxis(x, d, 0), 0

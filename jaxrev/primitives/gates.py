@@ -23,7 +23,7 @@ from jaxrev._compat import (Primitive, ShapedArray, is_symbolic_zero, is_undefin
                             not_mapped)
 from jaxrev._jaxpr import Unknown
 from jaxrev.primitives.rotations import all_batched, define
-from jaxrev.transforms.reverse import Lossy
+from jaxrev.transforms.registry import Lossy
 
 __all__ = ["apply_gate", "apply_gate_p"]
 

@@ -15,7 +15,7 @@ from jaxrev._compat import (Primitive, is_symbolic_zero, is_undefined_primal, lo
                             not_mapped, primitive_batchers, primitive_jvps,
                             primitive_transposes, register_lowering)
 from jaxrev._jaxpr import Unknown, batch_front
-from jaxrev.transforms.reverse import Lossy, inverse_jvp_rules, inverse_rules
+from jaxrev.transforms.registry import Lossy, define as define_rules
 
 __all__ = ["rot", "swap", "rot_p", "swap_p"]
 
@@ -124,8 +124,7 @@ def define(p: Primitive, *, impl, abstract, jvp, transpose, batch, inverse, inve
     primitive_jvps[p] = jvp
     primitive_transposes[p] = transpose
     primitive_batchers[p] = batch
-    inverse_rules[p] = inverse
-    inverse_jvp_rules[p] = inverse_jvp
+    define_rules(p, inverse=inverse, inverse_jvp=inverse_jvp)
 
 
 def all_batched(args, dims) -> list:

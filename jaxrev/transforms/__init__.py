@@ -1,2 +1,10 @@
-"""jaxrev's transformations; the rule registries are public dicts keyed by primitive."""
-from jaxrev.transforms.reverse import inverse_jvp_rules, inverse_rules, join_rules  # noqa: F401
+"""jaxrev's transformations; the rule registries are public dicts keyed by primitive.
+
+Importing this package registers every built-in rule: `rules` (the primitives of `jax.lax`),
+`scan_rules`, `while_rules`, `cond_rules` (loops and branches) and `custom` (jaxrev's own
+primitives). `docs/architecture.md` maps the modules.
+"""
+from jaxrev.transforms import rules, scan_rules, while_rules, cond_rules, custom  # noqa: F401
+from jaxrev.transforms.registry import (Lossy, NeedMore, forward_rules,  # noqa: F401
+                                        inverse_jvp_rules, inverse_rules, join_rules, kinds,
+                                        sweep_rules)

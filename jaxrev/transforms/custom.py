@@ -19,21 +19,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrev._compat import (Primitive, differentiation_depth, eval_closed, lower_fun, primitive_batchers, primitive_jvps, primitive_transposes,
-                            register_lowering, trace_to_closed)
-from jaxrev._jaxpr import batch_front, instantiate_tangents, is_unknown
-from jaxrev.transforms.reverse import (NeedMore, _check_structure, _normalize_argnums,
-                                       inverse_rules)
+from jaxrev._compat import (Primitive, differentiation_depth, lower_fun, primitive_batchers,
+                            primitive_jvps, primitive_transposes, register_lowering,
+                            trace_to_closed)
+from jaxrev._jaxpr import batch_front, eval_closed, instantiate_tangents, is_unknown
+from jaxrev._program import avals_of, check_structure, normalize_argnums
+from jaxrev.transforms.registry import NeedMore, define
 
 __all__ = ["custom_inverse", "custom_inverse_p", "hook", "hook_p", "nestlevel", "forward_mode",
            "store", "recompute", "store_p", "recompute_p"]
 
 custom_inverse_p = Primitive("jaxrev_custom_inverse")
 custom_inverse_p.multiple_results = True
-
-
-def _avals(xs: Sequence[Any]) -> list[jax.ShapeDtypeStruct]:
-    return [jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for x in xs]
 
 
 class custom_inverse:
@@ -79,7 +76,7 @@ class custom_inverse:
         if self.inv_fun is None:
             raise TypeError(f"custom_inverse function {name} has no inverse: call "
                             f"{name}.definverse(inv_fun) first")
-        nums = _normalize_argnums(self.argnums, len(args), self.fun)
+        nums = normalize_argnums(self.argnums, len(args), self.fun)
         flat, in_tree = jax.tree_util.tree_flatten(tuple(args))
         flat = [jnp.asarray(x) for x in flat]
         marks = jax.tree_util.tree_unflatten(in_tree, list(range(len(flat))))
@@ -89,12 +86,12 @@ class custom_inverse:
             return lambda *leaves: jax.tree_util.tree_leaves(
                 fn(*jax.tree_util.tree_unflatten(in_tree, list(leaves))))
 
-        fj, fconsts, _ = trace_to_closed(flat_of(self.fun), *_avals(flat))
+        fj, fconsts, _ = trace_to_closed(flat_of(self.fun), *avals_of(flat))
         out_shape = jax.eval_shape(self.fun, *args)
-        s_tree = _check_structure(self.fun, args, nums, out_shape, who="jaxrev.custom_inverse")
+        s_tree = check_structure(self.fun, args, nums, out_shape, who="jaxrev.custom_inverse")
         inv_name = getattr(self.inv_fun, "__name__", "inv_fun")
         try:
-            ij, iconsts, _ = trace_to_closed(flat_of(self.inv_fun), *_avals(flat))
+            ij, iconsts, _ = trace_to_closed(flat_of(self.inv_fun), *avals_of(flat))
         except TypeError as e:
             if "positional argument" not in str(e) and "argument" not in str(e):
                 raise
@@ -143,7 +140,7 @@ def _batch(args, dims, *, fun_jaxpr, inv_jaxpr, n_fconsts, n_iconsts, state):
 
     def vm(closed, c, ca):
         fn = jax.vmap(lambda *a: eval_closed(closed, *a), in_axes=(*ca, *xa), axis_size=size)
-        new, consts, _ = trace_to_closed(fn, *_avals([*c, *xs]))
+        new, consts, _ = trace_to_closed(fn, *avals_of([*c, *xs]))
         return new, consts
 
     fj, fk = vm(fun_jaxpr, fc, fa)
@@ -177,7 +174,7 @@ def _inverse_rule(outs, *ins, fun_jaxpr, inv_jaxpr, n_fconsts, n_iconsts, state)
     return [None] * (n_fconsts + n_iconsts) + [next(it) if s else None for s in state]
 
 
-inverse_rules[custom_inverse_p] = _inverse_rule
+define(custom_inverse_p, inverse=_inverse_rule)
 
 
 # --------------------------------------------------------------------------- hook, nestlevel
@@ -230,7 +227,7 @@ primitive_jvps[hook_p] = _hook_jvp
 primitive_transposes[hook_p] = _hook_transpose
 primitive_batchers[hook_p] = lambda args, dims, *, fn, tree: (
     hook_p.bind(*args, fn=fn, tree=tree), list(dims))
-inverse_rules[hook_p] = lambda outs, *xs, fn, tree: list(outs)
+define(hook_p, inverse=lambda outs, *xs, fn, tree: list(outs))
 
 
 def nestlevel() -> int:
@@ -317,7 +314,7 @@ def _identity_primitive(name: str) -> Primitive:
     primitive_jvps[p] = lambda primals, tangents: (p.bind(primals[0]), tangents[0])
     primitive_transposes[p] = lambda ct, x: [ct]
     primitive_batchers[p] = lambda args, dims: (p.bind(args[0]), dims[0])
-    inverse_rules[p] = lambda out, x: [out]
+    define(p, inverse=lambda out, x: [out])
     return p
 
 

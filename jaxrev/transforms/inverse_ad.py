@@ -36,8 +36,7 @@ import numpy as np
 
 from jaxrev._compat import is_concrete, staged_constants
 from jaxrev._errors import NotInvertibleError, SingularJacobianError
-# the inverse-JVP registry lives beside the inverse rules it completes (reverse.py applies both)
-from jaxrev.transforms.reverse import inverse_jvp_rules, reverse  # noqa: F401
+from jaxrev.transforms.reverse import reverse
 from jaxrev.transforms.reversible import reversible
 
 __all__ = ["inverse_jvp", "inverse_vjp", "slogdet_jacobian", "METHODS"]

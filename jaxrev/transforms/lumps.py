@@ -1,9 +1,11 @@
-"""Lump structure: find a linear lump's sparsity, get its entries by coloured JVPs, and solve it
-with the cheapest structure it admits (DESIGN.md §3.4).
+"""Linear lumps: find them, find their structure, and solve them with the cheapest structure
+they admit (DESIGN.md §3.4).
 
-A lump is a group of equations invertible only together; inside `reverse` (and so inside the
-tangent programs that `inverse_jvp` inverts) an affine lump ``F(u) = A u + c`` is solved for
-`u`. Elementwise lumps are solved per element by `reverse` itself. For the others this module:
+A lump is a group of equations invertible only together; when the walker is stuck,
+`lump_step` looks for the smallest trailing group of stuck equations that is square and affine
+in its unknowns, ``F(u) = A u + c``, and solves it for `u` (inside `reverse`, and so inside the
+tangent programs that `inverse_jvp` inverts). Elementwise lumps are solved per element, one
+k x k block each. For the others this module:
 
 1. finds the band of `A` by JVPs of the lump with the unit vectors, a block at a time, on
    concrete stand-ins (the known values themselves where they are concrete, random numbers for
@@ -20,15 +22,20 @@ tangent programs that `inverse_jvp` inverts) an affine lump ``F(u) = A u + c`` i
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-__all__ = ["probe_band", "band_entries", "banded_triangular_solve", "banded_solve",
-           "MIN_STRUCTURED_SIZE"]
+from jaxrev._compat import JaxprEqn, Var, is_concrete, prims, staged_constants
+from jaxrev._errors import not_invertible
+from jaxrev._jaxpr import Env, evaluate, real_outvars, size_of
+from jaxrev.transforms.registry import BILINEAR, LINEAR, elementwise_in, is_kind
+
+__all__ = ["lump_step", "probe_band", "band_entries", "banded_triangular_solve",
+           "banded_solve", "MIN_STRUCTURED_SIZE"]
 
 MIN_STRUCTURED_SIZE = 64
 """Below this size a dense solve is as cheap as finding structure."""
@@ -176,3 +183,193 @@ def _eliminate(band: Any, r: Any, lo: int) -> tuple[Any, Any]:
 
     _, (U, y) = lax.scan(step, (W0, r0), (nxt_rows, nxt_r))
     return U, y
+
+
+# --------------------------------------------------------------------------- lumps in the walker
+
+MAX_LUMP_EQNS = 256
+"""How far back from the last stuck equation a lump may start."""
+
+
+def _is_affine(eqns: Sequence[JaxprEqn], active: set[Var]) -> bool:
+    """Whether the lump's outputs are affine in the `active` variables."""
+    active = set(active)
+    for eqn in eqns:
+        act = [isinstance(v, Var) and v in active for v in eqn.invars]
+        if not any(act):
+            continue
+        p = eqn.primitive
+        if is_kind(p, LINEAR):
+            if p is prims.select_n and act[0]:
+                return False
+            if any(a and not jnp.issubdtype(v.aval.dtype, jnp.inexact)
+                   for a, v in zip(act, eqn.invars)):
+                return False  # an unknown index or integer operand
+            if p is prims.convert_element_type and not jnp.issubdtype(
+                    eqn.params["new_dtype"], jnp.inexact):
+                return False
+        elif is_kind(p, BILINEAR):
+            if sum(act) > 1:
+                return False
+        elif p is prims.div:
+            if act[1]:
+                return False
+        else:
+            return False
+        active.update(real_outvars(eqn))
+    return True
+
+
+def lump_step(eqns: Sequence[JaxprEqn], env: Env, pending: Sequence[int]) -> bool:
+    """Solve the smallest trailing group of stuck equations that is square and affine."""
+    cand = [i for i in pending if any(not env.known(v) for v in eqns[i].invars)]
+    stuck = [i for i in cand if any(env.known(v) for v in real_outvars(eqns[i]))]
+    if not stuck:
+        return False
+    top = max(stuck)
+    tried = 0
+    for t in sorted((i for i in cand if i <= top), reverse=True):
+        tried += 1
+        if tried > MAX_LUMP_EQNS:
+            break
+        lump = [i for i in cand if i >= t]
+        produced = {v for i in lump for v in real_outvars(eqns[i])}
+        inputs: list[Var] = []
+        for i in lump:
+            for v in eqns[i].invars:
+                if isinstance(v, Var) and not env.known(v) and v not in produced and v not in inputs:
+                    inputs.append(v)
+        outputs = [v for i in lump for v in real_outvars(eqns[i]) if env.known(v)]
+        if not inputs or size_of(v.aval for v in inputs) != size_of(v.aval for v in outputs):
+            continue
+        lump_eqns = [eqns[i] for i in lump]
+        if not _is_affine(lump_eqns, set(inputs)):
+            continue
+        _solve_lump(_Lump(lump_eqns, inputs, outputs), env)
+        return True
+    return False
+
+
+class _Lump:
+    """A group of equations, its unknown inputs and its known outputs, as the map
+    ``F(inputs; values read from outside) = outputs``."""
+
+    def __init__(self, eqns: Sequence[JaxprEqn], inputs: list[Var], outputs: list[Var]) -> None:
+        self.eqns, self.inputs, self.outputs = list(eqns), inputs, outputs
+        produced = {v for e in self.eqns for v in real_outvars(e)}
+        self.reads = list(dict.fromkeys(v for e in self.eqns for v in e.invars
+                                        if isinstance(v, Var) and v not in produced
+                                        and v not in inputs))
+
+    def __call__(self, *xs: Any, known: Env) -> list[Any]:
+        local = Env()
+        for v in self.reads:
+            local.write(v, known.read(v))
+        for v, x in zip(self.inputs, xs):
+            local.write(v, x)
+        evaluate(self.eqns, local)
+        return [local.read(o) for o in self.outputs]
+
+    def flat(self, offs: Any, dtype: Any, known: Env) -> Callable[[Any], Any]:
+        """F on one vector of all the inputs, returning one vector of all the outputs."""
+        def f(u):
+            xs = [jnp.reshape(u[offs[m]:offs[m + 1]], v.aval.shape).astype(v.aval.dtype)
+                  for m, v in enumerate(self.inputs)]
+            return jnp.concatenate([jnp.ravel(jnp.asarray(y, dtype))
+                                    for y in self(*xs, known=known)])
+        return f
+
+
+def _solve_lump(L: _Lump, env: Env) -> None:
+    inputs, outputs = L.inputs, L.outputs
+    shapes = {tuple(v.aval.shape) for v in [*inputs, *outputs]}
+    dtype = jnp.result_type(*[v.aval.dtype for v in [*inputs, *outputs]])
+    ys = [jnp.asarray(env.read(o), dtype) for o in outputs]
+    elementwise = len(shapes) == 1 and len(inputs) == len(outputs) and all(
+        elementwise_in(e, next(iter(shapes))) for e in L.eqns)
+    if elementwise:
+        sols = _solve_elementwise(L, env, next(iter(shapes)), dtype, ys)
+    else:
+        sizes = [int(np.prod(v.aval.shape, dtype=np.int64)) for v in inputs]
+        offs = np.cumsum([0] + sizes)
+        Fflat = L.flat(offs, dtype, env)
+        u0 = jnp.zeros(int(offs[-1]), dtype)
+        r = jnp.concatenate([jnp.ravel(y) for y in ys]) - Fflat(u0)
+        u = _structured_solve(L, env, offs, dtype, r)
+        if u is None:  # one dense lump: n JVPs and an LU
+            with staged_constants():  # else the n x n identity basis is folded into constants
+                J = jax.jacfwd(Fflat, holomorphic=jnp.issubdtype(dtype, jnp.complexfloating))(
+                    u0) if jnp.issubdtype(dtype, jnp.complexfloating) else jax.jacfwd(Fflat)(u0)
+                u = jnp.linalg.solve(J, r)
+        sols = [jnp.reshape(u[offs[m]:offs[m + 1]], v.aval.shape) for m, v in enumerate(inputs)]
+    if all(is_concrete(s) for s in sols) and not all(bool(jnp.all(jnp.isfinite(s))) for s in sols):
+        # blame a reduction if there is one: it is where the information goes
+        culprit = next((e for e in L.eqns if e.primitive is prims.reduce_sum), L.eqns[-1])
+        raise not_invertible(culprit, "it belongs to a group of equations that are invertible "
+                             "only together, and together they form a singular linear map",
+                             singular=True)
+    for v, s in zip(inputs, sols):
+        env.write(v, s)
+
+
+def _solve_elementwise(L: _Lump, env: Env, shape: tuple[int, ...], dtype: Any,
+                       ys: list[Any]) -> list[Any]:
+    """One small k x k system per element: k JVPs give every block at once."""
+    inputs = L.inputs
+    k = len(inputs)
+    F = partial(L, known=env)
+    zeros = [jnp.zeros(shape, v.aval.dtype) for v in inputs]
+    f0 = [jnp.asarray(f, dtype) for f in F(*zeros)]
+    cols = []
+    for j in range(k):
+        tang = [jnp.ones(shape, v.aval.dtype) if m == j else jnp.zeros(shape, v.aval.dtype)
+                for m, v in enumerate(inputs)]
+        _, d = jax.jvp(F, zeros, tang)
+        cols.append(jnp.stack([jnp.asarray(x, dtype) for x in d], -1))
+    # A depends on known values only; applying inv(A) by elementwise mul/add keeps the
+    # result an elementwise linear lump again, so reverse(reverse(f)) works
+    Ainv = jnp.linalg.inv(jnp.stack(cols, -1))
+    rs = [y - f for y, f in zip(ys, f0)]
+    sols = []
+    for m in range(k):
+        u = Ainv[..., m, 0] * rs[0]
+        for j in range(1, k):
+            u = u + Ainv[..., m, j] * rs[j]
+        sols.append(u)
+    return sols
+
+
+def _structured_solve(L: _Lump, env: Env, offs: Any, dtype: Any, r: Any) -> Any:
+    """Solve a lump whose matrix is banded; None if it is not."""
+    n = int(offs[-1])
+    if n < MIN_STRUCTURED_SIZE or jnp.issubdtype(dtype, jnp.complexfloating):
+        return None
+    stand_in = Env()
+    rng = np.random.default_rng(0)
+    for v in L.reads:
+        val = env.read(v)
+        if is_concrete(val):
+            stand_in.write(v, np.asarray(val))
+        elif jnp.issubdtype(v.aval.dtype, jnp.inexact):
+            stand_in.write(v, rng.standard_normal(v.aval.shape).astype(v.aval.dtype) + 1.5)
+        else:
+            return None  # a run-time index or predicate may change the pattern
+    band = probe_band(L.flat(offs, dtype, stand_in), n, dtype)
+    if band is None:
+        return None
+    lo, up = band
+    if lo + up > max(8, n // 16):
+        return None
+    G = L.flat(offs, dtype, env)
+    if lo and up:
+        u, pivots, _ = banded_solve(G, n, lo, up, r, dtype)
+        what = "banded system (solved with partial pivoting)"
+    else:
+        u, pivots = banded_triangular_solve(G, n, lo or up, up == 0, r, dtype)
+        what = "triangular system"
+    if is_concrete(pivots) and bool(jnp.any(pivots == 0)):
+        k = int(jnp.argmax(pivots == 0))
+        raise not_invertible(L.eqns[-1], "it belongs to a group of equations that are "
+                             f"invertible only together, and their {what} has a zero pivot "
+                             f"(row {k})", singular=True)
+    return u

@@ -1,0 +1,257 @@
+"""Every jaxrev rule of the branches, in one block each: `lax.cond` / `lax.switch` and
+`jr.cond` (NiLang's branch with a post condition).
+
+A plain `lax.cond` forgets which branch it took: `reverse` needs its index known (computed from
+parameters), and `reversible` rebuilds it like any value or stores it (four bytes). `jr.cond`
+keeps its post condition in the jaxpr (the primitive `jaxrev_cond`, lowered through
+`lax.switch`), so the backward run picks the branch from the outputs. A batched index (under
+`vmap`) runs every branch and keeps each element's own: `_jaxpr.switch_batched` does that for
+every rule here.
+"""
+from __future__ import annotations
+
+from functools import partial
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxrev._compat import (ClosedJaxpr, JaxprEqn, Primitive, cond_branches, lower_fun,
+                            primitive_batchers, primitive_jvps, prims, register_lowering,
+                            trace_to_closed)
+from jaxrev._jaxpr import (Env, eval_closed, instantiate_tangents, is_unknown, is_var,
+                           move_batch, switch_batched, vmap_closed)
+from jaxrev._program import avals_of
+from jaxrev.transforms._sweep import (LoopPlan, Plan, Residuals, acc, branch_slices,
+                                      forward_with_residuals, get_ct, is_float, known_or_rebuilt,
+                                      loop_avals, outs_known, plan_for, res_avals, seed_env,
+                                      walk, zero_ct)
+from jaxrev.transforms._walker import invert_jaxpr
+from jaxrev.transforms.registry import NeedMore, define
+
+__all__ = ["cond", "cond_p"]
+
+
+# --------------------------------------------------------------------------- shared rules
+
+def _switch_inverse(index: Any, branches: Sequence[ClosedJaxpr], ins: Sequence[Any],
+                    outs: Sequence[Any]) -> list[Any]:
+    """Invert `switch(index, branches, *ins) == outs` for the unknown `ins`."""
+    unknown = [k for k, x in enumerate(ins) if is_unknown(x)]
+    known_vals = [x for x in ins if not is_unknown(x)]
+
+    def inv_branch(b):
+        def f(outs_, known_):
+            it = iter(known_)
+            ins_ = [x if is_unknown(x) else next(it) for x in ins]
+            rec = invert_jaxpr(b, ins_, list(outs_))
+            return [rec[k] for k in unknown]
+        return f
+
+    rec = switch_batched(index, [inv_branch(b) for b in branches], list(outs), known_vals)
+    res: list[Any] = [None] * len(ins)
+    for k, r in zip(unknown, rec):
+        res[k] = r
+    return res
+
+
+def _cond_sweep(P: Plan, i: int, env: Env, ctenv: dict | None, active: set,
+                res: Residuals) -> None:
+    """A cond runs backwards through the branch it took: `lax.cond`'s index is rebuilt like
+    any value (a comparison cannot be inverted, so it is stored: four bytes); `jr.cond`'s
+    comes from its post condition."""
+    e = P.closed.jaxpr.eqns[i]
+    ours = e.primitive is cond_p
+    index, rest = e.invars[0], e.invars[1:]
+    npc = e.params["post_nconsts"] if ours else 0
+    pc, ops = rest[:npc], rest[npc:]
+    known_or_rebuilt(P, i, env, pc, res)
+    outs_known(P, i, env, e.outvars, res)
+    if not env.known(index):
+        if ours:
+            took = eval_closed(e.params["post_jaxpr"], *[env.read(v) for v in pc],
+                               *[env.read(v) for v in e.outvars])[0]
+            env.write(index, lax.convert_element_type(took, jnp.int32))
+        else:
+            known_or_rebuilt(P, i, env, [index], res)
+    branches = cond_branches(e.params)
+    ok = tuple(env.known(v) for v in ops)
+    nout = len(e.outvars)
+    bps = [plan_for(b, ok, (True,) * nout, tuple(not k for k in ok)) for b in branches]
+    lp = LoopPlan("cond", None, branches=bps)
+    lres = res.loop(i, lp) if any(res_avals(bp) for bp in bps) else []
+    spans = branch_slices(lp)
+    want = ctenv is not None
+    act = ([is_var(v) and v in active for v in ops] if want else None)
+    outs = [env.read(v) for v in e.outvars]
+    cts = [ctenv.pop(v, None) if want else None for v in e.outvars] if want else []
+    cts = [c if c is not None else zero_ct(v.aval) for c, v in zip(cts, e.outvars)]
+    known_ops = [env.read(v) for v, k in zip(ops, ok) if k]
+
+    def branch_fn(bp, span):
+        def f(outs, cts, known_ops, lres):
+            J = bp.closed.jaxpr
+            benv = seed_env(bp, ok, known_ops, (True,) * nout, outs)
+            bct = None
+            bactive: set = set()
+            if want:
+                bct = {}
+                bactive = {v for v, a in zip(J.invars, act) if a}
+                for v, g in zip(J.outvars, cts):
+                    if is_float(v.aval):
+                        acc(bct, v, g)
+            goals = [v for v, k in zip(J.invars, ok) if not k]
+            walk(bp, benv, bct, bactive, Residuals(bp, lres[span[0]:span[1]]), goals)
+            rec = [benv.read(v) for v in goals]
+            g = [get_ct(bct, v) for v, a in zip(J.invars, act) if a] if want else []
+            return rec, g
+        return f
+
+    fns = [branch_fn(bp, span) for bp, span in zip(bps, spans)]
+    rec, g = switch_batched(env.read(index), fns, outs, cts, known_ops, list(lres))
+    for v, val in zip([v for v, k in zip(ops, ok) if not k], rec):
+        env.write(v, val)
+    if want:
+        for v, c in zip([v for v, a in zip(ops, act) if a], g):
+            acc(ctenv, v, c)
+
+
+def _cond_forward(e: JaxprEqn, lp: LoopPlan, ins: Sequence[Any]) -> tuple[list, list]:
+    """Run the branch taken, returning every branch's residual slots (zeros where not taken)."""
+    npc = e.params["post_nconsts"] if e.primitive is cond_p else 0
+    index, ops = ins[0], ins[1 + npc:]
+    avals = loop_avals(lp)
+
+    def branch(b, span):
+        def f(ops):
+            outs, r = forward_with_residuals(lp.branches[b], ops)
+            res = [jnp.zeros(a.shape, a.dtype) for a in avals]
+            res[span[0]:span[1]] = r
+            return outs, res
+        return f
+
+    fns = [branch(b, span) for b, span in enumerate(branch_slices(lp))]
+    outs, res = switch_batched(index, fns, list(ops))
+    return list(outs), list(res)
+
+
+# --------------------------------------------------------------------------- lax.cond
+
+def _lax_cond_inverse(outs, index, *ins, **params):
+    if is_unknown(index):
+        raise NeedMore("the branch taken depends on the unknown state",
+                       hint="Ways out: use `jr.cond(pred, true_fun, false_fun, *operands, "
+                            "post=...)`, whose post condition tells the backward run which "
+                            "branch ran.")
+    if any(is_unknown(o) for o in outs):
+        raise NeedMore("some outputs of the branch are unknown")
+    return [None] + _switch_inverse(index, cond_branches(params), ins, outs)
+
+
+define(prims.cond, inverse=_lax_cond_inverse, sweep=_cond_sweep, forward=_cond_forward)
+
+
+# --------------------------------------------------------------------------- jr.cond
+
+cond_p = Primitive("jaxrev_cond")
+cond_p.multiple_results = True
+
+
+def _cond_impl(index, *args, branches, post_jaxpr, post_nconsts):
+    return list(switch_batched(index, [partial(eval_closed, b) for b in branches],
+                               *args[post_nconsts:]))
+
+
+def _cond_jvp(primals, tangents, **params):
+    index, *ops = primals
+    return jax.jvp(lambda *o: _cond_impl(index, *o, **params), tuple(ops),
+                   instantiate_tangents(ops, tangents[1:]))
+
+
+def _cond_batch(args, dims, *, branches, post_jaxpr, post_nconsts):
+    size = next(jnp.shape(a)[d] for a, d in zip(args, dims) if d is not None)
+    index_batched = dims[0] is not None
+    moved = [move_batch(a, d, size, force=index_batched and i > post_nconsts)
+             for i, (a, d) in enumerate(zip(args, dims))]
+    vals = [m[0] for m in moved]
+    axes = [m[1] for m in moved]
+    ops, op_axes = vals[1 + post_nconsts:], axes[1 + post_nconsts:]
+    pc, pa = vals[1:1 + post_nconsts], axes[1:1 + post_nconsts]
+    new_branches = tuple(vmap_closed(b, op_axes, ops) for b in branches)
+    out_avals = new_branches[0].out_avals
+    post = vmap_closed(post_jaxpr, pa + [0] * len(out_avals),
+                       pc + [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in out_avals])
+    out = cond_p.bind(vals[0], *pc, *ops, branches=new_branches, post_jaxpr=post,
+                      post_nconsts=post_nconsts)
+    return out, [0] * len(out)
+
+
+def _cond_inverse(outs, index, *ins, branches, post_jaxpr, post_nconsts):
+    pc, ops = ins[:post_nconsts], ins[post_nconsts:]
+    if any(is_unknown(c) for c in pc) or any(is_unknown(o) for o in outs):
+        raise NeedMore("the post condition's constants or the outputs are not known yet")
+    if is_unknown(index):
+        took_true = eval_closed(post_jaxpr, *pc, *outs)[0]
+        index = lax.convert_element_type(took_true, jnp.int32)
+    return [None] + [None] * post_nconsts + _switch_inverse(index, branches, ops, outs)
+
+
+cond_p.def_impl(_cond_impl)
+cond_p.def_abstract_eval(lambda index, *avals, branches, **_: list(branches[0].out_avals))
+register_lowering(cond_p, lower_fun(_cond_impl, multiple_results=True))
+primitive_jvps[cond_p] = _cond_jvp
+primitive_batchers[cond_p] = _cond_batch
+define(cond_p, inverse=_cond_inverse, sweep=_cond_sweep, forward=_cond_forward)
+
+
+def cond(pred: Any, true_fun: Callable, false_fun: Callable, *operands: Any,
+         post: Callable[..., Any]) -> Any:
+    """A `lax.cond` that `jr.reverse` can run backwards: `post(out)` is true exactly when
+    `true_fun` ran (NiLang's post condition), so the backward run picks the branch from the output.
+
+    Example:
+        >>> import jaxrev as jr, jax.numpy as jnp
+        >>> f = lambda x: jr.cond(x[0] > 0, lambda v: v * 2.0, lambda v: v - 10.0, x,
+        ...                       post=lambda v: v[0] > 0)
+    """
+    leaves, tree = jax.tree_util.tree_flatten(operands)
+
+    def branch(fn):
+        def flat(*ls):
+            out = fn(*jax.tree_util.tree_unflatten(tree, list(ls)))
+            return jax.tree_util.tree_flatten(out)[0]
+        return flat
+
+    fj, fc, ftree = trace_to_closed(branch(false_fun), *avals_of(leaves))
+    tj, tc, ttree = trace_to_closed(branch(true_fun), *avals_of(leaves))
+    if ftree != ttree or [a.strip_weak_type() for a in fj.out_avals] != [
+            a.strip_weak_type() for a in tj.out_avals]:
+        raise TypeError("jr.cond: true_fun and false_fun must return the same structure, "
+                        f"shapes and dtypes; got {tj.out_avals} and {fj.out_avals}")
+    out_tree = jax.tree_util.tree_structure(jax.eval_shape(lambda *o: true_fun(*o), *operands))
+    out_avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in tj.out_avals]
+
+    def post_flat(*ls):
+        return post(jax.tree_util.tree_unflatten(out_tree, list(ls)))
+
+    pj, pc, _ = trace_to_closed(post_flat, *out_avals)
+    (paval,) = pj.out_avals
+    if paval.shape != () or paval.dtype != jnp.bool_:
+        raise TypeError(f"jr.cond: post must return a boolean scalar, got {paval}")
+    nf, nt = len(fc), len(tc)
+
+    # both branches take [false consts, true consts, operands]
+    def widen(j: ClosedJaxpr, skip_before: int, nconsts: int) -> ClosedJaxpr:
+        def f(*a):
+            consts = a[skip_before:skip_before + nconsts]
+            return eval_closed(j, *consts, *a[nf + nt:])
+        new, extra, _ = trace_to_closed(f, *avals_of([*fc, *tc, *leaves]))
+        assert not extra
+        return new
+
+    branches = (widen(fj, 0, nf), widen(tj, nf, nt))
+    index = lax.convert_element_type(pred, jnp.int32)
+    out = cond_p.bind(index, *pc, *fc, *tc, *leaves, branches=branches, post_jaxpr=pj,
+                      post_nconsts=len(pc))
+    return jax.tree_util.tree_unflatten(out_tree, out)

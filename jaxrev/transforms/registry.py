@@ -1,0 +1,161 @@
+"""The rule registries of every jaxrev transform, keyed by primitive object, and the one call
+that fills them (`define`).
+
+A primitive's rules are registered together, in one `define(...)` call right after the rules
+themselves (as JAX's `lax/control_flow/loops.py` registers every interpreter's rule for `scan_p`
+in one block). The call also tags the primitive with what the walker may assume of it
+(`kinds`): elementwise, linear in every input, or bilinear. There is no default rule: a
+transform that meets a primitive missing from the registry it needs raises naming it.
+
+The registries:
+
+- `inverse_rules`: ``rule(out, *invals, **params) -> recovered invals`` (see `register_inverse`).
+- `inverse_jvp_rules`: ``rule(out_tangent, out, *invals, **params) -> input tangents``.
+- `join_rules`: ``rule(aval, [(params, out_value), ...]) -> value or None``: rebuild a variable
+  from several equations that read pieces of it (slices).
+- `sweep_rules`: ``rule(plan, eqn_index, env, ctenv, active, residuals)``: `reversible`'s
+  backward sweep of an equation whose inverse is a program of its own (loops, branches).
+- `forward_rules`: ``rule(eqn, loop_plan, invals) -> (outvals, residuals)``: `reversible`'s
+  forward run of such an equation, returning what its sweep needs stored.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+from jaxrev._compat import DropVar, Primitive
+
+__all__ = ["inverse_rules", "inverse_jvp_rules", "join_rules", "sweep_rules", "forward_rules",
+           "kinds", "ELEMENTWISE", "LINEAR", "BILINEAR", "define", "is_kind", "elementwise_in", "Lossy",
+           "NeedMore", "register_inverse", "register_inverse_jvp"]
+
+inverse_rules: dict[Primitive, Callable[..., Sequence[Any]]] = {}
+"""Inverse rule per primitive: ``rule(out, *invals, **params) -> recovered invals``."""
+
+inverse_jvp_rules: dict[Primitive, Callable[..., Sequence[Any]]] = {}
+"""Inverse-JVP rule per primitive: ``rule(out_tangent, out, *invals, **params) -> in tangents``
+(the tangent of each input recovered by the inverse rule, None elsewhere)."""
+
+join_rules: dict[Primitive, Callable[..., Any]] = {}
+"""Rules that rebuild one variable from several equations reading it:
+``rule(aval, [(params, out_value), ...]) -> value or None``."""
+
+sweep_rules: dict[Primitive, Callable[..., None]] = {}
+"""`reversible`'s backward sweep of loops and branches:
+``rule(plan, eqn_index, env, ctenv, active, residuals)``."""
+
+forward_rules: dict[Primitive, Callable[..., tuple[list, list]]] = {}
+"""`reversible`'s forward run of an equation whose sweep needs residuals:
+``rule(eqn, loop_plan, invals) -> (outvals, residuals)``."""
+
+ELEMENTWISE = "elementwise"
+"""Output element k depends on input element k only (scalars broadcast)."""
+LINEAR = "linear"
+"""Linear (affine with a literal offset) in every floating-point input."""
+BILINEAR = "bilinear"
+"""Linear in each input when the others are fixed (`mul`, `dot_general`)."""
+
+kinds: dict[Primitive, frozenset[str]] = {}
+"""What the walker may assume of a primitive, set by the call that registers its rules."""
+
+
+class Lossy(Exception):
+    """Raised by an inverse rule when its equation destroys information."""
+
+    def __init__(self, reason: str, hint: str | None = None, singular: bool = False) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.hint = hint
+        self.singular = singular
+
+
+class NeedMore(Exception):
+    """Raised by an inverse rule that may succeed once more of its inputs are known."""
+
+    def __init__(self, reason: str, inner: list | None = None, hint: str | None = None):
+        super().__init__(reason)
+        self.reason = reason
+        self.inner = inner or []
+        self.hint = hint
+
+
+def define(p: Primitive | None, *, inverse: Callable | None = None,
+           inverse_jvp: Callable | None = None, join: Callable | None = None,
+           sweep: Callable | None = None, forward: Callable | None = None,
+           kind: Sequence[str] = ()) -> None:
+    """Register every jaxrev rule of `p` at once and tag it with `kind`. A primitive missing
+    from this JAX version (None) is skipped, so rule blocks need no version checks."""
+    if p is None:
+        return
+    for table, rule in ((inverse_rules, inverse), (inverse_jvp_rules, inverse_jvp),
+                        (join_rules, join), (sweep_rules, sweep), (forward_rules, forward)):
+        if rule is not None:
+            table[p] = rule
+    if kind:
+        kinds[p] = kinds.get(p, frozenset()) | frozenset(kind)
+
+
+def is_kind(p: Primitive, kind: str) -> bool:
+    return kind in kinds.get(p, ())
+
+
+def elementwise_in(eqn: Any, shape: tuple[int, ...]) -> bool:
+    """An elementwise equation all of whose operands have `shape` (or are scalars)."""
+    return (is_kind(eqn.primitive, ELEMENTWISE)
+            and all(tuple(o.aval.shape) == shape for o in eqn.outvars
+                    if not isinstance(o, DropVar))
+            and all(tuple(v.aval.shape) in (shape, ()) for v in eqn.invars))
+
+
+def register_inverse(primitive: Primitive, rule: Callable[..., Sequence[Any]]) -> None:
+    """Make `reverse` able to invert `primitive`.
+
+    `rule(out, *invals, **params)` receives the equation's output (a list for a primitive with
+    multiple results), its inputs with the unknown ones passed as `Unknown` objects (which carry
+    `.aval`, `.shape`, `.dtype`), and its params; it returns one entry per input: the recovered
+    value, or None where it recovers nothing. Raise `jaxrev.transforms.Lossy(reason)` where the
+    step destroys information.
+
+    Example:
+        >>> import jax.numpy as jnp, jaxrev as jr
+        >>> from jax.extend.core import Primitive
+        >>> double_p = Primitive("double"); _ = double_p.def_impl(lambda x: 2 * x)
+        >>> _ = double_p.def_abstract_eval(lambda a: a)
+        >>> jr.register_inverse(double_p, lambda out, x: [out / 2])
+        >>> jr.reverse(lambda x: double_p.bind(x))(jnp.ones(2)).tolist()
+        [0.5, 0.5]
+    """
+    if not isinstance(primitive, Primitive):
+        raise TypeError(f"register_inverse expects a jax.extend.core.Primitive, got {primitive!r}")
+    if not callable(rule):
+        raise TypeError(f"register_inverse expects a callable rule, got {rule!r}")
+    define(primitive, inverse=rule)
+
+
+def register_inverse_jvp(primitive: Primitive, rule: Callable[..., Sequence[Any]]) -> None:
+    """State the derivative of `primitive`'s inverse, for `inverse_jvp` and for derivatives
+    taken through `reverse`.
+
+    `rule(out_tangent, out, *invals, **params)` receives the output's tangent (with the known
+    inputs' part already taken out), the output, and every input (the recovered ones filled in);
+    it returns one entry per input: the tangent of each input its inverse rule recovers (solving
+    ``J_x t = out_tangent``), None elsewhere. For a primitive with multiple results
+    `out_tangent` and `out` are lists. Without it, derivatives go through the inverse rule's
+    own code, which is right whenever that code is differentiable.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, jaxrev as jr
+        >>> from jax.extend.core import Primitive
+        >>> cube_p = Primitive("cube"); _ = cube_p.def_impl(lambda x: x ** 3)
+        >>> _ = cube_p.def_abstract_eval(lambda a: a)
+        >>> # an inverse computed where JAX cannot differentiate it (stop_gradient stands in)
+        >>> jr.register_inverse(cube_p, lambda out, x: [jax.lax.stop_gradient(jnp.cbrt(out))])
+        >>> jr.register_inverse_jvp(cube_p, lambda t, out, x: [t / (3 * x ** 2)])
+        >>> round(float(jax.jvp(jr.reverse(cube_p.bind), (8.0,), (1.0,))[1]), 6)  # 1/12
+        0.083333
+    """
+    if not isinstance(primitive, Primitive):
+        raise TypeError(f"register_inverse_jvp expects a jax.extend.core.Primitive, got "
+                        f"{primitive!r}")
+    if not callable(rule):
+        raise TypeError(f"register_inverse_jvp expects a callable rule, got {rule!r}")
+    define(primitive, inverse_jvp=rule)

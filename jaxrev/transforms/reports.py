@@ -1,0 +1,192 @@
+"""Reports on `reversible` and `reverse`: what `reversible` stores (`memory_report`) and how
+far a round trip drifts (`check_reversible`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+
+from jaxrev._compat import JaxprEqn, Var, prims, user_source
+from jaxrev._errors import ReversibilityError
+from jaxrev._jaxpr import Env, is_var
+from jaxrev._program import normalize_argnums
+from jaxrev.transforms._sweep import Plan, top_plan
+from jaxrev.transforms._walker import propagate
+from jaxrev.transforms.reverse import invert_call
+from jaxrev.transforms.reversible import bind_reversible
+
+__all__ = ["memory_report", "MemoryReport", "check_reversible", "ReversibilityReport"]
+
+
+class MemoryReport:
+    """What `reversible` stores, listed with bytes and the source line that forces each value.
+
+    `entries` is a list of dicts: `what`, `shape`, `dtype`, `bytes` (per store), `count` (how many
+    times it is stored: the iterations of the loops around it), `where` (the user's file:line and
+    the primitive that needs it), `made` (the step that computes the value, where it has one).
+    `total_bytes` sums bytes × count.
+    """
+
+    def __init__(self, entries: list[dict], name: str) -> None:
+        self.entries = entries
+        self.name = name
+
+    @property
+    def total_bytes(self) -> int:
+        return int(sum(e["bytes"] * e["count"] for e in self.entries))
+
+    def __str__(self) -> str:
+        if not self.entries:
+            return f"reversible({self.name}) stores nothing beyond its inputs and outputs."
+        lines = [f"reversible({self.name}) stores {self.total_bytes} bytes:"]
+        for e in self.entries:
+            per = (f"{e['bytes']} B per iteration x {e['count']}" if e["count"] != 1
+                   else f"{e['bytes']} B per call")
+            made = e.get("made") or ""
+            made = f"; {made}" if made.startswith("an input") else (
+                f"; computed by {made}" if made else "")
+            lines.append(f"  {e['what']} {e['dtype']}{list(e['shape'])}: {per}  "
+                         f"(needed by {e['where']}{made})")
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+
+def _describe(eqn: JaxprEqn | None) -> str:
+    if eqn is None:
+        return "value not used by the output"
+    _, _, summary = user_source(eqn)
+    return f"`{eqn.primitive.name}` at {summary}"
+
+
+def _report_entries(P: Plan, count: int, out: list[dict]) -> None:
+    producer = {o: e for e in P.closed.jaxpr.eqns for o in e.outvars if is_var(o)}
+    for v in P.store:
+        nbytes = int(np.prod(v.aval.shape, dtype=np.int64)) * np.dtype(v.aval.dtype).itemsize
+        why = P.why.get(v)
+        what = P.labels.get(v) or (
+            "branch index of a cond" if why is not None and why.primitive is prims.cond
+            else "value a lossy step cannot rebuild")
+        out.append(dict(what=what, shape=tuple(v.aval.shape),
+                        dtype=str(v.aval.dtype), bytes=nbytes, count=count,
+                        where=_describe(P.why.get(v)),
+                        made=(_describe(producer[v]) if v in producer
+                              else "an input of the function or loop body")))
+    eqns = P.closed.jaxpr.eqns
+    for i in sorted(P.loops):
+        lp = P.loops[i]
+        if lp.kind == "while":
+            size = int(np.prod(lp.count_shape, dtype=np.int64))
+            out.append(dict(what="trip count of a while loop", shape=lp.count_shape,
+                            dtype="int32", bytes=4 * size, count=count,
+                            where=_describe(eqns[i]), made=_describe(eqns[i])))
+        elif lp.kind == "cond":
+            for bp in lp.branches:
+                _report_entries(bp, count, out)
+        else:
+            _report_entries(lp.body, count * lp.length, out)
+
+
+def memory_report(fun: Callable, *args: Any, argnums: int | Sequence[int] = 0) -> MemoryReport:
+    """List what `reversible(fun, argnums)` stores for its gradient, beyond inputs and outputs.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, jaxrev as jr
+        >>> f = lambda x: jax.lax.fori_loop(0, 10, lambda i, x: jax.nn.relu(x) + 1.0, x)
+        >>> rep = jr.memory_report(f, jnp.ones(4))
+        >>> [(e["count"], e["where"].split()[0]) for e in rep.entries]  # how often, what step
+        [(1, '`scan`'), (10, '`max`')]
+    """
+    b = bind_reversible(fun, args, argnums)
+    P = top_plan(b.jaxpr, b.state)
+    entries: list[dict] = []
+    _report_entries(P, 1, entries)
+    return MemoryReport(entries, getattr(fun, "__name__", "fun"))
+
+
+@dataclass
+class ReversibilityReport:
+    """Round-trip error of `reverse(fun)(fun(x))` against `x`.
+
+    `max_error` is the largest relative (max-norm) error over the state leaves; `leaf_errors`
+    lists them all; `worst` names the equation and source line whose inversion added the most
+    error (None when the round trip is exact).
+    """
+
+    max_error: float
+    leaf_errors: list[float]
+    worst: str | None
+    steps: list[tuple[float, str]] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        lines = [f"round-trip relative error: {self.max_error:.3e} "
+                 f"(per state leaf: {', '.join(f'{e:.2e}' for e in self.leaf_errors)})"]
+        if self.worst is not None:
+            lines.append(f"error grows most at: {self.worst}")
+        for err, where in self.steps[:5]:
+            lines.append(f"  {err:.2e} added by {where}")
+        return "\n".join(lines)
+
+
+def _rel_err(a: Any, b: Any) -> float:
+    a = np.asarray(a, dtype=np.complex128 if np.iscomplexobj(a) else np.float64)
+    b = np.asarray(b, dtype=a.dtype)
+    if a.size == 0:
+        return 0.0
+    if not (np.all(np.isfinite(a)) and np.all(np.isfinite(b))):
+        return float("inf")
+    scale = max(float(np.max(np.abs(b))), np.finfo(np.float64).tiny)
+    return float(np.max(np.abs(a - b))) / scale
+
+
+def check_reversible(fun: Callable, *args: Any, argnums: int | Sequence[int] = 0,
+                     rtol: float | None = None) -> ReversibilityReport:
+    """Run `fun` forward and `reverse(fun)` backward on `args` and report the drift.
+
+    Raises `ReversibilityError` when `rtol` is given and the relative error exceeds it. Runs
+    eagerly (values are compared equation by equation to find where the error grows).
+
+    Example:
+        >>> import jax.numpy as jnp, jaxrev as jr
+        >>> rep = jr.check_reversible(lambda x: jnp.exp(x) * 3.0, jnp.linspace(0.0, 1.0, 5))
+        >>> rep.max_error < 1e-6
+        True
+    """
+    nums = normalize_argnums(argnums, len(args), fun)
+    y = fun(*args)
+    outs = (y,) if len(nums) == 1 else tuple(y)
+    inv_args = list(args)
+    for a, o in zip(nums, outs):
+        inv_args[a] = o
+    events: list[tuple[Any, list[Var]]] = []
+    inv = invert_call(fun, tuple(inv_args), nums, on_invert=lambda e, vs: events.append((e, vs)))
+    state, jaxpr, inv_env = inv.state, inv.jaxpr, inv.env
+    x_true = args[nums[0]] if len(nums) == 1 else tuple(args[a] for a in nums)
+    leaf_errors = [_rel_err(a, b) for a, b in zip(jax.tree_util.tree_leaves(state),
+                                                  jax.tree_util.tree_leaves(x_true))]
+    # forward values of every variable, to see where the backward run drifts
+    fwd = Env()
+    flat_args = jax.tree_util.tree_leaves(tuple(args))
+    for v, x in zip(jaxpr.invars, flat_args):
+        fwd.write(v, x)
+    inv_consts = {v: inv_env.read(v) for v in jaxpr.constvars}
+    for v, c in inv_consts.items():
+        fwd.write(v, c)
+    propagate(jaxpr, fwd, list(v for v in jaxpr.outvars if isinstance(v, Var)),
+              forward_only=True)
+    steps = []
+    for eqn, wrote in events:
+        err_in = max((_rel_err(inv_env.read(v), fwd.read(v)) for v in wrote if fwd.known(v)),
+                     default=0.0)
+        err_out = max((_rel_err(inv_env.read(v), fwd.read(v)) for v in eqn.outvars
+                       if isinstance(v, Var) and inv_env.known(v) and fwd.known(v)), default=0.0)
+        _, _, summary = user_source(eqn)
+        steps.append((err_in - err_out, f"`{eqn.primitive.name}` at {summary}"))
+    steps = sorted((s for s in steps if s[0] > 0), key=lambda s: -s[0])
+    worst = steps[0][1] if steps and steps[0][0] > 0 else None
+    rep = ReversibilityReport(max(leaf_errors, default=0.0), leaf_errors, worst, steps)
+    if rtol is not None and rep.max_error > rtol:
+        raise ReversibilityError(f"round trip exceeds rtol={rtol:g}\n{rep}")
+    return rep

@@ -1,0 +1,408 @@
+"""Inverse rules of the primitives of `jax.lax` (loops and branches have modules of their own).
+
+Each rule follows JAX's transpose convention: ``rule(out, *invals, **params)`` where `out` is
+the output value (a list for multiple-result primitives), an input not yet known is an
+`Unknown` (carrying its aval), and the rule returns one entry per input: the recovered value or
+None. A rule raises `Lossy` when the step destroys information (the walker turns it into a
+`NotInvertibleError` naming the primitive and the user's line) and `NeedMore` (or returns only
+Nones) when it may succeed once more inputs are known.
+
+Every rule is registered by the `define` call right after it, which also tags the primitive
+(elementwise, linear, bilinear) for the walker's group steps.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxrev._compat import as_closed, is_concrete, prims
+from jaxrev._jaxpr import eval_closed, is_unknown
+from jaxrev.transforms.registry import (BILINEAR, ELEMENTWISE, LINEAR, Lossy, NeedMore,
+                                        define)
+
+__all__: list[str] = []
+
+
+# --------------------------------------------------------------------------- arithmetic
+
+def _check_nonzero(v: Any, what: str) -> None:
+    if is_concrete(v) and np.any(np.asarray(v) == 0):
+        raise Lossy(f"{what} is zero, which destroys the value", singular=True)
+
+
+def _add(out, x, y, **_):
+    if is_unknown(x) and not is_unknown(y):
+        return [out - y, None]
+    if is_unknown(y) and not is_unknown(x):
+        return [None, out - x]
+    return None
+
+
+define(prims.add, inverse=_add, kind=(ELEMENTWISE, LINEAR))
+define(prims.add_any, inverse=_add, kind=(ELEMENTWISE, LINEAR))
+
+
+def _sub(out, x, y, **_):
+    if is_unknown(x) and not is_unknown(y):
+        return [out + y, None]
+    if is_unknown(y) and not is_unknown(x):
+        return [None, x - out]
+    return None
+
+
+define(prims.sub, inverse=_sub, kind=(ELEMENTWISE, LINEAR))
+
+
+def _mul(out, x, y, **_):
+    if is_unknown(x) and not is_unknown(y):
+        _check_nonzero(y, "the known factor")
+        return [out / y, None]
+    if is_unknown(y) and not is_unknown(x):
+        _check_nonzero(x, "the known factor")
+        return [None, out / x]
+    return None
+
+
+define(prims.mul, inverse=_mul, kind=(ELEMENTWISE, BILINEAR))
+
+
+def _div(out, x, y, **_):
+    if is_unknown(x) and not is_unknown(y):
+        _check_nonzero(y, "the known divisor")
+        return [out * y, None]
+    if is_unknown(y) and not is_unknown(x):
+        _check_nonzero(x, "the known numerator")
+        return [None, x / out]
+    return None
+
+
+define(prims.div, inverse=_div, kind=(ELEMENTWISE,))
+
+
+def _unary(inverse: Callable[[Any], Any]):
+    def rule(out, x, **_):
+        return [inverse(out)]
+    return rule
+
+
+# one-to-one elementwise maps and their inverses; the linear ones also join linear lumps
+for _p, _inv, _kind in [
+        (prims.neg, lambda y: -y, (ELEMENTWISE, LINEAR)), (prims.exp, jnp.log, (ELEMENTWISE,)),
+        (prims.log, jnp.exp, (ELEMENTWISE,)), (prims.exp2, jnp.log2, (ELEMENTWISE,)),
+        (prims.log1p, jnp.expm1, (ELEMENTWISE,)), (prims.expm1, jnp.log1p, (ELEMENTWISE,)),
+        (prims.tanh, jnp.arctanh, (ELEMENTWISE,)), (prims.atanh, jnp.tanh, (ELEMENTWISE,)),
+        (prims.sinh, jnp.arcsinh, (ELEMENTWISE,)), (prims.asinh, jnp.sinh, (ELEMENTWISE,)),
+        (prims.logistic, lambda y: jnp.log(y) - jnp.log1p(-y), (ELEMENTWISE,)),
+        (prims.sqrt, lambda y: y * y, (ELEMENTWISE,)),
+        (prims.rsqrt, lambda y: 1 / (y * y), (ELEMENTWISE,)),
+        (prims.cbrt, lambda y: y * y * y, (ELEMENTWISE,)),
+        (prims.conj, jnp.conj, (ELEMENTWISE, LINEAR)),
+        (prims.copy, lambda y: y, (ELEMENTWISE, LINEAR))]:
+    define(_p, inverse=_unary(_inv), kind=_kind)
+
+
+def _integer_pow(out, x, *, y, **_):
+    if y == 1:
+        return [out]
+    if y == -1:
+        return [1 / out]
+    if y == 3 and not jnp.issubdtype(out.dtype, jnp.complexfloating):
+        return [lax.cbrt(out)]  # one primitive, so that the inverse is invertible again
+    if y % 2 == 0:
+        raise Lossy(f"x**{y} loses the sign of x",
+                    "Ways out: keep the sign in the state, or use an odd power.")
+    if jnp.issubdtype(out.dtype, jnp.complexfloating):
+        raise Lossy(f"x**{y} has {abs(y)} complex roots")
+    r = jnp.abs(out) ** (1.0 / y)
+    return [jnp.sign(out) * r]
+
+
+define(prims.integer_pow, inverse=_integer_pow, kind=(ELEMENTWISE,))
+
+
+def _pow(out, x, p, **_):
+    if is_unknown(x) and not is_unknown(p):
+        _check_nonzero(p, "the known exponent")
+        return [out ** (1.0 / p), None]
+    if is_unknown(p) and not is_unknown(x):
+        return [None, jnp.log(out) / jnp.log(x)]
+    return None
+
+
+define(prims.pow, inverse=_pow, kind=(ELEMENTWISE,))
+
+
+def _convert(out, x, *, new_dtype, **_):
+    old = x.aval.dtype
+    if old == new_dtype or np.can_cast(old, new_dtype, "safe"):
+        return [lax.convert_element_type(out, old)]
+    raise Lossy(f"converting {np.dtype(old).name} to {np.dtype(new_dtype).name} loses "
+                "precision (only widening conversions are invertible)")
+
+
+define(prims.convert_element_type, inverse=_convert, kind=(ELEMENTWISE, LINEAR))
+
+
+def _reshape(out, x, *rest, **_):
+    return [jnp.reshape(out, x.aval.shape)] + [None] * len(rest)
+
+
+define(prims.reshape, inverse=_reshape, kind=(LINEAR,))
+define(prims.squeeze, inverse=_reshape, kind=(LINEAR,))
+
+
+def _transpose(out, x, *, permutation, **_):
+    return [jnp.transpose(out, np.argsort(permutation))]
+
+
+define(prims.transpose, inverse=_transpose, kind=(LINEAR,))
+
+
+def _rev(out, x, *, dimensions, **_):
+    return [lax.rev(out, dimensions)]
+
+
+define(prims.rev, inverse=_rev, kind=(LINEAR,))
+
+
+def _concatenate(out, *xs, dimension, **_):
+    res, start = [], 0
+    for x in xs:
+        n = x.aval.shape[dimension]
+        res.append(lax.slice_in_dim(out, start, start + n, axis=dimension) if is_unknown(x)
+                   else None)
+        start += n
+    return res
+
+
+define(prims.concatenate, inverse=_concatenate, kind=(LINEAR,))
+
+
+def _stack(out, *xs, axis, **_):
+    return [lax.index_in_dim(out, k, axis, keepdims=False) if is_unknown(x) else None
+            for k, x in enumerate(xs)]
+
+
+define(prims.stack, inverse=_stack, kind=(LINEAR,))
+
+
+def _split(outs, x, *, axis, **_):
+    if any(is_unknown(o) for o in outs):
+        raise NeedMore("some pieces of the split are unknown")
+    return [jnp.concatenate(outs, axis=axis)]
+
+
+define(prims.split, inverse=_split, kind=(LINEAR,))
+
+
+def _broadcast_in_dim(out, x, *dyn, shape, broadcast_dimensions, **_):
+    # broadcasting is injective: read the operand back from one copy (a left inverse)
+    idx = []
+    for d in range(len(shape)):
+        if d in broadcast_dimensions:
+            k = broadcast_dimensions.index(d)
+            idx.append(slice(None) if x.aval.shape[k] == shape[d] else slice(0, 1))
+        else:
+            idx.append(0)
+    return [jnp.reshape(out[tuple(idx)], x.aval.shape)] + [None] * len(dyn)
+
+
+define(prims.broadcast_in_dim, inverse=_broadcast_in_dim, kind=(LINEAR,))
+
+
+def _cumsum(out, x, *, axis, reverse, **_):
+    n = out.shape[axis]
+    if reverse:
+        shifted = lax.pad(lax.slice_in_dim(out, 1, n, axis=axis), jnp.zeros((), out.dtype),
+                          [(0, 1 if d == axis else 0, 0) for d in range(out.ndim)])
+    else:
+        shifted = lax.pad(lax.slice_in_dim(out, 0, n - 1, axis=axis), jnp.zeros((), out.dtype),
+                          [(1 if d == axis else 0, 0, 0) for d in range(out.ndim)])
+    return [out - shifted]
+
+
+define(prims.cumsum, inverse=_cumsum, kind=(LINEAR,))
+
+
+def _real(out, x, **_):
+    raise Lossy("the real part drops the imaginary part")
+
+
+define(prims.real, inverse=_real, kind=(LINEAR,))
+
+
+def _complex(out, re, im, **_):
+    return [jnp.real(out) if is_unknown(re) else None, jnp.imag(out) if is_unknown(im) else None]
+
+
+define(prims.complex, inverse=_complex, kind=(LINEAR,))
+
+
+def _dot_general(out, lhs, rhs, *, dimension_numbers, **_):
+    (lc, rc), (lb, rb) = dimension_numbers
+    if is_unknown(lhs) == is_unknown(rhs):
+        return None
+    x_is_lhs = is_unknown(lhs)
+    x, w = (lhs, rhs) if x_is_lhs else (rhs, lhs)
+    xc, wc = (lc, rc) if x_is_lhs else (rc, lc)
+    xb, wb = (lb, rb) if x_is_lhs else (rb, lb)
+    w_free = [d for d in range(w.ndim) if d not in wc and d not in wb]
+    if len(xc) != 1 or len(w_free) != 1 or w.shape[wc[0]] != w.shape[w_free[0]]:
+        raise Lossy("multiplying by a matrix is invertible only for a known square matrix "
+                    f"contracted on one dimension (got operand shape {tuple(w.shape)})")
+    x_free = [d for d in range(x.aval.ndim) if d not in xc and d not in xb]
+    n = w.shape[wc[0]]
+    # canonical forms: W as (B..., n_contract, n_free); Y as (B..., F, n_free) or (B..., n_free, F)
+    Wc = jnp.transpose(w, list(wb) + [wc[0], w_free[0]])
+    fshape = [x.aval.shape[d] for d in x_free]
+    nf = int(np.prod(fshape, dtype=np.int64))
+    bshape = [x.aval.shape[d] for d in xb]
+    if x_is_lhs:  # out = (B..., x_free..., w_free)
+        Y = jnp.reshape(out, bshape + [nf, n])
+        # Y = X @ Wc  =>  X^T = solve(Wc^T, Y^T)
+        X = jnp.swapaxes(jnp.linalg.solve(jnp.swapaxes(Wc, -1, -2), jnp.swapaxes(Y, -1, -2)), -1, -2)
+        X = jnp.reshape(X, bshape + fshape + [n])
+        order = list(xb) + x_free + [xc[0]]
+    else:  # out = (B..., w_free, x_free...)
+        Y = jnp.reshape(out, bshape + [n, nf])
+        # Y = Wc^T @ X
+        X = jnp.linalg.solve(jnp.swapaxes(Wc, -1, -2), Y)
+        X = jnp.reshape(X, bshape + [n] + fshape)
+        order = list(xb) + [xc[0]] + x_free
+    X = jnp.transpose(X, np.argsort(order))
+    if is_concrete(X) and not bool(jnp.all(jnp.isfinite(X))):
+        raise Lossy("the known matrix is singular", singular=True)
+    return [X, None] if x_is_lhs else [None, X]
+
+
+define(prims.dot_general, inverse=_dot_general, kind=(BILINEAR,))
+
+
+def _select_n(out, pred, *cases, **_):
+    # the single-equation case: every case but one known, and the predicate known to pick it
+    # everywhere; the general case is the interpreter's case split (`_case_split_step`)
+    unknown = [k for k, c in enumerate(cases) if is_unknown(c)]
+    if is_unknown(pred) or len(unknown) != 1 or not is_concrete(pred):
+        raise NeedMore("the select's predicate or its cases are not known",
+                       hint="Ways out: make the predicate a parameter (known before the "
+                            "select), or use `jr.cond` with a post condition.")
+    k = unknown[0]
+    sel = np.asarray(pred).astype(np.int32)
+    if np.all(sel == k):
+        return [None] + [out if j == k else None for j in range(len(cases))]
+    raise Lossy("the select discards the unknown operand where the predicate picks another case")
+
+
+define(prims.select_n, inverse=_select_n, kind=(ELEMENTWISE, LINEAR))
+
+
+def _scatter_add(out, operand, indices, updates, **params):
+    if is_unknown(operand) and not is_unknown(indices) and not is_unknown(updates):
+        return [prims.scatter_add.bind(out, indices, -updates, **params), None, None]
+    return None
+
+
+define(prims.scatter_add, inverse=_scatter_add, kind=(LINEAR,))
+
+
+def _linear_solve(outs, *ins, const_lengths, jaxprs, **_):
+    # x = A^{-1} b  inverts to  b = A x, with the matvec the solve carries
+    n = sum(const_lengths)
+    mv = ins[:const_lengths[0]]
+    if any(is_unknown(c) for c in mv) or any(is_unknown(o) for o in outs):
+        raise NeedMore("the solve's matrix or its solution is not known yet")
+    b = eval_closed(as_closed(jaxprs[0]), *mv, *outs)
+    return [None] * n + [bi if is_unknown(x) else None for bi, x in zip(b, ins[n:])]
+
+
+define(prims.linear_solve, inverse=_linear_solve)
+
+
+def _identity_multi(outs, *xs, **_):
+    return [o if is_unknown(x) and not is_unknown(o) else None for o, x in zip(outs, xs)]
+
+
+define(prims.optimization_barrier, inverse=_identity_multi)
+
+
+def _identity(out, x, **_):
+    return [out]
+
+
+define(prims.sharding_constraint, inverse=_identity)
+
+
+if prims.device_put is not None:
+    define(prims.device_put, inverse=(_identity_multi if prims.device_put.multiple_results
+                                      else _identity))
+
+
+# --------------------------------------------------------------------------- pieces joined back
+
+def _join_slices(aval, pieces):
+    shape = tuple(aval.shape)
+    joined = _concat_slices(shape, pieces)
+    if joined is not None:
+        return joined
+    covered = np.zeros(shape, bool)
+    for params, _ in pieces:
+        covered[_slice_index(params)] = True
+    if not covered.all():
+        return None
+    x = jnp.zeros(shape, aval.dtype)
+    for params, val in pieces:
+        x = x.at[_slice_index(params)].set(val)
+    return x
+
+
+def _concat_slices(shape, pieces):
+    """Pieces that tile one axis with unit strides join back by `concatenate`, which keeps
+    the operand's sharding and is itself invertible (so `reverse(reverse(f))` works)."""
+    spans = {}
+    axis = None
+    for params, val in pieces:
+        if any(st != 1 for st in (params.get("strides") or ())):
+            return None
+        st, lim = params["start_indices"], params["limit_indices"]
+        partial = [d for d in range(len(shape)) if (st[d], lim[d]) != (0, shape[d])]
+        if len(partial) > 1 or (axis is not None and partial and partial[0] != axis):
+            return None
+        if partial:
+            axis = partial[0]
+        d = axis if axis is not None else 0
+        spans.setdefault((st[d], lim[d]), val)
+    if axis is None:
+        return next(iter(spans.values()))
+    pos, parts = 0, []
+    for (a, b), val in sorted(spans.items()):
+        if a != pos:
+            return None  # overlapping or gapped pieces: the general path handles them
+        parts.append(val)
+        pos = b
+    if pos != shape[axis]:
+        return None
+    return parts[0] if len(parts) == 1 else lax.concatenate(parts, axis)
+
+
+def _slice_index(params):
+    strides = params.get("strides") or (1,) * len(params["start_indices"])
+    return tuple(slice(s, l, st) for s, l, st in
+                 zip(params["start_indices"], params["limit_indices"], strides))
+
+
+define(prims.slice, join=_join_slices, kind=(LINEAR,))
+
+
+# --------------------------------------------------------------------------- tags only
+# Primitives with no inverse of their own that lumps and case splits may still see through.
+
+for _p in (prims.max, prims.min, prims.abs, prims.sign, prims.sin, prims.cos, prims.tan,
+           prims.square, prims.floor, prims.ceil, prims.round):
+    define(_p, kind=(ELEMENTWISE,))
+
+for _p in (prims.reduce_sum, prims.pad, prims.gather, prims.dynamic_slice,
+           prims.dynamic_update_slice, prims.imag):
+    define(_p, kind=(LINEAR,))

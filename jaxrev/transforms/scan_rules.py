@@ -1,0 +1,207 @@
+"""Every jaxrev rule of `scan` (and so of `fori_loop` with static bounds), in one block.
+
+- inverse (`reverse`): the reverse loop over the inverted body;
+- sweep (`reversible`'s backward pass): the reverse loop whose body first inverts one iteration
+  on the carry, then pulls the cotangent back through it;
+- forward (`reversible`'s forward run): the loop, stacking per iteration what the body's plan
+  says it cannot rebuild.
+
+Batching is JAX's own: `scan` stays a `scan` under `vmap`, and these rules see the batched loop.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax.numpy as jnp
+from jax import lax
+
+from jaxrev._compat import JaxprEqn, Var, prims, scan_info
+from jaxrev._errors import NotInvertibleError
+from jaxrev._jaxpr import Env, Unknown, evaluate, forward_known, is_unknown, is_var
+from jaxrev.transforms._sweep import (BodyWalk, LoopEnd, LoopPlan, Plan, Residuals, acc,
+                                      forward_with_residuals, known_or_rebuilt, loop_activity,
+                                      loop_cts_in, loop_cts_out, outs_known, plan_for, res_avals)
+from jaxrev.transforms._walker import Window, invert_jaxpr, propagate, seed
+from jaxrev.transforms.registry import NeedMore, define
+
+__all__: list[str] = []
+
+
+# --------------------------------------------------------------------------- inverse
+
+def _scan_inverse(outs, *ins, **params):
+    sp = scan_info(params)
+    nc, ncar, body, length, rev = sp.nconsts, sp.ncarry, sp.body, sp.length, sp.reverse
+    consts, init, xs = ins[:nc], list(ins[nc:nc + ncar]), list(ins[nc + ncar:])
+    carry_out, ys = outs[:ncar], outs[ncar:]
+    if any(is_unknown(c) for c in consts):
+        raise NeedMore("the loop's constants are not known yet")
+    bj = body.jaxpr
+    xs_known = [not is_unknown(x) for x in xs]
+    # carry components computable forward from known values (the loop counter of a fori_loop)
+    K = [not is_unknown(c) for c in init]
+    while True:
+        fk = forward_known(bj, [True] * nc + K + xs_known)
+        newK = [k and fk[i] for i, k in enumerate(K)]
+        if newK == K:
+            break
+        K = newK
+    # a carry the body also emits per iteration, with a known start, is known at every
+    # iteration: its input is the previous iteration's output (a chain over slots)
+    emits = _emitted_carries(bj, ncar, length, ys)
+    emitted = {}
+    waiting = False  # such a carry whose start is not known yet
+    for i, j in emits.items():
+        if K[i]:
+            continue
+        if is_unknown(init[i]):
+            waiting = True
+            continue
+        y = ys[j]
+        first = jnp.expand_dims(jnp.asarray(init[i], y.dtype), 0)
+        emitted[i] = jnp.concatenate([y[1:], first]) if rev else jnp.concatenate([first, y[:-1]])
+    unk = [i for i in range(ncar) if not K[i] and i not in emitted]
+    # an unknown final carry that is also emitted is the last emitted value
+    carry_out = [ys[emits[i]][0 if rev else -1] if is_unknown(c) and i in emits else c
+                 for i, c in enumerate(carry_out)]
+    if any(is_unknown(carry_out[i]) for i in unk):
+        raise NeedMore("the loop's final carry is not known")
+    fwd_idx = [i for i in range(ncar) if K[i]]
+    known_idx = sorted([*fwd_idx, *emitted])
+    xk = [x for x in xs if not is_unknown(x)]
+
+    def body_ins(kin_t: Sequence[Any], kidx: Sequence[int], xs_t: Sequence[Any]) -> list:
+        """The body's inputs at one iteration: consts, the known carries, the known xs."""
+        ins_t = list(consts) + [Unknown(v.aval) for v in bj.invars[nc:]]
+        for i, c in zip(kidx, kin_t):
+            ins_t[nc + i] = c
+        it = iter(xs_t)
+        for j, kn in enumerate(xs_known):
+            if kn:
+                ins_t[nc + ncar + j] = next(it)
+        return ins_t
+
+    kin_of: dict[int, Any] = dict(emitted)
+    if fwd_idx:
+        def kbody(ck, xs_t):
+            jaxpr, env, _ = seed(body, body_ins(ck, fwd_idx, xs_t),
+                                 [Unknown(v.aval) for v in bj.outvars])
+            evaluate(jaxpr.eqns, env, partial=True)
+            return [env.read(jaxpr.outvars[i]) for i in fwd_idx], list(ck)
+
+        _, kin_fwd = lax.scan(kbody, [init[i] for i in fwd_idx], xk, length=length,
+                              reverse=rev)
+        kin_of.update(zip(fwd_idx, kin_fwd))
+    kin = [kin_of[i] for i in known_idx]
+    ys_known_idx = [j for j, y in enumerate(ys) if not is_unknown(y)]
+
+    def ibody(c_unk, sl):
+        kin_t, ys_t, xs_t = sl
+        outs_t = [Unknown(v.aval) for v in bj.outvars]
+        for i, c in zip(unk, c_unk):
+            outs_t[i] = c
+        for j, y in zip(ys_known_idx, ys_t):
+            outs_t[ncar + j] = y
+        rec = invert_jaxpr(body, body_ins(kin_t, known_idx, xs_t), outs_t)
+        c_prev = [rec[nc + i] for i in unk]
+        x_rec = [rec[nc + ncar + j] for j, kn in enumerate(xs_known) if not kn]
+        return c_prev, x_rec
+
+    try:
+        c0, xs_rec = lax.scan(ibody, [carry_out[i] for i in unk],
+                              (kin, [ys[j] for j in ys_known_idx], xk), length=length,
+                              reverse=not rev)
+    except NotInvertibleError:
+        if waiting:  # may work once the chain's start is known
+            raise NeedMore("the start of a carry that the loop also emits is not known yet")
+        raise
+    res: list[Any] = [None] * len(ins)
+    for i, c in zip(unk, c0):
+        res[nc + i] = c
+    it = iter(xs_rec)
+    for j, kn in enumerate(xs_known):
+        if not kn:
+            res[nc + ncar + j] = next(it)
+    return res
+
+
+def _emitted_carries(bj: Any, ncar: int, length: int, ys: Sequence[Any]) -> dict[int, int]:
+    """Carry i -> output j for carries the body also emits per iteration (a body returning
+    ``(x, x)``) whose per-iteration outputs are known."""
+    out: dict[int, int] = {}
+    if length == 0:
+        return out
+    for i in range(ncar):
+        if not isinstance(bj.outvars[i], Var):
+            continue
+        for j, y in enumerate(ys):
+            if not is_unknown(y) and bj.outvars[ncar + j] is bj.outvars[i]:
+                out[i] = j
+                break
+    return out
+
+
+# --------------------------------------------------------------------------- sweep
+
+def _scan_sweep(P: Plan, i: int, env: Env, ctenv: dict | None, active: set,
+                res: Residuals) -> None:
+    e = P.closed.jaxpr.eqns[i]
+    sp = scan_info(e.params)
+    nc, ncar, body, length, rev = sp.nconsts, sp.ncarry, sp.body, sp.length, sp.reverse
+    ins = e.invars
+    consts, init, xs = ins[:nc], ins[nc:nc + ncar], ins[nc + ncar:]
+    known_or_rebuilt(P, i, env, consts, res)
+    unk = [v for v in xs if is_var(v) and not env.known(v)]
+    if unk:  # xs computable forward from what is known; the rest the body rebuilds
+        propagate(Window(P.closed.jaxpr.eqns[:i]), env, unk, forward_only=True)
+    xk = tuple(env.known(v) for v in xs)
+    cout, ys = e.outvars[:ncar], e.outvars[ncar:]
+    outs_known(P, i, env, cout, res)
+    yk = tuple(env.known(v) for v in ys)
+    bp = plan_for(body, (True,) * nc + (False,) * ncar + xk, (True,) * ncar + yk,
+                  (False,) * nc + (True,) * ncar + tuple(not k for k in xk))
+    lres = res.loop(i, LoopPlan("scan", bp, length)) if res_avals(bp) else []
+    want = ctenv is not None
+    act = loop_activity(ins, active, nc, ncar, body) if want else None
+    ys_ct = [ctenv.pop(v, None) if want and is_var(v) else None for v in ys]
+    yct = [c is not None for c in ys_ct]
+    step = BodyWalk(bp, nc, ncar, xk, yk, [env.read(v) for v in consts], act, yct)
+    c0 = [env.read(v) for v in cout]
+    c_ct0, k_ct0 = loop_cts_in(ctenv, cout, body, nc, act)
+
+    def bstep(carry, sl):
+        c, c_ct, k_ct = carry
+        ys_t, ys_ct_t, xs_t, res_t = sl
+        s = step(c, c_ct, ys_t, ys_ct_t, xs_t, res_t)
+        if want:
+            k_ct = [a + b for a, b in zip(k_ct, s.consts_ct)]
+        return (s.carry, s.carry_ct, k_ct), (s.xs, s.xs_ct)
+
+    sl = ([env.read(v) for v, k in zip(ys, yk) if k], [c for c in ys_ct if c is not None],
+          [env.read(v) for v, k in zip(xs, xk) if k], list(lres))
+    (c_first, c_first_ct, k_ct), (x_rec, x_ct) = lax.scan(
+        bstep, (c0, c_ct0, k_ct0), sl, length=length, reverse=not rev)
+    loop_cts_out(env, ctenv, LoopEnd(init, c_first, c_first_ct, consts, k_ct), act, nc)
+    for v, val in zip([v for v, k in zip(xs, xk) if not k], x_rec):
+        env.write(v, val)
+    if want:
+        for v, g in zip([v for v, a in zip(xs, act[nc + ncar:]) if a], x_ct):
+            acc(ctenv, v, g)
+
+
+# --------------------------------------------------------------------------- forward
+
+def _scan_forward(e: JaxprEqn, lp: LoopPlan, ins: Sequence[Any]) -> tuple[list, list]:
+    sp = scan_info(e.params)
+    nc, ncar = sp.nconsts, sp.ncarry
+    consts, init, xs = ins[:nc], ins[nc:nc + ncar], ins[nc + ncar:]
+
+    def f(c, x):
+        outs, r = forward_with_residuals(lp.body, [*consts, *c, *x])
+        return outs[:ncar], (outs[ncar:], r)
+
+    c, (ys, r) = lax.scan(f, list(init), list(xs), length=sp.length, reverse=sp.reverse)
+    return [*c, *ys], list(r)
+
+
+define(prims.scan, inverse=_scan_inverse, sweep=_scan_sweep, forward=_scan_forward)

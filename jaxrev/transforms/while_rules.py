@@ -1,0 +1,275 @@
+"""Every jaxrev rule of the while loops, in one block each: `lax.while_loop` and
+`jr.while_loop` (NiLang's loop with a post condition).
+
+A plain `lax.while_loop` forgets how many times it ran, so `reverse` cannot run it backwards;
+`reversible`'s forward run counts its iterations instead. `jr.while_loop` keeps its post
+condition in the jaxpr (the primitive `jaxrev_while`, lowered through `lax.while_loop`), so the
+backward run decides from the outputs alone when to stop. Both are swept backwards by one rule.
+"""
+from __future__ import annotations
+
+from functools import partial
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxrev._compat import (JaxprEqn, Primitive, lower_fun, primitive_batchers, primitive_jvps,
+                            prims, register_lowering, trace_to_closed)
+from jaxrev._errors import not_invertible
+from jaxrev._jaxpr import (Env, Unknown, eval_closed, instantiate_tangents, is_unknown,
+                           move_batch, select_batched, vmap_closed)
+from jaxrev._program import avals_of
+from jaxrev.transforms._sweep import (BodyWalk, LoopEnd, LoopPlan, Plan, Residuals,
+                                      known_or_rebuilt, loop_activity, loop_cts_in, loop_cts_out,
+                                      outs_known, plan_for, res_avals)
+from jaxrev.transforms._walker import invert_jaxpr
+from jaxrev.transforms.registry import Lossy, NeedMore, define
+
+__all__ = ["while_loop", "while_p"]
+
+
+# --------------------------------------------------------------------------- the backward sweep
+
+def _while_sweep(P: Plan, i: int, env: Env, ctenv: dict | None, active: set,
+                 res: Residuals) -> None:
+    """`lax.while_loop` (the forward run stores its trip count) and `jr.while_loop` (its post
+    condition says when to stop) both run backwards as a while loop over the inverted body."""
+    e = P.closed.jaxpr.eqns[i]
+    p = e.params
+    ours = e.primitive is while_p
+    ncc, nbc = p["cond_nconsts"], p["body_nconsts"]
+    npc = p["post_nconsts"] if ours else 0
+    ins = e.invars
+    cc, bc, pc, init = (ins[:ncc], ins[ncc:ncc + nbc], ins[ncc + nbc:ncc + nbc + npc],
+                        ins[ncc + nbc + npc:])
+    known_or_rebuilt(P, i, env, [*cc, *bc, *pc], res)
+    outs_known(P, i, env, e.outvars, res)
+    body = p["body_jaxpr"]
+    ncar = len(init)
+    bp = plan_for(body, (True,) * nbc + (False,) * ncar, (True,) * ncar,
+                  (False,) * nbc + (True,) * ncar)
+    if res_avals(bp):
+        v = bp.store[0] if bp.store else None
+        blame = bp.why.get(v) or e
+        raise not_invertible(
+            blame, "a step in the body of a while loop loses information, and a while loop's "
+                   "iterations cannot be stored (its length is not known in advance)",
+            "Ways out: use `lax.scan` or a `fori_loop` with static bounds, whose iterations "
+            "`reversible` can store, or make the step invertible.")
+    want = ctenv is not None
+    act = loop_activity([*bc, *init], active, nbc, ncar, body) if want else None
+    bvals = [env.read(v) for v in bc]
+    step = BodyWalk(bp, nbc, ncar, (), (), bvals, act, ())
+    c0 = [env.read(v) for v in e.outvars]
+    c_ct0, k_ct0 = loop_cts_in(ctenv, e.outvars, body, nbc, act)
+
+    def bstep(go, c, c_ct, k_ct):
+        """One backward iteration where `go` holds (a scalar, or one flag per element of a
+        vmapped loop: finished elements keep their values and add no cotangent)."""
+        batched = jnp.ndim(go) > 0
+        c_in, c_ct_in = c, c_ct
+        if batched:
+            # finished elements are back at their start, where the inverted step may be
+            # undefined (k = 0 in x / k): they step back from one forward step instead, a
+            # point the loop itself computes, with a zero cotangent, so that 0 · inf never
+            # reaches the constants' cotangents
+            ahead = eval_closed(body, *bvals, *c)
+            c_in = [select_batched(go, a, b) for a, b in zip(c, ahead)]
+            if c_ct is not None:
+                c_ct_in = [None if g is None else select_batched(go, g, jnp.zeros_like(g))
+                           for g in c_ct]
+        s = step(c_in, c_ct_in, [], [], [], [])
+        if want:
+            k_ct = [a + b for a, b in zip(k_ct, s.consts_ct)]
+        if not batched:
+            return s.carry, s.carry_ct, k_ct
+        return ([select_batched(go, a, b) for a, b in zip(s.carry, c)],
+                None if s.carry_ct is None else
+                [None if a is None else select_batched(go, a, b)
+                 for a, b in zip(s.carry_ct, c_ct)],
+                k_ct)
+
+    if ours:
+        pvals = [env.read(v) for v in pc]
+
+        def more(c):
+            return eval_closed(p["post_jaxpr"], *pvals, *c)[0]
+
+        c_first, c_first_ct, k_ct = lax.while_loop(
+            lambda s: jnp.any(more(s[0])), lambda s: bstep(more(s[0]), *s), (c0, c_ct0, k_ct0))
+    else:
+        count_shape = tuple(p["cond_jaxpr"].out_avals[0].shape)  # per element under vmap
+        n = res.loop(i, LoopPlan("while", bp, count_shape=count_shape))[0]
+
+        def back(s):
+            k = s[0]
+            return (k - (k > 0).astype(k.dtype), *bstep(k > 0, *s[1:]))
+
+        _, c_first, c_first_ct, k_ct = lax.while_loop(lambda s: jnp.any(s[0] > 0), back,
+                                                       (n, c0, c_ct0, k_ct0))
+    loop_cts_out(env, ctenv, LoopEnd(init, c_first, c_first_ct, bc, k_ct), act, nbc)
+
+
+# --------------------------------------------------------------------------- lax.while_loop
+
+def _lax_while_inverse(outs, *ins, **params):
+    raise Lossy("a plain `lax.while_loop` does not record how many times it ran",
+                "Ways out: use `jr.while_loop(cond_fun, body_fun, init_val, post_fun)`, whose "
+                "post condition lets the backward run count the iterations, or a `fori_loop` "
+                "with static bounds.")
+
+
+def _lax_while_forward(e: JaxprEqn, lp: LoopPlan, ins: Sequence[Any]) -> tuple[list, list]:
+    """The loop, counting its iterations. A vmapped `lax.while_loop` has one predicate per
+    element (JAX masks finished elements when lowering it): each element keeps its own count."""
+    p = e.params
+    ncc, nbc = p["cond_nconsts"], p["body_nconsts"]
+    cc, bc, init = ins[:ncc], ins[ncc:ncc + nbc], ins[ncc + nbc:]
+
+    def pred(c):
+        return eval_closed(p["cond_jaxpr"], *cc, *c)[0]
+
+    def body(s):
+        n, c = s
+        go = pred(c)
+        new = eval_closed(p["body_jaxpr"], *bc, *c)
+        if jnp.ndim(go) == 0:
+            return n + 1, new
+        return n + go.astype(jnp.int32), [select_batched(go, a, b) for a, b in zip(new, c)]
+
+    n0 = jnp.zeros(tuple(p["cond_jaxpr"].out_avals[0].shape), jnp.int32)
+    n, c = lax.while_loop(lambda s: jnp.any(pred(s[1])), body, (n0, list(init)))
+    return list(c), [n]
+
+
+define(prims.while_, inverse=_lax_while_inverse, sweep=_while_sweep, forward=_lax_while_forward)
+
+
+# --------------------------------------------------------------------------- jr.while_loop
+
+while_p = Primitive("jaxrev_while")
+while_p.multiple_results = True
+
+
+def _while_split(args, cond_nconsts, body_nconsts, post_nconsts):
+    a, b, c = cond_nconsts, cond_nconsts + body_nconsts, cond_nconsts + body_nconsts + post_nconsts
+    return args[:a], args[a:b], args[b:c], args[c:]
+
+
+def _while_impl(*args, cond_jaxpr, body_jaxpr, post_jaxpr, cond_nconsts, body_nconsts,
+                post_nconsts):
+    cc, bc, _, init = _while_split(args, cond_nconsts, body_nconsts, post_nconsts)
+
+    def pred(c):
+        return eval_closed(cond_jaxpr, *cc, *c)[0]
+
+    def body(c):
+        new = eval_closed(body_jaxpr, *bc, *c)
+        p = pred(c)
+        if jnp.ndim(p) == 0:
+            return tuple(new)
+        # batched predicate (after vmap): finished elements keep their value
+        return tuple(select_batched(p, n, o) for n, o in zip(new, c))
+
+    return list(lax.while_loop(lambda c: jnp.any(pred(c)), body, tuple(init)))
+
+
+def _while_abstract(*avals, cond_nconsts, body_nconsts, post_nconsts, **_):
+    return list(avals[cond_nconsts + body_nconsts + post_nconsts:])
+
+
+def _while_jvp(primals, tangents, **params):
+    return jax.jvp(partial(_while_impl, **params), tuple(primals),
+                   instantiate_tangents(primals, tangents))
+
+
+def _while_batch(args, dims, *, cond_jaxpr, body_jaxpr, post_jaxpr, cond_nconsts,
+                 body_nconsts, post_nconsts):
+    size = next(jnp.shape(a)[d] for a, d in zip(args, dims) if d is not None)
+    n_consts = cond_nconsts + body_nconsts + post_nconsts
+    moved = [move_batch(a, d, size, force=i >= n_consts) for i, (a, d) in enumerate(zip(args, dims))]
+    vals = [m[0] for m in moved]
+    axes = [m[1] for m in moved]
+    cc, bc, pc, carry = _while_split(vals, cond_nconsts, body_nconsts, post_nconsts)
+    ca, ba, pa, cara = _while_split(axes, cond_nconsts, body_nconsts, post_nconsts)
+    new = dict(
+        cond_jaxpr=vmap_closed(cond_jaxpr, ca + cara, cc + carry),
+        body_jaxpr=vmap_closed(body_jaxpr, ba + cara, bc + carry),
+        post_jaxpr=vmap_closed(post_jaxpr, pa + cara, pc + carry),
+        cond_nconsts=cond_nconsts, body_nconsts=body_nconsts, post_nconsts=post_nconsts)
+    out = while_p.bind(*vals, **new)
+    return out, [0] * len(out)
+
+
+def _while_inverse(outs, *ins, cond_jaxpr, body_jaxpr, post_jaxpr, cond_nconsts, body_nconsts,
+                   post_nconsts):
+    """The backward loop is the same primitive with the roles of the conditions swapped: it
+    runs the inverted body while the post condition holds."""
+    n = cond_nconsts + body_nconsts + post_nconsts
+    consts = ins[:n]
+    if any(is_unknown(c) for c in consts) or any(is_unknown(o) for o in outs):
+        raise NeedMore("the loop's constants or final values are not known yet")
+    cc, bc, pc = (consts[:cond_nconsts], consts[cond_nconsts:cond_nconsts + body_nconsts],
+                  consts[cond_nconsts + body_nconsts:])
+    ncar = len(outs)
+
+    def inv_body(*a):
+        b, c = a[:body_nconsts], a[body_nconsts:]
+        rec = invert_jaxpr(body_jaxpr, [*b, *[Unknown(v.aval) for v in
+                                                  body_jaxpr.jaxpr.invars[body_nconsts:]]], list(c))
+        return rec[body_nconsts:]
+
+    ij, ic, _ = trace_to_closed(inv_body, *avals_of([*bc, *outs]))
+    back = while_p.bind(*pc, *ic, *bc, *cc, *outs, cond_jaxpr=post_jaxpr, body_jaxpr=ij,
+                        post_jaxpr=cond_jaxpr, cond_nconsts=post_nconsts,
+                        body_nconsts=len(ic) + body_nconsts, post_nconsts=cond_nconsts)
+    return [None] * n + list(back[:ncar])
+
+
+while_p.def_impl(_while_impl)
+while_p.def_abstract_eval(_while_abstract)
+register_lowering(while_p, lower_fun(_while_impl, multiple_results=True))
+primitive_jvps[while_p] = _while_jvp
+primitive_batchers[while_p] = _while_batch
+define(while_p, inverse=_while_inverse, sweep=_while_sweep)
+
+
+def while_loop(cond_fun: Callable[[Any], Any], body_fun: Callable[[Any], Any], init_val: Any,
+               post_fun: Callable[[Any], Any]) -> Any:
+    """A `lax.while_loop` that `jr.reverse` can run backwards without a forward run.
+
+    `post_fun(val)` must be false on `init_val` and true after every iteration (NiLang's post
+    condition); the backward loop runs while it holds.
+
+    Example:
+        >>> import jaxrev as jr, jax.numpy as jnp
+        >>> f = lambda x: jr.while_loop(lambda c: c[1] < 100.0, lambda c: (c[0] + 1, c[1] * 2.0),
+        ...                             (0, x), lambda c: c[0] > 0)[1]
+    """
+    leaves, tree = jax.tree_util.tree_flatten(init_val)
+
+    def flat(fn):
+        return lambda *c: fn(jax.tree_util.tree_unflatten(tree, list(c)))
+
+    def flat_body(*c):
+        out = body_fun(jax.tree_util.tree_unflatten(tree, list(c)))
+        out_leaves, out_tree = jax.tree_util.tree_flatten(out)
+        if out_tree != tree:
+            raise TypeError(f"jr.while_loop: body_fun must return the structure of init_val "
+                            f"({tree}), got {out_tree}")
+        return out_leaves
+
+    cj, cc, _ = trace_to_closed(flat(cond_fun), *avals_of(leaves))
+    bj, bc, _ = trace_to_closed(flat_body, *avals_of(leaves))
+    pj, pc, _ = trace_to_closed(flat(post_fun), *avals_of(leaves))
+    for name, j in (("cond_fun", cj), ("post_fun", pj)):
+        (aval,) = j.out_avals
+        if aval.shape != () or aval.dtype != jnp.bool_:
+            raise TypeError(f"jr.while_loop: {name} must return a boolean scalar, got {aval}")
+    # weak-typed Python scalars in init_val must not change dtype through the loop
+    leaves = [lax.convert_element_type(x, a.dtype) for x, a in zip(leaves, bj.out_avals)]
+    out = while_p.bind(*cc, *bc, *pc, *leaves, cond_jaxpr=cj, body_jaxpr=bj, post_jaxpr=pj,
+                       cond_nconsts=len(cc), body_nconsts=len(bc), post_nconsts=len(pc))
+    return jax.tree_util.tree_unflatten(tree, out)
