@@ -84,14 +84,18 @@ def evaluate(eqns: Sequence[JaxprEqn], env: Env, *, partial: bool = False,
     jaxrev interpreter uses.
 
     With `partial`, equations with an unknown input are skipped (what is computable from what
-    is known); with `used`, an equation runs only for outputs in it; `rule(index, eqn, invals)`
+    is known); with `used`, an equation runs only for unknown outputs in it (so equations run
+    only for their effects are skipped); `rule(index, eqn, invals)`
     may evaluate an equation itself (returning its outputs) or decline with None. Returns
     whether anything was written.
     """
     wrote = False
     for i, e in enumerate(eqns):
         outs = real_outvars(e)
-        if outs and all(env.known(o) or (used is not None and o not in used) for o in outs):
+        if used is not None:  # only for values someone reads (no effects-only equations)
+            if not any(o in used and not env.known(o) for o in outs):
+                continue
+        elif outs and all(env.known(o) for o in outs):
             continue
         if partial and not all(env.known(v) for v in e.invars):
             continue

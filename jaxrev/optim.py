@@ -171,7 +171,8 @@ def _check_common(who, tol, maxiter):
         raise ValueError(f"{who}: maxiter must be a non-negative int, got {maxiter!r}")
 
 
-def _backtrack(merit, x, d, m0, slope, max_halvings: int = 40):
+def _backtrack(merit: Callable[[Any], Any], x: Any, d: Any, m0: Any, slope: Any,
+               max_halvings: int = 40) -> Any:
     """Largest t in 1, 1/2, 1/4, ... with ``merit(x - t d) <= m0 - 1e-4 t slope``; returns
     (t, merit there, found)."""
     def cond(c):
@@ -236,7 +237,7 @@ def minimize(fun: Callable[[Any], Any], x0: Any, *, method: str = "trust-region"
     def running(s: _State):
         return s.status < 0
 
-    def finish(s: _State, x, fx, gx, lam, k):
+    def finish(s: _State, x: Any, fx: Any, gx: Any, lam: Any, k: Any) -> Any:
         """Status after an iteration: converged, non-finite, out of iterations, or running."""
         return _State(x, fx, gx, lam, k, _status(_finite(fx, gx), _inf_norm(gx) <= tol,
                                                  k >= maxiter))

@@ -77,7 +77,8 @@ def _n_qubits(dim: int) -> int:
     return n
 
 
-def _check(sshape, mshape, locs, ctrl_locs, ctrl_vals) -> None:
+def _check(sshape: tuple, mshape: tuple, locs: Sequence[int], ctrl_locs: Sequence[int],
+           ctrl_vals: Sequence[int]) -> None:
     who = "jr.apply_gate"
     if len(sshape) < 1:
         raise ValueError(f"{who}: the state must be a vector of length 2**n, got a scalar")
@@ -105,7 +106,8 @@ def _check(sshape, mshape, locs, ctrl_locs, ctrl_vals) -> None:
 
 # --------------------------------------------------------------------------- the contraction
 
-def _views(state, locs, ctrl_locs, ctrl_vals):
+def _views(state: Any, locs: Sequence[int], ctrl_locs: Sequence[int],
+           ctrl_vals: Sequence[int]) -> Any:
     """The state as (batch..., 2, ..., 2), the index of the controlled slice, and the axes of
     `locs` inside that slice (controls are indexed away)."""
     nb = state.ndim - 1
@@ -124,7 +126,7 @@ on CPU that is several times faster than a `dot_general` with a 2ᵏ x 2ᵏ matr
 turns into a transpose, a small matmul and a transpose back."""
 
 
-def _contract(sub, matrix, axes, nb):
+def _contract(sub: Any, matrix: Any, axes: Sequence[int], nb: int) -> Any:
     """out[.., a, ..] = Σ_b M[a, b] sub[.., b, ..] over the qubit axes `axes`."""
     k = len(axes)
     if k <= _SMALL_GATE:
@@ -151,7 +153,7 @@ def _bits(i: int, k: int) -> tuple[int, ...]:
     return tuple((i >> (k - 1 - j)) & 1 for j in range(k))
 
 
-def _contract_slices(sub, matrix, axes, nb):
+def _contract_slices(sub: Any, matrix: Any, axes: Sequence[int], nb: int) -> Any:
     k = len(axes)
     K = 2 ** k
     slices = [_slice_at(sub, axes, _bits(b, k)) for b in range(K)]
@@ -188,7 +190,8 @@ def _impl(state, matrix, *, locs, ctrl_locs, ctrl_vals, rest, unitary):
     return base.at[idx].set(new).reshape(state.shape)
 
 
-def _matrix_cotangent(state, ct, matrix_aval, locs, ctrl_locs, ctrl_vals):
+def _matrix_cotangent(state: Any, ct: Any, matrix_aval: Any, locs: Sequence[int],
+                      ctrl_locs: Sequence[int], ctrl_vals: Sequence[int]) -> Any:
     """Transpose of M ↦ apply(state, M) (restricted to the controlled slice):
     ct_M[a, b] = Σ ct[.., a, ..] state[.., b, ..]."""
     psi, idx, axes, nb = _views(state, locs, ctrl_locs, ctrl_vals)

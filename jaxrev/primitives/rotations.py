@@ -6,7 +6,7 @@ JVP, transpose, batching, an inverse rule (``rot(−θ)``, ``swap``) and an inve
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -115,7 +115,9 @@ def _rot_transpose(cts, a, b, theta):
             None]
 
 
-def define(p: Primitive, *, impl, abstract, jvp, transpose, batch, inverse, inverse_jvp) -> None:
+def define(p: Primitive, *, impl: Callable, abstract: Callable, jvp: Callable,
+           transpose: Callable, batch: Callable, inverse: Callable,
+           inverse_jvp: Callable) -> None:
     """Give a jaxrev primitive every rule: evaluation, abstract evaluation, an XLA lowering of
     `impl` (the same on every platform), JVP, transpose, batching, inverse and inverse JVP."""
     p.def_impl(impl)

@@ -51,7 +51,7 @@ def _name(fun: Callable) -> str:
     return getattr(fun, "__name__", repr(fun))
 
 
-def _check_args(fun, primals, method, on_singular, who):
+def _check_args(fun: Callable, primals: Any, method: str, on_singular: str, who: str) -> None:
     if not isinstance(primals, (tuple, list)):
         raise TypeError(f"{who}: primals must be a tuple of {_name(fun)}'s arguments, got "
                         f"{type(primals).__name__}")
@@ -182,7 +182,8 @@ def _nan_like(leaves):
     return [jnp.full(jnp.shape(x), jnp.nan, jnp.result_type(x)) for x in leaves]
 
 
-def _guard(leaves, on_singular: str, who: str, diagnose: Callable[[], Any] | None = None):
+def _guard(leaves: list, on_singular: str, who: str,
+           diagnose: Callable[[], Any] | None = None) -> list:
     """With "raise", a non-finite result is a vanished pivot. Concrete results are checked now
     (and `diagnose` re-runs the inversion on plain values, where its rules check their pivots
     and name the step); traced ones (under jit) when the program runs."""
@@ -213,7 +214,8 @@ def _guard(leaves, on_singular: str, who: str, diagnose: Callable[[], Any] | Non
     return leaves
 
 
-def _diagnoser(used: str, sq: _Square, fun: Callable, y_leaves) -> Callable[[], Any] | None:
+def _diagnoser(used: str, sq: _Square, fun: Callable, y_leaves: list
+               ) -> Callable[[], Any] | None:
     """Re-running the inverse program on plain values checks every pivot it divides by (inside
     a JVP its rules see tracers and cannot); the "linearize" strategy already ran on values."""
     if used != "reverse":
@@ -248,7 +250,7 @@ def _methods(method: str) -> tuple[str, ...]:
 
 # --------------------------------------------------------------------------- dense fallback
 
-def _dense_solve(J, b, transpose: bool, on_singular: str, who: str):
+def _dense_solve(J: Any, b: Any, transpose: bool, on_singular: str, who: str) -> Any:
     lu, piv = jax.scipy.linalg.lu_factor(J)
     diag = jnp.diagonal(lu)
     if is_concrete(diag) and bool(jnp.any(diag == 0)):

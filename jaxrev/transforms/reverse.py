@@ -15,7 +15,7 @@ import jax
 
 from jaxrev._compat import Jaxpr, JaxprEqn, Var
 from jaxrev._jaxpr import Env, Unknown
-from jaxrev._program import check_structure, fun_name, normalize_argnums, trace_program
+from jaxrev._program import check_structure, normalize_argnums, trace_program
 from jaxrev.transforms._walker import propagate, raise_stuck, seed
 # the names rule authors use, importable from here as the docs say
 from jaxrev.transforms.registry import (Lossy, NeedMore, inverse_jvp_rules,  # noqa: F401
@@ -76,5 +76,5 @@ def reverse(fun: Callable, argnums: int | Sequence[int] = 0) -> Callable:
     def inv(*args: Any) -> Any:
         return invert_call(fun, args, argnums).state
 
-    inv.__name__ = f"reverse({fun_name(fun) if hasattr(fun, '__name__') else 'fun'})"
+    inv.__name__ = f"reverse({getattr(fun, '__name__', 'fun')})"
     return inv

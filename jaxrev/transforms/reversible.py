@@ -88,7 +88,9 @@ primitive_jvps[reversible_p] = _rev_jvp
 primitive_batchers[reversible_p] = _rev_batch
 
 
-def _lin_split(args, jaxpr, state, nres):
+def _lin_split(args: Sequence[Any], jaxpr: ClosedJaxpr, state: Sequence[bool], nres: int
+               ) -> tuple[Sequence[Any], Sequence[Any], Sequence[Any], Sequence[Any]]:
+    """`reversible_lin_p`'s operands: (outputs, residuals, parameters, tangents)."""
     n = len(jaxpr.out_avals)
     npar = sum(not s for s in state)
     return (args[:n], args[n:n + nres], args[n + nres:n + nres + npar],

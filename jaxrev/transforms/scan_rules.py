@@ -17,7 +17,8 @@ from jax import lax
 
 from jaxrev._compat import JaxprEqn, Var, prims, scan_info
 from jaxrev._errors import NotInvertibleError
-from jaxrev._jaxpr import Env, Unknown, evaluate, forward_known, is_unknown, is_var
+from jaxrev._jaxpr import (Env, Unknown, evaluate, forward_known, is_unknown, is_var,
+                           used_vars)
 from jaxrev.transforms._sweep import (BodyWalk, LoopEnd, LoopPlan, Plan, Residuals, acc,
                                       forward_with_residuals, known_or_rebuilt, loop_activity,
                                       loop_cts_in, loop_cts_out, outs_known, plan_for, res_avals)
@@ -86,7 +87,7 @@ def _scan_inverse(outs, *ins, **params):
         def kbody(ck, xs_t):
             jaxpr, env, _ = seed(body, body_ins(ck, fwd_idx, xs_t),
                                  [Unknown(v.aval) for v in bj.outvars])
-            evaluate(jaxpr.eqns, env, partial=True)
+            evaluate(jaxpr.eqns, env, partial=True, used=used_vars(jaxpr))
             return [env.read(jaxpr.outvars[i]) for i in fwd_idx], list(ck)
 
         _, kin_fwd = lax.scan(kbody, [init[i] for i in fwd_idx], xk, length=length,

@@ -153,7 +153,9 @@ while_p = Primitive("jaxrev_while")
 while_p.multiple_results = True
 
 
-def _while_split(args, cond_nconsts, body_nconsts, post_nconsts):
+def _while_split(args: Sequence[Any], cond_nconsts: int, body_nconsts: int, post_nconsts: int
+                 ) -> tuple[Sequence[Any], Sequence[Any], Sequence[Any], Sequence[Any]]:
+    """A `jaxrev_while`'s operands: (cond consts, body consts, post consts, carry)."""
     a, b, c = cond_nconsts, cond_nconsts + body_nconsts, cond_nconsts + body_nconsts + post_nconsts
     return args[:a], args[a:b], args[b:c], args[c:]
 

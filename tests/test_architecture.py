@@ -1,0 +1,136 @@
+"""The engine's structure (docs/architecture.md): one walker, rule blocks per primitive, tags set
+by the registering call, no silent default rule, small modules."""
+import ast
+import pathlib
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.extend.core import Primitive
+
+import jaxrev as jr
+from jaxrev import transforms as T
+from jaxrev._compat import prims
+from jaxrev.primitives import rot_p, swap_p
+from jaxrev.transforms.cond_rules import cond_p
+from jaxrev.transforms.while_rules import while_p
+
+PKG = pathlib.Path(jr.__file__).parent
+
+
+def _modules():
+    return sorted(PKG.rglob("*.py"))
+
+
+def test_modules_are_small_and_have_no_backslash_continuations():
+    for path in _modules():
+        text = path.read_text()
+        assert len(text.splitlines()) <= 650, f"{path} has {len(text.splitlines())} lines"
+        for k, line in enumerate(text.splitlines(), 1):
+            code = line.split("#", 1)[0]
+            assert not code.rstrip().endswith("\\"), f"{path}:{k} continues with a backslash"
+
+
+def test_no_private_names_imported_across_modules():
+    for path in _modules():
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("jaxrev"):
+                for alias in node.names:
+                    assert not alias.name.startswith("_"), (
+                        f"{path} imports the private name {alias.name} from {node.module}")
+
+
+def test_only_compat_imports_jax_internals():
+    for path in _modules():
+        if path.name == "_compat.py":
+            continue
+        text = path.read_text()
+        assert not re.search(r"^\s*(from|import) jax\._src", text, re.M), path
+        assert not re.search(r"^\s*(from|import) jax\.interpreters", text, re.M), path
+
+
+@pytest.mark.parametrize("prim", [prims.scan, prims.while_, prims.cond, while_p, cond_p],
+                         ids=lambda p: p.name)
+def test_control_flow_rules_live_in_one_block(prim):
+    rules = [T.inverse_rules[prim], T.sweep_rules[prim]]
+    if prim in T.forward_rules:
+        rules.append(T.forward_rules[prim])
+    assert len({r.__module__ for r in rules}) == 1
+
+
+def test_one_walker_and_one_evaluator():
+    """`propagate` is defined once, `bind_eqn` is called only by the evaluator, and nothing
+    else calls `jax.core.eval_jaxpr`."""
+    defs, binds = [], []
+    for path in _modules():
+        text = path.read_text()
+        if re.search(r"^def propagate\(", text, re.M):
+            defs.append(path.name)
+        if "bind_eqn(" in text and path.name != "_compat.py":
+            binds.append(path.name)
+        assert "eval_jaxpr(" not in text or path.name == "_compat.py", path
+    assert defs == ["_walker.py"]
+    # the evaluator, and the per-equation VJP of reversible's sweep
+    assert sorted(binds) == ["_jaxpr.py", "_sweep.py"]
+
+
+def test_tags_are_set_by_the_registering_call():
+    assert {"elementwise", "linear"} <= T.kinds[lax.add_p]
+    assert "bilinear" in T.kinds[lax.mul_p]
+    assert "linear" in T.kinds[prims.slice] and prims.slice in T.join_rules
+    assert T.kinds[lax.exp_p] == frozenset({"elementwise"})
+
+
+@pytest.mark.parametrize("prim,fun", [
+    (rot_p, lambda s, th: jr.rot(s[0], s[1], th)),
+    (swap_p, lambda s, th: jr.swap(s[0] * th, s[1])),
+], ids=["rot", "swap"])
+def test_inverse_jvp_rules_of_multi_output_primitives_are_used(prim, fun, monkeypatch):
+    calls = []
+    rule = T.inverse_jvp_rules[prim]
+
+    def spy(*a, **k):
+        calls.append(1)
+        return rule(*a, **k)
+
+    monkeypatch.setitem(T.inverse_jvp_rules, prim, spy)
+    s = (jnp.array([0.3, -1.2]), jnp.array([0.7, 2.0]))
+    th = 0.4
+    y = fun(s, th)
+    inv = jr.reverse(fun)
+    t = (jnp.array([1.0, 0.5]), jnp.array([-0.2, 0.3]))
+    _, got = jax.jvp(lambda y: inv(y, th), (y,), (t,))
+    _, want = jax.jvp(lambda y: jr.reverse(fun)(y, th), (y,), (t,))  # same path, spied too
+    assert calls, "the inverse-JVP rule was not applied"
+    # against the Jacobian of the forward map: J(x) dx = t
+    x = inv(y, th)
+    flat = lambda v: jnp.concatenate(fun((v[:2], v[2:]), th))  # noqa: E731
+    J = jax.jacfwd(flat)(jnp.concatenate(x))
+    dx = np.linalg.solve(np.asarray(J), np.concatenate(t))
+    np.testing.assert_allclose(np.concatenate(got), dx, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(np.concatenate(want), dx, rtol=1e-12, atol=1e-12)
+
+
+def test_reversible_says_which_inverse_rule_is_missing():
+    norule_p = Primitive("jaxrev_test_norule")
+    norule_p.def_impl(lambda x: x * 2.0)
+    norule_p.def_abstract_eval(lambda a: a)
+    jax.interpreters.ad.defjvp(norule_p, lambda t, x: 2.0 * t)
+    jax.interpreters.mlir.register_lowering(
+        norule_p, jax.interpreters.mlir.lower_fun(lambda x: x * 2.0, multiple_results=False))
+
+    def f(x):
+        return lax.fori_loop(0, 3, lambda i, x: norule_p.bind(x) + 1.0, x)
+
+    rep = jr.memory_report(f, jnp.ones(4))
+    whats = [e["what"] for e in rep.entries]
+    assert any("no inverse rule for `jaxrev_test_norule`" in w for w in whats), str(rep)
+    assert "lossy" not in str(rep)
+    g = jax.grad(lambda x: jr.reversible(f)(x).sum())(jnp.ones(4))
+    np.testing.assert_allclose(g, jax.grad(lambda x: f(x).sum())(jnp.ones(4)))
+    with pytest.raises(jr.NotInvertibleError, match="jaxrev_test_norule.*no inverse rule"):
+        jr.reverse(f)(jnp.ones(4))
