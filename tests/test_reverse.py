@@ -7,6 +7,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax import test_util as jtu
 from jax import lax
@@ -541,3 +542,23 @@ def test_chain_over_slots_inverts_in_parallel(use_jit):
     x = jnp.sin(jnp.arange(30.0))
     inv = jax.jit(jr.reverse(f)) if use_jit else jr.reverse(f)
     assert jnp.max(jnp.abs(inv(f(x)) - x)) < 1e-13
+
+
+@pytest.mark.parametrize("name,f,x", [
+    ("sqrt", lambda x: jnp.sqrt(x) * 2.0, jnp.array([0.5, 2.0, 9.0])),
+    ("rsqrt", lambda x: jax.lax.rsqrt(x) + 1.0, jnp.array([0.5, 2.0, 9.0])),
+    ("cbrt", lambda x: jnp.cbrt(x) - 0.5, jnp.array([-8.0, 0.3, 27.0])),
+    ("logistic", lambda x: jax.nn.sigmoid(x) * 0.5, jnp.array([-3.0, 0.1, 2.0])),
+])
+def test_reverse_of_reverse_through_roots_and_logistic(name, f, x):
+    """The inverses of sqrt, rsqrt, cbrt and logistic carry their own inverse, so reversing
+    the reversed program computes the program again (eager, jit, and its derivative)."""
+    y = f(x)
+    inv = jr.reverse(f)
+    np.testing.assert_allclose(inv(y), x, rtol=1e-12)
+    twice = jr.reverse(inv)
+    np.testing.assert_allclose(twice(x), y, rtol=1e-12)
+    np.testing.assert_allclose(jax.jit(twice)(x), y, rtol=1e-12)
+    np.testing.assert_allclose(jax.jacfwd(twice)(x), jax.jacfwd(f)(x), rtol=1e-10)
+    np.testing.assert_allclose(jax.jacfwd(inv)(y), np.linalg.inv(jax.jacfwd(f)(x)),
+                               rtol=1e-10)

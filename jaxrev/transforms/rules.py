@@ -20,6 +20,7 @@ from jax import lax
 
 from jaxrev._compat import as_closed, is_concrete, prims
 from jaxrev._jaxpr import eval_closed, is_unknown
+from jaxrev.transforms.custom import custom_inverse
 from jaxrev.transforms.registry import (BILINEAR, ELEMENTWISE, LINEAR, Lossy, NeedMore,
                                         define)
 
@@ -82,6 +83,14 @@ def _div(out, x, y, **_):
 define(prims.div, inverse=_div, kind=(ELEMENTWISE,))
 
 
+def _undone_by(inverse: Callable[[Any], Any], forward: Callable[[Any], Any]) -> custom_inverse:
+    """`inverse` as one step that carries its own inverse, `forward`. An inverse written with
+    a value used twice (`y * y`) would not invert again, and `reverse(reverse(f))` must."""
+    step = custom_inverse(inverse)
+    step.definverse(forward)
+    return step
+
+
 def _unary(inverse: Callable[[Any], Any]):
     def rule(out, x, **_):
         return [inverse(out)]
@@ -95,10 +104,11 @@ for _p, _inv, _kind in [
         (prims.log1p, jnp.expm1, (ELEMENTWISE,)), (prims.expm1, jnp.log1p, (ELEMENTWISE,)),
         (prims.tanh, jnp.arctanh, (ELEMENTWISE,)), (prims.atanh, jnp.tanh, (ELEMENTWISE,)),
         (prims.sinh, jnp.arcsinh, (ELEMENTWISE,)), (prims.asinh, jnp.sinh, (ELEMENTWISE,)),
-        (prims.logistic, lambda y: jnp.log(y) - jnp.log1p(-y), (ELEMENTWISE,)),
-        (prims.sqrt, lambda y: y * y, (ELEMENTWISE,)),
-        (prims.rsqrt, lambda y: 1 / (y * y), (ELEMENTWISE,)),
-        (prims.cbrt, lambda y: y * y * y, (ELEMENTWISE,)),
+        (prims.logistic, _undone_by(lambda y: jnp.log(y) - jnp.log1p(-y), lax.logistic),
+         (ELEMENTWISE,)),
+        (prims.sqrt, _undone_by(lambda y: y * y, lax.sqrt), (ELEMENTWISE,)),
+        (prims.rsqrt, _undone_by(lambda y: 1 / (y * y), lax.rsqrt), (ELEMENTWISE,)),
+        (prims.cbrt, _undone_by(lambda y: y * y * y, lax.cbrt), (ELEMENTWISE,)),
         (prims.conj, jnp.conj, (ELEMENTWISE, LINEAR)),
         (prims.copy, lambda y: y, (ELEMENTWISE, LINEAR))]:
     define(_p, inverse=_unary(_inv), kind=_kind)
