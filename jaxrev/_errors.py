@@ -25,7 +25,19 @@ class NotInvertibleError(JaxrevError):
 
 
 class ReversibilityError(JaxrevError):
-    """A round trip `reverse(f)(f(x))` drifted from `x` beyond the tolerance asked for."""
+    """A rebuilt value missed its mark: a round trip `reverse(f)(f(x))` drifted from `x` beyond
+    the tolerance asked for, or a group of equations solved numerically (Newton's method) did
+    not reach its tolerance.
+
+    Attributes: `primitive`, `file`, `line` of the step, where one is named (else None).
+    """
+
+    def __init__(self, message: str, primitive: str | None = None,
+                 file: str | None = None, line: int | None = None) -> None:
+        super().__init__(message)
+        self.primitive = primitive
+        self.file = file
+        self.line = line
 
 
 class SingularJacobianError(JaxrevError):
@@ -51,6 +63,16 @@ WAYS_OUT = (
 def where(eqn: Any) -> tuple[str | None, int | None, str]:
     from jaxrev._compat import user_source
     return user_source(eqn)
+
+
+def at_eqn(cls: type, eqn: Any, what: str, hint: str) -> JaxrevError:
+    """An error of class `cls` (`ReversibilityError`, `SingularJacobianError`) about `eqn`,
+    naming its primitive and the user's line: "jaxrev: <what> at <line>\n<hint>"."""
+    file, line, summary = where(eqn)
+    summary = summary or "an equation with no user source line"
+    name = eqn.primitive.name
+    return cls(f"jaxrev: {what}; the group starts with `{name}` at {summary}\n{hint}",
+               primitive=name, file=file, line=line)
 
 
 def not_invertible(eqn: Any, reason: str, hint: str | None = None,

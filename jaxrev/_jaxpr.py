@@ -2,6 +2,7 @@
 liveness, call inlining, and the batched-select helpers every control-flow rule uses."""
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Iterable, Sequence
 
 import jax
@@ -173,15 +174,16 @@ def size_of(avals: Iterable[Any]) -> int:
     return int(sum(int(np.prod(a.shape, dtype=np.int64)) for a in avals))
 
 
-def inline_calls(closed: ClosedJaxpr) -> ClosedJaxpr:
-    """Flatten call-like equations (`jit`, `custom_jvp_call`, ...) into one jaxpr.
+def prepare(closed: ClosedJaxpr) -> ClosedJaxpr:
+    """The jaxpr every walk sees: call-like equations (`jit`, `custom_jvp_call`, ...) inlined,
+    and equations that compute the same value merged.
 
     Inversion works across call boundaries this way: a linear lump or a `select_n` case split
     may span code inside and outside `jnp.where`'s or `jnp.cumsum`'s inner `jit`. Inner equations
-    with no user frame of their own take the source line of the call that contains them.
+    with no user frame of their own take the source line of the call that contains them. JAX
+    does not merge duplicates (`f(z)` written twice, `x[:1]` and `x[0]`): merged, a value known
+    once is known everywhere, and a nonlinear group sees `f(z)` as one unknown, not two.
     """
-    if not any(e.primitive in CALL_PRIMITIVES for e in closed.jaxpr.eqns):
-        return closed
     from jaxrev._compat import has_user_frame, new_var
     jaxpr = closed.jaxpr
     consts = list(closed.consts)
@@ -192,10 +194,21 @@ def inline_calls(closed: ClosedJaxpr) -> ClosedJaxpr:
         return sub.get(a, a) if isinstance(a, Var) else a
 
     eqns: list[JaxprEqn] = []
+    seen: dict[tuple, JaxprEqn] = {}
 
     def inline(eqn: JaxprEqn, outer_src: Any) -> None:
         src = eqn.source_info if outer_src is None or has_user_frame(eqn) else outer_src
         if eqn.primitive not in CALL_PRIMITIVES:
+            invars = [s(v) for v in eqn.invars]
+            sig = _signature(eqn, invars)
+            first = seen.get(sig) if sig is not None else None
+            if first is not None:
+                for o, f in zip(eqn.outvars, first.outvars):
+                    if not isinstance(o, DropVar) and not isinstance(f, DropVar):
+                        sub[o] = f
+                if all(isinstance(o, DropVar) or not isinstance(f, DropVar)
+                       for o, f in zip(eqn.outvars, first.outvars)):
+                    return
             # fresh output variables: the same inner jaxpr may be inlined more than once
             outs = []
             for o in eqn.outvars:
@@ -204,8 +217,10 @@ def inline_calls(closed: ClosedJaxpr) -> ClosedJaxpr:
                 else:
                     sub[o] = nv = new_var(o.aval)
                     outs.append(nv)
-            eqns.append(eqn.replace(invars=[s(v) for v in eqn.invars], outvars=outs,
-                                    source_info=src))
+            new = eqn.replace(invars=invars, outvars=outs, source_info=src)
+            eqns.append(new)
+            if sig is not None and first is None:
+                seen[sig] = new
             return
         inner = call_jaxpr(eqn.params)
         ij = inner.jaxpr
@@ -227,6 +242,38 @@ def inline_calls(closed: ClosedJaxpr) -> ClosedJaxpr:
         inline(eqn, None)
     new = jaxpr.replace(constvars=constvars, eqns=eqns, outvars=[s(v) for v in jaxpr.outvars])
     return ClosedJaxpr(new, consts)
+
+
+@functools.lru_cache(maxsize=65536)
+def _param_key(eqn: JaxprEqn) -> tuple | None:
+    """The hashable params of an equation (None: not comparable, e.g. a sub-jaxpr)."""
+    if getattr(eqn, "effects", None):
+        return None
+    params = []
+    for k, v in sorted(eqn.params.items()):
+        if isinstance(v, (Jaxpr, ClosedJaxpr)):
+            return None
+        try:
+            hash(v)
+        except TypeError:
+            return None
+        params.append((k, v))
+    return (eqn.primitive, tuple(params))
+
+
+def _signature(eqn: JaxprEqn, invars: Sequence[Any]) -> tuple | None:
+    """What makes two equations compute the same value (None: not comparable)."""
+    key = _param_key(eqn)
+    if key is None:
+        return None
+    ins = []
+    for v in invars:
+        if isinstance(v, Literal):
+            val = np.asarray(v.val)
+            ins.append(("lit", str(val.dtype), val.tobytes(), val.shape))
+        else:
+            ins.append(v)
+    return (key, tuple(ins))
 
 
 def instantiate_tangents(primals: Sequence[Any], tangents: Sequence[Any]) -> tuple[Any, ...]:

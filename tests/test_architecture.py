@@ -82,7 +82,8 @@ def test_tags_are_set_by_the_registering_call():
     assert {"elementwise", "linear"} <= T.kinds[lax.add_p]
     assert "bilinear" in T.kinds[lax.mul_p]
     assert "linear" in T.kinds[prims.slice] and prims.slice in T.join_rules
-    assert T.kinds[lax.exp_p] == frozenset({"elementwise"})
+    assert T.kinds[lax.exp_p] == frozenset({"elementwise", "smooth"})
+    assert T.kinds[lax.max_p] == frozenset({"elementwise"})  # not smooth: never in a Newton group
 
 
 @pytest.mark.parametrize("prim,fun", [

@@ -21,7 +21,7 @@ import numpy as np
 
 from jaxrev._compat import ClosedJaxpr, DropVar, JaxprEqn, Literal, Var, bind_eqn, is_symbolic_zero
 from jaxrev._errors import not_invertible
-from jaxrev._jaxpr import Env, evaluate, fit_to_aval, inline_calls, is_var
+from jaxrev._jaxpr import Env, evaluate, fit_to_aval, is_var, prepare
 from jaxrev.transforms._walker import Stuck, Window, blame, propagate
 from jaxrev.transforms.custom import recompute_p, store_p
 from jaxrev.transforms.registry import forward_rules, sweep_rules
@@ -181,7 +181,7 @@ def plan_for(closed: ClosedJaxpr, known_in: tuple[bool, ...], known_out: tuple[b
     if hit is not None and hit[0] is closed:
         _PLANS.move_to_end(key)
         return hit[1]
-    P = Plan(inline_calls(closed))
+    P = Plan(prepare(closed))
     J = P.closed.jaxpr
     ins = [sds(v.aval) for v, k in zip(J.invars, known_in) if k]
     outs = [sds(v.aval) for v, k in zip(J.outvars, known_out) if k]
@@ -387,12 +387,13 @@ def walk(P: Plan, env: Env, ctenv: dict | None, active_in: set, res: Residuals,
 
 # --------------------------------------------------------------------------- loop helpers
 
-def known_or_rebuilt(P: Plan, i: int, env: Env, vs: Sequence[Any], res: Residuals) -> None:
+def known_or_rebuilt(P: Plan, i: int, env: Env, vs: Sequence[Any], res: Residuals,
+                     through: bool = False) -> None:
     """Inputs a loop needs before it can run backwards (its constants): rebuilt from the
-    equations before it, else stored."""
+    equations before it (and, `through`, from the loop's own outputs), else stored."""
     unk = [v for v in vs if is_var(v) and not env.known(v)]
     if unk:
-        _rebuild(P, i, i, env, unk, res)
+        _rebuild(P, i, i + 1 if through else i, env, unk, res)
 
 
 def outs_known(P: Plan, i: int, env: Env, outs: Sequence[Any], res: Residuals) -> None:

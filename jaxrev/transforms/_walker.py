@@ -3,10 +3,12 @@
 Inversion is propagation over the jaxpr (DESIGN.md §3.2): starting from the known outputs and
 parameters, repeatedly (a) evaluate forward any equation whose inputs are all known and
 (b) invert any equation whose outputs are known and whose unknown inputs a rule can recover.
-When neither applies, group steps are tried before giving up: an equation identical to one
-already known (`twin`), a variable rebuilt from slices that together cover it (`join`), a
-`select_n` with a known predicate split into one propagation per case, and a *linear lump*
-(equations invertible only together, solved in `lumps`).
+When neither applies, group steps are tried before giving up: a variable rebuilt from slices
+that together cover it (`join`), a `select_n` with a known predicate split into one propagation
+per case, a *linear lump* (equations invertible only together, solved in `lumps`), and the
+nonlinear groups of `nonlinear` (exact linear elimination, then Newton's method). Equations
+that compute the same value were merged before the walk (`_jaxpr.prepare`), so a value known
+once is known everywhere.
 
 `reverse`, `reversible`'s planner and backward sweep, the loop and branch rules,
 `check_reversible` and the inverse transforms all call `propagate` (or `invert_jaxpr`, its
@@ -14,20 +16,18 @@ entry point for a whole sub-jaxpr); forward evaluation is `_jaxpr.evaluate`.
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
-from jaxrev._compat import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var, prims
+from jaxrev._compat import ClosedJaxpr, Jaxpr, JaxprEqn, Var, prims
 from jaxrev._errors import NotInvertibleError, WAYS_OUT, not_invertible
-from jaxrev._jaxpr import (Env, consumers, evaluate, inline_calls, is_unknown, is_var,
+from jaxrev._jaxpr import (Env, consumers, evaluate, is_unknown, prepare,
                            real_outvars, used_vars)
-from jaxrev.transforms import lumps
+from jaxrev.transforms import lumps, nonlinear
 from jaxrev.transforms.registry import (Lossy, NeedMore, elementwise_in, inverse_jvp_rules,
                                         inverse_rules, join_rules)
 
@@ -43,6 +43,7 @@ class Stuck:
     inner: list["Stuck"] = field(default_factory=list)
     hint: str | None = None
     no_rule: bool = False
+    lossy: bool = False      # its rule said it destroys information (never part of a group)
 
 
 class Window:
@@ -176,7 +177,7 @@ def propagate(jaxpr: Jaxpr | Window, env: Env, goals: Sequence[Any] | None, *,
             except NotInvertibleError as e:
                 if not soft:
                     raise
-                stuck[i] = Stuck(eqn, str(e))
+                stuck[i] = Stuck(eqn, str(e), lossy=True)
                 continue
             wrote = []
             for v, r in zip(eqn.invars, rec or ()):
@@ -199,9 +200,12 @@ def propagate(jaxpr: Jaxpr | Window, env: Env, goals: Sequence[Any] | None, *,
         # group steps see only the allowed equations (a case split nests propagations, each
         # restricted further, so they cannot recurse into each other)
         gp = pending if allow is None else [i for i in pending if allow(eqns[i])]
-        if (_twin_step(jaxpr, env, gp) or _join_step(jaxpr, env, used)
+        lossy = {i for i, s in stuck.items() if s.lossy}
+        if (_join_step(jaxpr, env, used)
                 or _case_split_step(jaxpr, env, gp, allow)
-                or lumps.lump_step(eqns, env, gp)):
+                or lumps.lump_step(eqns, env, gp)
+                or nonlinear.eliminate_step(eqns, env, gp, lossy)
+                or nonlinear.newton_step(eqns, env, gp, lossy)):
             continue
         return [s for i, s in sorted(stuck.items())] or [
             Stuck(eqns[i], "its result does not reach the output") for i in pending
@@ -244,7 +248,7 @@ def seed(closed: ClosedJaxpr, ins: Sequence[Any], outs: Sequence[Any]
     """Inline `closed`'s calls and fill a fresh env with its consts and the known entries of
     `ins` and `outs` (`Unknown` elsewhere). Returns (jaxpr, env, goals): the goals are the
     inputs passed as `Unknown`."""
-    closed = inline_calls(closed)
+    closed = prepare(closed)
     jaxpr = closed.jaxpr
     env = Env()
     for v, c in zip(jaxpr.constvars, closed.consts):
@@ -271,59 +275,6 @@ def invert_jaxpr(closed: ClosedJaxpr, ins: Sequence[Any], outs: Sequence[Any]) -
 
 
 # --------------------------------------------------------------------------- group steps
-
-@functools.lru_cache(maxsize=65536)  # equations hash by identity; called on every stuck sweep
-def _signature(eqn: JaxprEqn) -> tuple | None:
-    """What makes two equations compute the same value (None: not comparable)."""
-    if getattr(eqn, "effects", None):
-        return None
-    params = []
-    for k, v in sorted(eqn.params.items()):
-        if isinstance(v, (Jaxpr, ClosedJaxpr)):
-            return None
-        try:
-            hash(v)
-        except TypeError:
-            return None
-        params.append((k, v))
-    ins = []
-    for v in eqn.invars:
-        if isinstance(v, Literal):
-            val = np.asarray(v.val)
-            ins.append(("lit", str(val.dtype), val.tobytes(), val.shape))
-        else:
-            ins.append(v)
-    return (eqn.primitive, tuple(ins), tuple(params))
-
-
-def _twin_step(jaxpr: Jaxpr | Window, env: Env, pending: Sequence[int]) -> bool:
-    """An equation identical to one whose outputs are known has those outputs (JAX does not
-    deduplicate: `x[:1]` and `x[0]` slice `x` twice)."""
-    eqns = jaxpr.eqns
-    done: dict[tuple, JaxprEqn] = {}
-    for e in eqns:
-        if all(env.known(o) for o in real_outvars(e)) and real_outvars(e):
-            sig = _signature(e)
-            if sig is not None:
-                done.setdefault(sig, e)
-    if not done:
-        return False
-    progress = False
-    for i in pending:
-        e = eqns[i]
-        outs = real_outvars(e)
-        if not outs or all(env.known(o) for o in outs):
-            continue
-        sig = _signature(e)
-        twin = done.get(sig) if sig is not None else None
-        if twin is None or twin is e:
-            continue
-        for o, t in zip(e.outvars, twin.outvars):
-            if is_var(o) and not env.known(o) and isinstance(t, Var) and env.known(t):
-                env.write(o, env.read(t))
-                progress = True
-    return progress
-
 
 def _join_step(jaxpr: Jaxpr | Window, env: Env, used: set) -> bool:
     """Rebuild an unknown variable from several known pieces read off it (slices)."""

@@ -36,6 +36,7 @@ import numpy as np
 
 from jaxrev._compat import is_concrete, staged_constants
 from jaxrev._errors import NotInvertibleError, SingularJacobianError
+from jaxrev.transforms import nonlinear
 from jaxrev.transforms.reverse import reverse
 from jaxrev.transforms.reversible import reversible
 
@@ -220,7 +221,10 @@ def _diagnoser(used: str, sq: _Square, fun: Callable, y_leaves: list
     a JVP its rules see tracers and cannot); the "linearize" strategy already ran on values."""
     if used != "reverse":
         return None
-    return lambda: reverse(sq.state_fun(fun))(sq.to_state_out(y_leaves))
+    def diagnose():
+        with nonlinear.settings(newton=False):
+            return reverse(sq.state_fun(fun))(sq.to_state_out(y_leaves))
+    return diagnose
 
 
 def _try(methods: Sequence[str], attempt: Callable[[str], Any], who: str, on_singular: str,
@@ -231,8 +235,9 @@ def _try(methods: Sequence[str], attempt: Callable[[str], Any], who: str, on_sin
     for m in methods:
         try:
             # values computed from constants alone (the indices of `x.at[1:]`) stay concrete
-            # under jit, so lumps can see their sparsity
-            with jax.ensure_compile_time_eval():
+            # under jit, so lumps can see their sparsity; Newton's method is not used: J⁻¹
+            # needs only the step Jacobians, which the "linearize" strategy inverts exactly
+            with jax.ensure_compile_time_eval(), nonlinear.settings(newton=False):
                 return attempt(m), m
         except NotInvertibleError as e:
             if e.singular:

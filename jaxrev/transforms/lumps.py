@@ -34,7 +34,7 @@ from jaxrev._errors import not_invertible
 from jaxrev._jaxpr import Env, evaluate, real_outvars, size_of
 from jaxrev.transforms.registry import BILINEAR, LINEAR, elementwise_in, is_kind
 
-__all__ = ["lump_step", "probe_band", "band_entries", "banded_triangular_solve",
+__all__ = ["lump_step", "Lump", "affine_eqn", "stand_ins", "probe_band", "band_entries", "banded_triangular_solve",
            "banded_solve", "MIN_STRUCTURED_SIZE"]
 
 MIN_STRUCTURED_SIZE = 64
@@ -191,6 +191,24 @@ MAX_LUMP_EQNS = 256
 """How far back from the last stuck equation a lump may start."""
 
 
+def affine_eqn(eqn: JaxprEqn, act: Sequence[bool]) -> bool:
+    """Whether `eqn`'s outputs are affine in its inputs marked `act` (the others fixed)."""
+    p = eqn.primitive
+    if is_kind(p, LINEAR):
+        if p is prims.select_n and act[0]:
+            return False
+        if any(a and not jnp.issubdtype(v.aval.dtype, jnp.inexact)
+               for a, v in zip(act, eqn.invars)):
+            return False  # an unknown index or integer operand
+        return not (p is prims.convert_element_type
+                    and not jnp.issubdtype(eqn.params["new_dtype"], jnp.inexact))
+    if is_kind(p, BILINEAR):
+        return sum(act) <= 1
+    if p is prims.div:
+        return not act[1]
+    return False
+
+
 def _is_affine(eqns: Sequence[JaxprEqn], active: set[Var]) -> bool:
     """Whether the lump's outputs are affine in the `active` variables."""
     active = set(active)
@@ -198,23 +216,7 @@ def _is_affine(eqns: Sequence[JaxprEqn], active: set[Var]) -> bool:
         act = [isinstance(v, Var) and v in active for v in eqn.invars]
         if not any(act):
             continue
-        p = eqn.primitive
-        if is_kind(p, LINEAR):
-            if p is prims.select_n and act[0]:
-                return False
-            if any(a and not jnp.issubdtype(v.aval.dtype, jnp.inexact)
-                   for a, v in zip(act, eqn.invars)):
-                return False  # an unknown index or integer operand
-            if p is prims.convert_element_type and not jnp.issubdtype(
-                    eqn.params["new_dtype"], jnp.inexact):
-                return False
-        elif is_kind(p, BILINEAR):
-            if sum(act) > 1:
-                return False
-        elif p is prims.div:
-            if act[1]:
-                return False
-        else:
+        if not affine_eqn(eqn, act):
             return False
         active.update(real_outvars(eqn))
     return True
@@ -245,12 +247,12 @@ def lump_step(eqns: Sequence[JaxprEqn], env: Env, pending: Sequence[int]) -> boo
         lump_eqns = [eqns[i] for i in lump]
         if not _is_affine(lump_eqns, set(inputs)):
             continue
-        _solve_lump(_Lump(lump_eqns, inputs, outputs), env)
+        _solve_lump(Lump(lump_eqns, inputs, outputs), env)
         return True
     return False
 
 
-class _Lump:
+class Lump:
     """A group of equations, its unknown inputs and its known outputs, as the map
     ``F(inputs; values read from outside) = outputs``."""
 
@@ -262,9 +264,13 @@ class _Lump:
                                         and v not in inputs))
 
     def __call__(self, *xs: Any, known: Env) -> list[Any]:
+        return self.apply(xs, [known.read(v) for v in self.reads])
+
+    def apply(self, xs: Sequence[Any], read_vals: Sequence[Any]) -> list[Any]:
+        """F at inputs `xs`, with `read_vals` for the values it reads from outside."""
         local = Env()
-        for v in self.reads:
-            local.write(v, known.read(v))
+        for v, r in zip(self.reads, read_vals):
+            local.write(v, r)
         for v, x in zip(self.inputs, xs):
             local.write(v, x)
         evaluate(self.eqns, local)
@@ -280,7 +286,7 @@ class _Lump:
         return f
 
 
-def _solve_lump(L: _Lump, env: Env) -> None:
+def _solve_lump(L: Lump, env: Env) -> None:
     inputs, outputs = L.inputs, L.outputs
     shapes = {tuple(v.aval.shape) for v in [*inputs, *outputs]}
     dtype = jnp.result_type(*[v.aval.dtype for v in [*inputs, *outputs]])
@@ -312,7 +318,7 @@ def _solve_lump(L: _Lump, env: Env) -> None:
         env.write(v, s)
 
 
-def _solve_elementwise(L: _Lump, env: Env, shape: tuple[int, ...], dtype: Any,
+def _solve_elementwise(L: Lump, env: Env, shape: tuple[int, ...], dtype: Any,
                        ys: list[Any]) -> list[Any]:
     """One small k x k system per element: k JVPs give every block at once."""
     inputs = L.inputs
@@ -339,11 +345,10 @@ def _solve_elementwise(L: _Lump, env: Env, shape: tuple[int, ...], dtype: Any,
     return sols
 
 
-def _structured_solve(L: _Lump, env: Env, offs: Any, dtype: Any, r: Any) -> Any:
-    """Solve a lump whose matrix is banded; None if it is not."""
-    n = int(offs[-1])
-    if n < MIN_STRUCTURED_SIZE or jnp.issubdtype(dtype, jnp.complexfloating):
-        return None
+def stand_ins(L: Lump, env: Env) -> Env | None:
+    """Concrete values for what `L` reads, to find its structure at trace time: the known
+    values where concrete, random numbers for traced floats; None when a traced integer or
+    boolean (an index, a predicate) is read, since it may change the pattern."""
     stand_in = Env()
     rng = np.random.default_rng(0)
     for v in L.reads:
@@ -353,7 +358,18 @@ def _structured_solve(L: _Lump, env: Env, offs: Any, dtype: Any, r: Any) -> Any:
         elif jnp.issubdtype(v.aval.dtype, jnp.inexact):
             stand_in.write(v, rng.standard_normal(v.aval.shape).astype(v.aval.dtype) + 1.5)
         else:
-            return None  # a run-time index or predicate may change the pattern
+            return None
+    return stand_in
+
+
+def _structured_solve(L: Lump, env: Env, offs: Any, dtype: Any, r: Any) -> Any:
+    """Solve a lump whose matrix is banded; None if it is not."""
+    n = int(offs[-1])
+    if n < MIN_STRUCTURED_SIZE or jnp.issubdtype(dtype, jnp.complexfloating):
+        return None
+    stand_in = stand_ins(L, env)
+    if stand_in is None:
+        return None
     band = probe_band(L.flat(offs, dtype, stand_in), n, dtype)
     if band is None:
         return None

@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence
 from jaxrev._compat import DropVar, Primitive
 
 __all__ = ["inverse_rules", "inverse_jvp_rules", "join_rules", "sweep_rules", "forward_rules",
-           "kinds", "ELEMENTWISE", "LINEAR", "BILINEAR", "define", "is_kind", "elementwise_in", "Lossy",
+           "kinds", "ELEMENTWISE", "LINEAR", "BILINEAR", "SMOOTH", "define", "is_kind", "elementwise_in", "Lossy",
            "NeedMore", "register_inverse", "register_inverse_jvp"]
 
 inverse_rules: dict[Primitive, Callable[..., Sequence[Any]]] = {}
@@ -53,6 +53,9 @@ LINEAR = "linear"
 """Linear (affine with a literal offset) in every floating-point input."""
 BILINEAR = "bilinear"
 """Linear in each input when the others are fixed (`mul`, `dot_general`)."""
+SMOOTH = "smooth"
+"""Differentiable wherever it is defined (linear and bilinear primitives are too): Newton's
+method may solve a group of such equations (DESIGN.md §3.6)."""
 
 kinds: dict[Primitive, frozenset[str]] = {}
 """What the walker may assume of a primitive, set by the call that registers its rules."""
@@ -95,6 +98,8 @@ def define(p: Primitive | None, *, inverse: Callable | None = None,
 
 
 def is_kind(p: Primitive, kind: str) -> bool:
+    if kind == SMOOTH:
+        return bool(kinds.get(p, frozenset()) & {SMOOTH, LINEAR, BILINEAR})
     return kind in kinds.get(p, ())
 
 

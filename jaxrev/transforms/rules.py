@@ -21,8 +21,8 @@ from jax import lax
 from jaxrev._compat import as_closed, is_concrete, prims
 from jaxrev._jaxpr import eval_closed, is_unknown
 from jaxrev.transforms.custom import custom_inverse
-from jaxrev.transforms.registry import (BILINEAR, ELEMENTWISE, LINEAR, Lossy, NeedMore,
-                                        define)
+from jaxrev.transforms.registry import (BILINEAR, ELEMENTWISE, LINEAR, SMOOTH, Lossy,
+                                        NeedMore, define)
 
 __all__: list[str] = []
 
@@ -80,7 +80,7 @@ def _div(out, x, y, **_):
     return None
 
 
-define(prims.div, inverse=_div, kind=(ELEMENTWISE,))
+define(prims.div, inverse=_div, kind=(ELEMENTWISE, SMOOTH))
 
 
 def _undone_by(inverse: Callable[[Any], Any], forward: Callable[[Any], Any]) -> custom_inverse:
@@ -111,7 +111,7 @@ for _p, _inv, _kind in [
         (prims.cbrt, _undone_by(lambda y: y * y * y, lax.cbrt), (ELEMENTWISE,)),
         (prims.conj, jnp.conj, (ELEMENTWISE, LINEAR)),
         (prims.copy, lambda y: y, (ELEMENTWISE, LINEAR))]:
-    define(_p, inverse=_unary(_inv), kind=_kind)
+    define(_p, inverse=_unary(_inv), kind=(*_kind, SMOOTH))
 
 
 def _integer_pow(out, x, *, y, **_):
@@ -130,7 +130,7 @@ def _integer_pow(out, x, *, y, **_):
     return [jnp.sign(out) * r]
 
 
-define(prims.integer_pow, inverse=_integer_pow, kind=(ELEMENTWISE,))
+define(prims.integer_pow, inverse=_integer_pow, kind=(ELEMENTWISE, SMOOTH))
 
 
 def _pow(out, x, p, **_):
@@ -142,7 +142,7 @@ def _pow(out, x, p, **_):
     return None
 
 
-define(prims.pow, inverse=_pow, kind=(ELEMENTWISE,))
+define(prims.pow, inverse=_pow, kind=(ELEMENTWISE, SMOOTH))
 
 
 def _convert(out, x, *, new_dtype, **_):
@@ -409,9 +409,12 @@ define(prims.slice, join=_join_slices, kind=(LINEAR,))
 # --------------------------------------------------------------------------- tags only
 # Primitives with no inverse of their own that lumps and case splits may still see through.
 
-for _p in (prims.max, prims.min, prims.abs, prims.sign, prims.sin, prims.cos, prims.tan,
-           prims.square, prims.floor, prims.ceil, prims.round):
+for _p in (prims.max, prims.min, prims.abs, prims.sign, prims.floor, prims.ceil, prims.round):
     define(_p, kind=(ELEMENTWISE,))
+
+# smooth but not one-to-one: only a group of equations around them can be invertible
+for _p in (prims.sin, prims.cos, prims.tan, prims.square):
+    define(_p, kind=(ELEMENTWISE, SMOOTH))
 
 for _p in (prims.reduce_sum, prims.pad, prims.gather, prims.dynamic_slice,
            prims.dynamic_update_slice, prims.imag):

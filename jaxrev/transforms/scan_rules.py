@@ -15,7 +15,7 @@ from typing import Any, Sequence
 import jax.numpy as jnp
 from jax import lax
 
-from jaxrev._compat import JaxprEqn, Var, prims, scan_info
+from jaxrev._compat import JaxprEqn, ScanParams, Var, prims, scan_info
 from jaxrev._errors import NotInvertibleError
 from jaxrev._jaxpr import (Env, Unknown, evaluate, forward_known, is_unknown, is_var,
                            used_vars)
@@ -39,14 +39,7 @@ def _scan_inverse(outs, *ins, **params):
         raise NeedMore("the loop's constants are not known yet")
     bj = body.jaxpr
     xs_known = [not is_unknown(x) for x in xs]
-    # carry components computable forward from known values (the loop counter of a fori_loop)
-    K = [not is_unknown(c) for c in init]
-    while True:
-        fk = forward_known(bj, [True] * nc + K + xs_known)
-        newK = [k and fk[i] for i, k in enumerate(K)]
-        if newK == K:
-            break
-        K = newK
+    K = _forward_carries(bj, nc, [not is_unknown(c) for c in init], xs_known)
     # a carry the body also emits per iteration, with a known start, is known at every
     # iteration: its input is the previous iteration's output (a chain over slots)
     emits = _emitted_carries(bj, ncar, length, ys)
@@ -84,14 +77,7 @@ def _scan_inverse(outs, *ins, **params):
 
     kin_of: dict[int, Any] = dict(emitted)
     if fwd_idx:
-        def kbody(ck, xs_t):
-            jaxpr, env, _ = seed(body, body_ins(ck, fwd_idx, xs_t),
-                                 [Unknown(v.aval) for v in bj.outvars])
-            evaluate(jaxpr.eqns, env, partial=True, used=used_vars(jaxpr))
-            return [env.read(jaxpr.outvars[i]) for i in fwd_idx], list(ck)
-
-        _, kin_fwd = lax.scan(kbody, [init[i] for i in fwd_idx], xk, length=length,
-                              reverse=rev)
+        _, kin_fwd = _run_forward_carries(sp, consts, init, xs, fwd_idx)
         kin_of.update(zip(fwd_idx, kin_fwd))
     kin = [kin_of[i] for i in known_idx]
     ys_known_idx = [j for j, y in enumerate(ys) if not is_unknown(y)]
@@ -126,6 +112,45 @@ def _scan_inverse(outs, *ins, **params):
     return res
 
 
+def _forward_carries(bj: Any, nc: int, init_known: Sequence[bool],
+                     xs_known: Sequence[bool]) -> list[bool]:
+    """Which carries are computable forward from known values at every iteration (the loop
+    counter of a fori_loop): a fixed point, since a carry may need another."""
+    K = list(init_known)
+    while True:
+        fk = forward_known(bj, [True] * nc + K + list(xs_known))
+        newK = [k and fk[i] for i, k in enumerate(K)]
+        if newK == K:
+            return K
+        K = newK
+
+
+def _run_forward_carries(sp: ScanParams, consts: Sequence[Any], init: Sequence[Any],
+                         xs: Sequence[Any], idx: Sequence[int]) -> tuple[list, list]:
+    """Run the carries `idx` (all computable from known values) through the loop: their final
+    values and their value at the start of every iteration. Unknown xs are `Unknown`."""
+    nc, ncar, body = sp.nconsts, sp.ncarry, sp.body
+    bj = body.jaxpr
+    xs_known = [not is_unknown(x) for x in xs]
+
+    def kbody(ck, xs_t):
+        ins_t = list(consts) + [Unknown(v.aval) for v in bj.invars[nc:]]
+        for i, c in zip(idx, ck):
+            ins_t[nc + i] = c
+        it = iter(xs_t)
+        for j, kn in enumerate(xs_known):
+            if kn:
+                ins_t[nc + ncar + j] = next(it)
+        jaxpr, env, _ = seed(body, ins_t, [Unknown(v.aval) for v in bj.outvars])
+        evaluate(jaxpr.eqns, env, partial=True, used=used_vars(jaxpr))
+        return [env.read(jaxpr.outvars[i]) for i in idx], list(ck)
+
+    final, per_iteration = lax.scan(kbody, [init[i] for i in idx],
+                                    [x for x in xs if not is_unknown(x)], length=sp.length,
+                                    reverse=sp.reverse)
+    return list(final), list(per_iteration)
+
+
 def _emitted_carries(bj: Any, ncar: int, length: int, ys: Sequence[Any]) -> dict[int, int]:
     """Carry i -> output j for carries the body also emits per iteration (a body returning
     ``(x, x)``) whose per-iteration outputs are known."""
@@ -151,12 +176,15 @@ def _scan_sweep(P: Plan, i: int, env: Env, ctenv: dict | None, active: set,
     nc, ncar, body, length, rev = sp.nconsts, sp.ncarry, sp.body, sp.length, sp.reverse
     ins = e.invars
     consts, init, xs = ins[:nc], ins[nc:nc + ncar], ins[nc + ncar:]
-    known_or_rebuilt(P, i, env, consts, res)
+    # constants the equations before the loop do not give back may follow from the loop's own
+    # outputs (a loop of fixed-point iterations solved by Newton's method as a group)
+    known_or_rebuilt(P, i, env, consts, res, through=True)
     unk = [v for v in xs if is_var(v) and not env.known(v)]
     if unk:  # xs computable forward from what is known; the rest the body rebuilds
         propagate(Window(P.closed.jaxpr.eqns[:i]), env, unk, forward_only=True)
     xk = tuple(env.known(v) for v in xs)
     cout, ys = e.outvars[:ncar], e.outvars[ncar:]
+    _discarded_counters(sp, env, consts, init, xs, cout)
     outs_known(P, i, env, cout, res)
     yk = tuple(env.known(v) for v in ys)
     bp = plan_for(body, (True,) * nc + (False,) * ncar + xk, (True,) * ncar + yk,
@@ -188,6 +216,26 @@ def _scan_sweep(P: Plan, i: int, env: Env, ctenv: dict | None, active: set,
     if want:
         for v, g in zip([v for v, a in zip(xs, act[nc + ncar:]) if a], x_ct):
             acc(ctenv, v, g)
+
+
+def _discarded_counters(sp: ScanParams, env: Env, consts: Sequence[Any], init: Sequence[Any],
+                        xs: Sequence[Any], cout: Sequence[Any]) -> None:
+    """Final carries the output discards but known values compute (a fori_loop's counter):
+    run forward instead of stored."""
+    missing = [i for i, v in enumerate(cout) if is_var(v) and not env.known(v)]
+    if not missing or not all(env.known(v) for v in consts):
+        return
+    vals = [env.read(v) if env.known(v) else Unknown(v.aval) for v in [*init, *xs]]
+    init_v, xs_v = vals[:sp.ncarry], vals[sp.ncarry:]
+    K = _forward_carries(sp.body.jaxpr, sp.nconsts, [not is_unknown(c) for c in init_v],
+                         [not is_unknown(x) for x in xs_v])
+    idx = [i for i in range(sp.ncarry) if K[i]]
+    if not any(K[i] for i in missing):
+        return
+    final, _ = _run_forward_carries(sp, [env.read(v) for v in consts], init_v, xs_v, idx)
+    for i, val in zip(idx, final):
+        if i in missing:
+            env.write(cout[i], val)
 
 
 # --------------------------------------------------------------------------- forward

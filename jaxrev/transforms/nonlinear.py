@@ -1,0 +1,456 @@
+"""Nonlinear lumps (DESIGN.md §3.6): groups of equations invertible only together, not affine.
+
+The walker tries two steps once the linear lumps (`lumps.lump_step`) found nothing:
+
+- `eliminate_step`, exact linear elimination. The stuck equations that are affine in the
+  unknowns, once the outputs of the nonlinear ones count as extra unknowns, form a linear
+  system M u = r that need not be square. Every unknown that the system determines (its unit
+  vector lies in M's row space: a rank analysis on the structure, at trace time) is solved
+  for with M's pseudo-inverse, and propagation goes on. McCallum et al.'s reversible Heun step
+  ``z1 = 2y - z + dt f(z)``, ``y1 = y + dt/2 (f(z) + f(z1))`` inverts this way exactly: the
+  system gives ``z = 2 y1 - z1 - dt f(z1)``, then ``f(z)`` is evaluated and ``y`` follows.
+- `newton_step`, Newton's method on the smallest square group of smooth equations
+  (``y = x + 0.5 tanh(x)``; the simultaneous update ``(x, y) -> (x + tanh(t y), y + sin(x))``):
+  u with F(u) = y, each step solved per element (k x k blocks) when the group is elementwise,
+  densely otherwise, from the best of a few cheap starting points (the known outputs first,
+  as for residual maps ``x + g(x)``), with backtracking on the residual, inside a bounded
+  `lax.while_loop`. The result is accepted only where the residual meets a tolerance of a few
+  ulps of y; elsewhere `ReversibilityError` names the group's first line (or NaN with
+  ``reverse(..., on_failure="nan")``; under `jit` the check runs with the program). A
+  Jacobian that vanishes at the solution raises `SingularJacobianError`. Derivatives of the
+  recovered value come from the implicit function theorem (one linear solve), never from the
+  iterations.
+
+Inverses found by Newton's method are local: where the group's map is not one-to-one, the
+preimage found is the one Newton reaches from its start. `check_reversible` (and `reversible`,
+which rebuilds values its caller holds) confirm them. A single equation is never solved this
+way: a primitive without an inverse rule of its own stays an error that names it.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from typing import Any, Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxrev._compat import JaxprEqn, Var, has_user_frame, is_concrete, prims, scan_info
+from jaxrev._errors import (ReversibilityError, SingularJacobianError, at_eqn, not_invertible)
+from jaxrev._jaxpr import Env, real_outvars, size_of
+from jaxrev.transforms.lumps import Lump, affine_eqn, stand_ins
+from jaxrev.transforms.registry import SMOOTH, elementwise_in, is_kind
+
+__all__ = ["eliminate_step", "newton_step", "settings", "ON_FAILURE"]
+
+ON_FAILURE = ("raise", "nan")
+MAX_GROUP_EQNS = 256
+"""How many stuck equations a group may hold."""
+MAX_UNKNOWNS = 2048
+"""Unknown numbers in a dense system (elimination or Newton); above it the step declines."""
+MAX_ITERATIONS = 50
+MAX_HALVINGS = 30
+_TOL_ULPS = 32
+
+_settings: list[dict] = [dict(on_failure="raise", newton=True)]
+
+
+@contextlib.contextmanager
+def settings(**changes: Any) -> Iterator[None]:
+    """Settings of the nonlinear steps while a transform traces (nested calls inherit the
+    rest): `on_failure`, what a Newton group that misses its tolerance does ("raise": eagerly
+    an error, under `jit` a runtime error; "nan"), and `newton`, whether Newton's method is
+    used at all (the inverse transforms need only Jacobians, which linear lumps give exactly)."""
+    if changes.get("on_failure", "raise") not in ON_FAILURE:
+        raise ValueError(f"on_failure must be one of {ON_FAILURE}, got "
+                         f"{changes['on_failure']!r}")
+    _settings.append({**_settings[-1], **changes})
+    try:
+        yield
+    finally:
+        _settings.pop()
+
+
+def _candidates(eqns: Sequence[JaxprEqn], env: Env, pending: Sequence[int],
+                blocked: set[int]) -> tuple[list[int], list[int]]:
+    """Pending equations with an unknown input, and those of them with a known output."""
+    cand = [i for i in pending if i not in blocked
+            and any(not env.known(v) for v in eqns[i].invars)]
+    return cand, [i for i in cand if any(env.known(v) for v in real_outvars(eqns[i]))]
+
+
+def _first_line(group: Sequence[JaxprEqn]) -> JaxprEqn:
+    return next((e for e in group if has_user_frame(e)), group[0])
+
+
+def _floats(vs: Sequence[Var]) -> bool:
+    return all(jnp.issubdtype(v.aval.dtype, jnp.floating) for v in vs)
+
+
+# --------------------------------------------------------------------------- elimination
+
+def eliminate_step(eqns: Sequence[JaxprEqn], env: Env, pending: Sequence[int],
+                   blocked: set[int]) -> bool:
+    """Solve the stuck equations' affine part for every unknown it determines."""
+    cand, stuck = _candidates(eqns, env, pending, blocked)
+    if not stuck:
+        return False
+    group = [eqns[i] for i in cand][-MAX_GROUP_EQNS:]
+    shapes = Counter(tuple(o.aval.shape) for i in stuck for o in real_outvars(eqns[i])
+                     if env.known(o))
+    shape = shapes.most_common(1)[0][0]
+    for blocks in (True, False):
+        L = _affine_part(group, env, shape if blocks else None)
+        if L is None or not _floats([*L.inputs, *L.outputs]):
+            continue
+        if blocks and any(tuple(v.aval.shape) != shape for v in [*L.inputs, *L.outputs]):
+            continue
+        if not blocks and size_of(v.aval for v in L.inputs) > MAX_UNKNOWNS:
+            continue
+        system = _System(L, blocks, shape)
+        det = _determined(system, env)
+        if not det:
+            continue
+        for v, val in zip([L.inputs[j] for j in det], _solve_determined(system, env, det)):
+            env.write(v, val)
+        return True
+    return False
+
+
+def _affine_part(group: Sequence[JaxprEqn], env: Env,
+                 shape: tuple[int, ...] | None) -> Lump | None:
+    """The equations affine in the unknowns (elementwise of `shape`, when given), the others
+    cut: their outputs become unknowns of the affine part."""
+    lin = []
+    for e in group:
+        act = [isinstance(v, Var) and not env.known(v) for v in e.invars]
+        if any(act) and affine_eqn(e, act) and (shape is None or elementwise_in(e, shape)):
+            lin.append(e)
+    if not lin:
+        return None
+    produced = {v for e in lin for v in real_outvars(e)}
+    inputs = list(dict.fromkeys(v for e in lin for v in e.invars if isinstance(v, Var)
+                                and not env.known(v) and v not in produced))
+    outputs = [v for e in lin for v in real_outvars(e) if env.known(v)]
+    if not inputs or not outputs:
+        return None
+    return Lump(lin, inputs, outputs)
+
+
+def _determined(system: "_System", env: Env) -> list[int]:
+    """Which unknowns the system determines, from M's structure on stand-in values: unknown j
+    is determined where its unit vector lies in M's row space (in every element)."""
+    probe = stand_ins(system.lump, env)
+    if probe is None:
+        return []
+    try:
+        with jax.ensure_compile_time_eval():
+            M = np.asarray(system.matrix([probe.read(v) for v in system.lump.reads]))
+    except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
+        return []
+    if not np.all(np.isfinite(M)):
+        return []
+    # null space of each block: right singular vectors with negligible singular values
+    _, s, vt = np.linalg.svd(M, full_matrices=True)
+    k = M.shape[-1]
+    smax = s.max(axis=-1, keepdims=True) if s.size else np.zeros(M.shape[:-2] + (1,))
+    rank = (s > 1e-10 * smax).sum(-1)
+    null = np.arange(k) >= rank[..., None]                       # (..., k) rows of vt
+    weight = np.einsum("...ij,...i->...j", vt ** 2, null.astype(M.dtype))
+    det_comp = np.all(weight.reshape(-1, k) < 1e-12, axis=0) if weight.size else np.zeros(k, bool)
+    return system.whole_unknowns(det_comp)
+
+
+def _solve_determined(system: "_System", env: Env, det: list[int]) -> list[Any]:
+    reads = [env.read(v) for v in system.lump.reads]
+    M = system.matrix(reads)
+    r = system.pack_out([env.read(o) for o in system.lump.outputs]) - system.F(
+        system.zeros(), reads)
+    P = jnp.linalg.pinv(M)
+    u = jnp.einsum("...ij,...j->...i", P, r)
+    rows = system.component_rows(det)
+    # the rank found on stand-ins must hold for the actual values
+    PM = jnp.einsum("...ij,...jk->...ik", P[..., rows, :], M)
+    err = jnp.max(jnp.abs(PM - jnp.eye(M.shape[-1], dtype=M.dtype)[rows]))
+    if is_concrete(err) and not bool(err < 1e-6):
+        raise not_invertible(_first_line(system.lump.eqns),
+                             "it belongs to a group of equations whose affine part determines "
+                             "some unknowns only for other values of the known ones: here "
+                             "its matrix loses rank", singular=True)
+    u = jnp.where(err < 1e-6, u, jnp.nan)
+    vals = system.unpack(u)
+    return [vals[j] for j in det]
+
+
+# --------------------------------------------------------------------------- Newton
+
+def newton_step(eqns: Sequence[JaxprEqn], env: Env, pending: Sequence[int],
+                blocked: set[int]) -> bool:
+    """Solve the smallest trailing square group of two or more smooth equations by Newton."""
+    cand, stuck = _candidates(eqns, env, pending, blocked)
+    if not stuck or not _settings[-1]["newton"]:
+        return False
+    top = max(stuck)
+    for n_tried, t in enumerate(sorted((i for i in cand if i <= top), reverse=True)):
+        if n_tried >= MAX_GROUP_EQNS:
+            break
+        idx = [i for i in cand if i >= t]
+        if len(idx) < 2 and eqns[idx[0]].primitive is not prims.scan:
+            continue  # one primitive without an inverse rule of its own stays an error
+        group = [eqns[i] for i in idx]
+        produced = {v for e in group for v in real_outvars(e)}
+        inputs = list(dict.fromkeys(v for e in group for v in e.invars if isinstance(v, Var)
+                                    and not env.known(v) and v not in produced))
+        outputs = [v for e in group for v in real_outvars(e) if env.known(v)]
+        if not inputs or size_of(v.aval for v in inputs) != size_of(v.aval for v in outputs):
+            continue
+        if not _floats([*inputs, *outputs]) or not all(_smooth(e, env) for e in group):
+            continue
+        L = Lump(group, inputs, outputs)
+        shapes = {tuple(v.aval.shape) for v in [*inputs, *outputs]}
+        blocks = (len(shapes) == 1 and len(inputs) == len(outputs)
+                  and all(elementwise_in(e, next(iter(shapes))) for e in group))
+        if not blocks and size_of(v.aval for v in inputs) > MAX_UNKNOWNS:
+            continue
+        system = _System(L, blocks, next(iter(shapes)) if blocks else ())
+        for v, val in zip(inputs, _newton(system, env)):
+            env.write(v, val)
+        return True
+    return False
+
+
+def _smooth(e: JaxprEqn, env: Env) -> bool:
+    """Whether Newton may differentiate through `e` (given which inputs are unknown)."""
+    act = [isinstance(v, Var) and not env.known(v) for v in e.invars]
+    if any(a and not jnp.issubdtype(v.aval.dtype, jnp.inexact) for a, v in zip(act, e.invars)):
+        return False
+    p = e.primitive
+    if p is prims.scan:  # a loop inside the group (fixed-point iterations): smooth if its body is
+        body = scan_info(e.params).body.jaxpr
+        return all(is_kind(q.primitive, SMOOTH) for q in body.eqns)
+    if not is_kind(p, SMOOTH):
+        return False
+    if p is prims.select_n:
+        return not act[0]
+    if p is prims.convert_element_type:
+        return jnp.issubdtype(e.params["new_dtype"], jnp.inexact)
+    return True
+
+
+def _newton(system: "_System", env: Env) -> list[Any]:
+    L = system.lump
+    reads = [env.read(v) for v in L.reads]
+    yp = system.pack_out([env.read(o) for o in L.outputs])
+    tol = _tolerance(system, yp)
+    u = _recover(system, yp, reads)
+    # the answer is checked where it is used: F(u) must give the known outputs back
+    rn = system.norm(yp - system.F(u, reads))
+    ok = jnp.isfinite(rn) & (rn <= tol)
+    _, logdet = jnp.linalg.slogdet(system.jacobian(u, reads))
+    singular = ok & ~jnp.isfinite(logdet)
+    good = ok & ~singular
+    u = jnp.where(system.broadcast(good), u, jnp.nan)
+    _check(L, ok, singular, rn, tol)
+    return system.unpack(u)
+
+
+def _tolerance(system: "_System", yp: Any) -> Any:
+    """A few ulps of the known outputs (per element for blocks)."""
+    fi = jnp.finfo(yp.dtype)
+    return lax.stop_gradient(_TOL_ULPS * fi.eps * jnp.maximum(system.norm(yp), fi.tiny))
+
+
+def _recover(system: "_System", yp: Any, reads: list) -> Any:
+    """u with F(u) = yp by damped Newton; its derivative by the implicit function theorem."""
+
+    @jax.custom_jvp
+    def recover(yp, reads):
+        return _iterate(system, yp, reads)
+
+    @recover.defjvp
+    def _ift(primals, tangents):
+        yp, reads = primals
+        dyp, dreads = tangents
+        u = recover(yp, reads)
+        _, dF = jax.jvp(lambda rd: system.F(u, rd), (reads,), (dreads,))
+        return u, system.solve(system.jacobian(u, reads), dyp - dF)
+
+    return recover(yp, reads)
+
+
+def _iterate(system: "_System", yp: Any, reads: list) -> Any:
+    F = lambda u: system.F(u, reads)  # noqa: E731
+
+    def resid(u):
+        r = system.norm(yp - F(u))
+        return jnp.where(jnp.isfinite(r), r, jnp.inf)
+
+    # the best of a few starting points, per element: the outputs themselves (a residual map
+    # x + g(x) starts next to its answer), then constants
+    starts = [system.guess(yp)] if system.guess(yp) is not None else []
+    starts += [jnp.full_like(yp, c) for c in (0.0, 0.5, 1.0, -1.0)]
+    rs = jnp.stack([resid(s) for s in starts])
+    best = jnp.argmin(rs, axis=0)
+    u0 = _pick(jnp.stack(starts), best)
+    r0 = jnp.min(rs, axis=0)
+
+    def cond(s):
+        _, rn, it, active = s
+        return (it < MAX_ITERATIONS) & jnp.any(active)
+
+    def body(s):
+        u, rn, it, active = s
+        du = system.solve(system.jacobian(u, reads), yp - F(u))
+        du = jnp.where(jnp.isfinite(du), du, 0.0)
+
+        def bt_cond(b):
+            lam, rt, h = b
+            return (h < MAX_HALVINGS) & jnp.any(active & ~(rt < rn))
+
+        def bt_body(b):
+            lam, rt, h = b
+            lam = jnp.where(rt < rn, lam, lam / 2)
+            return lam, resid(u + system.broadcast(lam) * du), h + 1
+
+        lam0 = jnp.ones_like(rn)
+        lam, rt, _ = lax.while_loop(bt_cond, bt_body,
+                                    (lam0, resid(u + system.broadcast(lam0) * du), 0))
+        better = active & (rt < rn)
+        u = jnp.where(system.broadcast(better), u + system.broadcast(lam) * du, u)
+        rn = jnp.where(better, rt, rn)
+        # past the tolerance, steps go on while they still reduce the residual (one or two
+        # at Newton's quadratic rate): the backward run should not add more rounding than
+        # the forward run did
+        return u, rn, it + 1, better & (rn > 0)
+
+    u, *_ = lax.while_loop(cond, body, (u0, r0, 0, r0 > 0))
+    return u
+
+
+def _pick(stacked: Any, best: Any) -> Any:
+    """Per batch element, the start with the smallest residual."""
+    idx = jnp.expand_dims(best, (0, best.ndim + 1))
+    return jnp.take_along_axis(stacked, jnp.broadcast_to(idx, (1,) + stacked.shape[1:]),
+                               axis=0)[0]
+
+
+def _check(L: Lump, ok: Any, singular: Any, rn: Any, tol: Any) -> None:
+    """Raise where the group was not solved (eagerly, or when the program runs)."""
+    if _settings[-1]["on_failure"] == "nan":
+        return
+    first = _first_line(L.eqns)
+
+    def error(ok, singular, rn, tol):
+        if np.any(singular):
+            return at_eqn(SingularJacobianError, first,
+                          "the Jacobian of a group of equations solved by Newton's method "
+                          "vanishes at the solution",
+                          "Ways out: the map is not invertible there; keep what it loses in the "
+                          "state, or pass on_failure='nan'.")
+        if not np.all(ok):
+            worst = float(np.max(np.where(np.asarray(ok), 0.0, np.asarray(rn))))
+            return at_eqn(ReversibilityError, first,
+                          "Newton's method found no preimage for a group of equations "
+                          f"invertible only together (residual {worst:.3g} > tolerance "
+                          f"{float(np.max(tol)):.3g})",
+                          "Ways out: the outputs may have no preimage (outside the map's "
+                          "range), or Newton's start is too far from it: give the group an "
+                          "inverse with `jr.custom_inverse`, or pass on_failure='nan'.")
+        return None
+
+    if all(is_concrete(x) for x in (ok, singular, rn, tol)):
+        err = error(np.asarray(ok), np.asarray(singular), np.asarray(rn), np.asarray(tol))
+        if err is not None:
+            raise err
+        return
+
+    def at_run_time(ok, singular, rn, tol):
+        err = error(ok, singular, rn, tol)
+        if err is not None:
+            raise err
+
+    jax.debug.callback(at_run_time, ok, singular, rn, tol)
+
+
+# --------------------------------------------------------------------------- packing
+
+class _System:
+    """A group as a map of one array: ``(*S, k)`` for k unknown arrays of shape S solved per
+    element (`blocks`), ``(n,)`` for all unknowns flattened (dense)."""
+
+    def __init__(self, lump: Lump, blocks: bool, shape: tuple[int, ...]) -> None:
+        self.lump, self.blocks, self.shape = lump, blocks, tuple(shape)
+        self.dtype = jnp.result_type(*[v.aval.dtype for v in [*lump.inputs, *lump.outputs]])
+        self.in_sizes = [int(np.prod(v.aval.shape, dtype=np.int64)) for v in lump.inputs]
+        self.out_sizes = [int(np.prod(v.aval.shape, dtype=np.int64)) for v in lump.outputs]
+
+    def _pack(self, vals: Sequence[Any]) -> Any:
+        if self.blocks:
+            return jnp.stack([jnp.asarray(x, self.dtype) for x in vals], -1)
+        return jnp.concatenate([jnp.ravel(jnp.asarray(x, self.dtype)) for x in vals])
+
+    def pack_out(self, vals: Sequence[Any]) -> Any:
+        return self._pack(vals)
+
+    def unpack(self, u: Any) -> list[Any]:
+        ins = self.lump.inputs
+        if self.blocks:
+            return [u[..., j].astype(v.aval.dtype) for j, v in enumerate(ins)]
+        offs = np.cumsum([0] + self.in_sizes)
+        return [jnp.reshape(u[offs[m]:offs[m + 1]], v.aval.shape).astype(v.aval.dtype)
+                for m, v in enumerate(ins)]
+
+    def zeros(self) -> Any:
+        if self.blocks:
+            return jnp.zeros(self.shape + (len(self.lump.inputs),), self.dtype)
+        return jnp.zeros(sum(self.in_sizes), self.dtype)
+
+    def F(self, u: Any, reads: Sequence[Any]) -> Any:
+        return self._pack(self.lump.apply(self.unpack(u), reads))
+
+    def matrix(self, reads: Sequence[Any]) -> Any:
+        """The Jacobian of F (constant for an affine part): ``(*S, m, k)`` or ``(m, n)``."""
+        return self.jacobian(self.zeros(), reads)
+
+    def jacobian(self, u: Any, reads: Sequence[Any]) -> Any:
+        k = u.shape[-1]
+        # unit tangents, one per unknown, on every element at once (elements are independent)
+        basis = jnp.broadcast_to(jnp.eye(k, dtype=u.dtype).reshape(
+            (k,) + (1,) * (u.ndim - 1) + (k,)), (k,) + u.shape)
+        cols = jax.vmap(lambda e: jax.jvp(lambda v: self.F(v, reads), (u,), (e,))[1])(basis)
+        return jnp.moveaxis(cols, 0, -1)          # (..., m, k): column j is dF/du_j
+
+    def solve(self, J: Any, r: Any) -> Any:
+        return jnp.linalg.solve(J, r[..., None])[..., 0]
+
+    def norm(self, r: Any) -> Any:
+        """Max-norm per element (blocks) or over everything (dense)."""
+        return jnp.max(jnp.abs(r), axis=-1)
+
+    def broadcast(self, per: Any) -> Any:
+        return per[..., None]
+
+    def guess(self, yp: Any) -> Any | None:
+        """The outputs as a starting point, where they line up with the inputs."""
+        ins, outs = self.lump.inputs, self.lump.outputs
+        if len(ins) == len(outs) and all(tuple(a.aval.shape) == tuple(b.aval.shape)
+                                         for a, b in zip(ins, outs)):
+            return yp
+        return None
+
+    def whole_unknowns(self, det_comp: Any) -> list[int]:
+        """Indices of unknowns all of whose components are determined."""
+        if self.blocks:
+            return [j for j in range(len(self.lump.inputs)) if det_comp[j]]
+        offs = np.cumsum([0] + self.in_sizes)
+        return [m for m in range(len(self.in_sizes))
+                if self.in_sizes[m] and bool(np.all(det_comp[offs[m]:offs[m + 1]]))]
+
+    def component_rows(self, det: list[int]) -> Any:
+        if self.blocks:
+            return np.asarray(det)
+        offs = np.cumsum([0] + self.in_sizes)
+        return np.concatenate([np.arange(offs[m], offs[m + 1]) for m in det])
+

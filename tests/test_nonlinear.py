@@ -1,0 +1,175 @@
+"""Nonlinear lumps (DESIGN.md §3.6): exact linear elimination and Newton's method.
+
+Round trips, `reversible` gradients against `jax.grad`, `jit`, `vmap`, memory flat in the
+number of steps, derivatives by the implicit function theorem, and the errors: no preimage
+(`ReversibilityError`), a vanished Jacobian (`SingularJacobianError`), each naming the line.
+The sharded runs are in `test_sharding.py`.
+"""
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax import test_util as jtu
+
+import jaxrev as jr
+from jaxrev.transforms import nonlinear
+from nonlinear_programs import cases, heun, residual, simultaneous
+
+HERE = os.path.basename(__file__)
+CASES = cases()
+# the issue's bounds: 1e-12 where elimination solves the group exactly (Heun), 1e-10 where
+# Newton's method does (it stops at the rounding floor, and the backward run of an expanding
+# map amplifies that floor: simultaneous-50 grows |x| from 1 to 46)
+ROUND_TRIP = {"heun-1000": 1e-12}
+
+
+def _err(a, b):
+    la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
+    return max(float(jnp.max(jnp.abs(x - y))) for x, y in zip(la, lb))
+
+
+def _rel(a, b):
+    """Max-norm error relative to the largest entry of `b` (a leaf that is nearly zero, as a
+    saturated tanh's parameter gradient is, is compared on the scale of the whole gradient)."""
+    la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
+    scale = max(float(jnp.max(jnp.abs(y))) for y in lb)
+    return max(float(jnp.max(jnp.abs(x - y))) for x, y in zip(la, lb)) / scale
+
+
+def _loss(f):
+    def loss(s, p):
+        out = jax.tree_util.tree_leaves(f(s, p))
+        return sum(jnp.sum(jnp.sin(o) * (k + 1.0)) for k, o in enumerate(out))
+    return loss
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_round_trip_eager_and_jit(name):
+    fun, s, p = CASES[name]
+    y = fun(s, p)
+    tol = ROUND_TRIP.get(name, 1e-10)
+    assert _err(jr.reverse(fun)(y, p), s) <= tol
+    assert _err(jax.jit(jr.reverse(fun))(y, p), s) <= tol
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_reversible_gradient_equals_jax_grad_and_stores_nothing(name):
+    fun, s, p = CASES[name]
+    ref = jax.grad(_loss(fun), argnums=(0, 1))(s, p)
+    got = jax.jit(jax.grad(_loss(jr.reversible(fun)), argnums=(0, 1)))(s, p)
+    assert _rel(got, ref) <= 1e-9
+    rep = jr.memory_report(fun, s, p)
+    assert rep.total_bytes == 0, str(rep)
+
+
+@pytest.mark.parametrize("name", ["simultaneous-1000", "residual", "logit"])
+def test_vmap(name):
+    fun, s, p = CASES[name]
+    batch = jax.tree_util.tree_map(lambda x: jnp.stack([x, 0.9 * x]), s)
+    ys = jax.vmap(fun, in_axes=(0, None))(batch, p)
+    assert _err(jax.vmap(jr.reverse(fun), in_axes=(0, None))(ys, p), batch) <= 1e-10
+    g = jax.vmap(jax.grad(_loss(jr.reversible(fun))), in_axes=(0, None))(batch, p)
+    ref = jax.vmap(jax.grad(_loss(fun)), in_axes=(0, None))(batch, p)
+    assert _rel(g, ref) <= 1e-9
+
+
+def _temp(f, *args):
+    return jax.jit(f).lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+
+@pytest.mark.parametrize("make,s,p", [
+    (lambda n: simultaneous(n, h=0.05), CASES["simultaneous-50"][1], 0.7),
+    (heun, CASES["heun-1000"][1], CASES["heun-1000"][2]),
+], ids=["simultaneous", "heun"])
+def test_temp_memory_is_flat_in_the_number_of_steps(make, s, p):
+    grad = lambda n: jax.grad(_loss(jr.reversible(make(n))), argnums=(0, 1))  # noqa: E731
+    small, large = _temp(grad(100), s, p), _temp(grad(2000), s, p)
+    assert large <= small * 1.05 + 4096, (small, large)
+    assert _temp(jax.grad(_loss(make(2000)), argnums=(0, 1)), s, p) > 10 * large
+
+
+def test_heun_inverts_by_elimination_alone():
+    """The reversible Heun step is affine once f(z) counts as an unknown: no Newton needed."""
+    fun, s, p = CASES["heun-1000"]
+    y = fun(s, p)
+    with nonlinear.settings(newton=False):
+        assert _err(jr.reverse(fun)(y, p), s) <= 1e-12
+
+
+def test_derivatives_of_a_recovered_value_by_the_implicit_function_theorem():
+    x = jnp.linspace(-2.0, 2.0, 5)
+    inv = jr.reverse(residual)
+    y = residual(x, 0.5)
+    want = np.linalg.inv(jax.jacfwd(residual)(x, 0.5))
+    np.testing.assert_allclose(jax.jacfwd(inv)(y, 0.5), want, atol=1e-13)
+    np.testing.assert_allclose(jax.jacrev(inv)(y, 0.5), want, atol=1e-13)
+    # with respect to the parameter: dx/da = -J^{-1} dF/da
+    dxda = jax.jacfwd(inv, argnums=1)(y, 0.5)
+    np.testing.assert_allclose(dxda, -want @ jnp.tanh(x), atol=1e-13)
+    jtu.check_grads(lambda y: inv(y, 0.5), (y,), order=1, modes=("fwd", "rev"))
+
+
+def test_inverse_transforms_and_check_reversible_on_nonlinear_groups():
+    x = jnp.linspace(-2.0, 2.0, 5)
+    v = jnp.arange(1.0, 6.0)
+    _, (t,) = jr.inverse_jvp(lambda x: residual(x, 0.5), (x,), v)
+    np.testing.assert_allclose(t, jnp.linalg.solve(jax.jacfwd(residual)(x, 0.5), v),
+                               rtol=1e-12)
+    rep = jr.check_reversible(residual, x, 0.5)
+    assert rep.max_error < 1e-13
+    fun, s, p = CASES["simultaneous-1000"]
+    _, ivjp = jr.inverse_vjp(lambda a, b: fun((a, b), p), *s)
+    w = ivjp((jnp.ones(16), jnp.zeros(16)))
+    _, vjp = jax.vjp(lambda a, b: fun((a, b), p), *s)
+    assert _err(vjp(w), (jnp.ones(16), jnp.zeros(16))) < 1e-9
+
+
+def test_no_preimage_raises_naming_the_line():
+    def f(x):
+        return x + x ** 2  # <no-preimage>
+    y = jnp.array([2.0, -0.5])   # x + x**2 >= -1/4 has no real solution at -0.5
+    with pytest.raises(jr.ReversibilityError) as info:
+        jr.reverse(f)(y)
+    err = info.value
+    assert "Newton" in str(err) and HERE in str(err) and "Ways out" in str(err)
+    assert os.path.basename(err.file) == HERE and err.line == _line("no-preimage")
+    out = jr.reverse(f, on_failure="nan")(y)
+    np.testing.assert_allclose(out[0], 1.0, rtol=1e-12)
+    assert np.isnan(out[1])
+    # under jit the check runs with the program
+    with pytest.raises(Exception, match="Newton's method found no preimage"):
+        jax.jit(jr.reverse(f))(y).block_until_ready()
+
+
+def test_vanished_jacobian_raises_singular_naming_the_line():
+    def f(x):
+        return x - jnp.sin(x)  # <vanished>   (derivative 1 - cos x is 0 at x = 0)
+    with pytest.raises(jr.SingularJacobianError) as info:
+        jr.reverse(f)(jnp.array([0.0, 1.0]))
+    assert info.value.line == _line("vanished") and "vanishes" in str(info.value)
+    assert np.isnan(jr.reverse(f, on_failure="nan")(jnp.array([0.0, 1.0]))[0])
+
+
+def test_a_single_primitive_without_a_rule_stays_an_error():
+    with pytest.raises(jr.NotInvertibleError, match="sin"):
+        jr.reverse(jnp.sin)(jnp.array([0.3]))
+    with pytest.raises(ValueError, match="on_failure"):
+        jr.reverse(jnp.sin, on_failure="ignore")
+
+
+def test_float32_round_trip():
+    x = jnp.linspace(-2.0, 2.0, 7, dtype=jnp.float32)
+    f = lambda x: residual(x, jnp.float32(0.5))  # noqa: E731
+    back = jr.reverse(f)(f(x))
+    assert back.dtype == jnp.float32 and float(jnp.max(jnp.abs(back - x))) < 1e-5
+
+
+def _line(tag: str) -> int:
+    marker = f"# <{tag}>"
+    with open(__file__, encoding="utf-8") as fh:
+        return next(i for i, t in enumerate(fh, 1) if marker in t and "_line(" not in t)
