@@ -47,10 +47,13 @@ def real_outvars(eqn: JaxprEqn) -> list[Var]:
 
 
 class Env:
-    """Values of a jaxpr's variables; a variable absent from it is not known yet."""
+    """Values of a jaxpr's variables; a variable absent from it is not known yet. Values are
+    fitted to their variable's aval on write, unless `fit` is off (a probe that evaluates
+    elementwise equations on a few sample elements)."""
 
-    def __init__(self) -> None:
+    def __init__(self, fit: bool = True) -> None:
         self.vals: dict[Var, Any] = {}
+        self.fit = fit
 
     def known(self, v: Any) -> bool:
         return isinstance(v, Literal) or v in self.vals
@@ -66,10 +69,10 @@ class Env:
     def write(self, v: Any, val: Any) -> None:
         if isinstance(v, (Literal, DropVar)) or v in self.vals:
             return
-        self.vals[v] = fit_to_aval(val, v.aval)
+        self.vals[v] = fit_to_aval(val, v.aval) if self.fit else val
 
     def copy(self) -> "Env":
-        e = Env()
+        e = Env(self.fit)
         e.vals = dict(self.vals)
         return e
 

@@ -72,8 +72,8 @@ def test_vmap(name):
     fun, s, p = CASES[name]
     batch = jax.tree_util.tree_map(lambda x: jnp.stack([x, 0.9 * x]), s)
     ys = jax.vmap(fun, in_axes=(0, None))(batch, p)
-    assert _err(jax.vmap(jr.reverse(fun), in_axes=(0, None))(ys, p), batch) <= 1e-10
-    g = jax.vmap(jax.grad(_loss(jr.reversible(fun))), in_axes=(0, None))(batch, p)
+    assert _err(jax.jit(jax.vmap(jr.reverse(fun), in_axes=(0, None)))(ys, p), batch) <= 1e-10
+    g = jax.jit(jax.vmap(jax.grad(_loss(jr.reversible(fun))), in_axes=(0, None)))(batch, p)
     ref = jax.vmap(jax.grad(_loss(fun)), in_axes=(0, None))(batch, p)
     assert _rel(g, ref) <= 1e-9
 
@@ -106,12 +106,12 @@ def test_derivatives_of_a_recovered_value_by_the_implicit_function_theorem():
     inv = jr.reverse(residual)
     y = residual(x, 0.5)
     want = np.linalg.inv(jax.jacfwd(residual)(x, 0.5))
-    np.testing.assert_allclose(jax.jacfwd(inv)(y, 0.5), want, atol=1e-13)
-    np.testing.assert_allclose(jax.jacrev(inv)(y, 0.5), want, atol=1e-13)
+    np.testing.assert_allclose(jax.jit(jax.jacfwd(inv))(y, 0.5), want, atol=1e-13)
+    np.testing.assert_allclose(jax.jit(jax.jacrev(inv))(y, 0.5), want, atol=1e-13)
     # with respect to the parameter: dx/da = -J^{-1} dF/da
-    dxda = jax.jacfwd(inv, argnums=1)(y, 0.5)
+    dxda = jax.jit(jax.jacfwd(inv, argnums=1))(y, 0.5)
     np.testing.assert_allclose(dxda, -want @ jnp.tanh(x), atol=1e-13)
-    jtu.check_grads(lambda y: inv(y, 0.5), (y,), order=1, modes=("fwd", "rev"))
+    jtu.check_grads(jax.jit(lambda y: inv(y, 0.5)), (y,), order=1, modes=("fwd", "rev"))
 
 
 def test_inverse_transforms_and_check_reversible_on_nonlinear_groups():

@@ -266,9 +266,10 @@ class Lump:
     def __call__(self, *xs: Any, known: Env) -> list[Any]:
         return self.apply(xs, [known.read(v) for v in self.reads])
 
-    def apply(self, xs: Sequence[Any], read_vals: Sequence[Any]) -> list[Any]:
-        """F at inputs `xs`, with `read_vals` for the values it reads from outside."""
-        local = Env()
+    def apply(self, xs: Sequence[Any], read_vals: Sequence[Any], fit: bool = True) -> list[Any]:
+        """F at inputs `xs`, with `read_vals` for the values it reads from outside (of other
+        shapes than the variables', when not `fit`: elementwise equations on samples)."""
+        local = Env(fit)
         for v, r in zip(self.reads, read_vals):
             local.write(v, r)
         for v, x in zip(self.inputs, xs):

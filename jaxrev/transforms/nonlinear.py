@@ -49,10 +49,13 @@ ON_FAILURE = ("raise", "nan")
 MAX_GROUP_EQNS = 256
 """How many stuck equations a group may hold."""
 MAX_UNKNOWNS = 2048
-"""Unknown numbers in a dense system (elimination or Newton); above it the step declines."""
+"""Unknown numbers in a dense Newton system; above it the step declines."""
+MAX_ELIMINATED = 256
+"""Unknown numbers in a dense elimination (its rank analysis is an SVD at trace time)."""
 MAX_ITERATIONS = 50
 MAX_HALVINGS = 30
 _TOL_ULPS = 32
+_SAMPLES = 4
 
 _settings: list[dict] = [dict(on_failure="raise", newton=True)]
 
@@ -101,14 +104,20 @@ def eliminate_step(eqns: Sequence[JaxprEqn], env: Env, pending: Sequence[int],
     shapes = Counter(tuple(o.aval.shape) for i in stuck for o in real_outvars(eqns[i])
                      if env.known(o))
     shape = shapes.most_common(1)[0][0]
+    tried: list = []
     for blocks in (True, False):
-        L = _affine_part(group, env, shape if blocks else None)
-        if L is None or not _floats([*L.inputs, *L.outputs]):
+        L, cut = _affine_part(group, env, shape if blocks else None)
+        # without a cut, the affine part is a linear lump, which `lumps` has tried already;
+        # the dense pass adds nothing when its affine part is the elementwise one
+        if L is None or not cut & set(L.inputs) or not _floats([*L.inputs, *L.outputs]):
+            continue
+        if L.eqns in tried:
             continue
         if blocks and any(tuple(v.aval.shape) != shape for v in [*L.inputs, *L.outputs]):
             continue
-        if not blocks and size_of(v.aval for v in L.inputs) > MAX_UNKNOWNS:
+        if not blocks and size_of(v.aval for v in L.inputs) > MAX_ELIMINATED:
             continue
+        tried.append(L.eqns)
         system = _System(L, blocks, shape)
         det = _determined(system, env)
         if not det:
@@ -119,35 +128,52 @@ def eliminate_step(eqns: Sequence[JaxprEqn], env: Env, pending: Sequence[int],
     return False
 
 
-def _affine_part(group: Sequence[JaxprEqn], env: Env,
-                 shape: tuple[int, ...] | None) -> Lump | None:
-    """The equations affine in the unknowns (elementwise of `shape`, when given), the others
-    cut: their outputs become unknowns of the affine part."""
-    lin = []
+def _affine_part(group: Sequence[JaxprEqn], env: Env, shape: tuple[int, ...] | None
+                 ) -> tuple[Lump | None, set]:
+    """The equations affine in the unknowns (elementwise of `shape`, when given), and the
+    outputs of the others (cut: they become unknowns of the affine part)."""
+    lin, cut = [], set()
     for e in group:
         act = [isinstance(v, Var) and not env.known(v) for v in e.invars]
         if any(act) and affine_eqn(e, act) and (shape is None or elementwise_in(e, shape)):
             lin.append(e)
+        else:
+            cut.update(real_outvars(e))
     if not lin:
-        return None
+        return None, cut
     produced = {v for e in lin for v in real_outvars(e)}
     inputs = list(dict.fromkeys(v for e in lin for v in e.invars if isinstance(v, Var)
                                 and not env.known(v) and v not in produced))
     outputs = [v for e in lin for v in real_outvars(e) if env.known(v)]
     if not inputs or not outputs:
-        return None
-    return Lump(lin, inputs, outputs)
+        return None, cut
+    return Lump(lin, inputs, outputs), cut
+
+
+_DETERMINED: dict[tuple, list[int]] = {}
 
 
 def _determined(system: "_System", env: Env) -> list[int]:
     """Which unknowns the system determines, from M's structure on stand-in values: unknown j
-    is determined where its unit vector lies in M's row space (in every element)."""
+    is determined where its unit vector lies in M's row space (in every element). Memoized
+    per group: the walks of one jaxpr meet the same stuck group again and again."""
+    L = system.lump
+    key = (tuple(map(id, L.eqns)), tuple(L.inputs), tuple(L.outputs), system.blocks)
+    if key not in _DETERMINED:
+        _DETERMINED[key] = _rank_analysis(system, env)
+        if len(_DETERMINED) > 4096:
+            _DETERMINED.pop(next(iter(_DETERMINED)))
+    return _DETERMINED[key]
+
+
+def _rank_analysis(system: "_System", env: Env) -> list[int]:
     probe = stand_ins(system.lump, env)
     if probe is None:
         return []
+    reads = [probe.read(v) for v in system.lump.reads]
     try:
         with jax.ensure_compile_time_eval():
-            M = np.asarray(system.matrix([probe.read(v) for v in system.lump.reads]))
+            M = np.asarray(system.probe_matrix(reads))
     except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
         return []
     if not np.all(np.isfinite(M)):
@@ -182,6 +208,41 @@ def _solve_determined(system: "_System", env: Env, det: list[int]) -> list[Any]:
     u = jnp.where(err < 1e-6, u, jnp.nan)
     vals = system.unpack(u)
     return [vals[j] for j in det]
+
+
+def _affine_coefficients(L: Lump, sample: Sequence[Any], n: int) -> Any | None:
+    """The blocks ``(n, m, k)`` of an elementwise affine group on `n` sample elements, by
+    carrying each value's coefficients (on the k unknowns) through the equations in numpy:
+    exact, and free of eager dispatch. None where a primitive is not one handled here."""
+    k = len(L.inputs)
+    coef: dict[Var, Any] = {v: np.eye(k)[j] * np.ones((n, 1)) for j, v in enumerate(L.inputs)}
+    vals: dict[Var, Any] = dict(zip(L.reads, sample))
+
+    def known(v):
+        return np.asarray(v.val if not isinstance(v, Var) else vals[v], np.float64)
+
+    for e in L.eqns:
+        p, ins = e.primitive, e.invars
+        act = [isinstance(v, Var) and v in coef for v in ins]
+        c = [coef[v] if a else None for v, a in zip(ins, act)]
+        if p in (prims.add, prims.add_any, prims.sub):
+            sign = -1.0 if p is prims.sub else 1.0
+            out = (c[0] if act[0] else 0.0) + sign * (c[1] if act[1] else 0.0)
+        elif p in (prims.neg, prims.convert_element_type, prims.copy):
+            out = -c[0] if p is prims.neg else c[0]
+        elif p is prims.mul:
+            j = 0 if act[0] else 1
+            out = c[j] * np.reshape(known(ins[1 - j]), (-1, 1))
+        elif p is prims.div and act[0] and not act[1]:
+            out = c[0] / np.reshape(known(ins[1]), (-1, 1))
+        elif p is prims.select_n and not act[0]:
+            pred = np.broadcast_to(np.reshape(known(ins[0]), (-1,)), (n,)).astype(int)
+            cases = [c[i + 1] if act[i + 1] else np.zeros((n, k)) for i in range(len(ins) - 1)]
+            out = np.stack(cases)[pred, np.arange(n)]
+        else:
+            return None
+        coef[e.outvars[0]] = np.broadcast_to(out, (n, k))
+    return np.stack([coef[o] for o in L.outputs], 1)
 
 
 # --------------------------------------------------------------------------- Newton
@@ -414,13 +475,43 @@ class _System:
         """The Jacobian of F (constant for an affine part): ``(*S, m, k)`` or ``(m, n)``."""
         return self.jacobian(self.zeros(), reads)
 
-    def jacobian(self, u: Any, reads: Sequence[Any]) -> Any:
+    def _basis(self, u: Any) -> Any:
+        """Unit vectors, one per unknown, on every element at once (elements are
+        independent): ``(k, *u.shape)``."""
         k = u.shape[-1]
-        # unit tangents, one per unknown, on every element at once (elements are independent)
-        basis = jnp.broadcast_to(jnp.eye(k, dtype=u.dtype).reshape(
+        return jnp.broadcast_to(jnp.eye(k, dtype=u.dtype).reshape(
             (k,) + (1,) * (u.ndim - 1) + (k,)), (k,) + u.shape)
-        cols = jax.vmap(lambda e: jax.jvp(lambda v: self.F(v, reads), (u,), (e,))[1])(basis)
+
+    def jacobian(self, u: Any, reads: Sequence[Any]) -> Any:
+        cols = jax.vmap(lambda e: jax.jvp(lambda v: self.F(v, reads), (u,), (e,))[1])(
+            self._basis(u))
         return jnp.moveaxis(cols, 0, -1)          # (..., m, k): column j is dF/du_j
+
+    def probe_matrix(self, reads: Sequence[Any]) -> Any:
+        """The matrix of an affine F from its values at the unit vectors, evaluated eagerly
+        on stand-ins at trace time. Blocks are probed on a few sample elements (the
+        equations are elementwise), whose shape recurs, so eager dispatch compiles once."""
+        if not self.blocks:
+            u0 = self.zeros()
+            cols = jax.vmap(lambda e: self.F(e, reads))(self._basis(u0)) - self.F(u0, reads)
+            return jnp.moveaxis(cols, 0, -1)
+        n = min(_SAMPLES, int(np.prod(self.shape, dtype=np.int64)))
+        sample = [np.reshape(np.asarray(r), -1)[:n] if np.shape(r) == self.shape
+                  else np.asarray(r) for r in reads]
+        M = _affine_coefficients(self.lump, sample, n)
+        if M is not None:
+            return M
+        k = len(self.lump.inputs)
+        units = np.eye(k)[:, None, :] * np.ones((1, n, 1))
+        ins = [v.aval.dtype for v in self.lump.inputs]
+
+        def F(u):
+            outs = self.lump.apply([u[:, j].astype(d) for j, d in enumerate(ins)], sample,
+                                   fit=False)
+            return np.stack([np.asarray(o, np.float64) for o in outs], -1)
+
+        f0 = F(np.zeros((n, k)))
+        return np.stack([F(units[j]) - f0 for j in range(k)], -1)   # (n, m, k)
 
     def solve(self, J: Any, r: Any) -> Any:
         return jnp.linalg.solve(J, r[..., None])[..., 0]
