@@ -24,7 +24,19 @@ class NotInvertibleError(JaxrevError):
         self.singular = singular  # the step divides by an exact zero (a vanished pivot)
 
 
-class ReversibilityError(JaxrevError):
+class _AtStep(JaxrevError):
+    """An error about one step of the user's program: `primitive`, `file`, `line` (None where
+    no single step could be named)."""
+
+    def __init__(self, message: str, primitive: str | None = None,
+                 file: str | None = None, line: int | None = None) -> None:
+        super().__init__(message)
+        self.primitive = primitive
+        self.file = file
+        self.line = line
+
+
+class ReversibilityError(_AtStep):
     """A rebuilt value missed its mark: a round trip `reverse(f)(f(x))` drifted from `x` beyond
     the tolerance asked for, or a group of equations solved numerically (Newton's method) did
     not reach its tolerance.
@@ -32,26 +44,12 @@ class ReversibilityError(JaxrevError):
     Attributes: `primitive`, `file`, `line` of the step, where one is named (else None).
     """
 
-    def __init__(self, message: str, primitive: str | None = None,
-                 file: str | None = None, line: int | None = None) -> None:
-        super().__init__(message)
-        self.primitive = primitive
-        self.file = file
-        self.line = line
 
-
-class SingularJacobianError(JaxrevError):
+class SingularJacobianError(_AtStep):
     """A step's pivot vanished while inverting a Jacobian.
 
     Attributes: `primitive`, `file`, `line` of the step (None when the dense fallback found it).
     """
-
-    def __init__(self, message: str, primitive: str | None = None,
-                 file: str | None = None, line: int | None = None) -> None:
-        super().__init__(message)
-        self.primitive = primitive
-        self.file = file
-        self.line = line
 
 
 WAYS_OUT = (

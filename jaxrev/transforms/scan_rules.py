@@ -65,15 +65,7 @@ def _scan_inverse(outs, *ins, **params):
     xk = [x for x in xs if not is_unknown(x)]
 
     def body_ins(kin_t: Sequence[Any], kidx: Sequence[int], xs_t: Sequence[Any]) -> list:
-        """The body's inputs at one iteration: consts, the known carries, the known xs."""
-        ins_t = list(consts) + [Unknown(v.aval) for v in bj.invars[nc:]]
-        for i, c in zip(kidx, kin_t):
-            ins_t[nc + i] = c
-        it = iter(xs_t)
-        for j, kn in enumerate(xs_known):
-            if kn:
-                ins_t[nc + ncar + j] = next(it)
-        return ins_t
+        return _body_inputs(sp, consts, xs_known, kidx, kin_t, xs_t)
 
     kin_of: dict[int, Any] = dict(emitted)
     if fwd_idx:
@@ -125,22 +117,31 @@ def _forward_carries(bj: Any, nc: int, init_known: Sequence[bool],
         K = newK
 
 
+def _body_inputs(sp: ScanParams, consts: Sequence[Any], xs_known: Sequence[bool],
+                 kidx: Sequence[int], kin_t: Sequence[Any], xs_t: Sequence[Any]) -> list:
+    """The body's inputs at one iteration: the consts, the known carries `kidx` (values
+    `kin_t`), the known xs (`xs_t`), and `Unknown` elsewhere."""
+    nc, ncar = sp.nconsts, sp.ncarry
+    ins_t = list(consts) + [Unknown(v.aval) for v in sp.body.jaxpr.invars[nc:]]
+    for i, c in zip(kidx, kin_t):
+        ins_t[nc + i] = c
+    it = iter(xs_t)
+    for j, kn in enumerate(xs_known):
+        if kn:
+            ins_t[nc + ncar + j] = next(it)
+    return ins_t
+
+
 def _run_forward_carries(sp: ScanParams, consts: Sequence[Any], init: Sequence[Any],
                          xs: Sequence[Any], idx: Sequence[int]) -> tuple[list, list]:
     """Run the carries `idx` (all computable from known values) through the loop: their final
     values and their value at the start of every iteration. Unknown xs are `Unknown`."""
-    nc, ncar, body = sp.nconsts, sp.ncarry, sp.body
+    body = sp.body
     bj = body.jaxpr
     xs_known = [not is_unknown(x) for x in xs]
 
     def kbody(ck, xs_t):
-        ins_t = list(consts) + [Unknown(v.aval) for v in bj.invars[nc:]]
-        for i, c in zip(idx, ck):
-            ins_t[nc + i] = c
-        it = iter(xs_t)
-        for j, kn in enumerate(xs_known):
-            if kn:
-                ins_t[nc + ncar + j] = next(it)
+        ins_t = _body_inputs(sp, consts, xs_known, idx, ck, xs_t)
         jaxpr, env, _ = seed(body, ins_t, [Unknown(v.aval) for v in bj.outvars])
         evaluate(jaxpr.eqns, env, partial=True, used=used_vars(jaxpr))
         return [env.read(jaxpr.outvars[i]) for i in idx], list(ck)
