@@ -67,7 +67,8 @@ def test_reversible_gradient_equals_jax_grad_and_stores_nothing(name):
     assert rep.total_bytes == 0, str(rep)
 
 
-@pytest.mark.parametrize("name", ["simultaneous-1000", "residual", "logit"])
+@pytest.mark.parametrize("name", ["simultaneous-1000", "heun-1000", "residual", "logit",
+                                  "midpoint-100"])
 def test_vmap(name):
     fun, s, p = CASES[name]
     batch = jax.tree_util.tree_map(lambda x: jnp.stack([x, 0.9 * x]), s)

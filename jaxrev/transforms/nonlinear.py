@@ -158,7 +158,7 @@ def _determined(system: "_System", env: Env) -> list[int]:
     is determined where its unit vector lies in M's row space (in every element). Memoized
     per group: the walks of one jaxpr meet the same stuck group again and again."""
     L = system.lump
-    key = (tuple(map(id, L.eqns)), tuple(L.inputs), tuple(L.outputs), system.blocks)
+    key = (tuple(L.eqns), tuple(L.inputs), tuple(L.outputs), system.blocks)
     if key not in _DETERMINED:
         _DETERMINED[key] = _rank_analysis(system, env)
         if len(_DETERMINED) > 4096:
@@ -200,11 +200,16 @@ def _solve_determined(system: "_System", env: Env, det: list[int]) -> list[Any]:
     # the rank found on stand-ins must hold for the actual values
     PM = jnp.einsum("...ij,...jk->...ik", P[..., rows, :], M)
     err = jnp.max(jnp.abs(PM - jnp.eye(M.shape[-1], dtype=M.dtype)[rows]))
-    if is_concrete(err) and not bool(err < 1e-6):
-        raise not_invertible(_first_line(system.lump.eqns),
-                             "it belongs to a group of equations whose affine part determines "
-                             "some unknowns only for other values of the known ones: here "
-                             "its matrix loses rank", singular=True)
+    first = _first_line(system.lump.eqns)
+
+    def error(err):
+        if np.all(np.asarray(err) < 1e-6):
+            return None
+        return not_invertible(first, "it belongs to a group of equations whose affine part "
+                              "determines some unknowns only for other values of the known "
+                              "ones: here its matrix loses rank", singular=True)
+
+    _raise_where(error, err)
     u = jnp.where(err < 1e-6, u, jnp.nan)
     vals = system.unpack(u)
     return [vals[j] for j in det]
@@ -350,7 +355,8 @@ def _iterate(system: "_System", yp: Any, reads: list) -> Any:
 
     # the best of a few starting points, per element: the outputs themselves (a residual map
     # x + g(x) starts next to its answer), then constants
-    starts = [system.guess(yp)] if system.guess(yp) is not None else []
+    guess = system.guess(yp)
+    starts = [] if guess is None else [guess]
     starts += [jnp.full_like(yp, c) for c in (0.0, 0.5, 1.0, -1.0)]
     rs = jnp.stack([resid(s) for s in starts])
     best = jnp.argmin(rs, axis=0)
@@ -399,8 +405,6 @@ def _pick(stacked: Any, best: Any) -> Any:
 
 def _check(L: Lump, ok: Any, singular: Any, rn: Any, tol: Any) -> None:
     """Raise where the group was not solved (eagerly, or when the program runs)."""
-    if _settings[-1]["on_failure"] == "nan":
-        return
     first = _first_line(L.eqns)
 
     def error(ok, singular, rn, tol):
@@ -421,18 +425,26 @@ def _check(L: Lump, ok: Any, singular: Any, rn: Any, tol: Any) -> None:
                           "inverse with `jr.custom_inverse`, or pass on_failure='nan'.")
         return None
 
-    if all(is_concrete(x) for x in (ok, singular, rn, tol)):
-        err = error(np.asarray(ok), np.asarray(singular), np.asarray(rn), np.asarray(tol))
+    _raise_where(error, ok, singular, rn, tol)
+
+
+def _raise_where(error: Any, *flags: Any) -> None:
+    """Raise `error(*flags)` (None: nothing wrong) now on concrete values, else when the program
+    runs; nothing under ``on_failure="nan"``, where the NaN left in the result is the answer."""
+    if _settings[-1]["on_failure"] == "nan":
+        return
+    if all(is_concrete(x) for x in flags):
+        err = error(*[np.asarray(x) for x in flags])
         if err is not None:
             raise err
         return
 
-    def at_run_time(ok, singular, rn, tol):
-        err = error(ok, singular, rn, tol)
+    def at_run_time(*vals):
+        err = error(*vals)
         if err is not None:
             raise err
 
-    jax.debug.callback(at_run_time, ok, singular, rn, tol)
+    jax.debug.callback(at_run_time, *flags)
 
 
 # --------------------------------------------------------------------------- packing
