@@ -20,10 +20,10 @@ from jax._src import ad_util as _ad_util
 from jax._src import core as _core
 from jax._src import source_info_util as _siu
 from jax._src import custom_derivatives as _cd
-from jax._src.interpreters import partial_eval as _pe
 from jax._src.lax import lax as _lax
 from jax._src.lax import slicing as _slicing
 from jax._src.lax import control_flow as _cf
+from jax._src.lax import special as _special
 
 import os as _os
 
@@ -49,7 +49,8 @@ register_lowering = _mlir.register_lowering
 lower_fun = _mlir.lower_fun
 
 
-def _prim(*names: str, modules: Sequence[Any] = (_lax, _slicing, _cf)) -> Primitive | None:
+def _prim(*names: str, modules: Sequence[Any] = (_lax, _slicing, _cf, _special)
+          ) -> Primitive | None:
     for mod in modules:
         for name in names:
             p = getattr(mod, name, None)
@@ -66,12 +67,14 @@ class _Prims:
                      "logistic integer_pow pow sqrt rsqrt cbrt square convert_element_type "
                      "reshape transpose rev concatenate broadcast_in_dim select_n dot_general "
                      "squeeze copy real imag complex conj max min reduce_sum round split pad "
-                     "abs sign floor ceil sin cos tan exp2 reduce_precision "
+                     "abs sign floor ceil sin cos tan exp2 reduce_precision erf erf_inv "
+                     "eq ne lt le gt ge and or not xor is_finite "
                      "optimization_barrier stack").split():
             setattr(self, name, _prim(name + "_p"))
         self.slice = _prim("slice_p")
         self.scatter_add = _prim("scatter_add_p")
         self.scatter = _prim("scatter_p")
+        self.scatter_mul = _prim("scatter_mul_p")
         self.dynamic_slice = _prim("dynamic_slice_p")
         self.dynamic_update_slice = _prim("dynamic_update_slice_p")
         self.gather = _prim("gather_p")
@@ -177,15 +180,17 @@ def user_source(eqn: JaxprEqn) -> tuple[str | None, int | None, str]:
 
 
 def trace_to_closed(fun: Callable, *args: Any) -> tuple[ClosedJaxpr, list[Any], Any]:
-    """Trace `fun` to a const-free ClosedJaxpr; closed-over values become leading inputs.
+    """Trace `fun` to a ClosedJaxpr whose closed-over tracers are leading inputs (see
+    `hoist_consts`: concrete consts stay consts).
 
-    Returns (closed_jaxpr, consts, out_tree). The consts may be tracers of an outer trace, which
-    is why they are passed as explicit operands instead of being baked into the jaxpr.
+    Returns (closed_jaxpr, hoisted consts, out_tree). The hoisted consts are tracers of an
+    outer trace, which is why they are passed as explicit operands instead of being baked into
+    the jaxpr.
     """
     closed, out_shape = jax.make_jaxpr(fun, return_shape=True)(*args)
-    jaxpr = _pe.convert_constvars_jaxpr(closed.jaxpr)
     out_tree = jax.tree_util.tree_structure(out_shape)
-    return ClosedJaxpr(jaxpr, ()), list(closed.consts), out_tree
+    new, consts = hoist_consts(closed)
+    return new, consts, out_tree
 
 
 def is_concrete(x: Any) -> bool:
@@ -194,6 +199,10 @@ def is_concrete(x: Any) -> bool:
 
 def new_var(aval: Any) -> Var:
     return Var(aval)
+
+
+def literal(val: Any, aval: Any) -> Literal:
+    return Literal(val, aval)
 
 
 def has_user_frame(eqn: JaxprEqn) -> bool:
@@ -213,10 +222,23 @@ def is_symbolic_zero(x: Any) -> bool:
 
 
 def hoist_consts(closed: ClosedJaxpr) -> tuple[ClosedJaxpr, list[Any]]:
-    """Move a ClosedJaxpr's consts to leading inputs, so they can be passed as operands (they
-    may be tracers of an outer trace, which gradients must flow to)."""
-    jaxpr = _pe.convert_constvars_jaxpr(closed.jaxpr)
-    return ClosedJaxpr(jaxpr, ()), list(closed.consts)
+    """Move a ClosedJaxpr's consts that are tracers (of an outer trace, which gradients must
+    flow to) to leading inputs, so they can be passed as operands. Concrete consts stay consts:
+    they are known when the program is traced (a mask, an index), which element-level
+    inversion relies on."""
+    jaxpr = closed.jaxpr
+    keep = [is_concrete(c) for c in closed.consts]
+    if all(keep):
+        return closed, []
+    lifted = [v for v, k in zip(jaxpr.constvars, keep) if not k]
+    arg_names = jaxpr.debug_info.arg_names
+    if arg_names is not None:
+        arg_names = ("",) * len(lifted) + (*arg_names,)
+    new = jaxpr.replace(constvars=[v for v, k in zip(jaxpr.constvars, keep) if k],
+                        invars=[*lifted, *jaxpr.invars],
+                        debug_info=jaxpr.debug_info._replace(arg_names=arg_names))
+    return (ClosedJaxpr(new, [c for c, k in zip(closed.consts, keep) if k]),
+            [c for c, k in zip(closed.consts, keep) if not k])
 
 
 ShapedArray = _core.ShapedArray

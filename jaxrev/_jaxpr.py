@@ -46,17 +46,133 @@ def real_outvars(eqn: JaxprEqn) -> list[Var]:
     return [v for v in eqn.outvars if not isinstance(v, DropVar)]
 
 
+class Statics:
+    """What is known of a jaxpr's values when it is traced, shared by an `Env` and its copies.
+
+    `static(v)`: the value of `v` as a numpy array where it follows from literals and concrete
+    consts alone (a mask, an index, a permutation), the same under `jit` and eagerly.
+    `enum(v)`: in the body of a loop whose iterations the loop rule enumerated, `v`'s value at
+    every iteration (a leading axis of `length`), where it follows from the loop counter and
+    static values. Both are derived on demand and memoized; None where not known at trace time.
+    """
+
+    MAX_SIZE = 1 << 20
+    """Largest array (elements, times iterations for `enum`) derived at trace time."""
+
+    def __init__(self, jaxpr: Jaxpr | None = None, consts: Sequence[Any] = (),
+                 static_in: dict | None = None, enum_in: dict | None = None,
+                 length: int | None = None) -> None:
+        from jaxrev._compat import is_concrete
+        self.producer: dict[Var, JaxprEqn] = {}
+        if jaxpr is not None:
+            for e in jaxpr.eqns:
+                for o in e.outvars:
+                    if is_var(o):
+                        self.producer[o] = e
+        self._consts = {v: c for v, c in zip(jaxpr.constvars, consts) if is_concrete(c)
+                        } if jaxpr is not None else {}
+        self._static: dict[Var, Any] = dict(static_in or {})
+        self._enum: dict[Var, Any] = dict(enum_in or {})
+        self.length = length
+
+    def static(self, v: Any) -> np.ndarray | None:
+        if isinstance(v, Literal):
+            return np.asarray(v.val)
+        if not is_var(v):
+            return None
+        if v in self._static:
+            return self._static[v]
+        if v in self._consts:
+            c = self._consts[v]
+            val = np.asarray(c) if np.size(c) <= self.MAX_SIZE else None
+            self._static[v] = val
+            return val
+        e = self.producer.get(v)
+        if e is None or getattr(e, "effects", None):
+            self._static[v] = None
+            return None
+        # depth first over the producers, without recursion (chains of constants can be long)
+        stack = [e]
+        while stack:
+            e = stack[-1]
+            missing = [u for u in e.invars if is_var(u) and u not in self._static
+                       and u not in self._consts and u in self.producer]
+            if missing:
+                stack.append(self.producer[missing[0]])
+                continue
+            stack.pop()
+            ins = [self.static(u) for u in e.invars]
+            outs = None
+            if all(x is not None for x in ins) and not getattr(e, "effects", None) and all(
+                    np.prod(o.aval.shape, dtype=np.int64) <= self.MAX_SIZE
+                    for o in e.outvars if is_var(o)):
+                with jax.ensure_compile_time_eval():
+                    outs = [np.asarray(o) for o in bind_eqn(e, ins)]
+            for o, val in zip(e.outvars, outs or [None] * len(e.outvars)):
+                if is_var(o):
+                    self._static[o] = val
+        return self._static.get(v)
+
+    def enum(self, v: Any) -> np.ndarray | None:
+        if self.length is None or not is_var(v):
+            return None
+        if v in self._enum:
+            return self._enum[v]
+        self._enum[v] = None  # a cycle cannot happen in a jaxpr; this guards re-entry
+        e = self.producer.get(v)
+        if e is None or getattr(e, "effects", None):
+            return None
+        T = self.length
+        if any(T * np.prod(o.aval.shape, dtype=np.int64) > self.MAX_SIZE
+               for o in e.outvars if is_var(o)):
+            return None
+        args, axes = [], []
+        for u in e.invars:
+            s = self.static(u)
+            if s is not None:
+                args.append(s)
+                axes.append(None)
+                continue
+            en = self.enum(u)
+            if en is None:
+                return None
+            args.append(en)
+            axes.append(0)
+        if all(a is None for a in axes):
+            return None
+        with jax.ensure_compile_time_eval():
+            outs = jax.vmap(lambda *a: bind_eqn(e, a), in_axes=tuple(axes))(*args)
+        for o, val in zip(e.outvars, outs):
+            if is_var(o):
+                self._enum[o] = np.asarray(val)
+        return self._enum[v]
+
+
 class Env:
     """Values of a jaxpr's variables; a variable absent from it is not known yet. Values are
     fitted to their variable's aval on write, unless `fit` is off (a probe that evaluates
-    elementwise equations on a few sample elements)."""
+    elementwise equations on a few sample elements).
 
-    def __init__(self, fit: bool = True) -> None:
+    `part` holds the variables known on some of their elements only (`elements.Part`), and
+    `losses` why an equation's element rules could not give back some elements (a `Lossy`);
+    `info` the trace-time knowledge of the jaxpr (`Statics`), shared by copies."""
+
+    def __init__(self, fit: bool = True, info: Statics | None = None) -> None:
         self.vals: dict[Var, Any] = {}
+        self.part: dict[Var, Any] = {}
+        self.losses: dict[Any, Any] = {}   # equation -> why some elements of its inputs are lost
+        self.masks: dict[Any, Any] = {}    # regions made into arrays, shared by copies
         self.fit = fit
+        self.info = info if info is not None else Statics()
 
     def known(self, v: Any) -> bool:
-        return isinstance(v, Literal) or v in self.vals
+        if isinstance(v, Literal) or v in self.vals:
+            return True
+        if isinstance(v, Var) and not isinstance(v, DropVar) and 0 in getattr(
+                v.aval, "shape", ()):   # an empty array holds nothing to recover
+            self.vals[v] = jnp.zeros(v.aval.shape, v.aval.dtype)
+            return True
+        return False
 
     def read(self, v: Any) -> Any:
         if isinstance(v, Literal):
@@ -70,10 +186,20 @@ class Env:
         if isinstance(v, (Literal, DropVar)) or v in self.vals:
             return
         self.vals[v] = fit_to_aval(val, v.aval) if self.fit else val
+        self.part.pop(v, None)
+
+    def state(self, v: Any) -> Any:
+        """How much of `v` is known: True (all), a partial record, or None (nothing)."""
+        if self.known(v):
+            return True
+        return self.part.get(v) if is_var(v) else None
 
     def copy(self) -> "Env":
-        e = Env(self.fit)
+        e = Env(self.fit, self.info)
         e.vals = dict(self.vals)
+        e.part = dict(self.part)
+        e.losses = dict(self.losses)
+        e.masks = self.masks
         return e
 
 
@@ -109,6 +235,12 @@ def evaluate(eqns: Sequence[JaxprEqn], env: Env, *, partial: bool = False,
             env.write(v, o)
         wrote = wrote or bool(outs)
     return wrote
+
+
+def apply(eqn: JaxprEqn, invals: Sequence[Any]) -> list[Any]:
+    """One equation on the given input values (element-level rules run an equation on partly
+    known arrays, or on positions, through this): the evaluator's single-equation form."""
+    return bind_eqn(eqn, invals)
 
 
 def eval_closed(closed: ClosedJaxpr, *args: Any) -> list[Any]:
@@ -152,6 +284,15 @@ def used_vars(jaxpr: Jaxpr) -> set[Var]:
         used.update(v for v in eqn.invars if isinstance(v, Var))
     used.update(v for v in jaxpr.outvars if isinstance(v, Var))
     return used
+
+
+def needed_vars(jaxpr: Jaxpr, outs: Sequence[Any]) -> set[Var]:
+    """The variables that `outs` are computed from (and `outs` themselves)."""
+    need = {v for v in outs if isinstance(v, Var)}
+    for eqn in reversed(jaxpr.eqns):
+        if any(o in need for o in eqn.outvars):
+            need.update(v for v in eqn.invars if isinstance(v, Var))
+    return need
 
 
 def consumers(jaxpr: Jaxpr) -> dict[Var, list[int]]:

@@ -13,12 +13,14 @@ import numpy as np
 from jaxrev._compat import ClosedJaxpr
 
 __all__ = ["avals_of", "fun_name", "normalize_argnums", "Program", "trace_program",
-           "check_structure"]
+           "check_structure", "check_sizes"]
 
 
 def avals_of(xs: Sequence[Any]) -> list[jax.ShapeDtypeStruct]:
-    """Shape-dtype stand-ins for tracing, one per value."""
-    return [jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for x in xs]
+    """Shape-dtype stand-ins for tracing, one per value (a `ShapeDtypeStruct` stands for
+    itself)."""
+    return [x if isinstance(x, jax.ShapeDtypeStruct)
+            else jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for x in xs]
 
 
 def fun_name(fun: Any) -> str:
@@ -87,3 +89,22 @@ def check_structure(fun: Callable, args: Sequence[Any], argnums: tuple[int, ...]
                 f"state leaf is {jnp.result_type(s)}{list(jnp.shape(s))}; the output must have "
                 "the state's shapes and dtypes")
     return s_tree
+
+
+def check_sizes(fun: Callable, state_leaves: Sequence[Any], out_leaves: Sequence[Any],
+                who: str = "jaxrev.reverse") -> None:
+    """A bijection that changes structure or shapes must keep the number of elements of each
+    dtype: raise `ValueError` naming `fun` otherwise."""
+    def count(leaves):
+        out: dict = {}
+        for x in leaves:
+            dt = np.dtype(x.dtype if hasattr(x, "dtype") else jnp.result_type(x))
+            out[dt] = out.get(dt, 0) + int(np.prod(np.shape(x) if not hasattr(x, "shape")
+                                                    else x.shape, dtype=np.int64))
+        return out
+    s, o = count(state_leaves), count(out_leaves)
+    if s != o:
+        show = lambda c: ", ".join(f"{n} {dt.name}" for dt, n in c.items())  # noqa: E731
+        raise ValueError(f"{who}: {fun_name(fun)} maps a state of {show(s)} elements to an "
+                         f"output of {show(o)}: a bijection keeps the number of elements of "
+                         "each dtype")

@@ -81,7 +81,7 @@ def test_one_walker_and_one_evaluator():
 def test_tags_are_set_by_the_registering_call():
     assert {"elementwise", "linear"} <= T.kinds[lax.add_p]
     assert "bilinear" in T.kinds[lax.mul_p]
-    assert "linear" in T.kinds[prims.slice] and prims.slice in T.join_rules
+    assert {"linear", "structural"} <= T.kinds[prims.slice] and prims.slice in T.element_rules
     assert T.kinds[lax.exp_p] == frozenset({"elementwise", "smooth"})
     assert T.kinds[lax.max_p] == frozenset({"elementwise"})  # not smooth: never in a Newton group
 

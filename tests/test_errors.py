@@ -179,16 +179,41 @@ def test_plain_while_loop_suggests_jr_while_loop():
     _check(_raises(f, X), "while", "while", hint="jr.while_loop")
 
 
-def test_plain_cond_suggests_jr_cond():
+def test_plain_cond_with_two_consistent_branches_suggests_jr_cond():
+    # y = x where sum(x) > 0, else -x: for sum(y) > 0 both x = y and x = -y map to y
     def f(x):
-        return lax.cond(x.sum() > 0, lambda v: v * 2.0, lambda v: v * 3.0, x)  # <cond>
-    _check(_raises(f, X), "cond", "cond", hint="jr.cond")
+        return lax.cond(x.sum() > 0, lambda v: v, lambda v: -v, x)  # <cond>
+    msg = _check(_raises(f, X), "cond", "cond", hint="jr.cond")
+    assert "two different branches" in msg, msg
 
 
-def test_where_with_state_dependent_predicate():
+def test_plain_cond_with_a_state_dependent_index_inverts():
     def f(x):
-        return jnp.where(x > 0, x, 0.1 * x)  # <where>
-    _check(_raises(f, X), "select_n", "where")
+        return lax.cond(x.sum() > 0, lambda v: v * 2.0, lambda v: v * 3.0, x)
+    for x in (X, -X):
+        assert jnp.allclose(jr.reverse(f)(f(x)), x, atol=1e-15)
+        assert jnp.allclose(jax.jit(jr.reverse(f))(f(x)), x, atol=1e-15)
+
+
+def test_where_with_a_constant_case_is_refused_when_traced():
+    # relu written with where: its zero case does not depend on x
+    def f(x):
+        return jnp.where(x > 0, x, 0.0)  # <where>
+    msg = _check(_raises(f, X), "select_n", "where")
+    assert "relu" in msg, msg
+    with pytest.raises(jr.NotInvertibleError):  # the same when traced under jit
+        jax.jit(jr.reverse(f))(f(X))
+
+
+def test_two_consistent_cases_raise_naming_the_select():
+    # |x| written with where: for y > 0 both x = y and x = -y are consistent
+    def f(x):
+        return jnp.where(x > 0, x, -x)  # <two-cases>
+    _check(_raises(f, X), "select_n", "two-cases")
+    with pytest.raises(Exception, match="two different branches"):  # a runtime error
+        jax.block_until_ready(jax.jit(jr.reverse(f))(f(X)))
+    inv = jr.reverse(f, on_failure="nan")(f(X))  # NaN where asked for, at the ambiguous ones
+    assert bool(jnp.all(jnp.isnan(inv)))
 
 
 # ----------------------------------------------------------------------------- linear algebra

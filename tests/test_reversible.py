@@ -420,7 +420,7 @@ def test_structure_mismatch_names_function():
 def test_lossy_step_inside_a_cond_branch(shift):
     def f(x, th):
         return jax.lax.cond(jnp.sum(x) > 0,
-                            lambda x: jnp.maximum(x * th, 0.0) + 0.5 * x,  # COND-LOSSY
+                            lambda x: jnp.maximum(x * th, 0.0) + 0.5,  # COND-LOSSY
                             lambda x: x * th - 1.0, x)
     x = jnp.linspace(-1.0, 1.5, 4) + shift
     L = lambda f: lambda x, th: jnp.sum(jnp.sin(f(x, th)))

@@ -22,7 +22,7 @@ import numpy as np
 from jaxrev._compat import ClosedJaxpr, DropVar, JaxprEqn, Literal, Var, bind_eqn, is_symbolic_zero
 from jaxrev._errors import not_invertible
 from jaxrev._jaxpr import Env, evaluate, fit_to_aval, is_var, prepare
-from jaxrev.transforms._walker import Stuck, Window, blame, propagate
+from jaxrev.transforms._walker import Hints, Stuck, Window, blame, propagate, statics_for
 from jaxrev.transforms.custom import recompute_p, store_p
 from jaxrev.transforms.registry import forward_rules, sweep_rules
 
@@ -73,6 +73,7 @@ class Plan:
     loops: dict = field(default_factory=dict)            # eqn index -> LoopPlan
     decisions: dict = field(default_factory=dict)        # missing Vars -> Vars stored for them
     labels: dict = field(default_factory=dict)           # Var -> what it is, for the report
+    hints: Any = None                                    # what its inputs are at trace time
 
 
 @dataclass(eq=False)
@@ -156,7 +157,7 @@ def seed_env(P: Plan, known_in: Sequence[bool], ins: Sequence[Any],
              known_out: Sequence[bool], outs: Sequence[Any]) -> Env:
     """An env holding `P`'s consts, its known inputs and its known outputs."""
     J = P.closed.jaxpr
-    env = Env()
+    env = Env(info=statics_for(J, P.closed.consts, P.hints))
     for v, c in zip(J.constvars, P.closed.consts):
         env.write(v, c)
     it = iter(ins)
@@ -173,15 +174,16 @@ def seed_env(P: Plan, known_in: Sequence[bool], ins: Sequence[Any],
 
 
 def plan_for(closed: ClosedJaxpr, known_in: tuple[bool, ...], known_out: tuple[bool, ...],
-             goal_in: tuple[bool, ...]) -> Plan:
+             goal_in: tuple[bool, ...], hints: Hints | None = None) -> Plan:
     """Plan the backward walk of `closed` given which inputs and outputs it knows and which
-    inputs it must rebuild (a loop body's carry); cached per jaxpr."""
-    key = (id(closed), known_in, known_out, goal_in)
+    inputs it must rebuild (a loop body's carry), and what its inputs are at trace time
+    (`hints`: a loop counter at every iteration); cached per jaxpr."""
+    key = (id(closed), known_in, known_out, goal_in, hints.key() if hints else None)
     hit = _PLANS.get(key)
     if hit is not None and hit[0] is closed:
         _PLANS.move_to_end(key)
         return hit[1]
-    P = Plan(prepare(closed))
+    P = Plan(prepare(closed), hints=hints)
     J = P.closed.jaxpr
     ins = [sds(v.aval) for v, k in zip(J.invars, known_in) if k]
     outs = [sds(v.aval) for v, k in zip(J.outvars, known_out) if k]

@@ -3,12 +3,14 @@
 Inversion is propagation over the jaxpr (DESIGN.md §3.2): starting from the known outputs and
 parameters, repeatedly (a) evaluate forward any equation whose inputs are all known and
 (b) invert any equation whose outputs are known and whose unknown inputs a rule can recover.
-When neither applies, group steps are tried before giving up: a variable rebuilt from slices
-that together cover it (`join`), a `select_n` with a known predicate split into one propagation
-per case, a *linear lump* (equations invertible only together, solved in `lumps`), and the
-nonlinear groups of `nonlinear` (exact linear elimination, then Newton's method). Equations
-that compute the same value were merged before the walk (`_jaxpr.prepare`), so a value known
-once is known everywhere.
+Knowledge is per element (DESIGN.md §3.5): next to values known on some of their elements, or
+equations with element-level rules, `elements.forward` / `elements.backward` propagate what is
+known of each element (a select's case where its known predicate picks it, the operand of a
+scatter outside the written window, a gather's window). When nothing moves, group steps are
+tried before giving up: a *linear lump* (equations invertible only together, solved in
+`lumps`), and the nonlinear groups of `nonlinear` (exact linear elimination, then Newton's
+method). Equations that compute the same value were merged before the walk
+(`_jaxpr.prepare`), so a value known once is known everywhere.
 
 `reverse`, `reversible`'s planner and backward sweep, the loop and branch rules,
 `check_reversible` and the inverse transforms all call `propagate` (or `invert_jaxpr`, its
@@ -20,18 +22,17 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import jax
-import jax.numpy as jnp
-from jax import lax
 
-from jaxrev._compat import ClosedJaxpr, Jaxpr, JaxprEqn, Var, prims
+from jaxrev._compat import ClosedJaxpr, Jaxpr, JaxprEqn, Var
 from jaxrev._errors import NotInvertibleError, WAYS_OUT, not_invertible
-from jaxrev._jaxpr import (Env, consumers, evaluate, is_unknown, prepare,
-                           real_outvars, used_vars)
-from jaxrev.transforms import lumps, nonlinear
-from jaxrev.transforms.registry import (Lossy, NeedMore, elementwise_in, inverse_jvp_rules,
-                                        inverse_rules, join_rules)
+from jaxrev._jaxpr import Env, Statics, evaluate, is_unknown, prepare, real_outvars, used_vars
+from jaxrev.transforms import choices, elements, lumps, nonlinear
+from jaxrev.transforms.elements import token
+from jaxrev.transforms.registry import (STRUCTURAL, Lossy, NeedMore, element_rules,
+                                        inverse_jvp_rules, inverse_rules, is_kind)
 
-__all__ = ["Stuck", "Window", "propagate", "seed", "invert_jaxpr", "raise_stuck", "blame"]
+__all__ = ["Stuck", "Window", "Hints", "RuleContext", "rule_context", "propagate", "seed",
+           "invert_jaxpr", "raise_stuck", "blame", "statics_for"]
 
 
 @dataclass
@@ -44,6 +45,7 @@ class Stuck:
     hint: str | None = None
     no_rule: bool = False
     lossy: bool = False      # its rule said it destroys information (never part of a group)
+    singular: bool = False   # it divides by an exact zero (a vanished pivot)
 
 
 class Window:
@@ -56,6 +58,51 @@ class Window:
         self.outvars: list = []
 
 
+@dataclass
+class Hints:
+    """What a loop or branch rule knows of a sub-jaxpr's inputs when it is traced: values
+    `static` (numpy) per input position, and `enum`: per input position, its value at each of
+    the loop's `length` iterations (a loop counter), for element-level reasoning."""
+
+    static: dict[int, Any] = field(default_factory=dict)
+    enum: dict[int, Any] = field(default_factory=dict)
+    length: int | None = None
+
+    def key(self) -> tuple:
+        """A hashable summary (plans are cached on it)."""
+        def k(d: dict) -> tuple:
+            return tuple((i, a.shape, a.dtype.str, hash(a.tobytes())) for i, a in sorted(d.items()))
+        return (k(self.static), k(self.enum), self.length)
+
+
+def statics_for(jaxpr: Jaxpr, consts: Sequence[Any], hints: Hints | None) -> Statics:
+    if hints is None:
+        return Statics(jaxpr, consts)
+    return Statics(jaxpr, consts,
+                   {jaxpr.invars[k]: v for k, v in hints.static.items()},
+                   {jaxpr.invars[k]: v for k, v in hints.enum.items()}, hints.length)
+
+
+class RuleContext:
+    """What the walker knows, at trace time, of the operands of the equation whose inverse rule
+    runs (`rule_context()`): a loop's rule hands it on to its body as `Hints`."""
+
+    def __init__(self, eqn: JaxprEqn, env: Env) -> None:
+        self.eqn, self.env = eqn, env
+
+    def static(self, k: int) -> Any:
+        return self.env.info.static(self.eqn.invars[k])
+
+
+_CONTEXT: list[RuleContext] = []
+_NO_LOSS = object()
+
+
+def rule_context() -> RuleContext | None:
+    """The equation (and env) whose inverse rule is running, for rules of loops and branches."""
+    return _CONTEXT[-1] if _CONTEXT else None
+
+
 # --------------------------------------------------------------------------- applying a rule
 
 def _apply_rule(eqn: JaxprEqn, env: Env) -> list[Any] | None:
@@ -63,10 +110,13 @@ def _apply_rule(eqn: JaxprEqn, env: Env) -> list[Any] | None:
     outs = [env.read_or_unknown(v) for v in eqn.outvars]
     ins = [env.read_or_unknown(v) for v in eqn.invars]
     out = outs if eqn.primitive.multiple_results else outs[0]
+    _CONTEXT.append(RuleContext(eqn, env))
     try:
         rec = rule(out, *ins, **eqn.params)
     except Lossy as e:
         raise not_invertible(eqn, e.reason, e.hint, singular=e.singular) from None
+    finally:
+        _CONTEXT.pop()
     if rec is None:
         return None
     if not isinstance(rec, (list, tuple)) or len(rec) != len(ins):
@@ -143,8 +193,11 @@ def propagate(jaxpr: Jaxpr | Window, env: Env, goals: Sequence[Any] | None, *,
     pending = list(range(len(eqns)))
     stuck: dict[int, Stuck] = {}
     # what was known around an equation when its rule last failed: a rule (a loop's, say, which
-    # traces its body) is only tried again once something about its equation has changed
-    tried: dict[int, tuple[bool, ...]] = {}
+    # traces its body) is only tried again once something about its equation has changed; the
+    # same for its element-level rules, whose claim on it is remembered
+    tried: dict[int, tuple] = {}
+    etried: dict[int, tuple] = {}
+    claimed: set[int] = set()
     while True:
         if goals is not None and all(env.known(g) for g in goals):
             return []
@@ -160,12 +213,33 @@ def propagate(jaxpr: Jaxpr | Window, env: Env, goals: Sequence[Any] | None, *,
                 stuck.pop(i, None)
                 continue
             still.append(i)
-            if forward_only or not any(env.known(v) for v in real_outvars(eqn)):
+            outs = real_outvars(eqn)
+            seen = tuple(token(env, v) for v in (*eqn.invars, *outs))
+            if etried.get(i) != seen:
+                etried[i] = seen
+                claimed.discard(i)
+                if _near_elements(eqn, env) and _element_step(eqn, env, forward_only, soft,
+                                                              stuck, claimed, i):
+                    progress = True
+                    stuck.pop(i, None)
+                    if on_invert is not None:
+                        on_invert(eqn, [v for v in eqn.invars if env.known(v)])
+                if all(env.known(v) for v in eqn.invars):
+                    continue
+            if forward_only or not any(env.known(v) for v in outs):
+                continue
+            if i in claimed:
+                loss = env.losses.get(eqn, _NO_LOSS)
+                if i not in stuck and loss is not None:   # None: its output came forward
+                    stuck[i] = (Stuck(eqn, "only some elements of its inputs follow from its "
+                                           "output (the others are overwritten or selected "
+                                           "away)") if loss is _NO_LOSS else
+                                Stuck(eqn, loss.reason, hint=loss.hint, lossy=True,
+                                      singular=loss.singular))
                 continue
             if eqn.primitive not in inverse_rules:
                 stuck[i] = Stuck(eqn, "there is no inverse rule for it", no_rule=True)
                 continue
-            seen = tuple(env.known(v) for v in (*eqn.invars, *eqn.outvars))
             if i in stuck and tried.get(i) == seen:
                 continue
             tried[i] = seen
@@ -197,19 +271,49 @@ def propagate(jaxpr: Jaxpr | Window, env: Env, goals: Sequence[Any] | None, *,
             continue
         if forward_only:
             return list(stuck.values())
-        # group steps see only the allowed equations (a case split nests propagations, each
-        # restricted further, so they cannot recurse into each other)
+        # group steps see only the allowed equations
         gp = pending if allow is None else [i for i in pending if allow(eqns[i])]
         lossy = {i for i, s in stuck.items() if s.lossy}
-        if (_join_step(jaxpr, env, used)
-                or _case_split_step(jaxpr, env, gp, allow)
-                or lumps.lump_step(eqns, env, gp)
+        if (lumps.lump_step(eqns, env, gp)
+                or choices.choice_step(eqns, env, gp, soft)
                 or nonlinear.eliminate_step(eqns, env, gp, lossy)
                 or nonlinear.newton_step(eqns, env, gp, lossy)):
             continue
         return [s for i, s in sorted(stuck.items())] or [
             Stuck(eqns[i], "its result does not reach the output") for i in pending
             if any(not env.known(v) for v in eqns[i].invars)][:1]
+
+
+def _element_step(eqn: JaxprEqn, env: Env, forward_only: bool, soft: bool,
+                  stuck: dict[int, Stuck], claimed: set[int], i: int) -> bool:
+    """Element-level propagation around `eqn`; whether it learned something. Its element
+    rules may claim the equation (then its ordinary inverse rule is not tried)."""
+    learned = elements.forward(eqn, env)
+    if forward_only:
+        return learned
+    try:
+        claim = elements.backward(eqn, env)
+    except Lossy as e:
+        if not soft:
+            raise not_invertible(eqn, e.reason, e.hint) from None
+        stuck[i] = Stuck(eqn, e.reason, lossy=True)
+        claim = False
+    if claim is not None:
+        claimed.add(i)
+    return bool(claim) or learned
+
+
+def _near_elements(eqn: JaxprEqn, env: Env) -> bool:
+    """Whether element-level rules may say something about `eqn`: it has some of them, or a
+    partly known operand or result, or it is a structural step with no inverse rule."""
+    p = eqn.primitive
+    if p in element_rules:
+        return True
+    if env.part and any(isinstance(v, Var) and v in env.part
+                        for v in (*eqn.invars, *eqn.outvars)):
+        return True
+    return (is_kind(p, STRUCTURAL) and p not in inverse_rules
+            and any(env.known(v) for v in real_outvars(eqn)))
 
 
 def blame(stuck: list[Stuck]) -> Stuck | None:
@@ -230,6 +334,11 @@ def blame(stuck: list[Stuck]) -> Stuck | None:
     for s in flat:
         if s.no_rule:
             return s
+    # of the steps that lose elements, the one nearest the output: walking back from it, that
+    # is where the information went first
+    lossy = [s for s in flat if s.lossy]
+    if lossy:
+        return lossy[-1]
     return flat[0] if flat else stuck[0]
 
 
@@ -240,17 +349,18 @@ def raise_stuck(stuck: list[Stuck], what: str) -> None:
             f"jaxrev.reverse cannot recover {what}: the program's output does not depend on it "
             f"(the value is discarded or overwritten).\n{WAYS_OUT}")
     raise not_invertible(s.eqn, s.reason if not what else f"{s.reason} (recovering {what})",
-                         s.hint)
+                         s.hint, singular=s.singular)
 
 
-def seed(closed: ClosedJaxpr, ins: Sequence[Any], outs: Sequence[Any]
-         ) -> tuple[Jaxpr, Env, list[Var]]:
+def seed(closed: ClosedJaxpr, ins: Sequence[Any], outs: Sequence[Any],
+         hints: Hints | None = None) -> tuple[Jaxpr, Env, list[Var]]:
     """Inline `closed`'s calls and fill a fresh env with its consts and the known entries of
     `ins` and `outs` (`Unknown` elsewhere). Returns (jaxpr, env, goals): the goals are the
-    inputs passed as `Unknown`."""
+    inputs passed as `Unknown`. `hints` say which inputs are static or, in a loop body, known
+    at every iteration when the program is traced."""
     closed = prepare(closed)
     jaxpr = closed.jaxpr
-    env = Env()
+    env = Env(info=statics_for(jaxpr, closed.consts, hints))
     for v, c in zip(jaxpr.constvars, closed.consts):
         env.write(v, c)
     for v, x in zip(jaxpr.invars, ins):
@@ -262,10 +372,11 @@ def seed(closed: ClosedJaxpr, ins: Sequence[Any], outs: Sequence[Any]
     return jaxpr, env, [v for v, x in zip(jaxpr.invars, ins) if is_unknown(x)]
 
 
-def invert_jaxpr(closed: ClosedJaxpr, ins: Sequence[Any], outs: Sequence[Any]) -> list[Any]:
+def invert_jaxpr(closed: ClosedJaxpr, ins: Sequence[Any], outs: Sequence[Any],
+                 hints: Hints | None = None) -> list[Any]:
     """Recover the `Unknown` entries of `ins` from the known `outs` (`Unknown` where not known);
     None for the inputs that were known. Raises `NotInvertibleError` where it cannot."""
-    jaxpr, env, goals = seed(closed, ins, outs)
+    jaxpr, env, goals = seed(closed, ins, outs, hints)
     stuck = propagate(jaxpr, env, goals)
     missing = [i for i, (v, x) in enumerate(zip(jaxpr.invars, ins))
                if is_unknown(x) and not env.known(v)]
@@ -273,67 +384,4 @@ def invert_jaxpr(closed: ClosedJaxpr, ins: Sequence[Any], outs: Sequence[Any]) -
         raise_stuck(stuck, f"input(s) {missing}" if blame(stuck) is None else "")
     return [env.read(v) if is_unknown(x) else None for v, x in zip(jaxpr.invars, ins)]
 
-
-# --------------------------------------------------------------------------- group steps
-
-def _join_step(jaxpr: Jaxpr | Window, env: Env, used: set) -> bool:
-    """Rebuild an unknown variable from several known pieces read off it (slices)."""
-    eqns = jaxpr.eqns
-    cons = consumers(jaxpr)
-    for v in list(used):
-        if env.known(v) or not isinstance(v, Var):
-            continue
-        pieces: dict[Any, list] = {}
-        for i in cons.get(v, ()):
-            eqn = eqns[i]
-            if eqn.primitive not in join_rules or eqn.invars[0] is not v:
-                continue
-            if all(env.known(o) for o in real_outvars(eqn)) and real_outvars(eqn):
-                pieces.setdefault(eqn.primitive, []).append(
-                    (eqn.params, env.read(eqn.outvars[0])))
-        for prim, ps in pieces.items():
-            val = join_rules[prim](v.aval, ps)
-            if val is not None:
-                env.write(v, val)
-                return True
-    return False
-
-
-def _case_split_step(jaxpr: Jaxpr | Window, env: Env, pending: Sequence[int],
-                     allow: Callable[[JaxprEqn], bool] | None) -> bool:
-    """`out = select_n(p, c0, c1, ...)` with `p` known: propagate once per case assuming
-    `c_k == out`, restricted to elementwise equations of `out`'s shape, and merge the values
-    recovered in every case with `select_n(p, ...)`. Exact, because along elementwise paths each
-    element only ever depends on the same element of `out`."""
-    for i in pending:
-        eqn = jaxpr.eqns[i]
-        if eqn.primitive is not prims.select_n or not env.known(eqn.outvars[0]):
-            continue
-        pred, *cases = eqn.invars
-        if not env.known(pred) or all(env.known(c) for c in cases):
-            continue
-        shape = tuple(eqn.outvars[0].aval.shape)
-        if tuple(pred.aval.shape) not in (shape, ()):
-            continue
-        out = env.read(eqn.outvars[0])
-        branches = []
-        for c in cases:
-            e = env.copy()
-            if isinstance(c, Var):
-                e.write(c, out)
-            propagate(jaxpr, e, None, allow=lambda q: (q is not eqn and elementwise_in(q, shape)
-                                                       and (allow is None or allow(q))))
-            branches.append(e)
-        p = env.read(pred)
-        merged = False
-        for v in branches[0].vals:
-            if env.known(v) or tuple(v.aval.shape) != shape:
-                continue
-            if all(v in b.vals for b in branches):
-                env.write(v, lax.select_n(jnp.broadcast_to(p, shape),
-                                          *[b.vals[v] for b in branches]))
-                merged = True
-        if merged:
-            return True
-    return False
 

@@ -15,10 +15,11 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
-from jaxrev._compat import (ClosedJaxpr, JaxprEqn, Primitive, cond_branches, lower_fun,
-                            primitive_batchers, primitive_jvps, prims, register_lowering,
+from jaxrev._compat import (ClosedJaxpr, JaxprEqn, Primitive, cond_branches, literal,
+                            lower_fun, primitive_batchers, primitive_jvps, prims, register_lowering,
                             trace_to_closed)
 from jaxrev._jaxpr import (Env, eval_closed, instantiate_tangents, is_unknown, is_var,
                            move_batch, switch_batched, vmap_closed)
@@ -28,7 +29,7 @@ from jaxrev.transforms._sweep import (LoopPlan, Plan, Residuals, acc, branch_sli
                                       loop_avals, outs_known, plan_for, res_avals, seed_env,
                                       walk, zero_ct)
 from jaxrev.transforms._walker import invert_jaxpr
-from jaxrev.transforms.registry import NeedMore, define
+from jaxrev.transforms.registry import ChoiceRule, NeedMore, define
 
 __all__ = ["cond", "cond_p"]
 
@@ -149,7 +150,25 @@ def _lax_cond_inverse(outs, index, *ins, **params):
     return [None] + _switch_inverse(index, cond_branches(params), ins, outs)
 
 
-define(prims.cond, inverse=_lax_cond_inverse, sweep=_cond_sweep, forward=_cond_forward)
+def _cond_count(eqn: JaxprEqn, known: Any) -> int:
+    return 0 if known(eqn.invars[0]) else len(cond_branches(eqn.params))
+
+
+def _cond_branch(eqn: JaxprEqn, k: int) -> JaxprEqn:
+    """The cond with its index fixed to `k`: its inverse rule inverts that branch."""
+    index = eqn.invars[0]
+    return eqn.replace(invars=[literal(np.asarray(k, index.aval.dtype), index.aval),
+                               *eqn.invars[1:]])
+
+
+def _cond_holds(eqn: JaxprEqn, ins: list, k: int) -> Any:
+    n = len(cond_branches(eqn.params))
+    return jnp.clip(jnp.asarray(ins[0]), 0, n - 1) == k
+
+
+# a cond whose index the state computes inverts by consistency (`choices`), one branch at a time
+define(prims.cond, inverse=_lax_cond_inverse, sweep=_cond_sweep, forward=_cond_forward,
+       choice=ChoiceRule(_cond_count, _cond_branch, _cond_holds))
 
 
 # --------------------------------------------------------------------------- jr.cond

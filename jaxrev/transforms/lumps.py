@@ -245,11 +245,38 @@ def lump_step(eqns: Sequence[JaxprEqn], env: Env, pending: Sequence[int]) -> boo
         if not inputs or size_of(v.aval for v in inputs) != size_of(v.aval for v in outputs):
             continue
         lump_eqns = [eqns[i] for i in lump]
-        if not _is_affine(lump_eqns, set(inputs)):
+        # an equation whose element rules found it loses elements (a factor with zeros) makes
+        # any lump holding it singular: leave it to be reported, naming it, at trace time
+        if any(e in env.losses for e in lump_eqns) or not _is_affine(lump_eqns, set(inputs)):
             continue
-        _solve_lump(Lump(lump_eqns, inputs, outputs), env)
+        L = Lump(lump_eqns, inputs, outputs)
+        # an input known on some elements: the lump ignores them, and may then be singular
+        # (an overwritten operand's elements do not reach its output); such a lump is not
+        # the one to solve
+        if any(v in env.part for v in inputs) and _singular_at_trace_time(L, env) is not False:
+            continue
+        _solve_lump(L, env)
         return True
     return False
+
+
+_MAX_RANK_CHECK = 1024
+
+
+def _singular_at_trace_time(L: "Lump", env: Env) -> bool | None:
+    """Whether the lump's matrix is singular, by its rank on stand-ins (None: not decided)."""
+    n = size_of(v.aval for v in L.inputs)
+    stand_in = stand_ins(L, env)
+    if stand_in is None or n > _MAX_RANK_CHECK:
+        return None
+    dtype = jnp.result_type(*[v.aval.dtype for v in [*L.inputs, *L.outputs]])
+    offs = np.cumsum([0] + [int(np.prod(v.aval.shape, dtype=np.int64)) for v in L.inputs])
+    try:
+        with jax.ensure_compile_time_eval():
+            J = np.asarray(jax.jacfwd(L.flat(offs, dtype, stand_in))(jnp.zeros(n, dtype)))
+    except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
+        return None
+    return bool(np.linalg.matrix_rank(J) < n)
 
 
 class Lump:

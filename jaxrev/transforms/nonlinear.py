@@ -28,24 +28,24 @@ way: a primitive without an inverse rule of its own stays an error that names it
 """
 from __future__ import annotations
 
-import contextlib
 from collections import Counter
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxrev._compat import JaxprEqn, Var, has_user_frame, is_concrete, prims, scan_info
+from jaxrev._compat import JaxprEqn, Var, has_user_frame, prims, scan_info
 from jaxrev._errors import (ReversibilityError, SingularJacobianError, at_eqn, not_invertible)
 from jaxrev._jaxpr import Env, real_outvars, size_of
+from jaxrev.transforms._checks import (NEWTON_STARTS, ON_FAILURE, counts, raise_where,
+                                      setting, settings)
 from jaxrev.transforms.lumps import Lump, affine_eqn, stand_ins
 from jaxrev.transforms.registry import SMOOTH, elementwise_in, is_kind
 
 __all__ = ["eliminate_step", "newton_step", "settings", "ON_FAILURE"]
 
-ON_FAILURE = ("raise", "nan")
 MAX_GROUP_EQNS = 256
 """How many stuck equations a group may hold."""
 MAX_UNKNOWNS = 2048
@@ -57,30 +57,14 @@ MAX_HALVINGS = 30
 _TOL_ULPS = 32
 _SAMPLES = 4
 
-_settings: list[dict] = [dict(on_failure="raise", newton=True)]
-
-
-@contextlib.contextmanager
-def settings(**changes: Any) -> Iterator[None]:
-    """Settings of the nonlinear steps while a transform traces (nested calls inherit the
-    rest): `on_failure`, what a Newton group that misses its tolerance does ("raise": eagerly
-    an error, under `jit` a runtime error; "nan"), and `newton`, whether Newton's method is
-    used at all (the inverse transforms need only Jacobians, which linear lumps give exactly)."""
-    if changes.get("on_failure", "raise") not in ON_FAILURE:
-        raise ValueError(f"on_failure must be one of {ON_FAILURE}, got "
-                         f"{changes['on_failure']!r}")
-    _settings.append({**_settings[-1], **changes})
-    try:
-        yield
-    finally:
-        _settings.pop()
-
-
 def _candidates(eqns: Sequence[JaxprEqn], env: Env, pending: Sequence[int],
                 blocked: set[int]) -> tuple[list[int], list[int]]:
-    """Pending equations with an unknown input, and those of them with a known output."""
+    """Pending equations with an unknown input, and those of them with a known output. An
+    equation reading a value known on some elements only is left to element-level
+    propagation (the elements it lacks were lost, or follow from elsewhere)."""
     cand = [i for i in pending if i not in blocked
-            and any(not env.known(v) for v in eqns[i].invars)]
+            and any(not env.known(v) for v in eqns[i].invars)
+            and not any(isinstance(v, Var) and v in env.part for v in eqns[i].invars)]
     return cand, [i for i in cand if any(env.known(v) for v in real_outvars(eqns[i]))]
 
 
@@ -209,7 +193,7 @@ def _solve_determined(system: "_System", env: Env, det: list[int]) -> list[Any]:
                               "determines some unknowns only for other values of the known "
                               "ones: here its matrix loses rank", singular=True)
 
-    _raise_where(error, err)
+    raise_where(error, err)
     u = jnp.where(err < 1e-6, u, jnp.nan)
     vals = system.unpack(u)
     return [vals[j] for j in det]
@@ -256,7 +240,7 @@ def newton_step(eqns: Sequence[JaxprEqn], env: Env, pending: Sequence[int],
                 blocked: set[int]) -> bool:
     """Solve the smallest trailing square group of two or more smooth equations by Newton."""
     cand, stuck = _candidates(eqns, env, pending, blocked)
-    if not stuck or not _settings[-1]["newton"]:
+    if not stuck or not setting("newton"):
         return False
     top = max(stuck)
     for n_tried, t in enumerate(sorted((i for i in cand if i <= top), reverse=True)):
@@ -306,6 +290,7 @@ def _smooth(e: JaxprEqn, env: Env) -> bool:
 
 
 def _newton(system: "_System", env: Env) -> list[Any]:
+    counts["newton"] += 1
     L = system.lump
     reads = [env.read(v) for v in L.reads]
     yp = system.pack_out([env.read(o) for o in L.outputs])
@@ -354,14 +339,22 @@ def _iterate(system: "_System", yp: Any, reads: list) -> Any:
         return jnp.where(jnp.isfinite(r), r, jnp.inf)
 
     # the best of a few starting points, per element: the outputs themselves (a residual map
-    # x + g(x) starts next to its answer), then constants
+    # x + g(x) starts next to its answer), the values the group reads (a spline piece reads
+    # the knots around its answer), then constants
     guess = system.guess(yp)
-    starts = [] if guess is None else [guess]
-    starts += [jnp.full_like(yp, c) for c in (0.0, 0.5, 1.0, -1.0)]
-    rs = jnp.stack([resid(s) for s in starts])
-    best = jnp.argmin(rs, axis=0)
-    u0 = _pick(jnp.stack(starts), best)
-    r0 = jnp.min(rs, axis=0)
+    reads_ = system.read_guesses(reads, 3)
+    consts = [jnp.full_like(yp, c) for c in (0.0, 0.5, 1.0, -1.0)]
+    only = setting("newton_start")
+    if only is None:
+        starts = ([] if guess is None else [guess]) + reads_ + consts
+        rs = jnp.stack([resid(s) for s in starts])
+        best = jnp.argmin(rs, axis=0)
+        u0 = _pick(jnp.stack(starts), best)
+        r0 = jnp.min(rs, axis=0)
+    else:   # one start (`choices` tries each where several preimages may exist)
+        alt = ([consts[1]] + reads_ + [consts[0]])[:NEWTON_STARTS]
+        u0 = alt[min(only, len(alt) - 1)]
+        r0 = resid(u0)
 
     def cond(s):
         _, rn, it, active = s
@@ -425,26 +418,7 @@ def _check(L: Lump, ok: Any, singular: Any, rn: Any, tol: Any) -> None:
                           "inverse with `jr.custom_inverse`, or pass on_failure='nan'.")
         return None
 
-    _raise_where(error, ok, singular, rn, tol)
-
-
-def _raise_where(error: Any, *flags: Any) -> None:
-    """Raise `error(*flags)` (None: nothing wrong) now on concrete values, else when the program
-    runs; nothing under ``on_failure="nan"``, where the NaN left in the result is the answer."""
-    if _settings[-1]["on_failure"] == "nan":
-        return
-    if all(is_concrete(x) for x in flags):
-        err = error(*[np.asarray(x) for x in flags])
-        if err is not None:
-            raise err
-        return
-
-    def at_run_time(*vals):
-        err = error(*vals)
-        if err is not None:
-            raise err
-
-    jax.debug.callback(at_run_time, *flags)
+    raise_where(error, ok, singular, rn, tol)
 
 
 # --------------------------------------------------------------------------- packing
@@ -542,6 +516,19 @@ class _System:
                                          for a, b in zip(ins, outs)):
             return yp
         return None
+
+    def read_guesses(self, reads: Sequence[Any], most: int = 4) -> list[Any]:
+        """Values the group reads, of the unknowns' shape, as starting points (elementwise
+        groups: every unknown of an element starts at the same read value)."""
+        if not self.blocks:
+            return []
+        k = len(self.lump.inputs)
+        out = []
+        for v, r in zip(self.lump.reads, reads):
+            if tuple(v.aval.shape) == self.shape and jnp.issubdtype(v.aval.dtype, jnp.inexact):
+                out.append(jnp.broadcast_to(jnp.asarray(r, self.dtype)[..., None],
+                                            self.shape + (k,)))
+        return out[:most]
 
     def whole_unknowns(self, det_comp: Any) -> list[int]:
         """Indices of unknowns all of whose components are determined."""

@@ -11,22 +11,29 @@ The registries:
 
 - `inverse_rules`: ``rule(out, *invals, **params) -> recovered invals`` (see `register_inverse`).
 - `inverse_jvp_rules`: ``rule(out_tangent, out, *invals, **params) -> input tangents``.
-- `join_rules`: ``rule(aval, [(params, out_value), ...]) -> value or None``: rebuild a variable
-  from several equations that read pieces of it (slices).
 - `sweep_rules`: ``rule(plan, eqn_index, env, ctenv, active, residuals)``: `reversible`'s
   backward sweep of an equation whose inverse is a program of its own (loops, branches).
 - `forward_rules`: ``rule(eqn, loop_plan, invals) -> (outvals, residuals)``: `reversible`'s
   forward run of such an equation, returning what its sweep needs stored.
+- `choice_rules`: `ChoiceRule(count, branch, holds)`: a primitive that picks between values by
+  a decision made on them (`select_n`, `max`, `abs`, `cond`), so that a group of equations
+  whose decision depends on the unknown state inverts one branch at a time (see `choices`).
+- `element_rules`: `ElementRule(forward, backward)`, each ``rule(eqn, env) -> bool | None``:
+  propagation of knowledge of some elements of a value (DESIGN.md §3.5; see `elements`), for
+  primitives whose partial knowledge the generic elementwise and structural handling does not
+  capture (`select_n`, `mul` by a factor with zeros, scatters, dynamic slices).
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 from jaxrev._compat import DropVar, Primitive
 
-__all__ = ["inverse_rules", "inverse_jvp_rules", "join_rules", "sweep_rules", "forward_rules",
-           "kinds", "ELEMENTWISE", "LINEAR", "BILINEAR", "SMOOTH", "define", "is_kind", "elementwise_in", "Lossy",
-           "NeedMore", "register_inverse", "register_inverse_jvp"]
+__all__ = ["inverse_rules", "inverse_jvp_rules", "sweep_rules", "forward_rules",
+           "element_rules", "ElementRule", "choice_rules", "ChoiceRule", "index_args",
+           "kinds", "ELEMENTWISE", "LINEAR", "BILINEAR", "SMOOTH", "STRUCTURAL", "define",
+           "is_kind", "elementwise_in", "Lossy", "NeedMore", "register_inverse",
+           "register_inverse_jvp"]
 
 inverse_rules: dict[Primitive, Callable[..., Sequence[Any]]] = {}
 """Inverse rule per primitive: ``rule(out, *invals, **params) -> recovered invals``."""
@@ -34,10 +41,6 @@ inverse_rules: dict[Primitive, Callable[..., Sequence[Any]]] = {}
 inverse_jvp_rules: dict[Primitive, Callable[..., Sequence[Any]]] = {}
 """Inverse-JVP rule per primitive: ``rule(out_tangent, out, *invals, **params) -> in tangents``
 (the tangent of each input recovered by the inverse rule, None elsewhere)."""
-
-join_rules: dict[Primitive, Callable[..., Any]] = {}
-"""Rules that rebuild one variable from several equations reading it:
-``rule(aval, [(params, out_value), ...]) -> value or None``."""
 
 sweep_rules: dict[Primitive, Callable[..., None]] = {}
 """`reversible`'s backward sweep of loops and branches:
@@ -47,12 +50,50 @@ forward_rules: dict[Primitive, Callable[..., tuple[list, list]]] = {}
 """`reversible`'s forward run of an equation whose sweep needs residuals:
 ``rule(eqn, loop_plan, invals) -> (outvals, residuals)``."""
 
+class ElementRule(NamedTuple):
+    """Element-level rules of one primitive: `forward(eqn, env)` computes outputs known on some
+    elements from inputs known on some; `backward(eqn, env)` learns (some elements of) inputs
+    from outputs. Each returns True (learned something), False (the equation is its: nothing
+    new yet) or None (declined: the walker goes on with the generic handling and the primitive's
+    ordinary inverse rule)."""
+
+    forward: Callable[..., "bool | None"] | None = None
+    backward: Callable[..., "bool | None"] | None = None
+
+
+element_rules: dict[Primitive, ElementRule] = {}
+"""Element-level rules per primitive (see `ElementRule`)."""
+
+
+class ChoiceRule(NamedTuple):
+    """A primitive that picks one of a few values by a decision on its inputs (DESIGN.md
+    §3.5): `count(eqn)` branches; `branch(eqn, k)` is what branch k computes, as an equation
+    with the same output (a copy of a case, `neg` for `abs`), or the operand (Var or Literal)
+    whose value, broadcast, the output then is; `holds(eqn, invals, k)` is where branch k is
+    the one taken (a boolean of the output's shape, or a scalar for a whole-array decision)."""
+
+    count: Callable[..., int]
+    branch: Callable[..., Any]
+    holds: Callable[..., Any]
+
+
+choice_rules: dict[Primitive, ChoiceRule] = {}
+"""Choice rules per primitive (see `ChoiceRule`)."""
+
+index_args: dict[Primitive, tuple[int, ...]] = {}
+"""For a `STRUCTURAL` primitive, the operands that are indices (a gather's, a dynamic slice's
+starts): the element positions it moves depend on their values, not on the data operands'."""
+
 ELEMENTWISE = "elementwise"
 """Output element k depends on input element k only (scalars broadcast)."""
 LINEAR = "linear"
 """Linear (affine with a literal offset) in every floating-point input."""
 BILINEAR = "bilinear"
 """Linear in each input when the others are fixed (`mul`, `dot_general`)."""
+STRUCTURAL = "structural"
+"""Moves elements without computing on them: every output element is a copy of one element of
+an operand (reshape, transpose, slices, concatenate, pad, gather, set-scatter, select_n, ...),
+which positions being fixed by the params and the `index_args` operands."""
 SMOOTH = "smooth"
 """Differentiable wherever it is defined (linear and bilinear primitives are too): Newton's
 method may solve a group of such equations (DESIGN.md §3.6)."""
@@ -82,17 +123,22 @@ class NeedMore(Exception):
 
 
 def define(p: Primitive | None, *, inverse: Callable | None = None,
-           inverse_jvp: Callable | None = None, join: Callable | None = None,
+           inverse_jvp: Callable | None = None,
            sweep: Callable | None = None, forward: Callable | None = None,
-           kind: Sequence[str] = ()) -> None:
+           element: ElementRule | None = None, choice: ChoiceRule | None = None,
+           kind: Sequence[str] = (),
+           index: Sequence[int] = ()) -> None:
     """Register every jaxrev rule of `p` at once and tag it with `kind`. A primitive missing
     from this JAX version (None) is skipped, so rule blocks need no version checks."""
     if p is None:
         return
     for table, rule in ((inverse_rules, inverse), (inverse_jvp_rules, inverse_jvp),
-                        (join_rules, join), (sweep_rules, sweep), (forward_rules, forward)):
+                        (sweep_rules, sweep), (forward_rules, forward),
+                        (element_rules, element), (choice_rules, choice)):
         if rule is not None:
             table[p] = rule
+    if index:
+        index_args[p] = tuple(index)
     if kind:
         kinds[p] = kinds.get(p, frozenset()) | frozenset(kind)
 

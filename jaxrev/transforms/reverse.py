@@ -12,19 +12,21 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 
 from jaxrev._compat import Jaxpr, JaxprEqn, Var
 from jaxrev._jaxpr import Env, Unknown
-from jaxrev._program import check_structure, normalize_argnums, trace_program
+from jaxrev._program import (check_sizes, check_structure, fun_name, normalize_argnums,
+                             trace_program)
 from jaxrev.transforms._walker import propagate, raise_stuck, seed
-from jaxrev.transforms.nonlinear import ON_FAILURE, settings
+from jaxrev.transforms._checks import ON_FAILURE, settings
 # the names rule authors use, importable from here as the docs say
-from jaxrev.transforms.registry import (Lossy, NeedMore, inverse_jvp_rules,  # noqa: F401
-                                        inverse_rules, join_rules, register_inverse,
+from jaxrev.transforms.registry import (Lossy, NeedMore, element_rules,  # noqa: F401
+                                        inverse_jvp_rules, inverse_rules, register_inverse,
                                         register_inverse_jvp)
 
 __all__ = ["reverse", "invert_call", "Inverted", "register_inverse", "register_inverse_jvp",
-           "inverse_rules", "inverse_jvp_rules", "join_rules", "Lossy", "NeedMore"]
+           "inverse_rules", "inverse_jvp_rules", "element_rules", "Lossy", "NeedMore"]
 
 
 @dataclass
@@ -38,16 +40,39 @@ class Inverted:
 
 def invert_call(fun: Callable, args: Sequence[Any], argnums: int | Sequence[int],
                 on_invert: Callable[[JaxprEqn, list[Var]], None] | None = None,
-                on_failure: str = "raise") -> Inverted:
-    """Recover the state of `fun(*args)` from the outputs held in the state positions."""
-    argnums = normalize_argnums(argnums, len(args), fun)
-    prog = trace_program(fun, args, argnums)
-    s_tree = check_structure(fun, args, argnums, prog.out_shape)
+                on_failure: str = "raise", state: Any = None) -> Inverted:
+    """Recover the state of `fun` from its outputs: held in the state positions of `args`
+    (`state` None: the outputs have the state's structure), or, with `state` (the state's
+    structure, shapes and dtypes), as one argument in the first state position."""
+    if state is None:
+        hint = getattr(fun, "_jaxrev_inverse_of", None)
+        if hint is not None and isinstance(argnums, int):
+            state = _state_of_inverse(hint, args, argnums)
+    if state is None:
+        argnums = normalize_argnums(argnums, len(args), fun)
+        prog = trace_program(fun, args, argnums)
+        s_tree = check_structure(fun, args, argnums, prog.out_shape)
+        ys = [prog.flat[i] for i in prog.state_pos]  # the state positions hold the outputs
+    else:
+        fun_args, argnums, y = _with_state(fun, args, argnums, state)
+        prog = trace_program(fun, fun_args, argnums)
+        s_tree = jax.tree_util.tree_structure(
+            fun_args[argnums[0]] if len(argnums) == 1 else tuple(fun_args[a] for a in argnums))
+        ys = jax.tree_util.tree_leaves(y)
+        want = jax.tree_util.tree_leaves(prog.out_shape)
+        check_sizes(fun, [prog.flat[i] for i in prog.state_pos], want)
+        if jax.tree_util.tree_structure(y) != jax.tree_util.tree_structure(prog.out_shape) or any(
+                tuple(jnp.shape(a)) != tuple(b.shape) for a, b in zip(ys, want)):
+            raise ValueError(
+                f"jaxrev.reverse: the inverse of {fun_name(fun)} takes {fun_name(fun)}'s output "
+                f"in the state position ({jax.tree_util.tree_structure(prog.out_shape)} with "
+                f"shapes {[tuple(b.shape) for b in want]}), got "
+                f"{jax.tree_util.tree_structure(y)} with shapes "
+                f"{[tuple(jnp.shape(a)) for a in ys]}")
     state_pos = prog.state_pos
     ins = list(prog.flat)
     for i in state_pos:
         ins[i] = Unknown(prog.closed.jaxpr.invars[i].aval)
-    ys = [prog.flat[i] for i in state_pos]  # the state positions hold the outputs
     jaxpr, env, _ = seed(prog.closed, ins, ys)
     goals = [jaxpr.invars[i] for i in state_pos]  # in the state's leaf order
     with settings(on_failure=on_failure):
@@ -59,24 +84,77 @@ def invert_call(fun: Callable, args: Sequence[Any], argnums: int | Sequence[int]
     return Inverted(jax.tree_util.tree_unflatten(s_tree, vals), jaxpr, env)
 
 
+def _with_state(fun: Callable, args: Sequence[Any], argnums: int | Sequence[int], state: Any
+                ) -> tuple[list, tuple[int, ...], Any]:
+    """`fun`'s arguments (the state as shape-dtype stand-ins) and its output, from the
+    inverse's arguments: `fun`'s with the output in the first state position and the other
+    state positions left out."""
+    p = 1 if isinstance(argnums, int) else len(argnums)
+    nums = normalize_argnums(argnums, len(args) + p - 1, fun)
+    parts = [state] if isinstance(argnums, int) else list(state)
+    if len(parts) != p:
+        raise ValueError(f"jaxrev.reverse: state must hold one entry per state argument "
+                         f"(argnums={argnums!r}), got {len(parts)}")
+    it = iter(args)
+    fun_args: list[Any] = []
+    y = None
+    for q in range(len(args) + p - 1):
+        if q in nums:
+            fun_args.append(jax.tree_util.tree_map(
+                lambda s: jax.ShapeDtypeStruct(jnp.shape(s) if not hasattr(s, "shape")
+                                               else s.shape, s.dtype if hasattr(s, "dtype")
+                                               else jnp.result_type(s)),
+                parts[nums.index(q)]))
+            if q == nums[0]:
+                y = next(it)
+        else:
+            fun_args.append(next(it))
+    return fun_args, nums, y
+
+
+def _state_of_inverse(hint: tuple, args: Sequence[Any], argnums: int) -> Any:
+    """The state of `reverse(f, state=...)` (its single state argument: `f`'s output) is the
+    structure of `f`'s output on `f`'s state, which the call's state position holds."""
+    fun, f_argnums, f_state = hint
+    if f_state is None:
+        return None
+    p = 1 if isinstance(f_argnums, int) else len(f_argnums)
+    x = args[argnums]
+    xs = [x] if isinstance(f_argnums, int) else list(x)
+    nums = normalize_argnums(f_argnums, len(args) + p - 1, fun)
+    it = iter([a for k, a in enumerate(args) if k != argnums])
+    fun_args = [xs[nums.index(q)] if q in nums else next(it) for q in range(len(args) + p - 1)]
+    return jax.eval_shape(fun, *fun_args)
+
+
 def reverse(fun: Callable, argnums: int | Sequence[int] = 0, *,
-            on_failure: str = "raise") -> Callable:
+            on_failure: str = "raise", state: Any = None) -> Callable:
     """Return the inverse of `fun` in the arguments at `argnums` (the state).
 
-    `fun(*args)` must return the state's pytree structure, shapes and dtypes; the other
-    arguments are read-only parameters. The inverse has `fun`'s signature with the outputs in the
-    state positions: ``reverse(f)(f(x, theta), theta) == x``. Raises `NotInvertibleError` at
-    trace time, naming the primitive and source line, where the program loses information.
-    Groups of equations invertible only together and not affine are solved by Newton's method
-    (a local inverse, DESIGN.md §3.6); where it misses its tolerance, `on_failure="raise"`
-    raises `ReversibilityError` naming the group's line (under `jit`, when the program runs)
-    and `on_failure="nan"` returns NaN there.
+    `fun(*args)` returns the state's pytree structure, shapes and dtypes; the other arguments
+    are read-only parameters. The inverse has `fun`'s signature with the outputs in the state
+    positions: ``reverse(f)(f(x, theta), theta) == x``. A bijection that changes structure or
+    shapes (a reshape, two state arrays concatenated into one, one split into several) keeps
+    the number of elements of each dtype; give the state's structure and shapes as `state`
+    (arrays or `jax.ShapeDtypeStruct`s: the state argument for an int `argnums`, the tuple of
+    them for a tuple): the inverse then takes `fun`'s whole output as one argument, in the
+    first state position (the other state positions are left out), and returns the state in
+    its own structure. Raises `NotInvertibleError` at trace time, naming the primitive and
+    source line, where the program loses information. Groups of equations invertible only
+    together and not affine are solved by Newton's method (a local inverse, DESIGN.md §3.6);
+    where it misses its tolerance, or no branch of a state-dependent choice is consistent,
+    `on_failure="raise"` raises naming the line (under `jit`, when the program runs) and
+    `on_failure="nan"` returns NaN there.
 
     Example:
         >>> import jax.numpy as jnp, jaxrev as jr
         >>> f = lambda x, w: jnp.cumsum(x * w) + 1.0
         >>> x, w = jnp.arange(3.0), jnp.array([1.0, 2.0, 4.0])
         >>> jr.reverse(f)(f(x, w), w).tolist()
+        [0.0, 1.0, 2.0]
+        >>> g = lambda a, b: jnp.concatenate([a, b * 2.0])   # two arrays into one
+        >>> a, b = jnp.ones(2), jnp.arange(3.0)
+        >>> jr.reverse(g, (0, 1), state=(a, b))(g(a, b))[1].tolist()
         [0.0, 1.0, 2.0]
     """
 
@@ -86,7 +164,9 @@ def reverse(fun: Callable, argnums: int | Sequence[int] = 0, *,
 
     @functools.wraps(fun)
     def inv(*args: Any) -> Any:
-        return invert_call(fun, args, argnums, on_failure=on_failure).state
+        return invert_call(fun, args, argnums, on_failure=on_failure, state=state).state
 
     inv.__name__ = f"reverse({getattr(fun, '__name__', 'fun')})"
+    # reverse(inv) needs inv's state (fun's output) when fun changes structure
+    inv._jaxrev_inverse_of = (fun, argnums, state)  # type: ignore[attr-defined]
     return inv

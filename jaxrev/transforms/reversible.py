@@ -21,7 +21,7 @@ from jaxrev._compat import (ClosedJaxpr, Primitive, ShapedArray, hoist_consts, i
                             lower_fun, primitive_batchers, primitive_jvps, primitive_transposes,
                             register_lowering, trace_to_closed)
 from jaxrev._jaxpr import Env, batch_front, eval_closed, instantiate_tangents
-from jaxrev._program import check_structure, normalize_argnums, trace_program
+from jaxrev._program import check_sizes, check_structure, normalize_argnums, trace_program
 from jaxrev.transforms._sweep import (Plan, Residuals, acc, forward_with_residuals, get_ct,
                                       res_avals, seed_env, top_plan, walk)
 
@@ -160,26 +160,32 @@ class Bound:
     jaxpr: ClosedJaxpr          # consts hoisted to leading inputs
     state: tuple[bool, ...]     # per input: part of the state (rebuilt) or a parameter
     operands: list[Any]         # the values bound: hoisted consts, then the flat arguments
-    state_tree: Any             # the state's tree definition, for the outputs
+    out_tree: Any               # the output's tree definition
 
 
 def bind_reversible(fun: Callable, args: Sequence[Any], argnums: int | Sequence[int]) -> Bound:
     """Trace `fun` for `reversible_p`: its jaxpr, which inputs are state, the operands."""
     nums = normalize_argnums(argnums, len(args), fun)
     prog = trace_program(fun, args, nums)
-    s_tree = check_structure(fun, args, nums, prog.out_shape, who="jaxrev.reversible")
+    out_tree = jax.tree_util.tree_structure(prog.out_shape)
+    try:
+        check_structure(fun, args, nums, prog.out_shape, who="jaxrev.reversible")
+    except ValueError:   # a bijection that changes structure keeps the element counts
+        check_sizes(fun, [prog.flat[i] for i in prog.state_pos],
+                    jax.tree_util.tree_leaves(prog.out_shape), who="jaxrev.reversible")
     state_pos = set(prog.state_pos)
     j, consts = hoist_consts(prog.closed)
     state = (False,) * len(consts) + tuple(i in state_pos for i in range(len(prog.flat)))
     operands = [*consts, *[jnp.asarray(x) for x in prog.flat]]
-    return Bound(j, state, operands, s_tree)
+    return Bound(j, state, operands, out_tree)
 
 
 def reversible(fun: Callable, argnums: int | Sequence[int] = 0) -> Callable:
     """`fun` with a reverse-mode derivative that rebuilds intermediates by running backwards.
 
-    `fun(*args)` must return the structure, shapes and dtypes of the state `args[argnums]`
-    (as for `reverse`). Gradients with respect to every argument (state and parameters) rebuild
+    `fun(*args)` returns the structure, shapes and dtypes of the state `args[argnums]` (as
+    for `reverse`), or, for a bijection that changes structure or shapes, as many elements of
+    each dtype. Gradients with respect to every argument (state and parameters) rebuild
     each step's inputs from its outputs instead of storing them, so memory does not grow with
     loop iterations or unrolled blocks; steps that lose information store just what they lose
     (see `memory_report`). Composes with `jit`, `vmap`, `grad`, `jvp` and `hessian`.
@@ -201,7 +207,7 @@ def reversible(fun: Callable, argnums: int | Sequence[int] = 0) -> Callable:
     def wrapped(*args: Any) -> Any:
         b = bind_reversible(fun, args, argnums)
         outs = reversible_p.bind(*b.operands, jaxpr=b.jaxpr, state=b.state, store=False)
-        return jax.tree_util.tree_unflatten(b.state_tree, outs)
+        return jax.tree_util.tree_unflatten(b.out_tree, outs)
 
     wrapped.__name__ = f"reversible({getattr(fun, '__name__', 'fun')})"
     return wrapped

@@ -18,18 +18,20 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxrev._compat import as_closed, is_concrete, prims
-from jaxrev._jaxpr import eval_closed, is_unknown
+from jaxrev._compat import JaxprEqn, as_closed, is_concrete, prims
+from jaxrev._jaxpr import Env, apply, eval_closed, is_unknown
+from jaxrev.transforms import regions as R
+from jaxrev.transforms.elements import learn, region_of, static_of, value_of
 from jaxrev.transforms.custom import custom_inverse
-from jaxrev.transforms.registry import (BILINEAR, ELEMENTWISE, LINEAR, SMOOTH, Lossy,
-                                        NeedMore, define)
+from jaxrev.transforms.registry import (BILINEAR, ELEMENTWISE, LINEAR, SMOOTH, STRUCTURAL,
+                                        ChoiceRule, ElementRule, Lossy, NeedMore, define)
 
-__all__: list[str] = []
+__all__ = ["check_nonzero"]
 
 
 # --------------------------------------------------------------------------- arithmetic
 
-def _check_nonzero(v: Any, what: str) -> None:
+def check_nonzero(v: Any, what: str) -> None:
     if is_concrete(v) and np.any(np.asarray(v) == 0):
         raise Lossy(f"{what} is zero, which destroys the value", singular=True)
 
@@ -59,23 +61,78 @@ define(prims.sub, inverse=_sub, kind=(ELEMENTWISE, LINEAR))
 
 def _mul(out, x, y, **_):
     if is_unknown(x) and not is_unknown(y):
-        _check_nonzero(y, "the known factor")
+        check_nonzero(y, "the known factor")
         return [out / y, None]
     if is_unknown(y) and not is_unknown(x):
-        _check_nonzero(x, "the known factor")
+        check_nonzero(x, "the known factor")
         return [None, out / x]
     return None
 
 
-define(prims.mul, inverse=_mul, kind=(ELEMENTWISE, BILINEAR))
+def _zero_factor(eqn: JaxprEqn, env: Env) -> tuple[int, np.ndarray] | None:
+    """The operand (0 or 1) whose other factor is known, static and has zeros."""
+    for k in (0, 1):
+        b = eqn.invars[1 - k]
+        if not env.known(b):
+            continue
+        s = static_of(env, b)
+        if s is not None and np.any(np.asarray(s) == 0):
+            return k, np.broadcast_to(np.asarray(s) != 0, tuple(eqn.outvars[0].aval.shape))
+    return None
+
+
+def _mul_forward(eqn: JaxprEqn, env: Env) -> bool | None:
+    z = _zero_factor(eqn, env)
+    (o,) = eqn.outvars
+    if z is None or env.known(o):
+        return None
+    k, nonzero = z
+    a = eqn.invars[k]
+    if env.known(a):
+        return None
+    ra = region_of(env, a)
+    if tuple(a.aval.shape) != tuple(o.aval.shape):
+        ra = R.FULL if ra != R.EMPTY else R.EMPTY
+    region = R.intersect(ra, R.mask_region(nonzero), env.info)
+    vals = [None, None]
+    vals[k] = (jnp.zeros(a.aval.shape, a.aval.dtype) if region_of(env, a) == R.FULL
+               else value_of(env, a, clean=True))
+    vals[1 - k] = env.read(eqn.invars[1 - k])
+    return learn(env, o, apply(eqn, vals)[0], region)
+
+
+def _mul_backward(eqn: JaxprEqn, env: Env) -> bool | None:
+    z = _zero_factor(eqn, env)
+    (o,) = eqn.outvars
+    if z is None:
+        return None
+    k, nonzero = z
+    a = eqn.invars[k]
+    if env.known(a) or tuple(a.aval.shape) != tuple(o.aval.shape):
+        return None
+    ro = region_of(env, o)
+    if R.implies(R.mask_region(nonzero), ro):
+        # the output is known only where the factor is zero (forward, whatever the operand):
+        # nothing to invert, and nothing lost here
+        env.losses[eqn] = None
+        return False
+    b = jnp.where(jnp.asarray(nonzero), env.read(eqn.invars[1 - k]), 1)
+    region = R.union(ro, R.mask_region(~nonzero), env.info)
+    # where the factor is zero the operand is lost, unless another equation gives it back
+    env.losses[eqn] = Lossy("the known factor is zero, which destroys the value", singular=True)
+    return learn(env, a, value_of(env, o, clean=True) / b, region)
+
+
+define(prims.mul, inverse=_mul, element=ElementRule(_mul_forward, _mul_backward),
+       kind=(ELEMENTWISE, BILINEAR))
 
 
 def _div(out, x, y, **_):
     if is_unknown(x) and not is_unknown(y):
-        _check_nonzero(y, "the known divisor")
+        check_nonzero(y, "the known divisor")
         return [out * y, None]
     if is_unknown(y) and not is_unknown(x):
-        _check_nonzero(x, "the known numerator")
+        check_nonzero(x, "the known numerator")
         return [None, x / out]
     return None
 
@@ -104,6 +161,7 @@ for _p, _inv, _kind in [
         (prims.log1p, jnp.expm1, (ELEMENTWISE,)), (prims.expm1, jnp.log1p, (ELEMENTWISE,)),
         (prims.tanh, jnp.arctanh, (ELEMENTWISE,)), (prims.atanh, jnp.tanh, (ELEMENTWISE,)),
         (prims.sinh, jnp.arcsinh, (ELEMENTWISE,)), (prims.asinh, jnp.sinh, (ELEMENTWISE,)),
+        (prims.erf, lax.erf_inv, (ELEMENTWISE,)), (prims.erf_inv, lax.erf, (ELEMENTWISE,)),
         (prims.logistic, _undone_by(lambda y: jnp.log(y) - jnp.log1p(-y), lax.logistic),
          (ELEMENTWISE,)),
         (prims.sqrt, _undone_by(lambda y: y * y, lax.sqrt), (ELEMENTWISE,)),
@@ -115,16 +173,18 @@ for _p, _inv, _kind in [
 
 
 def _integer_pow(out, x, *, y, **_):
+    out = jnp.asarray(out, x.aval.dtype)  # a Python scalar output (`x ** 3` of a float)
+    complex_ = jnp.issubdtype(out.dtype, jnp.complexfloating)
     if y == 1:
         return [out]
     if y == -1:
         return [1 / out]
-    if y == 3 and not jnp.issubdtype(out.dtype, jnp.complexfloating):
+    if y == 3 and not complex_:
         return [lax.cbrt(out)]  # one primitive, so that the inverse is invertible again
     if y % 2 == 0:
         raise Lossy(f"x**{y} loses the sign of x",
                     "Ways out: keep the sign in the state, or use an odd power.")
-    if jnp.issubdtype(out.dtype, jnp.complexfloating):
+    if complex_:
         raise Lossy(f"x**{y} has {abs(y)} complex roots")
     r = jnp.abs(out) ** (1.0 / y)
     return [jnp.sign(out) * r]
@@ -135,7 +195,7 @@ define(prims.integer_pow, inverse=_integer_pow, kind=(ELEMENTWISE, SMOOTH))
 
 def _pow(out, x, p, **_):
     if is_unknown(x) and not is_unknown(p):
-        _check_nonzero(p, "the known exponent")
+        check_nonzero(p, "the known exponent")
         return [out ** (1.0 / p), None]
     if is_unknown(p) and not is_unknown(x):
         return [None, jnp.log(out) / jnp.log(x)]
@@ -160,22 +220,22 @@ def _reshape(out, x, *rest, **_):
     return [jnp.reshape(out, x.aval.shape)] + [None] * len(rest)
 
 
-define(prims.reshape, inverse=_reshape, kind=(LINEAR,))
-define(prims.squeeze, inverse=_reshape, kind=(LINEAR,))
+define(prims.reshape, inverse=_reshape, kind=(LINEAR, STRUCTURAL))
+define(prims.squeeze, inverse=_reshape, kind=(LINEAR, STRUCTURAL))
 
 
 def _transpose(out, x, *, permutation, **_):
     return [jnp.transpose(out, np.argsort(permutation))]
 
 
-define(prims.transpose, inverse=_transpose, kind=(LINEAR,))
+define(prims.transpose, inverse=_transpose, kind=(LINEAR, STRUCTURAL))
 
 
 def _rev(out, x, *, dimensions, **_):
     return [lax.rev(out, dimensions)]
 
 
-define(prims.rev, inverse=_rev, kind=(LINEAR,))
+define(prims.rev, inverse=_rev, kind=(LINEAR, STRUCTURAL))
 
 
 def _concatenate(out, *xs, dimension, **_):
@@ -188,7 +248,7 @@ def _concatenate(out, *xs, dimension, **_):
     return res
 
 
-define(prims.concatenate, inverse=_concatenate, kind=(LINEAR,))
+define(prims.concatenate, inverse=_concatenate, kind=(LINEAR, STRUCTURAL))
 
 
 def _stack(out, *xs, axis, **_):
@@ -196,7 +256,7 @@ def _stack(out, *xs, axis, **_):
             for k, x in enumerate(xs)]
 
 
-define(prims.stack, inverse=_stack, kind=(LINEAR,))
+define(prims.stack, inverse=_stack, kind=(LINEAR, STRUCTURAL))
 
 
 def _split(outs, x, *, axis, **_):
@@ -205,7 +265,7 @@ def _split(outs, x, *, axis, **_):
     return [jnp.concatenate(outs, axis=axis)]
 
 
-define(prims.split, inverse=_split, kind=(LINEAR,))
+define(prims.split, inverse=_split, kind=(LINEAR, STRUCTURAL))
 
 
 def _broadcast_in_dim(out, x, *dyn, shape, broadcast_dimensions, **_):
@@ -220,7 +280,7 @@ def _broadcast_in_dim(out, x, *dyn, shape, broadcast_dimensions, **_):
     return [jnp.reshape(out[tuple(idx)], x.aval.shape)] + [None] * len(dyn)
 
 
-define(prims.broadcast_in_dim, inverse=_broadcast_in_dim, kind=(LINEAR,))
+define(prims.broadcast_in_dim, inverse=_broadcast_in_dim, kind=(LINEAR, STRUCTURAL))
 
 
 def _cumsum(out, x, *, axis, reverse, **_):
@@ -291,33 +351,6 @@ def _dot_general(out, lhs, rhs, *, dimension_numbers, **_):
 define(prims.dot_general, inverse=_dot_general, kind=(BILINEAR,))
 
 
-def _select_n(out, pred, *cases, **_):
-    # the single-equation case: every case but one known, and the predicate known to pick it
-    # everywhere; the general case is the interpreter's case split (`_case_split_step`)
-    unknown = [k for k, c in enumerate(cases) if is_unknown(c)]
-    if is_unknown(pred) or len(unknown) != 1 or not is_concrete(pred):
-        raise NeedMore("the select's predicate or its cases are not known",
-                       hint="Ways out: make the predicate a parameter (known before the "
-                            "select), or use `jr.cond` with a post condition.")
-    k = unknown[0]
-    sel = np.asarray(pred).astype(np.int32)
-    if np.all(sel == k):
-        return [None] + [out if j == k else None for j in range(len(cases))]
-    raise Lossy("the select discards the unknown operand where the predicate picks another case")
-
-
-define(prims.select_n, inverse=_select_n, kind=(ELEMENTWISE, LINEAR))
-
-
-def _scatter_add(out, operand, indices, updates, **params):
-    if is_unknown(operand) and not is_unknown(indices) and not is_unknown(updates):
-        return [prims.scatter_add.bind(out, indices, -updates, **params), None, None]
-    return None
-
-
-define(prims.scatter_add, inverse=_scatter_add, kind=(LINEAR,))
-
-
 def _linear_solve(outs, *ins, const_lengths, jaxprs, **_):
     # x = A^{-1} b  inverts to  b = A x, with the matvec the solve carries
     n = sum(const_lengths)
@@ -350,72 +383,52 @@ if prims.device_put is not None:
                                       else _identity))
 
 
-# --------------------------------------------------------------------------- pieces joined back
+# --------------------------------------------------------------------------- choices
+# Piecewise primitives: each piece is a copy (or the negation) of an operand, picked by a
+# comparison of the operands. Alone they lose information (relu is max(x, 0)); in a group
+# they may not (softplus's max(x, 0) + log1p(exp(-|x|))): `choices` tries every piece.
 
-def _join_slices(aval, pieces):
-    shape = tuple(aval.shape)
-    joined = _concat_slices(shape, pieces)
-    if joined is not None:
-        return joined
-    covered = np.zeros(shape, bool)
-    for params, _ in pieces:
-        covered[_slice_index(params)] = True
-    if not covered.all():
-        return None
-    x = jnp.zeros(shape, aval.dtype)
-    for params, val in pieces:
-        x = x.at[_slice_index(params)].set(val)
-    return x
+def _piecewise_count(eqn: JaxprEqn, known: Any) -> int:
+    return 2 if not all(known(v) for v in eqn.invars) else 0
 
 
-def _concat_slices(shape, pieces):
-    """Pieces that tile one axis with unit strides join back by `concatenate`, which keeps
-    the operand's sharding and is itself invertible (so `reverse(reverse(f))` works)."""
-    spans = {}
-    axis = None
-    for params, val in pieces:
-        if any(st != 1 for st in (params.get("strides") or ())):
-            return None
-        st, lim = params["start_indices"], params["limit_indices"]
-        partial = [d for d in range(len(shape)) if (st[d], lim[d]) != (0, shape[d])]
-        if len(partial) > 1 or (axis is not None and partial and partial[0] != axis):
-            return None
-        if partial:
-            axis = partial[0]
-        d = axis if axis is not None else 0
-        spans.setdefault((st[d], lim[d]), val)
-    if axis is None:
-        return next(iter(spans.values()))
-    pos, parts = 0, []
-    for (a, b), val in sorted(spans.items()):
-        if a != pos:
-            return None  # overlapping or gapped pieces: the general path handles them
-        parts.append(val)
-        pos = b
-    if pos != shape[axis]:
-        return None
-    return parts[0] if len(parts) == 1 else lax.concatenate(parts, axis)
+def _operand(eqn: JaxprEqn, k: int) -> Any:
+    return eqn.invars[k]
 
 
-def _slice_index(params):
-    strides = params.get("strides") or (1,) * len(params["start_indices"])
-    return tuple(slice(s, l, st) for s, l, st in
-                 zip(params["start_indices"], params["limit_indices"], strides))
+def _max_holds(eqn: JaxprEqn, ins: list, k: int) -> Any:
+    return ins[0] >= ins[1] if k == 0 else ins[0] < ins[1]
 
 
-define(prims.slice, join=_join_slices, kind=(LINEAR,))
+def _min_holds(eqn: JaxprEqn, ins: list, k: int) -> Any:
+    return ins[0] <= ins[1] if k == 0 else ins[0] > ins[1]
+
+
+def _abs_branch(eqn: JaxprEqn, k: int) -> Any:
+    return eqn.invars[0] if k == 0 else eqn.replace(primitive=prims.neg, params={})
+
+
+def _abs_holds(eqn: JaxprEqn, ins: list, k: int) -> Any:
+    return ins[0] >= 0 if k == 0 else ins[0] < 0
+
+
+define(prims.max, choice=ChoiceRule(_piecewise_count, _operand, _max_holds), kind=(ELEMENTWISE,))
+define(prims.min, choice=ChoiceRule(_piecewise_count, _operand, _min_holds), kind=(ELEMENTWISE,))
+define(prims.abs, choice=ChoiceRule(lambda e, known: 0 if known(e.invars[0]) else 2,
+                                    _abs_branch, _abs_holds), kind=(ELEMENTWISE,))
 
 
 # --------------------------------------------------------------------------- tags only
-# Primitives with no inverse of their own that lumps and case splits may still see through.
+# Primitives with no inverse of their own that lumps may still see through.
 
-for _p in (prims.max, prims.min, prims.abs, prims.sign, prims.floor, prims.ceil, prims.round):
+for _p in (prims.sign, prims.floor, prims.ceil, prims.round, prims.eq, prims.ne, prims.lt,
+           prims.le, prims.gt, prims.ge, getattr(prims, "and"), getattr(prims, "or"),
+           getattr(prims, "not"), prims.xor, prims.is_finite):
     define(_p, kind=(ELEMENTWISE,))
 
 # smooth but not one-to-one: only a group of equations around them can be invertible
 for _p in (prims.sin, prims.cos, prims.tan, prims.square):
     define(_p, kind=(ELEMENTWISE, SMOOTH))
 
-for _p in (prims.reduce_sum, prims.pad, prims.gather, prims.dynamic_slice,
-           prims.dynamic_update_slice, prims.imag):
+for _p in (prims.reduce_sum, prims.imag):
     define(_p, kind=(LINEAR,))

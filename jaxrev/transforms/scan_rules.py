@@ -10,19 +10,22 @@ Batching is JAX's own: `scan` stays a `scan` under `vmap`, and these rules see t
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jaxrev._compat import JaxprEqn, ScanParams, Var, prims, scan_info
 from jaxrev._errors import NotInvertibleError
-from jaxrev._jaxpr import (Env, Unknown, evaluate, forward_known, is_unknown, is_var,
-                           used_vars)
+from jaxrev._jaxpr import (Env, Statics, Unknown, evaluate, forward_known, is_unknown,
+                           is_var, needed_vars, size_of)
 from jaxrev.transforms._sweep import (BodyWalk, LoopEnd, LoopPlan, Plan, Residuals, acc,
                                       forward_with_residuals, known_or_rebuilt, loop_activity,
                                       loop_cts_in, loop_cts_out, outs_known, plan_for, res_avals)
-from jaxrev.transforms._walker import Window, invert_jaxpr, propagate, seed
+from jaxrev.transforms._walker import (Hints, Window, invert_jaxpr, propagate, rule_context,
+                                      seed)
 from jaxrev.transforms.registry import NeedMore, define
 
 __all__: list[str] = []
@@ -72,6 +75,8 @@ def _scan_inverse(outs, *ins, **params):
         _, kin_fwd = _run_forward_carries(sp, consts, init, xs, fwd_idx)
         kin_of.update(zip(fwd_idx, kin_fwd))
     kin = [kin_of[i] for i in known_idx]
+    ctx = rule_context()
+    hints = loop_hints(sp, ctx.static) if ctx is not None else None
     ys_known_idx = [j for j, y in enumerate(ys) if not is_unknown(y)]
 
     def ibody(c_unk, sl):
@@ -81,7 +86,7 @@ def _scan_inverse(outs, *ins, **params):
             outs_t[i] = c
         for j, y in zip(ys_known_idx, ys_t):
             outs_t[ncar + j] = y
-        rec = invert_jaxpr(body, body_ins(kin_t, known_idx, xs_t), outs_t)
+        rec = invert_jaxpr(body, body_ins(kin_t, known_idx, xs_t), outs_t, hints)
         c_prev = [rec[nc + i] for i in unk]
         x_rec = [rec[nc + ncar + j] for j, kn in enumerate(xs_known) if not kn]
         return c_prev, x_rec
@@ -105,12 +110,14 @@ def _scan_inverse(outs, *ins, **params):
 
 
 def _forward_carries(bj: Any, nc: int, init_known: Sequence[bool],
-                     xs_known: Sequence[bool]) -> list[bool]:
+                     xs_known: Sequence[bool], consts_known: Sequence[bool] | None = None
+                     ) -> list[bool]:
     """Which carries are computable forward from known values at every iteration (the loop
     counter of a fori_loop): a fixed point, since a carry may need another."""
     K = list(init_known)
+    ck = [True] * nc if consts_known is None else list(consts_known)
     while True:
-        fk = forward_known(bj, [True] * nc + K + list(xs_known))
+        fk = forward_known(bj, ck + K + list(xs_known))
         newK = [k and fk[i] for i, k in enumerate(K)]
         if newK == K:
             return K
@@ -143,13 +150,52 @@ def _run_forward_carries(sp: ScanParams, consts: Sequence[Any], init: Sequence[A
     def kbody(ck, xs_t):
         ins_t = _body_inputs(sp, consts, xs_known, idx, ck, xs_t)
         jaxpr, env, _ = seed(body, ins_t, [Unknown(v.aval) for v in bj.outvars])
-        evaluate(jaxpr.eqns, env, partial=True, used=used_vars(jaxpr))
+        # only what the carries need: the loop's other constants (weights) stay out of it
+        need = needed_vars(jaxpr, [jaxpr.outvars[i] for i in idx])
+        evaluate(jaxpr.eqns, env, partial=True, used=need)
         return [env.read(jaxpr.outvars[i]) for i in idx], list(ck)
 
     final, per_iteration = lax.scan(kbody, [init[i] for i in idx],
                                     [x for x in xs if not is_unknown(x)], length=sp.length,
                                     reverse=sp.reverse)
     return list(final), list(per_iteration)
+
+
+def loop_hints(sp: ScanParams, static_of: Callable[[int], Any]) -> Hints | None:
+    """What the loop's body knows when it is traced (`static_of(k)`: the static value of the
+    scan's operand k, or None): its static constants, and the value at every iteration of the
+    carries computed from static values alone (a `fori_loop`'s counter) and of static `xs`.
+    Element-level reasoning decides with them whether ``x[i - 1]`` and ``x.at[i]`` meet."""
+    nc, ncar, T = sp.nconsts, sp.ncarry, sp.length
+    bj = sp.body.jaxpr
+    nx = len(bj.invars) - nc - ncar
+    st = [static_of(k) for k in range(nc + ncar + nx)]
+    hints = Hints(length=T)
+    for k in range(nc):
+        if st[k] is not None:
+            hints.static[k] = st[k]
+    for j in range(nx):
+        if st[nc + ncar + j] is not None:
+            hints.enum[nc + ncar + j] = st[nc + ncar + j]
+    K = _forward_carries(bj, nc, [s is not None for s in st[nc:nc + ncar]],
+                         [s is not None for s in st[nc + ncar:]],
+                         [s is not None for s in st[:nc]])
+    idx = [i for i in range(ncar) if K[i]
+           and T * max(1, size_of([bj.invars[nc + i].aval])) <= Statics.MAX_SIZE]
+    if idx and T > 0:
+        def op(k: int) -> Any:
+            return st[k] if st[k] is not None else Unknown(bj.invars[k].aval)
+        try:
+            with jax.ensure_compile_time_eval():
+                _, per = _run_forward_carries(sp, [op(k) for k in range(nc)],
+                                              [op(nc + i) for i in range(ncar)],
+                                              [op(nc + ncar + j) for j in range(nx)], idx)
+            for i, val in zip(idx, per):
+                hints.enum[nc + i] = np.asarray(val)
+        except (KeyError, jax.errors.ConcretizationTypeError,
+                jax.errors.TracerArrayConversionError):
+            pass   # a carry computed from values known only when the program runs
+    return hints if hints.static or hints.enum else None
 
 
 def _emitted_carries(bj: Any, ncar: int, length: int, ys: Sequence[Any]) -> dict[int, int]:
@@ -188,8 +234,9 @@ def _scan_sweep(P: Plan, i: int, env: Env, ctenv: dict | None, active: set,
     _discarded_counters(sp, env, consts, init, xs, cout)
     outs_known(P, i, env, cout, res)
     yk = tuple(env.known(v) for v in ys)
+    hints = loop_hints(sp, lambda k: env.info.static(ins[k]))
     bp = plan_for(body, (True,) * nc + (False,) * ncar + xk, (True,) * ncar + yk,
-                  (False,) * nc + (True,) * ncar + tuple(not k for k in xk))
+                  (False,) * nc + (True,) * ncar + tuple(not k for k in xk), hints)
     lres = res.loop(i, LoopPlan("scan", bp, length)) if res_avals(bp) else []
     want = ctenv is not None
     act = loop_activity(ins, active, nc, ncar, body) if want else None

@@ -1,0 +1,571 @@
+"""Groups whose decisions depend on the unknown state (DESIGN.md §3.5): consistent branches.
+
+``where(x > 0, x, 0.01 * x)`` cannot be inverted by propagation: the select's predicate is
+computed from the `x` being recovered. It inverts by consistency instead: assume the select
+takes case k everywhere, invert that (an ordinary program), recompute the predicate from the
+candidate, and keep, per element, the candidate whose predicate picks its own case.
+
+`choice_step` finds the smallest trailing group of stuck equations that holds such decisions
+(equations with a `choice_rules` entry whose decision is not known: `select_n`, `max`, `min`,
+`abs`, a `cond` on the state) and is square in its unknowns; then, for every combination of
+branches (at most `MAX_COMBOS`), it replaces each choice by what its branch computes (a copy
+of one case, `neg` for `abs`'s negative branch), propagates over the group alone (so nothing
+outside it is walked again: tracing stays linear in the program), and runs the original group
+forward from the candidate to see whether each choice takes the assumed branch. Per element
+(for elementwise groups; as a whole for decisions on whole arrays, a `cond`'s index), exactly
+one combination must be consistent, or several that agree:
+
+- a combination that cannot be inverted (relu's zero case: the output no longer depends on the
+  state) is refused when the program is traced, naming the choice;
+- none consistent (the output is outside the map's range), or two that disagree (the map is not
+  one-to-one there), is found when the program runs: raised eagerly, under `jit` a runtime
+  error, or NaN with ``on_failure="nan"`` (`_checks.raise_where`).
+
+Derivatives differentiate the chosen candidate (the selection by consistency has none).
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Any, Sequence
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxrev._compat import JaxprEqn, Literal, Var, has_user_frame, prims
+from jaxrev._errors import ReversibilityError, at_eqn, not_invertible
+from jaxrev._jaxpr import Env, evaluate, is_var, real_outvars, size_of
+from jaxrev.transforms._checks import NEWTON_STARTS, counts, raise_where, settings
+from jaxrev.transforms.registry import choice_rules, elementwise_in
+
+__all__ = ["choice_step", "MAX_COMBOS"]
+
+MAX_COMBOS = 64
+"""Combinations of branches tried in one group, at most."""
+MAX_GROUP_EQNS = 64
+MAX_VALUES = 16
+"""Values of an integer decided by the state (a spline's bin index) tried, at most."""
+_AGREE_ULPS = 64
+
+
+class _Choice:
+    """One decision in a group: an equation with a `choice_rules` entry (`value` None), or an
+    integer of a few values computed from the state (a spline's bin index: `value` its
+    smallest value), whose every value is tried."""
+
+    __slots__ = ("eqn", "n", "value")
+
+    def __init__(self, eqn: JaxprEqn, n: int, value: int | None = None) -> None:
+        self.eqn, self.n, self.value = eqn, n, value
+
+    def holds(self, env_f: Env, k: int) -> Any:
+        if self.value is not None:
+            return env_f.read(real_outvars(self.eqn)[0]) == self.value + k
+        e = self.eqn
+        return choice_rules[e.primitive].holds(e, [env_f.read(v) for v in e.invars], k)
+
+    @property
+    def whole(self) -> bool:
+        """A decision made once for whole arrays (a scalar predicate or branch index)."""
+        e = self.eqn
+        if self.value is not None:
+            return real_outvars(e)[0].aval.shape == ()
+        return is_var(e.invars[0]) and e.invars[0].aval.shape == () and e.primitive in (
+            prims.select_n, prims.cond)
+
+
+def _choices(G: Sequence[JaxprEqn], env: Env) -> list[_Choice]:
+    """The group's undecided choices: integers of a few values that the state decides, and the
+    equations with choice rules whose decision is not known and that do not only feed those."""
+    producer = {o: e for e in G for o in real_outvars(e)}
+    # a select's predicate or a cond's index is enumerated by the select or the cond itself
+    decisions = {e.invars[0] for e in G if e.primitive in (prims.select_n, prims.cond)}
+    values: list[_Choice] = []
+    for e in G:
+        outs = real_outvars(e)
+        if (len(outs) != 1 or not jnp.issubdtype(outs[0].aval.dtype, jnp.integer)
+                or outs[0] in decisions):
+            continue
+        r = _int_range(outs[0], producer, env, {})
+        if not _small(r) or r[1] <= r[0]:
+            continue
+        # the first such integer on its path: its integer inputs are not of a few values
+        if any(is_var(v) and v in producer and jnp.issubdtype(v.aval.dtype, jnp.integer)
+               and _small(_int_range(v, producer, env, {})) for v in e.invars):
+            continue
+        values.append(_Choice(e, int(r[1] - r[0] + 1), int(r[0])))
+    feeds = _ancestors([c.eqn for c in values], producer)
+    # what the assumed integers decide with the known values is no choice (the index
+    # normalization of `jnp.take` at an assumed bin)
+    det = _determined(G, values, env)
+    out = list(values)
+    for e in G:
+        rule = choice_rules.get(e.primitive)
+        if rule is None or e in feeds or any(c.eqn is e for c in values):
+            continue
+        n = rule.count(e, lambda v: env.known(v) or v in det)
+        if n > 1:
+            out.append(_Choice(e, n))
+    return out
+
+
+def _determined(G: Sequence[JaxprEqn], values: Sequence[_Choice], env: Env) -> set:
+    """Variables of the group computed from known values and the assumed integers alone."""
+    det = {o for c in values for o in real_outvars(c.eqn)}
+    for e in G:
+        if all(env.known(v) or v in det for v in e.invars):
+            det.update(real_outvars(e))
+    return det
+
+
+def _small(r: tuple | None) -> bool:
+    return (r is not None and bool(np.isfinite(r[0]) and np.isfinite(r[1]))
+            and r[1] - r[0] + 1 <= MAX_VALUES)
+
+
+def _ancestors(eqns: Sequence[JaxprEqn], producer: dict) -> set:
+    """The equations (of the group) that the given ones read, transitively."""
+    out: set = set()
+    stack = [v for e in eqns for v in e.invars if is_var(v)]
+    while stack:
+        e = producer.get(stack.pop())
+        if e is not None and e not in out:
+            out.add(e)
+            stack.extend(v for v in e.invars if is_var(v))
+    return out
+
+
+def _int_range(v: Any, producer: dict, env: Env, memo: dict) -> tuple[float, float] | None:
+    """The values an integer may take, by interval arithmetic over the group (None: any)."""
+    if v in memo:
+        return memo[v]
+    memo[v] = None
+    s = env.info.static(v)
+    if s is not None:
+        out = (float(np.min(s)), float(np.max(s))) if np.size(s) else None
+    elif v.aval.dtype == jnp.bool_:
+        out = (0.0, 1.0)
+    else:
+        out = _range_of_eqn(producer.get(v), producer, env, memo)
+    memo[v] = out
+    return out
+
+
+def _range_of_eqn(e: JaxprEqn | None, producer: dict, env: Env, memo: dict
+                  ) -> tuple[float, float] | None:
+    if e is None:
+        return None
+    p = e.primitive
+
+    def r(k: int) -> tuple[float, float]:
+        got = _int_range(e.invars[k], producer, env, memo) if is_var(e.invars[k]) else (
+            float(np.asarray(e.invars[k].val)),) * 2
+        return got if got is not None else (-np.inf, np.inf)
+
+    if p is prims.convert_element_type:
+        return r(0)
+    if p in (prims.max, prims.min):
+        (a0, a1), (b0, b1) = r(0), r(1)
+        f = max if p is prims.max else min
+        return (f(a0, b0), f(a1, b1))
+    if p in (prims.add, prims.sub):
+        (a0, a1), (b0, b1) = r(0), r(1)
+        return (a0 + b0, a1 + b1) if p is prims.add else (a0 - b1, a1 - b0)
+    if p is prims.select_n:
+        rs = [r(k) for k in range(1, len(e.invars))]
+        return (min(x[0] for x in rs), max(x[1] for x in rs))
+    if p.name == "clamp":
+        return (max(r(0)[0], r(1)[0]), min(r(2)[1], r(1)[1]))
+    if p.name in ("argmax", "argmin"):
+        return (0.0, float(e.invars[0].aval.shape[e.params["axes"][0]] - 1))
+    if p is prims.reduce_sum:
+        n = int(np.prod([e.invars[0].aval.shape[a] for a in e.params["axes"]]))
+        lo, hi = r(0)
+        return (min(n * lo, lo), max(n * hi, hi))
+    return None
+
+
+def choice_step(eqns: Sequence[JaxprEqn], env: Env, pending: Sequence[int],
+                soft: bool = False) -> bool:
+    """Invert the smallest trailing square group holding state-dependent decisions. With
+    `soft` (`reversible`'s walks), a group with a branch that loses the state is left alone
+    (the sweep stores what it loses) instead of raising."""
+    cand = [i for i in pending if any(not env.known(v) for v in eqns[i].invars)]
+    stuck = [i for i in cand if any(env.known(v) for v in real_outvars(eqns[i]))]
+    if not stuck:
+        return False
+    top = max(stuck)
+    for t in sorted((i for i in cand if i <= top), reverse=True)[:MAX_GROUP_EQNS]:
+        G = [eqns[i] for i in cand if i >= t]
+        if not any(e.primitive in choice_rules or _int_out(e) for e in G):
+            continue
+        produced = {v for e in G for v in real_outvars(e)}
+        inputs = list(dict.fromkeys(v for e in G for v in e.invars
+                                    if is_var(v) and not env.known(v) and v not in produced))
+        outputs = [v for e in G for v in real_outvars(e) if env.known(v)]
+        if not inputs or size_of(v.aval for v in inputs) != size_of(v.aval for v in outputs):
+            continue
+        ch = _choices(G, env)
+        if not ch:
+            continue
+        shape = tuple(outputs[0].aval.shape)
+        # what each branch inverts must be elementwise; what decides the branch (a bin search)
+        # may be anything: the merged candidate is checked against every decision again
+        values = [c for c in ch if c.value is not None]
+        det = _determined(G, values, env)
+        core = [e for e in _live([e for e in G if not any(c.eqn is e for c in values)],
+                                 outputs)
+                if not all(o in det for o in real_outvars(e))]
+        per_element = all(tuple(v.aval.shape) == shape for v in [*inputs, *outputs]) and all(
+            elementwise_in(e, shape) or _pointwise_gather(e, shape) for e in core)
+        whole = all(c.whole for c in ch)
+        if not (per_element or whole):
+            continue
+        if int(np.prod([c.n for c in ch])) > MAX_COMBOS:
+            continue
+        try:
+            return _split(G, ch, inputs, outputs, env, shape if per_element else None)
+        except _Lost as e:
+            if soft:
+                return False
+            raise e.error from None
+    return False
+
+
+def _int_out(e: JaxprEqn) -> bool:
+    outs = real_outvars(e)
+    return len(outs) == 1 and jnp.issubdtype(outs[0].aval.dtype, jnp.integer)
+
+
+def _pointwise_gather(e: JaxprEqn, shape: tuple) -> bool:
+    """A gather from a table known in full, one element per element of `shape` (`jnp.take`
+    of a spline's knots at its bin index): pointwise in the index."""
+    if e.primitive is not prims.gather:
+        return False
+    idx = e.invars[1]
+    outs = real_outvars(e)
+    return (len(outs) == 1 and tuple(outs[0].aval.shape) == shape
+            and tuple(idx.aval.shape[:len(shape)]) == shape
+            and int(np.prod(idx.aval.shape[len(shape):], dtype=np.int64)) == 1)
+
+
+class _Lost(Exception):
+    """A combination of branches that cannot be inverted (raised out of the traced solve)."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _branch_window(G: Sequence[JaxprEqn], combo: dict, env_c: Env) -> list[JaxprEqn] | None:
+    """The group with each choice replaced by what its assumed branch computes."""
+    window = []
+    for e in G:
+        c = combo.get(e)
+        if c is None:
+            window.append(e)
+            continue
+        choice, k = c
+        (o,) = real_outvars(e)
+        if choice.value is not None:   # the integer's value, assumed
+            env_c.write(o, jnp.full(o.aval.shape, choice.value + k, o.aval.dtype))
+            continue
+        r = choice_rules[e.primitive].branch(e, k)
+        if isinstance(r, JaxprEqn):
+            window.append(r)
+            continue
+        if isinstance(r, Literal) or env_c.known(r):
+            env_c.write(o, jnp.broadcast_to(env_c.read(r), o.aval.shape))
+        elif tuple(r.aval.shape) == tuple(o.aval.shape) and prims.copy is not None:
+            window.append(e.replace(primitive=prims.copy, invars=[r], params={}))
+        else:
+            return None
+    return window
+
+
+def _live(window: list[JaxprEqn], targets: Sequence[Var]) -> list[JaxprEqn]:
+    """The equations of the window that lead to the group's known outputs (a choice replaced
+    by one of its cases leaves the others' computations, the predicate's among them, dead)."""
+    keep = [False] * len(window)
+    need: set = set(targets)
+    for i in reversed(range(len(window))):
+        outs = real_outvars(window[i])
+        if any(o in need for o in outs):
+            keep[i] = True
+            need.update(v for v in window[i].invars if is_var(v))
+    return [e for e, k in zip(window, keep) if k]
+
+
+def _split(G: Sequence[JaxprEqn], ch: list[_Choice], inputs: list[Var], outputs: list[Var],
+           env: Env, shape: tuple | None) -> bool:
+    """Invert the group branch by branch and write the consistent candidate. The inverse is
+    emitted as one `custom_inverse` step whose own inverse is the group run forward, so that
+    the inverse program can be inverted again (``reverse(reverse(f))``)."""
+    produced = {o for e in G for o in real_outvars(e)}
+    reads = list(dict.fromkeys(v for e in G for v in e.invars if is_var(v) and env.known(v)
+                               and v not in produced))
+
+    def fresh(vars_vals: Sequence[tuple[Sequence[Var], Sequence[Any]]]) -> Env:
+        e = Env(info=env.info)
+        for vs, xs in vars_vals:
+            for v, x in zip(vs, xs):
+                e.write(v, x)
+        return e
+
+    def solve(ys: Sequence[Any], rs: Sequence[Any]) -> tuple:
+        return tuple(_solve(G, ch, inputs, outputs, fresh([(reads, rs), (outputs, ys)]),
+                            shape))
+
+    def forward(xs: Sequence[Any], rs: Sequence[Any]) -> tuple:
+        e = fresh([(reads, rs), (inputs, xs)])
+        evaluate(G, e, partial=True)
+        return tuple(e.read(o) for o in outputs)
+
+    ys = tuple(env.read(o) for o in outputs)
+    rs = tuple(env.read(v) for v in reads)
+    same = [(tuple(a.aval.shape), a.aval.dtype) for a in outputs] == [
+        (tuple(a.aval.shape), a.aval.dtype) for a in inputs]
+    if same:
+        from jaxrev.transforms.custom import custom_inverse
+        step = custom_inverse(solve)
+        step.definverse(forward)
+        xs = step(ys, rs)
+    else:
+        xs = solve(ys, rs)
+    if xs is None:
+        return False
+    for v, x in zip(inputs, xs):
+        env.write(v, x)
+    return True
+
+
+def _solve(G: Sequence[JaxprEqn], ch: list[_Choice], inputs: list[Var], outputs: list[Var],
+           env: Env, shape: tuple | None) -> list[Any] | None:
+    from jaxrev.transforms._walker import Window, propagate
+    cands, oks, tried = [], [], []
+    producer = {o: e for e in G for o in real_outvars(e)}
+    for ks in itertools.product(*[range(c.n) for c in ch]):
+        combo = {c.eqn: (c, k) for c, k in zip(ch, ks)}
+        if not _reachable(combo, producer, env):
+            continue   # its branches contradict each other: no element takes them all
+        # a branch solved by Newton's method may have several preimages (a spline piece
+        # continued past its bin): every start's is a candidate, consistency picks
+        for start in [None, *range(NEWTON_STARTS)]:
+            env_c = env.copy()
+            window = _branch_window(G, combo, env_c)
+            if window is None:
+                return None
+            window = _live(window, outputs)
+            before = counts["newton"]
+            with settings(on_failure="nan", newton_start=start):
+                propagate(Window(window), env_c, inputs, soft=True)
+            if not all(env_c.known(v) for v in inputs):
+                e, k = _lossy_branch(ch, ks, env)
+                raise _Lost(not_invertible(
+                    e, f"where the program takes branch {k} of it, the state cannot be "
+                       "recovered from the output (that branch does not depend on it, like "
+                       "relu's zero)",
+                    "Ways out: make every branch invertible (leaky relu instead of relu), or "
+                    "keep what the branch loses in the state."))
+            vals = [env_c.read(v) for v in inputs]
+            # run the original group forward from the candidate: does it take these branches?
+            env_f = env.copy()
+            for v, x in zip(inputs, vals):
+                env_f.write(v, x)
+            evaluate(G, env_f, partial=True)
+            ok = jnp.asarray(True)
+            for c, k in combo.values():
+                ok = ok & c.holds(env_f, k)
+            for x in vals:
+                fin = jnp.isfinite(x)
+                ok = ok & (fin if shape is not None else jnp.all(fin))
+            cands.append(vals)
+            oks.append(ok if shape is None else jnp.broadcast_to(ok, shape))
+            tried.append(ks)
+            if counts["newton"] == before:
+                break   # solved without Newton's method: one candidate
+    if not cands:
+        return None
+    out, idx = _merge(ch, inputs, cands, oks)
+    if shape is not None and not all(elementwise_in(e, shape) or _pointwise_gather(e, shape)
+                                     for e in G):
+        _recheck(G, ch, inputs, env, out, idx, tried)
+    return out
+
+
+def _recheck(G: Sequence[JaxprEqn], ch: list[_Choice], inputs: list[Var], env: Env,
+             out: list[Any], idx: Any, tried: list[tuple]) -> None:
+    """Where a decision is not computed element by element (a search over a table), the
+    candidates picked per element are checked together: from them, does every choice take the
+    branch its element assumed?"""
+    env_f = env.copy()
+    for v, x in zip(inputs, out):
+        env_f.write(v, x)
+    evaluate(G, env_f, partial=True)
+    table = np.asarray(tried, np.int32)          # (combinations, choices)
+    ok = jnp.asarray(True)
+    for j, c in enumerate(ch):
+        k = jnp.asarray(table[:, j])[idx]
+        held = jnp.zeros(idx.shape, bool)
+        for b in range(c.n):
+            held = held | ((k == b) & c.holds(env_f, b))
+        ok = ok & held
+    first = next((c.eqn for c in ch if has_user_frame(c.eqn)), ch[0].eqn)
+    raise_where(lambda ok: None if np.all(ok) else at_eqn(
+        ReversibilityError, first, "the branches chosen element by element are not consistent "
+        "together (a decision depends on several elements)",
+        "Ways out: compute each element's decision from that element only, or pass "
+        "on_failure='nan'."), jnp.all(ok | jnp.any(jnp.stack([jnp.isnan(x) for x in out
+                                                                if jnp.issubdtype(x.dtype,
+                                                                                  jnp.inexact)]
+                                                               or [jnp.zeros(idx.shape, bool)]),
+                                                     axis=0)))
+
+
+# --------------------------------------------------------------------------- reachability
+# A branch of a choice between a value and a constant holds on an interval of the value
+# (relu's zero where x < 0); combinations whose intervals for one value do not meet are never
+# taken, so they are neither tried nor refused (`where(x > 20, x, log1p(exp(min(x, 20))))`).
+
+_CMP = {"gt": (1, False), "ge": (1, True), "lt": (-1, False), "le": (-1, True)}
+
+
+def _interval(e: JaxprEqn, k: int, producer: dict, env: Env) -> tuple[Any, tuple] | None:
+    """(value, (lo, lo_closed, hi, hi_closed)) where choice `e` takes branch `k`, if that is
+    a comparison of one value with a static scalar; None otherwise."""
+    p = e.primitive
+    inf = np.inf
+    if p is prims.abs:
+        return e.invars[0], ((0.0, True, inf, False) if k == 0 else (-inf, False, 0.0, False))
+    if p in (prims.max, prims.min):
+        a, b = e.invars
+        c = _scalar(b, env)
+        if c is None:
+            a, b, c = b, a, _scalar(a, env)
+            if c is None:
+                return None
+        upper = (p is prims.max) == (k == 0)   # max branch 0 / min branch 1: a above c
+        return a, ((c, p is prims.max, inf, False) if upper else (-inf, False, c, p is prims.min))
+    if p is prims.select_n and len(e.invars) == 3:
+        cmp = producer.get(e.invars[0])
+        if cmp is None or cmp.primitive.name not in _CMP:
+            return None
+        a, b = cmp.invars
+        sign, closed = _CMP[cmp.primitive.name]
+        c = _scalar(b, env)
+        if c is None:
+            a, b, c, sign = b, a, _scalar(a, env), -sign
+            if c is None:
+                return None
+        if k == 0:   # the comparison is false
+            sign, closed = -sign, not closed
+        return a, ((c, closed, inf, False) if sign > 0 else (-inf, False, c, closed))
+    return None
+
+
+def _scalar(v: Any, env: Env) -> float | None:
+    s = env.info.static(v)
+    if s is None or np.size(s) != 1:
+        return None
+    return float(np.asarray(s).reshape(()))
+
+
+def _shifted(v: Any, iv: tuple, producer: dict, env: Env) -> tuple[Any, tuple]:
+    """The interval carried back through additions of static scalars and copies."""
+    lo, lc, hi, hc = iv
+    for _ in range(16):
+        e = producer.get(v)
+        if e is None:
+            break
+        if e.primitive in (prims.copy, prims.convert_element_type) and len(e.invars) == 1:
+            v = e.invars[0]
+            continue
+        if e.primitive in (prims.add, prims.sub) and len(e.invars) == 2:
+            c = _scalar(e.invars[1], env)
+            if c is not None and is_var(e.invars[0]):
+                d = c if e.primitive is prims.add else -c   # v = u + d
+                lo, hi, v = lo - d, hi - d, e.invars[0]
+                continue
+        break
+    return v, (lo, lc, hi, hc)
+
+
+def _reachable(combo: dict, producer: dict, env: Env) -> bool:
+    bounds: dict = {}
+    for e, (c, k) in combo.items():
+        got = _interval(e, k, producer, env) if c.value is None else None
+        if got is None:
+            continue
+        v, iv = _shifted(*got, producer, env)
+        lo, lc, hi, hc = bounds.get(v, (-np.inf, False, np.inf, False))
+        nlo, nlc, nhi, nhc = iv
+        if nlo > lo or (nlo == lo and not nlc):
+            lo, lc = nlo, nlc
+        if nhi < hi or (nhi == hi and not nhc):
+            hi, hc = nhi, nhc
+        if lo > hi or (lo == hi and not (lc and hc)):
+            return False
+        bounds[v] = (lo, lc, hi, hc)
+    return True
+
+
+def _lossy_branch(ch: list[_Choice], ks: Sequence[int], env: Env) -> tuple[JaxprEqn, int]:
+    """The choice to name for a combination that cannot be inverted: one whose branch is a
+    value that does not depend on the state (relu's zero), else the first."""
+    for c, k in zip(ch, ks):
+        if c.value is not None:
+            continue
+        r = choice_rules[c.eqn.primitive].branch(c.eqn, k)
+        if not isinstance(r, JaxprEqn) and (isinstance(r, Literal) or env.known(r)):
+            return c.eqn, k
+    return ch[0].eqn, ks[0]
+
+
+def _merge(ch: list[_Choice], inputs: list[Var], cands: list, oks: list
+           ) -> tuple[list[Any], Any]:
+    """Per element (or as a whole), the first consistent candidate; checks that one is
+    consistent and that the consistent ones agree."""
+    ok = jnp.stack(oks)
+    idx = jnp.argmax(ok, axis=0).astype(jnp.int32)
+    anyok = jnp.any(ok, axis=0)
+    picked = [lax.select_n(idx, *[c[m] for c in cands]) if idx.ndim == 0 or
+              idx.shape == tuple(v.aval.shape) else
+              lax.select_n(jnp.broadcast_to(idx, v.aval.shape), *[c[m] for c in cands])
+              for m, v in enumerate(inputs)]
+    apart = jnp.zeros(idx.shape, bool)
+    for c, o in enumerate(oks):
+        for m, p in enumerate(picked):
+            x = cands[c][m]
+            eps = jnp.finfo(jnp.result_type(p)).eps if jnp.issubdtype(
+                jnp.result_type(p), jnp.inexact) else 0
+            tol = _AGREE_ULPS * eps * jnp.maximum(jnp.abs(p), jnp.abs(x)) + 1e-300
+            far = jnp.abs(x - p) > tol
+            far = far if idx.ndim else jnp.any(far)
+            apart = apart | (o & (idx != c) & far)
+    first = next((c.eqn for c in ch if has_user_frame(c.eqn)), ch[0].eqn)
+
+    def error(anyok, apart):
+        if not np.all(anyok):
+            return at_eqn(ReversibilityError, first,
+                          "no branch of the choices in this group (a select or a max whose "
+                          "decision depends on the state) is consistent with the output",
+                          "Ways out: the output is outside the map's range; check the input, "
+                          "or pass on_failure='nan'.")
+        if np.any(apart):
+            hint = ("Ways out: use `jr.cond(pred, true_fun, false_fun, *operands, post=...)`, "
+                    "whose post condition tells the backward run which branch ran, or pass "
+                    "on_failure='nan'." if first.primitive is prims.cond else
+                    "Ways out: make the map one-to-one (strictly monotone pieces that meet "
+                    "where the decision switches), or pass on_failure='nan'.")
+            return not_invertible(first, "two different branches of it are consistent with "
+                                         "the output, so the map is not one-to-one there", hint)
+        return None
+
+    raise_where(error, anyok, apart)
+    good = anyok & ~apart
+    out = []
+    for p in picked:
+        bad = jnp.broadcast_to(~good, jnp.shape(p)) if good.ndim else ~good
+        out.append(jnp.where(bad, jnp.nan, p) if jnp.issubdtype(jnp.result_type(p), jnp.inexact)
+                   else p)
+    return out, idx

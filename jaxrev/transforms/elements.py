@@ -1,0 +1,555 @@
+"""Element-level propagation (DESIGN.md §3.5): values known on some of their elements.
+
+Knowledge is per element, not per array. A variable known on part of its elements is held in
+`Env.part` as a `Part`: an array right outside an unknown `Region`, plus windows known besides
+(what a loop's ``x[i]`` read gives back). The walker calls `forward` and `backward` for every
+equation next to such knowledge; they apply, in this order:
+
+1. the primitive's own `element_rules` (`select_n` with a known predicate, `mul` by a factor
+   with zeros, scatters, dynamic slices: `index_rules`);
+2. for `ELEMENTWISE` primitives, the primitive itself forward and its inverse rule backward on
+   the partly known arrays (each element depends on the same element only, so the result is
+   known where every operand is);
+3. for `STRUCTURAL` primitives (reshape, slices, concatenate, pad, gathers with static
+   indices, ...), the positions each output element is copied from (an index map, computed once
+   by running the primitive on the positions themselves), forward and backward.
+
+Garbage stays where it is unknown: before an array enters a computation its unknown elements
+are replaced by a harmless value (`FILL`), so no NaN or infinity is made there (which would
+turn into a NaN derivative through the `select` that finally drops it).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxrev._compat import DropVar, JaxprEqn, Var
+from jaxrev._jaxpr import Env, Unknown, apply, fit_to_aval, is_var, real_outvars
+from jaxrev.transforms import regions as R
+from jaxrev.transforms.registry import (STRUCTURAL, Lossy, NeedMore, element_rules,
+                                        elementwise_in, index_args, inverse_rules, is_kind)
+
+__all__ = ["Part", "FILL", "forward", "backward", "learn", "learn_piece", "region_of",
+           "value_of", "static_of", "is_partial", "read_window", "not_case", "token"]
+
+FILL = 0.5
+"""What unknown elements hold when an array enters a computation: no inverse rule or primitive
+of a one-to-one map makes a NaN or an infinity of it (log, arctanh, 1/x, logit, sqrt)."""
+
+MAX_LEARN = 32
+"""Updates of one variable's partial knowledge, at most, per walk (a guard, never reached by a
+program that makes progress: each update shrinks the unknown region)."""
+
+
+@dataclass
+class Part:
+    """A variable known outside `region`: `value` is right outside `base`, and `pieces` hold
+    windows known besides (``(Win, values)``); `value` is None while only pieces are known."""
+
+    value: Any
+    base: R.Region
+    pieces: tuple = ()
+    region: R.Region = R.FULL
+    clean: Any = None      # value with garbage replaced by FILL, made when first asked for
+    learned: int = 0
+
+
+# --------------------------------------------------------------------------- reading
+
+def token(env: Env, v: Any) -> Any:
+    """What is known of `v`, as something that changes whenever that does."""
+    if env.known(v):
+        return True
+    p = env.part.get(v) if is_var(v) else None
+    return None if p is None else id(p)
+
+
+def is_partial(env: Env, v: Any) -> bool:
+    """Whether `v` is known on some of its elements only."""
+    return is_var(v) and v in env.part
+
+
+def static_of(env: Env, v: Any) -> np.ndarray | None:
+    return env.info.static(v)
+
+
+def region_of(env: Env, v: Any) -> R.Region:
+    """Where `v` is not known: EMPTY, FULL, or a region."""
+    if env.known(v):
+        return R.EMPTY
+    p = env.part.get(v) if is_var(v) else None
+    return R.FULL if p is None else p.region
+
+
+def _zeros(v: Any) -> Any:
+    return jnp.zeros(v.aval.shape, v.aval.dtype)
+
+
+def _assembled(env: Env, v: Var) -> Part:
+    """`v`'s part with its pieces written into its value."""
+    p = env.part[v]
+    if not p.pieces and p.value is not None:
+        return p
+    val = p.value if p.value is not None else _zeros(v)
+    for w, piece in p.pieces:
+        val = _write_window(val, w, piece, env)
+    q = Part(val, p.region, (), p.region, None, p.learned)
+    env.part[v] = q
+    return q
+
+
+def value_of(env: Env, v: Any, clean: bool = False) -> Any:
+    """`v`'s value where known (garbage elsewhere, or `FILL` with `clean`); None if nothing of
+    it is known."""
+    if env.known(v):
+        return env.read(v)
+    if not is_var(v) or not is_partial(env, v):
+        return None
+    p = _assembled(env, v)
+    if not clean:
+        return p.value
+    if p.clean is None:
+        fill = jnp.asarray(FILL if jnp.issubdtype(v.aval.dtype, jnp.inexact) else 1,
+                           v.aval.dtype)
+        p.clean = jnp.where(R.materialize(p.region, tuple(v.aval.shape), env.read, env.masks), fill,
+                            p.value)
+    return p.clean
+
+
+# --------------------------------------------------------------------------- learning
+
+def learn(env: Env, v: Any, value: Any, region: R.Region) -> bool:
+    """`v` is known outside `region`, with these values there. Returns whether that is new."""
+    if not is_var(v) or isinstance(v, DropVar) or env.known(v) or region == R.FULL:
+        return False
+    value = fit_to_aval(value, v.aval)
+    if region == R.EMPTY:
+        env.write(v, value)
+        return True
+    p = env.part.get(v)
+    st = env.info
+    if p is None:
+        env.part[v] = Part(value, region, (), region)
+        return True
+    if p.learned >= MAX_LEARN:
+        return False
+    new = R.intersect(p.region, region, st)
+    if R.implies(p.region, new):
+        return False
+    if p.value is None:
+        base, val = region, value
+    else:
+        base = R.intersect(p.base, region, st)
+        val = _merge(env, v, p.value, p.base, value, region)
+    if new == R.EMPTY:
+        for w, piece in p.pieces:
+            val = _write_window(val, w, piece, env)
+        env.write(v, val)
+        return True
+    pieces = tuple((w, x) for w, x in p.pieces
+                   if R.intersect(base, R.win_region(w), st) != R.EMPTY)
+    env.part[v] = Part(val, base, pieces, new, None, p.learned + 1)
+    return True
+
+
+def learn_piece(env: Env, v: Any, w: R.Win, piece: Any) -> bool:
+    """`v` is known on the window `w`, where it holds `piece` (the window's shape)."""
+    if not is_var(v) or env.known(v):
+        return False
+    st = env.info
+    p = env.part.get(v)
+    piece = jnp.asarray(piece, v.aval.dtype).reshape(w.sizes)
+    if p is None:
+        env.part[v] = Part(None, R.FULL, ((w, piece),), R.cowin_region(w))
+        return True
+    if p.learned >= MAX_LEARN or R.window_known(p.region, w, st):
+        return False
+    new = R.intersect(p.region, R.cowin_region(w), st)
+    if new == R.EMPTY:
+        pieces = (*p.pieces, (w, piece))
+        val = _tiled(pieces, tuple(v.aval.shape)) if p.value is None else None
+        if val is None:
+            val = p.value if p.value is not None else _zeros(v)
+            for w2, x in pieces:
+                val = _write_window(val, w2, x, env)
+        env.write(v, val)
+        return True
+    env.part[v] = Part(p.value, p.base, (*p.pieces, (w, piece)), new, None, p.learned + 1)
+    return True
+
+
+def _tiled(pieces: Sequence[tuple[R.Win, Any]], shape: tuple) -> Any:
+    """Pieces at static corners that tile one axis, joined by `concatenate` (which keeps the
+    operand's sharding, and is itself invertible); None otherwise."""
+    if not all(isinstance(o, (int, np.integer)) for w, _ in pieces for o in w.origin):
+        return None
+    axis = None
+    spans = {}
+    for w, x in pieces:
+        partial = [d for d in range(len(shape)) if (w.origin[d], w.sizes[d]) != (0, shape[d])]
+        if len(partial) > 1 or (axis is not None and partial and partial[0] != axis):
+            return None
+        if partial:
+            axis = partial[0]
+        d = axis if axis is not None else 0
+        spans.setdefault((int(w.origin[d]), int(w.origin[d]) + w.sizes[d]), x)
+    if axis is None:
+        return next(iter(spans.values()))
+    pos, parts = 0, []
+    for (a, b), x in sorted(spans.items()):
+        if a != pos:
+            return None
+        parts.append(x)
+        pos = b
+    if pos != shape[axis]:
+        return None
+    return parts[0] if len(parts) == 1 else lax.concatenate(parts, axis)
+
+
+def _merge(env: Env, v: Var, old: Any, old_base: R.Region, new: Any, new_region: R.Region
+           ) -> Any:
+    """One array right wherever `old` (outside `old_base`) or `new` (outside `new_region`) is,
+    written in the cheapest form: a window copied across when one of them is wrong (or right)
+    on one window only, else an elementwise select."""
+    shape = tuple(v.aval.shape)
+    one = _single_atom(old_base)
+    if isinstance(one, R.Win):      # old is wrong on one window: copy new's window into it
+        return _write_window(old, one, _read_window_value(new, one, env), env)
+    if isinstance(one, R.CoWin):    # old is right on one window only
+        return _write_window(new, one.win, _read_window_value(old, one.win, env), env)
+    two = _single_atom(new_region)
+    if isinstance(two, R.Win):
+        return _write_window(new, two, _read_window_value(old, two, env), env)
+    if isinstance(two, R.CoWin):
+        return _write_window(old, two.win, _read_window_value(new, two.win, env), env)
+    return jnp.where(R.materialize(old_base, shape, env.read, env.masks), new, old)
+
+
+def _single_atom(r: R.Region) -> Any:
+    if len(r) == 1:
+        (c,) = tuple(r)
+        if len(c) == 1:
+            return next(iter(c))
+    return None
+
+
+# --------------------------------------------------------------------------- windows
+
+def _starts(w: R.Win, env: Env) -> list[Any]:
+    out = []
+    for o in w.origin:
+        if isinstance(o, (int, np.integer)):
+            out.append(jnp.asarray(int(o), jnp.int32))
+        else:
+            var, k = o
+            val = env.read(var)
+            out.append(val if k is None else jnp.reshape(val, (-1,))[k])
+    return out
+
+
+def _in_bounds(w: R.Win, starts: Sequence[Any]) -> Any:
+    ok = jnp.asarray(True)
+    for s, z, n in zip(starts, w.sizes, w.shape):
+        ok = ok & (s >= 0) & (s + z <= n)
+    return ok
+
+
+def _read_window_value(val: Any, w: R.Win, env: Env) -> Any:
+    starts = _starts(w, env)
+    return lax.dynamic_slice(val, starts, w.sizes)
+
+
+def _write_window(val: Any, w: R.Win, piece: Any, env: Env) -> Any:
+    starts = _starts(w, env)
+    piece = jnp.reshape(piece, w.sizes).astype(val.dtype)
+    new = lax.dynamic_update_slice(val, piece, starts)
+    if w.mode == "clamp":
+        return new
+    # a box that does not fit is no position at all: nothing is written
+    return jnp.where(_in_bounds(w, starts), new, val)
+
+
+def read_window(env: Env, v: Any, w: R.Win) -> Any:
+    """`v`'s values on the window `w` (its shape), or None where they are not all known."""
+    if env.known(v):
+        return _read_window_value(env.read(v), w, env)
+    p = env.part.get(v) if is_var(v) else None
+    if p is None:
+        return None
+    st = env.info
+    for w2, piece in p.pieces:
+        if R.relation(w, w2, st) == "same":
+            return piece
+    if p.value is not None and R.window_known(p.base, w, st):
+        return _read_window_value(p.value, w, env)
+    if R.window_known(p.region, w, st):
+        return _read_window_value(_assembled(env, v).value, w, env)
+    return None
+
+
+# --------------------------------------------------------------------------- regions
+
+def not_case(env: Env, pred: Any, k: int, n: int, shape: tuple) -> R.Region:
+    """Where the known predicate `pred` (of `n` values, broadcast to `shape`) is not `k`."""
+    s = static_of(env, pred)
+    if s is not None:
+        return R.mask_region(np.broadcast_to(np.asarray(s).astype(np.int64) != k, shape))
+    return R.pred_region(pred, [c for c in range(n) if c != k], n, shape)
+
+
+def is_case(env: Env, pred: Any, k: int, n: int, shape: tuple) -> R.Region:
+    s = static_of(env, pred)
+    if s is not None:
+        return R.mask_region(np.broadcast_to(np.asarray(s).astype(np.int64) == k, shape))
+    return R.pred_region(pred, [k], n, shape)
+
+
+# --------------------------------------------------------------------------- entry points
+
+def forward(eqn: JaxprEqn, env: Env) -> bool:
+    """Outputs known on some elements, from inputs known on some (or all)."""
+    rule = element_rules.get(eqn.primitive)
+    if rule is not None and rule.forward is not None:
+        r = rule.forward(eqn, env)
+        if r is not None:
+            return r
+    if not any(is_var(v) and is_partial(env, v) for v in eqn.invars):
+        return False
+    if is_kind(eqn.primitive, STRUCTURAL):
+        return _structural_forward(eqn, env)
+    outs = real_outvars(eqn)
+    if len(outs) == 1 and elementwise_in(eqn, tuple(outs[0].aval.shape)):
+        return _elementwise_forward(eqn, env)
+    return False
+
+
+def backward(eqn: JaxprEqn, env: Env) -> bool | None:
+    """Inputs (some of their elements) from outputs known on some (or all) elements. None:
+    declined, the ordinary inverse rule is the one to try."""
+    rule = element_rules.get(eqn.primitive)
+    if rule is not None and rule.backward is not None:
+        r = rule.backward(eqn, env)
+        if r is not None:
+            return r
+    outs = real_outvars(eqn)
+    partial_out = any(is_partial(env, v) for v in outs)
+    if is_kind(eqn.primitive, STRUCTURAL):
+        static_idx = bool(_index_args(eqn)) and _statics_of_index_args(eqn, env) is not None
+        if partial_out or eqn.primitive not in inverse_rules or static_idx:
+            return _structural_backward(eqn, env)
+        return None
+    if len(outs) == 1 and elementwise_in(eqn, tuple(outs[0].aval.shape)):
+        return _elementwise_backward(eqn, env)
+    return None
+
+
+# --------------------------------------------------------------------------- elementwise
+
+def _elementwise_forward(eqn: JaxprEqn, env: Env) -> bool:
+    if not all(env.known(v) or is_partial(env, v) for v in eqn.invars):
+        return False
+    (o,) = real_outvars(eqn)
+    if env.known(o):
+        return False
+    region = R.EMPTY
+    for v in eqn.invars:
+        region = R.union(region, region_of(env, v), env.info)
+    if region == R.FULL:
+        return False
+    out = apply(eqn, [value_of(env, v, clean=True) for v in eqn.invars])[0]
+    return learn(env, o, out, region)
+
+
+def _elementwise_backward(eqn: JaxprEqn, env: Env) -> bool | None:
+    """Each operand not fully known, from the output and the other operands, where those are
+    known (elementwise: element k of the operand from element k of the rest)."""
+    (o,) = real_outvars(eqn)
+    targets = [k for k, v in enumerate(eqn.invars) if not env.known(v)]
+    if not targets or eqn.primitive not in inverse_rules:
+        return None
+    if not (env.known(o) or is_partial(env, o)):
+        return None
+    if len(targets) == 1 and env.known(o) and not any(is_partial(env, v) for v in eqn.invars):
+        return None   # everything needed is known: the ordinary inverse rule
+    wrote = False
+    involved = False
+    for k in targets:
+        others = [v for j, v in enumerate(eqn.invars) if j != k]
+        if not all(env.known(v) or is_partial(env, v) for v in others):
+            continue
+        involved = True
+        region = region_of(env, o)
+        for v in others:
+            region = R.union(region, region_of(env, v), env.info)
+        if region == R.FULL or R.implies(region_of(env, eqn.invars[k]), region):
+            continue
+        ins = [Unknown(v.aval) if j == k else value_of(env, v, clean=True)
+               for j, v in enumerate(eqn.invars)]
+        try:
+            rec = inverse_rules[eqn.primitive](value_of(env, o, clean=True), *ins, **eqn.params)
+        except (NeedMore, Lossy):
+            continue
+        if rec is not None and rec[k] is not None:
+            wrote = learn(env, eqn.invars[k], rec[k], region) or wrote
+    return wrote if involved else None
+
+
+# --------------------------------------------------------------------------- structural
+
+def _index_args(eqn: JaxprEqn) -> list[int]:
+    """The positions of `eqn`'s index operands (`index_args` holds ints and slices)."""
+    n = len(eqn.invars)
+    out: list[int] = []
+    for k in index_args.get(eqn.primitive, ()):
+        out.extend(range(n)[k] if isinstance(k, slice) else [k])
+    return out
+
+
+def _data_args(eqn: JaxprEqn) -> list[int]:
+    idx = _index_args(eqn)
+    return [k for k in range(len(eqn.invars)) if k not in idx]
+
+
+def _statics_of_index_args(eqn: JaxprEqn, env: Env) -> tuple | None:
+    out = []
+    for k in _index_args(eqn):
+        s = static_of(env, eqn.invars[k])
+        if s is None:
+            return None
+        out.append((k, np.asarray(s)))
+    return tuple(out)
+
+
+def index_maps(eqn: JaxprEqn, env: Env) -> tuple[list, list] | None:
+    """Per output and data operand: which operand position each output element copies
+    (`IndexMap`, fill False), and per operand element one output position that copies it
+    (fill True: an element no output copies is not known from them). None where an index
+    operand is not static or the arrays are too large."""
+    statics = _statics_of_index_args(eqn, env)
+    if statics is None:
+        return None
+    key = tuple((k, s.dtype.str, s.shape, s.tobytes()) for k, s in statics)
+    return _index_maps(eqn, key, statics)
+
+
+_MAX_MAP = 1 << 22
+
+
+def _index_maps(eqn: JaxprEqn, key: tuple, statics: tuple) -> tuple[list, list] | None:
+    hit = _MAPS.get((id(eqn), key))
+    if hit is not None and hit[0] is eqn:
+        return hit[1]
+    data = _data_args(eqn)
+    sizes = [int(np.prod(eqn.invars[k].aval.shape, dtype=np.int64)) for k in data]
+    total = sum(sizes)
+    if total >= 2 ** 31 or any(np.prod(o.aval.shape, dtype=np.int64) > _MAX_MAP
+                               for o in eqn.outvars if is_var(o)):
+        return None
+    args: list[Any] = [None] * len(eqn.invars)
+    offsets = np.cumsum([0] + sizes)
+    for k, off, n in zip(data, offsets, sizes):
+        args[k] = (np.arange(n, dtype=np.int32) + off).reshape(eqn.invars[k].aval.shape)
+    for k, s in statics:
+        args[k] = s
+    try:
+        with jax.ensure_compile_time_eval():
+            outs = [np.asarray(o).astype(np.int64) for o in apply(eqn, args)]
+    except Exception:  # a primitive that does not take integers: no structural knowledge
+        return None
+    fwd, inv = [], []
+    for o in outs:
+        row, irow = [], []
+        for k, off, n in zip(data, offsets, sizes):
+            flat = o.reshape(-1)
+            inside = (flat >= off) & (flat < off + n)
+            m = np.where(inside, flat - off, -1)
+            row.append(R.IndexMap(m, tuple(o.shape), False))
+            back = np.full(n, -1, np.int64)
+            ks = np.nonzero(inside)[0]
+            back[m[ks][::-1]] = ks[::-1]   # the first output position that copies each one
+            irow.append(R.IndexMap(back, tuple(eqn.invars[k].aval.shape), True))
+        fwd.append(row)
+        inv.append(irow)
+    _MAPS[(id(eqn), key)] = (eqn, (fwd, inv))
+    if len(_MAPS) > 4096:
+        _MAPS.pop(next(iter(_MAPS)))
+    return fwd, inv
+
+
+_MAPS: dict = {}
+
+
+def _structural_forward(eqn: JaxprEqn, env: Env) -> bool:
+    maps = index_maps(eqn, env)
+    if maps is None:
+        return False
+    fwd, _ = maps
+    data = _data_args(eqn)
+    if any(is_partial(env, eqn.invars[k]) and env.part[eqn.invars[k]].value is None
+           for k in data):
+        return False   # known by windows only: read by window (assembling them costs O(n))
+    vals = list(env.read(v) if env.known(v) else None for v in eqn.invars)
+    regions = {}
+    for k in data:
+        v = eqn.invars[k]
+        regions[k] = region_of(env, v)
+        vals[k] = value_of(env, v) if regions[k] != R.FULL else _zeros(v)
+    for k in _index_args(eqn):
+        if vals[k] is None:
+            return False
+    outs = apply(eqn, vals)
+    wrote = False
+    for o, val, row in zip(eqn.outvars, outs, fwd):
+        if not is_var(o) or env.known(o):
+            continue
+        region = R.EMPTY
+        for k, m in zip(data, row):
+            region = R.union(region, R.pullback(regions[k], m), env.info)
+        wrote = learn(env, o, val, region) or wrote
+    return wrote
+
+
+def _structural_backward(eqn: JaxprEqn, env: Env) -> bool:
+    if not all(env.known(eqn.invars[k]) for k in _index_args(eqn)):
+        return False
+    maps = index_maps(eqn, env)
+    if maps is None:
+        return False
+    fwd, inv = maps
+    data = _data_args(eqn)
+    wrote = False
+    for j, k in enumerate(data):
+        v = eqn.invars[k]
+        if not is_var(v) or env.known(v):
+            continue
+        for o, frow, irow in zip(eqn.outvars, fwd, inv):
+            ro = region_of(env, o) if is_var(o) else R.FULL
+            if ro == R.FULL or 0 in o.aval.shape or (
+                    is_partial(env, o) and env.part[o].value is None):
+                continue   # (known by windows only: they are read by window, not assembled)
+            im = _known_readers(frow[j], ro, tuple(v.aval.shape)) or irow[j]
+            ov = jnp.reshape(value_of(env, o), (-1,))
+            got = jnp.reshape(ov[np.maximum(im.index, 0)], v.aval.shape)
+            wrote = learn(env, v, got, R.pullback(ro, im)) or wrote
+            if env.known(v):
+                break
+    return wrote
+
+
+def _known_readers(m: R.IndexMap, ro: R.Region, shape: tuple) -> R.IndexMap | None:
+    """Per operand element, an output position that copies it and is known, where what is
+    known of the output is static (a gather may read one element at known and at garbage
+    positions); None otherwise (the first position that copies it, whichever)."""
+    unknown = R.static_mask(ro, m.shape)
+    if unknown is None:
+        return None
+    idx = m.index
+    ks = np.nonzero((idx >= 0) & ~unknown.reshape(-1))[0]
+    back = np.full(int(np.prod(shape, dtype=np.int64)), -1, np.int64)
+    back[idx[ks][::-1]] = ks[::-1]
+    return R.IndexMap(back, shape, True)

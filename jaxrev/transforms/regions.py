@@ -1,0 +1,522 @@
+"""Sets of element positions (DESIGN.md §3.5): where a partly known value is not known yet.
+
+A value may be known on part of its elements. The walker keeps, for such a value, an array
+that is right outside a `Region` (the positions still unknown) and garbage inside it. A region
+is a union of conjunctions of atoms:
+
+- `Mask`: a static set of positions (a mask known when the program is traced);
+- `Pred`: where a known integer or boolean array takes one of some values (a `select_n`'s
+  predicate known only when the program runs: diffrax's ``where(keep, new, old)``);
+- `Win`: a box of positions whose corner is an index computed by the program (the element a
+  loop's ``x.at[i].add(...)`` writes, a `dynamic_update_slice` window), and `CoWin`, its
+  complement.
+
+Deciding whether a conjunction is empty is what makes partial knowledge useful: ``p`` and
+``not p`` cover everything; a read window disjoint from the written one is known. Windows are
+compared by `relation`, on their corners' values at every iteration of the enclosing loop
+(`Statics.enum`, exact) or, where those are not known at trace time, not at all (the
+relation is then unknown, and the region stays as large as it was: regions only ever
+over-approximate what is unknown, which is always safe).
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+__all__ = ["Mask", "Pred", "Win", "CoWin", "Region", "EMPTY", "FULL", "mask_region",
+           "pred_region", "win_region", "cowin_region", "union", "intersect", "implies",
+           "pullback", "materialize", "relation", "has_windows", "window_known", "static_mask",
+           "IndexMap"]
+
+
+# --------------------------------------------------------------------------- atoms
+
+@dataclass(frozen=True)
+class Mask:
+    """A static set of positions."""
+
+    bits: bytes
+    shape: tuple
+
+    @staticmethod
+    def of(m: np.ndarray) -> "Mask":
+        m = np.asarray(m, bool)
+        return Mask(np.packbits(m.ravel()).tobytes(), tuple(m.shape))
+
+    @property
+    def array(self) -> np.ndarray:
+        n = int(np.prod(self.shape, dtype=np.int64))
+        bits = np.unpackbits(np.frombuffer(self.bits, np.uint8), count=n)
+        return bits.astype(bool).reshape(self.shape)
+
+
+class IndexMap:
+    """Positions of one array read off another: ``out.flat[k] = src.flat[index[k]]``; where
+    ``index[k] < 0`` the element comes from elsewhere, and counts as `fill`. Maps compose
+    (`then`), so a region pulled back through many steps holds one; equal maps are equal
+    (compared by content), so ``p`` and ``not p`` pulled back the same way still merge."""
+
+    __slots__ = ("index", "shape", "_key")
+
+    def __init__(self, index: np.ndarray, shape: tuple, fill: bool | None = None) -> None:
+        index = np.asarray(index, np.int64)
+        if fill is not None:   # -1: False, -2: True
+            index = np.where(index >= 0, index, -2 if fill else -1)
+        self.index = index
+        self.shape = tuple(shape)
+        self._key = None
+
+    def key(self) -> tuple:
+        if self._key is None:
+            self._key = (self.shape, hashlib.blake2b(self.index.tobytes(),
+                                                     digest_size=16).digest())
+        return self._key
+
+    def __hash__(self) -> int:
+        return hash(self.key())
+
+    def __eq__(self, other: Any) -> bool:
+        return isinstance(other, IndexMap) and (other is self or self.key() == other.key())
+
+    def then(self, after: "IndexMap") -> "IndexMap":
+        """This map followed by `after` (which reads this map's output)."""
+        idx = after.index
+        return IndexMap(np.where(idx >= 0, self.index[np.maximum(idx, 0)], idx), after.shape)
+
+    def apply(self, m: Any) -> Any:
+        """Pull a mask (numpy or jax) of the source back to the output's positions."""
+        idx = self.index
+        flat = m.reshape(-1)
+        if isinstance(m, np.ndarray):
+            out = np.where(idx >= 0, flat[np.maximum(idx, 0)], idx == -2)
+            return out.reshape(self.shape)
+        taken = jnp.take(flat, jnp.asarray(np.maximum(idx, 0)), mode="clip")
+        out = jnp.where(jnp.asarray(idx >= 0), taken, jnp.asarray(idx == -2))
+        return out.reshape(self.shape)
+
+
+@dataclass(frozen=True)
+class Pred:
+    """Positions where the known array `var` (broadcast to `shape0`) takes a value in `cases`,
+    out of `range(n)`; then pulled back through `maps` (to `shape`)."""
+
+    var: Any
+    cases: frozenset
+    n: int
+    shape0: tuple
+    maps: tuple = ()
+
+    @property
+    def key(self) -> tuple:
+        return (self.var, self.n, self.shape0, self.maps)
+
+    @property
+    def shape(self) -> tuple:
+        return self.maps[-1].shape if self.maps else self.shape0
+
+
+@dataclass(frozen=True)
+class Win:
+    """A box of positions: per dimension, `origin` (an int, or ``(var, k)``: element k of the
+    integer array `var`, or the scalar `var` itself for k None) and `sizes`, in an array of
+    `shape`. ``mode="clamp"``: the corner is clamped so that the box fits (`dynamic_slice`);
+    ``"drop"``: a box that does not fit is no position at all (a scatter's FILL_OR_DROP)."""
+
+    origin: tuple
+    sizes: tuple
+    shape: tuple
+    mode: str
+
+
+@dataclass(frozen=True)
+class CoWin:
+    """Every position but a window's."""
+
+    win: Win
+
+
+Atom = Any
+Conj = frozenset
+Region = frozenset
+EMPTY: Region = frozenset()
+FULL: Region = frozenset({frozenset()})
+
+
+def mask_region(m: np.ndarray) -> Region:
+    m = np.asarray(m, bool)
+    if not m.any():
+        return EMPTY
+    if m.all():
+        return FULL
+    return frozenset({frozenset({Mask.of(m)})})
+
+
+def pred_region(var: Any, cases: Iterable[int], n: int, shape: tuple) -> Region:
+    cases = frozenset(int(c) for c in cases if 0 <= int(c) < n)
+    if not cases:
+        return EMPTY
+    if len(cases) == n:
+        return FULL
+    return frozenset({frozenset({Pred(var, cases, n, tuple(shape))})})
+
+
+def _box(w: Win) -> np.ndarray | None:
+    """A window at a static corner, as a static mask (exact reasoning: masks intersect and
+    cover exactly)."""
+    if not all(isinstance(o, (int, np.integer)) for o in w.origin):
+        return None
+    m = np.zeros(w.shape, bool)
+    idx = []
+    for o, z, n in zip(w.origin, w.sizes, w.shape):
+        o = int(o)
+        if w.mode == "clamp":
+            o = min(max(o, 0), max(n - z, 0))
+        elif o < 0 or o + z > n:
+            return m
+        idx.append(slice(o, o + z))
+    m[tuple(idx)] = True
+    return m
+
+
+def win_region(w: Win) -> Region:
+    box = _box(w)
+    return mask_region(box) if box is not None else frozenset({frozenset({w})})
+
+
+def cowin_region(w: Win) -> Region:
+    box = _box(w)
+    return mask_region(~box) if box is not None else frozenset({frozenset({CoWin(w)})})
+
+
+def has_windows(r: Region) -> bool:
+    return any(isinstance(a, (Win, CoWin)) for c in r for a in c)
+
+
+# --------------------------------------------------------------------------- window relations
+
+def _corner(o: Any, statics: Any) -> tuple[str, Any] | None:
+    """One coordinate of a window's corner: ("static", int), ("enum", values per iteration),
+    or None where it is not known at trace time."""
+    if isinstance(o, (int, np.integer)):
+        return "static", int(o)
+    var, k = o
+    s = statics.static(var) if statics is not None else None
+    if s is not None:
+        s = np.asarray(s)
+        return "static", int(s if k is None else s.reshape(-1)[k])
+    e = statics.enum(var) if statics is not None else None
+    if e is not None:
+        e = np.asarray(e)
+        return "enum", (e if k is None else e.reshape(e.shape[0], -1)[:, k]).astype(np.int64)
+    return None
+
+
+def _starts(w: Win, statics: Any) -> tuple[list[Any], Any] | None:
+    """Per dimension the box's start (int or array over iterations) after the mode's clamping,
+    and where the box exists (bool, or array over iterations)."""
+    starts, valid = [], True
+    for o, z, n in zip(w.origin, w.sizes, w.shape):
+        c = _corner(o, statics)
+        if c is None:
+            return None
+        s = c[1]
+        if w.mode == "clamp":
+            s = np.clip(s, 0, max(n - z, 0))
+        else:
+            valid = valid & (s >= 0) & (s + z <= n)
+        starts.append(s)
+    return starts, valid
+
+
+def relation(a: Win, b: Win, statics: Any) -> str | None:
+    """"same" (the same positions at every iteration), "disjoint" (none in common at any
+    iteration), or None (not decided)."""
+    if a == b:
+        return "same"
+    if a.shape != b.shape:
+        return None
+    sa, sb = _starts(a, statics), _starts(b, statics)
+    if sa is None or sb is None:
+        return None
+    (xa, va), (xb, vb) = sa, sb
+    same = np.asarray(True)
+    apart = np.asarray(False)
+    for s1, z1, s2, z2 in zip(xa, a.sizes, xb, b.sizes):
+        same = same & (np.asarray(s1) == s2) & (z1 == z2)
+        apart = apart | (np.asarray(s1) + z1 <= s2) | (np.asarray(s2) + z2 <= s1)
+    va, vb = np.asarray(va), np.asarray(vb)
+    if np.all((~va & ~vb) | (va & vb & same)):
+        return "same"
+    if np.all(~va | ~vb | apart):
+        return "disjoint"
+    return None
+
+
+def _window_meets_mask(w: Win, m: np.ndarray, statics: Any) -> bool | None:
+    """Whether the window covers any position of the static mask at some iteration."""
+    st = _starts(w, statics)
+    if st is None:
+        return None
+    starts, valid = st
+    T = max([np.size(s) for s in starts] + [np.size(valid)])
+    starts = [np.broadcast_to(np.asarray(s), (T,)) if np.ndim(s) else np.full(T, s)
+              for s in starts]
+    valid = np.broadcast_to(np.asarray(valid), (T,))
+    if T > 1_000_000:
+        return None
+    # a summed-area table answers "any mask position in this box" in O(1) per iteration
+    sat = np.pad(np.asarray(m, np.int64), [(1, 0)] * m.ndim)
+    for d in range(m.ndim):
+        sat = np.cumsum(sat, axis=d)
+    total = np.zeros(T, np.int64)
+    for corner in np.ndindex(*([2] * m.ndim)):
+        idx = tuple(s + (z if c else 0) for s, z, c in zip(starts, w.sizes, corner))
+        sign = (-1) ** (m.ndim - sum(corner))
+        total += sign * sat[idx]
+    return bool(np.any(valid & (total > 0)))
+
+
+# --------------------------------------------------------------------------- conjunctions
+
+def _simplify_conj(c: Conj, statics: Any) -> Conj | None:
+    """A conjunction with its atoms merged; None when it is provably empty."""
+    masks = [a for a in c if isinstance(a, Mask)]
+    preds: dict[tuple, Pred] = {}
+    wins = [a for a in c if isinstance(a, Win)]
+    cowins = [a for a in c if isinstance(a, CoWin)]
+    out: set = set()
+    if masks:
+        m = masks[0].array
+        for a in masks[1:]:
+            m = m & a.array
+        if not m.any():
+            return None
+        if not m.all():
+            out.add(Mask.of(m))
+    for a in c:
+        if isinstance(a, Pred):
+            p = preds.get(a.key)
+            cases = a.cases if p is None else p.cases & a.cases
+            if not cases:
+                return None
+            preds[a.key] = Pred(a.var, cases, a.n, a.shape0, a.maps)
+    out.update(p for p in preds.values() if len(p.cases) < p.n)
+    for i, w in enumerate(wins):
+        for v in wins[i + 1:]:
+            if relation(w, v, statics) == "disjoint":
+                return None
+    kept_wins = []
+    for w in wins:
+        if not any(relation(w, v, statics) == "same" for v in kept_wins):
+            kept_wins.append(w)
+    out.update(kept_wins)
+    for cw in cowins:
+        rels = [relation(w, cw.win, statics) for w in kept_wins]
+        if "same" in rels:
+            return None
+        if rels and "disjoint" in rels:
+            continue  # the window is inside the complement already
+        out.add(cw)
+    mask_atoms = [a for a in out if isinstance(a, Mask)]
+    if mask_atoms:
+        m = mask_atoms[0].array
+        for w in kept_wins:
+            meets = _window_meets_mask(w, m, statics)
+            if meets is False:
+                return None
+    return frozenset(out)
+
+
+def _merge_pair(a: Conj, b: Conj) -> Conj | None:
+    """(A and x) or (A and y) as one conjunction A and (x or y), where that is one atom."""
+    da, db = a - b, b - a
+    if len(da) != 1 or len(db) != 1:
+        return None
+    (x,), (y,) = tuple(da), tuple(db)
+    rest = a & b
+    if isinstance(x, Pred) and isinstance(y, Pred) and x.key == y.key:
+        cases = x.cases | y.cases
+        if len(cases) == x.n:
+            return rest
+        return rest | {Pred(x.var, cases, x.n, x.shape0, x.maps)}
+    if isinstance(x, Mask) and isinstance(y, Mask) and x.shape == y.shape:
+        m = x.array | y.array
+        return rest if m.all() else rest | {Mask.of(m)}
+    if isinstance(x, Win) and isinstance(y, CoWin) and y.win == x:
+        return rest
+    if isinstance(y, Win) and isinstance(x, CoWin) and x.win == y:
+        return rest
+    return None
+
+
+def _simplify(r: Iterable[Conj], statics: Any) -> Region:
+    conjs = []
+    for c in r:
+        s = _simplify_conj(frozenset(c), statics)
+        if s is None:
+            continue
+        if not s:
+            return FULL
+        conjs.append(s)
+    changed = True
+    while changed and len(conjs) > 1:
+        changed = False
+        # absorption: a conjunction implied by a weaker one adds nothing
+        conjs.sort(key=len)
+        kept: list = []
+        for c in conjs:
+            if not any(k <= c for k in kept):
+                kept.append(c)
+        changed = len(kept) != len(conjs)
+        conjs = kept
+        for i in range(len(conjs)):
+            for j in range(i + 1, len(conjs)):
+                m = _merge_pair(conjs[i], conjs[j])
+                if m is not None:
+                    s = _simplify_conj(m, statics)
+                    rest = [c for k, c in enumerate(conjs) if k not in (i, j)]
+                    if s is not None and not s:
+                        return FULL
+                    conjs = rest + ([s] if s is not None else [])
+                    changed = True
+                    break
+            if changed:
+                break
+    return frozenset(conjs)
+
+
+def union(a: Region, b: Region, statics: Any = None) -> Region:
+    if a == EMPTY or b == FULL:
+        return b
+    if b == EMPTY or a == FULL:
+        return a
+    return _simplify(a | b, statics)
+
+
+def intersect(a: Region, b: Region, statics: Any = None) -> Region:
+    if a == EMPTY or b == EMPTY:
+        return EMPTY
+    if a == FULL:
+        return b
+    if b == FULL:
+        return a
+    return _simplify([ca | cb for ca in a for cb in b], statics)
+
+
+def implies(a: Region, b: Region) -> bool:
+    """Whether `a` is inside `b`, as far as the atoms show (every conjunction of `a` has one
+    of `b` whose atoms it contains)."""
+    return all(any(cb <= ca for cb in b) for ca in a)
+
+
+def pullback(r: Region, m: IndexMap) -> Region:
+    """The region on the output of `m` (positions whose source position is in `r`; the map's
+    fill where the element comes from elsewhere). Windows do not survive it: a conjunction with one
+    becomes every position (still an over-approximation of the unknown)."""
+    if r == EMPTY:
+        return mask_region((m.index == -2).reshape(m.shape))
+    out = []
+    for c in r:
+        if any(isinstance(a, (Win, CoWin)) for a in c):
+            return FULL
+        atoms = set()
+        for a in c:
+            if isinstance(a, Mask):
+                atoms.add(Mask.of(m.apply(a.array)))
+            else:
+                atoms.add(Pred(a.var, a.cases, a.n, a.shape0,
+                               (a.maps[0].then(m),) if a.maps else (m,)))
+        if not c:
+            atoms.add(Mask.of(np.where(m.index >= 0, True, m.index == -2).reshape(m.shape)))
+        out.append(frozenset(atoms))
+    return _simplify(out, None)
+
+
+# --------------------------------------------------------------------------- run-time masks
+
+def _window_mask(w: Win, read: Callable[[Any], Any]) -> Any:
+    inside = None
+    for d, (o, z, n) in enumerate(zip(w.origin, w.sizes, w.shape)):
+        if isinstance(o, (int, np.integer)):
+            s = jnp.asarray(int(o))
+        else:
+            var, k = o
+            v = read(var)
+            s = v if k is None else jnp.reshape(v, (-1,))[k]
+        if w.mode == "clamp":
+            s = jnp.clip(s, 0, max(n - z, 0))
+        pos = lax.broadcasted_iota(jnp.int32, w.shape, d)
+        s = s.astype(jnp.int32)
+        here = (pos >= s) & (pos < s + z)
+        if w.mode != "clamp":
+            here = here & (s >= 0) & (s + z <= n)
+        inside = here if inside is None else inside & here
+    return inside
+
+
+def _pred_mask(a: Pred, read: Callable[[Any], Any]) -> Any:
+    v = read(a.var)
+    v = v.astype(jnp.int32) if v.dtype == jnp.bool_ else v
+    hit = None
+    for c in sorted(a.cases):
+        h = v == c
+        hit = h if hit is None else hit | h
+    m = jnp.broadcast_to(hit, a.shape0)
+    for im in a.maps:
+        m = im.apply(m)
+    return m
+
+
+def materialize(r: Region, shape: tuple, read: Callable[[Any], Any],
+                cache: dict | None = None) -> Any:
+    """The region as a boolean array when the program runs (`read` gives a variable's value;
+    `cache` keeps the arrays made for a walk, which every copy of its env shares)."""
+    if cache is not None:
+        key = (r, tuple(shape))
+        hit = cache.get(key)
+        if hit is None:
+            hit = cache[key] = materialize(r, shape, read)
+        return hit
+    if r == EMPTY:
+        return jnp.zeros(shape, bool)
+    if r == FULL:
+        return jnp.ones(shape, bool)
+    out = None
+    for c in r:
+        m = None
+        for a in c:
+            if isinstance(a, Mask):
+                am = jnp.asarray(a.array)
+            elif isinstance(a, Pred):
+                am = _pred_mask(a, read)
+            elif isinstance(a, Win):
+                am = _window_mask(a, read)
+            else:
+                am = ~_window_mask(a.win, read)
+            m = am if m is None else m & am
+        m = jnp.ones(shape, bool) if m is None else jnp.broadcast_to(m, shape)
+        out = m if out is None else out | m
+    return out
+
+
+def static_mask(r: Region, shape: tuple) -> np.ndarray | None:
+    """The region as a numpy mask where it is made of static masks only, else None."""
+    out = np.zeros(shape, bool)
+    for c in r:
+        m = np.ones(shape, bool)
+        for a in c:
+            if not isinstance(a, Mask):
+                return None
+            m = m & a.array
+        out = out | m
+    return out
+
+
+def window_known(r: Region, w: Win, statics: Any) -> bool:
+    """Whether every position of the window `w` is outside the unknown region `r`."""
+    return intersect(r, win_region(w), statics) == EMPTY
