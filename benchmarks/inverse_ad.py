@@ -6,6 +6,10 @@ Workloads (issue 4):
   parallel: each iteration's incoming carry is the previous iteration's output.
 - leapfrog chain of a nonlinear Klein-Gordon lattice, n = 2000 (1000 sites, q and p), 200
   kick-drift-kick steps. Invertible (a symplectic map).
+- the single-slot chain written the way NiLang writes it, n = 4000: a `fori_loop` of
+  ``x.at[i].add(tanh(w[i] x[i-1]))``, then x = sinh(x). Its inverse is the loop run backwards,
+  one element update per iteration (element-level inversion, issue 15); its log-determinant is
+  timed too (`jr.slogdet_jacobian`, against dense `slogdet` of jacfwd).
 - coupling chain with `.at[1:].add` updates, n = 2000: x.at[1:].add(tanh(w x[:-1])) then an
   elementwise scale, 4 times. Not invertible step by step (each update reads the values it
   shifts), its tangent program is: the "linearize" strategy.
@@ -47,6 +51,15 @@ def single_slot_chain(n):
             return xi, xi
         _, rest = jax.lax.scan(body, x[0], (x[1:], w[1:]))
         return jnp.sinh(jnp.concatenate([x[:1], rest]))
+    return f, jnp.asarray(np.random.default_rng(1).standard_normal(n))
+
+
+def at_add_chain(n):
+    w = jnp.asarray(np.random.default_rng(0).standard_normal(n) * 0.5)
+
+    def f(x):
+        x = jax.lax.fori_loop(1, n, lambda i, x: x.at[i].add(jnp.tanh(w[i] * x[i - 1])), x)
+        return jnp.sinh(x)
     return f, jnp.asarray(np.random.default_rng(1).standard_normal(n))
 
 
@@ -94,7 +107,7 @@ def residual_t(f, x, w, c):
     return float(jnp.linalg.norm(wj - c) / jnp.linalg.norm(c))
 
 
-def run_workload(name, f, x, dense_ok=True, reps=5):
+def run_workload(name, f, x, dense_ok=True, reps=5, slogdet=False):
     n = x.shape[0]
     v = jnp.asarray(np.random.default_rng(3).standard_normal(n))
     fns = {
@@ -102,6 +115,9 @@ def run_workload(name, f, x, dense_ok=True, reps=5):
         "jr.inverse_jvp": jax.jit(lambda x, v: jr.inverse_jvp(f, (x,), v)[1][0]),
         "jr.inverse_vjp": jax.jit(lambda x, v: jr.inverse_vjp(f, x)[1]((v,))),
     }
+    if slogdet:
+        fns["jr.slogdet_jacobian"] = jax.jit(lambda x, v: jr.slogdet_jacobian(f, x)[1])
+        fns["dense slogdet"] = jax.jit(lambda x, v: jnp.linalg.slogdet(jax.jacfwd(f)(x))[1])
     if dense_ok:
         fns["dense jacfwd + solve"] = jax.jit(
             lambda x, v: jnp.linalg.solve(jax.jacfwd(f)(x), v))
@@ -116,7 +132,12 @@ def run_workload(name, f, x, dense_ok=True, reps=5):
     for k, g in fns.items():
         out[k] = g(x, v)
     res = {k: (residual_t(f, x, o, v) if k == "jr.inverse_vjp" else residual(f, x, o, v))
-           for k, o in out.items() if k != "jax.jvp"}
+           for k, o in out.items() if k not in ("jax.jvp", "jr.slogdet_jacobian",
+                                                "dense slogdet")}
+    if slogdet:   # the log-determinant's error against the dense one
+        ref = out["dense slogdet"]
+        res["jr.slogdet_jacobian"] = float(abs(out["jr.slogdet_jacobian"] - ref)
+                                           / max(1.0, abs(float(ref))))
     times = interleaved_medians({k: (lambda g=g: g(x, v)) for k, g in fns.items()}, reps=reps)
     method = "reverse"
     try:
@@ -131,12 +152,14 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args(argv)
     q = args.quick
-    work = [("single-slot chain", *single_slot_chain(400 if q else 4000)),
-            ("Klein-Gordon leapfrog, 200 steps", *klein_gordon(200 if q else 2000)),
-            ("coupling chain .at[1:].add", *coupling_chain(300 if q else 2000))]
+    work = [("single-slot chain", *single_slot_chain(400 if q else 4000), False),
+            ("single-slot chain, fori_loop of .at[i].add", *at_add_chain(400 if q else 4000),
+             True),
+            ("Klein-Gordon leapfrog, 200 steps", *klein_gordon(200 if q else 2000), False),
+            ("coupling chain .at[1:].add", *coupling_chain(300 if q else 2000), False)]
     rows = []
-    for name, f, x in progress(work, desc="inverse AD workloads"):
-        rows.append(run_workload(name, f, x))
+    for name, f, x, sld in progress(work, desc="inverse AD workloads"):
+        rows.append(run_workload(name, f, x, slogdet=sld))
     data = {"device": device_info(), "rows": rows}
     table = make_table(data)
     suffix = "_quick" if q else ""
@@ -147,7 +170,7 @@ def main(argv=None):
 
 def make_table(d):
     rows = d["rows"]
-    names = list(rows[0]["times"])
+    names = list(dict.fromkeys(k for r in rows for k in r["times"]))
     out = [f"# Inverse accumulation ({d['device']['backend']}, JAX {d['device']['jax']})", "",
            "Seconds (median of interleaved runs, jit-compiled); relative residual in brackets.",
            "", "| workload | n | strategy | " + " | ".join(names) + " |",
@@ -181,7 +204,7 @@ def plot(d, path):
     if plt is None:
         return
     rows = d["rows"]
-    names = list(rows[0]["times"])
+    names = list(dict.fromkeys(k for r in rows for k in r["times"]))
     fig, ax = plt.subplots(figsize=(10, 4))
     width = 0.8 / len(names)
     for j, k in enumerate(names):

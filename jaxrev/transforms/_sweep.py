@@ -371,6 +371,10 @@ def walk(P: Plan, env: Env, ctenv: dict | None, active_in: set, res: Residuals,
         sweep = sweep_rules.get(e.primitive)
         if i not in forward:
             if sweep is not None:
+                if not any(is_var(o) and is_float(o.aval) for o in e.outvars):
+                    # no cotangent flows through it (a bin search): where its outputs are
+                    # needed they are rebuilt, by running it forward once its inputs are
+                    continue
                 sweep(P, i, env, ctenv, active, res)
                 continue
             unk = [v for v in e.invars if is_var(v) and not env.known(v)]

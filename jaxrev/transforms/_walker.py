@@ -32,7 +32,7 @@ from jaxrev.transforms.registry import (STRUCTURAL, Lossy, NeedMore, element_rul
                                         inverse_jvp_rules, inverse_rules, is_kind)
 
 __all__ = ["Stuck", "Window", "Hints", "RuleContext", "rule_context", "propagate", "seed",
-           "invert_jaxpr", "raise_stuck", "blame", "statics_for"]
+           "invert_jaxpr", "raise_stuck", "blame", "statics_for", "counts"]
 
 
 @dataclass
@@ -95,6 +95,10 @@ class RuleContext:
 
 
 _CONTEXT: list[RuleContext] = []
+
+counts = {"rules": 0, "elements": 0}
+"""How many inverse rules and element steps the walker has applied (tracing cost: a test
+checks that it grows linearly with the program)."""
 _NO_LOSS = object()
 
 
@@ -106,6 +110,7 @@ def rule_context() -> RuleContext | None:
 # --------------------------------------------------------------------------- applying a rule
 
 def _apply_rule(eqn: JaxprEqn, env: Env) -> list[Any] | None:
+    counts["rules"] += 1
     rule = inverse_rules[eqn.primitive]
     outs = [env.read_or_unknown(v) for v in eqn.outvars]
     ins = [env.read_or_unknown(v) for v in eqn.invars]
@@ -256,7 +261,7 @@ def propagate(jaxpr: Jaxpr | Window, env: Env, goals: Sequence[Any] | None, *,
             wrote = []
             for v, r in zip(eqn.invars, rec or ()):
                 if r is not None and isinstance(v, Var) and not env.known(v):
-                    env.write(v, r)
+                    elements.complete(env, v, r)
                     wrote.append(v)
             if wrote:
                 progress = True
@@ -288,6 +293,7 @@ def _element_step(eqn: JaxprEqn, env: Env, forward_only: bool, soft: bool,
                   stuck: dict[int, Stuck], claimed: set[int], i: int) -> bool:
     """Element-level propagation around `eqn`; whether it learned something. Its element
     rules may claim the equation (then its ordinary inverse rule is not tried)."""
+    counts["elements"] += 1
     learned = elements.forward(eqn, env)
     if forward_only:
         return learned

@@ -28,11 +28,12 @@ from __future__ import annotations
 import itertools
 from typing import Any, Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxrev._compat import JaxprEqn, Literal, Var, has_user_frame, prims
+from jaxrev._compat import JaxprEqn, Literal, Var, has_user_frame, is_concrete, prims
 from jaxrev._errors import ReversibilityError, at_eqn, not_invertible
 from jaxrev._jaxpr import Env, evaluate, is_var, real_outvars, size_of
 from jaxrev.transforms._checks import NEWTON_STARTS, counts, raise_where, settings
@@ -325,12 +326,12 @@ def _split(G: Sequence[JaxprEqn], ch: list[_Choice], inputs: list[Var], outputs:
     rs = tuple(env.read(v) for v in reads)
     same = [(tuple(a.aval.shape), a.aval.dtype) for a in outputs] == [
         (tuple(a.aval.shape), a.aval.dtype) for a in inputs]
-    if same:
+    if same and not all(is_concrete(x) for x in [*ys, *rs]):
         from jaxrev.transforms.custom import custom_inverse
         step = custom_inverse(solve)
         step.definverse(forward)
         xs = step(ys, rs)
-    else:
+    else:   # (eagerly, on values: its checks raise at once, naming the choice)
         xs = solve(ys, rs)
     if xs is None:
         return False
@@ -341,49 +342,26 @@ def _split(G: Sequence[JaxprEqn], ch: list[_Choice], inputs: list[Var], outputs:
 
 def _solve(G: Sequence[JaxprEqn], ch: list[_Choice], inputs: list[Var], outputs: list[Var],
            env: Env, shape: tuple | None) -> list[Any] | None:
-    from jaxrev.transforms._walker import Window, propagate
     cands, oks, tried = [], [], []
     producer = {o: e for e in G for o in real_outvars(e)}
     for ks in itertools.product(*[range(c.n) for c in ch]):
         combo = {c.eqn: (c, k) for c, k in zip(ch, ks)}
         if not _reachable(combo, producer, env):
             continue   # its branches contradict each other: no element takes them all
+        window = _branch_window(G, combo, env.copy())
+        if window is None:
+            return None
         # a branch solved by Newton's method may have several preimages (a spline piece
-        # continued past its bin): every start's is a candidate, consistency picks
-        for start in [None, *range(NEWTON_STARTS)]:
-            env_c = env.copy()
-            window = _branch_window(G, combo, env_c)
-            if window is None:
-                return None
-            window = _live(window, outputs)
-            before = counts["newton"]
-            with settings(on_failure="nan", newton_start=start):
-                propagate(Window(window), env_c, inputs, soft=True)
-            if not all(env_c.known(v) for v in inputs):
-                e, k = _lossy_branch(ch, ks, env)
-                raise _Lost(not_invertible(
-                    e, f"where the program takes branch {k} of it, the state cannot be "
-                       "recovered from the output (that branch does not depend on it, like "
-                       "relu's zero)",
-                    "Ways out: make every branch invertible (leaky relu instead of relu), or "
-                    "keep what the branch loses in the state."))
-            vals = [env_c.read(v) for v in inputs]
-            # run the original group forward from the candidate: does it take these branches?
-            env_f = env.copy()
-            for v, x in zip(inputs, vals):
-                env_f.write(v, x)
-            evaluate(G, env_f, partial=True)
-            ok = jnp.asarray(True)
-            for c, k in combo.values():
-                ok = ok & c.holds(env_f, k)
-            for x in vals:
-                fin = jnp.isfinite(x)
-                ok = ok & (fin if shape is not None else jnp.all(fin))
-            cands.append(vals)
-            oks.append(ok if shape is None else jnp.broadcast_to(ok, shape))
+        # continued past its bin): Newton runs from every start at once (vmapped), each
+        # start's preimage is a candidate, and consistency picks
+        before = counts["newton"]
+        vals, ok = jax.vmap(lambda start: _branch(G, combo, ch, ks, inputs, outputs, env, shape,
+                                                  start))(jnp.arange(-1, NEWTON_STARTS))
+        starts = range(NEWTON_STARTS + 1) if counts["newton"] > before else range(1)
+        for j in starts:
+            cands.append([x[j] for x in vals])
+            oks.append(ok[j])
             tried.append(ks)
-            if counts["newton"] == before:
-                break   # solved without Newton's method: one candidate
     if not cands:
         return None
     out, idx = _merge(ch, inputs, cands, oks)
@@ -391,6 +369,38 @@ def _solve(G: Sequence[JaxprEqn], ch: list[_Choice], inputs: list[Var], outputs:
                                      for e in G):
         _recheck(G, ch, inputs, env, out, idx, tried)
     return out
+
+
+def _branch(G: Sequence[JaxprEqn], combo: dict, ch: list[_Choice], ks: Sequence[int],
+            inputs: list[Var], outputs: list[Var], env: Env, shape: tuple | None, start: Any
+            ) -> tuple[list[Any], Any]:
+    """One combination of branches: the candidate it inverts to (Newton's method starting
+    from start `start`, -1 for the best of all) and where the group takes those branches."""
+    from jaxrev.transforms._walker import Window, propagate
+    env_c = env.copy()
+    window = _live(_branch_window(G, combo, env_c), outputs)
+    with settings(on_failure="nan", newton_start=start):
+        propagate(Window(window), env_c, inputs, soft=True)
+    if not all(env_c.known(v) for v in inputs):
+        e, k = _lossy_branch(ch, ks, env)
+        raise _Lost(not_invertible(
+            e, f"where the program takes branch {k} of it, the state cannot be recovered from "
+               "the output (that branch does not depend on it, like relu's zero)",
+            "Ways out: make every branch invertible (leaky relu instead of relu), or keep what "
+            "the branch loses in the state."))
+    vals = [env_c.read(v) for v in inputs]
+    # run the original group forward from the candidate: does it take these branches?
+    env_f = env.copy()
+    for v, x in zip(inputs, vals):
+        env_f.write(v, x)
+    evaluate(G, env_f, partial=True)
+    ok = jnp.asarray(True)
+    for c, k in combo.values():
+        ok = ok & c.holds(env_f, k)
+    for x in vals:
+        fin = jnp.isfinite(x)
+        ok = ok & (fin if shape is not None else jnp.all(fin))
+    return vals, (ok if shape is None else jnp.broadcast_to(ok, shape))
 
 
 def _recheck(G: Sequence[JaxprEqn], ch: list[_Choice], inputs: list[Var], env: Env,

@@ -86,8 +86,17 @@ class custom_inverse:
             return lambda *leaves: jax.tree_util.tree_leaves(
                 fn(*jax.tree_util.tree_unflatten(in_tree, list(leaves))))
 
-        fj, fconsts, _ = trace_to_closed(flat_of(self.fun), *avals_of(flat))
-        out_shape = jax.eval_shape(self.fun, *args)
+        trees: list = []
+
+        def fun_flat(*leaves):   # traced once: its output's structure is kept on the way
+            out, tree = jax.tree_util.tree_flatten(
+                self.fun(*jax.tree_util.tree_unflatten(in_tree, list(leaves))))
+            trees.append(tree)
+            return out
+
+        fj, fconsts, _ = trace_to_closed(fun_flat, *avals_of(flat))
+        out_shape = jax.tree_util.tree_unflatten(
+            trees[0], [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in fj.out_avals])
         s_tree = check_structure(self.fun, args, nums, out_shape, who="jaxrev.custom_inverse")
         inv_name = getattr(self.inv_fun, "__name__", "inv_fun")
         try:
@@ -152,7 +161,19 @@ def _batch(args, dims, *, fun_jaxpr, inv_jaxpr, n_fconsts, n_iconsts, state):
     return out, [0] * len(out)
 
 
-custom_inverse_p.def_impl(_impl)
+@functools.lru_cache(maxsize=256)
+def _compiled(fun_jaxpr: Any) -> Callable:
+    return jax.jit(functools.partial(eval_closed, fun_jaxpr))
+
+
+def _eager_impl(*args, fun_jaxpr, inv_jaxpr, n_fconsts, n_iconsts, state):
+    # called eagerly, the function runs as one compiled program, not equation by equation
+    # (a choice group's Newton loops would each be compiled on their own)
+    fc, _, xs = _split(args, n_fconsts, n_iconsts)
+    return _compiled(fun_jaxpr)(*fc, *xs)
+
+
+custom_inverse_p.def_impl(_eager_impl)
 custom_inverse_p.def_abstract_eval(
     lambda *avals, fun_jaxpr, **_: list(fun_jaxpr.out_avals))
 register_lowering(custom_inverse_p, lower_fun(_impl, multiple_results=True))

@@ -34,7 +34,7 @@ from jaxrev.transforms import regions as R
 from jaxrev.transforms.registry import (STRUCTURAL, Lossy, NeedMore, element_rules,
                                         elementwise_in, index_args, inverse_rules, is_kind)
 
-__all__ = ["Part", "FILL", "forward", "backward", "learn", "learn_piece", "region_of",
+__all__ = ["Part", "FILL", "forward", "backward", "learn", "learn_piece", "complete", "region_of",
            "value_of", "static_of", "is_partial", "read_window", "not_case", "token"]
 
 FILL = 0.5
@@ -129,7 +129,7 @@ def learn(env: Env, v: Any, value: Any, region: R.Region) -> bool:
         return False
     value = fit_to_aval(value, v.aval)
     if region == R.EMPTY:
-        env.write(v, value)
+        complete(env, v, value)
         return True
     p = env.part.get(v)
     st = env.info
@@ -155,6 +155,23 @@ def learn(env: Env, v: Any, value: Any, region: R.Region) -> bool:
                    if R.intersect(base, R.win_region(w), st) != R.EMPTY)
     env.part[v] = Part(val, base, pieces, new, None, p.learned + 1)
     return True
+
+
+def complete(env: Env, v: Any, value: Any) -> None:
+    """`v` is known everywhere, with `value`; where it was already known, the value it had is
+    kept (it is exact there, and taking it keeps the inverse program invertible: a value
+    computed forward and back again would tie the inverse's inputs together)."""
+    p = env.part.get(v) if is_var(v) else None
+    if p is None or R.has_windows(p.region):
+        # (what windows leave known are copies of the output, which the new value holds too)
+        env.write(v, value)
+        return
+    value = fit_to_aval(value, v.aval)
+    if p.value is not None:
+        value = _merge(env, v, p.value, p.base, value, R.EMPTY)
+    for w, piece in p.pieces:
+        value = _write_window(value, w, piece, env)
+    env.write(v, value)
 
 
 def learn_piece(env: Env, v: Any, w: R.Win, piece: Any) -> bool:

@@ -141,7 +141,7 @@ def _scatter_window(eqn: JaxprEqn) -> R.Win | None:
             origin[d] = int(np.asarray(idx.val).reshape(-1)[pos])
         else:
             origin[d] = (idx, pos)
-    return R.Win(tuple(origin), tuple(sizes), tuple(x.aval.shape), _mode(eqn.params))
+    return R.Win(tuple(origin), tuple(sizes), tuple(x.aval.shape), _mode(eqn.params), eqn)
 
 
 def _scatter_targets(eqn: JaxprEqn, env: Env) -> tuple[R.Region, R.Win | None] | None:
@@ -171,10 +171,10 @@ def _written_twice(eqn: JaxprEqn, env: Env) -> bool:
     if s is None:
         return not eqn.params.get("unique_indices", False)
     x, _, u = eqn.invars[:3]
-    add = {**eqn.params, "update_jaxpr": None, "update_consts": ()}
     with jax.ensure_compile_time_eval():
-        counts = prims.scatter_add.bind(np.zeros(x.aval.shape, np.int32), s,
-                                        np.ones(u.aval.shape, np.int32), **add)
+        counts = lax.scatter_add(np.zeros(x.aval.shape, np.int32), s,
+                                 np.ones(u.aval.shape, np.int32),
+                                 eqn.params["dimension_numbers"], mode=eqn.params.get("mode"))
     return bool(np.any(np.asarray(counts) > 1))
 
 
@@ -320,11 +320,29 @@ def _ds_forward(eqn: JaxprEqn, env: Env) -> bool | None:
     o = eqn.outvars[0]
     if env.known(o) or not is_partial(env, x) or not all(env.known(s) for s in starts):
         return None
-    piece = read_window(env, x, _ds_window(eqn))
+    w = _ds_window(eqn)
+    piece = read_window(env, x, w)
     if piece is None:
+        _note_undecided(env, x, w, eqn)
         return None   # static starts: the structural handling may still know some of it
     env.write(o, piece)
     return True
+
+
+def _note_undecided(env: Env, x: Any, w: R.Win, read: JaxprEqn) -> None:
+    """A read that may overlap a write: say so for the write, whose inversion it blocks."""
+    from jaxrev._errors import where
+    _, _, at = where(read)
+    for wrote in R.undecided(region_of(env, x), w, env.info):
+        if wrote.source is not None:
+            env.losses[wrote.source] = Lossy(
+                f"could not prove that the index it writes differs from the index read by "
+                f"`{read.primitive.name}` at {at or 'a line of library code'} (its update reads "
+                "the element it overwrites at some iteration, or the indices are not known "
+                "when the program is traced)",
+                "Ways out: index with the loop counter and constants (x.at[i] and x[i - 1] "
+                "in a fori_loop with static bounds), or keep the overwritten element in the "
+                "state.")
 
 
 def _ds_backward(eqn: JaxprEqn, env: Env) -> bool | None:
@@ -343,7 +361,7 @@ def _dus_window(eqn: JaxprEqn) -> R.Win:
     x, u = eqn.invars[:2]
     nd = len(x.aval.shape)
     return R.Win(tuple(_origin(v) for v in eqn.invars[2:2 + nd]), tuple(u.aval.shape),
-                 tuple(x.aval.shape), "clamp")
+                 tuple(x.aval.shape), "clamp", eqn)
 
 
 def _dus_backward(eqn: JaxprEqn, env: Env) -> bool | None:
@@ -414,7 +432,10 @@ def _gather_forward(eqn: JaxprEqn, env: Env) -> bool | None:
     if env.known(o) or not is_partial(env, x) or not env.known(idx):
         return None
     w = _gather_window(eqn)
-    if w is None or not R.window_known(region_of(env, x), w, env.info):
+    if w is None:
+        return None
+    if not R.window_known(region_of(env, x), w, env.info):
+        _note_undecided(env, x, w, eqn)
         return None
     env.write(o, apply(eqn, [value_of(env, x), env.read(idx)])[0])
     return True

@@ -351,9 +351,14 @@ def _iterate(system: "_System", yp: Any, reads: list) -> Any:
         best = jnp.argmin(rs, axis=0)
         u0 = _pick(jnp.stack(starts), best)
         r0 = jnp.min(rs, axis=0)
-    else:   # one start (`choices` tries each where several preimages may exist)
+    else:   # one start (`choices` tries each, vmapped, where several preimages may exist):
+        # -1 the best of all, else one of a few
+        starts = ([] if guess is None else [guess]) + reads_ + consts
+        rs = jnp.stack([resid(s) for s in starts])
         alt = ([consts[1]] + reads_ + [consts[0]])[:NEWTON_STARTS]
-        u0 = alt[min(only, len(alt) - 1)]
+        alt += [alt[-1]] * (NEWTON_STARTS - len(alt))
+        every = jnp.stack([_pick(jnp.stack(starts), jnp.argmin(rs, axis=0)), *alt])
+        u0 = every[jnp.asarray(only) + 1]
         r0 = resid(u0)
 
     def cond(s):

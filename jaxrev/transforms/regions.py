@@ -21,7 +21,7 @@ over-approximate what is unknown, which is always safe).
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 import jax.numpy as jnp
@@ -31,6 +31,7 @@ from jax import lax
 __all__ = ["Mask", "Pred", "Win", "CoWin", "Region", "EMPTY", "FULL", "mask_region",
            "pred_region", "win_region", "cowin_region", "union", "intersect", "implies",
            "pullback", "materialize", "relation", "has_windows", "window_known", "static_mask",
+           "undecided",
            "IndexMap"]
 
 
@@ -131,6 +132,7 @@ class Win:
     sizes: tuple
     shape: tuple
     mode: str
+    source: Any = field(default=None, compare=False, hash=False)   # the equation writing it
 
 
 @dataclass(frozen=True)
@@ -515,6 +517,11 @@ def static_mask(r: Region, shape: tuple) -> np.ndarray | None:
             m = m & a.array
         out = out | m
     return out
+
+
+def undecided(r: Region, w: Win, statics: Any) -> list[Win]:
+    """The windows of `r` whose relation to `w` could not be decided."""
+    return [a for c in r for a in c if isinstance(a, Win) and relation(a, w, statics) is None]
 
 
 def window_known(r: Region, w: Win, statics: Any) -> bool:

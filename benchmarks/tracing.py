@@ -1,0 +1,130 @@
+"""Tracing cost against program size (issue 15): masked steps, as diffrax writes every step.
+
+    a2 = a + tanh(b); b2 = b + sin(a2)
+    a, b = where(keep, a2, a), where(keep, b2, b)       # repeated k times
+
+`keep` is known only when the program runs (a function of time, as in diffrax). Before
+element-level inversion, every `select_n` split the walk into one propagation per case, each
+walking what the other had walked: tracing the gradient of `jr.reversible` took 0.1, 0.5, 2.0,
+9.4 and 51 s for k = 1..5 (issue 15). Now the selects' cases are known where `keep` picks
+them and each equation is inverted once.
+
+For k in 1, 2, 5, 10, 20, 50 it measures the time to trace (`jax.make_jaxpr`) the gradient
+through `jr.reversible` and `jr.reverse` itself, and counts the walker's rule applications;
+then fits time and applications against k (a slope near 1 on the log-log plot is linear).
+Writes results/tracing.{json,md,png}.
+
+    python benchmarks/tracing.py [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+jax.config.update("jax_enable_x64", True)
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import jaxrev as jr  # noqa: E402
+from jaxrev.transforms import _walker  # noqa: E402
+from _common import RESULTS, device_info, progress, pyplot, write_results  # noqa: E402
+
+
+def masked_steps(k: int):
+    def f(ab, t):
+        a, b = ab
+        keep = t > 0.5
+        for _ in range(k):
+            a2 = a + jnp.tanh(b)
+            b2 = b + jnp.sin(a2)
+            a, b = jnp.where(keep, a2, a), jnp.where(keep, b2, b)
+        return a, b
+    return f
+
+
+def measure(k: int, n: int = 64) -> dict:
+    f = masked_steps(k)
+    ab = (jnp.linspace(-1, 1, n), jnp.linspace(1, -1, n))
+    t = jnp.linspace(0, 1, n)
+    grad = jax.grad(lambda ab, t: jnp.sum(jr.reversible(f)(ab, t)[1] ** 2))
+    out = {"k": k, "equations": len(jax.make_jaxpr(f)(ab, t).jaxpr.eqns)}
+    for what, fn, args in (("reversible grad", grad, (ab, t)),
+                           ("reverse", jr.reverse(f), (f(ab, t), t))):
+        c0 = _walker.counts["rules"] + _walker.counts["elements"]
+        t0 = time.perf_counter()
+        jax.make_jaxpr(fn)(*args)
+        out[f"{what} s"] = time.perf_counter() - t0
+        out[f"{what} rule applications"] = (_walker.counts["rules"]
+                                            + _walker.counts["elements"] - c0)
+    # and it is right: the gradient against jax.grad's
+    want = jax.grad(lambda ab, t: jnp.sum(f(ab, t)[1] ** 2))(ab, t)
+    got = jax.jit(grad)(ab, t)
+    out["grad rel err"] = max(float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
+                              for a, b in zip(got, want))
+    return out
+
+
+def slope(xs, ys) -> float:
+    return float(np.polyfit(np.log(xs), np.log(ys), 1)[0])
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args(argv)
+    ks = [1, 2, 5, 10] if args.quick else [1, 2, 5, 10, 20, 50]
+    measure(1)   # warm-up: first-time imports and compilations
+    rows = [measure(k) for k in progress(ks, desc="masked steps")]
+    fits = {what: {"time": slope(ks[1:], [r[f"{what} s"] for r in rows[1:]]),
+                   "rule applications": slope(ks[1:], [r[f"{what} rule applications"]
+                                                       for r in rows[1:]])}
+            for what in ("reversible grad", "reverse")}
+    data = {"device": device_info(), "rows": rows, "log-log slopes (k >= 2)": fits}
+    table = make_table(data)
+    suffix = "_quick" if args.quick else ""
+    write_results("tracing" + suffix, data, table)
+    plot(data, os.path.join(RESULTS, f"tracing{suffix}.png"))
+    print(table)
+
+
+def make_table(d) -> str:
+    out = [f"# Tracing cost of masked steps ({d['device']['backend']}, JAX {d['device']['jax']})",
+           "", "Seconds to trace (`jax.make_jaxpr`) and the walker's rule applications; the "
+           "gradient's error against `jax.grad` (float64).", "",
+           "| k | equations | reversible grad s | rule applications | reverse s | "
+           "rule applications | grad rel err |", "|---|---|---|---|---|---|---|"]
+    for r in d["rows"]:
+        out.append(f"| {r['k']} | {r['equations']} | {r['reversible grad s']:.3f} | "
+                   f"{r['reversible grad rule applications']} | {r['reverse s']:.3f} | "
+                   f"{r['reverse rule applications']} | {r['grad rel err']:.1e} |")
+    out += ["", "Log-log slopes against k (1 is linear): " + "; ".join(
+        f"{w}: time {s['time']:.2f}, rule applications {s['rule applications']:.2f}"
+        for w, s in d["log-log slopes (k >= 2)"].items()) + ".",
+        "", "Before element-level inversion (issue 15): 0.1, 0.5, 2.0, 9.4, 51 s for k = 1..5 "
+        "(the reversible gradient, exponential)."]
+    return "\n".join(out) + "\n"
+
+
+def plot(d, path) -> None:
+    plt = pyplot()
+    if plt is None:
+        return
+    ks = [r["k"] for r in d["rows"]]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for what in ("reversible grad", "reverse"):
+        ax.loglog(ks, [r[f"{what} s"] for r in d["rows"]], "o-", label=f"{what} (now)")
+    ax.loglog([1, 2, 3, 4, 5], [0.1, 0.5, 2.0, 9.4, 51], "x--", label="reversible grad (before)")
+    ax.set_xlabel("masked steps k")
+    ax.set_ylabel("seconds to trace")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,288 @@
+"""Inversion at element granularity (issue 15): masks, in-place updates, state-dependent selects,
+structure-changing bijections, linear tracing cost.
+
+Every program of `element_programs.PROGRAMS` is checked the same way: the round trip eagerly,
+under `jit` and under `vmap` to 1e-12 (float64), `reverse(reverse(f)) == f`, `reversible`
+gradients against `jax.grad` to 1e-10 (state and parameters), and what `reversible` stores.
+"""
+from __future__ import annotations
+
+import os
+import re
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import jaxrev as jr
+
+sys.path.insert(0, os.path.dirname(__file__))
+from element_programs import (LOOPS, add_up, masked_coupling, mlp_params,  # noqa: E402
+                              programs, split_coupling)
+
+HERE = os.path.basename(__file__)
+P = programs()
+RT = 1e-12
+GRAD = 1e-10
+
+
+def _err(a, b) -> float:
+    a, b = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
+    scale = max(1.0, max(float(jnp.max(jnp.abs(y))) for y in b))
+    return max(float(jnp.max(jnp.abs(x - y))) for x, y in zip(a, b)) / scale
+
+
+def _line(tag: str) -> int:
+    with open(__file__) as fh:
+        for k, text in enumerate(fh, 1):
+            if f"# <{tag}>" in text:
+                return k
+    raise AssertionError(tag)
+
+
+@pytest.mark.parametrize("name", list(P))
+def test_round_trip_eager_jit_vmap_and_double_reverse(name):
+    f, x, p = P[name]
+    y = f(x, p)
+    inv = jr.reverse(f)
+    assert _err(inv(y, p), x) < RT
+    assert _err(jax.jit(inv)(y, p), x) < RT
+    ys = jnp.stack([y, f(0.5 * x, p)])
+    xs = jax.vmap(inv, (0, None))(ys, p)
+    assert _err(xs, jnp.stack([x, 0.5 * x])) < RT
+    assert _err(jr.reverse(inv)(x, p), y) < RT
+
+
+@pytest.mark.parametrize("name", list(P))
+def test_reversible_gradient_equals_jax_grad(name):
+    f, x, p = P[name]
+
+    def loss(g):
+        return lambda x, p: jnp.sum(jnp.sin(g(x, p)))
+    want = jax.grad(loss(f), argnums=(0, 1))(x, p)
+    got = jax.jit(jax.grad(loss(jr.reversible(f)), argnums=(0, 1)))(x, p)
+    assert _err(got, want) < GRAD
+
+
+@pytest.mark.parametrize("name", LOOPS)
+def test_element_loops_store_nothing(name):
+    f, x, p = P[name]
+    rep = jr.memory_report(f, x, p)
+    assert rep.total_bytes == 0, str(rep)
+
+
+def test_element_loop_inverse_is_one_update_per_iteration():
+    # the inverse of x.at[i].add(g(x[i-1])) is x.at[i].add(-g(x[i-1])): no n-sized work per
+    # iteration, so the inverse program does not grow with n (a dense lump would be n x n)
+    def size(n):
+        p = {"w": jnp.ones(n)}
+        jaxpr = jax.make_jaxpr(jr.reverse(add_up))(jnp.ones(n), p)
+        body = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan"][-1].params["jaxpr"]
+        return len(body.jaxpr.eqns), [str(v.aval) for e in body.jaxpr.eqns for v in e.outvars]
+    (k1, a1), (k2, a2) = size(64), size(4096)
+    assert k1 == k2
+    assert sum("4096" in a for a in a2) <= 1  # only the carried array itself is n-sized
+
+
+def test_inverse_ad_of_an_element_loop_matches_dense_solve():
+    f, x, p = P["add_up"]
+    g = lambda x: f(x, p)  # noqa: E731
+    J = jax.jacfwd(g)(x)
+    v = jnp.cos(jnp.arange(x.shape[0], dtype=x.dtype))
+    _, (t,) = jr.inverse_jvp(g, (x,), v)
+    assert _err(t, jnp.linalg.solve(J, v)) < 1e-12
+    _, ivjp = jr.inverse_vjp(g, x)
+    assert _err(ivjp((v,)), jnp.linalg.solve(J.T, v)) < 1e-12
+    sign, logdet = jr.slogdet_jacobian(g, x)
+    s_ref, l_ref = jnp.linalg.slogdet(J)
+    assert float(sign) == float(s_ref) and abs(float(logdet - l_ref)) < 1e-10
+
+
+# --------------------------------------------------------------------------- flows at scale
+
+@pytest.mark.parametrize("n", [64, 784])
+def test_couplings_at_scale(n):
+    key = jax.random.PRNGKey(n)
+    x = jax.random.normal(key, (n,))
+    even = jnp.arange(n) % 2 == 0
+    pm = mlp_params(key, n, 64, 2 * n)
+    ps = mlp_params(key, n // 2, 64, n)
+    for f, p in ((lambda x, p: masked_coupling(x, p, even), pm), (split_coupling, ps)):
+        y = f(x, p)
+        assert _err(jax.jit(jr.reverse(f))(y, p), x) < RT
+        if n == 64:
+            assert _err(jr.reverse(f)(y, p), x) < RT
+            want = jax.grad(lambda x: jnp.sum(jnp.sin(f(x, p))))(x)
+            got = jax.grad(lambda x: jnp.sum(jnp.sin(jr.reversible(f)(x, p))))(x)
+            assert _err(got, want) < GRAD
+
+
+def test_masked_coupling_runs_its_conditioner_once():
+    # the inverse of where(mask, x, x * exp(s(x * mask)) + t(x * mask)) runs s and t once
+    n = 16
+    even = jnp.arange(n) % 2 == 0
+    p = mlp_params(jax.random.PRNGKey(0), n, 32, 2 * n)
+    f = lambda x, p: masked_coupling(x, p, even)  # noqa: E731
+    jaxpr = jax.make_jaxpr(jr.reverse(f))(jnp.ones(n), p)
+    dots = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "dot_general"]
+    assert len(dots) == 2   # the conditioner's two layers, nothing else
+
+
+# --------------------------------------------------------------------------- structure
+
+def test_reshape_concatenate_and_split_bijections():
+    x = jnp.arange(6.0).reshape(2, 3)
+    r = lambda x: jnp.tanh(x.reshape(6)) * 2.0  # noqa: E731
+    inv = jr.reverse(r, state=x)
+    assert inv(r(x)).shape == (2, 3) and _err(inv(r(x)), x) < RT
+    assert _err(jr.reverse(inv)(x), r(x)) < RT   # reverse(reverse(f)) needs no state
+    assert _err(jax.jit(inv)(r(x)), x) < RT
+
+    a, b = jnp.ones(2), jnp.arange(3.0)
+    cat = lambda a, b, t: jnp.concatenate([a * t, jnp.exp(b)])  # noqa: E731
+    inv = jr.reverse(cat, (0, 1), state=(a, b))
+    got = inv(cat(a, b, 2.0), 2.0)   # the output fills both state positions
+    assert isinstance(got, tuple) and _err(got, (a, b)) < RT
+    assert _err(jr.reverse(inv)((a, b), 2.0), cat(a, b, 2.0)) < RT
+
+    z = jnp.arange(5.0)
+    spl = lambda z: tuple(jnp.split(z * 3.0, [1, 3]))  # noqa: E731
+    inv = jr.reverse(spl, state=z)
+    assert _err(inv(spl(z)), z) < RT
+    # gradients through the bijection, by inversion
+    want = jax.grad(lambda z: sum(jnp.sum(jnp.sin(t)) for t in spl(z)))(z)
+    got = jax.grad(lambda z: sum(jnp.sum(jnp.sin(t)) for t in jr.reversible(spl)(z)))(z)
+    assert _err(got, want) < GRAD
+
+
+def test_a_bijection_that_changes_the_size_is_refused():
+    with pytest.raises(ValueError, match="number of elements"):
+        jr.reverse(lambda x: x[:3], state=jnp.ones(5))(jnp.ones(3))
+    # without `state`, the inverse's argument must map to itself: a silent identity is gone
+    with pytest.raises(ValueError, match="float64\\[4\\]"):
+        jr.reverse(lambda x: x.reshape(4))(jnp.ones((2, 2)))
+
+
+# --------------------------------------------------------------------------- rules
+
+def test_erf_and_powers_of_python_scalars():
+    x = jnp.linspace(-0.9, 0.9, 5)
+    assert _err(jr.reverse(jax.scipy.special.erf)(jax.scipy.special.erf(x)), x) < 1e-12
+    assert _err(jr.reverse(lax.erf_inv)(lax.erf_inv(x)), x) < 1e-12
+    assert abs(float(jr.reverse(lambda x: x ** 3)(8.0)) - 2.0) < 1e-15
+
+
+def test_mask_known_only_when_the_program_runs():
+    # diffrax's masked step: the mask is a parameter (traced), so the select's cases are known
+    # where it picks them, when the program runs
+    def f(ab, keep):
+        a, b = ab
+        for _ in range(3):
+            a2 = a + jnp.tanh(b)
+            b2 = b + jnp.sin(a2)
+            a, b = jnp.where(keep, a2, a), jnp.where(keep, b2, b)
+        return a, b
+    ab = (jnp.linspace(-1, 1, 8), jnp.linspace(2, -1, 8))
+    keep = jnp.arange(8) < 3
+    for inv in (jr.reverse(f), jax.jit(jr.reverse(f))):
+        assert _err(inv(f(ab, keep), keep), ab) < RT
+    want = jax.grad(lambda ab: jnp.sum(f(ab, keep)[1] ** 2))(ab)
+    got = jax.grad(lambda ab: jnp.sum(jr.reversible(f)(ab, keep)[1] ** 2))(ab)
+    assert _err(got, want) < GRAD
+
+
+# --------------------------------------------------------------------------- tracing cost
+
+def test_tracing_cost_is_linear_in_masked_steps():
+    """diffrax masks every step with where(keep, new, old): rule applications must grow
+    linearly with the number of steps (a case split per select grew exponentially)."""
+    from jaxrev.transforms import _walker
+
+    def program(k):
+        def f(ab, t):
+            a, b = ab
+            keep = t > 0.5
+            for _ in range(k):
+                a2 = a + jnp.tanh(b)
+                b2 = b + jnp.sin(a2)
+                a, b = jnp.where(keep, a2, a), jnp.where(keep, b2, b)
+            return a, b
+        return f
+
+    def applications(k):
+        n0 = _walker.counts["rules"] + _walker.counts["elements"]
+        ab = (jnp.ones(8), jnp.zeros(8))
+        t = jnp.linspace(0, 1, 8)
+        jax.make_jaxpr(jax.grad(lambda ab, t: jnp.sum(jr.reversible(program(k))(ab, t)[0])))(
+            ab, t)
+        return _walker.counts["rules"] + _walker.counts["elements"] - n0
+    a5, a20 = applications(5), applications(20)
+    assert a20 <= 4.5 * a5, (a5, a20)
+
+
+# --------------------------------------------------------------------------- refusals
+
+def _raises(f, x, cls=jr.NotInvertibleError):
+    with pytest.raises(cls) as info:
+        jr.reverse(f)(f(x))
+    return info.value
+
+
+def _names(err, primitive, tag):
+    msg = str(err)
+    assert err.primitive == primitive, msg
+    assert err.line == _line(tag), (err.line, msg)
+    assert os.path.basename(err.file) == HERE, msg
+    assert re.search(r"ways? out", msg, re.IGNORECASE), msg
+    return msg
+
+
+X = jnp.array([-1.5, -0.25, 0.5, 2.0])
+
+
+def test_relu_zero_case_is_refused_when_traced():
+    def f(x):
+        return jnp.where(x > 0, 2.0 * x, 0.0)  # <relu-where>
+    msg = _names(_raises(f, X), "select_n", "relu-where")
+    assert "relu" in msg
+    with pytest.raises(jr.NotInvertibleError):   # the same under jit: decided when traced
+        jax.jit(jr.reverse(f))(f(X))
+
+
+def test_two_consistent_candidates_are_refused():
+    def f(x):
+        return jnp.where(x > 0, x, -x) + 1.0  # <two-candidates>
+    msg = _names(_raises(f, X), "select_n", "two-candidates")
+    assert "two different branches" in msg
+
+
+def test_a_scatter_that_may_overwrite_is_refused():
+    idx = np.array([0, 2, 2])
+
+    def f(x):
+        return x.at[idx].set(x[jnp.array([1, 3, 0])] * 2.0)  # <overwrite>
+    msg = _names(_raises(f, X), "scatter", "overwrite")
+    assert "twice" in msg
+
+
+def test_an_unprovable_index_is_refused_naming_it():
+    # the index comes from a parameter: x[j] may be the element x.at[i] writes
+    def f(x, j):
+        return lax.fori_loop(0, 3, lambda i, x: x.at[i].add(jnp.sin(x[j])), x)  # <unprovable>
+    j = jnp.asarray(3)
+    with pytest.raises(jr.NotInvertibleError) as info:
+        jr.reverse(f)(f(X, j), j)
+    msg = _names(info.value, "scatter-add", "unprovable")
+    assert "index" in msg
+
+
+def test_no_consistent_branch_is_a_run_time_error():
+    # the stable sigmoid's range is (0, 1): 1.5 has no preimage
+    f, x, p = P["stable_sigmoid"]
+    bad = jnp.full_like(x, 1.5)
+    with pytest.raises(jr.ReversibilityError, match="no branch"):
+        jr.reverse(f)(bad, p)
+    assert bool(jnp.all(jnp.isnan(jr.reverse(f, on_failure="nan")(bad, p))))
