@@ -18,6 +18,7 @@ entry point for a whole sub-jaxpr); forward evaluation is `_jaxpr.evaluate`.
 """
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -192,10 +193,20 @@ def propagate(jaxpr: Jaxpr | Window, env: Env, goals: Sequence[Any] | None, *,
 
     Returns [] on success, else the equations that blocked it. With `soft`, a step that loses
     information is one more blocked equation instead of an error (`reversible` stores what it
-    loses and goes on)."""
+    loses and goes on).
+
+    A worklist: an equation is looked at again only when something known about one of its
+    variables changed, so tracing stays linear in the program's length."""
     eqns = jaxpr.eqns
     used = used_vars(jaxpr)
-    pending = list(range(len(eqns)))
+    near: dict[Var, list[int]] = {}   # variable -> the equations that read or write it
+    for i, e in enumerate(eqns):
+        for v in (*e.invars, *e.outvars):
+            if isinstance(v, Var):
+                near.setdefault(v, []).append(i)
+    done = [False] * len(eqns)
+    queue = deque(range(len(eqns)))
+    queued = [True] * len(eqns)
     stuck: dict[int, Stuck] = {}
     # what was known around an equation when its rule last failed: a rule (a loop's, say, which
     # traces its body) is only tried again once something about its equation has changed; the
@@ -203,77 +214,38 @@ def propagate(jaxpr: Jaxpr | Window, env: Env, goals: Sequence[Any] | None, *,
     tried: dict[int, tuple] = {}
     etried: dict[int, tuple] = {}
     claimed: set[int] = set()
+
+    def wake(vs: Sequence[Any]) -> None:
+        for v in vs:
+            for j in near.get(v, ()) if isinstance(v, Var) else ():
+                if not done[j] and not queued[j]:
+                    queued[j] = True
+                    queue.append(j)
+
     while True:
-        if goals is not None and all(env.known(g) for g in goals):
-            return []
-        progress = False
-        still = []
-        for i in pending:
+        while queue:
+            if goals is not None and all(env.known(g) for g in goals):
+                return []
+            i = queue.popleft()
+            queued[i] = False
+            if done[i]:
+                continue
             eqn = eqns[i]
             if allow is not None and not allow(eqn):
-                still.append(i)
                 continue
-            if all(env.known(v) for v in eqn.invars):
-                progress = evaluate((eqn,), env, used=used) or progress
-                stuck.pop(i, None)
-                continue
-            still.append(i)
             outs = real_outvars(eqn)
-            seen = tuple(token(env, v) for v in (*eqn.invars, *outs))
-            if etried.get(i) != seen:
-                etried[i] = seen
-                claimed.discard(i)
-                if _near_elements(eqn, env) and _element_step(eqn, env, forward_only, soft,
-                                                              stuck, claimed, i):
-                    progress = True
-                    stuck.pop(i, None)
-                    if on_invert is not None:
-                        on_invert(eqn, [v for v in eqn.invars if env.known(v)])
-                if all(env.known(v) for v in eqn.invars):
-                    continue
-            if forward_only or not any(env.known(v) for v in outs):
-                continue
-            if i in claimed:
-                loss = env.losses.get(eqn, _NO_LOSS)
-                if i not in stuck and loss is not None:   # None: its output came forward
-                    stuck[i] = (Stuck(eqn, "only some elements of its inputs follow from its "
-                                           "output (the others are overwritten or selected "
-                                           "away)") if loss is _NO_LOSS else
-                                Stuck(eqn, loss.reason, hint=loss.hint, lossy=True,
-                                      singular=loss.singular))
-                continue
-            if eqn.primitive not in inverse_rules:
-                stuck[i] = Stuck(eqn, "there is no inverse rule for it", no_rule=True)
-                continue
-            if i in stuck and tried.get(i) == seen:
-                continue
-            tried[i] = seen
-            try:
-                rec = _apply_rule(eqn, env)
-            except NeedMore as e:
-                stuck[i] = Stuck(eqn, e.reason, e.inner, e.hint)
-                continue
-            except NotInvertibleError as e:
-                if not soft:
-                    raise
-                stuck[i] = Stuck(eqn, str(e), lossy=True)
-                continue
-            wrote = []
-            for v, r in zip(eqn.invars, rec or ()):
-                if r is not None and isinstance(v, Var) and not env.known(v):
-                    elements.complete(env, v, r)
-                    wrote.append(v)
-            if wrote:
-                progress = True
+            before = tuple(token(env, v) for v in (*eqn.invars, *outs))
+            _visit(i, eqn, env, used, forward_only, soft, on_invert, stuck, tried, etried,
+                   claimed, before)
+            if all(env.known(v) for v in eqn.invars) and all(env.known(v) for v in outs):
+                done[i] = True
                 stuck.pop(i, None)
-                if on_invert is not None:
-                    on_invert(eqn, wrote)
-            elif i not in stuck:
-                stuck[i] = Stuck(eqn, "its unknown inputs cannot be recovered from what is known "
-                                      "(more than one of them is unknown)")
-        pending = still
-        if progress:
-            continue
+            after = tuple(token(env, v) for v in (*eqn.invars, *outs))
+            if after != before:
+                wake([v for v, x, y in zip((*eqn.invars, *outs), before, after) if x != y])
+        if goals is not None and all(env.known(g) for g in goals):
+            return []
+        pending = [i for i in range(len(eqns)) if not done[i]]
         if forward_only:
             return list(stuck.values())
         # group steps see only the allowed equations
@@ -283,10 +255,75 @@ def propagate(jaxpr: Jaxpr | Window, env: Env, goals: Sequence[Any] | None, *,
                 or choices.choice_step(eqns, env, gp, soft)
                 or nonlinear.eliminate_step(eqns, env, gp, lossy)
                 or nonlinear.newton_step(eqns, env, gp, lossy)):
+            for j in gp:   # a group step may write anywhere: look at everything again
+                if not queued[j]:
+                    queued[j] = True
+                    queue.append(j)
             continue
         return [s for i, s in sorted(stuck.items())] or [
             Stuck(eqns[i], "its result does not reach the output") for i in pending
             if any(not env.known(v) for v in eqns[i].invars)][:1]
+
+
+def _visit(i: int, eqn: JaxprEqn, env: Env, used: set, forward_only: bool, soft: bool,
+           on_invert: Callable | None, stuck: dict[int, Stuck], tried: dict, etried: dict,
+           claimed: set[int], seen: tuple) -> None:
+    """One look at equation `i`: evaluate it, or propagate what is known of some elements
+    around it, or apply its inverse rule."""
+    if all(env.known(v) for v in eqn.invars):
+        evaluate((eqn,), env, used=used)
+        return
+    outs = real_outvars(eqn)
+    if etried.get(i) != seen:
+        etried[i] = seen
+        claimed.discard(i)
+        if _near_elements(eqn, env) and _element_step(eqn, env, forward_only, soft, stuck,
+                                                      claimed, i):
+            stuck.pop(i, None)
+            if on_invert is not None:
+                on_invert(eqn, [v for v in eqn.invars if env.known(v)])
+        if all(env.known(v) for v in eqn.invars):
+            return
+    if forward_only or not any(env.known(v) for v in outs):
+        return
+    if i in claimed:
+        loss = env.losses.get(eqn, _NO_LOSS)
+        if i not in stuck and loss is not None:   # None: its output came forward
+            stuck[i] = (Stuck(eqn, "only some elements of its inputs follow from its output "
+                                   "(the others are overwritten or selected away)")
+                        if loss is _NO_LOSS else
+                        Stuck(eqn, loss.reason, hint=loss.hint, lossy=True,
+                              singular=loss.singular))
+        return
+    if eqn.primitive not in inverse_rules:
+        stuck[i] = Stuck(eqn, "there is no inverse rule for it", no_rule=True)
+        return
+    seen = tuple(token(env, v) for v in (*eqn.invars, *outs))
+    if i in stuck and tried.get(i) == seen:
+        return
+    tried[i] = seen
+    try:
+        rec = _apply_rule(eqn, env)
+    except NeedMore as e:
+        stuck[i] = Stuck(eqn, e.reason, e.inner, e.hint)
+        return
+    except NotInvertibleError as e:
+        if not soft:
+            raise
+        stuck[i] = Stuck(eqn, str(e), lossy=True)
+        return
+    wrote = []
+    for v, r in zip(eqn.invars, rec or ()):
+        if r is not None and isinstance(v, Var) and not env.known(v):
+            elements.complete(env, v, r)
+            wrote.append(v)
+    if wrote:
+        stuck.pop(i, None)
+        if on_invert is not None:
+            on_invert(eqn, wrote)
+    elif i not in stuck:
+        stuck[i] = Stuck(eqn, "its unknown inputs cannot be recovered from what is known "
+                              "(more than one of them is unknown)")
 
 
 def _element_step(eqn: JaxprEqn, env: Env, forward_only: bool, soft: bool,
