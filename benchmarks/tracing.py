@@ -5,21 +5,24 @@
 
 `keep` is known only when the program runs (a function of time, as in diffrax). Before
 element-level inversion, every `select_n` split the walk into one propagation per case, each
-walking what the other had walked: tracing the gradient of `jr.reversible` took 0.1, 0.5, 2.0,
-9.4 and 51 s for k = 1..5 (issue 15). Now the selects' cases are known where `keep` picks
-them and each equation is inverted once.
+walking what the other had walked (issue 15 reports 0.1, 0.5, 2.0, 9.4 and 51 s for k = 1..5 in
+its variant). Now the selects' cases are known where `keep` picks them, each equation is
+inverted once, and the walker revisits an equation only when its variables change.
 
 For k in 1, 2, 5, 10, 20, 50 it measures the time to trace (`jax.make_jaxpr`) the gradient
 through `jr.reversible` and `jr.reverse` itself, and counts the walker's rule applications;
 then fits time and applications against k (a slope near 1 on the log-log plot is linear).
-Writes results/tracing.{json,md,png}.
+With ``--before PATH`` it also times the gradient with the jaxrev checkout at PATH (in a
+subprocess), for the same programs. Writes results/tracing.{json,md,png}.
 
-    python benchmarks/tracing.py [--quick]
+    python benchmarks/tracing.py [--quick] [--before PATH]
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
 import sys
 import time
 
@@ -69,6 +72,31 @@ def measure(k: int, n: int = 64) -> dict:
     return out
 
 
+def grad_trace_seconds(k: int, n: int = 64) -> float:
+    """Only the time to trace the reversible gradient (what `--before` measures)."""
+    f = masked_steps(k)
+    ab = (jnp.linspace(-1, 1, n), jnp.linspace(1, -1, n))
+    t = jnp.linspace(0, 1, n)
+    grad = jax.grad(lambda ab, t: jnp.sum(jr.reversible(f)(ab, t)[1] ** 2))
+    t0 = time.perf_counter()
+    jax.make_jaxpr(grad)(ab, t)
+    return time.perf_counter() - t0
+
+
+def before(path: str, ks: list[int]) -> dict:
+    """The reversible gradient's tracing time with an older jaxrev checkout, in a subprocess."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = (f"import sys; sys.path.insert(0, {path!r}); sys.path.insert(1, {here!r})\n"
+            "import json, tracing\n"
+            "tracing.grad_trace_seconds(1)\n"
+            f"print(json.dumps({{k: tracing.grad_trace_seconds(k) for k in {ks!r}}}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=3600, env={**os.environ, "PYTHONPATH": path})
+    if out.returncode != 0:
+        raise RuntimeError(out.stderr[-2000:])
+    return {int(k): v for k, v in json.loads(out.stdout.strip().splitlines()[-1]).items()}
+
+
 def slope(xs, ys) -> float:
     return float(np.polyfit(np.log(xs), np.log(ys), 1)[0])
 
@@ -76,10 +104,15 @@ def slope(xs, ys) -> float:
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--before", help="an older jaxrev checkout to compare with")
     args = ap.parse_args(argv)
     ks = [1, 2, 5, 10] if args.quick else [1, 2, 5, 10, 20, 50]
     measure(1)   # warm-up: first-time imports and compilations
     rows = [measure(k) for k in progress(ks, desc="masked steps")]
+    if args.before:
+        old = before(args.before, ks)
+        for r in rows:
+            r["before: reversible grad s"] = old[r["k"]]
     fits = {what: {"time": slope(ks[1:], [r[f"{what} s"] for r in rows[1:]]),
                    "rule applications": slope(ks[1:], [r[f"{what} rule applications"]
                                                        for r in rows[1:]])}
@@ -93,20 +126,24 @@ def main(argv=None):
 
 
 def make_table(d) -> str:
+    old = "before: reversible grad s" in d["rows"][0]
     out = [f"# Tracing cost of masked steps ({d['device']['backend']}, JAX {d['device']['jax']})",
            "", "Seconds to trace (`jax.make_jaxpr`) and the walker's rule applications; the "
-           "gradient's error against `jax.grad` (float64).", "",
+           "gradient's error against `jax.grad` (float64)."
+           + (" \"before\": the same, with the jaxrev of before issue 15." if old else ""), "",
            "| k | equations | reversible grad s | rule applications | reverse s | "
-           "rule applications | grad rel err |", "|---|---|---|---|---|---|---|"]
+           "rule applications | grad rel err |" + (" before: reversible grad s |" if old else ""),
+           "|---|---|---|---|---|---|---|" + ("---|" if old else "")]
     for r in d["rows"]:
         out.append(f"| {r['k']} | {r['equations']} | {r['reversible grad s']:.3f} | "
                    f"{r['reversible grad rule applications']} | {r['reverse s']:.3f} | "
-                   f"{r['reverse rule applications']} | {r['grad rel err']:.1e} |")
+                   f"{r['reverse rule applications']} | {r['grad rel err']:.1e} |"
+                   + (f" {r['before: reversible grad s']:.3f} |" if old else ""))
     out += ["", "Log-log slopes against k (1 is linear): " + "; ".join(
         f"{w}: time {s['time']:.2f}, rule applications {s['rule applications']:.2f}"
         for w, s in d["log-log slopes (k >= 2)"].items()) + ".",
-        "", "Before element-level inversion (issue 15): 0.1, 0.5, 2.0, 9.4, 51 s for k = 1..5 "
-        "(the reversible gradient, exponential)."]
+        "", "Issue 15 reported 0.1, 0.5, 2.0, 9.4, 51 s for k = 1..5 (its variant of the "
+        "program, before element-level inversion)."]
     return "\n".join(out) + "\n"
 
 
@@ -118,7 +155,11 @@ def plot(d, path) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     for what in ("reversible grad", "reverse"):
         ax.loglog(ks, [r[f"{what} s"] for r in d["rows"]], "o-", label=f"{what} (now)")
-    ax.loglog([1, 2, 3, 4, 5], [0.1, 0.5, 2.0, 9.4, 51], "x--", label="reversible grad (before)")
+    if "before: reversible grad s" in d["rows"][0]:
+        ax.loglog(ks, [r["before: reversible grad s"] for r in d["rows"]], "s--",
+                  label="reversible grad (before issue 15)")
+    ax.loglog([1, 2, 3, 4, 5], [0.1, 0.5, 2.0, 9.4, 51], "x:",
+              label="reversible grad (issue 15's report)")
     ax.set_xlabel("masked steps k")
     ax.set_ylabel("seconds to trace")
     ax.legend()
