@@ -33,28 +33,16 @@ import numpy as np
 jax.config.update("jax_enable_x64", True)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 import jaxrev as jr  # noqa: E402
+from element_programs import masked_steps  # noqa: E402  (the tests' program)
 from jaxrev.transforms import _walker  # noqa: E402
 from _common import RESULTS, device_info, progress, pyplot, write_results  # noqa: E402
 
 
-def masked_steps(k: int):
-    def f(ab, t):
-        a, b = ab
-        keep = t > 0.5
-        for _ in range(k):
-            a2 = a + jnp.tanh(b)
-            b2 = b + jnp.sin(a2)
-            a, b = jnp.where(keep, a2, a), jnp.where(keep, b2, b)
-        return a, b
-    return f
-
-
 def measure(k: int, n: int = 64) -> dict:
     f = masked_steps(k)
-    ab = (jnp.linspace(-1, 1, n), jnp.linspace(1, -1, n))
-    t = jnp.linspace(0, 1, n)
-    grad = jax.grad(lambda ab, t: jnp.sum(jr.reversible(f)(ab, t)[1] ** 2))
+    ab, t, grad = _grad_of(k, n)
     out = {"k": k, "equations": len(jax.make_jaxpr(f)(ab, t).jaxpr.eqns)}
     for what, fn, args in (("reversible grad", grad, (ab, t)),
                            ("reverse", jr.reverse(f), (f(ab, t), t))):
@@ -74,19 +62,24 @@ def measure(k: int, n: int = 64) -> dict:
 
 def grad_trace_seconds(k: int, n: int = 64) -> float:
     """Only the time to trace the reversible gradient (what `--before` measures)."""
-    f = masked_steps(k)
-    ab = (jnp.linspace(-1, 1, n), jnp.linspace(1, -1, n))
-    t = jnp.linspace(0, 1, n)
-    grad = jax.grad(lambda ab, t: jnp.sum(jr.reversible(f)(ab, t)[1] ** 2))
+    ab, t, grad = _grad_of(k, n)
     t0 = time.perf_counter()
     jax.make_jaxpr(grad)(ab, t)
     return time.perf_counter() - t0
 
 
+def _grad_of(k: int, n: int) -> tuple:
+    f = masked_steps(k)
+    ab = (jnp.linspace(-1, 1, n), jnp.linspace(1, -1, n))
+    t = jnp.linspace(0, 1, n)
+    return ab, t, jax.grad(lambda ab, t: jnp.sum(jr.reversible(f)(ab, t)[1] ** 2))
+
+
 def before(path: str, ks: list[int]) -> dict:
     """The reversible gradient's tracing time with an older jaxrev checkout, in a subprocess."""
     here = os.path.dirname(os.path.abspath(__file__))
-    code = (f"import sys; sys.path.insert(0, {path!r}); sys.path.insert(1, {here!r})\n"
+    tests = os.path.join(here, "..", "tests")
+    code = (f"import sys; sys.path.insert(0, {path!r}); sys.path[1:1] = [{here!r}, {tests!r}]\n"
             "import json, tracing\n"
             "tracing.grad_trace_seconds(1)\n"
             f"print(json.dumps({{k: tracing.grad_trace_seconds(k) for k in {ks!r}}}))")

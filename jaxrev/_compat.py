@@ -179,6 +179,21 @@ def user_source(eqn: JaxprEqn) -> tuple[str | None, int | None, str]:
     return frame.file_name, frame.start_line, summary
 
 
+def make_jaxpr(fun: Callable, *args: Any) -> tuple[ClosedJaxpr, Any]:
+    """`jax.make_jaxpr(fun, return_shape=True)(*args)` in low-level primitives only.
+
+    JAX >= 0.12 writes some library functions (`jnp.searchsorted`) as "high" primitives that
+    only lower when staged out; jaxrev reads and re-emits equations, so it lowers them first,
+    to the primitives its rules know (and a `custom_inverse` holding one could not be staged).
+    """
+    closed, out_shape = jax.make_jaxpr(fun, return_shape=True)(*args)
+    if getattr(closed.jaxpr, "is_high", False):
+        from jax._src.interpreters import partial_eval as pe
+        lo = pe.lower_jaxpr2(closed.jaxpr)
+        closed = ClosedJaxpr(lo, lo.consts)
+    return closed, out_shape
+
+
 def trace_to_closed(fun: Callable, *args: Any) -> tuple[ClosedJaxpr, list[Any], Any]:
     """Trace `fun` to a ClosedJaxpr whose closed-over tracers are leading inputs (see
     `hoist_consts`: concrete consts stay consts).
@@ -187,7 +202,7 @@ def trace_to_closed(fun: Callable, *args: Any) -> tuple[ClosedJaxpr, list[Any], 
     outer trace, which is why they are passed as explicit operands instead of being baked into
     the jaxpr.
     """
-    closed, out_shape = jax.make_jaxpr(fun, return_shape=True)(*args)
+    closed, out_shape = make_jaxpr(fun, *args)
     out_tree = jax.tree_util.tree_structure(out_shape)
     new, consts = hoist_consts(closed)
     return new, consts, out_tree

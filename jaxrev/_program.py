@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrev._compat import ClosedJaxpr
+from jaxrev._compat import ClosedJaxpr, make_jaxpr
 
 __all__ = ["avals_of", "fun_name", "normalize_argnums", "Program", "trace_program",
            "check_structure", "check_sizes"]
@@ -65,7 +65,7 @@ def trace_program(fun: Callable, args: Sequence[Any], argnums: tuple[int, ...]) 
     def flat_fun(*leaves):
         return fun(*jax.tree_util.tree_unflatten(in_tree, list(leaves)))
 
-    closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*avals_of(flat))
+    closed, out_shape = make_jaxpr(flat_fun, *avals_of(flat))
     marks = jax.tree_util.tree_unflatten(in_tree, list(range(len(flat))))
     state_ids = [jax.tree_util.tree_leaves(marks[a]) for a in argnums]
     return Program(closed, list(flat), state_ids, out_shape)

@@ -49,6 +49,16 @@ def split_coupling(x: jax.Array, p: dict) -> jax.Array:
     return jnp.concatenate([x1, y2], axis=-1)
 
 
+def arithmetic_masked_coupling(x: jax.Array, p: dict, mask: jax.Array) -> jax.Array:
+    """The mask as a float, by arithmetic (as Glow/RealNVP code often writes it):
+    ``x * m + (1 - m) * (x * exp(s) + t)`` with the conditioner on ``x * m``."""
+    m = mask.astype(x.dtype)
+    xm = x * m
+    out = mlp(p, xm)
+    n = x.shape[-1]
+    return xm + (1 - m) * (x * jnp.exp(jnp.tanh(out[..., :n])) + out[..., n:])
+
+
 def realnvp(x: jax.Array, ps: list) -> jax.Array:
     """Four masked couplings with alternating (checkerboard) masks."""
     n = x.shape[-1]
@@ -167,6 +177,20 @@ def scan_chain(x: jax.Array, p: dict) -> jax.Array:
                     jnp.arange(1, n))[0]
 
 
+def masked_steps(k: int):
+    """diffrax's way: every step masked with ``where(keep, new, old)``, `keep` known only when
+    the program runs (a function of time): the tracing-cost program (benchmarks/tracing.py)."""
+    def f(ab: tuple, t: jax.Array) -> tuple:
+        a, b = ab
+        keep = t > 0.5
+        for _ in range(k):
+            a2 = a + jnp.tanh(b)
+            b2 = b + jnp.sin(a2)
+            a, b = jnp.where(keep, a2, a), jnp.where(keep, b2, b)
+        return a, b
+    return f
+
+
 # --------------------------------------------------------------------------- the catalogue
 
 def programs(n: int = 16, seed: int = 0) -> dict:
@@ -181,6 +205,8 @@ def programs(n: int = 16, seed: int = 0) -> dict:
     return {
         "masked_coupling": (lambda x, p: masked_coupling(x, p, even), x,
                             mlp_params(keys[5], n, 32, 2 * n)),
+        "arithmetic_masked_coupling": (lambda x, p: arithmetic_masked_coupling(x, p, ~even), x,
+                                       mlp_params(keys[6], n, 32, 2 * n)),
         "split_coupling": (split_coupling, x, mlp_params(keys[6], n // 2, 32, n)),
         "realnvp": (realnvp, x, [mlp_params(k, n, 32, 2 * n) for k in
                                  jax.random.split(keys[7], 4)]),

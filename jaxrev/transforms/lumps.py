@@ -264,19 +264,35 @@ _MAX_RANK_CHECK = 1024
 
 
 def _singular_at_trace_time(L: "Lump", env: Env) -> bool | None:
-    """Whether the lump's matrix is singular, by its rank on stand-ins (None: not decided)."""
+    """Whether the lump's matrix is singular, on stand-ins (None: not decided): by its rank up
+    to `_MAX_RANK_CHECK` unknowns, by a zero row or column (an overwritten operand's
+    elements) up to `MAX_PROBE_SIZE`."""
     n = size_of(v.aval for v in L.inputs)
     stand_in = stand_ins(L, env)
-    if stand_in is None or n > _MAX_RANK_CHECK:
+    if stand_in is None or n > MAX_PROBE_SIZE:
         return None
     dtype = jnp.result_type(*[v.aval.dtype for v in [*L.inputs, *L.outputs]])
     offs = np.cumsum([0] + [int(np.prod(v.aval.shape, dtype=np.int64)) for v in L.inputs])
+    F = L.flat(offs, dtype, stand_in)
+    zero = jnp.zeros(n, dtype)
     try:
         with jax.ensure_compile_time_eval():
-            J = np.asarray(jax.jacfwd(L.flat(offs, dtype, stand_in))(jnp.zeros(n, dtype)))
+            if n <= _MAX_RANK_CHECK:
+                J = np.asarray(jax.jacfwd(F)(zero))
+                return bool(np.linalg.matrix_rank(J) < n)
+            cols = min(n, _PROBE_BLOCK)
+            block = jax.jit(lambda start: jax.vmap(lambda e: jax.jvp(F, (zero,), (e,))[1])(
+                (jnp.arange(n)[None, :] == start + jnp.arange(cols)[:, None]).astype(dtype)))
+            rows = np.zeros(n, bool)
+            for start in range(0, n, cols):
+                Y = np.asarray(block(start)) != 0          # Y[c, i] = A[i, start + c]
+                live = min(cols, n - start)
+                if not Y[:live].any(axis=1).all():
+                    return True                            # a zero column
+                rows |= Y[:live].any(axis=0)
+            return not bool(rows.all())                    # a zero row
     except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
         return None
-    return bool(np.linalg.matrix_rank(J) < n)
 
 
 class Lump:
