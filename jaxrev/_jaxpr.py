@@ -486,3 +486,76 @@ def move_batch(x: Any, d: Any, size: int, force: bool) -> tuple[Any, Any]:
             return x, None
         return jnp.broadcast_to(x, (size,) + jnp.shape(x)), 0
     return jnp.moveaxis(x, d, 0), 0
+
+
+def without_custom_vjp(closed: ClosedJaxpr) -> ClosedJaxpr:
+    """`closed` with every `custom_vjp` call, at any depth (loop and branch bodies included),
+    replaced by its primal computation; `closed` itself where it has none.
+
+    Forward-mode AD cannot pass a `custom_vjp` function, and J⁻¹v and log-determinants are
+    forward-mode quantities: they differentiate the function's own computation, not the
+    user's VJP (which is only a way to compute a VJP of that same computation).
+    """
+    from jaxrev._compat import new_var, prims
+    if not _mentions(closed.jaxpr, prims.custom_vjp_call):
+        return closed
+    jaxpr = closed.jaxpr
+    consts, constvars = list(closed.consts), list(jaxpr.constvars)
+    sub: dict[Var, Any] = {}
+    eqns: list[JaxprEqn] = []
+
+    def s(a: Any) -> Any:
+        return sub.get(a, a) if isinstance(a, Var) else a
+
+    def emit(eqn: JaxprEqn, inlined: bool) -> None:
+        if eqn.primitive is prims.custom_vjp_call:
+            inner = without_custom_vjp(call_jaxpr(eqn.params))
+            for v, c in zip(inner.jaxpr.constvars, inner.consts):
+                sub[v] = nv = new_var(v.aval)
+                constvars.append(nv)
+                consts.append(c)
+            for v, a in zip(inner.jaxpr.invars, eqn.invars):
+                sub[v] = s(a)
+            for ie in inner.jaxpr.eqns:
+                emit(ie, True)
+            for o, io in zip(eqn.outvars, inner.jaxpr.outvars):
+                if is_var(o):
+                    sub[o] = s(io)
+            return
+        outs = eqn.outvars
+        if inlined:  # the same inner jaxpr may be inlined twice: fresh output variables
+            outs = [o if isinstance(o, DropVar) else new_var(o.aval) for o in eqn.outvars]
+            for o, n in zip(eqn.outvars, outs):
+                if is_var(o):
+                    sub[o] = n
+        params = {k: _rewrite_param(p) for k, p in eqn.params.items()}
+        eqns.append(eqn.replace(invars=[s(v) for v in eqn.invars], outvars=outs, params=params))
+
+    for eqn in jaxpr.eqns:
+        emit(eqn, False)
+    new = jaxpr.replace(constvars=constvars, eqns=eqns, outvars=[s(v) for v in jaxpr.outvars])
+    return ClosedJaxpr(new, consts)
+
+
+def _rewrite_param(p: Any) -> Any:
+    if isinstance(p, ClosedJaxpr):
+        return without_custom_vjp(p)
+    if isinstance(p, Jaxpr):  # an open sub-jaxpr can take no new constants
+        new = without_custom_vjp(ClosedJaxpr(p, ()))
+        return new.jaxpr if not new.consts else p
+    if isinstance(p, tuple) and p and all(isinstance(b, (ClosedJaxpr, Jaxpr)) for b in p):
+        return tuple(_rewrite_param(b) for b in p)
+    return p
+
+
+def _mentions(jaxpr: Jaxpr, prim: Any) -> bool:
+    """Whether `prim` occurs in `jaxpr` or any of its sub-jaxprs."""
+    for e in jaxpr.eqns:
+        if e.primitive is prim:
+            return True
+        for p in e.params.values():
+            for b in (p if isinstance(p, tuple) else (p,)):
+                if isinstance(b, (ClosedJaxpr, Jaxpr)) and _mentions(
+                        b.jaxpr if isinstance(b, ClosedJaxpr) else b, prim):
+                    return True
+    return False

@@ -33,7 +33,7 @@ from jaxrev.transforms.registry import (STRUCTURAL, Lossy, NeedMore, element_rul
                                         inverse_jvp_rules, inverse_rules, is_kind)
 
 __all__ = ["Stuck", "Window", "Hints", "RuleContext", "rule_context", "propagate", "seed",
-           "invert_jaxpr", "raise_stuck", "blame", "statics_for", "counts"]
+           "invert_jaxpr", "raise_stuck", "blame", "statics_for", "static_hints", "counts"]
 
 
 @dataclass
@@ -74,6 +74,17 @@ class Hints:
         def k(d: dict) -> tuple:
             return tuple((i, a.shape, a.dtype.str, hash(a.tobytes())) for i, a in sorted(d.items()))
         return (k(self.static), k(self.enum), self.length)
+
+
+def static_hints(n: int, static_of: Callable[[int], Any], skip: int = 0) -> Hints | None:
+    """Hints for a sub-jaxpr whose inputs `skip`.. are the `n` operands with `static_of(k)`
+    (None where not known at trace time): a mask a loop body or a branch selects with."""
+    hints = Hints()
+    for k in range(n):
+        v = static_of(k)
+        if v is not None:
+            hints.static[skip + k] = v
+    return hints if hints.static else None
 
 
 def statics_for(jaxpr: Jaxpr, consts: Sequence[Any], hints: Hints | None) -> Statics:
@@ -119,8 +130,6 @@ def _apply_rule(eqn: JaxprEqn, env: Env) -> list[Any] | None:
     _CONTEXT.append(RuleContext(eqn, env))
     try:
         rec = rule(out, *ins, **eqn.params)
-    except Lossy as e:
-        raise not_invertible(eqn, e.reason, e.hint, singular=e.singular) from None
     finally:
         _CONTEXT.pop()
     if rec is None:
@@ -251,7 +260,7 @@ def propagate(jaxpr: Jaxpr | Window, env: Env, goals: Sequence[Any] | None, *,
         # group steps see only the allowed equations
         gp = pending if allow is None else [i for i in pending if allow(eqns[i])]
         lossy = {i for i, s in stuck.items() if s.lossy}
-        if (lumps.lump_step(eqns, env, gp)
+        if (lumps.lump_step(eqns, env, [i for i in gp if i not in lossy])
                 or choices.choice_step(eqns, env, gp, soft)
                 or nonlinear.eliminate_step(eqns, env, gp, lossy)
                 or nonlinear.newton_step(eqns, env, gp, lossy)):
@@ -307,6 +316,11 @@ def _visit(i: int, eqn: JaxprEqn, env: Env, used: set, forward_only: bool, soft:
     except NeedMore as e:
         stuck[i] = Stuck(eqn, e.reason, e.inner, e.hint)
         return
+    except Lossy as e:
+        # what this step loses may still be known by another route (a value computed forward
+        # from elements a `where` kept): an error only if the walk ends without it
+        stuck[i] = Stuck(eqn, e.reason, hint=e.hint, lossy=True, singular=e.singular)
+        return
     except NotInvertibleError as e:
         if not soft:
             raise
@@ -336,10 +350,8 @@ def _element_step(eqn: JaxprEqn, env: Env, forward_only: bool, soft: bool,
         return learned
     try:
         claim = elements.backward(eqn, env)
-    except Lossy as e:
-        if not soft:
-            raise not_invertible(eqn, e.reason, e.hint) from None
-        stuck[i] = Stuck(eqn, e.reason, lossy=True)
+    except Lossy as e:   # an error only if the walk ends without what it loses
+        stuck[i] = Stuck(eqn, e.reason, hint=e.hint, lossy=True, singular=e.singular)
         claim = False
     if claim is not None:
         claimed.add(i)
@@ -359,10 +371,7 @@ def _near_elements(eqn: JaxprEqn, env: Env) -> bool:
             and any(env.known(v) for v in real_outvars(eqn)))
 
 
-def blame(stuck: list[Stuck]) -> Stuck | None:
-    """The equation to name in an error: the innermost one, preferring one without a rule."""
-    if not stuck:
-        return None
+def _innermost(stuck: list[Stuck]) -> list[Stuck]:
     flat: list[Stuck] = []
 
     def walk(s: Stuck) -> None:
@@ -374,6 +383,14 @@ def blame(stuck: list[Stuck]) -> Stuck | None:
 
     for s in stuck:
         walk(s)
+    return flat
+
+
+def blame(stuck: list[Stuck]) -> Stuck | None:
+    """The equation to name in an error: the innermost one, preferring one without a rule."""
+    if not stuck:
+        return None
+    flat = _innermost(stuck)
     for s in flat:
         if s.no_rule:
             return s
@@ -391,8 +408,12 @@ def raise_stuck(stuck: list[Stuck], what: str) -> None:
         raise NotInvertibleError(
             f"jaxrev.reverse cannot recover {what}: the program's output does not depend on it "
             f"(the value is discarded or overwritten).\n{WAYS_OUT}")
+    # a step that loses information makes the Jacobian singular only if nothing else stopped
+    # the walk: behind another obstacle (a loop that cannot run backwards), what it loses may
+    # be known from elsewhere
+    singular = s.singular and all(t.singular for t in _innermost(stuck))
     raise not_invertible(s.eqn, s.reason if not what else f"{s.reason} (recovering {what})",
-                         s.hint, singular=s.singular)
+                         s.hint, singular=singular)
 
 
 def seed(closed: ClosedJaxpr, ins: Sequence[Any], outs: Sequence[Any],

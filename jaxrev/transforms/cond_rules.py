@@ -28,7 +28,7 @@ from jaxrev.transforms._sweep import (LoopPlan, Plan, Residuals, acc, branch_sli
                                       forward_with_residuals, get_ct, is_float, known_or_rebuilt,
                                       loop_avals, outs_known, plan_for, res_avals, seed_env,
                                       walk, zero_ct)
-from jaxrev.transforms._walker import invert_jaxpr
+from jaxrev.transforms._walker import invert_jaxpr, rule_context, static_hints
 from jaxrev.transforms.registry import ChoiceRule, NeedMore, define
 
 __all__ = ["cond", "cond_p"]
@@ -41,12 +41,15 @@ def _switch_inverse(index: Any, branches: Sequence[ClosedJaxpr], ins: Sequence[A
     """Invert `switch(index, branches, *ins) == outs` for the unknown `ins`."""
     unknown = [k for k, x in enumerate(ins) if is_unknown(x)]
     known_vals = [x for x in ins if not is_unknown(x)]
+    ctx = rule_context()   # the branches' operands are the cond's last len(ins) operands
+    off = len(ctx.eqn.invars) - len(ins) if ctx is not None else 0
+    hints = static_hints(len(ins), lambda k: ctx.static(off + k)) if ctx is not None else None
 
     def inv_branch(b):
         def f(outs_, known_):
             it = iter(known_)
             ins_ = [x if is_unknown(x) else next(it) for x in ins]
-            rec = invert_jaxpr(b, ins_, list(outs_))
+            rec = invert_jaxpr(b, ins_, list(outs_), hints)
             return [rec[k] for k in unknown]
         return f
 
@@ -79,7 +82,8 @@ def _cond_sweep(P: Plan, i: int, env: Env, ctenv: dict | None, active: set,
     branches = cond_branches(e.params)
     ok = tuple(env.known(v) for v in ops)
     nout = len(e.outvars)
-    bps = [plan_for(b, ok, (True,) * nout, tuple(not k for k in ok)) for b in branches]
+    hints = static_hints(len(ops), lambda k: env.info.static(ops[k]))
+    bps = [plan_for(b, ok, (True,) * nout, tuple(not k for k in ok), hints) for b in branches]
     lp = LoopPlan("cond", None, branches=bps)
     lres = res.loop(i, lp) if any(res_avals(bp) for bp in bps) else []
     spans = branch_slices(lp)

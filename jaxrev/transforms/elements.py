@@ -152,7 +152,7 @@ def learn(env: Env, v: Any, value: Any, region: R.Region) -> bool:
         env.write(v, val)
         return True
     pieces = tuple((w, x) for w, x in p.pieces
-                   if R.intersect(base, R.win_region(w), st) != R.EMPTY)
+                   if R.intersect(base, R.win_region(w, st), st) != R.EMPTY)
     env.part[v] = Part(val, base, pieces, new, None, p.learned + 1)
     return True
 
@@ -182,11 +182,15 @@ def learn_piece(env: Env, v: Any, w: R.Win, piece: Any) -> bool:
     p = env.part.get(v)
     piece = jnp.asarray(piece, v.aval.dtype).reshape(w.sizes)
     if p is None:
-        env.part[v] = Part(None, R.FULL, ((w, piece),), R.cowin_region(w))
+        rest = R.cowin_region(w, st)
+        if rest == R.EMPTY:        # the window is the whole array (a full slice)
+            env.write(v, piece)
+        else:
+            env.part[v] = Part(None, R.FULL, ((w, piece),), rest)
         return True
     if p.learned >= MAX_LEARN or R.window_known(p.region, w, st):
         return False
-    new = R.intersect(p.region, R.cowin_region(w), st)
+    new = R.intersect(p.region, R.cowin_region(w, st), st)
     if new == R.EMPTY:
         pieces = (*p.pieces, (w, piece))
         val = _tiled(pieces, tuple(v.aval.shape)) if p.value is None else None

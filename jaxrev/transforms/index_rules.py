@@ -148,7 +148,7 @@ def _scatter_targets(eqn: JaxprEqn, env: Env) -> tuple[R.Region, R.Win | None] |
     """Where the scatter writes: a window (one point) or a static mask (static indices)."""
     w = _scatter_window(eqn)
     if w is not None:
-        return R.win_region(w), w
+        return R.win_region(w, env.info), w
     s = static_of(env, eqn.invars[1])
     if s is None:
         return None
@@ -272,7 +272,7 @@ def _scatter_forward(eqn: JaxprEqn, env: Env) -> bool | None:
     rx, ru = region_of(env, x), region_of(env, u)
     placed = R.EMPTY if ru == R.EMPTY else written
     if eqn.primitive is prims.scatter:
-        outside = R.cowin_region(w) if w is not None else _complement(written)
+        outside = R.cowin_region(w, env.info) if w is not None else _complement(written)
         region = R.union(R.intersect(rx, outside, env.info), placed, env.info)
     else:
         region = R.union(rx, placed, env.info)
@@ -375,7 +375,7 @@ def _dus_backward(eqn: JaxprEqn, env: Env) -> bool | None:
     w = _dus_window(eqn)
     wrote = False
     if is_var(x) and not env.known(x):
-        wrote = learn(env, x, value_of(env, o), R.union(ro, R.win_region(w), env.info))
+        wrote = learn(env, x, value_of(env, o), R.union(ro, R.win_region(w, env.info), env.info))
     if is_var(u) and not env.known(u):
         piece = read_window(env, o, w)
         if piece is not None:
@@ -393,8 +393,8 @@ def _dus_forward(eqn: JaxprEqn, env: Env) -> bool | None:
     if rx == R.FULL or (not is_partial(env, x) and not is_partial(env, u)):
         return None
     w = _dus_window(eqn)
-    region = R.union(R.intersect(rx, R.cowin_region(w), env.info),
-                     R.EMPTY if ru == R.EMPTY else R.win_region(w), env.info)
+    region = R.union(R.intersect(rx, R.cowin_region(w, env.info), env.info),
+                     R.EMPTY if ru == R.EMPTY else R.win_region(w, env.info), env.info)
     if region == R.FULL:
         return False
     uv = _zeros(u) if ru == R.FULL else value_of(env, u, clean=True)

@@ -34,7 +34,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrev._compat import is_concrete, staged_constants
+from jaxrev._compat import is_concrete, make_jaxpr, staged_constants
+from jaxrev._jaxpr import eval_closed, without_custom_vjp
 from jaxrev._errors import NotInvertibleError, SingularJacobianError
 from jaxrev.transforms import nonlinear
 from jaxrev.transforms.reverse import reverse
@@ -50,6 +51,24 @@ _ON_SINGULAR = ("raise", "nan")
 
 def _name(fun: Callable) -> str:
     return getattr(fun, "__name__", repr(fun))
+
+
+def _primal_computation(fun: Callable) -> Callable:
+    """`fun` with its `custom_vjp` functions replaced by their primal computations (at any
+    depth): J⁻¹v and log|det J| differentiate forward, which a custom VJP cannot."""
+    import functools
+
+    @functools.wraps(fun)
+    def primal_fun(*args):
+        flat, tree = jax.tree_util.tree_flatten(args)
+        closed, out_shape = make_jaxpr(
+            lambda *leaves: fun(*jax.tree_util.tree_unflatten(tree, list(leaves))), *flat)
+        new = without_custom_vjp(closed)
+        if new is closed:
+            return fun(*args)
+        outs = eval_closed(new, *flat)
+        return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
+    return primal_fun
 
 
 def _check_args(fun: Callable, primals: Any, method: str, on_singular: str, who: str) -> None:
@@ -290,6 +309,7 @@ def inverse_jvp(fun: Callable, primals: Sequence[Any], out_tangent: Any, *,
     """
     who = "jaxrev.inverse_jvp"
     _check_args(fun, primals, method, on_singular, who)
+    fun = _primal_computation(fun)
     sq = _Square(fun, primals, who)
     out_leaves = jax.tree_util.tree_leaves(out_tangent)
     if jax.tree_util.tree_structure(out_tangent) != sq.out_tree:
@@ -339,6 +359,7 @@ def inverse_vjp(fun: Callable, *primals: Any, method: str = "auto",
     """
     who = "jaxrev.inverse_vjp"
     _check_args(fun, primals, method, on_singular, who)
+    fun = _primal_computation(fun)
     sq = _Square(fun, primals, who)
     y = fun(*primals)
     y_leaves = jax.tree_util.tree_leaves(y)
@@ -385,7 +406,11 @@ class _TransposedState:
 
     def __call__(self, w_state):
         sq = self.sq
-        cts = self.lin_t(sq.out_tree_of(sq.from_state_out(w_state)))
+        try:
+            cts = self.lin_t(sq.out_tree_of(sq.from_state_out(w_state)))
+        except ValueError as e:  # JAX transposes no while loop: another strategy must do
+            raise NotInvertibleError(f"jax.linear_transpose cannot transpose the function's "
+                                     f"linearization: {str(e).splitlines()[0]}") from None
         return sq.to_state_in(jax.tree_util.tree_leaves(tuple(cts)))
 
 
@@ -402,5 +427,6 @@ def slogdet_jacobian(fun: Callable, *primals: Any, method: str = "auto") -> tupl
     """
     who = "jaxrev.slogdet_jacobian"
     _check_args(fun, primals, method, "raise", who)
+    fun = _primal_computation(fun)
     sq = _Square(fun, primals, who)
     return jnp.linalg.slogdet(sq.dense_jacobian())

@@ -21,7 +21,7 @@ over-approximate what is unknown, which is always safe).
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable
 
 import jax.numpy as jnp
@@ -185,13 +185,27 @@ def _box(w: Win) -> np.ndarray | None:
     return m
 
 
-def win_region(w: Win) -> Region:
-    box = _box(w)
+def resolve(w: Win, statics: Any) -> Win:
+    """`w` with the corners known at trace time (a variable with a static value: an index
+    computed from `iota` and literals) written as ints, so that it becomes a static box."""
+    if statics is None or all(isinstance(o, (int, np.integer)) for o in w.origin):
+        return w
+    origin = []
+    for o in w.origin:
+        c = _corner(o, statics) if not isinstance(o, (int, np.integer)) else ("static", o)
+        if c is None or c[0] != "static":
+            return w
+        origin.append(c[1])
+    return replace(w, origin=tuple(origin))
+
+
+def win_region(w: Win, statics: Any = None) -> Region:
+    box = _box(resolve(w, statics))
     return mask_region(box) if box is not None else frozenset({frozenset({w})})
 
 
-def cowin_region(w: Win) -> Region:
-    box = _box(w)
+def cowin_region(w: Win, statics: Any = None) -> Region:
+    box = _box(resolve(w, statics))
     return mask_region(~box) if box is not None else frozenset({frozenset({CoWin(w)})})
 
 
@@ -526,4 +540,4 @@ def undecided(r: Region, w: Win, statics: Any) -> list[Win]:
 
 def window_known(r: Region, w: Win, statics: Any) -> bool:
     """Whether every position of the window `w` is outside the unknown region `r`."""
-    return intersect(r, win_region(w), statics) == EMPTY
+    return intersect(r, win_region(w, statics), statics) == EMPTY

@@ -24,7 +24,7 @@ from jaxrev._program import avals_of
 from jaxrev.transforms._sweep import (BodyWalk, LoopEnd, LoopPlan, Plan, Residuals,
                                       known_or_rebuilt, loop_activity, loop_cts_in, loop_cts_out,
                                       outs_known, plan_for, res_avals)
-from jaxrev.transforms._walker import invert_jaxpr
+from jaxrev.transforms._walker import invert_jaxpr, rule_context, static_hints
 from jaxrev.transforms.registry import Lossy, NeedMore, define
 
 __all__ = ["while_loop", "while_p"]
@@ -49,7 +49,8 @@ def _while_sweep(P: Plan, i: int, env: Env, ctenv: dict | None, active: set,
     body = p["body_jaxpr"]
     ncar = len(init)
     bp = plan_for(body, (True,) * nbc + (False,) * ncar, (True,) * ncar,
-                  (False,) * nbc + (True,) * ncar)
+                  (False,) * nbc + (True,) * ncar,
+                  static_hints(nbc, lambda k: env.info.static(bc[k])))
     if res_avals(bp):
         v = bp.store[0] if bp.store else None
         blame = bp.why.get(v) or e
@@ -217,10 +218,15 @@ def _while_inverse(outs, *ins, cond_jaxpr, body_jaxpr, post_jaxpr, cond_nconsts,
                   consts[cond_nconsts + body_nconsts:])
     ncar = len(outs)
 
+    ctx = rule_context()
+    off = cond_nconsts
+    hints = static_hints(body_nconsts, lambda k: ctx.static(off + k)) if ctx else None
+
     def inv_body(*a):
         b, c = a[:body_nconsts], a[body_nconsts:]
         rec = invert_jaxpr(body_jaxpr, [*b, *[Unknown(v.aval) for v in
-                                                  body_jaxpr.jaxpr.invars[body_nconsts:]]], list(c))
+                                                  body_jaxpr.jaxpr.invars[body_nconsts:]]], list(c),
+                           hints)
         return rec[body_nconsts:]
 
     ij, ic, _ = trace_to_closed(inv_body, *avals_of([*bc, *outs]))

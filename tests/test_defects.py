@@ -1,0 +1,155 @@
+"""Regression tests for the defects random-program testing found (issue 18), each a minimal
+program written from the defect's description."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import jaxrev as jr
+
+jax.config.update("jax_enable_x64", True)
+
+
+def _loss(g):
+    return lambda *a: sum(jnp.sum(jnp.sin(v)) for v in jax.tree_util.tree_leaves(g(*a)))
+
+
+def _close(a, b, tol=1e-10):
+    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=tol, atol=tol)
+
+
+def test_custom_jvp_closing_over_the_loop_counter():
+    """1. A custom_jvp function closing over a fori_loop's counter, inside the loop body."""
+    def f(s, P, custom=True):
+        def body(i, c):
+            s0, s1 = c
+
+            def sub(P, s0, s1):
+                s0 = s0 + 0.1 * i.astype(s0.dtype)
+                return s0 + jnp.tanh(P[0] * s1), s1
+            g = sub
+            if custom:
+                g = jax.custom_jvp(sub)
+                g.defjvp(lambda pr, tg: jax.jvp(sub, pr, tg))
+            s0, s1 = g(P, s0, s1)
+            return s1, s0
+        return lax.fori_loop(0, 3, body, s)
+    P, s = jnp.array([0.7]), (jnp.ones(3), jnp.arange(3.0))
+    want = jax.grad(_loss(lambda s, P: f(s, P, custom=False)), argnums=(0, 1))(s, P)
+    got = jax.grad(_loss(jr.reversible(f)), argnums=(0, 1))(s, P)
+    _close(got, want)
+
+
+@pytest.mark.parametrize("inner", ["zero_trip", "fori", "masked", "while"])
+def test_loop_nested_in_a_while_loop(inner):
+    """2. A loop nested in a `jr.while_loop` body (a zero-trip loop, a fori_loop, one whose
+    body selects with a mask it closes over): the body inverts. A plain while loop nested
+    there is refused, naming its line: its trip count would have to be stored per iteration
+    of a loop whose length is not known in advance."""
+    m = jnp.array([True, False, True])
+
+    def f(s, P, ref=False):
+        def step(x):
+            if inner == "zero_trip":
+                return lax.fori_loop(0, 0, lambda i, x: x * 2.0, x)
+            if inner == "fori":
+                return lax.fori_loop(0, 2, lambda i, x: x * P[0], x)
+            body = lambda c: (c[0] + 1, jnp.where(m, c[1], c[1] + jnp.tanh(jnp.sum(c[1] * m))))
+            if ref or inner == "masked":
+                return lax.fori_loop(0, 2, lambda i, z: body((i, z))[1], x)
+            return lax.while_loop(lambda c: c[0] < 2, body, (0, x))[1]  # <nested while>
+        if ref:  # the same program with its trip count fixed: what jax.grad differentiates
+            return s[0] + 3.0, lax.fori_loop(0, 3, lambda i, x: step(x), s[1])
+        return jr.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1.0, step(c[1])), s,
+                             lambda c: c[0] > 0)
+    P, s = jnp.array([0.7]), (jnp.array(0.0), jnp.arange(3.0) - 0.5)
+    if inner == "while":
+        with pytest.raises(jr.NotInvertibleError, match=r"`while` at .*test_defects.py:(\d+)") as e:
+            jax.grad(_loss(jr.reversible(f)), argnums=(0, 1))(s, P)
+        line = next(k for k, t in enumerate(open(__file__), 1) if "# <nested while>" in t)
+        assert f"test_defects.py:{line}:" in str(e.value)
+        return
+    _close(jr.reverse(f)(f(s, P), P), s)
+    want = jax.grad(_loss(lambda s, P: f(s, P, ref=True)), argnums=(0, 1))(s, P)
+    _close(jax.grad(_loss(jr.reversible(f)), argnums=(0, 1))(s, P), want)
+
+
+def test_inverse_ad_through_custom_vjp():
+    """3. inverse_jvp / inverse_vjp / slogdet_jacobian differentiate a custom_vjp function's
+    primal computation (also inside a scan)."""
+    def prim(x, p):
+        return x + jnp.tanh(p * x[::-1])
+
+    g = jax.custom_vjp(prim)
+    g.defvjp(lambda x, p: (prim(x, p), (x, p)), lambda r, ct: jax.vjp(prim, *r)[1](ct))
+
+    def f(x, use=g):
+        return lax.scan(lambda c, _: (use(c, 0.4) * 1.5, None), x, None, length=2)[0]
+    x = jnp.arange(4.0) * 0.3
+    v = jnp.cos(jnp.arange(4.0))
+    J = jax.jacfwd(lambda x: f(x, prim))(x)
+    _close(jr.inverse_jvp(f, (x,), v)[1][0], jnp.linalg.solve(J, v))
+    _close(jr.inverse_vjp(f, x)[1]((v,)), jnp.linalg.solve(J.T, v))
+    sign, logdet = jr.slogdet_jacobian(f, x)
+    want = jnp.linalg.slogdet(J)
+    assert float(sign) == float(want[0])
+    _close(logdet, want[1])
+
+
+@pytest.mark.parametrize("name", ["roll0", "roll", "sqrt", "cbrt", "rsqrt", "logistic",
+                                  "strided", "strided_set", "slice_of_strided_slice"])
+@pytest.mark.parametrize("jit", [False, True])
+def test_reverse_of_an_inverse(name, jit):
+    """4. `reverse(reverse(f)) == f` where an inverse rule emits a scatter, a power or a log."""
+    f = {"roll0": lambda x: jnp.roll(x, 0, axis=1),
+         "roll": lambda x: jnp.roll(x, 2, axis=1) * 2.0,
+         "sqrt": lambda x: jnp.sqrt(x) + 1.0, "cbrt": lambda x: jnp.cbrt(x) * 3.0,
+         "rsqrt": lambda x: lax.rsqrt(x) - 1.0, "logistic": lambda x: jax.nn.sigmoid(x) * 2.0,
+         "strided": lambda x: jnp.concatenate([x[:, ::2], x[:, 1::2]], axis=1),
+         "strided_set": lambda x: x.at[:, ::2].multiply(2.0),
+         # a scatter into column 1 of a slice of a strided slice (indices from `iota`)
+         "slice_of_strided_slice": lambda x: x.at[:, 1::2].add(x[:, ::2][:, :1])}[name]
+    x = jnp.arange(6.0).reshape(2, 3) + 1.0
+    rr = jr.reverse(jr.reverse(f))
+    _close((jax.jit(rr) if jit else rr)(x), f(x), 1e-12)
+
+
+@pytest.mark.parametrize("where", ["top", "scan"])
+def test_cond_passing_a_leaf_through(where):
+    """5. A `lax.cond` whose branches pass a leaf through unchanged."""
+    def step(a, b, k):
+        return lax.cond(k > 0, lambda a, b: (a * 2.0 + jnp.tanh(b), b),
+                        lambda a, b: (a + 1.0, b), a, b)
+
+    def f(s, k):
+        if where == "top":
+            a, b = step(*s, k)
+            return a, b
+        return lax.scan(lambda c, _: (step(*c, k)[::-1], None), s, None, length=3)[0]
+    s, k = (jnp.ones(3), jnp.arange(3.0)), 1
+    y = f(s, k)
+    _close(jr.reverse(f)(y, k), s)
+    _close(jax.jit(jr.reverse(f))(y, k), s)
+    _close(jax.grad(_loss(jr.reversible(f)))(s, k), jax.grad(_loss(f))(s, k))
+    J = jax.jacfwd(lambda v: jnp.concatenate(f((v[:3], v[3:]), k)))(jnp.concatenate(s))
+    sign, logdet = jr.slogdet_jacobian(lambda s: f(s, k), s)
+    _close(logdet, jnp.linalg.slogdet(J)[1])
+
+
+def test_a_lossy_step_whose_input_is_known_elsewhere_is_not_singular():
+    """A zero factor (`0 * sum(x * mask)`) destroys nothing when `sum(x * mask)` follows from
+    the elements a `where` kept: J⁻¹v is not refused as singular."""
+    m = jnp.array([True, False, True])
+
+    def f(x, w):
+        s = jnp.sum(x * m)
+        return jnp.where(m, x, x * jnp.exp(0.3 * jnp.tanh(w * s)) + jnp.tanh(s))
+    x, w = jnp.array([0.3, -0.4, 0.9]), jnp.zeros(3)
+    J = jax.jacfwd(lambda x: f(x, w))(x)
+    v = jnp.cos(jnp.arange(3.0))
+    _close(jr.inverse_jvp(lambda x: f(x, w), (x,), v, method="reverse")[1][0],
+           jnp.linalg.solve(J, v))
