@@ -508,7 +508,10 @@ def without_custom_vjp(closed: ClosedJaxpr) -> ClosedJaxpr:
         return sub.get(a, a) if isinstance(a, Var) else a
 
     def emit(eqn: JaxprEqn, inlined: bool) -> None:
-        if eqn.primitive is prims.custom_vjp_call:
+        # a custom_jvp rule over a custom_vjp function would JVP it: that one goes too
+        if eqn.primitive is prims.custom_vjp_call or (
+                eqn.primitive is prims.custom_jvp_call
+                and _mentions(call_jaxpr(eqn.params).jaxpr, prims.custom_vjp_call)):
             inner = without_custom_vjp(call_jaxpr(eqn.params))
             for v, c in zip(inner.jaxpr.constvars, inner.consts):
                 sub[v] = nv = new_var(v.aval)

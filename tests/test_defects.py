@@ -98,6 +98,10 @@ def test_inverse_ad_through_custom_vjp():
     want = jnp.linalg.slogdet(J)
     assert float(sign) == float(want[0])
     _close(logdet, want[1])
+    # a custom_jvp whose rule differentiates the custom_vjp function (JAX cannot JVP it)
+    h = jax.custom_jvp(lambda x: f(x))
+    h.defjvp(lambda pr, tg: jax.jvp(lambda x: f(x), pr, tg))
+    _close(jr.inverse_jvp(h, (x,), v)[1][0], jnp.linalg.solve(J, v))
 
 
 @pytest.mark.parametrize("name", ["roll0", "roll", "sqrt", "cbrt", "rsqrt", "logistic",
@@ -134,6 +138,7 @@ def test_cond_passing_a_leaf_through(where):
     y = f(s, k)
     _close(jr.reverse(f)(y, k), s)
     _close(jax.jit(jr.reverse(f))(y, k), s)
+    _close(jr.reverse(jr.reverse(f))(s, k), y)   # the inverse's own cond passes `b` through
     _close(jax.grad(_loss(jr.reversible(f)))(s, k), jax.grad(_loss(f))(s, k))
     J = jax.jacfwd(lambda v: jnp.concatenate(f((v[:3], v[3:]), k)))(jnp.concatenate(s))
     sign, logdet = jr.slogdet_jacobian(lambda s: f(s, k), s)

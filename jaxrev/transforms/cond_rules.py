@@ -22,7 +22,7 @@ from jaxrev._compat import (ClosedJaxpr, JaxprEqn, Primitive, cond_branches, lit
                             lower_fun, primitive_batchers, primitive_jvps, prims, register_lowering,
                             trace_to_closed)
 from jaxrev._jaxpr import (Env, eval_closed, instantiate_tangents, is_unknown, is_var,
-                           move_batch, switch_batched, vmap_closed)
+                           move_batch, needed_vars, switch_batched, vmap_closed)
 from jaxrev._program import avals_of
 from jaxrev.transforms._sweep import (LoopPlan, Plan, Residuals, acc, branch_slices,
                                       forward_with_residuals, get_ct, is_float, known_or_rebuilt,
@@ -40,6 +40,11 @@ def _switch_inverse(index: Any, branches: Sequence[ClosedJaxpr], ins: Sequence[A
                     outs: Sequence[Any]) -> list[Any]:
     """Invert `switch(index, branches, *ins) == outs` for the unknown `ins`."""
     unknown = [k for k, x in enumerate(ins) if is_unknown(x)]
+    unused = [k for k in unknown if not any(
+        b.jaxpr.invars[k] in needed_vars(b.jaxpr, b.jaxpr.outvars) for b in branches)]
+    if unused:   # JAX forwards a leaf every branch passes through around the cond
+        raise NeedMore(f"operands {unused} of the cond reach no branch's output: they must be "
+                       "known from elsewhere")
     known_vals = [x for x in ins if not is_unknown(x)]
     ctx = rule_context()   # the branches' operands are the cond's last len(ins) operands
     off = len(ctx.eqn.invars) - len(ins) if ctx is not None else 0
