@@ -137,7 +137,8 @@ def check(prog: Program) -> dict:
     return ran
 
 
-@settings(max_examples=EXAMPLES, **COMMON)
+# the default run is the same programs every time (CI stays deterministic); the slow run explores
+@settings(max_examples=EXAMPLES, **{**COMMON, "derandomize": True, "database": None})
 @given(programs())
 def test_grammar(prog):
     check(prog)
