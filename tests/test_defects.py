@@ -158,3 +158,24 @@ def test_a_lossy_step_whose_input_is_known_elsewhere_is_not_singular():
     v = jnp.cos(jnp.arange(3.0))
     _close(jr.inverse_jvp(lambda x: f(x, w), (x,), v, method="reverse")[1][0],
            jnp.linalg.solve(J, v))
+
+
+def test_reverse_of_an_inverse_whose_cond_one_branch_does_not_read():
+    """5 (found by the grammar). The inverse of a cond whose branches pass `a` through is a
+    cond that reads `a` in one branch only; reversing it, `a` comes from outside the cond."""
+    m = jnp.array([False, True, False, False])
+
+    def f(s, p):
+        a, b = s
+        for w in p["w"]:
+            a = a * jnp.exp(0.3 * w)
+        return lax.cond(p["k"] > 0,
+                        lambda a, b: (a, jnp.where(m, b, b * jnp.exp(0.3 * jnp.tanh(a))
+                                                   + jnp.tanh(a))),
+                        lambda a, b: (a, b * 1.25), a, b)
+    p = {"w": jnp.array([[0.0] * 4, [0.0] * 4, [0.0, -0.86, -0.24, 0.97]]), "k": jnp.array(0.16)}
+    s = (jnp.array([0.95, 0.0025, 0.00375, 0.0628]), jnp.array([0.00625, -0.99, 0.47, 1.22]))
+    inv = jr.reverse(f)
+    _close(inv(f(s, p), p), s)
+    _close(jr.reverse(inv)(s, p), f(s, p))
+    _close(jax.jit(jr.reverse(inv))(s, p), f(s, p))

@@ -40,11 +40,12 @@ def _switch_inverse(index: Any, branches: Sequence[ClosedJaxpr], ins: Sequence[A
                     outs: Sequence[Any]) -> list[Any]:
     """Invert `switch(index, branches, *ins) == outs` for the unknown `ins`."""
     unknown = [k for k, x in enumerate(ins) if is_unknown(x)]
-    unused = [k for k in unknown if not any(
-        b.jaxpr.invars[k] in needed_vars(b.jaxpr, b.jaxpr.outvars) for b in branches)]
-    if unused:   # JAX forwards a leaf every branch passes through around the cond
-        raise NeedMore(f"operands {unused} of the cond reach no branch's output: they must be "
-                       "known from elsewhere")
+    needed = [needed_vars(b.jaxpr, b.jaxpr.outvars) for b in branches]
+    unused = [k for k in unknown if not all(b.jaxpr.invars[k] in n
+                                            for b, n in zip(branches, needed))]
+    if unused:   # a branch drops it (JAX forwards a leaf a branch passes through around the cond)
+        raise NeedMore(f"operands {unused} of the cond do not reach every branch's output: they "
+                       "must be known from elsewhere")
     known_vals = [x for x in ins if not is_unknown(x)]
     ctx = rule_context()   # the branches' operands are the cond's last len(ins) operands
     off = len(ctx.eqn.invars) - len(ins) if ctx is not None else 0
