@@ -295,6 +295,15 @@ def needed_vars(jaxpr: Jaxpr, outs: Sequence[Any]) -> set[Var]:
     return need
 
 
+def restrict(closed: ClosedJaxpr, outs: Sequence[int]) -> ClosedJaxpr:
+    """`closed` computing only its outputs `outs` (same inputs): the equations they need."""
+    j = closed.jaxpr
+    keep = [j.outvars[k] for k in outs]
+    need = needed_vars(j, keep)
+    eqns = [e for e in j.eqns if any(o in need for o in e.outvars)]
+    return ClosedJaxpr(j.replace(eqns=eqns, outvars=keep), closed.consts)
+
+
 def consumers(jaxpr: Jaxpr) -> dict[Var, list[int]]:
     out: dict[Var, list[int]] = {}
     for i, eqn in enumerate(jaxpr.eqns):

@@ -47,9 +47,9 @@ def test_custom_jvp_closing_over_the_loop_counter():
 @pytest.mark.parametrize("inner", ["zero_trip", "fori", "masked", "while"])
 def test_loop_nested_in_a_while_loop(inner):
     """2. A loop nested in a `jr.while_loop` body (a zero-trip loop, a fori_loop, one whose
-    body selects with a mask it closes over): the body inverts. A plain while loop nested
-    there is refused, naming its line: its trip count would have to be stored per iteration
-    of a loop whose length is not known in advance."""
+    body selects with a mask it closes over, a plain while loop counting to a bound): the body
+    inverts, and `reversible` stores nothing per iteration (the inner trip count follows from
+    its counter)."""
     m = jnp.array([True, False, True])
 
     def f(s, P, ref=False):
@@ -61,18 +61,12 @@ def test_loop_nested_in_a_while_loop(inner):
             body = lambda c: (c[0] + 1, jnp.where(m, c[1], c[1] + jnp.tanh(jnp.sum(c[1] * m))))
             if ref or inner == "masked":
                 return lax.fori_loop(0, 2, lambda i, z: body((i, z))[1], x)
-            return lax.while_loop(lambda c: c[0] < 2, body, (0, x))[1]  # <nested while>
+            return lax.while_loop(lambda c: c[0] < 2, body, (0, x))[1]
         if ref:  # the same program with its trip count fixed: what jax.grad differentiates
             return s[0] + 3.0, lax.fori_loop(0, 3, lambda i, x: step(x), s[1])
         return jr.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1.0, step(c[1])), s,
                              lambda c: c[0] > 0)
     P, s = jnp.array([0.7]), (jnp.array(0.0), jnp.arange(3.0) - 0.5)
-    if inner == "while":
-        with pytest.raises(jr.NotInvertibleError, match=r"`while` at .*test_defects.py:(\d+)") as e:
-            jax.grad(_loss(jr.reversible(f)), argnums=(0, 1))(s, P)
-        line = next(k for k, t in enumerate(open(__file__), 1) if "# <nested while>" in t)
-        assert f"test_defects.py:{line}:" in str(e.value)
-        return
     _close(jr.reverse(f)(f(s, P), P), s)
     want = jax.grad(_loss(lambda s, P: f(s, P, ref=True)), argnums=(0, 1))(s, P)
     _close(jax.grad(_loss(jr.reversible(f)), argnums=(0, 1))(s, P), want)
@@ -179,3 +173,29 @@ def test_reverse_of_an_inverse_whose_cond_one_branch_does_not_read():
     _close(inv(f(s, p), p), s)
     _close(jr.reverse(inv)(s, p), f(s, p))
     _close(jax.jit(jr.reverse(inv))(s, p), f(s, p))
+
+
+def test_counted_plain_while_loop_runs_backwards():
+    """A plain `lax.while_loop` whose condition reads only a counter: `reverse` computes the
+    trip count from the counter (eagerly, under jit, twice reversed), `reversible` stores
+    nothing; one whose condition reads the state is still refused, naming its line."""
+    def f(s, p):
+        def body(c):
+            k, a, b = c
+            return k + 1, b, a + jnp.tanh(p * b)
+        _, a, b = lax.while_loop(lambda c: c[0] < 3, body, (0, *s))
+        return a, b
+    s, p = (jnp.ones(3), jnp.arange(3.0)), 0.5
+    y = f(s, p)
+    _close(jr.reverse(f)(y, p), s)
+    _close(jax.jit(jr.reverse(f))(y, p), s)
+    _close(jr.reverse(jr.reverse(f))(s, p), y)
+    assert "stores nothing" in str(jr.memory_report(f, s, p))
+
+    def g(s, p):   # the trip count depends on the state: <state while>
+        return lax.while_loop(lambda c: c[0][0] < 3.0, lambda c: (c[0] + 1.0, c[1] * p), s)
+    s2 = (jnp.zeros(1), jnp.ones(2))
+    with pytest.raises(jr.NotInvertibleError, match="does not record how many times") as e:
+        jr.reverse(g)(g(s2, 2.0), 2.0)
+    line = next(k for k, t in enumerate(open(__file__), 1) if "<state while>" in t)
+    assert f"test_defects.py:{line + 1}:" in str(e.value)

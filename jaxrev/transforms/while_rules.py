@@ -1,8 +1,10 @@
 """Every jaxrev rule of the while loops, in one block each: `lax.while_loop` and
 `jr.while_loop` (NiLang's loop with a post condition).
 
-A plain `lax.while_loop` forgets how many times it ran, so `reverse` cannot run it backwards;
-`reversible`'s forward run counts its iterations instead. `jr.while_loop` keeps its post
+A plain `lax.while_loop` forgets how many times it ran: where its condition reads counters
+only (carries whose updates read nothing else, with known initial values), the trip count is
+computed from them, and both `reverse` and `reversible` run it backwards from that; otherwise
+`reverse` cannot, and `reversible`'s forward run counts its iterations. `jr.while_loop` keeps its post
 condition in the jaxpr (the primitive `jaxrev_while`, lowered through `lax.while_loop`), so the
 backward run decides from the outputs alone when to stop. Both are swept backwards by one rule.
 """
@@ -19,7 +21,8 @@ from jaxrev._compat import (JaxprEqn, Primitive, lower_fun, primitive_batchers, 
                             prims, register_lowering, trace_to_closed)
 from jaxrev._errors import not_invertible
 from jaxrev._jaxpr import (Env, Unknown, eval_closed, instantiate_tangents, is_unknown,
-                           move_batch, select_batched, vmap_closed)
+                           is_var, move_batch, needed_vars, restrict, select_batched,
+                           vmap_closed)
 from jaxrev._program import avals_of
 from jaxrev.transforms._sweep import (BodyWalk, LoopEnd, LoopPlan, Plan, Residuals,
                                       known_or_rebuilt, loop_activity, loop_cts_in, loop_cts_out,
@@ -45,6 +48,15 @@ def _while_sweep(P: Plan, i: int, env: Env, ctenv: dict | None, active: set,
     cc, bc, pc, init = (ins[:ncc], ins[ncc:ncc + nbc], ins[ncc + nbc:ncc + nbc + npc],
                         ins[ncc + nbc + npc:])
     known_or_rebuilt(P, i, env, [*cc, *bc, *pc], res)
+    K = None if ours else counter_carries(p, [env.known(v) for v in init])
+    if K is not None:
+        # the trip count and the counters' final values follow from the counters: run them
+        # forward, store nothing (not even a discarded counter)
+        n, last = trip_count(p, [env.read(v) for v in cc], [env.read(v) for v in bc],
+                             {k: env.read(init[k]) for k in K})
+        for k, v in last.items():
+            if is_var(e.outvars[k]) and not env.known(e.outvars[k]):
+                env.write(e.outvars[k], v)
     outs_known(P, i, env, e.outvars, res)
     body = p["body_jaxpr"]
     ncar = len(init)
@@ -101,8 +113,9 @@ def _while_sweep(P: Plan, i: int, env: Env, ctenv: dict | None, active: set,
         c_first, c_first_ct, k_ct = lax.while_loop(
             lambda s: jnp.any(more(s[0])), lambda s: bstep(more(s[0]), *s), (c0, c_ct0, k_ct0))
     else:
-        count_shape = tuple(p["cond_jaxpr"].out_avals[0].shape)  # per element under vmap
-        n = res.loop(i, LoopPlan("while", bp, count_shape=count_shape))[0]
+        if K is None:
+            count_shape = tuple(p["cond_jaxpr"].out_avals[0].shape)  # per element under vmap
+            n = res.loop(i, LoopPlan("while", bp, count_shape=count_shape))[0]
 
         def back(s):
             k = s[0]
@@ -115,11 +128,80 @@ def _while_sweep(P: Plan, i: int, env: Env, ctenv: dict | None, active: set,
 
 # --------------------------------------------------------------------------- lax.while_loop
 
-def _lax_while_inverse(outs, *ins, **params):
-    raise Lossy("a plain `lax.while_loop` does not record how many times it ran",
-                "Ways out: use `jr.while_loop(cond_fun, body_fun, init_val, post_fun)`, whose "
-                "post condition lets the backward run count the iterations, or a `fori_loop` "
-                "with static bounds.")
+def counter_carries(p: dict, known: Sequence[bool]) -> list[int] | None:
+    """The carries that run forward from their initial values alone (`known`: which are known):
+    those whose updates read only such carries and constants (counters, their bounds). When
+    the condition reads only these, they give the trip count; None otherwise (and where the
+    condition is per element: a vmapped loop)."""
+    cj, bj = p["cond_jaxpr"], p["body_jaxpr"]
+    ncc, nbc = p["cond_nconsts"], p["body_nconsts"]
+    if cj.out_avals[0].shape:
+        return None
+    bin_, bout = bj.jaxpr.invars[nbc:], bj.jaxpr.outvars
+    reads = [{j for j, v in enumerate(bin_) if v in needed_vars(bj.jaxpr, [o])} for o in bout]
+    K = {k for k, ok in enumerate(known) if ok}
+    while True:
+        keep = {k for k in K if reads[k] <= K}
+        if keep == K:
+            break
+        K = keep
+    need = needed_vars(cj.jaxpr, cj.jaxpr.outvars)
+    if not K or any(v in need for k, v in enumerate(cj.jaxpr.invars[ncc:]) if k not in K):
+        return None
+    return sorted(K)
+
+
+def trip_count(p: dict, cc: Sequence[Any], bc: Sequence[Any], init: dict[int, Any]
+               ) -> tuple[Any, dict[int, Any]]:
+    """How many times the loop runs, and the counters' final values, from the counter carries'
+    initial values `init` alone (the other carries do not reach its condition: zeros)."""
+    bj = p["body_jaxpr"]
+    K = sorted(init)
+    body = restrict(bj, K)
+    avals = [v.aval for v in bj.jaxpr.invars[p["body_nconsts"]:]]
+
+    def full(cK):
+        c = [jnp.zeros(a.shape, a.dtype) for a in avals]
+        for k, x in zip(K, cK):
+            c[k] = x
+        return c
+
+    def step(s):
+        return s[0] + 1, eval_closed(body, *bc, *full(s[1]))
+
+    n, last = lax.while_loop(lambda s: eval_closed(p["cond_jaxpr"], *cc, *full(s[1]))[0], step,
+                             (jnp.zeros((), jnp.int32), [init[k] for k in K]))
+    return n, dict(zip(K, last))
+
+
+def _lax_while_inverse(outs, *ins, cond_jaxpr, body_jaxpr, cond_nconsts, body_nconsts):
+    """Runs backwards when its counters give the trip count (`lax.fori_loop` with bounds known
+    only when the program runs, a counted `while_loop`): the inverted body, that many times."""
+    p = dict(cond_jaxpr=cond_jaxpr, body_jaxpr=body_jaxpr, cond_nconsts=cond_nconsts,
+             body_nconsts=body_nconsts)
+    n = cond_nconsts + body_nconsts
+    cc, bc, init = ins[:cond_nconsts], ins[cond_nconsts:n], ins[n:]
+    K = counter_carries(p, [not is_unknown(x) for x in init])
+    if K is None:
+        raise Lossy("a plain `lax.while_loop` whose condition reads the state does not record "
+                    "how many times it ran",
+                    "Ways out: use `jr.while_loop(cond_fun, body_fun, init_val, post_fun)`, whose "
+                    "post condition lets the backward run count the iterations, or a loop whose "
+                    "trip count follows from a counter.")
+    if any(is_unknown(c) for c in (*cc, *bc)) or any(
+            is_unknown(o) for k, o in enumerate(outs) if k not in K):
+        raise NeedMore("the loop's constants or final values are not known yet")
+    count, last = trip_count(p, cc, bc, {k: init[k] for k in K})
+    outs = [last[k] if is_unknown(o) else o for k, o in enumerate(outs)]  # a discarded counter
+    ctx = rule_context()
+    hints = static_hints(body_nconsts, lambda k: ctx.static(cond_nconsts + k)) if ctx else None
+    unknown = [Unknown(v.aval) for v in body_jaxpr.jaxpr.invars[body_nconsts:]]
+
+    def back(_, c):
+        return invert_jaxpr(body_jaxpr, [*bc, *unknown], list(c), hints)[body_nconsts:]
+
+    first = lax.fori_loop(0, count, back, list(outs))
+    return [None] * n + [None if not is_unknown(x) else f for x, f in zip(init, first)]
 
 
 def _lax_while_forward(e: JaxprEqn, lp: LoopPlan, ins: Sequence[Any]) -> tuple[list, list]:
