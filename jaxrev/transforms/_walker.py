@@ -76,14 +76,14 @@ class Hints:
         return (k(self.static), k(self.enum), self.length)
 
 
-def static_hints(n: int, static_of: Callable[[int], Any], skip: int = 0) -> Hints | None:
-    """Hints for a sub-jaxpr whose inputs `skip`.. are the `n` operands with `static_of(k)`
+def static_hints(n: int, static_of: Callable[[int], Any]) -> Hints | None:
+    """Hints for a sub-jaxpr whose first `n` inputs have the static values `static_of(k)`
     (None where not known at trace time): a mask a loop body or a branch selects with."""
     hints = Hints()
     for k in range(n):
         v = static_of(k)
         if v is not None:
-            hints.static[skip + k] = v
+            hints.static[k] = v
     return hints if hints.static else None
 
 

@@ -28,6 +28,7 @@ are not known when the program is traced: singular steps then give non-finite re
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Sequence
 
 import jax
@@ -53,21 +54,25 @@ def _name(fun: Callable) -> str:
     return getattr(fun, "__name__", repr(fun))
 
 
-def _primal_computation(fun: Callable) -> Callable:
+def _primal_computation(fun: Callable, primals: Sequence[Any]) -> Callable:
     """`fun` with its `custom_vjp` functions replaced by their primal computations (at any
-    depth): J⁻¹v and log|det J| differentiate forward, which a custom VJP cannot."""
-    import functools
-
-    @functools.wraps(fun)
-    def primal_fun(*args):
+    depth): J⁻¹v and log|det J| differentiate forward, which a custom VJP cannot. `fun`
+    itself where it has none (decided by one trace at `primals`)."""
+    def traced(*args):
         flat, tree = jax.tree_util.tree_flatten(args)
         closed, out_shape = make_jaxpr(
             lambda *leaves: fun(*jax.tree_util.tree_unflatten(tree, list(leaves))), *flat)
-        new = without_custom_vjp(closed)
-        if new is closed:
-            return fun(*args)
-        outs = eval_closed(new, *flat)
-        return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
+        return flat, closed, jax.tree_util.tree_structure(out_shape)
+
+    _, closed, _ = traced(*primals)
+    if without_custom_vjp(closed) is closed:
+        return fun
+
+    @functools.wraps(fun)
+    def primal_fun(*args):
+        flat, closed, out_tree = traced(*args)
+        return jax.tree_util.tree_unflatten(out_tree, eval_closed(without_custom_vjp(closed),
+                                                                  *flat))
     return primal_fun
 
 
@@ -309,7 +314,7 @@ def inverse_jvp(fun: Callable, primals: Sequence[Any], out_tangent: Any, *,
     """
     who = "jaxrev.inverse_jvp"
     _check_args(fun, primals, method, on_singular, who)
-    fun = _primal_computation(fun)
+    fun = _primal_computation(fun, primals)
     sq = _Square(fun, primals, who)
     out_leaves = jax.tree_util.tree_leaves(out_tangent)
     if jax.tree_util.tree_structure(out_tangent) != sq.out_tree:
@@ -359,7 +364,7 @@ def inverse_vjp(fun: Callable, *primals: Any, method: str = "auto",
     """
     who = "jaxrev.inverse_vjp"
     _check_args(fun, primals, method, on_singular, who)
-    fun = _primal_computation(fun)
+    fun = _primal_computation(fun, primals)
     sq = _Square(fun, primals, who)
     y = fun(*primals)
     y_leaves = jax.tree_util.tree_leaves(y)
@@ -427,6 +432,6 @@ def slogdet_jacobian(fun: Callable, *primals: Any, method: str = "auto") -> tupl
     """
     who = "jaxrev.slogdet_jacobian"
     _check_args(fun, primals, method, "raise", who)
-    fun = _primal_computation(fun)
+    fun = _primal_computation(fun, primals)
     sq = _Square(fun, primals, who)
     return jnp.linalg.slogdet(sq.dense_jacobian())
