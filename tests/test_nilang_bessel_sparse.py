@@ -196,7 +196,7 @@ def test_bessel_script():
     assert _number(out, "gradient vs jax.grad of the fori_loop version, relative error:") < 1e-12
     assert _number(out, "Hessian vs analytic second derivative, relative error:") < 1e-10
     assert _number(out, "batch gradient vs scipy.special.jvp, max error / max |dJ|:") < 1e-10
-    assert _number(out, "reversible(accumulate_j) stores") <= 32
+    assert "reversible(accumulate_j) stores nothing" in out
     assert re.search(r"gradient, jr.reversible\s+one point\s+[0-9.]+ us, batch of 4000", out)
     assert "bessel finished in" in out
 
