@@ -86,6 +86,15 @@ def region_of(env: Env, v: Any) -> R.Region:
     return R.FULL if p is None else p.region
 
 
+def region_on(env: Env, v: Any, shape: tuple) -> R.Region:
+    """`v`'s unknown region on an array of `shape` it is broadcast to (a scalar operand of an
+    elementwise op: unknown anywhere is unknown everywhere)."""
+    r = region_of(env, v)
+    if tuple(np.shape(v.aval)) == tuple(shape) or r in (R.EMPTY, R.FULL):
+        return r
+    return R.FULL
+
+
 def _zeros(v: Any) -> Any:
     return jnp.zeros(v.aval.shape, v.aval.dtype)
 
@@ -379,7 +388,7 @@ def _elementwise_forward(eqn: JaxprEqn, env: Env) -> bool:
         return False
     region = R.EMPTY
     for v in eqn.invars:
-        region = R.union(region, region_of(env, v), env.info)
+        region = R.union(region, region_on(env, v, o.aval.shape), env.info)
     if region == R.FULL:
         return False
     out = apply(eqn, [value_of(env, v, clean=True) for v in eqn.invars])[0]
@@ -400,13 +409,15 @@ def _elementwise_backward(eqn: JaxprEqn, env: Env) -> bool | None:
     wrote = False
     involved = False
     for k in targets:
+        if tuple(eqn.invars[k].aval.shape) != tuple(o.aval.shape):
+            continue   # a scalar broadcast over the output: not element by element
         others = [v for j, v in enumerate(eqn.invars) if j != k]
         if not all(env.known(v) or is_partial(env, v) for v in others):
             continue
         involved = True
         region = region_of(env, o)
         for v in others:
-            region = R.union(region, region_of(env, v), env.info)
+            region = R.union(region, region_on(env, v, o.aval.shape), env.info)
         if region == R.FULL or R.implies(region_of(env, eqn.invars[k]), region):
             continue
         ins = [Unknown(v.aval) if j == k else value_of(env, v, clean=True)
