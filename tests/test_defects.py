@@ -199,3 +199,25 @@ def test_counted_plain_while_loop_runs_backwards():
         jr.reverse(g)(g(s2, 2.0), 2.0)
     line = next(k for k, t in enumerate(open(__file__), 1) if "<state while>" in t)
     assert f"test_defects.py:{line + 1}:" in str(e.value)
+
+
+@pytest.mark.parametrize("loop", ["fori", "while"])
+def test_cond_branch_reading_the_loop_counter(loop):
+    """(found by the grammar) A cond in a loop body whose one branch reads the loop counter:
+    the counter is rebuilt from its increment, so `reversible` stores nothing and a plain
+    while loop of a fixed trip count is not refused."""
+    w = jnp.array([0.0, -0.18, 0.1, 0.0])
+
+    def f(c, k, ref=False):
+        def body(i, c):
+            def yes(c):
+                c = c + 0.1 * i.astype(c.dtype)
+                return lax.fori_loop(1, 4, lambda j, x: x.at[j].add(jnp.tanh(w[j] * x[j - 1])), c)
+            return lax.cond(k > 0, yes, lambda c: c * 1.25, c)
+        if loop == "fori" or ref:
+            return lax.fori_loop(0, 2, body, c)
+        return lax.while_loop(lambda s: s[0] < 2, lambda s: (s[0] + 1, body(*s)), (0, c))[1]
+    c = jnp.array([0.3, -0.2, 0.5, 0.1])
+    want = jax.grad(_loss(lambda c: f(c, 0.6, ref=True)))(c)
+    _close(jax.grad(_loss(jr.reversible(lambda c: f(c, 0.6))))(c), want)
+    assert "stores nothing" in str(jr.memory_report(f, c, 0.6))

@@ -36,13 +36,17 @@ __all__ = ["cond", "cond_p"]
 
 # --------------------------------------------------------------------------- shared rules
 
+def _unread(branches: Sequence[ClosedJaxpr], ks: Sequence[int]) -> list[int]:
+    """The operands among `ks` that some branch does not read: no branch can rebuild them."""
+    needed = [needed_vars(b.jaxpr, b.jaxpr.outvars) for b in branches]
+    return [k for k in ks if not all(b.jaxpr.invars[k] in n for b, n in zip(branches, needed))]
+
+
 def _switch_inverse(index: Any, branches: Sequence[ClosedJaxpr], ins: Sequence[Any],
                     outs: Sequence[Any]) -> list[Any]:
     """Invert `switch(index, branches, *ins) == outs` for the unknown `ins`."""
     unknown = [k for k, x in enumerate(ins) if is_unknown(x)]
-    needed = [needed_vars(b.jaxpr, b.jaxpr.outvars) for b in branches]
-    unused = [k for k in unknown if not all(b.jaxpr.invars[k] in n
-                                            for b, n in zip(branches, needed))]
+    unused = _unread(branches, unknown)
     if unused:   # a branch drops it (JAX forwards a leaf a branch passes through around the cond)
         raise NeedMore(f"operands {unused} of the cond do not reach every branch's output: they "
                        "must be known from elsewhere")
@@ -86,6 +90,10 @@ def _cond_sweep(P: Plan, i: int, env: Env, ctenv: dict | None, active: set,
         else:
             known_or_rebuilt(P, i, env, [index], res)
     branches = cond_branches(e.params)
+    # an operand a branch does not read (a loop counter one branch uses) comes from the
+    # equations before the cond (the counter's increment, inverted), else it is stored
+    unread = _unread(branches, [k for k, v in enumerate(ops) if is_var(v) and not env.known(v)])
+    known_or_rebuilt(P, i, env, [ops[k] for k in unread], res)
     ok = tuple(env.known(v) for v in ops)
     nout = len(e.outvars)
     hints = static_hints(len(ops), lambda k: env.info.static(ops[k]))
