@@ -221,3 +221,20 @@ def test_cond_branch_reading_the_loop_counter(loop):
     want = jax.grad(_loss(lambda c: f(c, 0.6, ref=True)))(c)
     _close(jax.grad(_loss(jr.reversible(lambda c: f(c, 0.6))))(c), want)
     assert "stores nothing" in str(jr.memory_report(f, c, 0.6))
+
+
+def test_inverse_vjp_goes_on_when_the_programs_own_grouping_looks_singular():
+    """(found by the grammar) A masked coupling after `jnp.roll`: the inverse program's
+    grouping of steps looks singular, the step Jacobians ("linearize") are not."""
+    m = jnp.array([False, False, False, True])
+    w = jnp.array([0.0, -0.5838, 0.0236, -0.8914])
+
+    def f(a):
+        a = jnp.roll(a, 2)
+        s = jnp.sum(a * m)
+        return jnp.where(m, a, a * jnp.exp(0.3 * jnp.tanh(w * s)) + jnp.tanh(s))
+    a = jnp.array([0.3, -0.2, 0.5, 0.1])
+    J = jax.jacfwd(f)(a)
+    v = jnp.cos(jnp.arange(4.0))
+    _close(jr.inverse_vjp(f, a)[1]((v,)), jnp.linalg.solve(J.T, v))
+    _close(jr.inverse_jvp(f, (a,), v)[1][0], jnp.linalg.solve(J, v))

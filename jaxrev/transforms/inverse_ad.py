@@ -254,7 +254,8 @@ def _diagnoser(used: str, sq: _Square, fun: Callable, y_leaves: list
 def _try(methods: Sequence[str], attempt: Callable[[str], Any], who: str, on_singular: str,
          nan_shape: Callable[[], Any]):
     """Run `attempt(method)` for the first method that applies. A vanished pivot ends the
-    search: a singular Jacobian is singular whichever way it is inverted."""
+    search (a singular Jacobian is singular whichever way it is inverted), once the step
+    Jacobians themselves ("linearize") say so."""
     last: NotInvertibleError | None = None
     for m in methods:
         try:
@@ -264,6 +265,11 @@ def _try(methods: Sequence[str], attempt: Callable[[str], Any], who: str, on_sin
             with jax.ensure_compile_time_eval(), nonlinear.settings(newton=False):
                 return attempt(m), m
         except NotInvertibleError as e:
+            # "reverse" inverts the program's own steps, grouped as it finds them: a group it
+            # finds singular may still be nonsingular as the tangent program groups it
+            if e.singular and m == "reverse" and "linearize" in methods:
+                last = e
+                continue
             if e.singular:
                 if on_singular == "nan":
                     return nan_shape(), m
