@@ -9,7 +9,10 @@ from jaxrev.primitives import apply_gate, rot, swap
 from jaxrev.transforms.cond_rules import cond
 from jaxrev.transforms.custom import (custom_inverse, forward_mode, hook, nestlevel, recompute,
                                      store)
-from jaxrev.transforms.inverse_ad import inverse_jvp, inverse_vjp, slogdet_jacobian
+from jaxrev.transforms.bijector import Bijector, Chain
+from jaxrev.transforms.flows import (forward_and_slogdet, inverse_and_slogdet, logdet_strategy,
+                                    register_logdet, slogdet_jacobian)
+from jaxrev.transforms.inverse_ad import inverse_jvp, inverse_vjp
 from jaxrev.transforms.registry import register_inverse, register_inverse_jvp
 from jaxrev.transforms.reports import (MemoryReport, ReversibilityReport, check_reversible,
                                       memory_report)
@@ -23,7 +26,10 @@ __all__ = [
     "reverse", "reversible", "memory_report", "MemoryReport", "register_inverse",
     "register_inverse_jvp",
     "check_reversible", "ReversibilityReport", "while_loop", "cond",
-    "inverse_jvp", "inverse_vjp", "slogdet_jacobian", "custom_inverse",
+    "inverse_jvp", "inverse_vjp", "slogdet_jacobian", "forward_and_slogdet",
+    "inverse_and_slogdet", "logdet_strategy", "register_logdet", "Bijector", "Chain",
+    "custom_inverse",
     "hook", "nestlevel", "forward_mode", "store", "recompute",
-    "optim", "rot", "swap", "apply_gate", "JaxrevError", "NotInvertibleError", "ReversibilityError", "SingularJacobianError",
+    "optim", "rot", "swap", "apply_gate", "JaxrevError", "NotInvertibleError",
+    "ReversibilityError", "SingularJacobianError",
 ]

@@ -27,7 +27,8 @@ import jax
 from jaxrev._compat import ClosedJaxpr, Jaxpr, JaxprEqn, Var
 from jaxrev._errors import NotInvertibleError, WAYS_OUT, not_invertible
 from jaxrev._jaxpr import Env, Statics, evaluate, is_unknown, prepare, real_outvars, used_vars
-from jaxrev.transforms import choices, elements, lumps, nonlinear
+from jaxrev.transforms import choices, elements, lumps, nonlinear, records
+from jaxrev.transforms import regions as R
 from jaxrev.transforms.elements import token
 from jaxrev.transforms.registry import (STRUCTURAL, Lossy, NeedMore, element_rules,
                                         inverse_jvp_rules, inverse_rules, is_kind)
@@ -283,11 +284,14 @@ def _visit(i: int, eqn: JaxprEqn, env: Env, used: set, forward_only: bool, soft:
         evaluate((eqn,), env, used=used)
         return
     outs = real_outvars(eqn)
+    before = _unknown_regions(eqn, env) if records.active(env) is not None else None
     if etried.get(i) != seen:
         etried[i] = seen
         claimed.discard(i)
         if _near_elements(eqn, env) and _element_step(eqn, env, forward_only, soft, stuck,
                                                       claimed, i):
+            if before is not None:
+                before = _note(eqn, env, before)
             stuck.pop(i, None)
             if on_invert is not None:
                 on_invert(eqn, [v for v in eqn.invars if env.known(v)])
@@ -331,6 +335,8 @@ def _visit(i: int, eqn: JaxprEqn, env: Env, used: set, forward_only: bool, soft:
         if r is not None and isinstance(v, Var) and not env.known(v):
             elements.complete(env, v, r)
             wrote.append(v)
+    if before is not None:
+        _note(eqn, env, before)
     if wrote:
         stuck.pop(i, None)
         if on_invert is not None:
@@ -338,6 +344,24 @@ def _visit(i: int, eqn: JaxprEqn, env: Env, used: set, forward_only: bool, soft:
     elif i not in stuck:
         stuck[i] = Stuck(eqn, "its unknown inputs cannot be recovered from what is known "
                               "(more than one of them is unknown)")
+
+
+def _unknown_regions(eqn: JaxprEqn, env: Env) -> list:
+    """Where each input of `eqn` is unknown (a region; EMPTY when known)."""
+    out = []
+    for v in eqn.invars:
+        st = env.state(v) if isinstance(v, Var) else True
+        out.append(R.EMPTY if st is True else R.FULL if st is None else st.region)
+    return out
+
+
+def _note(eqn: JaxprEqn, env: Env, before: list) -> list:
+    """Record the elements of `eqn`'s inputs that became known since `before` (for
+    log-determinants); returns the regions now."""
+    after = _unknown_regions(eqn, env)
+    records.eqn_step(env, eqn, [(v, b, a) for v, b, a in zip(eqn.invars, before, after)
+                                if b != a and b != R.EMPTY])
+    return after
 
 
 def _element_step(eqn: JaxprEqn, env: Env, forward_only: bool, soft: bool,
@@ -417,12 +441,13 @@ def raise_stuck(stuck: list[Stuck], what: str) -> None:
 
 
 def seed(closed: ClosedJaxpr, ins: Sequence[Any], outs: Sequence[Any],
-         hints: Hints | None = None) -> tuple[Jaxpr, Env, list[Var]]:
+         hints: Hints | None = None, prepared: bool = False) -> tuple[Jaxpr, Env, list[Var]]:
     """Inline `closed`'s calls and fill a fresh env with its consts and the known entries of
     `ins` and `outs` (`Unknown` elsewhere). Returns (jaxpr, env, goals): the goals are the
     inputs passed as `Unknown`. `hints` say which inputs are static or, in a loop body, known
     at every iteration when the program is traced."""
-    closed = prepare(closed)
+    if not prepared:
+        closed = prepare(closed)
     jaxpr = closed.jaxpr
     env = Env(info=statics_for(jaxpr, closed.consts, hints))
     for v, c in zip(jaxpr.constvars, closed.consts):
@@ -441,7 +466,12 @@ def invert_jaxpr(closed: ClosedJaxpr, ins: Sequence[Any], outs: Sequence[Any],
     """Recover the `Unknown` entries of `ins` from the known `outs` (`Unknown` where not known);
     None for the inputs that were known. Raises `NotInvertibleError` where it cannot."""
     jaxpr, env, goals = seed(closed, ins, outs, hints)
-    stuck = propagate(jaxpr, env, goals)
+    ctx = rule_context()
+    with records.child(ctx.env if ctx else None, ctx.eqn if ctx else None, env, jaxpr, hints,
+                       [i for i, (v, y) in enumerate(zip(jaxpr.outvars, outs))
+                        if not is_unknown(y) and isinstance(v, Var)],
+                       [i for i, x in enumerate(ins) if is_unknown(x)]):
+        stuck = propagate(jaxpr, env, goals)
     missing = [i for i, (v, x) in enumerate(zip(jaxpr.invars, ins))
                if is_unknown(x) and not env.known(v)]
     if missing:

@@ -37,6 +37,7 @@ from jaxrev._compat import JaxprEqn, Literal, Var, has_user_frame, is_concrete, 
 from jaxrev._errors import ReversibilityError, at_eqn, not_invertible
 from jaxrev._jaxpr import Env, evaluate, is_var, real_outvars, size_of
 from jaxrev.transforms._checks import NEWTON_STARTS, counts, raise_where, settings
+from jaxrev.transforms import records
 from jaxrev.transforms.registry import choice_rules, elementwise_in
 
 __all__ = ["choice_step", "MAX_COMBOS"]
@@ -337,6 +338,7 @@ def _split(G: Sequence[JaxprEqn], ch: list[_Choice], inputs: list[Var], outputs:
         return False
     for v, x in zip(inputs, xs):
         env.write(v, x)
+    records.group_step(env, "choice", G, inputs, outputs)
     return True
 
 

@@ -24,7 +24,8 @@ from jaxrev._compat import (Primitive, differentiation_depth, lower_fun, primiti
                             trace_to_closed)
 from jaxrev._jaxpr import batch_front, eval_closed, instantiate_tangents, is_unknown
 from jaxrev._program import avals_of, check_structure, normalize_argnums
-from jaxrev.transforms.registry import NeedMore, define
+from jaxrev.transforms.logdet import DENSE_STEP, LogdetContext
+from jaxrev.transforms.registry import NeedMore, Unsupported, define
 
 __all__ = ["custom_inverse", "custom_inverse_p", "hook", "hook_p", "nestlevel", "forward_mode",
            "store", "recompute", "store_p", "recompute_p"]
@@ -60,6 +61,30 @@ class custom_inverse:
         self.fun = fun
         self.argnums = argnums
         self.inv_fun: Callable | None = None
+        self.logdet_fun: Callable | None = None
+
+    def deflogdet(self, logdet_fun: Callable) -> Callable:
+        """Register `logdet_fun(*args)`: log|det| of `fun`'s Jacobian with respect to its state
+        at `args` (or ``(sign, log|det|)``), used by every log-determinant entry point
+        (`slogdet_jacobian`, `forward_and_slogdet`, `inverse_and_slogdet`, `Bijector`)
+        instead of a dense Jacobian. Returns it (usable as a decorator).
+
+        Example:
+            >>> import jax.numpy as jnp, jaxrev as jr
+            >>> @jr.custom_inverse
+            ... def f(x):
+            ...     return x ** 3 + x
+            >>> _ = f.definverse(lambda y: jnp.cbrt(y))   # (a wrong inverse does not matter here)
+            >>> _ = f.deflogdet(lambda x: jnp.sum(jnp.log(3 * x ** 2 + 1)))
+            >>> y, logdet = jr.forward_and_slogdet(f)(jnp.ones(2))
+            >>> round(float(logdet), 6)
+            2.772589
+        """
+        if not callable(logdet_fun):
+            raise TypeError(f"deflogdet of {self.__name__} expects a callable, got "
+                            f"{logdet_fun!r}")
+        self.logdet_fun = logdet_fun
+        return logdet_fun
 
     def definverse(self, inv_fun: Callable) -> Callable:
         """Register `inv_fun` as the inverse; returns it (usable as a decorator)."""
@@ -117,10 +142,45 @@ class custom_inverse:
                 f"jaxrev.custom_inverse: the inverse {inv_name} of {name} must return the "
                 f"state's leaves ({[w.str_short() for w in want]}), got "
                 f"{[a.str_short() for a in inv_out]}")
+        logdet = None
+        if self.logdet_fun is not None:
+            shape = jax.eval_shape(self.logdet_fun, *args)
+            logdet = _Logdet(self.logdet_fun, in_tree, isinstance(shape, (tuple, list)))
         outs = custom_inverse_p.bind(
             *fconsts, *iconsts, *flat, fun_jaxpr=fj, inv_jaxpr=ij, n_fconsts=len(fconsts),
-            n_iconsts=len(iconsts), state=tuple(i in state_pos for i in range(len(flat))))
+            n_iconsts=len(iconsts), state=tuple(i in state_pos for i in range(len(flat))),
+            logdet=logdet)
         return jax.tree_util.tree_unflatten(s_tree, outs)
+
+
+class _Logdet:
+    """A `deflogdet` rule as the primitive's (hashable) param, called on the flat arguments;
+    each batching level (`levels`, innermost first) vmaps it and sums over the batch."""
+
+    def __init__(self, fn: Callable, in_tree: Any, signed: bool, levels: tuple = ()) -> None:
+        self.fn, self.in_tree, self.signed, self.levels = fn, in_tree, signed, levels
+
+    def __call__(self, *leaves: Any) -> tuple[Any, Any]:
+        if self.levels:
+            inner = _Logdet(self.fn, self.in_tree, self.signed, self.levels[:-1])
+            s, la = jax.vmap(inner, in_axes=self.levels[-1])(*leaves)
+            return jnp.prod(s), jnp.sum(la)
+        out = self.fn(*jax.tree_util.tree_unflatten(self.in_tree, list(leaves)))
+        if self.signed:
+            return jnp.asarray(out[0]), jnp.asarray(out[1])
+        return jnp.ones_like(out), jnp.asarray(out)
+
+    def batched(self, axes: Sequence[Any]) -> "_Logdet":
+        return _Logdet(self.fn, self.in_tree, self.signed, (*self.levels, tuple(axes)))
+
+    def _key(self) -> tuple:
+        return (self.fn, self.in_tree, self.signed, self.levels)
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def __eq__(self, other: Any) -> bool:
+        return isinstance(other, _Logdet) and self._key() == other._key()
 
 
 def _split(args, n_fconsts, n_iconsts):
@@ -128,7 +188,7 @@ def _split(args, n_fconsts, n_iconsts):
             args[n_fconsts + n_iconsts:])
 
 
-def _impl(*args, fun_jaxpr, inv_jaxpr, n_fconsts, n_iconsts, state):
+def _impl(*args, fun_jaxpr, inv_jaxpr, n_fconsts, n_iconsts, state, logdet=None):
     fc, _, xs = _split(args, n_fconsts, n_iconsts)
     return eval_closed(fun_jaxpr, *fc, *xs)
 
@@ -138,7 +198,7 @@ def _jvp(primals, tangents, **params):
                    instantiate_tangents(primals, tangents))
 
 
-def _batch(args, dims, *, fun_jaxpr, inv_jaxpr, n_fconsts, n_iconsts, state):
+def _batch(args, dims, *, fun_jaxpr, inv_jaxpr, n_fconsts, n_iconsts, state, logdet=None):
     size, args, axes = batch_front(args, dims)
     fc, ic, xs = _split(args, n_fconsts, n_iconsts)
     fa, ia, xa = _split(axes, n_fconsts, n_iconsts)
@@ -157,7 +217,8 @@ def _batch(args, dims, *, fun_jaxpr, inv_jaxpr, n_fconsts, n_iconsts, state):
     # vmap's own constants (hoisted by trace_to_closed) lead each jaxpr's inputs
     out = custom_inverse_p.bind(*fk, *fc, *ik, *ic, *xs, fun_jaxpr=fj, inv_jaxpr=ij,
                                 n_fconsts=len(fk) + len(fc), n_iconsts=len(ik) + len(ic),
-                                state=state)
+                                state=state,
+                                logdet=None if logdet is None else logdet.batched(xa))
     return out, [0] * len(out)
 
 
@@ -166,7 +227,7 @@ def _compiled(fun_jaxpr: Any) -> Callable:
     return jax.jit(functools.partial(eval_closed, fun_jaxpr))
 
 
-def _eager_impl(*args, fun_jaxpr, inv_jaxpr, n_fconsts, n_iconsts, state):
+def _eager_impl(*args, fun_jaxpr, inv_jaxpr, n_fconsts, n_iconsts, state, logdet=None):
     # called eagerly, the function runs as one compiled program, not equation by equation
     # (a choice group's Newton loops would each be compiled on their own)
     fc, _, xs = _split(args, n_fconsts, n_iconsts)
@@ -181,7 +242,7 @@ primitive_jvps[custom_inverse_p] = _jvp
 primitive_batchers[custom_inverse_p] = _batch
 
 
-def _inverse_rule(outs, *ins, fun_jaxpr, inv_jaxpr, n_fconsts, n_iconsts, state):
+def _inverse_rule(outs, *ins, fun_jaxpr, inv_jaxpr, n_fconsts, n_iconsts, state, logdet=None):
     fc, ic, xs = _split(list(ins), n_fconsts, n_iconsts)
     if any(is_unknown(c) for c in [*fc, *ic]) or any(
             is_unknown(x) for x, s in zip(xs, state) if not s):
@@ -195,7 +256,37 @@ def _inverse_rule(outs, *ins, fun_jaxpr, inv_jaxpr, n_fconsts, n_iconsts, state)
     return [None] * (n_fconsts + n_iconsts) + [next(it) if s else None for s in state]
 
 
-define(custom_inverse_p, inverse=_inverse_rule)
+def _logdet_rule(ctx: LogdetContext) -> tuple[Any, Any]:
+    """The user's `deflogdet`, else `fun`'s Jacobian with respect to the state, dense (at
+    most `DENSE_STEP` numbers)."""
+    p = ctx.eqn.params
+    _, _, xs = _split(ctx.invals, p["n_fconsts"], p["n_iconsts"])
+    if p["logdet"] is not None:
+        s, la = p["logdet"](*xs)
+        return jnp.asarray(s, ctx.dtype), jnp.asarray(la, ctx.dtype)
+    fc = ctx.invals[:p["n_fconsts"]]
+    state = [x for x, s in zip(xs, p["state"]) if s]
+    if sum(int(np.size(x)) for x in state) > DENSE_STEP:
+        raise Unsupported("a custom_inverse function with no log-determinant rule "
+                          "(.deflogdet)")
+
+    def f(vec):
+        k, args = 0, []
+        for x, s in zip(xs, p["state"]):
+            if s:
+                n = int(np.size(x))
+                args.append(jnp.reshape(vec[k:k + n], jnp.shape(x)))
+                k += n
+            else:
+                args.append(x)
+        return jnp.concatenate([jnp.ravel(o) for o in eval_closed(p["fun_jaxpr"], *fc, *args)])
+    return jnp.linalg.slogdet(jax.jacfwd(f)(jnp.concatenate([jnp.ravel(x) for x in state])))
+
+
+_logdet_rule.sign_known = lambda eqn: (eqn.params["logdet"] is None  # type: ignore[attr-defined]
+                                       or eqn.params["logdet"].signed)
+
+define(custom_inverse_p, inverse=_inverse_rule, logdet=_logdet_rule)
 
 
 # --------------------------------------------------------------------------- hook, nestlevel

@@ -1,4 +1,5 @@
-"""Inverse accumulation AD: J⁻¹v (`inverse_jvp`), vᵀJ⁻¹ (`inverse_vjp`) and log|det J|.
+"""Inverse accumulation AD: J⁻¹v (`inverse_jvp`) and vᵀJ⁻¹ (`inverse_vjp`); log|det J| is
+`flows.slogdet_jacobian`.
 
 A square program is a product of step Jacobians J = E_T … E_1, so J⁻¹ = E_1⁻¹ … E_T⁻¹: one
 inverted step at a time, in reverse order for J⁻¹v and in program order for J⁻ᵀw (DESIGN.md
@@ -42,7 +43,7 @@ from jaxrev.transforms import nonlinear
 from jaxrev.transforms.reverse import reverse
 from jaxrev.transforms.reversible import reversible
 
-__all__ = ["inverse_jvp", "inverse_vjp", "slogdet_jacobian", "METHODS"]
+__all__ = ["inverse_jvp", "inverse_vjp", "METHODS"]
 
 METHODS = ("auto", "reverse", "linearize", "dense")
 _ON_SINGULAR = ("raise", "nan")
@@ -423,21 +424,3 @@ class _TransposedState:
             raise NotInvertibleError(f"jax.linear_transpose cannot transpose the function's "
                                      f"linearization: {str(e).splitlines()[0]}") from None
         return sq.to_state_in(jax.tree_util.tree_leaves(tuple(cts)))
-
-
-# --------------------------------------------------------------------------- slogdet
-
-def slogdet_jacobian(fun: Callable, *primals: Any, method: str = "auto") -> tuple[Any, Any]:
-    """``(sign, log|det J|)`` of `fun`'s Jacobian with respect to all of `primals`.
-
-    Example:
-        >>> import jax.numpy as jnp, jaxrev as jr
-        >>> sign, logdet = jr.slogdet_jacobian(lambda x: jnp.exp(x), jnp.array([1.0, 2.0]))
-        >>> float(sign), round(float(logdet), 6)
-        (1.0, 3.0)
-    """
-    who = "jaxrev.slogdet_jacobian"
-    _check_args(fun, primals, method, "raise", who)
-    fun = _primal_computation(fun, primals)
-    sq = _Square(fun, primals, who)
-    return jnp.linalg.slogdet(sq.dense_jacobian())

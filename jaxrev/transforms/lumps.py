@@ -32,6 +32,7 @@ from jax import lax
 from jaxrev._compat import JaxprEqn, Var, is_concrete, prims, staged_constants
 from jaxrev._errors import not_invertible
 from jaxrev._jaxpr import Env, evaluate, real_outvars, size_of
+from jaxrev.transforms import records
 from jaxrev.transforms.registry import BILINEAR, LINEAR, elementwise_in, is_kind
 
 __all__ = ["lump_step", "Lump", "affine_eqn", "stand_ins", "probe_band", "band_entries", "banded_triangular_solve",
@@ -256,6 +257,7 @@ def lump_step(eqns: Sequence[JaxprEqn], env: Env, pending: Sequence[int]) -> boo
         if any(v in env.part for v in inputs) and _singular_at_trace_time(L, env) is not False:
             continue
         _solve_lump(L, env)
+        records.group_step(env, "lump", L.eqns, L.inputs, L.outputs)
         return True
     return False
 

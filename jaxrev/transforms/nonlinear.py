@@ -41,6 +41,7 @@ from jaxrev._errors import (ReversibilityError, SingularJacobianError, at_eqn, n
 from jaxrev._jaxpr import Env, real_outvars, size_of
 from jaxrev.transforms._checks import (NEWTON_STARTS, ON_FAILURE, counts, raise_where,
                                       setting, settings)
+from jaxrev.transforms import records
 from jaxrev.transforms.lumps import Lump, affine_eqn, stand_ins
 from jaxrev.transforms.registry import SMOOTH, elementwise_in, is_kind
 
@@ -108,6 +109,7 @@ def eliminate_step(eqns: Sequence[JaxprEqn], env: Env, pending: Sequence[int],
             continue
         for v, val in zip([L.inputs[j] for j in det], _solve_determined(system, env, det)):
             env.write(v, val)
+        records.unsupported(env, f"an exact linear elimination ({L.eqns[0].primitive})")
         return True
     return False
 
@@ -267,6 +269,7 @@ def newton_step(eqns: Sequence[JaxprEqn], env: Env, pending: Sequence[int],
         system = _System(L, blocks, next(iter(shapes)) if blocks else ())
         for v, val in zip(inputs, _newton(system, env)):
             env.write(v, val)
+        records.group_step(env, "newton", group, inputs, outputs)
         return True
     return False
 

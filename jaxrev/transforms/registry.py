@@ -30,9 +30,9 @@ from typing import Any, Callable, NamedTuple, Sequence
 from jaxrev._compat import DropVar, Primitive
 
 __all__ = ["inverse_rules", "inverse_jvp_rules", "sweep_rules", "forward_rules",
-           "element_rules", "ElementRule", "choice_rules", "ChoiceRule", "index_args",
+           "element_rules", "ElementRule", "choice_rules", "ChoiceRule", "index_args", "logdet_rules",
            "kinds", "ELEMENTWISE", "LINEAR", "BILINEAR", "SMOOTH", "STRUCTURAL", "define",
-           "is_kind", "elementwise_in", "Lossy", "NeedMore", "register_inverse",
+           "is_kind", "elementwise_in", "Lossy", "NeedMore", "Unsupported", "register_inverse",
            "register_inverse_jvp"]
 
 inverse_rules: dict[Primitive, Callable[..., Sequence[Any]]] = {}
@@ -80,6 +80,11 @@ class ChoiceRule(NamedTuple):
 choice_rules: dict[Primitive, ChoiceRule] = {}
 """Choice rules per primitive (see `ChoiceRule`)."""
 
+logdet_rules: dict[Primitive, Callable[..., tuple[Any, Any]]] = {}
+"""log|det| of a step the log-determinant sweep cannot see into (`logdet.LogdetContext` ->
+(sign, log|det ∂outputs/∂recovered inputs|), both in flat order): loops, products by known
+matrices, the user's `register_logdet`."""
+
 index_args: dict[Primitive, tuple[int, ...]] = {}
 """For a `STRUCTURAL` primitive, the operands that are indices (a gather's, a dynamic slice's
 starts): the element positions it moves depend on their values, not on the data operands'."""
@@ -112,6 +117,11 @@ class Lossy(Exception):
         self.singular = singular
 
 
+class Unsupported(Exception):
+    """Raised by a log-determinant rule (and the sweep) for a step it cannot describe: the
+    caller then takes the dense Jacobian's."""
+
+
 class NeedMore(Exception):
     """Raised by an inverse rule that may succeed once more of its inputs are known."""
 
@@ -126,7 +136,7 @@ def define(p: Primitive | None, *, inverse: Callable | None = None,
            inverse_jvp: Callable | None = None,
            sweep: Callable | None = None, forward: Callable | None = None,
            element: ElementRule | None = None, choice: ChoiceRule | None = None,
-           kind: Sequence[str] = (),
+           logdet: Callable | None = None, kind: Sequence[str] = (),
            index: Sequence[int] = ()) -> None:
     """Register every jaxrev rule of `p` at once and tag it with `kind`. A primitive missing
     from this JAX version (None) is skipped, so rule blocks need no version checks."""
@@ -134,7 +144,8 @@ def define(p: Primitive | None, *, inverse: Callable | None = None,
         return
     for table, rule in ((inverse_rules, inverse), (inverse_jvp_rules, inverse_jvp),
                         (sweep_rules, sweep), (forward_rules, forward),
-                        (element_rules, element), (choice_rules, choice)):
+                        (element_rules, element), (choice_rules, choice),
+                        (logdet_rules, logdet)):
         if rule is not None:
             table[p] = rule
     if index:

@@ -23,8 +23,10 @@ from jaxrev._jaxpr import Env, apply, eval_closed, is_unknown
 from jaxrev.transforms import regions as R
 from jaxrev.transforms.elements import learn, region_of, static_of, value_of
 from jaxrev.transforms.custom import custom_inverse
+from jaxrev.transforms.logdet import LogdetContext
 from jaxrev.transforms.registry import (BILINEAR, ELEMENTWISE, LINEAR, SMOOTH, STRUCTURAL,
-                                        ChoiceRule, ElementRule, Lossy, NeedMore, define)
+                                        ChoiceRule, ElementRule, Lossy, NeedMore, Unsupported,
+                                        define)
 
 __all__ = ["check_nonzero"]
 
@@ -294,7 +296,11 @@ def _cumsum(out, x, *, axis, reverse, **_):
     return [out - shifted]
 
 
-define(prims.cumsum, inverse=_cumsum, kind=(LINEAR,))
+def _cumsum_logdet(ctx: LogdetContext) -> tuple[Any, Any]:
+    return jnp.ones((), ctx.dtype), jnp.zeros((), ctx.dtype)
+
+
+define(prims.cumsum, inverse=_cumsum, logdet=_cumsum_logdet, kind=(LINEAR,))
 
 
 def _real(out, x, **_):
@@ -348,7 +354,31 @@ def _dot_general(out, lhs, rhs, *, dimension_numbers, **_):
     return [X, None] if x_is_lhs else [None, X]
 
 
-define(prims.dot_general, inverse=_dot_general, kind=(BILINEAR,))
+def _dot_logdet(ctx: LogdetContext) -> tuple[Any, Any]:
+    """y = x @ W (or W @ x) with W known and square: det(W) once per row (column)."""
+    eqn = ctx.eqn
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    if lb or rb or sum(ctx.recovered) != 1 or len(lc) != 1:
+        raise Unsupported("a dot_general other than a product by a known square matrix")
+    k = ctx.recovered.index(True)
+    x, W = ctx.invals[k], ctx.invals[1 - k]
+    wc = (rc if k == 0 else lc)[0]
+    if W.ndim != 2 or W.shape[0] != W.shape[1]:
+        raise Unsupported("a dot_general by a matrix that is not square")
+    s, la = jnp.linalg.slogdet(W)
+    reps = int(np.prod(x.shape, dtype=np.int64)) // W.shape[0]
+    # the output's element order is the batch of x then W's free axis: a flat-order match
+    # only when x's contracted axis is its last and W's free axis follows it
+    xc = (lc if k == 0 else rc)[0]
+    if k == 0 and (xc != x.ndim - 1):
+        raise Unsupported("a dot_general contracting an axis other than the last")
+    if k == 1:
+        raise Unsupported("a dot_general W @ x (write x @ W.T)")
+    del wc
+    return s ** reps, la * reps
+
+
+define(prims.dot_general, inverse=_dot_general, logdet=_dot_logdet, kind=(BILINEAR,))
 
 
 def _linear_solve(outs, *ins, const_lengths, jaxprs, **_):

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxrev._compat import JaxprEqn, ScanParams, Var, prims, scan_info
+from jaxrev._compat import JaxprEqn, Literal, ScanParams, Var, is_concrete, prims, scan_info
 from jaxrev._errors import NotInvertibleError
 from jaxrev._jaxpr import (Env, Statics, Unknown, evaluate, forward_known, is_unknown,
                            is_var, needed_vars, size_of)
@@ -25,8 +25,9 @@ from jaxrev.transforms._sweep import (BodyWalk, LoopEnd, LoopPlan, Plan, Residua
                                       forward_with_residuals, known_or_rebuilt, loop_activity,
                                       loop_cts_in, loop_cts_out, outs_known, plan_for, res_avals)
 from jaxrev.transforms._walker import (Hints, Window, invert_jaxpr, propagate, rule_context,
-                                      seed)
-from jaxrev.transforms.registry import NeedMore, define
+                                      seed, statics_for)
+from jaxrev.transforms.logdet import LogdetContext, evaluate_plan
+from jaxrev.transforms.registry import NeedMore, Unsupported, define
 
 __all__: list[str] = []
 
@@ -301,4 +302,43 @@ def _scan_forward(e: JaxprEqn, lp: LoopPlan, ins: Sequence[Any]) -> tuple[list, 
     return [*c, *ys], list(r)
 
 
-define(prims.scan, inverse=_scan_inverse, sweep=_scan_sweep, forward=_scan_forward)
+def _scan_logdet(ctx: LogdetContext) -> tuple[Any, Any]:
+    """Σ over iterations of the body's log-determinant, from a forward run of the loop over
+    the recovered inputs (the body's record says how each iteration inverts)."""
+    pl = ctx.child
+    if pl is None:
+        raise Unsupported("the loop's body was not inverted by a walk the record holds")
+    sp = scan_info(ctx.eqn.params)
+    nc, ncar = sp.nconsts, sp.ncarry
+    jaxpr = pl.recorder.jaxpr
+    benv0 = pl.recorder.env
+    bconsts = [benv0.read(v) for v in jaxpr.constvars]
+    if not all(is_concrete(c) for c in bconsts):
+        raise Unsupported("the loop body's constants are not known when it is traced")
+    consts = ctx.invals[:nc]
+    init = ctx.invals[nc:nc + ncar]
+    xs = ctx.invals[nc + ncar:]
+    dtype = ctx.dtype
+
+    def body(carry, x_t):
+        c, sign, la = carry
+        env = Env(info=statics_for(jaxpr, bconsts, pl.recorder.hints))
+        for v, a in zip(jaxpr.constvars, bconsts):
+            env.write(v, a)
+        for v, a in zip(jaxpr.invars, [*consts, *c, *x_t]):
+            env.write(v, a)
+        evaluate(jaxpr.eqns, env)
+        s, ld = evaluate_plan(pl, env.read, dtype, permutation=False)
+        c2 = [env.read(v) if not isinstance(v, Literal) else jnp.asarray(v.val)
+              for v in jaxpr.outvars[:ncar]]
+        c2 = [jnp.asarray(a, o.dtype) for a, o in zip(c2, c)]
+        return (c2, sign * s, la + ld), None
+
+    (_, sign, la), _ = lax.scan(body, (list(init), jnp.ones((), dtype), jnp.zeros((), dtype)),
+                                list(xs), length=sp.length, reverse=sp.reverse)
+    return sign, la
+
+
+
+define(prims.scan, inverse=_scan_inverse, sweep=_scan_sweep, forward=_scan_forward,
+       logdet=_scan_logdet)

@@ -1,0 +1,145 @@
+"""`jr.Bijector`: any invertible function in distrax's bijector protocol (DESIGN.md §1 flows).
+
+`forward` is the function, `inverse` is `reverse(fun)`, and the log-determinants come from the
+inversion sweep (`flows`), one pass each. distrax is not imported: the class has the methods
+and attributes distrax's `Bijector` has, so code written against that protocol (and
+`jr.Chain`, distrax's `Chain`) uses it as it is.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from jaxrev._program import fun_name
+from jaxrev.transforms.flows import forward_and_slogdet, inverse_and_slogdet
+from jaxrev.transforms.reverse import reverse
+
+__all__ = ["Bijector", "Chain"]
+
+
+class Bijector:
+    """`fun` as a bijector: ``forward``, ``inverse``, ``forward_and_log_det``,
+    ``inverse_and_log_det``, ``forward_log_det_jacobian``, ``inverse_log_det_jacobian``.
+
+    `fun` maps one event (an array of `event_ndims` dimensions) to one event; the methods take
+    arrays with leading batch dimensions too (`fun` is vmapped over them) and return
+    log-determinants of the batch's shape. Extra positional arguments of the methods are
+    passed on to `fun` (parameters): ``b.forward(x, params)`` calls ``fun(x, params)``, and
+    with ``argnums=1`` ``fun(params, x)``.
+    `method` and `on_singular` are those of `forward_and_slogdet` (a vanished pivot raises
+    `SingularJacobianError`, under `jit` when the program runs: one host check per call).
+
+    Example:
+        >>> import jax.numpy as jnp, jaxrev as jr
+        >>> b = jr.Bijector(lambda x, s: x * jnp.exp(s))
+        >>> y, logdet = b.forward_and_log_det(jnp.ones((3, 2)), jnp.array([0.5, 1.0]))
+        >>> logdet.shape, round(float(logdet[0]), 6)
+        ((3,), 1.5)
+    """
+
+    def __init__(self, fun: Callable, event_ndims: int = 1, *, argnums: int = 0,
+                 method: str = "auto", on_singular: str = "raise", name: str | None = None
+                 ) -> None:
+        if not isinstance(event_ndims, int) or event_ndims < 0:
+            raise ValueError(f"jaxrev.Bijector: event_ndims must be a non-negative int, got "
+                             f"{event_ndims!r}")
+        if not isinstance(argnums, int) or argnums < 0:
+            raise ValueError(f"jaxrev.Bijector: argnums must be a non-negative int, got "
+                             f"{argnums!r}")
+        self.fun, self.argnums = fun, argnums
+        self.event_ndims_in = self.event_ndims_out = event_ndims
+        self.name = name or fun_name(fun)
+        self.is_constant_jacobian = False
+        self.is_constant_log_det = False
+        self._inv = reverse(fun, argnums)
+        self._fwd_ld = forward_and_slogdet(fun, argnums, method=method, on_singular=on_singular)
+        self._inv_ld = inverse_and_slogdet(fun, argnums, method=method, on_singular=on_singular)
+
+    def _batched(self, g: Callable, x: Any, params: Sequence[Any]) -> Any:
+        leaves = jax.tree_util.tree_leaves(x)
+        nb = jnp.ndim(leaves[0]) - self.event_ndims_in
+        if nb < 0:
+            raise ValueError(f"jaxrev.Bijector({self.name}): an input of {jnp.ndim(leaves[0])} "
+                             f"dimensions has fewer than event_ndims={self.event_ndims_in}")
+        a = self.argnums
+        if a > len(params):
+            raise ValueError(f"jaxrev.Bijector({self.name}): argnums={a} but only "
+                             f"{len(params)} parameters were passed")
+
+        def h(x, *ps):
+            return g(*ps[:a], x, *ps[a:])
+        for _ in range(nb):
+            h = jax.vmap(h, in_axes=(0, *([None] * len(params))))
+        return h(x, *params)
+
+    def forward(self, x: Any, *params: Any) -> Any:
+        return self._batched(self.fun, x, params)
+
+
+    def inverse(self, y: Any, *params: Any) -> Any:
+        return self._batched(self._inv, y, params)
+
+    def forward_and_log_det(self, x: Any, *params: Any) -> tuple[Any, Any]:
+        return self._batched(self._fwd_ld, x, params)
+
+    def inverse_and_log_det(self, y: Any, *params: Any) -> tuple[Any, Any]:
+        return self._batched(self._inv_ld, y, params)
+
+    def forward_log_det_jacobian(self, x: Any, *params: Any) -> Any:
+        return self.forward_and_log_det(x, *params)[1]
+
+    def inverse_log_det_jacobian(self, y: Any, *params: Any) -> Any:
+        return self.inverse_and_log_det(y, *params)[1]
+
+    def __repr__(self) -> str:
+        return f"jaxrev.Bijector({self.name}, event_ndims={self.event_ndims_in})"
+
+
+class Chain(Bijector):
+    """Bijectors composed as distrax's `Chain`: ``Chain([f, g]).forward(x) == f(g(x))`` (the
+    last one applies first). Log-determinants add up; each bijector's come from its own sweep.
+
+    Example:
+        >>> import jax.numpy as jnp, jaxrev as jr
+        >>> c = jr.Chain([jr.Bijector(lambda x: x * 2.0), jr.Bijector(lambda x: x + 1.0)])
+        >>> y, logdet = c.forward_and_log_det(jnp.zeros(2))
+        >>> y.tolist(), round(float(logdet), 6)
+        ([2.0, 2.0], 1.386294)
+    """
+
+    def __init__(self, bijectors: Sequence[Bijector]) -> None:
+        self.bijectors = list(bijectors)
+        if not self.bijectors:
+            raise ValueError("jaxrev.Chain needs at least one bijector")
+        nd = {b.event_ndims_in for b in self.bijectors}
+        if len(nd) != 1:
+            raise ValueError(f"jaxrev.Chain: the bijectors' event_ndims differ: {sorted(nd)}")
+        self.event_ndims_in = self.event_ndims_out = nd.pop()
+        self.name = "Chain(" + ", ".join(b.name for b in self.bijectors) + ")"
+        self.is_constant_jacobian = self.is_constant_log_det = False
+
+    def forward(self, x: Any, *params: Any) -> Any:
+        for b in reversed(self.bijectors):
+            x = b.forward(x, *params)
+        return x
+
+    def inverse(self, y: Any, *params: Any) -> Any:
+        for b in self.bijectors:
+            y = b.inverse(y, *params)
+        return y
+
+    def forward_and_log_det(self, x: Any, *params: Any) -> tuple[Any, Any]:
+        total = 0.0
+        for b in reversed(self.bijectors):
+            x, ld = b.forward_and_log_det(x, *params)
+            total = total + ld
+        return x, total
+
+    def inverse_and_log_det(self, y: Any, *params: Any) -> tuple[Any, Any]:
+        total = 0.0
+        for b in self.bijectors:
+            y, ld = b.inverse_and_log_det(y, *params)
+            total = total + ld
+        return y, total

@@ -1,0 +1,535 @@
+"""log|det J| and its sign from the inversion sweep (DESIGN.md §3.7).
+
+Inverting a program recovers its inputs from its outputs one step at a time: an equation's
+inverse or element rule recovers some elements U of its inputs from elements O of its output,
+a group step (a lump, a state-dependent choice, a Newton group) recovers its unknown inputs
+from its known outputs. Seen as a change of variables, each step replaces the "slots" O of the
+current n independent values by U, so (DESIGN.md §3.4)
+
+    det J⁻¹ = sign(σ) · ∏ det(∂U/∂O) = sign(σ) / ∏ det(∂O/∂U),
+
+where σ is where the inputs' elements end up among the outputs' slots. The record of the walk
+(`records`) says which step recovered what; this module turns it into a `Plan` at trace time
+(which slots each step takes over: positional for elementwise steps, the index map for steps
+that move elements, flat order otherwise) and evaluates each step's det(∂O/∂U) on the values:
+
+- a step positional in the recovered operand (elementwise primitives, a select's case, a
+  scatter's operand): the diagonal, from one JVP, summed over the recovered elements only;
+- a step that only moves elements (reshape, transpose, slices, concatenate, gather): 1, its
+  permutation counted in σ;
+- a primitive with a `logdet_rules` entry (loops, `dot_general` by a known square matrix,
+  `cumsum`, `custom_inverse`, the user's `register_logdet`);
+- a group: k×k blocks per element when it is elementwise (a JVP per unknown), else its dense
+  Jacobian (at most `DENSE_STEP` unknowns).
+
+Anything else is `Unsupported`: the caller then materialises J (the "dense" strategy).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrev._compat import DropVar, JaxprEqn, Var, prims, scan_info
+from jaxrev._jaxpr import Env, apply, evaluate, real_outvars, size_of
+from jaxrev.transforms import records
+from jaxrev.transforms import regions as R
+from jaxrev.transforms.registry import (ELEMENTWISE, STRUCTURAL, Unsupported, elementwise_in,
+                                        index_args, is_kind, logdet_rules)
+
+__all__ = ["Unsupported", "Plan", "plan", "evaluate_plan", "LogdetContext", "DENSE_STEP"]
+
+DENSE_STEP = 1024
+"""Largest step (recovered elements) whose Jacobian is materialised when it has no structure."""
+
+# operands in which these primitives are positional: output element p depends on the
+# operand's element p only (a select's cases, a scatter's or dynamic update's operand)
+_POSITIONAL = {p: ks for p, ks in (
+    (prims.select_n, "cases"), (prims.scatter_add, (0,)), (prims.scatter_mul, (0,)),
+    (prims.scatter, (0,)), (prims.dynamic_update_slice, (0,)))
+    if p is not None}
+# inputs that these primitives copy into their output (an update's elements)
+_COPIES = {p: ks for p, ks in ((prims.scatter, (2,)), (prims.dynamic_update_slice, (1,)))
+           if p is not None}
+
+
+def _inexact(v: Any) -> bool:
+    return isinstance(v, Var) and jnp.issubdtype(v.aval.dtype, jnp.inexact)
+
+
+def _shape(v: Any) -> tuple:
+    return tuple(v.aval.shape)
+
+
+@dataclass
+class _PStep:
+    """A step of the plan: how to evaluate it (`how`) and what it needs."""
+
+    how: str                      # "positional" | "structural" | "rule" | "blocks" | "dense"
+    step: records.Step
+    parts: list = field(default_factory=list)   # positional: (input index, region or None)
+    child: "Plan | None" = None
+
+
+@dataclass
+class Plan:
+    """A walk's record made into the steps to evaluate, with the sign of σ (None where the
+    slots could not be followed at trace time) and whether every recovered element's slot
+    is known (`exact`)."""
+
+    steps: list[_PStep]
+    perm_sign: int | None
+    identity: bool
+    info: Any
+    recorder: records.Recorder
+
+
+OPAQUE = -2
+"""The slot of an element recovered by a step whose element map is not known at trace time."""
+
+
+class _Slots:
+    """Which output slot each known element of each variable holds (-1: none, a value computed
+    forward from others)."""
+
+    def __init__(self) -> None:
+        self.of: dict[Var, np.ndarray] = {}
+        self.exact = True
+        self.pairs: set = set()     # (recovered, output) taken over at run-time elements
+        self.sign = 1               # the iterated permutations of loop bodies
+        self.unsigned = False       # a step whose rule gives log|det| only
+
+    def get(self, v: Var) -> np.ndarray:
+        s = self.of.get(v)
+        if s is None:
+            s = self.of[v] = np.full(_shape(v), -1, np.int64)
+        return s
+
+    def take(self, u: Var, u_mask: np.ndarray | None, from_slots: np.ndarray) -> None:
+        """`u`'s elements (where `u_mask`) take `from_slots` (same shape as `u`)."""
+        s = self.get(u)
+        if u_mask is None:
+            u_mask = np.ones(s.shape, bool)
+        if np.any(from_slots[u_mask] < 0) or np.any(s[u_mask] >= 0):
+            self.exact = False
+        s[u_mask] = from_slots[u_mask]
+
+    def consume(self, o: Var, mask: np.ndarray | None) -> np.ndarray:
+        s = self.get(o).copy()
+        if mask is not None:
+            s = np.where(mask, s, -1)
+        return s
+
+
+def _static_mask(r: Any, shape: tuple) -> np.ndarray | None | bool:
+    """A region as a numpy mask; True for the whole array; False if only known at run time."""
+    if r == R.FULL:
+        return True
+    if r == R.EMPTY:
+        return np.zeros(shape, bool)
+    m = R.static_mask(r, shape)
+    return False if m is None else np.asarray(m, bool)
+
+
+def _new_mask(before: Any, after: Any, shape: tuple) -> np.ndarray | None | bool:
+    """The elements known after a step and not before: None for all, False if known only at
+    run time."""
+    b, a = _static_mask(before, shape), _static_mask(after, shape)
+    if b is False or a is False:
+        return False
+    if b is True and isinstance(a, np.ndarray) and not a.any():
+        return None
+    bm = np.ones(shape, bool) if b is True else b
+    am = np.ones(shape, bool) if a is True else a
+    return bm & ~am
+
+
+def _positional_in(eqn: JaxprEqn, k: int) -> bool:
+    outs = real_outvars(eqn)
+    if len(outs) != 1 or _shape(eqn.invars[k]) != _shape(outs[0]):
+        return False
+    ks = _POSITIONAL.get(eqn.primitive)
+    if ks == "cases":
+        return k >= 1
+    if ks is not None:
+        return k in ks
+    return is_kind(eqn.primitive, ELEMENTWISE)
+
+
+def plan(rec: records.Recorder, seeded: Sequence[Var], goals: Sequence[Var],
+         pair: bool = True) -> Plan:
+    """The plan of a walk's record: `seeded` the outputs it started from (their slots in
+    order), `goals` the inputs it recovered. With `pair`, the identity check pairs goal k with
+    seeded k (a loop body: carry in with carry out, x with y)."""
+    if rec.unsupported:
+        raise Unsupported(rec.unsupported[0])
+    slots = _Slots()
+    off = 0
+    for v in seeded:
+        if _inexact(v):
+            n = size_of([v.aval])
+            slots.of[v] = np.arange(off, off + n).reshape(_shape(v))
+            off += n
+    steps = []
+    for st in rec.steps:
+        steps.append(_plan_step(st, rec, slots))
+    gs = [g for g in goals if _inexact(g)]
+    final = np.concatenate([slots.get(g).ravel() for g in gs]) if gs else np.zeros(0, np.int64)
+    n = len(final)
+    if n != off:
+        raise Unsupported(f"the state has {n} numbers and the output {off}")
+    perm_sign: int | None = None
+    identity = False
+    if slots.exact:
+        if sorted(final.tolist()) != list(range(n)):
+            raise Unsupported("the steps do not recover each output element once")
+        perm_sign = None if slots.unsigned else _perm_sign(final) * slots.sign
+        identity = pair and bool(np.all(final == np.arange(n)))
+    elif np.any((final < 0) & (final != OPAQUE)):
+        raise Unsupported("an element of the state was not recovered by a step it can follow")
+    return Plan(steps, perm_sign, identity, rec.env.info if rec.env is not None else None, rec)
+
+
+def _perm_sign(p: np.ndarray) -> int:
+    seen = np.zeros(len(p), bool)
+    sign = 1
+    for i in range(len(p)):
+        if seen[i]:
+            continue
+        j, length = i, 0
+        while not seen[j]:
+            seen[j] = True
+            j = int(p[j])
+            length += 1
+        if length % 2 == 0:
+            sign = -sign
+    return sign
+
+
+def _plan_step(st: records.Step, rec: records.Recorder, slots: _Slots) -> _PStep:
+    if st.kind != "eqn":
+        return _plan_group(st, slots)
+    (eqn,) = st.eqns
+    got = [(eqn.invars.index(v), v, b, a) for v, b, a in st.recovered if _inexact(v)]
+    if not got:                       # an integer recovered (a loop counter): no Jacobian
+        return _PStep("none", st)
+    outs = [o for o in real_outvars(eqn) if _inexact(o)]
+    p = eqn.primitive
+    if p in logdet_rules:
+        known = getattr(logdet_rules[p], "sign_known", None)
+        if known is not None and not known(eqn):
+            slots.unsigned = True
+        if any(_new_mask(b, a, _shape(v)) is not None for _, v, b, a in got):
+            raise Unsupported(f"`{p}` recovered only some elements of an input")
+        child = rec.children.get(id(eqn))
+        cplan = None
+        us, os = [v for _, v, _, _ in got], outs
+        if child is not None:
+            cplan = plan(child, child.seeded, child.goals)
+            # the sub-jaxpr's outputs and inputs are the equation's, position for position
+            us = [eqn.invars[i] for i in child.goal_pos if _inexact(eqn.invars[i])]
+            os = [eqn.outvars[i] for i in child.seeded_pos if _inexact(eqn.outvars[i])]
+            if set(us) != {v for _, v, _, _ in got}:
+                raise Unsupported(f"`{p}` recovered other inputs than its sub-jaxpr's walk")
+            if cplan.perm_sign is None:
+                slots.exact = False
+            elif cplan.perm_sign < 0:
+                # σ of the loop is the product of each iteration's: the body's, `length` times
+                reps = _iterations(eqn)
+                if reps is None:
+                    slots.exact = False
+                else:
+                    slots.sign *= (-1) ** reps
+        _flat_slots(us, os, slots)
+        return _PStep("rule", st, [(k, None) for k, _, _, _ in got], cplan)
+    how = ["pos" if _positional_in(eqn, k) else
+           "copy" if is_kind(p, STRUCTURAL) or k in _COPIES.get(p, ()) else None
+           for k, _, _, _ in got]
+    if None not in how:
+        parts = []
+        for (k, v, b, a), h in zip(got, how):
+            if h == "copy":
+                continue
+            (o,) = outs
+            m = _new_mask(b, a, _shape(v))
+            if m is False:
+                # elements decided when the program runs (a window at a loop counter): all of
+                # `v` that this step recovers comes from `o` position for position, so `v`
+                # takes `o`'s slots where it has none yet (complementary steps agree)
+                parts.append((k, (b, a)))
+                if (v, o) not in slots.pairs:
+                    slots.pairs.add((v, o))
+                    s_v, s_o = slots.get(v), slots.get(o)
+                    if np.any(s_v >= 0):
+                        slots.exact = False
+                    slots.of[v] = np.where(s_v < 0, s_o, s_v)
+                    slots.of[o] = np.full(_shape(o), -1, np.int64)
+                continue
+            slots.take(v, m, slots.consume(o, m))
+            slots.of[o] = np.where(np.ones(_shape(o), bool) if m is None else m, -1,
+                                   slots.get(o))
+            parts.append((k, None if m is None else m))
+        copies = [g for g, h in zip(got, how) if h == "copy"]
+        if copies:
+            _structural_slots(eqn, copies, rec, slots)
+        return _PStep("positional" if parts else "structural", st, parts)
+    if any(_new_mask(b, a, _shape(v)) is not None for _, v, b, a in got):
+        raise Unsupported(f"`{p}` recovered only some elements of an input, and has no "
+                          "log-determinant rule")
+    if size_of(v.aval for _, v, _, _ in got) > DENSE_STEP:
+        raise Unsupported(f"`{p}` has no log-determinant rule (jr.register_logdet)")
+    _flat_slots([v for _, v, _, _ in got], outs, slots)
+    return _PStep("dense", st, [(k, None) for k, _, _, _ in got])
+
+
+def _iterations(eqn: JaxprEqn) -> int | None:
+    """How many times a loop runs its body, when known at trace time."""
+    return scan_info(eqn.params).length if eqn.primitive is prims.scan else None
+
+
+def _flat_slots(us: Sequence[Var], os: Sequence[Var], slots: _Slots) -> None:
+    """The recovered `us` take the slots of `os` in flat order."""
+    src = np.concatenate([slots.get(o).ravel() for o in os]) if os else np.zeros(0, np.int64)
+    if len(src) != size_of(u.aval for u in us):
+        raise Unsupported("a step recovers a different number of elements than it consumes")
+    k = 0
+    for u in us:
+        n = size_of([u.aval])
+        slots.take(u, None, src[k:k + n].reshape(_shape(u)))
+        k += n
+    for o in os:
+        slots.of[o] = np.full(_shape(o), -1, np.int64)
+
+
+def _is_index(p: Any, k: int, n: int) -> bool:
+    for i in index_args.get(p, ()):
+        if (k in range(n)[i]) if isinstance(i, slice) else k == i:
+            return True
+    return False
+
+
+def _structural_slots(eqn: JaxprEqn, got: list, rec: records.Recorder,
+                      slots: _Slots) -> None:
+    """Run the step on element ids to see which output element each recovered one was copied
+    to; the recovered elements take those slots, which are then consumed."""
+    info = rec.env.info
+    n = len(eqn.invars)
+    ids: list = []
+    off = 1
+    ins = []
+    for k, v in enumerate(eqn.invars):
+        if (_is_index(eqn.primitive, k, n) or not isinstance(v, Var)
+                or not jnp.issubdtype(v.aval.dtype, jnp.inexact)):
+            val = info.static(v)
+            if val is None:
+                # indices known only when the program runs (a swap at a loop counter): the
+                # step moves elements (log|det| 0) but where to is not followed
+                _opaque(got, eqn, slots)
+                return
+            ins.append(val)
+            ids.append(None)
+            continue
+        size = size_of([v.aval])
+        a = np.arange(off, off + size, dtype=np.int64).reshape(_shape(v))
+        ins.append(a.astype(np.int32))
+        ids.append(a)
+        off += size
+    try:
+        with jax.ensure_compile_time_eval():
+            res = [np.asarray(r) for r in apply(eqn, ins)]
+    except Exception:   # a primitive that will not run on integers
+        _opaque(got, eqn, slots)
+        return
+    src = np.full(off, -1, np.int64)
+    where: dict[int, tuple] = {}
+    for j, (o, r) in enumerate(zip(eqn.outvars, res)):
+        if not _inexact(o):
+            continue
+        flat, sl = r.ravel(), slots.get(o).ravel()
+        hit = np.nonzero(flat > 0)[0]
+        src[flat[hit]] = sl[hit]
+        for q in hit:
+            where[int(flat[q])] = (o, int(q))
+    for k, v, b, a in got:
+        m = _new_mask(b, a, _shape(v))
+        if m is False:
+            _opaque([(k, v, b, a)], eqn, slots)
+            continue
+        mask = np.ones(_shape(v), bool) if m is None else m
+        slots.take(v, m, src[ids[k]])
+        for i in ids[k][mask].ravel():
+            o, q = where.get(int(i), (None, None))
+            if o is not None:
+                slots.of[o].flat[q] = -1
+
+
+def _opaque(got: list, eqn: JaxprEqn, slots: _Slots) -> None:
+    """The recovered elements of a step whose element map is decided when the program runs:
+    known to be recovered, their slots not followed (the sign is then not known)."""
+    slots.exact = False
+    for _, u, _, _ in got:
+        s = slots.get(u)
+        slots.of[u] = np.where(s < 0, OPAQUE, s)
+    for o in real_outvars(eqn):
+        if _inexact(o):
+            slots.of[o] = np.full(_shape(o), -1, np.int64)
+
+
+def _plan_group(st: records.Step, slots: _Slots) -> _PStep:
+    us = [u for u in st.inputs if _inexact(u)]
+    os = [o for o in st.outputs if _inexact(o)]
+    shapes = {_shape(v) for v in [*us, *os]}
+    if (len(shapes) == 1 and len(us) == len(os)
+            and all(elementwise_in(e, next(iter(shapes))) or not any(
+                _inexact(o) for o in real_outvars(e)) or e.primitive in _POSITIONAL
+                or e.primitive is prims.gather for e in st.eqns)):
+        for u, o in zip(us, os):
+            slots.take(u, None, slots.consume(o, None))
+            slots.of[o] = np.full(_shape(o), -1, np.int64)
+        return _PStep("blocks", st)
+    if size_of(u.aval for u in us) > DENSE_STEP:
+        raise Unsupported(f"a {st.kind} group of {size_of(u.aval for u in us)} unknowns with "
+                          f"no elementwise structure (at `{st.eqns[0].primitive}`)")
+    _flat_slots(us, os, slots)
+    return _PStep("dense", st)
+
+
+# --------------------------------------------------------------------------- evaluation
+
+class LogdetContext:
+    """What a `logdet_rules` entry gets: the equation, its inputs' and outputs' values, which
+    inputs were recovered, and (for a loop or branch) the plan of its sub-jaxpr's walk."""
+
+    def __init__(self, eqn: JaxprEqn, read: Callable[[Any], Any], recovered: Sequence[bool],
+                 child: Plan | None) -> None:
+        self.eqn, self.recovered, self.child = eqn, list(recovered), child
+        self.invals = [read(v) for v in eqn.invars]
+        self.outvals = [_try_read(read, v) for v in eqn.outvars]
+
+    @property
+    def dtype(self) -> Any:
+        """The floating-point type the log-determinant is computed in."""
+        fl = [jnp.result_type(x) for x in self.invals if x is not None
+              and jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
+        return jnp.result_type(*fl) if fl else jnp.float32
+
+
+def _try_read(read: Callable, v: Any) -> Any:
+    if isinstance(v, DropVar):
+        return None
+    try:
+        return read(v)
+    except KeyError:
+        return None
+
+
+def _acc(sign: Any, logabs: Any, d: Any, mask: Any = None) -> tuple[Any, Any]:
+    """Fold the pivots `d` (where `mask`) into (sign, log|det|)."""
+    la = jnp.log(jnp.abs(d))
+    sg = jnp.sign(d)
+    if mask is not None:
+        la = jnp.where(mask, la, 0)
+        sg = jnp.where(mask, sg, 1)
+    return sign * jnp.prod(sg), logabs + jnp.sum(la)
+
+
+def evaluate_plan(pl: Plan, read: Callable[[Any], Any], dtype: Any,
+                  permutation: bool = True, per_step: list | None = None) -> tuple[Any, Any]:
+    """(sign, log|det ∂outputs/∂inputs|) of the walk's program at the values `read` gives.
+    (`sign` includes σ's when the plan knows it and `permutation` asks for it; `per_step`
+    collects (equation, its log|det|) for naming a singular step.)"""
+    sign = jnp.asarray(pl.perm_sign if permutation and pl.perm_sign is not None else 1, dtype)
+    logabs = jnp.zeros((), dtype)
+    for ps in pl.steps:
+        before = logabs
+        sign, logabs = _eval_step(ps, read, sign, logabs, pl)
+        if per_step is not None and ps.how not in ("none", "structural"):
+            per_step.append((ps.step.eqns[0], logabs - before))
+    return sign, logabs
+
+
+def _eval_step(ps: _PStep, read: Callable, sign: Any, logabs: Any, pl: Plan
+               ) -> tuple[Any, Any]:
+    st = ps.step
+    if ps.how in ("none", "structural"):
+        return sign, logabs
+    if ps.how == "positional":
+        (eqn,) = st.eqns
+        ins = [read(v) for v in eqn.invars]
+        for k, m in ps.parts:
+            if isinstance(m, tuple):   # known at run time
+                shape = _shape(eqn.invars[k])
+                mask = (R.materialize(m[0], shape, read)
+                        & ~R.materialize(m[1], shape, read))
+            else:
+                mask = None if m is None else jnp.asarray(m)
+
+            def f(x, k=k):
+                a = list(ins)
+                a[k] = x
+                return apply(eqn, a)[0]
+            x = ins[k]
+            _, d = jax.jvp(f, (x,), (jnp.ones_like(x),))
+            sign, logabs = _acc(sign, logabs, d, mask)
+        return sign, logabs
+    if ps.how == "rule":
+        (eqn,) = st.eqns
+        rec = [any(k == j for j, _ in ps.parts) for k in range(len(eqn.invars))]
+        s, la = logdet_rules[eqn.primitive](LogdetContext(eqn, read, rec, ps.child))
+        return sign * s, logabs + la
+    # groups and dense single steps: F maps the recovered inputs to the consumed outputs
+    if st.kind == "eqn":
+        (eqn,) = st.eqns
+        us = [eqn.invars[k] for k, _ in ps.parts]
+        os = [o for o in real_outvars(eqn) if _inexact(o)]
+        eqns = list(st.eqns)
+    else:
+        us = [u for u in st.inputs if _inexact(u)]
+        os = [o for o in st.outputs if _inexact(o)]
+        eqns = list(st.eqns)
+    F = _group_map(eqns, us, os, read, pl.info)
+    xs = [read(u) for u in us]
+    if ps.how == "blocks":
+        cols = []
+        for j in range(len(us)):
+            t = [jnp.ones_like(x) if i == j else jnp.zeros_like(x) for i, x in enumerate(xs)]
+            cols.append(jnp.stack(jax.jvp(F, (xs,), (t,))[1], axis=-1))
+        B = jnp.stack(cols, axis=-1)          # [..., out i, in j]
+        if len(us) == 1:
+            return _acc(sign, logabs, B[..., 0, 0])
+        s, la = jnp.linalg.slogdet(B)
+        return sign * jnp.prod(s), logabs + jnp.sum(la)
+    sizes = [size_of([u.aval]) for u in us]
+
+    def flat(v):
+        parts, k = [], 0
+        for u, n in zip(us, sizes):
+            parts.append(v[k:k + n].reshape(_shape(u)))
+            k += n
+        return jnp.concatenate([jnp.ravel(o) for o in F(parts)])
+    x0 = jnp.concatenate([jnp.ravel(x) for x in xs])
+    s, la = jnp.linalg.slogdet(jax.jacfwd(flat)(x0))
+    return sign * s, logabs + la
+
+
+def _group_map(eqns: Sequence[JaxprEqn], us: Sequence[Var], os: Sequence[Var],
+               read: Callable, info: Any) -> Callable:
+    """The group's outputs `os` as a function of its inputs `us`, the rest held at their
+    values."""
+    produced = {o for e in eqns for o in real_outvars(e)}
+    reads = list(dict.fromkeys(v for e in eqns for v in e.invars
+                               if isinstance(v, Var) and v not in produced and v not in us))
+    vals = [read(v) for v in reads]
+
+    def F(xs):
+        env = Env(info=info)
+        for v, x in zip(reads, vals):
+            env.write(v, x)
+        for v, x in zip(us, xs):
+            env.write(v, x)
+        evaluate(eqns, env, partial=True)
+        return [env.read(o) for o in os]
+    return F

@@ -1,0 +1,112 @@
+"""What a walk recovered, step by step: the record log-determinants are summed over (DESIGN.md
+§3.7).
+
+While a `Recorder` is active, the walker notes every step that recovers unknown values in the
+env it was given: one equation's inverse or element rule (which inputs, and which of their
+elements, were new), a group step (a lump, a choice, a Newton group: the group's equations, its
+unknown inputs and its known outputs), and, for a loop or branch rule that inverts a sub-jaxpr,
+a child record of that walk. The record holds no values, only variables and regions, so a
+record made on one run (abstract, or inside a loop's trace) is evaluated on another run's env.
+Walks on other envs (a choice's candidate branches, probes) are not recorded.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Sequence
+
+from jaxrev._compat import JaxprEqn, Var
+
+__all__ = ["Step", "Recorder", "recording", "active", "eqn_step", "group_step", "unsupported",
+           "child"]
+
+
+@dataclass
+class Step:
+    """One recovery: `kind` "eqn" (`recovered`: (var, unknown region before, after) of the
+    equation's inputs) or a group kind ("lump", "choice", "newton": `inputs` recovered from
+    `outputs` through `eqns`)."""
+
+    kind: str
+    eqns: tuple[JaxprEqn, ...]
+    recovered: list[tuple[Var, Any, Any]] = field(default_factory=list)
+    inputs: list[Var] = field(default_factory=list)
+    outputs: list[Var] = field(default_factory=list)
+
+
+class Recorder:
+    """The steps of one walk over `jaxpr` (in `env`), and the records of the sub-jaxpr walks
+    of its loops and branches, by equation."""
+
+    def __init__(self, env: Any = None, jaxpr: Any = None, hints: Any = None,
+                 seeded: Sequence[int] = (), goals: Sequence[int] = ()) -> None:
+        self.env, self.jaxpr, self.hints = env, jaxpr, hints
+        # the positions of the outputs the walk started from and of the inputs it recovered
+        self.seeded_pos, self.goal_pos = list(seeded), list(goals)
+        self.steps: list[Step] = []
+        self.children: dict[int, Recorder] = {}   # id(eqn) -> the last walk of its sub-jaxpr
+        self.unsupported: list[str] = []
+
+    @property
+    def seeded(self) -> list:
+        return [self.jaxpr.outvars[i] for i in self.seeded_pos]
+
+    @property
+    def goals(self) -> list:
+        return [self.jaxpr.invars[i] for i in self.goal_pos]
+
+    def mine(self, env: Any) -> bool:
+        return env is self.env
+
+
+_STACK: list[Recorder] = []
+
+
+def active(env: Any) -> Recorder | None:
+    """The recorder of the walk over `env`, if one is recording."""
+    if _STACK and _STACK[-1].mine(env):
+        return _STACK[-1]
+    return None
+
+
+@contextlib.contextmanager
+def recording(rec: Recorder) -> Iterator[Recorder]:
+    _STACK.append(rec)
+    try:
+        yield rec
+    finally:
+        _STACK.pop()
+
+
+def eqn_step(env: Any, eqn: JaxprEqn, changes: Sequence[tuple[Var, Any, Any]]) -> None:
+    rec = active(env)
+    if rec is not None and changes:
+        rec.steps.append(Step("eqn", (eqn,), list(changes)))
+
+
+def group_step(env: Any, kind: str, eqns: Sequence[JaxprEqn], inputs: Sequence[Var],
+               outputs: Sequence[Var]) -> None:
+    rec = active(env)
+    if rec is not None:
+        rec.steps.append(Step(kind, tuple(eqns), inputs=list(inputs), outputs=list(outputs)))
+
+
+def unsupported(env: Any, why: str) -> None:
+    """A step the record cannot describe (its log-determinant then comes from elsewhere)."""
+    rec = active(env)
+    if rec is not None:
+        rec.unsupported.append(why)
+
+
+@contextlib.contextmanager
+def child(parent_env: Any, eqn: JaxprEqn | None, env: Any, jaxpr: Any, hints: Any,
+          seeded: Sequence[int], goals: Sequence[int]) -> Iterator[None]:
+    """Record the walk over a sub-jaxpr (`env`, `jaxpr`) that the rule of `eqn` runs."""
+    if not _STACK or eqn is None or not _STACK[-1].mine(parent_env):
+        yield
+        return
+    parent = _STACK[-1]
+    rec = Recorder(env, jaxpr, hints, seeded, goals)
+    with recording(rec):
+        yield
+    parent.children[id(eqn)] = rec

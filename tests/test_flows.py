@@ -1,0 +1,311 @@
+"""Log-determinants from the inversion sweep and the flows API (issue 17, DESIGN.md §3.7).
+
+Every program is checked against `jnp.linalg.slogdet(jax.jacfwd(f))` in float64 (sign exactly,
+log|det| to 1e-10), eagerly, under `jit` and under `vmap`; `logdet_strategy` must say "sweep",
+so a silent fall-back to the dense Jacobian fails the test. The forward and inverse entry points
+must agree with each other and round-trip.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import jaxrev as jr
+
+sys.path.insert(0, os.path.dirname(__file__))
+from element_programs import programs  # noqa: E402
+
+TOL = 1e-10
+HERE = os.path.basename(__file__)
+P = programs()
+
+
+def _dense(f, x):
+    return jnp.linalg.slogdet(jax.jacfwd(f)(x))
+
+
+def _mlp_w(key, n, h=12, scale=0.3):
+    k1, k2 = jax.random.split(key)
+    return {"a": jax.random.normal(k1, (h, n)) * scale / np.sqrt(n),
+            "b": jax.random.normal(k2, (2 * n, h)) * scale}
+
+
+def _coupling(x, w, mask):
+    """distrax's MaskedCoupling written by hand: the conditioner reads the masked part."""
+    h = jnp.tanh(w["a"] @ (x * mask))
+    out = w["b"] @ h
+    n = x.shape[0]
+    s, t = jnp.tanh(out[:n]), out[n:]
+    return jnp.where(mask, x, x * jnp.exp(s) + t)
+
+
+def _lu_affine(x, lu):
+    """Glow's invertible 1x1 convolution: x (pixels, channels) @ P L U."""
+    c = x.shape[-1]
+    L = jnp.tril(lu["m"], -1) + jnp.eye(c)
+    U = jnp.triu(lu["m"], 1) + jnp.diag(jnp.exp(lu["logs"]) * lu["sign"])
+    return x @ (lu["perm"] @ L @ U)
+
+
+def _flow(x, ws):
+    n = x.shape[0]
+    for k, w in enumerate(ws):
+        mask = (jnp.arange(n) % 2 == k % 2)
+        x = _coupling(x, w, mask)
+        x = jnp.where(x > 0, x, 0.2 * x)          # leaky relu: a choice per element
+        x = x[jnp.array(np.random.RandomState(k).permutation(n))]   # a permutation
+    return x
+
+
+N = 10
+KEY = jax.random.PRNGKey(3)
+X = jax.random.normal(KEY, (N,))
+WS = [_mlp_w(k, N) for k in jax.random.split(KEY, 3)]
+LU = {"m": jax.random.normal(KEY, (4, 4)) * 0.3, "logs": jnp.array([0.1, -0.2, 0.3, 0.05]),
+      "sign": jnp.array([1.0, -1.0, 1.0, 1.0]),
+      "perm": jnp.eye(4)[jnp.array([2, 0, 3, 1])]}
+
+CASES = {
+    "flow": (lambda x: _flow(x, WS), X),
+    "lu_affine": (lambda x: _lu_affine(x.reshape(3, 4), LU).reshape(-1), jnp.linspace(-1, 1, 12)),
+    "actnorm_rev": (lambda x: (x * jnp.exp(jnp.linspace(-1, 1, 9)) - 0.3)[::-1],
+                    jnp.linspace(-1, 1, 9)),
+    "roll_negate": (lambda x: -jnp.roll(x, 3) * 1.5, jnp.linspace(-1, 1, 7)),
+    "swap_pair": (lambda x: x.at[0].set(x[4]).at[4].set(x[0]) * 2.0, jnp.linspace(0.5, 1, 5)),
+    "simultaneous": (lambda x: jnp.concatenate([x[:3] + 0.5 * jnp.tanh(x[3:]),
+                                                x[3:] + 0.5 * jnp.sin(x[:3])]),
+                     jnp.linspace(-1, 1, 6)),
+    "residual_newton": (lambda x: x + 0.5 * jnp.tanh(x), jnp.linspace(-2, 2, 5)),
+    "scan_flow": (lambda x: lax.scan(lambda c, _: (_coupling(c, WS[0], jnp.arange(N) < 5)[::-1],
+                                                   None), x, None, length=5)[0], X),
+    "odd_reverse_loop": (lambda x: lax.fori_loop(0, 3, lambda i, a: -a[::-1] * 1.5, x),
+                         jnp.linspace(-1, 1, 7)),
+    "cumsum_exp": (lambda x: jnp.cumsum(jnp.exp(x)), jnp.linspace(-1, 1, 6)),
+    "reshape_transpose": (lambda x: (x.reshape(2, 3).T * jnp.array([1.0, -2.0])).reshape(-1),
+                          jnp.linspace(-1, 1, 6)),
+}
+# the element programs of issue 15 (couplings, splines, leaky nets, element loops, scans)
+ELEMENTS = sorted(P)
+# the sign of a permutation made at a loop counter is not followed (log|det| is)
+UNSIGNED = {"swaps", "windows"}
+
+
+def _case(name):
+    if name in CASES:
+        return CASES[name]
+    f, x, p = P[name]
+    return (lambda x: f(x, p)), x
+
+
+@pytest.mark.parametrize("name", sorted(CASES) + ELEMENTS)
+def test_logdet_matches_dense(name):
+    f, x = _case(name)
+    strategy = jr.logdet_strategy(f, x)
+    assert strategy.startswith("sweep"), strategy
+    assert (name in UNSIGNED) == ("sign" in strategy)
+    ref_sign, ref = _dense(f, x)
+    sign, logdet = jr.slogdet_jacobian(f, x)
+    assert float(sign) == float(ref_sign)
+    assert abs(float(logdet - ref)) < TOL * max(1.0, abs(float(ref)))
+    # one pass each way, eagerly and under jit
+    y, ld = jr.forward_and_slogdet(f)(x)
+    assert abs(float(ld - ref)) < TOL * max(1.0, abs(float(ref)))
+    assert float(jnp.max(jnp.abs(y - f(x)))) == 0.0
+    x2, ild = jax.jit(jr.inverse_and_slogdet(f))(y)
+    assert abs(float(ild + ref)) < TOL * max(1.0, abs(float(ref)))
+    assert float(jnp.max(jnp.abs(x2 - x))) < 1e-10
+    _, ld_jit = jax.jit(jr.forward_and_slogdet(f))(x)
+    assert abs(float(ld_jit - ld)) < 1e-12
+
+
+@pytest.mark.parametrize("name", ["flow", "lu_affine", "scan_flow", "rq_spline", "mul_chain"])
+def test_vmap(name):
+    f, x = _case(name)
+    xs = jnp.stack([x, 0.9 * x + 0.05, -0.7 * x])
+    _, lds = jax.vmap(jr.forward_and_slogdet(f))(xs)
+    ref = jax.vmap(lambda x: _dense(f, x)[1])(xs)
+    assert float(jnp.max(jnp.abs(lds - ref))) < TOL
+    ys = jax.vmap(f)(xs)
+    x2, ilds = jax.jit(jax.vmap(jr.inverse_and_slogdet(f)))(ys)
+    assert float(jnp.max(jnp.abs(x2 - xs))) < 1e-10
+    assert float(jnp.max(jnp.abs(ilds + ref))) < TOL
+
+
+def test_argnums_and_parameters():
+    def f(x, ws, scale):
+        return _flow(x, ws) * scale
+    sign, ld = jr.slogdet_jacobian(f, X, WS, 2.0)           # argnums=0: x only
+    ref = _dense(lambda x: f(x, WS, 2.0), X)
+    assert float(sign) == float(ref[0]) and abs(float(ld - ref[1])) < TOL
+
+    def g(a, b):                                            # two state arguments
+        return b * jnp.exp(a), a + jnp.tanh(b)
+    a, b = jnp.linspace(-1, 1, 3), jnp.linspace(0.2, 0.8, 3)
+    sign, ld = jr.slogdet_jacobian(g, a, b, argnums=(0, 1))
+    J = jax.jacfwd(lambda v: jnp.concatenate(g(v[:3], v[3:])))(jnp.concatenate([a, b]))
+    rs, rl = jnp.linalg.slogdet(J)
+    assert float(sign) == float(rs) and abs(float(ld - rl)) < TOL
+    with pytest.raises(ValueError, match="out of range"):
+        jr.slogdet_jacobian(f, X, WS, 2.0, argnums=3)
+
+
+def test_grad_of_log_likelihood():
+    """Maximum likelihood: the gradient through `inverse_and_slogdet` equals the one through
+    `reverse` and the dense log-determinant."""
+    ys = jax.vmap(lambda x: _flow(x, WS))(jnp.stack([X, X[::-1] * 0.5]))
+
+    def nll(ws):
+        z, ld = jax.vmap(jr.inverse_and_slogdet(_flow), (0, None))(ys, ws)
+        return 0.5 * jnp.sum(z ** 2) - jnp.sum(ld)
+
+    def nll_dense(ws):
+        z = jax.vmap(jr.reverse(_flow), (0, None))(ys, ws)
+        ld = jax.vmap(lambda x: _dense(lambda x: _flow(x, ws), x)[1])(z)
+        return 0.5 * jnp.sum(z ** 2) + jnp.sum(ld)
+
+    g, g_ref = jax.jit(jax.grad(nll))(WS), jax.grad(nll_dense)(WS)
+    err = max(float(jnp.max(jnp.abs(a - b))) for a, b in
+              zip(jax.tree_util.tree_leaves(g), jax.tree_util.tree_leaves(g_ref)))
+    assert err < 1e-9
+
+
+def test_float32():
+    ws32 = jax.tree_util.tree_map(lambda a: a.astype(jnp.float32), WS)
+    _, ld = jr.forward_and_slogdet(_flow)(X.astype(jnp.float32), ws32)
+    assert ld.dtype == jnp.float32
+    assert abs(float(ld) - float(_dense(lambda x: _flow(x, WS), X)[1])) < 1e-4
+
+
+def test_bijector_protocol():
+    b = jr.Bijector(_flow)
+    xb = jnp.stack([X, -X, 0.5 * X])
+    y, ld = b.forward_and_log_det(xb, WS)
+    assert y.shape == xb.shape and ld.shape == (3,)
+    ref = jax.vmap(lambda x: _dense(lambda x: _flow(x, WS), x)[1])(xb)
+    assert float(jnp.max(jnp.abs(ld - ref))) < TOL
+    x2, ild = b.inverse_and_log_det(y, WS)
+    assert float(jnp.max(jnp.abs(x2 - xb))) < 1e-10
+    assert float(jnp.max(jnp.abs(ild + ref))) < TOL
+    assert float(jnp.max(jnp.abs(b.forward_log_det_jacobian(xb, WS) - ref))) < TOL
+    assert float(jnp.max(jnp.abs(b.inverse_log_det_jacobian(y, WS) + ref))) < TOL
+    assert float(jnp.max(jnp.abs(b.inverse(b.forward(xb, WS), WS) - xb))) < 1e-10
+    # batch dimensions of any rank; a scalar event
+    y2, ld2 = b.forward_and_log_det(xb.reshape(3, 1, N), WS)
+    assert ld2.shape == (3, 1)
+    s = jr.Bijector(lambda x: jnp.sinh(x) + x, event_ndims=0)
+    _, lds = s.forward_and_log_det(jnp.linspace(-1, 1, 4))
+    assert float(jnp.max(jnp.abs(lds - jnp.log(jnp.cosh(jnp.linspace(-1, 1, 4)) + 1)))) < TOL
+    with pytest.raises(ValueError, match="event_ndims"):
+        b.forward(jnp.float64(1.0), WS)
+    # the state in another position, as for jr.reverse
+    b1 = jr.Bijector(lambda ws, x: _flow(x, ws), argnums=1)
+    _, ld1 = b1.forward_and_log_det(xb, WS)
+    assert float(jnp.max(jnp.abs(ld1 - ref))) < TOL
+
+
+def test_chain_is_distrax_order():
+    f = jr.Bijector(lambda x: x * 2.0)
+    g = jr.Bijector(lambda x: jnp.exp(x))
+    c = jr.Chain([f, g])                     # f(g(x)), as distrax.Chain
+    x = jnp.linspace(-1, 1, 3)
+    y, ld = c.forward_and_log_det(x)
+    assert float(jnp.max(jnp.abs(y - 2.0 * jnp.exp(x)))) < 1e-14
+    assert abs(float(ld - (3 * jnp.log(2.0) + jnp.sum(x)))) < TOL
+    x2, ild = c.inverse_and_log_det(y)
+    assert float(jnp.max(jnp.abs(x2 - x))) < 1e-14 and abs(float(ild + ld)) < TOL
+
+
+def test_custom_inverse_logdet_rule_is_used():
+    @jr.custom_inverse
+    def f(x):
+        return x + 0.5 * jnp.sin(x)
+
+    @f.definverse
+    def f_inv(y):
+        return lax.fori_loop(0, 40, lambda i, x: x - (x + 0.5 * jnp.sin(x) - y)
+                             / (1 + 0.5 * jnp.cos(x)), y)
+
+    x = jnp.linspace(-1, 1, 5)
+    want = jnp.sum(jnp.log1p(0.5 * jnp.cos(x)))
+    # without a rule: the custom function's own Jacobian (small: dense)
+    assert abs(float(jr.forward_and_slogdet(f)(x)[1] - want)) < TOL
+    calls = []
+
+    def logdet(x):
+        calls.append(1)
+        return jnp.sum(jnp.log1p(0.5 * jnp.cos(x)))
+    f.deflogdet(logdet)
+    y, ld = jr.forward_and_slogdet(f)(x)
+    assert calls and abs(float(ld - want)) < TOL
+    x2, ild = jax.jit(jr.inverse_and_slogdet(f))(y)
+    assert abs(float(ild + want)) < TOL and float(jnp.max(jnp.abs(x2 - x))) < 1e-10
+    # batched by vmap around the custom function: summed over the batch
+    _, ldb = jr.forward_and_slogdet(lambda xs: jax.vmap(f)(xs))(jnp.stack([x, x]))
+    assert abs(float(ldb - 2 * want)) < TOL
+    # log|det| only: the sign is then taken from the dense Jacobian
+    assert jr.logdet_strategy(f, x).startswith("sweep (log|det| only")
+    assert float(jr.slogdet_jacobian(f, x)[0]) == 1.0
+
+
+def test_register_logdet_for_a_new_primitive():
+    from jax.extend.core import Primitive
+    triple_p = Primitive("jaxrev_test_triple")
+    triple_p.def_impl(lambda x: 3 * x)
+    triple_p.def_abstract_eval(lambda a: a)
+    jr.register_inverse(triple_p, lambda out, x: [out / 3])
+    f = lambda x: triple_p.bind(x) + 1.0  # noqa: E731
+    x = jnp.ones(4)
+    # no rule: a small step's Jacobian is formed densely, which needs its JVP
+    with pytest.raises(Exception):
+        jr.slogdet_jacobian(f, x, method="sweep")
+    jr.register_logdet(triple_p, lambda rec, out, x: (1.0, x.size * jnp.log(3.0)))
+    sign, ld = jr.slogdet_jacobian(f, x, method="sweep")
+    assert float(sign) == 1.0 and abs(float(ld - 4 * np.log(3.0))) < TOL
+
+
+def test_singular_step_is_named():
+    w = jnp.array([1.0, 0.0, 2.0])
+    with pytest.raises(jr.SingularJacobianError) as e:
+        jr.forward_and_slogdet(lambda x: x * w)(jnp.ones(3))  # the singular step
+    assert "mul" in str(e.value) and HERE in str(e.value)
+    sign, ld = jr.slogdet_jacobian(lambda x: x * w, jnp.ones(3), on_singular="nan")
+    assert float(sign) == 0.0 and float(ld) == -np.inf
+    # a state-dependent pivot that vanishes when the program runs
+    f = lambda x: jnp.cumsum(x ** 3)  # noqa: E731  (the line the errors name)
+    line = f"{HERE}:{f.__code__.co_firstlineno}"
+    with pytest.raises(jr.SingularJacobianError, match="integer_pow") as e:
+        jr.forward_and_slogdet(f)(jnp.array([1.0, 0.0, 2.0]))
+    assert line in str(e.value)
+    with pytest.raises(Exception, match=f"singular.*`integer_pow` at .*{line}"):
+        jax.block_until_ready(jax.jit(jr.forward_and_slogdet(f))(jnp.array([1.0, 0.0, 2.0])))
+    # vmapped: one check for the batch, naming the step too
+    xs = jnp.array([[1.0, 3.0, 2.0], [1.0, 0.0, 2.0]])
+    with pytest.raises(Exception, match=f"`integer_pow` at .*{line}"):
+        jax.block_until_ready(jax.jit(jax.vmap(jr.forward_and_slogdet(f)))(xs))
+    _, ld = jax.vmap(jr.forward_and_slogdet(f, on_singular="nan"))(xs)
+    assert np.isfinite(float(ld[0])) and float(ld[1]) == -np.inf
+
+
+def test_dense_fallback_is_reported():
+    # a dense mixing the walker solves as one 40-unknown lump with no structure
+    A = jnp.eye(40) + 0.1 * jax.random.normal(KEY, (40, 40))
+    f = lambda x: jnp.tanh(A @ x) * 0.5 + x  # noqa: E731  (a dense nonlinear group)
+    x = jnp.linspace(-1, 1, 40)
+    s = jr.logdet_strategy(f, x)
+    ref = _dense(f, x)
+    sign, ld = jr.slogdet_jacobian(f, x)
+    assert float(sign) == float(ref[0]) and abs(float(ld - ref[1])) < TOL
+    assert s.startswith("sweep") or s.startswith("dense")
+    with pytest.raises(ValueError, match="method"):
+        jr.slogdet_jacobian(f, x, method="lu")
+
+
+def test_integer_state_is_refused():
+    with pytest.raises(TypeError, match="floating"):
+        jr.slogdet_jacobian(lambda x: x + 1, jnp.arange(3))
