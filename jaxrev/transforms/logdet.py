@@ -147,6 +147,23 @@ def _new_mask(before: Any, after: Any, shape: tuple) -> np.ndarray | None | bool
     return bm & ~am
 
 
+def _unit_pivot(eqn: JaxprEqn, k: int) -> int | None:
+    """The pivot of a positional step when it is the same constant for every element (an
+    addend, a select's case, a scatter's or an update's operand: 1; a negation: -1)."""
+    p = eqn.primitive
+    if p in (prims.add, prims.add_any, prims.select_n, prims.copy, prims.scatter_add,
+             prims.scatter, prims.dynamic_update_slice, prims.reduce_precision):
+        return 1
+    if p is prims.sub:
+        return 1 if k == 0 else -1
+    if p is prims.neg:
+        return -1
+    if p is prims.convert_element_type and jnp.issubdtype(eqn.invars[k].aval.dtype,
+                                                           jnp.floating):
+        return 1
+    return None
+
+
 def _positional_in(eqn: JaxprEqn, k: int) -> bool:
     outs = real_outvars(eqn)
     if len(outs) != 1 or _shape(eqn.invars[k]) != _shape(outs[0]):
@@ -460,12 +477,19 @@ def _eval_step(ps: _PStep, read: Callable, sign: Any, logabs: Any, pl: Plan
         (eqn,) = st.eqns
         ins = [read(v) for v in eqn.invars]
         for k, m in ps.parts:
+            unit = _unit_pivot(eqn, k)
+            if unit == 1:              # volume-preserving: nothing to compute
+                continue
             if isinstance(m, tuple):   # known at run time
                 shape = _shape(eqn.invars[k])
                 mask = (R.materialize(m[0], shape, read)
                         & ~R.materialize(m[1], shape, read))
             else:
                 mask = None if m is None else jnp.asarray(m)
+            if unit == -1:             # each recovered element flips the sign
+                count = size_of([eqn.invars[k].aval]) if mask is None else jnp.sum(mask)
+                sign = sign * (1 - 2 * (count % 2))
+                continue
 
             def f(x, k=k):
                 a = list(ins)
