@@ -1,8 +1,9 @@
 """A RealNVP normalizing flow: trained with tape-free gradients, sampled by running it backwards.
 
-Run with `python examples/flow.py`. Each affine coupling layer keeps one coordinate and maps the
-other as x2 -> x2 * exp(s(x1)) + t(x1), so it is invertible whatever the networks s and t are.
-The flow maps data to a standard Gaussian and is trained by maximum likelihood on two moons:
+Run with `python examples/realnvp_reversible.py`. Each affine coupling layer keeps one
+coordinate and maps the other as x2 -> x2 * exp(s(x1)) + t(x1), so it is invertible whatever the
+networks s and t are. The flow maps data to a standard Gaussian and is trained by maximum
+likelihood on two moons:
 
     log p(x) = log N(flow(x)) + sum over layers of sum(s(x1)).
 

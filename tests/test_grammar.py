@@ -5,7 +5,8 @@ One drawn program is checked for all properties at once (tracing dominates the c
 * round trip, eagerly and under `jit`; `reverse(reverse(f)) == f`; `vmap` of the inverse;
 * `reversible` gradients (state and parameters) against `jax.grad` of the same program with
   its while loops written as `fori_loop`s;
-* `inverse_jvp`, `inverse_vjp` and `slogdet_jacobian` against the dense Jacobian (float64);
+* `inverse_jvp`, `inverse_vjp`, `slogdet_jacobian` and `inverse_and_slogdet` against the dense
+  Jacobian (float64);
 * whatever fails raises a jaxrev error naming a primitive and the program's line: never an
   error of another kind, never a NaN.
 
@@ -131,6 +132,11 @@ def check(prog: Program) -> dict:
         if got is not None:
             assert float(got[0]) == float(sign), "slogdet: wrong sign"
             assert abs(float(got[1]) - float(logdet)) < 1e-8 * max(1.0, abs(float(logdet)))
+        # the inverse direction's sweep reads the walk's own (partly known) values
+        got = prop("inverse_and_slogdet", lambda: jax.jit(jr.inverse_and_slogdet(g))(y))
+        if got is not None:
+            assert abs(float(got[1]) + float(logdet)) < 1e-8 * max(1.0, abs(float(logdet))), (
+                "inverse_and_slogdet: wrong log-determinant")
     return ran
 
 

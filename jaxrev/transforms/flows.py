@@ -88,7 +88,10 @@ def _plan_abstract(t: _Traced):
                  for v in t.closed.jaxpr.outvars]
 
     def go(ys):
-        box.append(_walk(t, ys)[0])
+        # values computed from constants alone (indices, masks) stay concrete, as in the
+        # inverse transforms: lumps see their structure on them
+        with jax.ensure_compile_time_eval():
+            box.append(_walk(t, ys)[0])
         return 0
     jax.eval_shape(go, out_avals)
     rec = box[0]
@@ -115,6 +118,49 @@ def _sweep_forward(t: _Traced, need_sign: bool) -> tuple[list, Any, Any, list]:
     steps: list = []
     sign, logabs = evaluate_plan(pl, env.read, t.dtype, per_step=steps)
     return ys, sign, logabs, steps
+
+
+def _tangent_map(fun: Callable, args: Sequence[Any], nums: tuple[int, ...]
+                 ) -> tuple[Callable, list]:
+    """`fun`'s linearization in its state at `args` (the step partials are its constants),
+    as a function of the state's tangents, and zero tangents to evaluate it at."""
+    state = [args[a] for a in nums]
+
+    def of_state(*st):
+        a = list(args)
+        for i, v in zip(nums, st):
+            a[i] = v
+        return fun(*a)
+    # values computed from constants alone (a scatter's indices) stay concrete under jit
+    with jax.ensure_compile_time_eval():
+        _, lin = jax.linearize(of_state, *state)
+    return lin, [jax.tree_util.tree_map(jnp.zeros_like, v) for v in state]
+
+
+def _sweep(fun: Callable, args: Sequence[Any], nums: tuple[int, ...], who: str,
+           need_sign: bool) -> tuple[list | None, Any, Any, list, str]:
+    """log|det| (and the sign) from the sweep that inverts `fun` ("sweep"), else from the
+    sweep that inverts its tangent program ("sweep (linearized)": a program that `reverse`
+    cannot invert, such as a triangular nonlinear recurrence, may have an invertible Jacobian
+    whose steps the walker inverts). Returns (outputs or None, sign, log|det|, per-step
+    log-dets, strategy); raises `Unsupported` or `NotInvertibleError` where neither applies."""
+    try:
+        t = _trace(fun, args, nums, who)
+        ys, sign, logabs, steps = _sweep_forward(t, need_sign)
+        return ys, sign, logabs, steps, "sweep"
+    except (Unsupported, NotInvertibleError) as e:
+        if isinstance(e, NotInvertibleError) and e.singular:
+            raise
+        first = e
+    try:
+        lin, zeros = _tangent_map(fun, args, nums)
+        t = _trace(lin, zeros, tuple(range(len(zeros))), who)
+        _, sign, logabs, steps = _sweep_forward(t, need_sign)
+        return None, sign, logabs, steps, "sweep (linearized)"
+    except (Unsupported, NotInvertibleError) as e:
+        if isinstance(e, NotInvertibleError) and e.singular:
+            raise
+        raise first from None
 
 
 def _dense(fun: Callable, args: Sequence[Any], nums: tuple[int, ...]) -> tuple[Any, Any]:
@@ -213,8 +259,7 @@ def slogdet_jacobian(fun: Callable, *primals: Any, argnums: int | Sequence[int] 
     nums = normalize_argnums(argnums, len(primals), fun)
     if method != "dense":
         try:
-            t = _trace(fun, primals, nums, who)
-            _, sign, logabs, steps = _sweep_forward(t, need_sign=True)
+            _, sign, logabs, steps, _ = _sweep(fun, primals, nums, who, need_sign=True)
             return sign, _singular_check(logabs, who, on_singular, steps)
         except Unsupported as e:
             if method == "sweep":
@@ -242,13 +287,17 @@ def logdet_strategy(fun: Callable, *primals: Any, argnums: int | Sequence[int] =
     """
     nums = normalize_argnums(argnums, len(primals), fun)
     try:
-        t = _trace(fun, primals, nums, "jaxrev.logdet_strategy")
-        pl = _plan_abstract(t)
+        _, _, _, _, how = _sweep(fun, primals, nums, "jaxrev.logdet_strategy", need_sign=True)
+        return how
+    except NotInvertibleError as e:
+        return f"dense: {str(e).splitlines()[0]}"
+    except Unsupported:
+        pass
+    try:
+        _, _, _, _, how = _sweep(fun, primals, nums, "jaxrev.logdet_strategy", need_sign=False)
     except (Unsupported, NotInvertibleError) as e:
         return f"dense: {str(e).splitlines()[0]}"
-    if pl.perm_sign is None:
-        return "sweep (log|det| only: the sign of a permutation is not followed)"
-    return "sweep"
+    return f"{how} (log|det| only: the sign of a permutation is not followed)"
 
 
 def _reader(env: Env) -> Callable[[Any], Any]:
@@ -288,10 +337,10 @@ def forward_and_slogdet(fun: Callable, argnums: int | Sequence[int] = 0, *,
         nums = normalize_argnums(argnums, len(args), fun)
         if method != "dense":
             try:
-                t = _trace(fun, args, nums, who)
-                ys, _, logabs, steps = _sweep_forward(t, need_sign=False)
-                return (jax.tree_util.tree_unflatten(t.out_tree, ys),
-                        _singular_check(logabs, who, on_singular, steps))
+                ys, _, logabs, steps, _ = _sweep(fun, args, nums, who, need_sign=False)
+                y = (fun(*args) if ys is None else jax.tree_util.tree_unflatten(
+                    jax.tree_util.tree_structure(jax.eval_shape(fun, *args)), ys))
+                return y, _singular_check(logabs, who, on_singular, steps)
             except Unsupported as e:
                 if method == "sweep":
                     raise NotInvertibleError(f"{who}: {e}") from None

@@ -33,9 +33,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrev._compat import DropVar, JaxprEqn, Var, prims, scan_info
+from jaxrev._compat import DropVar, JaxprEqn, Var, is_concrete, prims, scan_info
 from jaxrev._jaxpr import Env, apply, evaluate, real_outvars, size_of
 from jaxrev.transforms import records
+from jaxrev.transforms.lumps import slogdet_of
 from jaxrev.transforms import regions as R
 from jaxrev.transforms.registry import (ELEMENTWISE, STRUCTURAL, Unsupported, elementwise_in,
                                         index_args, is_kind, logdet_rules)
@@ -407,11 +408,30 @@ def _plan_group(st: records.Step, slots: _Slots) -> _PStep:
             slots.take(u, None, slots.consume(o, None))
             slots.of[o] = np.full(_shape(o), -1, np.int64)
         return _PStep("blocks", st)
-    if size_of(u.aval for u in us) > DENSE_STEP:
-        raise Unsupported(f"a {st.kind} group of {size_of(u.aval for u in us)} unknowns with "
-                          f"no elementwise structure (at `{st.eqns[0].primitive}`)")
-    _flat_slots(us, os, slots)
-    return _PStep("dense", st)
+    # the group solves all of its inputs from all of its outputs, but elements of its inputs
+    # known before (a scatter's operand outside its window) were recovered elsewhere, from
+    # outputs consumed then: its step is the rest (rows: outputs still holding a slot;
+    # columns: inputs without one)
+    cols = np.concatenate([(slots.get(u) == -1).ravel() for u in us])
+    rows = np.concatenate([(slots.get(o) != -1).ravel() for o in os])
+    if cols.sum() != rows.sum():
+        raise Unsupported(f"a {st.kind} group recovers {int(cols.sum())} elements from "
+                          f"{int(rows.sum())} (at `{st.eqns[0].primitive}`)")
+    if cols.all() and rows.all():
+        _flat_slots(us, os, slots)
+        return _PStep("dense", st)
+    src = np.concatenate([slots.get(o).ravel() for o in os])[rows]
+    k = 0
+    for u in us:
+        n = size_of([u.aval])
+        c = cols[k:k + n].reshape(_shape(u))
+        full = np.full(_shape(u), -1, np.int64)
+        full[c] = src[int(cols[:k].sum()):int(cols[:k].sum()) + int(c.sum())]
+        slots.take(u, c, full)
+        k += n
+    for o in os:
+        slots.of[o] = np.full(_shape(o), -1, np.int64)
+    return _PStep("dense", st, [(rows, cols)])
 
 
 # --------------------------------------------------------------------------- evaluation
@@ -527,16 +547,51 @@ def _eval_step(ps: _PStep, read: Callable, sign: Any, logabs: Any, pl: Plan
         s, la = jnp.linalg.slogdet(B)
         return sign * jnp.prod(s), logabs + jnp.sum(la)
     sizes = [size_of([u.aval]) for u in us]
-
-    def flat(v):
-        parts, k = [], 0
-        for u, n in zip(us, sizes):
-            parts.append(v[k:k + n].reshape(_shape(u)))
-            k += n
-        return jnp.concatenate([jnp.ravel(o) for o in F(parts)])
     x0 = jnp.concatenate([jnp.ravel(x) for x in xs])
-    s, la = jnp.linalg.slogdet(jax.jacfwd(flat)(x0))
+    rows, cols = ps.parts[0] if st.kind != "eqn" and ps.parts else (None, None)
+    ci = None if cols is None else np.nonzero(cols)[0]
+    ri = None if rows is None else np.nonzero(rows)[0]
+
+    def restricted(G, base=x0):
+        def flat(v):
+            full = v if ci is None else jnp.asarray(base).at[ci].set(v)
+            parts, k = [], 0
+            for u, n in zip(us, sizes):
+                parts.append(full[k:k + n].reshape(_shape(u)))
+                k += n
+            out = jnp.concatenate([jnp.ravel(o) for o in G(parts)])
+            return out if ri is None else out[ri]
+        return flat
+    v0 = x0 if ci is None else x0[ci]
+    probe = None
+    if st.kind == "lump":   # affine: its band is found on stand-ins at trace time
+        probe = _stand_in_map(eqns, us, os, read, pl.info)
+        probe = None if probe is None else restricted(probe, np.zeros(x0.shape, x0.dtype))
+    s, la = slogdet_of(restricted(F), v0, probe, DENSE_STEP,
+                       f"a {st.kind} group at `{st.eqns[0].primitive}`")
     return sign * s, logabs + la
+
+
+def _stand_in_map(eqns: Sequence[JaxprEqn], us: Sequence[Var], os: Sequence[Var],
+                  read: Callable, info: Any) -> Callable | None:
+    """`_group_map` on concrete stand-ins (random floats where a value is traced), for its
+    structure; None if an integer or boolean it reads is only known at run time."""
+    rng = np.random.default_rng(0)
+
+    def stand_in(v: Any) -> Any:
+        val = read(v)
+        if is_concrete(val):
+            return np.asarray(val)
+        if jnp.issubdtype(v.aval.dtype, jnp.inexact):
+            return rng.standard_normal(v.aval.shape).astype(v.aval.dtype) + 1.5
+        s = info.static(v) if info is not None else None
+        if s is None:
+            raise KeyError(v)
+        return s
+    try:
+        return _group_map(eqns, us, os, stand_in, info)
+    except KeyError:
+        return None
 
 
 def _group_map(eqns: Sequence[JaxprEqn], us: Sequence[Var], os: Sequence[Var],

@@ -33,10 +33,10 @@ from jaxrev._compat import JaxprEqn, Var, is_concrete, prims, staged_constants
 from jaxrev._errors import not_invertible
 from jaxrev._jaxpr import Env, evaluate, real_outvars, size_of
 from jaxrev.transforms import records
-from jaxrev.transforms.registry import BILINEAR, LINEAR, elementwise_in, is_kind
+from jaxrev.transforms.registry import BILINEAR, LINEAR, Unsupported, elementwise_in, is_kind
 
-__all__ = ["lump_step", "Lump", "affine_eqn", "stand_ins", "probe_band", "band_entries", "banded_triangular_solve",
-           "banded_solve", "MIN_STRUCTURED_SIZE"]
+__all__ = ["lump_step", "Lump", "affine_eqn", "stand_ins", "probe_band", "band_entries",
+           "banded_triangular_solve", "banded_solve", "slogdet_of", "MIN_STRUCTURED_SIZE"]
 
 MIN_STRUCTURED_SIZE = 64
 """Below this size a dense solve is as cheap as finding structure."""
@@ -55,7 +55,7 @@ def probe_band(F_probe: Callable[[Any], Any], n: int, dtype: Any) -> tuple[int, 
     cannot be evaluated concretely or is too big."""
     if n > MAX_PROBE_SIZE:
         return None
-    zero = jnp.zeros(n, dtype)
+    zero = np.zeros(n, dtype)
     cols = min(n, _PROBE_BLOCK)
 
     # one compiled program for every block: op-by-op evaluation would compile each op
@@ -91,6 +91,25 @@ def band_entries(F: Callable[[Any], Any], n: int, lo: int, up: int, dtype: Any) 
     js = cols[:, None] - lo + np.arange(w)[None, :]
     valid = (js >= 0) & (js < n)
     return jnp.where(jnp.asarray(valid), Y[np.mod(js, w), cols[:, None]], 0.0)
+
+
+def slogdet_of(F: Callable[[Any], Any], x0: Any, F_probe: Callable[[Any], Any] | None,
+               dense_max: int, what: str) -> tuple[Any, Any]:
+    """(sign, log|det|) of the Jacobian of `F` (vector to vector) at `x0`: dense up to
+    `dense_max` unknowns; above, for an affine `F` whose stand-in `F_probe` shows a triangular
+    band, the product of the band's diagonal (found by coloured JVPs). Raises
+    `Unsupported` otherwise."""
+    n = int(np.size(x0))
+    dtype = jnp.result_type(x0)
+    if n <= dense_max:
+        return jnp.linalg.slogdet(jax.jacfwd(F)(x0))
+    with jax.ensure_compile_time_eval():   # the probe runs on concrete stand-ins
+        band = None if F_probe is None else probe_band(F_probe, n, dtype)
+    if band is None or min(band) != 0 or max(band) > max(8, n // 16):
+        raise Unsupported(f"{what} of {n} unknowns with no triangular band structure")
+    lo, up = band
+    diag = band_entries(F, n, lo, up, dtype)[:, lo]
+    return jnp.prod(jnp.sign(diag)), jnp.sum(jnp.log(jnp.abs(diag)))
 
 
 # the kernels are jitted: run eagerly (concrete values), op-by-op dispatch of an associative
