@@ -83,6 +83,8 @@ class _Prims:
         self.scan = _prim("scan_p")
         self.while_ = _prim("while_p")
         self.cond = _prim("cond_p")
+        from jax._src.lax import convolution as _conv
+        self.conv = _prim("conv_general_dilated_p", modules=(_conv,))
         from jax._src import pjit as _pjit
         self.jit = getattr(_pjit, "jit_p", None) or getattr(_pjit, "pjit_p", None)
         self.custom_jvp_call = getattr(_cd, "custom_jvp_call_p", None)

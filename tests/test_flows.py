@@ -71,6 +71,8 @@ LU = {"m": jax.random.normal(KEY, (4, 4)) * 0.3, "logs": jnp.array([0.1, -0.2, 0
       "sign": jnp.array([1.0, -1.0, 1.0, 1.0]),
       "perm": jnp.eye(4)[jnp.array([2, 0, 3, 1])]}
 
+_LUW = jnp.eye(4)[jnp.array([1, 0, 2, 3])] + 0.3 * jax.random.normal(jax.random.PRNGKey(5), (4, 4))
+
 CASES = {
     "flow": (lambda x: _flow(x, WS), X),
     "lu_affine": (lambda x: _lu_affine(x.reshape(3, 4), LU).reshape(-1), jnp.linspace(-1, 1, 12)),
@@ -87,6 +89,14 @@ CASES = {
     "odd_reverse_loop": (lambda x: lax.fori_loop(0, 3, lambda i, a: -a[::-1] * 1.5, x),
                          jnp.linspace(-1, 1, 7)),
     "cumsum_exp": (lambda x: jnp.cumsum(jnp.exp(x)), jnp.linspace(-1, 1, 6)),
+    # Glow's 1x1 convolution as a convolution (Flax's nn.Conv), channels last and first
+    "conv_nhwc": (lambda x: lax.conv_general_dilated(
+        x.reshape(1, 2, 3, 4), _LUW[None, None], (1, 1), "VALID",
+        dimension_numbers=("NHWC", "HWIO", "NHWC")).reshape(-1), jnp.linspace(-1, 1, 24)),
+    "conv_nchw": (lambda x: lax.conv_general_dilated(
+        x.reshape(1, 4, 2, 3), _LUW.T[:, :, None, None], (1, 1), "VALID").reshape(-1),
+        jnp.linspace(-1, 1, 24)),
+    "w_at_x": (lambda x: (_LUW @ x.reshape(4, 3)).reshape(-1), jnp.linspace(-1, 1, 12)),
     "reshape_transpose": (lambda x: (x.reshape(2, 3).T * jnp.array([1.0, -2.0])).reshape(-1),
                           jnp.linspace(-1, 1, 6)),
 }
@@ -323,6 +333,44 @@ def test_dense_fallback_is_reported():
     assert s.startswith("sweep") or s.startswith("dense")
     with pytest.raises(ValueError, match="method"):
         jr.slogdet_jacobian(f, x, method="lu")
+
+
+def test_flax_conv_1x1():
+    nn = pytest.importorskip("flax.linen")
+    m = nn.Conv(3, (1, 1))
+    x = jax.random.normal(KEY, (4, 4, 3))
+    p = m.init(KEY, x[None])
+    f = lambda x, p: m.apply(p, x[None])[0]  # noqa: E731
+    assert jr.logdet_strategy(f, x, p) == "sweep"
+    y, ld = jr.forward_and_slogdet(f)(x, p)
+    ref = _dense(lambda v: f(v.reshape(x.shape), p).reshape(-1), x.reshape(-1))
+    assert abs(float(ld - ref[1])) < TOL
+    x2, _ = jr.inverse_and_slogdet(f)(y, p)
+    assert float(jnp.max(jnp.abs(x2 - x))) < 1e-12
+
+
+def test_shape_changing_bijection():
+    """Glow's squeeze (space to depth) then a scale: a permutation with a sign to follow."""
+    def squeeze(x):
+        h, w, c = x.shape
+        y = x.reshape(h // 2, 2, w // 2, 2, c).transpose(0, 2, 1, 3, 4)
+        return y.reshape(h // 2, w // 2, 4 * c) * jnp.exp(jnp.linspace(-1, 2, 4 * c))
+    x = jnp.linspace(-1, 1, 48).reshape(4, 4, 3)
+    ref = _dense(lambda v: squeeze(v.reshape(x.shape)).reshape(-1), x.reshape(-1))
+    sign, ld = jr.slogdet_jacobian(squeeze, x, method="sweep")
+    assert float(sign) == float(ref[0]) and abs(float(ld - ref[1])) < TOL
+    y, ld2 = jax.jit(jr.forward_and_slogdet(squeeze))(x)
+    assert y.shape == (2, 2, 12) and abs(float(ld2 - ref[1])) < TOL
+
+
+def test_a_3x3_conv_is_refused_naming_it():
+    K = jnp.ones((3, 3, 2, 2)) * 0.1
+    f = lambda x: lax.conv_general_dilated(  # noqa: E731
+        x[None], K, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))[0]
+    x = jnp.ones((4, 4, 2))
+    with pytest.raises(jr.NotInvertibleError, match="conv_general_dilated") as e:
+        jr.reverse(f)(f(x))
+    assert f"{HERE}:" in str(e.value) and "1x1" in str(e.value)
 
 
 def test_integer_state_is_refused():

@@ -362,23 +362,84 @@ def _dot_logdet(ctx: LogdetContext) -> tuple[Any, Any]:
         raise Unsupported("a dot_general other than a product by a known square matrix")
     k = ctx.recovered.index(True)
     x, W = ctx.invals[k], ctx.invals[1 - k]
-    wc = (rc if k == 0 else lc)[0]
     if W.ndim != 2 or W.shape[0] != W.shape[1]:
         raise Unsupported("a dot_general by a matrix that is not square")
+    # the output lays out x's free axes, then W's (x @ W), or W's first (W @ x): the same
+    # layout as x when x is contracted on its last axis, or on its first: then the map is W
+    # applied along that axis, det(W) once per line, in the order input and output share
+    xc = (lc if k == 0 else rc)[0]
+    if xc != (x.ndim - 1 if k == 0 else 0):
+        raise Unsupported("a dot_general whose output is laid out unlike its input (x @ W "
+                          "contracting x's last axis, or W @ x contracting its first)")
     s, la = jnp.linalg.slogdet(W)
     reps = int(np.prod(x.shape, dtype=np.int64)) // W.shape[0]
-    # the output's element order is the batch of x then W's free axis: a flat-order match
-    # only when x's contracted axis is its last and W's free axis follows it
-    xc = (lc if k == 0 else rc)[0]
-    if k == 0 and (xc != x.ndim - 1):
-        raise Unsupported("a dot_general contracting an axis other than the last")
-    if k == 1:
-        raise Unsupported("a dot_general W @ x (write x @ W.T)")
-    del wc
     return s ** reps, la * reps
 
 
 define(prims.dot_general, inverse=_dot_general, logdet=_dot_logdet, kind=(BILINEAR,))
+
+
+def _conv_matrix(params: dict, kernel: Any) -> Any | None:
+    """The (in, out) channel matrix of a 1x1 convolution that mixes channels only (Glow's
+    invertible 1x1 convolution, Flax's `nn.Conv(kernel_size=(1, 1))`); None for any other."""
+    rhs_spec = params["dimension_numbers"].rhs_spec   # (out, in, spatial...)
+    spatial = rhs_spec[2:]
+    if (params["feature_group_count"] != 1 or params["batch_group_count"] != 1
+            or any(kernel.shape[d] != 1 for d in spatial)
+            or any(s != 1 for s in params["window_strides"])
+            or any(d != 1 for d in (*params["lhs_dilation"], *params["rhs_dilation"]))
+            or any(p != (0, 0) for p in params["padding"])
+            or kernel.shape[rhs_spec[0]] != kernel.shape[rhs_spec[1]]):
+        return None
+    K = jnp.squeeze(kernel, axis=tuple(spatial))   # its two axes in their kernel order
+    return K if rhs_spec[1] < rhs_spec[0] else K.T
+
+
+def _conv(out, x, kernel, **params):
+    """out = conv(x, K) with K a known 1x1 channel mixing M: x = conv(out, inv(M))."""
+    if not is_unknown(x) or is_unknown(kernel):
+        return None
+    M = _conv_matrix(params, kernel)
+    if M is None:
+        raise Lossy("a convolution is inverted only as a 1x1 convolution mixing channels "
+                    "(kernel of spatial size 1, stride 1, no padding or dilation, as many "
+                    "output channels as input channels)")
+    rhs_spec = params["dimension_numbers"].rhs_spec
+    # the inverse kernel holds inv(M) where the kernel holds M (in -> out)
+    inv_kernel = _kernel_of(jnp.linalg.inv(M), kernel.shape, rhs_spec)
+    X = prims.conv.bind(jnp.asarray(out), inv_kernel, **params)
+    if is_concrete(X) and not bool(jnp.all(jnp.isfinite(X))):
+        raise Lossy("the 1x1 convolution's channel matrix is singular", singular=True)
+    return [X, None]
+
+
+def _kernel_of(M: Any, shape: tuple, rhs_spec: Sequence[int]) -> Any:
+    """A 1x1 kernel of `shape` whose (in, out) matrix is `M`."""
+    k = jnp.zeros(shape, M.dtype)
+    idx = [0] * len(shape)
+    i, o = np.meshgrid(np.arange(M.shape[0]), np.arange(M.shape[1]), indexing="ij")
+    idx[rhs_spec[1]], idx[rhs_spec[0]] = i, o
+    return k.at[tuple(idx)].set(M)
+
+
+def _conv_logdet(ctx: LogdetContext) -> tuple[Any, Any]:
+    """log|det M| once per pixel: the output's elements are the input's, channels mixed."""
+    if ctx.recovered != [True, False]:
+        raise Unsupported("a convolution recovering its kernel")
+    M = _conv_matrix(ctx.eqn.params, ctx.invals[1])
+    lhs_spec = ctx.eqn.params["dimension_numbers"].lhs_spec
+    out_spec = ctx.eqn.params["dimension_numbers"].out_spec
+    if M is None or lhs_spec != out_spec:
+        # (the same layout in and out: the map is M applied per pixel, det(M) per pixel, in
+        # any element order the two share)
+        raise Unsupported("a convolution other than a 1x1 channel mixing with the same "
+                          "layout in and out")
+    s, la = jnp.linalg.slogdet(M)
+    reps = int(np.prod(ctx.invals[0].shape, dtype=np.int64)) // M.shape[0]
+    return s ** reps, la * reps
+
+
+define(prims.conv, inverse=_conv, logdet=_conv_logdet, kind=(BILINEAR,))
 
 
 def _linear_solve(outs, *ins, const_lengths, jaxprs, **_):
