@@ -27,7 +27,7 @@ from jaxrev.transforms import elements, records
 from jaxrev.transforms._checks import settings
 from jaxrev.transforms._walker import propagate, raise_stuck, seed
 from jaxrev.transforms.logdet import LogdetContext, evaluate_plan, plan
-from jaxrev.transforms.registry import Unsupported, define
+from jaxrev.transforms.registry import Unsupported, check_rule, define
 
 __all__ = ["slogdet_jacobian", "forward_and_slogdet", "inverse_and_slogdet",
            "register_logdet", "logdet_strategy", "METHODS"]
@@ -224,6 +224,25 @@ def _singular_check(logabs: Any, who: str, on_singular: str,
     return logabs + zero
 
 
+def _try_sweep(run: Callable[[], Any], method: str, on_singular: str, who: str,
+               dense_if_not_invertible: bool = True) -> Any:
+    """`run()`, the sweep; None where "auto" falls back to the dense Jacobian (a step the
+    sweep cannot describe; a program it cannot invert, when the caller can do without its
+    inverse). A vanished pivot found while inverting raises, naming the step."""
+    try:
+        return run()
+    except Unsupported as e:
+        if method == "sweep":
+            raise NotInvertibleError(f"{who}: the inversion sweep cannot give the "
+                                     f"log-determinant: {e}") from None
+    except NotInvertibleError as e:
+        if e.singular and on_singular == "raise":
+            raise _singular_from(e, who) from None
+        if method == "sweep" or not (e.singular or dense_if_not_invertible):
+            raise
+    return None
+
+
 def _check_method(method: str, on_singular: str, who: str) -> None:
     if method not in METHODS:
         raise ValueError(f"{who}: method must be one of {METHODS}, got {method!r}")
@@ -258,20 +277,12 @@ def slogdet_jacobian(fun: Callable, *primals: Any, argnums: int | Sequence[int] 
     _check_method(method, on_singular, who)
     nums = normalize_argnums(argnums, len(primals), fun)
     if method != "dense":
-        try:
+        def run():
             _, sign, logabs, steps, _ = _sweep(fun, primals, nums, who, need_sign=True)
             return sign, _singular_check(logabs, who, on_singular, steps)
-        except Unsupported as e:
-            if method == "sweep":
-                raise NotInvertibleError(f"{who}: the inversion sweep cannot give the "
-                                         f"log-determinant of {fun_name(fun)}: {e}") from None
-        except NotInvertibleError as e:
-            if e.singular:
-                if on_singular == "nan":
-                    return jnp.zeros((), jnp.float32), jnp.asarray(-jnp.inf)
-                raise _singular_from(e, who) from None
-            if method == "sweep":
-                raise
+        got = _try_sweep(run, method, on_singular, who)
+        if got is not None:
+            return got
     sign, logabs = _dense(fun, primals, nums)
     return sign, _singular_check(logabs, who, on_singular)
 
@@ -336,19 +347,14 @@ def forward_and_slogdet(fun: Callable, argnums: int | Sequence[int] = 0, *,
     def fwd(*args: Any) -> tuple[Any, Any]:
         nums = normalize_argnums(argnums, len(args), fun)
         if method != "dense":
-            try:
+            def run():
                 ys, _, logabs, steps, _ = _sweep(fun, args, nums, who, need_sign=False)
                 y = (fun(*args) if ys is None else jax.tree_util.tree_unflatten(
                     jax.tree_util.tree_structure(jax.eval_shape(fun, *args)), ys))
                 return y, _singular_check(logabs, who, on_singular, steps)
-            except Unsupported as e:
-                if method == "sweep":
-                    raise NotInvertibleError(f"{who}: {e}") from None
-            except NotInvertibleError as e:
-                if e.singular and on_singular == "raise":
-                    raise _singular_from(e, who) from None
-                if method == "sweep" or not e.singular:
-                    raise
+            got = _try_sweep(run, method, on_singular, who)
+            if got is not None:
+                return got
         _, logabs = _dense(fun, args, nums)
         return fun(*args), _singular_check(logabs, who, on_singular)
     return fwd
@@ -381,24 +387,20 @@ def inverse_and_slogdet(fun: Callable, argnums: int | Sequence[int] = 0, *,
             stand[a] = jax.tree_util.tree_map(
                 lambda y: jax.ShapeDtypeStruct(jnp.shape(y), jnp.result_type(y)), args[a])
         if method != "dense":
-            try:
+            def run():
                 t = _trace(fun, stand, nums, who)
                 t.flat = jax.tree_util.tree_leaves(tuple(args))
-                ys = jax.tree_util.tree_leaves(ys_tree)
-                rec, env = _walk(t, ys)
+                rec, env = _walk(t, jax.tree_util.tree_leaves(ys_tree))
                 pl = plan(rec, rec.seeded, rec.goals)
                 steps: list = []
                 _, logabs = evaluate_plan(pl, _reader(env), t.dtype, per_step=steps)
                 xs = [env.read(rec.jaxpr.invars[i]) for i in t.state_pos]
                 return (_state_value(t, xs, nums),
                         -_singular_check(logabs, who, on_singular, steps))
-            except Unsupported as e:
-                if method == "sweep":
-                    raise NotInvertibleError(f"{who}: {e}") from None
-            except NotInvertibleError as e:
-                if e.singular and on_singular == "raise":
-                    raise _singular_from(e, who) from None
-                raise
+            # (a program the walker cannot invert has no inverse to return: that raises)
+            got = _try_sweep(run, method, on_singular, who, dense_if_not_invertible=False)
+            if got is not None:
+                return got
         x = reverse(fun, argnums)(*args)
         a = list(args)
         xl = [x] if len(nums) == 1 else list(x)
@@ -427,11 +429,7 @@ def register_logdet(primitive: Primitive, rule: Callable[..., tuple[Any, Any]]) 
         >>> round(float(jr.slogdet_jacobian(double_p.bind, jnp.ones(3))[1]), 6)
         2.079442
     """
-    if not isinstance(primitive, Primitive):
-        raise TypeError(f"register_logdet expects a jax.extend.core.Primitive, got "
-                        f"{primitive!r}")
-    if not callable(rule):
-        raise TypeError(f"register_logdet expects a callable rule, got {rule!r}")
+    check_rule("register_logdet", primitive, rule)
 
     def wrapped(ctx: LogdetContext) -> tuple[Any, Any]:
         outs = ctx.outvals if ctx.eqn.primitive.multiple_results else ctx.outvals[0]

@@ -30,10 +30,11 @@ from typing import Any, Callable, NamedTuple, Sequence
 from jaxrev._compat import DropVar, Primitive
 
 __all__ = ["inverse_rules", "inverse_jvp_rules", "sweep_rules", "forward_rules",
-           "element_rules", "ElementRule", "choice_rules", "ChoiceRule", "index_args", "logdet_rules",
+           "element_rules", "ElementRule", "choice_rules", "ChoiceRule", "index_args",
+           "logdet_rules",
            "kinds", "ELEMENTWISE", "LINEAR", "BILINEAR", "SMOOTH", "STRUCTURAL", "define",
            "is_kind", "elementwise_in", "Lossy", "NeedMore", "Unsupported", "register_inverse",
-           "register_inverse_jvp"]
+           "register_inverse_jvp", "check_rule"]
 
 inverse_rules: dict[Primitive, Callable[..., Sequence[Any]]] = {}
 """Inverse rule per primitive: ``rule(out, *invals, **params) -> recovered invals``."""
@@ -168,6 +169,14 @@ def elementwise_in(eqn: Any, shape: tuple[int, ...]) -> bool:
             and all(tuple(v.aval.shape) in (shape, ()) for v in eqn.invars))
 
 
+def check_rule(who: str, primitive: Any, rule: Any) -> None:
+    """The arguments of a public `register_*` call: a primitive and a callable."""
+    if not isinstance(primitive, Primitive):
+        raise TypeError(f"{who} expects a jax.extend.core.Primitive, got {primitive!r}")
+    if not callable(rule):
+        raise TypeError(f"{who} expects a callable rule, got {rule!r}")
+
+
 def register_inverse(primitive: Primitive, rule: Callable[..., Sequence[Any]]) -> None:
     """Make `reverse` able to invert `primitive`.
 
@@ -186,10 +195,7 @@ def register_inverse(primitive: Primitive, rule: Callable[..., Sequence[Any]]) -
         >>> jr.reverse(lambda x: double_p.bind(x))(jnp.ones(2)).tolist()
         [0.5, 0.5]
     """
-    if not isinstance(primitive, Primitive):
-        raise TypeError(f"register_inverse expects a jax.extend.core.Primitive, got {primitive!r}")
-    if not callable(rule):
-        raise TypeError(f"register_inverse expects a callable rule, got {rule!r}")
+    check_rule("register_inverse", primitive, rule)
     define(primitive, inverse=rule)
 
 
@@ -215,9 +221,5 @@ def register_inverse_jvp(primitive: Primitive, rule: Callable[..., Sequence[Any]
         >>> round(float(jax.jvp(jr.reverse(cube_p.bind), (8.0,), (1.0,))[1]), 6)  # 1/12
         0.083333
     """
-    if not isinstance(primitive, Primitive):
-        raise TypeError(f"register_inverse_jvp expects a jax.extend.core.Primitive, got "
-                        f"{primitive!r}")
-    if not callable(rule):
-        raise TypeError(f"register_inverse_jvp expects a callable rule, got {rule!r}")
+    check_rule("register_inverse_jvp", primitive, rule)
     define(primitive, inverse_jvp=rule)

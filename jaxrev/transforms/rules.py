@@ -12,7 +12,7 @@ Every rule is registered by the `define` call right after it, which also tags th
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax.numpy as jnp
 import numpy as np
