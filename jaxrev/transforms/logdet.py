@@ -454,13 +454,13 @@ class LogdetContext:
         return jnp.result_type(*fl) if fl else jnp.float32
 
 
-def _try_read(read: Callable, v: Any) -> Any:
+def _try_read(read: Callable, v: Any, zeros: bool = False) -> Any:
     if isinstance(v, DropVar):
         return None
     try:
         return read(v)
     except KeyError:
-        return None
+        return jnp.zeros(v.aval.shape, v.aval.dtype) if zeros else None
 
 
 def _acc(sign: Any, logabs: Any, d: Any, mask: Any = None) -> tuple[Any, Any]:
@@ -495,7 +495,9 @@ def _eval_step(ps: _PStep, read: Callable, sign: Any, logabs: Any, pl: Plan
         return sign, logabs
     if ps.how == "positional":
         (eqn,) = st.eqns
-        ins = [read(v) for v in eqn.invars]
+        # (an operand never known, a select's case it never picks, is not read where the
+        # recovered one's pivots are)
+        ins = [_try_read(read, v, zeros=True) for v in eqn.invars]
         for k, m in ps.parts:
             unit = _unit_pivot(eqn, k)
             if unit == 1:              # volume-preserving: nothing to compute
