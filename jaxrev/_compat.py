@@ -47,6 +47,8 @@ primitive_batchers = _batching.primitive_batchers
 not_mapped = None  # batching marks an unbatched operand with None
 register_lowering = _mlir.register_lowering
 lower_fun = _mlir.lower_fun
+from jax._src import debugging as _debugging  # noqa: E402
+debug_effect = _debugging.debug_effect   # what keeps an effect-only check from being removed
 
 
 def _prim(*names: str, modules: Sequence[Any] = (_lax, _slicing, _cf, _special)

@@ -321,6 +321,22 @@ def test_linearized_sweep():
     assert abs(float(ld2 - ref[1])) < TOL * abs(float(ref[1]))
 
 
+def test_run_time_checks_are_one_per_call_under_vmap():
+    """The singular-pivot check (and a choice's consistency check) call the host only when
+    something is wrong, and under vmap once per batch: the compiled program has as many host
+    callbacks for a batch of 64 as for one sample."""
+    f = lambda x: jnp.where(x > 0, x, 0.1 * x) * 2.0  # noqa: E731
+
+    def callbacks(fn, *args):
+        return jax.jit(fn).lower(*args).as_text().count("callback")
+    one = callbacks(jr.inverse_and_slogdet(f), jnp.ones(3))
+    assert one >= 1
+    assert callbacks(jax.vmap(jr.inverse_and_slogdet(f)), jnp.ones((64, 3))) == one
+    assert callbacks(jax.vmap(jax.vmap(jr.forward_and_slogdet(f))), jnp.ones((4, 8, 3))) >= 1
+    _, ld = jax.jit(jax.vmap(jax.vmap(jr.forward_and_slogdet(f))))(jnp.ones((4, 8, 3)))
+    assert ld.shape == (4, 8)
+
+
 def test_dense_fallback_is_reported():
     # a dense mixing the walker solves as one 40-unknown lump with no structure
     A = jnp.eye(40) + 0.1 * jax.random.normal(KEY, (40, 40))

@@ -14,11 +14,15 @@ import contextlib
 from typing import Any, Callable, Iterator
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
-from jaxrev._compat import is_concrete
+from jaxrev._compat import (Primitive, debug_effect, is_concrete, lower_fun, primitive_batchers,
+                            primitive_jvps, register_lowering)
 
-__all__ = ["ON_FAILURE", "NEWTON_STARTS", "counts", "settings", "setting", "raise_where"]
+__all__ = ["ON_FAILURE", "NEWTON_STARTS", "counts", "settings", "setting", "raise_where",
+           "check_p", "check_at_run_time"]
 
 ON_FAILURE = ("raise", "nan")
 
@@ -56,9 +60,13 @@ counts = {"newton": 0}
 it)."""
 
 
-def raise_where(error: Callable[..., Exception | None], *flags: Any) -> None:
+def raise_where(error: Callable[..., Exception | None], *flags: Any, bad: Any = None) -> None:
     """Raise `error(*flags)` (None: nothing wrong) now on concrete values, else when the program
-    runs; nothing under ``on_failure="nan"``, where the NaN left in the result is the answer."""
+    runs; nothing under ``on_failure="nan"``, where the NaN left in the result is the answer.
+
+    `bad` (a boolean computed from the flags, any of whose elements says `error` will raise)
+    makes the run-time check cheap: the host is called only when it holds, and under `vmap`
+    once for the whole batch, with the first bad sample's flags (`check_p`)."""
     if _settings[-1]["on_failure"] == "nan":
         return
     if all(is_concrete(x) for x in flags):
@@ -66,10 +74,70 @@ def raise_where(error: Callable[..., Exception | None], *flags: Any) -> None:
         if err is not None:
             raise err
         return
+    check_at_run_time(error, *flags, bad=bad)
 
-    def at_run_time(*vals: Any) -> None:
+
+def check_at_run_time(error: Callable[..., Exception | None], *flags: Any,
+                      bad: Any = None) -> None:
+    """Raise `error(*flags)` when the program runs, where `bad` (default: always ask the
+    host) holds: one host call per batch under `vmap`, none when nothing is bad."""
+    if bad is None:
+        bad = jnp.ones((), bool)
+    check_p.bind(jnp.asarray(bad), *flags, error=_Hashable(error), levels=0)
+
+
+class _Hashable:
+    """A callable as a primitive's param (compared by identity)."""
+
+    def __init__(self, fn: Callable) -> None:
+        self.fn = fn
+
+    def __call__(self, *args: Any) -> Any:
+        return self.fn(*args)
+
+
+check_p = Primitive("jaxrev_check")
+"""``check_p(bad, *flags, error, levels)``: when the program runs, if any element of `bad`
+holds, raise ``error(*flags)`` on the host. `levels` leading axes of every operand are vmap's
+batch axes (the first bad sample's flags are passed). It has the debug effect, so it is never
+removed as dead code, and it is lowered as a `cond`: no host call when nothing is bad."""
+check_p.multiple_results = True
+check_p.def_effectful_abstract_eval(lambda *avals, **_: ([], {debug_effect}))
+
+
+def _check_impl(bad: Any, *flags: Any, error: Callable, levels: int) -> list:
+    def on_host(bad, *flags):
+        bad = np.asarray(bad)
+        if not bad.any():
+            return
+        vals = [np.asarray(f) for f in flags]
+        if levels:   # the first bad sample of the batch
+            at = np.unravel_index(int(np.argmax(bad.reshape(-1))), bad.shape)
+            vals = [v[at] for v in vals]
         err = error(*vals)
         if err is not None:
             raise err
 
-    jax.debug.callback(at_run_time, *flags)
+    lax.cond(jnp.any(bad), lambda: jax.debug.callback(on_host, bad, *flags), lambda: None)
+    return []
+
+
+def _check_batch(args: Any, dims: Any, *, error: Callable, levels: int) -> tuple[list, list]:
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    moved = [jnp.moveaxis(a, d, 0) if d is not None else
+             jnp.broadcast_to(a, (size,) + jnp.shape(a)) for a, d in zip(args, dims)]
+    # (bad's own element axes beyond the batch are reduced: one flag per sample)
+    bad = moved[0]
+    bad = jnp.any(bad.reshape(bad.shape[:levels + 1] + (-1,)), axis=-1)
+    check_p.bind(bad, *moved[1:], error=error, levels=levels + 1)
+    return [], []
+
+
+def _check_jvp(primals: Any, tangents: Any, **params: Any) -> tuple[list, list]:
+    return check_p.bind(*primals, **params), []
+
+
+check_p.def_impl(_check_impl)
+register_lowering(check_p, lower_fun(_check_impl, multiple_results=True))
+primitive_batchers[check_p] = _check_batch
+primitive_jvps[check_p] = _check_jvp

@@ -423,15 +423,14 @@ def _recheck(G: Sequence[JaxprEqn], ch: list[_Choice], inputs: list[Var], env: E
             held = held | ((k == b) & c.holds(env_f, b))
         ok = ok & held
     first = next((c.eqn for c in ch if has_user_frame(c.eqn)), ch[0].eqn)
+    together = jnp.all(ok | jnp.any(jnp.stack([jnp.isnan(x) for x in out
+                                               if jnp.issubdtype(x.dtype, jnp.inexact)]
+                                              or [jnp.zeros(idx.shape, bool)]), axis=0))
     raise_where(lambda ok: None if np.all(ok) else at_eqn(
         ReversibilityError, first, "the branches chosen element by element are not consistent "
         "together (a decision depends on several elements)",
         "Ways out: compute each element's decision from that element only, or pass "
-        "on_failure='nan'."), jnp.all(ok | jnp.any(jnp.stack([jnp.isnan(x) for x in out
-                                                                if jnp.issubdtype(x.dtype,
-                                                                                  jnp.inexact)]
-                                                               or [jnp.zeros(idx.shape, bool)]),
-                                                     axis=0)))
+        "on_failure='nan'."), together, bad=~together)
 
 
 # --------------------------------------------------------------------------- reachability
@@ -573,7 +572,7 @@ def _merge(ch: list[_Choice], inputs: list[Var], cands: list, oks: list
                                          "the output, so the map is not one-to-one there", hint)
         return None
 
-    raise_where(error, anyok, apart)
+    raise_where(error, anyok, apart, bad=~jnp.all(anyok) | jnp.any(apart))
     good = anyok & ~apart
     out = []
     for p in picked:

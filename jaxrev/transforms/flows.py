@@ -24,7 +24,7 @@ from jaxrev._jaxpr import Env, Unknown, evaluate, prepare, without_custom_vjp
 from jaxrev._program import (check_sizes, fun_name, normalize_argnums,
                              trace_program)
 from jaxrev.transforms import elements, records
-from jaxrev.transforms._checks import settings
+from jaxrev.transforms._checks import check_at_run_time, settings
 from jaxrev.transforms._walker import propagate, raise_stuck, seed
 from jaxrev.transforms.logdet import LogdetContext, evaluate_plan, plan
 from jaxrev.transforms.registry import Unsupported, check_rule, define
@@ -207,21 +207,11 @@ def _singular_check(logabs: Any, who: str, on_singular: str,
             raise error([bool(f) for f in flags])
         return logabs
 
-    k = len(flags)
-
-    def check(bad, total):
-        # under vmap, one call for the whole batch (`vmap_method`): the first bad sample names
-        total = np.asarray(total)
-        if np.any(total):
-            first = int(np.argmax(total.reshape(-1)))
-            raise error([bool(b) for b in np.asarray(bad).reshape(-1, k)[first]] if k else [])
-        return np.zeros(total.shape, np.dtype(logabs.dtype))
-    # a callback whose (zero) result the log-determinant adds: it runs wherever the result
-    # is used, once per call even when vmapped
-    zero = jax.pure_callback(check, jax.ShapeDtypeStruct((), logabs.dtype),
-                             jnp.stack(flags) if flags else jnp.zeros(0, bool),
-                             jnp.isneginf(logabs), vmap_method="broadcast_all")
-    return logabs + zero
+    # one host call per batch under vmap, none when no pivot vanished
+    check_at_run_time(lambda bad: error([bool(b) for b in np.atleast_1d(bad)]),
+                      jnp.stack(flags) if flags else jnp.zeros(0, bool),
+                      bad=jnp.isneginf(logabs))
+    return logabs
 
 
 def _try_sweep(run: Callable[[], Any], method: str, on_singular: str, who: str,

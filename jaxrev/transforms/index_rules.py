@@ -477,7 +477,7 @@ def _gather(out, operand, indices, *, dimension_numbers, slice_sizes, mode, **pa
     # not a permutation: some element of the operand is read never or twice, and lost
     raise_where(lambda ok: None if ok else NotInvertibleError(
         "jaxrev.reverse: a gather's indices (known only when the program runs) are not a "
-        "permutation of its operand's elements, so some element is lost"), perm)
+        "permutation of its operand's elements, so some element is lost"), perm, bad=~perm)
     return [jnp.where(perm, x, jnp.nan), None]
 
 

@@ -195,7 +195,7 @@ def _solve_determined(system: "_System", env: Env, det: list[int]) -> list[Any]:
                               "determines some unknowns only for other values of the known "
                               "ones: here its matrix loses rank", singular=True)
 
-    raise_where(error, err)
+    raise_where(error, err, bad=~(err < 1e-6))
     u = jnp.where(err < 1e-6, u, jnp.nan)
     vals = system.unpack(u)
     return [vals[j] for j in det]
@@ -426,7 +426,7 @@ def _check(L: Lump, ok: Any, singular: Any, rn: Any, tol: Any) -> None:
                           "inverse with `jr.custom_inverse`, or pass on_failure='nan'.")
         return None
 
-    raise_where(error, ok, singular, rn, tol)
+    raise_where(error, ok, singular, rn, tol, bad=jnp.any(singular) | ~jnp.all(ok))
 
 
 # --------------------------------------------------------------------------- packing
