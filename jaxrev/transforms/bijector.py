@@ -28,8 +28,9 @@ class Bijector:
     log-determinants of the batch's shape. Extra positional arguments of the methods are
     passed on to `fun` (parameters): ``b.forward(x, params)`` calls ``fun(x, params)``, and
     with ``argnums=1`` ``fun(params, x)``.
-    `method` and `on_singular` are those of `forward_and_slogdet` (a vanished pivot raises
-    `SingularJacobianError`, under `jit` when the program runs: one host check per call).
+    `method` and `on_singular` are those of `forward_and_slogdet` / `inverse_and_slogdet` (a
+    vanished pivot raises `SingularJacobianError`; under `jit` the forward methods return
+    -inf, the inverse ones raise when the program runs).
 
     Example:
         >>> import jax.numpy as jnp, jaxrev as jr
