@@ -78,8 +78,8 @@ class _PStep:
 @dataclass
 class Plan:
     """A walk's record made into the steps to evaluate, with the sign of σ (None where the
-    slots could not be followed at trace time) and whether every recovered element's slot
-    is known (`exact`)."""
+    slots could not be followed at trace time), whether σ is the identity pairing of goals
+    and seeded outputs (a loop body's), and the walk's trace-time knowledge (`info`)."""
 
     steps: list[_PStep]
     perm_sign: int | None
