@@ -317,6 +317,11 @@ def _complex(out, re, im, **_):
 define(prims.complex, inverse=_complex, kind=(LINEAR,))
 
 
+_SMALL_MATRIX = 64
+"""Up to this size, a known matrix applied to at least as many vectors is inverted once and
+applied by a product."""
+
+
 def _dot_general(out, lhs, rhs, *, dimension_numbers, **_):
     (lc, rc), (lb, rb) = dimension_numbers
     if is_unknown(lhs) == is_unknown(rhs):
@@ -336,16 +341,22 @@ def _dot_general(out, lhs, rhs, *, dimension_numbers, **_):
     fshape = [x.aval.shape[d] for d in x_free]
     nf = int(np.prod(fshape, dtype=np.int64))
     bshape = [x.aval.shape[d] for d in xb]
+    # a small matrix applied to many vectors (a 1x1 convolution over pixels): its inverse
+    # applied by a product, which XLA runs itself, rather than a LAPACK solve with that many
+    # right-hand sides (whose BLAS threads cost milliseconds a call on a busy CPU)
+    by_inverse = n <= _SMALL_MATRIX and nf >= n
     if x_is_lhs:  # out = (B..., x_free..., w_free)
         Y = jnp.reshape(out, bshape + [nf, n])
-        # Y = X @ Wc  =>  X^T = solve(Wc^T, Y^T)
-        X = jnp.swapaxes(jnp.linalg.solve(jnp.swapaxes(Wc, -1, -2), jnp.swapaxes(Y, -1, -2)), -1, -2)
+        # Y = X @ Wc  =>  X = Y @ inv(Wc), or X^T = solve(Wc^T, Y^T)
+        X = (Y @ jnp.linalg.inv(Wc) if by_inverse else jnp.swapaxes(jnp.linalg.solve(
+            jnp.swapaxes(Wc, -1, -2), jnp.swapaxes(Y, -1, -2)), -1, -2))
         X = jnp.reshape(X, bshape + fshape + [n])
         order = list(xb) + x_free + [xc[0]]
     else:  # out = (B..., w_free, x_free...)
         Y = jnp.reshape(out, bshape + [n, nf])
         # Y = Wc^T @ X
-        X = jnp.linalg.solve(jnp.swapaxes(Wc, -1, -2), Y)
+        Wt = jnp.swapaxes(Wc, -1, -2)
+        X = jnp.linalg.inv(Wt) @ Y if by_inverse else jnp.linalg.solve(Wt, Y)
         X = jnp.reshape(X, bshape + [n] + fshape)
         order = list(xb) + [xc[0]] + x_free
     X = jnp.transpose(X, np.argsort(order))
