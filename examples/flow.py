@@ -30,9 +30,9 @@ next to a plain forward pass.
 import os
 import time
 
-# jaxrev inverts the 1x1 convolution with an LU solve, which on CPU is LAPACK from scipy's
-# OpenBLAS: its thread pool gains nothing on a 2x2 matrix and, on a busy 2-core machine, cost
-# about 8 ms a call (an inverse of 65 ms instead of 1). One thread unless the caller says so.
+# The dense reference check (jacfwd + slogdet) and the 1x1 convolutions' inverses call LAPACK
+# from scipy's OpenBLAS on CPU, whose thread pool gains nothing on matrices this small and, on a
+# busy 2-core machine, costs milliseconds a call. One thread unless the caller says so.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import jax  # noqa: E402
