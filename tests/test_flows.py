@@ -347,18 +347,36 @@ def test_run_time_checks_are_one_per_call_under_vmap():
     assert callbacks(jax.vmap(jr.forward_and_slogdet(f)), jnp.ones((64, 3))) == 0
 
 
-def test_dense_fallback_is_reported():
-    # a dense mixing the walker solves as one 40-unknown lump with no structure
+def test_dense_nonlinear_group_is_one_sweep_step():
+    # a dense mixing the walker solves as one 40-unknown Newton group with no structure: the
+    # sweep takes that one step's Jacobian densely
     A = jnp.eye(40) + 0.1 * jax.random.normal(KEY, (40, 40))
     f = lambda x: jnp.tanh(A @ x) * 0.5 + x  # noqa: E731  (a dense nonlinear group)
     x = jnp.linspace(-1, 1, 40)
-    s = jr.logdet_strategy(f, x)
+    assert jr.logdet_strategy(f, x) == "sweep"
     ref = _dense(f, x)
     sign, ld = jr.slogdet_jacobian(f, x)
     assert float(sign) == float(ref[0]) and abs(float(ld - ref[1])) < TOL
-    assert s.startswith("sweep") or s.startswith("dense")
     with pytest.raises(ValueError, match="method"):
         jr.slogdet_jacobian(f, x, method="lu")
+
+
+def test_dense_fallback_names_the_step():
+    # a 3x3 convolution: neither the program nor its tangent program inverts step by step
+    K = jnp.zeros((3, 3, 2, 2)).at[1, 1].set(jnp.eye(2)) + 0.05 * jax.random.normal(
+        KEY, (3, 3, 2, 2))
+    f = lambda x: lax.conv_general_dilated(  # noqa: E731
+        x[None], K, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))[0]
+    x = jnp.linspace(-1, 1, 32).reshape(4, 4, 2)
+    s = jr.logdet_strategy(f, x)
+    assert s.startswith("dense:") and "conv_general_dilated" in s and f"{HERE}:" in s
+    ref = _dense(lambda v: f(v.reshape(x.shape)).reshape(-1), x.reshape(-1))
+    sign, ld = jr.slogdet_jacobian(f, x)                     # "auto": the dense Jacobian
+    assert float(sign) == float(ref[0]) and abs(float(ld - ref[1])) < TOL
+    _, ld2 = jax.jit(jr.forward_and_slogdet(f))(x)
+    assert abs(float(ld2 - ref[1])) < TOL
+    with pytest.raises(jr.NotInvertibleError, match="conv_general_dilated"):
+        jr.slogdet_jacobian(f, x, method="sweep")
 
 
 def test_flax_conv_1x1():
