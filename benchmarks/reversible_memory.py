@@ -9,16 +9,24 @@ interleaved runs in one process. Writes results/reversible_memory.{json,md,png}.
 
     python benchmarks/reversible_memory.py            # full run
     python benchmarks/reversible_memory.py --quick    # small sizes, a smoke test
+    python benchmarks/reversible_memory.py --only dial   # the time-space dial (issue 19)
+
+The dial section (results/reversible_dial.*) measures `checkpoint_every` / `memory_budget` /
+"auto" at depth 10^4 in float64 (theta = (0.9, 1.1), state 2 x 2000) and float32 at depth
+10^3, and the cost of the drift check.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import sys
+import warnings
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")   # no BLAS threads spinning on a busy CPU
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
 
@@ -94,7 +102,17 @@ def main(argv=None):
     ap.add_argument("--n", type=int, default=20000)
     ap.add_argument("--time-limit-bytes", type=float, default=4e9,
                     help="time jax.grad / checkpoint only where their plan fits in this")
+    ap.add_argument("--only", choices=["all", "memory", "dial"], default="all",
+                    help="the memory tables (results/reversible_memory.*), the time-space "
+                         "dial (results/reversible_dial.*), or both")
     args = ap.parse_args(argv)
+    if args.only in ("all", "dial"):
+        dial_main(args.quick)
+    if args.only in ("all", "memory"):
+        memory_main(args)
+
+
+def memory_main(args):
     n = 2000 if args.quick else args.n
     depths = [100, 300, 1000] if args.quick else [100, 300, 1000, 3000, 10000]
     acc_depth = 300 if args.quick else 1000
@@ -125,10 +143,11 @@ def main(argv=None):
     for th_a in ([0.5, 0.5], [0.7, 1.3]):
         th_a = jnp.array(th_a)
         ref = jax.jit(loss_of(coupled(acc_depth)))(c, th_a)
-        got = jax.jit(loss_of(jr.reversible(coupled(acc_depth))))(c, th_a)
+        got = jax.jit(loss_of(jr.reversible(coupled(acc_depth), on_drift="ignore")))(c, th_a)
         c32 = jax.tree_util.tree_map(lambda a: a.astype(jnp.float32), c)
         th32 = th_a.astype(jnp.float32)
-        got32 = jax.jit(loss_of(jr.reversible(coupled(acc_depth))))(c32, th32)
+        got32 = jax.jit(loss_of(jr.reversible(coupled(acc_depth), on_drift="ignore")))(c32,
+                                                                                       th32)
         ref32 = jax.jit(loss_of(coupled(acc_depth)))(c32, th32)
         acc.append({"depth": acc_depth, "theta": [float(t) for t in th_a],
                     "float64_rel_err": rel_err(ref, got),
@@ -168,6 +187,133 @@ def main(argv=None):
     plot(data, os.path.join(RESULTS, "reversible_memory" + ("_quick" if args.quick else "")
                             + ".png"))
     print(table)
+
+
+# --------------------------------------------------------------------------- the dial (issue 19)
+
+def dial_main(quick: bool) -> None:
+    """The time-space dial on the coupled scan: float64 at depth 10^4 with theta = (0.9, 1.1)
+    (checkpoint_every K, a memory budget of 1 % of jax.grad's, "auto"), and float32 at depth
+    10^3 with theta = (0.5, 0.5) against float32 jax.grad; the cost of the drift check."""
+    n64, d64 = (500, 1000) if quick else (2000, 10000)
+    n32, d32 = (2000, 300) if quick else (20000, 1000)
+    # float64: the reference, its memory and the problem's sensitivity to one ulp of theta_0
+    c = (jnp.linspace(0.0, 1.0, n64), jnp.linspace(1.0, 2.0, n64))
+    th = jnp.array([0.9, 1.1])
+    g_ref = jax.jit(loss_of(coupled(d64)))
+    ref = g_ref(c, th)
+    mem_grad = temp_bytes(g_ref, c, th)
+    sens = rel_err(ref, g_ref(c, th.at[0].set(jnp.nextafter(th[0], 2.0))))
+    budget = int(0.01 * mem_grad)
+    settings = {f"K={k}": dict(checkpoint_every=k, on_drift="ignore")
+                for k in (1, 10, 100, 1000)}
+    settings["K=None (fully reversible)"] = dict(on_drift="ignore")
+    settings["memory_budget=1%"] = dict(memory_budget=budget)
+    settings["memory_budget=1%, on_drift=ignore"] = dict(memory_budget=budget,
+                                                         on_drift="ignore")
+    settings["auto, memory_budget=1%"] = dict(memory_budget=budget, checkpoint_every="auto")
+    settings["K=None, on_drift=warn"] = dict(on_drift="warn")
+    rows, fns = [], {"jax.grad": (lambda: g_ref(c, th))}
+    for name, kw in progress(list(settings.items()), desc="dial settings (float64)"):
+        g = jax.jit(loss_of(jr.reversible(coupled(d64), **kw)))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            got = g(c, th)
+            jax.block_until_ready(got)
+        rows.append({"setting": name, "mem": temp_bytes(g, c, th), "err": rel_err(ref, got)})
+        fns[name] = (lambda g=g: g(c, th))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        times = interleaved_medians(fns, reps=3 if quick else 5)
+    for r in rows:
+        r["time"] = times[r["setting"]]
+    # float32 against float64 jax.grad
+    c32f = (jnp.linspace(0.0, 1.0, n32), jnp.linspace(1.0, 2.0, n32))
+    th5 = jnp.array([0.5, 0.5])
+    ref64 = jax.jit(loss_of(coupled(d32)))(c32f, th5)
+    c32 = jax.tree_util.tree_map(lambda a: a.astype(jnp.float32), c32f)
+    th32 = th5.astype(jnp.float32)
+    g32 = jax.jit(loss_of(coupled(d32)))
+    mem32 = temp_bytes(g32, c32, th32)
+    err32 = rel_err(ref64, g32(c32, th32))
+    rows32 = []
+    for name, kw in progress([("K=None (fully reversible)", dict(on_drift="ignore")),
+                              ("memory_budget=5%", dict(memory_budget=int(0.05 * mem32))),
+                              ("K=10", dict(checkpoint_every=10)),
+                              ("auto, memory_budget=5%", dict(checkpoint_every="auto",
+                                                              memory_budget=int(0.05 * mem32)))],
+                             desc="dial settings (float32)"):
+        g = jax.jit(loss_of(jr.reversible(coupled(d32), **kw)))
+        rows32.append({"setting": name, "mem_frac": temp_bytes(g, c32, th32) / mem32,
+                       "err": rel_err(ref64, g(c32, th32))})
+    data = {"device": device_info(), "float64": {
+        "n": n64, "depth": d64, "theta": [0.9, 1.1], "jax.grad_mem": mem_grad,
+        "jax.grad_time": times["jax.grad"], "sensitivity_1ulp": sens, "budget": budget,
+        "rows": rows}, "float32": {"n": n32, "depth": d32, "theta": [0.5, 0.5],
+                                   "jax.grad_mem": mem32, "jax.grad_err": err32,
+                                   "rows": rows32}}
+    name = "reversible_dial" + ("_quick" if quick else "")
+    table = dial_table(data)
+    write_results(name, data, table)
+    dial_plot(data, os.path.join(RESULTS, name + ".png"))
+    print(table)
+
+
+def dial_table(d):
+    f = d["float64"]
+    out = [f"# Time-space dial: memory, error and time ({d['device']['backend']}, "
+           f"JAX {d['device']['jax']})", "",
+           f"Coupled scan, state 2 x {f['n']} float64, depth {f['depth']}, theta = "
+           f"{tuple(f['theta'])}; gradient w.r.t. state and theta, relative max-norm error "
+           f"against jax.grad. jax.grad: {f['jax.grad_mem'] / 1e6:.1f} MB temp, "
+           f"{f['jax.grad_time']:.3f} s. The problem's 1-ulp sensitivity (jax.grad's change "
+           f"when theta_0 moves by one ulp): {f['sensitivity_1ulp']:.2e}. "
+           f"memory_budget = 1 % of jax.grad's temp = {f['budget'] / 1e6:.2f} MB.", "",
+           "| setting | temp MB | / jax.grad memory | gradient error | error / sensitivity | "
+           "time / jax.grad |", "|---|---|---|---|---|---|"]
+    for r in f["rows"]:
+        out.append(f"| {r['setting']} | {r['mem'] / 1e6:.2f} | "
+                   f"{r['mem'] / f['jax.grad_mem'] * 100:.2f} % | {r['err']:.2e} | "
+                   f"{r['err'] / f['sensitivity_1ulp']:.2g} | "
+                   f"{r['time'] / f['jax.grad_time']:.2f} |")
+    by = {r["setting"]: r for r in f["rows"]}
+    full, bud = by["K=None (fully reversible)"], by["memory_budget=1%"]
+    chk = bud["time"] / by["memory_budget=1%, on_drift=ignore"]["time"] - 1
+    chk0 = by["K=None, on_drift=warn"]["time"] / full["time"] - 1
+    out += ["", f"memory_budget=1 %: error {full['err'] / max(bud['err'], 1e-300):.0f}x smaller "
+                f"than fully reversible. Cost of the drift check under jit: "
+                f"{chk * 100:+.1f} % (checkpointed), {chk0 * 100:+.1f} % (fully reversible).", ""]
+    g = d["float32"]
+    out += [f"Float32, state 2 x {g['n']}, depth {g['depth']}, theta = {tuple(g['theta'])}: "
+            f"error against float64 jax.grad; float32 jax.grad's own: {g['jax.grad_err']:.3e} "
+            f"({g['jax.grad_mem'] / 1e6:.1f} MB temp).", "",
+            "| setting | memory / float32 jax.grad | error | error / jax.grad's |",
+            "|---|---|---|---|"]
+    for r in g["rows"]:
+        out.append(f"| {r['setting']} | {r['mem_frac'] * 100:.2f} % | {r['err']:.3e} | "
+                   f"{r['err'] / g['jax.grad_err']:.2f} |")
+    return "\n".join(out + [""])
+
+
+def dial_plot(d, path):
+    plt = pyplot()
+    if plt is None:
+        return
+    f = d["float64"]
+    fig, ax = plt.subplots(1, 2, figsize=(10, 4))
+    for r in f["rows"]:
+        ax[0].loglog(r["mem"] / 1e6, max(r["err"], 1e-18), "o")
+        ax[0].annotate(r["setting"].split(",")[0], (r["mem"] / 1e6, max(r["err"], 1e-18)),
+                       fontsize=7)
+        ax[1].semilogx(r["mem"] / 1e6, r["time"] / f["jax.grad_time"], "o")
+    ax[0].axhline(f["sensitivity_1ulp"], ls="--", c="k", lw=0.8, label="1-ulp sensitivity")
+    ax[0].set(xlabel="temp memory (MB)", ylabel="gradient error",
+              title=f"float64, depth {f['depth']}")
+    ax[0].legend(fontsize=8)
+    ax[1].axhline(1.0, ls="--", c="k", lw=0.8)
+    ax[1].set(xlabel="temp memory (MB)", ylabel="time / jax.grad", title="time")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
 
 
 def make_table(d):

@@ -2,11 +2,12 @@
 
     >>> import jaxrev as jr
 """
-from jaxrev._errors import (JaxrevError, NotInvertibleError, ReversibilityError,
+from jaxrev._errors import (DriftError, JaxrevError, NotInvertibleError, ReversibilityError,
                             SingularJacobianError)
 from jaxrev import optim
 from jaxrev.primitives import apply_gate, rot, swap
 from jaxrev.transforms.cond_rules import cond
+from jaxrev.transforms.dial import DriftWarning
 from jaxrev.transforms.custom import (custom_inverse, forward_mode, hook, nestlevel, recompute,
                                      store)
 from jaxrev.transforms.bijector import Bijector, Chain
@@ -31,5 +32,5 @@ __all__ = [
     "custom_inverse",
     "hook", "nestlevel", "forward_mode", "store", "recompute",
     "optim", "rot", "swap", "apply_gate", "JaxrevError", "NotInvertibleError",
-    "ReversibilityError", "SingularJacobianError",
+    "ReversibilityError", "SingularJacobianError", "DriftError", "DriftWarning",
 ]

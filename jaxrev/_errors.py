@@ -45,6 +45,21 @@ class ReversibilityError(_AtStep):
     """
 
 
+class DriftError(ReversibilityError):
+    """A value `reversible`'s backward run rebuilt missed its true counterpart (the inputs of
+    the call, or a stored checkpoint) by more than the tolerance (DESIGN.md §3.8).
+
+    Attributes: `drift` (the measured relative drift), `tolerance`, `file` (the loop's or the
+    call's user line, where one is known).
+    """
+
+    def __init__(self, message: str, file: str | None = None, drift: float | None = None,
+                 tolerance: float | None = None) -> None:
+        super().__init__(message, file=file)
+        self.drift = drift
+        self.tolerance = tolerance
+
+
 class SingularJacobianError(_AtStep):
     """A step's pivot vanished while inverting a Jacobian.
 

@@ -203,3 +203,12 @@ def test_quantum_circuit_example():
     assert m, out
     assert float(m.group(2)) < float(m.group(1)) and float(m.group(2)) < float(m.group(3)) + 0.1
     assert _number(out, "reverse(circuit) round-trip max error:") < 1e-12
+
+
+def test_fixed_point_example():
+    out = _run("fixed_point.py")
+    assert "fully reversible: DriftError" in out
+    assert _number(out, "gradient vs jax.grad of the fori_loop form, max error:") < 1e-10
+    m = re.search(r"training loss: ([0-9.]+) -> ([0-9.]+)", out)
+    assert m and float(m.group(2)) < 0.1 * float(m.group(1)), out
+    assert out.rstrip().endswith("fixed_point finished")

@@ -23,14 +23,19 @@ from jaxrev._compat import ClosedJaxpr, DropVar, JaxprEqn, Literal, Var, bind_eq
 from jaxrev._errors import not_invertible
 from jaxrev._jaxpr import Env, evaluate, fit_to_aval, is_var, prepare
 from jaxrev.transforms._walker import Hints, Stuck, Window, blame, propagate, statics_for
+from jaxrev.transforms import dial as drift
 from jaxrev.transforms.custom import recompute_p, store_p
+from jaxrev.transforms.dial import Dial
 from jaxrev.transforms.registry import forward_rules, sweep_rules
 
 __all__ = ["Plan", "LoopPlan", "Residuals", "plan_for", "top_plan", "res_avals", "loop_avals",
            "branch_slices", "seed_env", "walk", "known_or_rebuilt", "outs_known", "BodyWalk",
            "BodyStep", "LoopEnd", "loop_activity", "loop_cts_in", "loop_cts_out",
-           "forward_with_residuals",
+           "forward_with_residuals", "n_checkpoints", "DEFAULT_DIAL",
            "acc", "get_ct", "zero_ct", "is_float", "sds"]
+
+
+DEFAULT_DIAL = Dial()
 
 
 def is_float(aval: Any) -> bool:
@@ -74,6 +79,7 @@ class Plan:
     decisions: dict = field(default_factory=dict)        # missing Vars -> Vars stored for them
     labels: dict = field(default_factory=dict)           # Var -> what it is, for the report
     hints: Any = None                                    # what its inputs are at trace time
+    dial: Dial = DEFAULT_DIAL                            # the reversible call's settings
 
 
 @dataclass(eq=False)
@@ -86,6 +92,14 @@ class LoopPlan:
     length: int | None = None
     branches: list | None = None
     count_shape: tuple = ()   # a while loop's trip count: one per element of a vmapped loop
+    every: int | None = None  # a checkpoint of the carry every `every` iterations (the dial)
+    carry: tuple = ()         # the carry's avals, when checkpointed
+    max_steps: int | None = None  # a while loop's bound: its buffers' length
+
+
+def n_checkpoints(lp: LoopPlan) -> int:
+    n = lp.length if lp.kind == "scan" else lp.max_steps
+    return 0 if lp.every is None else -(-n // lp.every)
 
 
 def branch_slices(lp: LoopPlan) -> list[tuple[int, int]]:
@@ -98,11 +112,19 @@ def branch_slices(lp: LoopPlan) -> list[tuple[int, int]]:
 
 
 def loop_avals(lp: LoopPlan) -> list[jax.ShapeDtypeStruct]:
-    if lp.kind == "while":
-        return [jax.ShapeDtypeStruct(lp.count_shape, jnp.int32)]
+    """A loop's residuals: (a while loop's trip count), the body's per iteration, then the
+    checkpoints."""
     if lp.kind == "cond":
         return [a for bp in lp.branches for a in res_avals(bp)]
-    return [jax.ShapeDtypeStruct((lp.length, *a.shape), a.dtype) for a in res_avals(lp.body)]
+    ck = [jax.ShapeDtypeStruct((n_checkpoints(lp), *a.shape), a.dtype) for a in lp.carry]
+    if lp.kind == "while":
+        n = [jax.ShapeDtypeStruct(lp.count_shape, jnp.int32)]
+        if lp.max_steps is None:
+            return n
+        return n + [jax.ShapeDtypeStruct((lp.max_steps, *a.shape), a.dtype)
+                    for a in res_avals(lp.body)] + ck
+    return [jax.ShapeDtypeStruct((lp.length, *a.shape), a.dtype)
+            for a in res_avals(lp.body)] + ck
 
 
 def res_avals(P: Plan) -> list[jax.ShapeDtypeStruct]:
@@ -174,16 +196,17 @@ def seed_env(P: Plan, known_in: Sequence[bool], ins: Sequence[Any],
 
 
 def plan_for(closed: ClosedJaxpr, known_in: tuple[bool, ...], known_out: tuple[bool, ...],
-             goal_in: tuple[bool, ...], hints: Hints | None = None) -> Plan:
+             goal_in: tuple[bool, ...], hints: Hints | None = None,
+             dial: Dial = DEFAULT_DIAL) -> Plan:
     """Plan the backward walk of `closed` given which inputs and outputs it knows and which
     inputs it must rebuild (a loop body's carry), and what its inputs are at trace time
-    (`hints`: a loop counter at every iteration); cached per jaxpr."""
-    key = (id(closed), known_in, known_out, goal_in, hints.key() if hints else None)
+    (`hints`: a loop counter at every iteration), under the call's `dial`; cached per jaxpr."""
+    key = (id(closed), known_in, known_out, goal_in, hints.key() if hints else None, dial)
     hit = _PLANS.get(key)
     if hit is not None and hit[0] is closed:
         _PLANS.move_to_end(key)
         return hit[1]
-    P = Plan(prepare(closed), hints=hints)
+    P = Plan(prepare(closed), hints=hints, dial=dial)
     J = P.closed.jaxpr
     ins = [sds(v.aval) for v, k in zip(J.invars, known_in) if k]
     outs = [sds(v.aval) for v, k in zip(J.outvars, known_out) if k]
@@ -201,11 +224,11 @@ def plan_for(closed: ClosedJaxpr, known_in: tuple[bool, ...], known_out: tuple[b
     return P
 
 
-def top_plan(jaxpr: ClosedJaxpr, state: tuple[bool, ...]) -> Plan:
+def top_plan(jaxpr: ClosedJaxpr, state: tuple[bool, ...], dial: Dial = DEFAULT_DIAL) -> Plan:
     """The plan of a `reversible` call: parameters and outputs known, the state rebuilt."""
     n_out = len(jaxpr.jaxpr.outvars)
     return plan_for(jaxpr, tuple(not s for s in state), (True,) * n_out,
-                    (False,) * len(state))
+                    (False,) * len(state), dial=dial)
 
 
 # --------------------------------------------------------------------------- the backward walk
@@ -422,6 +445,7 @@ class BodyStep:
     xs: list                    # the iteration's unknown `xs`, rebuilt
     xs_ct: list | None          # the cotangents of the active `xs`
     consts_ct: list | None      # this iteration's share of the active constants' cotangents
+    drift: tuple = drift.NO_DRIFT   # the worst (ratio, site) of the loops inside the body
 
 
 class BodyWalk:
@@ -456,17 +480,19 @@ class BodyWalk:
             for v, g in zip([v for v, w in zip(self.yout, self.yct) if w], ys_ct_t):
                 acc(ctenv, v, g)
         goals = [*self.cin, *[v for v, k in zip(self.xin, self.xk) if not k]]
-        walk(bp, env, ctenv, active, Residuals(bp, res_t), goals)
+        with drift.scope() as sc:
+            walk(bp, env, ctenv, active, Residuals(bp, res_t), goals)
         c_prev = [env.read(v) for v in self.cin]
         x_rec = [env.read(v) for v, k in zip(self.xin, self.xk) if not k]
         if ctenv is None:
-            return BodyStep(c_prev, None, x_rec, None, None)
+            return BodyStep(c_prev, None, x_rec, None, None, sc.worst())
         a_c, a_car, a_x = (self.act[:nc], self.act[nc:nc + ncar], self.act[nc + ncar:])
         return BodyStep(c_prev,
                         [get_ct(ctenv, v) if a else None for v, a in zip(self.cin, a_car)],
                         x_rec,
                         [get_ct(ctenv, v) for v, a in zip(self.xin, a_x) if a],
-                        [get_ct(ctenv, v) for v, a in zip(J.invars[:nc], a_c) if a])
+                        [get_ct(ctenv, v) for v, a in zip(J.invars[:nc], a_c) if a],
+                        sc.worst())
 
 
 def loop_activity(ins: Sequence[Any], active: set, nc: int, ncar: int, body: ClosedJaxpr

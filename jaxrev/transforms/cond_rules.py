@@ -29,6 +29,7 @@ from jaxrev.transforms._sweep import (LoopPlan, Plan, Residuals, acc, branch_sli
                                       loop_avals, outs_known, plan_for, res_avals, seed_env,
                                       walk, zero_ct)
 from jaxrev.transforms._walker import invert_jaxpr, rule_context, static_hints
+from jaxrev.transforms import dial as drift
 from jaxrev.transforms.registry import ChoiceRule, NeedMore, define
 
 __all__ = ["cond", "cond_p"]
@@ -97,7 +98,8 @@ def _cond_sweep(P: Plan, i: int, env: Env, ctenv: dict | None, active: set,
     ok = tuple(env.known(v) for v in ops)
     nout = len(e.outvars)
     hints = static_hints(len(ops), lambda k: env.info.static(ops[k]))
-    bps = [plan_for(b, ok, (True,) * nout, tuple(not k for k in ok), hints) for b in branches]
+    bps = [plan_for(b, ok, (True,) * nout, tuple(not k for k in ok), hints, P.dial)
+           for b in branches]
     lp = LoopPlan("cond", None, branches=bps)
     lres = res.loop(i, lp) if any(res_avals(bp) for bp in bps) else []
     spans = branch_slices(lp)
@@ -121,14 +123,19 @@ def _cond_sweep(P: Plan, i: int, env: Env, ctenv: dict | None, active: set,
                     if is_float(v.aval):
                         acc(bct, v, g)
             goals = [v for v, k in zip(J.invars, ok) if not k]
-            walk(bp, benv, bct, bactive, Residuals(bp, lres[span[0]:span[1]]), goals)
+            with drift.scope() as sc:
+                walk(bp, benv, bct, bactive, Residuals(bp, lres[span[0]:span[1]]), goals)
             rec = [benv.read(v) for v in goals]
             g = [get_ct(bct, v) for v, a in zip(J.invars, act) if a] if want else []
-            return rec, g
+            return rec, g, sc.worst()
         return f
 
     fns = [branch_fn(bp, span) for bp, span in zip(bps, spans)]
-    rec, g = switch_batched(env.read(index), fns, outs, cts, known_ops, list(lres))
+    idx = env.read(index)
+    rec, g, w = switch_batched(idx, fns, outs, cts, known_ops, list(lres))
+    if jnp.ndim(idx) == 0:  # a batched index runs every branch on every element: a branch's
+        drift.note(w)       # comparisons then mix elements that did not take it
+
     for v, val in zip([v for v, k in zip(ops, ok) if not k], rec):
         env.write(v, val)
     if want:

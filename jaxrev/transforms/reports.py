@@ -9,13 +9,15 @@ import jax
 import numpy as np
 
 from jaxrev._compat import JaxprEqn, Var, prims, user_source
-from jaxrev._errors import ReversibilityError
+from jaxrev._errors import NotInvertibleError, ReversibilityError
 from jaxrev._jaxpr import Env, is_var
 from jaxrev._program import normalize_argnums
-from jaxrev.transforms._sweep import Plan, top_plan
+from jaxrev.transforms._sweep import Plan, n_checkpoints, top_plan
+from jaxrev.transforms.dial import Dial
 from jaxrev.transforms._walker import propagate
 from jaxrev.transforms.reverse import invert_call
-from jaxrev.transforms.reversible import bind_reversible
+from jaxrev.transforms.dial import leaf_drift
+from jaxrev.transforms.reversible import bind_reversible, rebuild
 
 __all__ = ["memory_report", "MemoryReport", "check_reversible", "ReversibilityReport"]
 
@@ -42,7 +44,8 @@ class MemoryReport:
             return f"reversible({self.name}) stores nothing beyond its inputs and outputs."
         lines = [f"reversible({self.name}) stores {self.total_bytes} bytes:"]
         for e in self.entries:
-            per = (f"{e['bytes']} B per iteration x {e['count']}" if e["count"] != 1
+            unit = "checkpoint" if e["what"].startswith("checkpoint") else "iteration"
+            per = (f"{e['bytes']} B per {unit} x {e['count']}" if e["count"] != 1
                    else f"{e['bytes']} B per call")
             made = e.get("made") or ""
             made = f"; {made}" if made.startswith("an input") else (
@@ -82,15 +85,27 @@ def _report_entries(P: Plan, count: int, out: list[dict]) -> None:
             out.append(dict(what="trip count of a while loop", shape=lp.count_shape,
                             dtype="int32", bytes=4 * size, count=count,
                             where=_describe(eqns[i]), made=_describe(eqns[i])))
+            if lp.max_steps is not None:
+                _report_entries(lp.body, count * lp.max_steps, out)
         elif lp.kind == "cond":
             for bp in lp.branches:
                 _report_entries(bp, count, out)
         else:
             _report_entries(lp.body, count * lp.length, out)
+        for a in lp.carry:   # the dial's checkpoints
+            out.append(dict(what=f"checkpoint of the loop carry (every {lp.every} iterations)",
+                            shape=tuple(a.shape), dtype=str(a.dtype),
+                            bytes=int(np.prod(a.shape, dtype=np.int64)) * a.dtype.itemsize,
+                            count=count * n_checkpoints(lp), where=_describe(eqns[i]),
+                            made=_describe(eqns[i])))
 
 
-def memory_report(fun: Callable, *args: Any, argnums: int | Sequence[int] = 0) -> MemoryReport:
-    """List what `reversible(fun, argnums)` stores for its gradient, beyond inputs and outputs.
+def memory_report(fun: Callable, *args: Any, argnums: int | Sequence[int] = 0,
+                  checkpoint_every: int | str | None = None, memory_budget: int | None = None,
+                  max_steps: int | None = None) -> MemoryReport:
+    """List what `reversible(fun, argnums, ...)` stores for its gradient, beyond inputs and
+    outputs: values lossy steps cannot rebuild, and the time-space dial's checkpoints (the
+    keywords are `reversible`'s).
 
     Example:
         >>> import jax, jax.numpy as jnp, jaxrev as jr
@@ -100,7 +115,8 @@ def memory_report(fun: Callable, *args: Any, argnums: int | Sequence[int] = 0) -
         [(10, '`max`')]
     """
     b = bind_reversible(fun, args, argnums)
-    P = top_plan(b.jaxpr, b.state)
+    P = top_plan(b.jaxpr, b.state, Dial(checkpoint_every, memory_budget, max_steps=max_steps,
+                                        name=getattr(fun, "__name__", "fun")))
     entries: list[dict] = []
     _report_entries(P, 1, entries)
     return MemoryReport(entries, getattr(fun, "__name__", "fun"))
@@ -110,15 +126,19 @@ def memory_report(fun: Callable, *args: Any, argnums: int | Sequence[int] = 0) -
 class ReversibilityReport:
     """Round-trip error of `reverse(fun)(fun(x))` against `x`.
 
-    `max_error` is the largest relative (max-norm) error over the state leaves; `leaf_errors`
-    lists them all; `worst` names the equation and source line whose inversion added the most
-    error (None when the round trip is exact).
+    `max_error` is the largest relative error over the state leaves (normwise, per leaf:
+    max|x̃ − x| / (max|x| + atol); a leaf that is all zeros is measured absolutely);
+    `leaf_errors` lists them all; `worst` names the equation and source line whose inversion
+    added the most error (None when the round trip is exact, or measured by `reversible`'s
+    backward run); `segments` lists, for `reversible`'s run (a plain `while_loop`, or a
+    `checkpoint_every`), each checkpointed loop's worst segment drift.
     """
 
     max_error: float
     leaf_errors: list[float]
     worst: str | None
     steps: list[tuple[float, str]] = field(default_factory=list)
+    segments: list[tuple[str, float]] = field(default_factory=list)
 
     def __str__(self) -> str:
         lines = [f"round-trip relative error: {self.max_error:.3e} "
@@ -127,26 +147,26 @@ class ReversibilityReport:
             lines.append(f"error grows most at: {self.worst}")
         for err, where in self.steps[:5]:
             lines.append(f"  {err:.2e} added by {where}")
+        for what, d in self.segments:
+            lines.append(f"  drift {d:.2e}: {what}")
         return "\n".join(lines)
 
 
-def _rel_err(a: Any, b: Any) -> float:
-    a = np.asarray(a, dtype=np.complex128 if np.iscomplexobj(a) else np.float64)
-    b = np.asarray(b, dtype=a.dtype)
-    if a.size == 0:
-        return 0.0
-    if not (np.all(np.isfinite(a)) and np.all(np.isfinite(b))):
-        return float("inf")
-    scale = max(float(np.max(np.abs(b))), np.finfo(np.float64).tiny)
-    return float(np.max(np.abs(a - b))) / scale
+def _rel_err(a: Any, b: Any, atol: float = 0.0) -> float:
+    return float(leaf_drift(a, b, atol))
 
 
 def check_reversible(fun: Callable, *args: Any, argnums: int | Sequence[int] = 0,
-                     rtol: float | None = None) -> ReversibilityReport:
+                     rtol: float | None = None, atol: float = 0.0,
+                     checkpoint_every: int | None = None,
+                     max_steps: int | None = None) -> ReversibilityReport:
     """Run `fun` forward and `reverse(fun)` backward on `args` and report the drift.
 
     Raises `ReversibilityError` when `rtol` is given and the relative error exceeds it. Runs
-    eagerly (values are compared equation by equation to find where the error grows).
+    eagerly (values are compared equation by equation to find where the error grows). A plain
+    `while_loop` that `reverse` cannot count, or a `checkpoint_every` (with `max_steps` for
+    while loops), is measured on `reversible`'s own backward run, which records the trip count
+    and reports each checkpointed loop's worst segment drift.
 
     Example:
         >>> import jax.numpy as jnp, jaxrev as jr
@@ -155,6 +175,35 @@ def check_reversible(fun: Callable, *args: Any, argnums: int | Sequence[int] = 0
         True
     """
     nums = normalize_argnums(argnums, len(args), fun)
+    x_true = args[nums[0]] if len(nums) == 1 else tuple(args[a] for a in nums)
+    name = getattr(fun, "__name__", "fun")
+    if checkpoint_every is not None or max_steps is not None:
+        rep = _by_reversible(fun, args, nums, x_true, atol,
+                             Dial(checkpoint_every, max_steps=max_steps, on_drift="nan",
+                                  name=name))
+    else:
+        try:
+            rep = _by_reverse(fun, args, nums, x_true, atol)
+        except NotInvertibleError as err:
+            if err.primitive != "while":
+                raise
+            rep = _by_reversible(fun, args, nums, x_true, atol, Dial(on_drift="nan", name=name))
+    if rtol is not None and rep.max_error > rtol:
+        raise ReversibilityError(f"round trip exceeds rtol={rtol:g}\n{rep}")
+    return rep
+
+
+def _by_reversible(fun: Callable, args: Sequence[Any], nums: Sequence[int], x_true: Any,
+                   atol: float, dial: Dial) -> ReversibilityReport:
+    leaves, sites = rebuild(fun, args, nums, dial)
+    leaf_errors = [_rel_err(a, b, atol) for a, b in zip(leaves,
+                                                        jax.tree_util.tree_leaves(x_true))]
+    return ReversibilityReport(max(leaf_errors, default=0.0), leaf_errors, None, [],
+                               [s for s in sites if not s[0].startswith("the state")])
+
+
+def _by_reverse(fun: Callable, args: Sequence[Any], nums: Sequence[int], x_true: Any,
+                atol: float) -> ReversibilityReport:
     y = fun(*args)
     outs = (y,) if len(nums) == 1 else tuple(y)
     inv_args = list(args)
@@ -163,9 +212,8 @@ def check_reversible(fun: Callable, *args: Any, argnums: int | Sequence[int] = 0
     events: list[tuple[Any, list[Var]]] = []
     inv = invert_call(fun, tuple(inv_args), nums, on_invert=lambda e, vs: events.append((e, vs)))
     state, jaxpr, inv_env = inv.state, inv.jaxpr, inv.env
-    x_true = args[nums[0]] if len(nums) == 1 else tuple(args[a] for a in nums)
-    leaf_errors = [_rel_err(a, b) for a, b in zip(jax.tree_util.tree_leaves(state),
-                                                  jax.tree_util.tree_leaves(x_true))]
+    leaf_errors = [_rel_err(a, b, atol) for a, b in zip(jax.tree_util.tree_leaves(state),
+                                                        jax.tree_util.tree_leaves(x_true))]
     # forward values of every variable, to see where the backward run drifts
     fwd = Env()
     flat_args = jax.tree_util.tree_leaves(tuple(args))
@@ -178,15 +226,13 @@ def check_reversible(fun: Callable, *args: Any, argnums: int | Sequence[int] = 0
               forward_only=True)
     steps = []
     for eqn, wrote in events:
-        err_in = max((_rel_err(inv_env.read(v), fwd.read(v)) for v in wrote if fwd.known(v)),
-                     default=0.0)
-        err_out = max((_rel_err(inv_env.read(v), fwd.read(v)) for v in eqn.outvars
-                       if isinstance(v, Var) and inv_env.known(v) and fwd.known(v)), default=0.0)
+        err_in = max((_rel_err(inv_env.read(v), fwd.read(v), atol) for v in wrote
+                      if fwd.known(v)), default=0.0)
+        err_out = max((_rel_err(inv_env.read(v), fwd.read(v), atol) for v in eqn.outvars
+                       if isinstance(v, Var) and inv_env.known(v) and fwd.known(v)),
+                      default=0.0)
         _, _, summary = user_source(eqn)
         steps.append((err_in - err_out, f"`{eqn.primitive.name}` at {summary}"))
     steps = sorted((s for s in steps if s[0] > 0), key=lambda s: -s[0])
     worst = steps[0][1] if steps and steps[0][0] > 0 else None
-    rep = ReversibilityReport(max(leaf_errors, default=0.0), leaf_errors, worst, steps)
-    if rtol is not None and rep.max_error > rtol:
-        raise ReversibilityError(f"round trip exceeds rtol={rtol:g}\n{rep}")
-    return rep
+    return ReversibilityReport(max(leaf_errors, default=0.0), leaf_errors, worst, steps)

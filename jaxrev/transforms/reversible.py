@@ -22,10 +22,13 @@ from jaxrev._compat import (ClosedJaxpr, Primitive, ShapedArray, hoist_consts, i
                             register_lowering, trace_to_closed)
 from jaxrev._jaxpr import Env, batch_front, eval_closed, instantiate_tangents
 from jaxrev._program import check_sizes, check_structure, normalize_argnums, trace_program
+from jaxrev.transforms import dial as drift
+from jaxrev.transforms.dial import Dial
 from jaxrev.transforms._sweep import (Plan, Residuals, acc, forward_with_residuals, get_ct,
                                       res_avals, seed_env, top_plan, walk)
 
-__all__ = ["reversible", "reversible_p", "reversible_lin_p", "bind_reversible", "Bound"]
+__all__ = ["reversible", "reversible_p", "reversible_lin_p", "bind_reversible", "Bound",
+           "rebuild"]
 
 
 reversible_p = Primitive("jaxrev_reversible")
@@ -34,32 +37,35 @@ reversible_lin_p = Primitive("jaxrev_reversible_lin")
 reversible_lin_p.multiple_results = True
 
 
-def _rev_impl(*args, jaxpr, state, store):
+def _rev_impl(*args, jaxpr, state, store, dial):
     if not store:
         return eval_closed(jaxpr, *args)
-    outs, res = forward_with_residuals(top_plan(jaxpr, state), args)
+    outs, res = forward_with_residuals(top_plan(jaxpr, state, dial), args)
     return [*outs, *res]
 
 
-def _rev_abstract(*avals, jaxpr, state, store):
+def _rev_abstract(*avals, jaxpr, state, store, dial):
     outs = list(jaxpr.out_avals)
     if store:
-        outs += [ShapedArray(a.shape, a.dtype) for a in res_avals(top_plan(jaxpr, state))]
+        outs += [ShapedArray(a.shape, a.dtype)
+                 for a in res_avals(top_plan(jaxpr, state, dial))]
     return outs
 
 
-def _rev_jvp(primals, tangents, *, jaxpr, state, store):
+def _rev_jvp(primals, tangents, *, jaxpr, state, store, dial):
     if store:  # forward mode of the run that also returns residuals: a plain JVP
-        f = partial(_rev_impl, jaxpr=jaxpr, state=state, store=True)
+        f = partial(_rev_impl, jaxpr=jaxpr, state=state, store=True, dial=dial)
         return jax.jvp(f, tuple(primals), instantiate_tangents(primals, tangents))
     nz = tuple(not is_symbolic_zero(t) for t in tangents)
-    outs = reversible_p.bind(*primals, jaxpr=jaxpr, state=state, store=True)
+    outs = reversible_p.bind(*primals, jaxpr=jaxpr, state=state, store=True, dial=dial)
     n = len(jaxpr.out_avals)
     ys, res = outs[:n], outs[n:]
     params = [p for p, s in zip(primals, state) if not s]
+    # the true state, to compare the rebuilt one with (the caller holds it)
+    xtrue = [p for p, s in zip(primals, state) if s] if dial.checks else []
     tans = [t for t, z in zip(tangents, nz) if z]
-    out_t = reversible_lin_p.bind(*ys, *res, *params, *tans, jaxpr=jaxpr, state=state, nz=nz,
-                                  nres=len(res))
+    out_t = reversible_lin_p.bind(*ys, *res, *params, *xtrue, *tans, jaxpr=jaxpr, state=state,
+                                  nz=nz, nres=len(res), dial=dial)
     return ys, out_t
 
 
@@ -69,15 +75,16 @@ def _vmapped(fun, args, dims):
     return outs, [0] * len(outs)
 
 
-def _rev_batch(args, dims, *, jaxpr, state, store):
+def _rev_batch(args, dims, *, jaxpr, state, store, dial):
     if store:  # the forward run of a linearization: its residuals keep the unbatched plan
-        return _vmapped(partial(_rev_impl, jaxpr=jaxpr, state=state, store=True), args, dims)
+        return _vmapped(partial(_rev_impl, jaxpr=jaxpr, state=state, store=True, dial=dial),
+                        args, dims)
     size, args, in_axes = batch_front(args, dims)
     avals = [jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for x in args]
     bj, consts, _ = trace_to_closed(
         jax.vmap(lambda *a: eval_closed(jaxpr, *a), in_axes=in_axes, axis_size=size), *avals)
     outs = reversible_p.bind(*consts, *args, jaxpr=bj, state=(False,) * len(consts) + state,
-                             store=False)
+                             store=False, dial=dial)
     return outs, [0] * len(outs)
 
 
@@ -88,25 +95,51 @@ primitive_jvps[reversible_p] = _rev_jvp
 primitive_batchers[reversible_p] = _rev_batch
 
 
-def _lin_split(args: Sequence[Any], jaxpr: ClosedJaxpr, state: Sequence[bool], nres: int
-               ) -> tuple[Sequence[Any], Sequence[Any], Sequence[Any], Sequence[Any]]:
-    """`reversible_lin_p`'s operands: (outputs, residuals, parameters, tangents)."""
+def _lin_split(args: Sequence[Any], jaxpr: ClosedJaxpr, state: Sequence[bool], nres: int,
+               dial: Dial) -> tuple[Sequence[Any], ...]:
+    """`reversible_lin_p`'s operands: (outputs, residuals, parameters, true state, tangents)."""
     n = len(jaxpr.out_avals)
     npar = sum(not s for s in state)
-    return (args[:n], args[n:n + nres], args[n + nres:n + nres + npar],
-            args[n + nres + npar:])
+    nx = sum(state) if dial.checks else 0
+    k = n + nres + npar
+    return (args[:n], args[n:n + nres], args[n + nres:k], args[k:k + nx], args[k + nx:])
 
 
 def _top_env(P: Plan, state: Sequence[bool], params: Sequence[Any], ys: Sequence[Any]) -> Env:
     return seed_env(P, [not s for s in state], params, [True] * len(ys), ys)
 
 
-def _lin_impl(*args, jaxpr, state, nz, nres):
+def _checked_walk(P: Plan, env: Env, ctenv: dict | None, active: set, res: Sequence[Any],
+                  state: Sequence[bool], xtrue: Sequence[Any], read: Callable[[], list]
+                  ) -> list:
+    """The backward walk of a `reversible` call, its rebuilt state compared with the true one
+    (and every checkpointed segment with its checkpoint): then `read()` (the cotangents), as
+    the dial says."""
+    dial = P.dial
+    J = P.closed.jaxpr
+    loops = drift.describe_loops(J.eqns, lambda e: e.primitive.name in _LOOPS)
+    with drift.checking(dial, dial.name, loops) as log:
+        walk(P, env, ctenv, active, Residuals(P, res), [])
+        cts = read()
+        if log is None:
+            return cts
+        xs = [v for v, s in zip(J.invars, state) if s]
+        floats = [v.aval.dtype for v in xs if jnp.issubdtype(v.aval.dtype, jnp.inexact)]
+        at = drift.site("the state rebuilt by the backward run (the inputs of the call)", None,
+                        dial.tol(floats[0]) if floats else 0.0, inputs=True)
+        drift.note((drift.ratio(dial, [env.read(v) for v in xs], xtrue), at))
+        return log.finish(log.worst(), cts)
+
+
+_LOOPS = ("scan", "while", "jaxrev_while")
+
+
+def _lin_impl(*args, jaxpr, state, nz, nres, dial):
     """J·t at the point whose outputs and residuals are given: rebuild the inputs, then JVP."""
-    ys, res, params, tans = _lin_split(args, jaxpr, state, nres)
-    P = top_plan(jaxpr, state)
+    ys, res, params, xtrue, tans = _lin_split(args, jaxpr, state, nres, dial)
+    P = top_plan(jaxpr, state, dial)
     env = _top_env(P, state, params, ys)
-    walk(P, env, None, set(), Residuals(P, res), [])
+    _checked_walk(P, env, None, set(), res, state, xtrue, list)
     J = P.closed.jaxpr
     xs = [env.read(v) if env.known(v) else jnp.zeros(v.aval.shape, v.aval.dtype)
           for v in J.invars]
@@ -116,13 +149,13 @@ def _lin_impl(*args, jaxpr, state, nz, nres):
     return list(out_t)
 
 
-def _lin_abstract(*avals, jaxpr, state, nz, nres):
+def _lin_abstract(*avals, jaxpr, state, nz, nres, dial):
     return [a.to_tangent_aval() for a in jaxpr.out_avals]
 
 
-def _lin_transpose(cts, *args, jaxpr, state, nz, nres):
-    ys, res, params, tans = _lin_split(args, jaxpr, state, nres)
-    P = top_plan(jaxpr, state)
+def _lin_transpose(cts, *args, jaxpr, state, nz, nres, dial):
+    ys, res, params, xtrue, tans = _lin_split(args, jaxpr, state, nres, dial)
+    P = top_plan(jaxpr, state, dial)
     J = P.closed.jaxpr
     env = _top_env(P, state, params, ys)
     ctenv: dict = {}
@@ -130,8 +163,8 @@ def _lin_transpose(cts, *args, jaxpr, state, nz, nres):
         if not is_symbolic_zero(c):
             acc(ctenv, v, c)
     active = {v for v, z in zip(J.invars, nz) if z}
-    walk(P, env, ctenv, active, Residuals(P, res), [])
-    in_cts = [get_ct(ctenv, v) for v, z in zip(J.invars, nz) if z]
+    in_cts = _checked_walk(P, env, ctenv, active, res, state, xtrue,
+                           lambda: [get_ct(ctenv, v) for v, z in zip(J.invars, nz) if z])
     return [None] * (len(args) - len(tans)) + in_cts
 
 
@@ -180,7 +213,34 @@ def bind_reversible(fun: Callable, args: Sequence[Any], argnums: int | Sequence[
     return Bound(j, state, operands, out_tree)
 
 
-def reversible(fun: Callable, argnums: int | Sequence[int] = 0) -> Callable:
+def rebuild(fun: Callable, args: Sequence[Any], argnums: int | Sequence[int], dial: Dial
+            ) -> tuple[list[Any], list[tuple[str, float]]]:
+    """Run `reversible(fun)`'s forward run and its backward walk, without cotangents: the
+    state's leaves as the backward run rebuilds them, and each comparison the dial makes
+    (a checkpointed loop's worst segment, the rebuilt inputs) with its measured drift. Eager
+    (for `check_reversible`)."""
+    b = bind_reversible(fun, args, argnums)
+    P = top_plan(b.jaxpr, b.state, dial)
+    outs, res = forward_with_residuals(P, b.operands)
+    J = P.closed.jaxpr
+    env = _top_env(P, b.state, [x for x, st in zip(b.operands, b.state) if not st], outs)
+    sites: list[tuple[str, float]] = []
+    with drift.checking(dial, dial.name) as log:
+        walk(P, env, None, set(), Residuals(P, res), [])
+        if log is not None:
+            for r, k in log.scopes[0]:
+                if int(k) < 0:   # a loop with no comparison inside
+                    continue
+                st = log.sites[int(k)]
+                where = f" at {st.where}" if st.where else ""
+                sites.append((f"{st.what}{where}", float(r) * st.tol))
+    return [env.read(v) for v, st in zip(J.invars, b.state) if st], sites
+
+
+def reversible(fun: Callable, argnums: int | Sequence[int] = 0, *,
+               checkpoint_every: int | str | None = None, memory_budget: int | None = None,
+               on_drift: str = "raise", drift_rtol: float | None = None,
+               max_steps: int | None = None) -> Callable:
     """`fun` with a reverse-mode derivative that rebuilds intermediates by running backwards.
 
     `fun(*args)` returns the structure, shapes and dtypes of the state `args[argnums]` (as
@@ -190,6 +250,22 @@ def reversible(fun: Callable, argnums: int | Sequence[int] = 0) -> Callable:
     loop iterations or unrolled blocks; steps that lose information store just what they lose
     (see `memory_report`). Composes with `jit`, `vmap`, `grad`, `jvp` and `hessian`.
 
+    The backward run's rebuilt state is compared with the true inputs, and, where loops are
+    checkpointed, every segment's rebuilt start with its checkpoint (DESIGN.md §3.8):
+
+    - `checkpoint_every`: None (fully reversible), K (store a loop's carry every K iterations
+      and rebuild each segment from the next one's stored start: drift grows over K steps;
+      1 is plain storage) or "auto" (checkpoints every ⌈√T⌉ iterations, or as
+      `memory_budget` allows, and a segment whose rebuilt start misses is recomputed forward
+      from its checkpoint, at the cost of one more forward run of that segment, storing its
+      K carries).
+    - `memory_budget`: bytes of checkpoints each loop may keep (picks K per loop).
+    - `on_drift`: what a miss by more than `drift_rtol` (relative, default √eps of the dtype)
+      does: "raise" (a `jr.DriftError` naming the loop and the measured drift; under `jit`
+      when the program runs), "warn", "nan" (the gradient is NaN), "ignore" (no check).
+    - `max_steps`: a bound on every `while_loop`'s trip count, which lets `reversible`
+      checkpoint it, or store a body that loses information once per iteration.
+
     Example:
         >>> import jax, jax.numpy as jnp, jaxrev as jr
         >>> def step(xy, th):
@@ -197,16 +273,19 @@ def reversible(fun: Callable, argnums: int | Sequence[int] = 0) -> Callable:
         ...     x = x + jnp.tanh(th * y)
         ...     return x, y + jnp.sin(x)
         >>> loop = lambda xy, th: jax.lax.fori_loop(0, 100, lambda i, s: step(s, th), xy)
-        >>> f = jr.reversible(loop)
+        >>> f = jr.reversible(loop, checkpoint_every=10)
         >>> g = jax.grad(lambda th: f((jnp.ones(3), jnp.zeros(3)), th)[1].sum())(0.5)
         >>> bool(jnp.isfinite(g))
         True
     """
+    dial = Dial(checkpoint_every, memory_budget, on_drift, drift_rtol, max_steps,
+                getattr(fun, "__name__", "fun"))
 
     @wraps(fun)
     def wrapped(*args: Any) -> Any:
         b = bind_reversible(fun, args, argnums)
-        outs = reversible_p.bind(*b.operands, jaxpr=b.jaxpr, state=b.state, store=False)
+        outs = reversible_p.bind(*b.operands, jaxpr=b.jaxpr, state=b.state, store=False,
+                                 dial=dial)
         return jax.tree_util.tree_unflatten(b.out_tree, outs)
 
     wrapped.__name__ = f"reversible({getattr(fun, '__name__', 'fun')})"

@@ -23,9 +23,11 @@ from jaxrev._jaxpr import (Env, Statics, Unknown, evaluate, forward_known, is_un
                            is_var, needed_vars, size_of)
 from jaxrev.transforms._sweep import (BodyWalk, LoopEnd, LoopPlan, Plan, Residuals, acc,
                                       forward_with_residuals, known_or_rebuilt, loop_activity,
-                                      loop_cts_in, loop_cts_out, outs_known, plan_for, res_avals)
+                                      loop_cts_in, loop_cts_out, outs_known, plan_for, res_avals,
+                                      sds)
 from jaxrev.transforms._walker import (Hints, Window, invert_jaxpr, propagate, rule_context,
                                       seed, statics_for)
+from jaxrev.transforms import dial as drift
 from jaxrev.transforms.logdet import LogdetContext, evaluate_plan
 from jaxrev.transforms.registry import NeedMore, Unsupported, define
 
@@ -237,8 +239,14 @@ def _scan_sweep(P: Plan, i: int, env: Env, ctenv: dict | None, active: set,
     yk = tuple(env.known(v) for v in ys)
     hints = loop_hints(sp, lambda k: env.info.static(ins[k]))
     bp = plan_for(body, (True,) * nc + (False,) * ncar + xk, (True,) * ncar + yk,
-                  (False,) * nc + (True,) * ncar + tuple(not k for k in xk), hints)
-    lres = res.loop(i, LoopPlan("scan", bp, length)) if res_avals(bp) else []
+                  (False,) * nc + (True,) * ncar + tuple(not k for k in xk), hints,
+                  P.dial.inner(length))
+    carry = tuple(sds(v.aval) for v in cout)
+    K = P.dial.segment(length, sum(size_of([a]) * a.dtype.itemsize for a in carry))
+    lp = LoopPlan("scan", bp, length, every=K, carry=carry if K else ())
+    lres = res.loop(i, lp) if res_avals(bp) or K else []
+    nb = len(res_avals(bp))
+    lres, ckpts = list(lres[:nb]), list(lres[nb:])
     want = ctenv is not None
     act = loop_activity(ins, active, nc, ncar, body) if want else None
     ys_ct = [ctenv.pop(v, None) if want and is_var(v) else None for v in ys]
@@ -248,23 +256,54 @@ def _scan_sweep(P: Plan, i: int, env: Env, ctenv: dict | None, active: set,
     c_ct0, k_ct0 = loop_cts_in(ctenv, cout, body, nc, act)
 
     def bstep(carry, sl):
-        c, c_ct, k_ct = carry
+        c, c_ct, k_ct, w = carry
         ys_t, ys_ct_t, xs_t, res_t = sl
         s = step(c, c_ct, ys_t, ys_ct_t, xs_t, res_t)
         if want:
             k_ct = [a + b for a, b in zip(k_ct, s.consts_ct)]
-        return (s.carry, s.carry_ct, k_ct), (s.xs, s.xs_ct)
+        return (s.carry, s.carry_ct, k_ct, drift.combine(w, s.drift)), (s.xs, s.xs_ct)
 
     sl = ([env.read(v) for v, k in zip(ys, yk) if k], [c for c in ys_ct if c is not None],
           [env.read(v) for v, k in zip(xs, xk) if k], list(lres))
-    (c_first, c_first_ct, k_ct), (x_rec, x_ct) = lax.scan(
-        bstep, (c0, c_ct0, k_ct0), sl, length=length, reverse=not rev)
+    w0 = (jnp.zeros((), jnp.float32), jnp.full((), -1, jnp.int32))
+    if K is None:
+        (c_first, c_first_ct, k_ct, w), (x_rec, x_ct) = lax.scan(
+            bstep, (c0, c_ct0, k_ct0, w0), sl, length=length, reverse=not rev)
+    else:
+        check, redo = _segment_checks(P, e, sp, env, consts, carry, act, yct, xk, want,
+                                      res.planning)
+        (c_first, c_first_ct, k_ct, w), (x_rec, x_ct) = drift.segmented(
+            bstep, (c0, c_ct0, k_ct0, w0), sl, length, K, ckpts, rev, check, redo)
+    drift.note(w)
     loop_cts_out(env, ctenv, LoopEnd(init, c_first, c_first_ct, consts, k_ct), act, nc)
     for v, val in zip([v for v, k in zip(xs, xk) if not k], x_rec):
         env.write(v, val)
     if want:
         for v, g in zip([v for v, a in zip(xs, act[nc + ncar:]) if a], x_ct):
             acc(ctenv, v, g)
+
+
+def _segment_checks(P: Plan, e: JaxprEqn, sp: ScanParams, env: Env, consts: Sequence[Any],
+                    carry: Sequence[Any], act: Sequence[bool] | None, yct: Sequence[bool],
+                    xk: Sequence[bool], want: bool, planning: bool) -> tuple[Any, Any]:
+    """A checkpointed loop's comparison of each segment's rebuilt start with its checkpoint,
+    and (the "auto" dial, where every `xs` is known) the recomputation of a segment that
+    missed."""
+    dial = P.dial
+    if planning or not dial.checks:
+        return None, None
+    floats = [a.dtype for a in carry if jnp.issubdtype(a.dtype, jnp.inexact)]
+    at = drift.site("the rebuilt start of a checkpointed segment of the loop", e,
+                    dial.tol(floats[0]) if floats else 0.0)
+
+    def check(c, ck):
+        return drift.ratio(dial, c, ck), at
+
+    redo = None
+    if dial.auto and want and all(xk):
+        redo = drift.body_redo(sp.body, sp.nconsts, sp.ncarry,
+                               [env.read(v) for v in consts], act, yct)
+    return check, redo
 
 
 def _discarded_counters(sp: ScanParams, env: Env, consts: Sequence[Any], init: Sequence[Any],
@@ -298,6 +337,10 @@ def _scan_forward(e: JaxprEqn, lp: LoopPlan, ins: Sequence[Any]) -> tuple[list, 
         outs, r = forward_with_residuals(lp.body, [*consts, *c, *x])
         return outs[:ncar], (outs[ncar:], r)
 
+    if lp.every is not None:
+        c, (ys, r), ck = drift.segmented_forward(f, init, list(xs), sp.length, lp.every,
+                                                 sp.reverse)
+        return [*c, *ys], [*r, *ck]
     c, (ys, r) = lax.scan(f, list(init), list(xs), length=sp.length, reverse=sp.reverse)
     return [*c, *ys], list(r)
 

@@ -21,13 +21,16 @@ from jaxrev._compat import (JaxprEqn, Primitive, lower_fun, primitive_batchers, 
                             prims, register_lowering, trace_to_closed)
 from jaxrev._errors import not_invertible
 from jaxrev._jaxpr import (Env, Unknown, eval_closed, instantiate_tangents, is_unknown,
-                           is_var, move_batch, needed_vars, restrict, select_batched,
+                           is_var, move_batch, needed_vars, restrict, select_batched, size_of,
                            vmap_closed)
 from jaxrev._program import avals_of
 from jaxrev.transforms._sweep import (BodyWalk, LoopEnd, LoopPlan, Plan, Residuals,
-                                      known_or_rebuilt, loop_activity, loop_cts_in, loop_cts_out,
-                                      outs_known, plan_for, res_avals)
+                                      forward_with_residuals, known_or_rebuilt, loop_activity,
+                                      loop_cts_in, loop_cts_out, n_checkpoints, outs_known,
+                                      plan_for, res_avals, sds)
+from jaxrev.transforms._checks import raise_where
 from jaxrev.transforms._walker import invert_jaxpr, rule_context, static_hints
+from jaxrev.transforms import dial as drift
 from jaxrev.transforms.registry import Lossy, NeedMore, define
 
 __all__ = ["while_loop", "while_p"]
@@ -62,47 +65,31 @@ def _while_sweep(P: Plan, i: int, env: Env, ctenv: dict | None, active: set,
     ncar = len(init)
     bp = plan_for(body, (True,) * nbc + (False,) * ncar, (True,) * ncar,
                   (False,) * nbc + (True,) * ncar,
-                  static_hints(nbc, lambda k: env.info.static(bc[k])))
-    if res_avals(bp):
+                  static_hints(nbc, lambda k: env.info.static(bc[k])),
+                  P.dial.inner(None if ours else P.dial.max_steps))
+    lp = None if ours else _stored_plan(P, e, bp)
+    if res_avals(bp) and lp is None:
         v = bp.store[0] if bp.store else None
         blame = bp.why.get(v) or e
         raise not_invertible(
             blame, "a step in the body of a while loop loses information, and a while loop's "
                    "iterations cannot be stored (its length is not known in advance)",
-            "Ways out: use `lax.scan` or a `fori_loop` with static bounds, whose iterations "
-            "`reversible` can store, or make the step invertible.")
+            "Ways out: pass `max_steps=N` to `jr.reversible` (the lost part is then stored per "
+            "iteration, up to N), use `lax.scan` or a `fori_loop` with static bounds, whose "
+            "iterations `reversible` can store, or make the step invertible.")
+    if lp is not None:
+        _stored_sweep(P, i, env, ctenv, active, res, bp, lp)
+        return
     want = ctenv is not None
     act = loop_activity([*bc, *init], active, nbc, ncar, body) if want else None
     bvals = [env.read(v) for v in bc]
     step = BodyWalk(bp, nbc, ncar, (), (), bvals, act, ())
     c0 = [env.read(v) for v in e.outvars]
     c_ct0, k_ct0 = loop_cts_in(ctenv, e.outvars, body, nbc, act)
+    w0 = (jnp.zeros((), jnp.float32), jnp.full((), -1, jnp.int32))
 
-    def bstep(go, c, c_ct, k_ct):
-        """One backward iteration where `go` holds (a scalar, or one flag per element of a
-        vmapped loop: finished elements keep their values and add no cotangent)."""
-        batched = jnp.ndim(go) > 0
-        c_in, c_ct_in = c, c_ct
-        if batched:
-            # finished elements are back at their start, where the inverted step may be
-            # undefined (k = 0 in x / k): they step back from one forward step instead, a
-            # point the loop itself computes, with a zero cotangent, so that 0 · inf never
-            # reaches the constants' cotangents
-            ahead = eval_closed(body, *bvals, *c)
-            c_in = [select_batched(go, a, b) for a, b in zip(c, ahead)]
-            if c_ct is not None:
-                c_ct_in = [None if g is None else select_batched(go, g, jnp.zeros_like(g))
-                           for g in c_ct]
-        s = step(c_in, c_ct_in, [], [], [], [])
-        if want:
-            k_ct = [a + b for a, b in zip(k_ct, s.consts_ct)]
-        if not batched:
-            return s.carry, s.carry_ct, k_ct
-        return ([select_batched(go, a, b) for a, b in zip(s.carry, c)],
-                None if s.carry_ct is None else
-                [None if a is None else select_batched(go, a, b)
-                 for a, b in zip(s.carry_ct, c_ct)],
-                k_ct)
+    def bstep(go, c, c_ct, k_ct, w):
+        return _masked_step(step, body, bvals, go, c, c_ct, k_ct, w, [])
 
     if ours:
         pvals = [env.read(v) for v in pc]
@@ -110,8 +97,9 @@ def _while_sweep(P: Plan, i: int, env: Env, ctenv: dict | None, active: set,
         def more(c):
             return eval_closed(p["post_jaxpr"], *pvals, *c)[0]
 
-        c_first, c_first_ct, k_ct = lax.while_loop(
-            lambda s: jnp.any(more(s[0])), lambda s: bstep(more(s[0]), *s), (c0, c_ct0, k_ct0))
+        c_first, c_first_ct, k_ct, w = lax.while_loop(
+            lambda s: jnp.any(more(s[0])), lambda s: bstep(more(s[0]), *s),
+            (c0, c_ct0, k_ct0, w0))
     else:
         if K is None:
             count_shape = tuple(p["cond_jaxpr"].out_avals[0].shape)  # per element under vmap
@@ -121,8 +109,118 @@ def _while_sweep(P: Plan, i: int, env: Env, ctenv: dict | None, active: set,
             k = s[0]
             return (k - (k > 0).astype(k.dtype), *bstep(k > 0, *s[1:]))
 
-        _, c_first, c_first_ct, k_ct = lax.while_loop(lambda s: jnp.any(s[0] > 0), back,
-                                                       (n, c0, c_ct0, k_ct0))
+        _, c_first, c_first_ct, k_ct, w = lax.while_loop(lambda s: jnp.any(s[0] > 0), back,
+                                                          (n, c0, c_ct0, k_ct0, w0))
+    drift.note(w)
+    loop_cts_out(env, ctenv, LoopEnd(init, c_first, c_first_ct, bc, k_ct), act, nbc)
+
+
+def _masked_step(step: BodyWalk, body: Any, bvals: Sequence[Any], go: Any, c: Sequence[Any],
+                 c_ct: Sequence[Any] | None, k_ct: Sequence[Any], w: tuple,
+                 res_t: Sequence[Any]) -> tuple:
+    """One backward iteration where `go` holds (a scalar, or one flag per element of a
+    vmapped loop: finished elements keep their values and add no cotangent)."""
+    batched = jnp.ndim(go) > 0
+    c_in, c_ct_in = c, c_ct
+    if batched:
+        # finished elements are back at their start, where the inverted step may be
+        # undefined (k = 0 in x / k): they step back from one forward step instead, a
+        # point the loop itself computes, with a zero cotangent, so that 0 · inf never
+        # reaches the constants' cotangents
+        ahead = eval_closed(body, *bvals, *c)
+        c_in = [select_batched(go, a, b) for a, b in zip(c, ahead)]
+        if c_ct is not None:
+            c_ct_in = [None if g is None else select_batched(go, g, jnp.zeros_like(g))
+                       for g in c_ct]
+    s = step(c_in, c_ct_in, [], [], [], res_t)
+    if s.consts_ct is not None:
+        k_ct = [a + b for a, b in zip(k_ct, s.consts_ct)]
+    w = drift.combine(w, s.drift)
+    if not batched:
+        return s.carry, s.carry_ct, k_ct, w
+    return ([select_batched(go, a, b) for a, b in zip(s.carry, c)],
+            None if s.carry_ct is None else
+            [None if a is None else select_batched(go, a, b)
+             for a, b in zip(s.carry_ct, c_ct)],
+            k_ct, w)
+
+
+def _stored_plan(P: Plan, e: JaxprEqn, bp: Plan) -> LoopPlan | None:
+    """The plan of a `lax.while_loop` bounded by the dial's `max_steps`, when it stores
+    anything: its body's residuals per iteration (a lossy body), checkpoints of its carry."""
+    N = P.dial.max_steps
+    if N is None:
+        return None
+    carry = tuple(sds(v.aval) for v in e.outvars)
+    K = P.dial.segment(N, sum(size_of([a]) * a.dtype.itemsize for a in carry))
+    if not res_avals(bp) and K is None:
+        return None
+    return LoopPlan("while", bp, every=K, carry=carry if K else (), max_steps=N,
+                    count_shape=tuple(e.params["cond_jaxpr"].out_avals[0].shape))
+
+
+def _stored_sweep(P: Plan, i: int, env: Env, ctenv: dict | None, active: set,
+                  res: Residuals, bp: Plan, lp: LoopPlan) -> None:
+    """A bounded `lax.while_loop` run backwards from what its forward run stored: the trip
+    count, the body's residuals per iteration, and (the dial) a checkpoint of the carry every
+    K iterations, which replaces the rebuilt carry at each segment's start once compared with
+    it ("auto": a segment that missed is recomputed from its checkpoint)."""
+    e = P.closed.jaxpr.eqns[i]
+    p = e.params
+    nbc = p["body_nconsts"]
+    bc = e.invars[p["cond_nconsts"]:p["cond_nconsts"] + nbc]
+    body = p["body_jaxpr"]
+    ncar = len(e.outvars)
+    vals = res.loop(i, lp)
+    nb = len(res_avals(bp))
+    n, bufs, ck = vals[0], list(vals[1:1 + nb]), list(vals[1 + nb:])
+    want = ctenv is not None
+    act = loop_activity([*bc, *e.invars[p["cond_nconsts"] + nbc:]], active, nbc, ncar,
+                        body) if want else None
+    bvals = [env.read(v) for v in bc]
+    step = BodyWalk(bp, nbc, ncar, (), (), bvals, act, ())
+    c0 = [env.read(v) for v in e.outvars]
+    c_ct0, k_ct0 = loop_cts_in(ctenv, e.outvars, body, nbc, act)
+    K, dial = lp.every, P.dial
+    check = K is not None and dial.checks and not res.planning
+    at = drift.site("the rebuilt start of a checkpointed segment of the loop", e,
+                    dial.tol(next((a.dtype for a in lp.carry
+                                   if jnp.issubdtype(a.dtype, jnp.inexact)), jnp.float32))
+                    ) if check else -1
+    redo = (drift.body_redo(body, nbc, ncar, bvals, act, ())
+            if check and dial.auto and want else None)
+
+    def back(s):
+        k, c, c_ct, k_ct, w, snap = s
+        t = k - 1
+        c2, c_ct2, k_ct2, w = _masked_step(
+            step, body, bvals, t < n, c, c_ct, k_ct, w,
+            [lax.dynamic_index_in_dim(b, t, keepdims=False) for b in bufs])
+        if K is not None:
+            start = t % K == 0
+            ck_j = [lax.dynamic_index_in_dim(b, t // K, keepdims=False) for b in ck]
+            if check:
+                rho = drift.ratio(dial, c2, ck_j)
+                if redo is not None:
+                    bad = start & ~(rho <= 1.0)
+                    m = jnp.clip(n - t, 0, K)   # per element under vmap
+                    c_ct2, k_ct2 = lax.cond(
+                        bad, lambda: redo(ck_j, snap[0], snap[1], ([], [], [], []), K, m)[:2],
+                        lambda: (c_ct2, k_ct2))
+                    rho = jnp.where(bad, 0.0, rho)
+                w = drift.combine(w, (jnp.where(start, rho, 0.0), jnp.asarray(at, jnp.int32)))
+            c2 = [jnp.where(start, a, b) for a, b in zip(ck_j, c2)]
+            if redo is not None:
+                snap = jax.tree_util.tree_map(lambda a, b: jnp.where(start, a, b),
+                                              (c_ct2, k_ct2), snap)
+        return k - 1, c2, c_ct2, k_ct2, w, snap
+
+    w0 = (jnp.zeros((), jnp.float32), jnp.full((), -1, jnp.int32))
+    snap0 = (c_ct0, k_ct0) if redo is not None else ()
+    _, c_first, c_first_ct, k_ct, w, _ = lax.while_loop(
+        lambda s: s[0] > 0, back, (jnp.max(n), c0, c_ct0, k_ct0, w0, snap0))
+    drift.note(w)
+    init = e.invars[p["cond_nconsts"] + nbc:]
     loop_cts_out(env, ctenv, LoopEnd(init, c_first, c_first_ct, bc, k_ct), act, nbc)
 
 
@@ -206,13 +304,18 @@ def _lax_while_inverse(outs, *ins, cond_jaxpr, body_jaxpr, cond_nconsts, body_nc
 
 def _lax_while_forward(e: JaxprEqn, lp: LoopPlan, ins: Sequence[Any]) -> tuple[list, list]:
     """The loop, counting its iterations. A vmapped `lax.while_loop` has one predicate per
-    element (JAX masks finished elements when lowering it): each element keeps its own count."""
+    element (JAX masks finished elements when lowering it): each element keeps its own count.
+    Bounded by the dial's `max_steps`, it also stores its body's residuals per iteration and
+    its carry every K iterations."""
     p = e.params
     ncc, nbc = p["cond_nconsts"], p["body_nconsts"]
     cc, bc, init = ins[:ncc], ins[ncc:ncc + nbc], ins[ncc + nbc:]
 
     def pred(c):
         return eval_closed(p["cond_jaxpr"], *cc, *c)[0]
+
+    if lp.max_steps is not None:
+        return _bounded_forward(e, lp, pred, bc, init)
 
     def body(s):
         n, c = s
@@ -225,6 +328,36 @@ def _lax_while_forward(e: JaxprEqn, lp: LoopPlan, ins: Sequence[Any]) -> tuple[l
     n0 = jnp.zeros(tuple(p["cond_jaxpr"].out_avals[0].shape), jnp.int32)
     n, c = lax.while_loop(lambda s: jnp.any(pred(s[1])), body, (n0, list(init)))
     return list(c), [n]
+
+
+def _bounded_forward(e: JaxprEqn, lp: LoopPlan, pred: Callable, bc: Sequence[Any],
+                     init: Sequence[Any]) -> tuple[list, list]:
+    N, K = lp.max_steps, lp.every
+    bufs = [jnp.zeros((N, *a.shape), a.dtype) for a in res_avals(lp.body)]
+    ck = [jnp.zeros((n_checkpoints(lp), *a.shape), a.dtype) for a in lp.carry]
+
+    def body(s):
+        k, n, c, bufs, ck = s
+        if K is not None:
+            j = k // K
+            ck = [b.at[j].set(jnp.where(k % K == 0, jnp.asarray(x, b.dtype), b[j]))
+                  for b, x in zip(ck, c)]
+        go = pred(c)
+        outs, r = forward_with_residuals(lp.body, [*bc, *c])
+        if jnp.ndim(go):   # under vmap: finished elements keep their values
+            outs = [select_batched(go, a, b) for a, b in zip(outs, c)]
+        return k + 1, n + go.astype(jnp.int32), outs, [b.at[k].set(x) for b, x in
+                                                       zip(bufs, r)], ck
+
+    n0 = jnp.zeros(lp.count_shape, jnp.int32)
+    k, n, c, bufs, ck = lax.while_loop(
+        lambda s: (s[0] < N) & jnp.any(pred(s[2])), body,
+        (jnp.zeros((), jnp.int32), n0, [jnp.asarray(x) for x in init], bufs, ck))
+    over = jnp.any(pred(c))
+    raise_where(lambda o: None if not o else not_invertible(
+        e, f"the loop ran past max_steps={N} (its stored iterations)",
+        "Ways out: raise `max_steps` in `jr.reversible`."), over, bad=over)
+    return list(c), [n, *bufs, *ck]
 
 
 define(prims.while_, inverse=_lax_while_inverse, sweep=_while_sweep, forward=_lax_while_forward)

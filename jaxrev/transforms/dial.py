@@ -1,0 +1,448 @@
+"""`reversible`'s time-space dial and drift checks (DESIGN.md §3.8).
+
+A rebuilt trajectory drifts from the one the forward run computed: rounding, amplified by the
+backward dynamics (a contracting loop run backwards expands it without bound). Every rebuilt
+value that has a true counterpart is compared with it: the inputs of a `reversible` call (the
+caller holds them) and the start of every checkpointed segment of a loop (`Dial.segment`: the
+forward run stores the carry every K iterations, and each segment is rebuilt from the stored
+start of the next, so drift grows over K steps, not the whole loop).
+
+A walk collects its comparisons in a `scope`: one number per comparison, the drift divided by
+its tolerance (a *ratio*, NaN counted as infinite), and a *site* (which comparison: an index
+into the `Log` of the top-level backward run). A loop's body walk is traced inside a
+`lax.scan` or `while_loop`, so its scope's worst `(ratio, site)` pair leaves the loop in the
+loop's carry (`combine`) and is noted in the enclosing scope. `Log.finish` acts on the worst
+one: raise (eagerly, or under `jit` when the program runs), warn, NaN, or nothing.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrev._compat import is_concrete, user_source
+from jaxrev._jaxpr import eval_closed, select_batched
+from jaxrev._errors import DriftError
+from jaxrev.transforms._checks import check_at_run_time
+
+__all__ = ["ON_DRIFT", "Dial", "Log", "DriftWarning", "scope", "note", "site", "checking",
+           "combine", "NO_DRIFT", "ratio", "leaf_drift", "describe_loops"]
+
+ON_DRIFT = ("raise", "nan", "warn", "ignore")
+
+
+class DriftWarning(UserWarning):
+    """A rebuilt value missed its true counterpart (`on_drift="warn"`)."""
+
+
+@dataclass(frozen=True)
+class Dial:
+    """The settings of one `reversible` call (a primitive param: hashable).
+
+    `every`: None (fully reversible), K (a checkpoint every K iterations; 1 is plain storage)
+    or "auto" (checkpoints every K from `budget`, else every ⌈√T⌉ iterations, and a segment
+    whose rebuilt start misses its checkpoint is recomputed forward from it); `budget`: bytes of
+    checkpoints each loop may keep (picks K); `on_drift`; `rtol` (default √eps of the value's
+    dtype); `max_steps`: the bound that lets a `while_loop` be checkpointed or store a lossy
+    body per iteration."""
+
+    every: int | str | None = None
+    budget: int | None = None
+    on_drift: str = "raise"
+    rtol: float | None = None
+    max_steps: int | None = None
+    name: str = "fun"         # the user's function, for messages
+
+    def __post_init__(self) -> None:
+        if self.on_drift not in ON_DRIFT:
+            raise ValueError(f"on_drift must be one of {ON_DRIFT}, got {self.on_drift!r}")
+        e = self.every
+        if not (e is None or e == "auto" or (isinstance(e, int) and e >= 1)):
+            raise ValueError(f"checkpoint_every must be None, a positive int or 'auto', got {e!r}")
+        if self.budget is not None and self.budget <= 0:
+            raise ValueError(f"memory_budget must be a positive number of bytes, got "
+                             f"{self.budget!r}")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError(f"max_steps must be a positive int, got {self.max_steps!r}")
+
+    @property
+    def auto(self) -> bool:
+        return self.every == "auto"
+
+    @property
+    def checks(self) -> bool:
+        return self.on_drift != "ignore" or self.auto
+
+    def segment(self, length: int, carry_bytes: int) -> int | None:
+        """K for a loop of `length` iterations whose carry takes `carry_bytes`; None: the loop
+        is fully reversible (no checkpoints)."""
+        if length <= 0:
+            return None
+        if isinstance(self.every, int):
+            return min(self.every, length)
+        if self.budget is not None:
+            n_ckpt = max(1, int(self.budget // max(carry_bytes, 1)))
+            return max(1, math.ceil(length / n_ckpt))
+        if self.auto:
+            return max(1, math.ceil(math.sqrt(length)))
+        return None
+
+    def inner(self, iterations: int | None) -> "Dial":
+        """The dial of a loop body that runs `iterations` times and whose residuals (an inner
+        loop's checkpoints among them) are stored per iteration: the budget is shared."""
+        if self.budget is None or not iterations:
+            return self
+        return dataclasses.replace(self, budget=max(1, self.budget // iterations))
+
+    def tol(self, dtype: Any) -> float:
+        if self.rtol is not None:
+            return float(self.rtol)
+        return float(np.sqrt(np.finfo(dtype).eps))
+
+
+NO_DRIFT = (0.0, -1)
+
+
+def leaf_drift(rebuilt: Any, true: Any, atol: float = 0.0) -> Any:
+    """max|rebuilt − true| / (max|true| + atol): a leaf's normwise relative error; a leaf that
+    is all zeros is measured absolutely (so x = 0 does not blow it up). Infinite where a NaN
+    or an infinity differs from the true value."""
+    a = jnp.asarray(rebuilt)
+    b = jnp.asarray(true, a.dtype)
+    if a.size == 0:
+        return jnp.zeros((), jnp.float32)
+    # equal values (an infinity the program holds, rebuilt as that infinity) do not drift;
+    # a NaN or an infinity where the true value differs is infinitely far
+    same = (a == b) | (jnp.isnan(a) & jnp.isnan(b))
+    err = jnp.where(same, 0.0, jnp.abs(a - b))
+    m = jnp.max(jnp.where(jnp.isfinite(b), jnp.abs(b), 0.0))
+    den = jnp.where(m > 0, m, 1.0) + atol
+    d = jnp.max(err) / den
+    return jnp.where(jnp.isnan(d), jnp.inf, d).astype(jnp.float32)
+
+
+def ratio(dial: Dial, rebuilt: Sequence[Any], true: Sequence[Any]) -> Any:
+    """The largest drift / tolerance over the floating leaves (infinite where a NaN or an
+    infinity appeared)."""
+    r = jnp.zeros((), jnp.float32)
+    for a, b in zip(rebuilt, true):
+        if not jnp.issubdtype(jnp.result_type(b), jnp.inexact):
+            continue
+        r = jnp.maximum(r, leaf_drift(a, b) / dial.tol(jnp.result_type(b)))
+    return r
+
+
+def combine(a: tuple[Any, Any], b: tuple[Any, Any]) -> tuple[Any, Any]:
+    """The worse of two `(ratio, site)` pairs."""
+    ra, sa = a
+    rb, sb = b
+    take = jnp.asarray(rb, jnp.float32) > jnp.asarray(ra, jnp.float32)
+    return (jnp.where(take, rb, ra).astype(jnp.float32),
+            jnp.where(take, sb, sa).astype(jnp.int32))
+
+
+@dataclass
+class Site:
+    what: str                  # the comparison, in words
+    where: str                 # the loop's (or call's) user line
+    tol: float
+    inputs: bool = False       # the call's rebuilt inputs (the message lists the loops)
+
+
+@dataclass
+class Log:
+    """The comparisons of one top-level backward run, and what a miss does."""
+
+    dial: Dial
+    name: str
+    loops: str = ""                         # the program's loops, for the inputs' message
+    sites: list[Site] = field(default_factory=list)
+    scopes: list[list] = field(default_factory=lambda: [[]])
+
+    def worst(self) -> tuple[Any, Any]:
+        return _Scope(self.scopes[0]).worst()
+
+    def message(self, r: float, k: int) -> str:
+        s = self.sites[k] if 0 <= k < len(self.sites) else Site("a rebuilt value", "", 0.0)
+        drift = "NaN or inf" if not math.isfinite(r) else f"{r * s.tol:.3g}"
+        where = f" at {s.where}" if s.where else ""
+        extra = f"\n{self.loops}" if s.inputs and self.loops else ""
+        return (f"jaxrev.reversible({self.name}): {s.what}{where} misses its true value by a "
+                f"relative drift of {drift} (tolerance {s.tol:.3g}): the backward run "
+                f"amplifies rounding (a contracting loop run backwards expands it).{extra}\n"
+                "Ways out: checkpoint_every=K (drift grows over K steps, not the loop), "
+                "memory_budget=bytes or checkpoint_every='auto' (recompute the segments that "
+                "miss), a looser drift_rtol, or on_drift='warn' / 'ignore'.")
+
+    def error(self, r: Any, k: Any) -> Exception | None:
+        r, k = float(np.asarray(r)), int(np.asarray(k))
+        if not r > 1.0 and not math.isnan(r):
+            return None
+        msg = self.message(r, k)
+        if self.dial.on_drift == "warn":
+            warnings.warn(msg, DriftWarning, stacklevel=2)
+            return None
+        s = self.sites[k] if 0 <= k < len(self.sites) else None
+        return DriftError(msg, file=s.where if s else None, drift=r * (s.tol if s else 1.0),
+                          tolerance=s.tol if s else None)
+
+    def finish(self, worst: tuple[Any, Any], cts: list[Any]) -> list[Any]:
+        """Act on the worst comparison: the cotangents `cts` come back unchanged, or NaN
+        (`on_drift="nan"`) where it missed."""
+        r, k = worst
+        mode = self.dial.on_drift
+        if mode == "ignore":
+            return cts
+        if mode == "nan":
+            bad = ~(r <= 1.0)
+            return [c if c is None or not jnp.issubdtype(jnp.result_type(c), jnp.inexact)
+                    else jnp.where(bad, jnp.nan, c) for c in cts]
+        if is_concrete(r) and is_concrete(k):
+            err = self.error(r, k)
+            if err is not None:
+                raise err
+            return cts
+        check_at_run_time(self.error, r, k, bad=~(r <= 1.0))
+        return cts
+
+
+_logs: list[Log] = []
+
+
+@contextlib.contextmanager
+def checking(dial: Dial, name: str, loops: str = "") -> Iterator[Log | None]:
+    """The comparisons of one backward run (None when the dial asks for none)."""
+    if not dial.checks:
+        yield None
+        return
+    log = Log(dial, name, loops)
+    _logs.append(log)
+    try:
+        yield log
+    finally:
+        _logs.pop()
+
+
+def site(what: str, eqn: Any, tol: float, inputs: bool = False) -> int:
+    """Register a comparison of the current backward run; its index (-1 when none runs)."""
+    if not _logs:
+        return -1
+    where = user_source(eqn)[2] if eqn is not None else ""
+    _logs[-1].sites.append(Site(what, where or "", tol, inputs))
+    return len(_logs[-1].sites) - 1
+
+
+def note(pair: tuple[Any, Any]) -> None:
+    """Add a `(ratio, site)` pair to the innermost scope (nothing when no run checks)."""
+    if _logs:
+        _logs[-1].scopes[-1].append(pair)
+
+
+class _Scope:
+    def __init__(self, entries: list) -> None:
+        self.entries = entries
+
+    def worst(self) -> tuple[Any, Any]:
+        w = (jnp.zeros((), jnp.float32), jnp.full((), -1, jnp.int32))
+        for p in self.entries:
+            w = combine(w, p)
+        return w
+
+
+@contextlib.contextmanager
+def scope() -> Iterator[_Scope]:
+    """Collect the pairs noted inside (a loop body's walk, traced inside the loop): their worst
+    leaves the loop in its carry."""
+    entries: list = []
+    if _logs:
+        _logs[-1].scopes.append(entries)
+    try:
+        yield _Scope(entries)
+    finally:
+        if _logs:
+            _logs[-1].scopes.pop()
+
+
+def describe_loops(eqns: Sequence[Any], is_loop: Any) -> str:
+    """The program's loops, for the message about its rebuilt inputs."""
+    out = []
+    for e in eqns:
+        if is_loop(e):
+            out.append(f"`{e.primitive.name}` at {user_source(e)[2]}")
+    if not out:
+        return ""
+    return ("Its loops (a while loop is checkpointed with max_steps=N): " + "; ".join(out[:4])
+            + ("; ..." if len(out) > 4 else ""))
+
+
+# --------------------------------------------------------------------------- segments
+
+def _tmap(f: Any, *t: Any) -> Any:
+    return jax.tree_util.tree_map(f, *t)
+
+
+def segmented(bstep: Any, carry0: tuple, slices: Any, length: int, K: int,
+              ckpts: Sequence[Any], rev: bool, check: Any = None, redo: Any = None
+              ) -> tuple[tuple, Any]:
+    """`lax.scan(bstep, carry0, slices, reverse=not rev)` (a loop's backward run, whose carry is
+    ``(c, c_ct, k_ct, worst)``) in segments of K iterations: each segment starts from the
+    stored start of the next (`ckpts`, one per segment, in iteration order; the last segment
+    from the loop's final carry), so drift grows over K steps, not the loop. `check(c_rebuilt,
+    c_stored)` (a ratio, or None) compares each segment's rebuilt start with its checkpoint;
+    `redo(c_start, c_ct_end, k_ct_end, seg_slices, n)` (None, or the "auto" dial's) recomputes
+    a segment that missed forward from its checkpoint and returns ``(c_ct, k_ct, outs)``.
+    Returns the start's carry (its checkpoint) and the per-iteration outputs."""
+    if rev:   # iteration order: position order reversed
+        slices = _tmap(lambda a: a[::-1], slices)
+    r, nseg = length % K, length // K
+    c_final, c_ct, k_ct, w = carry0
+
+    def seg_back(c_end, c_ct, k_ct, w, sl, ck_start, n):
+        (c_s, c_ct_s, k_ct_s, w_s), outs = jax.lax.scan(bstep, (c_end, c_ct, k_ct, w), sl,
+                                                        length=n, reverse=True)
+        if check is None:
+            return c_ct_s, k_ct_s, w_s, outs
+        rho, at = check(c_s, ck_start)
+        if redo is not None:
+            bad = ~(rho <= 1.0)
+            c_ct_s, k_ct_s, outs = jax.lax.cond(
+                bad, lambda: redo(ck_start, c_ct, k_ct, sl, n),
+                lambda: (c_ct_s, k_ct_s, outs))
+            w_s = tuple(jnp.where(bad, a, b) for a, b in zip(w, w_s))
+            rho = jnp.where(bad, 0.0, rho)
+        return c_ct_s, k_ct_s, combine(w_s, (rho, jnp.asarray(at, jnp.int32))), outs
+
+    outs_full = None
+    c_end = [jnp.asarray(f, c.dtype) for f, c in zip(c_final, ckpts)]
+    if nseg:
+        ck_full = [c[1 if r else 0:] for c in ckpts]
+        full = _tmap(lambda a: a[r:].reshape((nseg, K) + a.shape[1:]), slices)
+
+        def outer(carry, blk):
+            # a segment ends where the next one's stored start is: carried, not copied
+            c_end, c_ct, k_ct, w = carry
+            sl, ck_start = blk
+            c_ct, k_ct, w, outs = seg_back(c_end, c_ct, k_ct, w, sl, ck_start, K)
+            return (list(ck_start), c_ct, k_ct, w), outs
+
+        (c_end, c_ct, k_ct, w), outs_full = jax.lax.scan(outer, (c_end, c_ct, k_ct, w),
+                                                         (full, ck_full), reverse=True)
+        outs_full = _tmap(lambda a: a.reshape((nseg * K,) + a.shape[2:]), outs_full)
+    if r:
+        head = _tmap(lambda a: a[:r], slices)
+        c_ct, k_ct, w, outs_head = seg_back(c_end, c_ct, k_ct, w, head,
+                                            [c[0] for c in ckpts], r)
+        outs = outs_head if outs_full is None else _tmap(
+            lambda a, b: jnp.concatenate([a, b]), outs_head, outs_full)
+    else:
+        outs = outs_full
+    if rev:
+        outs = _tmap(lambda a: a[::-1], outs)
+    return ([c[0] for c in ckpts], c_ct, k_ct, w), outs
+
+
+def segmented_forward(step: Any, init: Sequence[Any], xs: Any, length: int, K: int, rev: bool
+                      ) -> tuple[list, Any, list]:
+    """`lax.scan(step, init, xs, reverse=rev)` that also returns the carry at the start of
+    every segment of K iterations, in iteration order (the layout `segmented` reads)."""
+    if rev:
+        xs = _tmap(lambda a: a[::-1], xs)
+    r, nseg = length % K, length // K
+    c = [jnp.asarray(a) for a in init]
+    cks, outs = [], []
+    if r:
+        cks.append([jnp.asarray(a)[None] for a in c])
+        c, o = jax.lax.scan(step, c, _tmap(lambda a: a[:r], xs), length=r)
+        outs.append(o)
+    if nseg:
+        def outer(c, x):
+            c2, o = jax.lax.scan(step, c, x, length=K)
+            return c2, (list(c), o)
+
+        full = _tmap(lambda a: a[r:].reshape((nseg, K) + a.shape[1:]), xs)
+        c, (ck, o) = jax.lax.scan(outer, c, full, length=nseg)
+        cks.append(ck)
+        outs.append(_tmap(lambda a: a.reshape((nseg * K,) + a.shape[2:]), o))
+    ck = [jnp.concatenate(parts) for parts in zip(*cks)]
+    o = outs[0] if len(outs) == 1 else _tmap(lambda a, b: jnp.concatenate([a, b]), *outs)
+    if rev:
+        o = _tmap(lambda a: a[::-1], o)
+    return list(c), o, ck
+
+
+def body_redo(body: Any, nc: int, ncar: int, consts: Sequence[Any], act: Sequence[bool],
+              yct: Sequence[bool]) -> Any:
+    """The "auto" dial's recomputation of one segment of a loop (for `segmented`): run the body
+    forward from the segment's stored start, keeping each iteration's carry (K carries at
+    most), then pull the cotangents back by the body's VJP at those exact values. Needs every
+    `xs` known (a loop that rebuilds its `xs` is not recomputed)."""
+    a_c, a_car, a_x = act[:nc], act[nc:nc + ncar], act[nc + ncar:]
+    out_avals = body.out_avals
+    fl = [jnp.issubdtype(a.dtype, jnp.inexact) for a in out_avals]
+
+    def pick(vals, flags):
+        return [v for v, f in zip(vals, flags) if f]
+
+    def put(vals, flags, new):
+        it = iter(new)
+        return [next(it) if f else v for v, f in zip(vals, flags)]
+
+    def redo(c0, c_ct_end, k_ct, sl, n, m=None):
+        """`m` (a while loop's last segment, shorter than K): iterations from m on are not
+        run."""
+        _, ys_ct_t, xs_t, _ = sl
+
+        def fwd(c, sx):
+            j, x = sx
+            new = list(eval_closed(body, *consts, *c, *x)[:ncar])
+            if m is not None:   # per element under vmap
+                new = [select_batched(j < m, a, b) for a, b in zip(new, c)]
+            return new, list(c)
+
+        _, cs = jax.lax.scan(fwd, list(c0), (jnp.arange(n), list(xs_t)), length=n)
+
+        def back(carry, s):
+            c_ct, k_ct = carry
+            j, c_t, x_t, yc_t = s
+            if m is None:
+                return _back(c_ct, k_ct, c_t, x_t, yc_t, None)
+            # iterations past an element's count add nothing: their cotangents are zeroed
+            # before the VJP (the constants' share sums over the batch) and their carries'
+            # cotangents kept
+            on = j < m
+            (g_c, k2), _ = _back(c_ct, k_ct, c_t, x_t, yc_t, on)
+            g_c = [None if a is None else select_batched(on, a, b) for a, b in zip(g_c, c_ct)]
+            return (g_c, k2), ([], [])
+
+        def _back(c_ct, k_ct, c_t, x_t, yc_t, on):
+
+            def g(ca, ka, xa):
+                outs = eval_closed(body, *put(consts, a_c, ka), *put(c_t, a_car, ca),
+                                   *put(x_t, a_x, xa))
+                return pick(outs, fl)
+
+            _, pull = jax.vjp(g, pick(c_t, a_car), pick(consts, a_c), pick(x_t, a_x))
+            it = iter(yc_t)
+            cts = []
+            for j, a in enumerate(out_avals):
+                g_j = (c_ct[j] if j < ncar else (next(it) if yct[j - ncar] else None))
+                g_j = jnp.zeros(a.shape, a.dtype) if g_j is None else g_j
+                cts.append(g_j if on is None else select_batched(on, g_j, jnp.zeros_like(g_j)))
+            gc, gk, gx = pull(pick(cts, fl))
+            gc = iter(gc)
+            return (([next(gc) if a else None for a in a_car],
+                     [a + b for a, b in zip(k_ct, gk)]), ([], list(gx)))
+
+        (c_ct, k_ct), outs = jax.lax.scan(back, (list(c_ct_end), list(k_ct)),
+                                          (jnp.arange(n), cs, list(xs_t), list(ys_ct_t)),
+                                          length=n, reverse=True)
+        return c_ct, k_ct, outs
+
+    return redo

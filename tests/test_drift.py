@@ -1,0 +1,352 @@
+"""The drift guard and the time-space dial of `jr.reversible` (DESIGN.md §3.8, issue 19).
+
+References are `jax.grad` in float64. The programs: a contracting fixed point (a deep
+equilibrium layer's shape: its backward run expands rounding without bound) as a `fori_loop`
+and as a `while_loop`, reversible Heun, a coupled scan with `xs` and `ys`, nested loops.
+"""
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import jaxrev as jr
+
+jax.config.update("jax_enable_x64", True)
+
+N = 32
+_W = np.random.default_rng(1).standard_normal((N, N))
+W = jnp.asarray(0.5 * _W / np.linalg.norm(_W, 2))      # ||W|| = 0.5: a contraction
+TH = 0.3 + 0.1 * jnp.sin(jnp.arange(N, dtype=jnp.float64))
+X0 = jnp.zeros(N)
+TOL = 1e-10
+
+
+def fp_fori(x, th, n=40):
+    return lax.fori_loop(0, n, lambda i, x: jnp.tanh(W @ x + th), x)   # FORI-LINE
+
+
+def fp_while(x, th):
+    cond = lambda x: jnp.max(jnp.abs(jnp.tanh(W @ x + th) - x)) > TOL  # noqa: E731
+    return lax.while_loop(cond, lambda x: jnp.tanh(W @ x + th), x)     # WHILE-LINE
+
+
+def trips(x, th):
+    """How many iterations `fp_while` runs."""
+    cond = lambda s: jnp.max(jnp.abs(jnp.tanh(W @ s[1] + th) - s[1])) > TOL  # noqa: E731
+    return int(lax.while_loop(cond, lambda s: (s[0] + 1, jnp.tanh(W @ s[1] + th)),
+                              (0, x))[0])
+
+
+def loss(f):
+    return lambda th: jnp.sum(f(X0, th) ** 2)
+
+
+def line_of(tag: str) -> int:
+    with open(__file__) as fh:
+        return next(i for i, ln in enumerate(fh, 1) if ln.rstrip().endswith(tag))
+
+
+def heun(n=1000, dt=0.01):
+    def step(c, A):
+        y, z, = c
+        f = lambda v: jnp.tanh(A @ v)  # noqa: E731
+        z1 = 2.0 * y - z + dt * f(z)
+        return y + 0.5 * dt * (f(z) + f(z1)), z1
+    return lambda s, A: lax.fori_loop(0, n, lambda i, c: step(c, A), s)   # HEUN-LINE
+
+
+def heun_case():
+    """benchmarks/reversible_heun.py's setting: ||A|| about 2, y = z at the start."""
+    rng = np.random.default_rng(0)
+    A = jnp.asarray(rng.standard_normal((64, 64)) / 8.0)
+    z0 = jnp.asarray(rng.standard_normal(64) * 0.5)
+    return (z0, z0), A
+
+
+def heun_loss(f):
+    return lambda s, A: jnp.sum(jnp.sin(f(s, A)[0])) + jnp.sum(f(s, A)[1] ** 2)
+
+
+def max_rel(a, b):
+    return max(float(jnp.max(jnp.abs(u - v)) / jnp.max(jnp.abs(u)))
+               for u, v in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)))
+
+
+# --------------------------------------------------------------------------- the default: raise
+
+@pytest.mark.parametrize("form", ["fori", "while"])
+def test_contracting_loop_raises_naming_the_loop(form):
+    f, tag = (fp_fori, "# FORI-LINE") if form == "fori" else (fp_while, "# WHILE-LINE")
+    g = jax.grad(loss(jr.reversible(f)))
+    with pytest.raises(jr.DriftError) as ei:
+        g(TH)
+    msg = str(ei.value)
+    assert "relative drift of" in msg and "tolerance 1.49e-08" in msg
+    assert f"test_drift.py:{line_of(tag)}" in msg, msg
+    assert ei.value.tolerance == pytest.approx(np.sqrt(np.finfo(np.float64).eps))
+    # under jit: a runtime error with the same message, never a NaN returned
+    with pytest.raises(Exception, match="relative drift of"):
+        jax.block_until_ready(jax.jit(g)(TH))
+
+
+def test_heun_is_checked_and_passes():
+    """Reversible Heun's backward run is stable here (symmetric method): the default check
+    passes and the gradient is jax.grad's; a tolerance below its measured drift names the
+    loop."""
+    s, A = heun_case()
+    ref = jax.grad(heun_loss(heun()), argnums=(0, 1))(s, A)
+    got = jax.jit(jax.grad(heun_loss(jr.reversible(heun())), argnums=(0, 1)))(s, A)
+    assert max_rel(ref, got) < 1e-10
+    g = jax.grad(heun_loss(jr.reversible(heun(), drift_rtol=1e-17)), argnums=(0, 1))
+    with pytest.raises(jr.DriftError) as ei:
+        g(s, A)
+    assert f"test_drift.py:{line_of('# HEUN-LINE')}" in str(ei.value)
+    assert 0 < ei.value.drift < 1e-10 and ei.value.tolerance == 1e-17
+
+
+# --------------------------------------------------------------------------- the dial fixes it
+
+@pytest.mark.parametrize("every", [1, "auto"])
+@pytest.mark.parametrize("form", ["fori", "while"])
+def test_checkpoints_give_jax_grad(form, every):
+    n = trips(X0, TH) if form == "while" else 40
+    ref = jax.grad(loss(lambda x, th: fp_fori(x, th, n)))(TH)
+    f = fp_while if form == "while" else fp_fori
+    kw = dict(checkpoint_every=every, max_steps=200 if form == "while" else None)
+    g = jax.grad(loss(jr.reversible(f, **kw)))
+    np.testing.assert_allclose(g(TH), ref, atol=1e-10, rtol=0)
+    np.testing.assert_allclose(jax.jit(g)(TH), ref, atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("every", [1, "auto"])
+def test_heun_with_checkpoints(every):
+    s, A = heun_case()
+    ref = jax.grad(heun_loss(heun()), argnums=(0, 1))(s, A)
+    got = jax.jit(jax.grad(heun_loss(jr.reversible(heun(), checkpoint_every=every)),
+                           argnums=(0, 1)))(s, A)
+    assert max_rel(ref, got) < 1e-10
+
+
+def test_segments_bound_the_drift():
+    """The fully reversible run is off by its drift; segments of K = 5 are not."""
+    ref = jax.grad(loss(fp_fori))(TH)
+    full = jax.grad(loss(jr.reversible(fp_fori, on_drift="ignore")))(TH)
+    seg = jax.grad(loss(jr.reversible(fp_fori, checkpoint_every=5, on_drift="ignore")))(TH)
+    assert not np.all(np.isfinite(full)) or np.max(np.abs(full - ref)) > 1e-6
+    assert np.max(np.abs(seg - ref)) < 1e-8
+
+
+# --------------------------------------------------------------------------- on_drift
+
+def test_on_drift_nan_warn_ignore():
+    g = jax.grad(loss(jr.reversible(fp_fori, on_drift="nan")))
+    assert np.all(np.isnan(g(TH))) and np.all(np.isnan(jax.jit(g)(TH)))
+    with pytest.warns(jr.DriftWarning, match="relative drift of"):
+        jax.grad(loss(jr.reversible(fp_fori, on_drift="warn")))(TH)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jax.grad(loss(jr.reversible(fp_fori, on_drift="ignore")))(TH)   # no check at all
+
+
+def test_drift_check_under_vmap_and_jit():
+    ths = jnp.stack([TH, 0.5 * TH])
+    g = jax.jit(jax.vmap(jax.grad(loss(jr.reversible(fp_fori)))))
+    with pytest.raises(Exception, match="relative drift of"):
+        jax.block_until_ready(g(ths))
+    ok = jax.jit(jax.vmap(jax.grad(loss(jr.reversible(fp_fori, checkpoint_every=1)))))(ths)
+    ref = jax.vmap(jax.grad(loss(fp_fori)))(ths)
+    np.testing.assert_allclose(ok, ref, atol=1e-10, rtol=0)
+
+
+def test_bad_settings_are_named():
+    with pytest.raises(ValueError, match="on_drift"):
+        jr.reversible(fp_fori, on_drift="loud")
+    with pytest.raises(ValueError, match="checkpoint_every"):
+        jr.reversible(fp_fori, checkpoint_every=0)
+    with pytest.raises(ValueError, match="memory_budget"):
+        jr.reversible(fp_fori, memory_budget=-1)
+
+
+def test_true_infinities_are_not_drift():
+    """A carry that holds an infinity the program put there is rebuilt as that infinity."""
+    def f(s, th):
+        return lax.fori_loop(0, 10, lambda i, s: (s[0] + th * jnp.exp(-s[1]), s[1]), s)
+    s = (jnp.linspace(0.0, 1.0, 4), jnp.array([1.0, 2.0, 3.0, jnp.inf]))
+    g = jax.grad(lambda th: jnp.sum(jr.reversible(f, checkpoint_every=3)(s, th)[0][:3]))(0.3)
+    ref = jax.grad(lambda th: jnp.sum(f(s, th)[0][:3]))(0.3)
+    assert np.isfinite(g) and abs(g - ref) < 1e-10
+
+
+# --------------------------------------------------------------------------- segments on scans
+
+def scan_xs(rev):
+    """State (c, xs): the loop rebuilds its xs from its ys (ys = x * exp(a))."""
+    def f(c, xs, th):
+        def body(c, x):
+            a, b = c
+            a = a + jnp.tanh(th[0] * b)
+            b = b + jnp.sin(th[1] * a)
+            return (a, b), x * jnp.exp(0.1 * a)
+        return lax.scan(body, c, xs, reverse=rev)
+    return f
+
+
+def scan_ys(rev):
+    """State (c, z): xs are known parameters, the ys are read by the output (ys + z)."""
+    def f(c, z, th, xs):
+        def body(c, x):
+            a, b = c
+            a = a + jnp.tanh(th[0] * b + x)
+            b = b + jnp.sin(th[1] * a)
+            return (a, b), a * x
+        c2, ys = lax.scan(body, c, xs, reverse=rev)
+        return c2, ys + z
+    return f
+
+
+@pytest.mark.parametrize("every", [1, pytest.param(3, marks=pytest.mark.slow), 7,
+                                   pytest.param(20, marks=pytest.mark.slow), 23, "auto", None])
+@pytest.mark.parametrize("kind", ["xs", "ys", "xs-reverse", "ys-reverse"])
+def test_checkpointed_scan_with_xs_and_ys(kind, every):
+    rev = kind.endswith("reverse")
+    c = (jnp.linspace(0.0, 1.0, 5), jnp.linspace(1.0, 2.0, 5))
+    xs = jnp.linspace(-0.5, 0.5, 23)[:, None] * jnp.ones(5)
+    th = jnp.array([0.5, 0.6])
+    if kind.startswith("xs"):
+        prog, args, nums = scan_xs(rev), (c, xs, th), (0, 1)
+    else:
+        prog, args, nums = scan_ys(rev), (c, jnp.zeros((23, 5)), th, xs), (0, 1)
+
+    def lossf(f):
+        def L(*a):
+            (p, q), ys = f(*a)
+            return jnp.sum(p ** 2) + jnp.sum(q) + jnp.sum(jnp.sin(ys))
+        return jax.grad(L, argnums=tuple(range(len(args))))
+
+    ref = lossf(prog)(*args)
+    got = jax.jit(lossf(jr.reversible(prog, nums, checkpoint_every=every)))(*args)
+    assert max_rel(ref, got) < 1e-10
+
+
+def test_nested_loops_and_float32():
+    def f(x, th):
+        def outer(i, x):
+            return lax.fori_loop(0, 6, lambda j, x: x + 0.1 * jnp.tanh(th * x[::-1]), x)
+        return lax.fori_loop(0, 8, outer, x)
+    x = jnp.linspace(-1.0, 1.0, 6)
+    ref = jax.grad(lambda th: jnp.sum(f(x, th) ** 2))(0.7)
+    for kw in (dict(checkpoint_every=4), dict(checkpoint_every="auto"),
+               dict(memory_budget=200)):
+        g = jax.jit(jax.grad(lambda th: jnp.sum(jr.reversible(f, **kw)(x, th) ** 2)))(0.7)
+        assert abs(g - ref) < 1e-10 * abs(ref), kw
+    g32 = jax.jit(jax.grad(lambda th: jnp.sum(
+        jr.reversible(f, checkpoint_every=4)(x.astype(jnp.float32), th) ** 2)))(
+        jnp.float32(0.7))
+    assert g32.dtype == jnp.float32 and abs(g32 - ref) < 1e-4 * abs(ref)
+
+
+# --------------------------------------------------------------------------- memory
+
+def _temp(g, *a):
+    return jax.jit(g).lower(*a).compile().memory_analysis().temp_size_in_bytes
+
+
+def test_memory_follows_the_dial():
+    """Checkpoints are T / K carries; a budget bounds them; memory_report lists them."""
+    def f(c, th):
+        return lax.scan(lambda c, _: ((c[0] + jnp.tanh(th * c[1]), c[1] + jnp.sin(c[0])),
+                                      None), c, None, length=1000)[0]
+    c = (jnp.zeros(1000), jnp.ones(1000))
+
+    def grad(**kw):
+        return jax.grad(lambda c, th: jnp.sum(jr.reversible(f, **kw)(c, th)[0]),
+                        argnums=(0, 1))
+
+    carry = 2 * 1000 * 8
+    m = {k: _temp(grad(checkpoint_every=k, on_drift="ignore"), c, 0.5) for k in (10, 100)}
+    m[None] = _temp(grad(on_drift="ignore"), c, 0.5)
+    assert m[10] - m[None] >= 100 * carry * 0.9       # 100 checkpoints stored
+    assert m[100] - m[None] <= 10 * carry * 1.5       # 10
+    budget = 25 * carry
+    mb = _temp(grad(memory_budget=budget), c, 0.5)
+    assert mb - m[None] <= budget * 1.25   # the checkpoints, and the check's temporaries
+    rep = jr.memory_report(f, c, 0.5, memory_budget=budget)
+    ck = [e for e in rep.entries if e["what"].startswith("checkpoint")]
+    assert ck and sum(e["bytes"] * e["count"] for e in ck) <= budget
+    assert "per checkpoint x 25" in str(rep)
+
+
+def test_lossy_while_body_with_max_steps():
+    """A while body that loses information (a relu) is stored per iteration up to max_steps;
+    past the bound the forward run raises naming the loop."""
+    def f(x, th):
+        cond = lambda s: s[0] < s[2]  # noqa: E731
+        body = lambda s: (s[0] + 1, jax.nn.relu(s[1] - th) + 0.5, s[2])  # noqa: E731
+        return lax.while_loop(cond, body, (0, x, 7))[1]
+    x = jnp.linspace(-1.0, 2.0, 5)
+    ref = jax.grad(lambda th: jnp.sum(
+        lax.fori_loop(0, 7, lambda i, x: jax.nn.relu(x - th) + 0.5, x) ** 2))(0.3)
+
+    def g(**kw):
+        return jax.grad(lambda th: jnp.sum(jr.reversible(
+            lambda x, th: f(x, th), **kw)(x, th) ** 2))
+
+    with pytest.raises(jr.NotInvertibleError, match="max_steps"):
+        g()(0.3)
+    for kw in (dict(max_steps=10), dict(max_steps=10, checkpoint_every=3)):
+        np.testing.assert_allclose(g(**kw)(0.3), ref, rtol=1e-12)
+        np.testing.assert_allclose(jax.jit(g(**kw))(0.3), ref, rtol=1e-12)
+    with pytest.raises(jr.NotInvertibleError, match="max_steps=5"):
+        g(max_steps=5)(0.3)
+
+
+# --------------------------------------------------------------------------- check_reversible
+
+def test_check_reversible_at_zero_and_on_while_loops():
+    rep = jr.check_reversible(lambda x: jnp.expm1(x) * 3.0, jnp.zeros(4))
+    assert rep.max_error < 1e-12
+    rep = jr.check_reversible(lambda x: jnp.exp(x) * 3.0 - 3.0, jnp.zeros(4))
+    assert rep.max_error < 1e-12                    # was 7e294: relative at x = 0
+    rep = jr.check_reversible(fp_while, X0, TH)     # a plain while loop: trip count recorded
+    assert not rep.max_error < 1e-6                 # the contraction's drift, reported
+    rep = jr.check_reversible(fp_while, X0, TH, checkpoint_every=4, max_steps=200)
+    assert rep.max_error == 0.0 and rep.segments
+    what, d = rep.segments[0]
+    assert f"test_drift.py:{line_of('# WHILE-LINE')}" in what and d > 0
+    assert "drift" in str(rep)
+
+
+def test_docs_drift_examples_run():
+    """The drift section's examples in docs/reversible.md run as written."""
+    import os
+    import re
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "docs", "reversible.md")) as fh:
+        blocks = [b for b in re.findall(r"```python\n(.*?)```", fh.read(), flags=re.S)
+                  if "checkpoint_every" in b or "DriftError" in b]
+    assert len(blocks) == 2
+    for code in blocks:
+        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           timeout=300, cwd=root, check=False)
+        assert p.returncode == 0, p.stderr
+        assert "relative drift of" in p.stdout or "checkpoint of the loop carry" in p.stdout
+
+
+@pytest.mark.parametrize("every", [1, 3, "auto"])
+def test_while_checkpoints_under_vmap(every):
+    """A vmapped while loop stops per element: each element's own trip count, checkpoints and
+    recomputation; the gradient of a batch equals jax.grad of each element's fori_loop."""
+    ths = jnp.stack([TH, 0.5 * TH, -TH])
+    f = jr.reversible(fp_while, checkpoint_every=every, max_steps=100)
+    g = jax.jit(jax.grad(lambda ths: jnp.sum(jax.vmap(lambda t: f(X0, t))(ths) ** 2)))(ths)
+    for b in range(3):
+        n = trips(X0, ths[b])
+        ref = jax.grad(loss(lambda x, th: fp_fori(x, th, n)))(ths[b])
+        np.testing.assert_allclose(g[b], ref, atol=1e-10, rtol=0)
