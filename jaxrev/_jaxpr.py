@@ -453,10 +453,23 @@ def batch_front(args: Sequence[Any], dims: Sequence[Any]) -> tuple[int, list, li
 
 # --------------------------------------------------------------------------- batched selects
 
+def where(pred: Any, a: Any, b: Any) -> Any:
+    """`jnp.where` as one `select_n`. jaxrev's own selects do not go through `jnp.where`:
+    JAX (0.12) caches that function's traced jaxpr per argument shapes, with the traceback of
+    its first caller, and a user's `jnp.where` of the same shapes would then be blamed on the
+    line where jaxrev first traced one."""
+    a, b = jnp.asarray(a), jnp.asarray(b)
+    dt = jnp.result_type(a, b)
+    shape = jnp.broadcast_shapes(jnp.shape(pred), a.shape, b.shape)
+    return jax.lax.select(jnp.broadcast_to(jnp.asarray(pred, bool), shape),
+                          jnp.broadcast_to(a.astype(dt), shape),
+                          jnp.broadcast_to(b.astype(dt), shape))
+
+
 def select_batched(pred: Any, new: Any, old: Any) -> Any:
     """Per-batch-element select; `pred` has the leading (batch) shape of the operands."""
     p = jnp.reshape(pred, jnp.shape(pred) + (1,) * (jnp.ndim(new) - jnp.ndim(pred)))
-    return jnp.where(p, new, old)
+    return where(p, new, old)
 
 
 def switch_batched(index: Any, fns: Sequence[Callable[..., Any]], *args: Any) -> Any:

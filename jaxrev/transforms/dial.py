@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrev._compat import is_concrete, user_source
-from jaxrev._jaxpr import eval_closed, select_batched
+from jaxrev._jaxpr import eval_closed, select_batched, where
 from jaxrev._errors import DriftError
 from jaxrev.transforms._checks import check_at_run_time
 
@@ -121,11 +121,11 @@ def leaf_drift(rebuilt: Any, true: Any, atol: float = 0.0) -> Any:
     # equal values (an infinity the program holds, rebuilt as that infinity) do not drift;
     # a NaN or an infinity where the true value differs is infinitely far
     same = (a == b) | (jnp.isnan(a) & jnp.isnan(b))
-    err = jnp.where(same, 0.0, jnp.abs(a - b))
-    m = jnp.max(jnp.where(jnp.isfinite(b), jnp.abs(b), 0.0))
-    den = jnp.where(m > 0, m, 1.0) + atol
+    err = where(same, 0.0, jnp.abs(a - b))
+    m = jnp.max(where(jnp.isfinite(b), jnp.abs(b), 0.0))
+    den = where(m > 0, m, 1.0) + atol
     d = jnp.max(err) / den
-    return jnp.where(jnp.isnan(d), jnp.inf, d).astype(jnp.float32)
+    return where(jnp.isnan(d), jnp.inf, d).astype(jnp.float32)
 
 
 def ratio(dial: Dial, rebuilt: Sequence[Any], true: Sequence[Any]) -> Any:
@@ -144,8 +144,8 @@ def combine(a: tuple[Any, Any], b: tuple[Any, Any]) -> tuple[Any, Any]:
     ra, sa = a
     rb, sb = b
     take = jnp.asarray(rb, jnp.float32) > jnp.asarray(ra, jnp.float32)
-    return (jnp.where(take, rb, ra).astype(jnp.float32),
-            jnp.where(take, sb, sa).astype(jnp.int32))
+    return (where(take, rb, ra).astype(jnp.float32),
+            where(take, sb, sa).astype(jnp.int32))
 
 
 @dataclass
@@ -203,7 +203,7 @@ class Log:
         if mode == "nan":
             bad = ~(r <= 1.0)
             return [c if c is None or not jnp.issubdtype(jnp.result_type(c), jnp.inexact)
-                    else jnp.where(bad, jnp.nan, c) for c in cts]
+                    else where(bad, jnp.nan, c) for c in cts]
         if is_concrete(r) and is_concrete(k):
             err = self.error(r, k)
             if err is not None:
@@ -315,8 +315,8 @@ def segmented(bstep: Any, carry0: tuple, slices: Any, length: int, K: int,
             c_ct_s, k_ct_s, outs = jax.lax.cond(
                 bad, lambda: redo(ck_start, c_ct, k_ct, sl, n),
                 lambda: (c_ct_s, k_ct_s, outs))
-            w_s = tuple(jnp.where(bad, a, b) for a, b in zip(w, w_s))
-            rho = jnp.where(bad, 0.0, rho)
+            w_s = tuple(where(bad, a, b) for a, b in zip(w, w_s))
+            rho = where(bad, 0.0, rho)
         return c_ct_s, k_ct_s, combine(w_s, (rho, jnp.asarray(at, jnp.int32))), outs
 
     outs_full = None

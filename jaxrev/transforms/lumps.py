@@ -259,7 +259,8 @@ def lump_step(eqns: Sequence[JaxprEqn], env: Env, pending: Sequence[int]) -> boo
         inputs: list[Var] = []
         for i in lump:
             for v in eqns[i].invars:
-                if isinstance(v, Var) and not env.known(v) and v not in produced and v not in inputs:
+                if (isinstance(v, Var) and not env.known(v) and v not in produced
+                        and v not in inputs):
                     inputs.append(v)
         outputs = [v for i in lump for v in real_outvars(eqns[i]) if env.known(v)]
         if not inputs or size_of(v.aval for v in inputs) != size_of(v.aval for v in outputs):

@@ -4,9 +4,10 @@
 A plain `lax.while_loop` forgets how many times it ran: where its condition reads counters
 only (carries whose updates read nothing else, with known initial values), the trip count is
 computed from them, and both `reverse` and `reversible` run it backwards from that; otherwise
-`reverse` cannot, and `reversible`'s forward run counts its iterations. `jr.while_loop` keeps its post
-condition in the jaxpr (the primitive `jaxrev_while`, lowered through `lax.while_loop`), so the
-backward run decides from the outputs alone when to stop. Both are swept backwards by one rule.
+`reverse` cannot, and `reversible`'s forward run counts its iterations. `jr.while_loop` keeps
+its post condition in the jaxpr (the primitive `jaxrev_while`, lowered through
+`lax.while_loop`), so the backward run decides from the outputs alone when to stop. Both are
+swept backwards by one rule.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from jaxrev._compat import (JaxprEqn, Primitive, lower_fun, primitive_batchers, 
 from jaxrev._errors import not_invertible
 from jaxrev._jaxpr import (Env, Unknown, eval_closed, instantiate_tangents, is_unknown,
                            is_var, move_batch, needed_vars, restrict, select_batched, size_of,
-                           vmap_closed)
+                           vmap_closed, where)
 from jaxrev._program import avals_of
 from jaxrev.transforms._sweep import (BodyWalk, LoopEnd, LoopPlan, Plan, Residuals,
                                       forward_with_residuals, known_or_rebuilt, loop_activity,
@@ -207,11 +208,11 @@ def _stored_sweep(P: Plan, i: int, env: Env, ctenv: dict | None, active: set,
                     c_ct2, k_ct2 = lax.cond(
                         bad, lambda: redo(ck_j, snap[0], snap[1], ([], [], [], []), K, m)[:2],
                         lambda: (c_ct2, k_ct2))
-                    rho = jnp.where(bad, 0.0, rho)
-                w = drift.combine(w, (jnp.where(start, rho, 0.0), jnp.asarray(at, jnp.int32)))
-            c2 = [jnp.where(start, a, b) for a, b in zip(ck_j, c2)]
+                    rho = where(bad, 0.0, rho)
+                w = drift.combine(w, (where(start, rho, 0.0), jnp.asarray(at, jnp.int32)))
+            c2 = [where(start, a, b) for a, b in zip(ck_j, c2)]
             if redo is not None:
-                snap = jax.tree_util.tree_map(lambda a, b: jnp.where(start, a, b),
+                snap = jax.tree_util.tree_map(lambda a, b: where(start, a, b),
                                               (c_ct2, k_ct2), snap)
         return k - 1, c2, c_ct2, k_ct2, w, snap
 
@@ -340,7 +341,7 @@ def _bounded_forward(e: JaxprEqn, lp: LoopPlan, pred: Callable, bc: Sequence[Any
         k, n, c, bufs, ck = s
         if K is not None:
             j = k // K
-            ck = [b.at[j].set(jnp.where(k % K == 0, jnp.asarray(x, b.dtype), b[j]))
+            ck = [b.at[j].set(where(k % K == 0, jnp.asarray(x, b.dtype), b[j]))
                   for b, x in zip(ck, c)]
         go = pred(c)
         outs, r = forward_with_residuals(lp.body, [*bc, *c])
@@ -407,7 +408,8 @@ def _while_batch(args, dims, *, cond_jaxpr, body_jaxpr, post_jaxpr, cond_nconsts
                  body_nconsts, post_nconsts):
     size = next(jnp.shape(a)[d] for a, d in zip(args, dims) if d is not None)
     n_consts = cond_nconsts + body_nconsts + post_nconsts
-    moved = [move_batch(a, d, size, force=i >= n_consts) for i, (a, d) in enumerate(zip(args, dims))]
+    moved = [move_batch(a, d, size, force=i >= n_consts)
+             for i, (a, d) in enumerate(zip(args, dims))]
     vals = [m[0] for m in moved]
     axes = [m[1] for m in moved]
     cc, bc, pc, carry = _while_split(vals, cond_nconsts, body_nconsts, post_nconsts)
