@@ -13,7 +13,46 @@ import numpy as np
 from jaxrev._compat import ClosedJaxpr, make_jaxpr
 
 __all__ = ["avals_of", "fun_name", "normalize_argnums", "Program", "trace_program",
-           "check_structure", "check_sizes"]
+           "check_structure", "check_sizes", "is_traced", "traced_leaves", "Filtered",
+           "ravel_filtered", "eval_shape"]
+
+
+_NUMBERS = (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct, bool, int, float, complex)
+
+
+def is_traced(x: Any) -> bool:
+    """Whether jaxrev traces a pytree leaf: arrays (and their stand-ins), NumPy and Python
+    numbers. Anything else (an Equinox module's activation function, a string, a Flax
+    module's settings) is static: passed through as it is, like Equinox's filters do."""
+    return isinstance(x, _NUMBERS)
+
+
+def traced_leaves(tree: Any) -> list[Any]:
+    """`tree`'s leaves that jaxrev traces, in order."""
+    return [x for x in jax.tree_util.tree_leaves(tree) if is_traced(x)]
+
+
+class Filtered:
+    """A pytree split into the leaves jaxrev traces and the static rest.
+
+    `flat` holds the traced leaves; `rebuild(flat)` puts new traced leaves back among the
+    static ones; `positions(tree_part)` gives, for a sub-tree's traced leaves, their indices
+    in `flat`."""
+
+    def __init__(self, tree: Any) -> None:
+        self.leaves, self.tree = jax.tree_util.tree_flatten(tree)
+        self.mask = [is_traced(x) for x in self.leaves]
+        self.flat = [x for x, m in zip(self.leaves, self.mask) if m]
+        idx, k = [], 0
+        for m in self.mask:
+            idx.append(k if m else None)
+            k += m
+        self.index = jax.tree_util.tree_unflatten(self.tree, idx)
+
+    def rebuild(self, flat: Sequence[Any]) -> Any:
+        it = iter(flat)
+        return jax.tree_util.tree_unflatten(
+            self.tree, [next(it) if m else x for x, m in zip(self.leaves, self.mask)])
 
 
 def avals_of(xs: Sequence[Any]) -> list[jax.ShapeDtypeStruct]:
@@ -58,17 +97,32 @@ class Program:
         return [i for ids in self.state_ids for i in ids]
 
 
+def eval_shape(fun: Callable, *args: Any) -> Any:
+    """`jax.eval_shape(fun, *args)` where `args` may hold static leaves (functions)."""
+    split = Filtered(tuple(args))
+    return jax.eval_shape(lambda *flat: fun(*split.rebuild(flat)), *avals_of(split.flat))
+
+
+def ravel_filtered(tree: Any) -> tuple[Any, Callable[[Any], Any]]:
+    """`jax.flatten_util.ravel_pytree` of the leaves jaxrev traces; `unravel` puts the static
+    leaves back (an Equinox module with its activation functions)."""
+    from jax.flatten_util import ravel_pytree
+    split = Filtered(tree)
+    v, unravel = ravel_pytree(split.flat)
+    return v, lambda u: split.rebuild(unravel(u))
+
+
 def trace_program(fun: Callable, args: Sequence[Any], argnums: tuple[int, ...]) -> Program:
-    """Trace `fun(*args)` with one jaxpr input per flat leaf."""
-    flat, in_tree = jax.tree_util.tree_flatten(tuple(args))
+    """Trace `fun(*args)` with one jaxpr input per traced leaf (`is_traced`); the static
+    leaves (functions, strings) are passed to `fun` as they are."""
+    split = Filtered(tuple(args))
 
     def flat_fun(*leaves):
-        return fun(*jax.tree_util.tree_unflatten(in_tree, list(leaves)))
+        return fun(*split.rebuild(leaves))
 
-    closed, out_shape = make_jaxpr(flat_fun, *avals_of(flat))
-    marks = jax.tree_util.tree_unflatten(in_tree, list(range(len(flat))))
-    state_ids = [jax.tree_util.tree_leaves(marks[a]) for a in argnums]
-    return Program(closed, list(flat), state_ids, out_shape)
+    closed, out_shape = make_jaxpr(flat_fun, *avals_of(split.flat))
+    state_ids = [jax.tree_util.tree_leaves(split.index[a]) for a in argnums]
+    return Program(closed, list(split.flat), state_ids, out_shape)
 
 
 def check_structure(fun: Callable, args: Sequence[Any], argnums: tuple[int, ...],

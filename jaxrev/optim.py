@@ -23,6 +23,7 @@ import optax
 from jax import lax
 from jax.flatten_util import ravel_pytree
 
+from jaxrev._program import ravel_filtered
 from jaxrev.transforms.inverse_ad import inverse_jvp, inverse_vjp
 
 __all__ = ["scale_by_newton", "newton", "minimize", "root", "Info", "STATUS",
@@ -221,7 +222,7 @@ def minimize(fun: Callable[[Any], Any], x0: Any, *, method: str = "trust-region"
     if method not in ("newton", "trust-region"):
         raise ValueError(f"{who}: method must be 'newton' or 'trust-region', got {method!r}")
     _check_common(who, tol, maxiter)
-    v0, unravel = ravel_pytree(x0)
+    v0, unravel = ravel_filtered(x0)
     if not jnp.issubdtype(v0.dtype, jnp.floating):
         raise TypeError(f"{who}: x0 must hold real floating-point arrays, got {v0.dtype}")
 
@@ -305,7 +306,7 @@ def root(fun: Callable[[Any], Any], x0: Any, *, tol: float = 1e-10, maxiter: int
     """
     who = "jaxrev.optim.root"
     _check_common(who, tol, maxiter)
-    v0, unravel = ravel_pytree(x0)
+    v0, unravel = ravel_filtered(x0)
     if not jnp.issubdtype(v0.dtype, jnp.inexact):
         raise TypeError(f"{who}: x0 must hold floating-point arrays, got {v0.dtype}")
     out_shape = jax.eval_shape(fun, x0)

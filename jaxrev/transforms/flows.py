@@ -21,8 +21,8 @@ import numpy as np
 from jaxrev._compat import Primitive, is_concrete, staged_constants
 from jaxrev._errors import NotInvertibleError, SingularJacobianError, at_eqn
 from jaxrev._jaxpr import Env, Unknown, evaluate, prepare, without_custom_vjp
-from jaxrev._program import (check_sizes, fun_name, normalize_argnums,
-                             trace_program)
+from jaxrev._program import (check_sizes, eval_shape, fun_name, normalize_argnums,
+                             trace_program, traced_leaves)
 from jaxrev.transforms import elements, records
 from jaxrev.transforms._checks import check_at_run_time, settings
 from jaxrev.transforms._walker import propagate, raise_stuck, seed
@@ -345,7 +345,7 @@ def forward_and_slogdet(fun: Callable, argnums: int | Sequence[int] = 0, *,
             def run():
                 ys, _, logabs, steps, _ = _sweep(fun, args, nums, who, need_sign=False)
                 y = (fun(*args) if ys is None else jax.tree_util.tree_unflatten(
-                    jax.tree_util.tree_structure(jax.eval_shape(fun, *args)), ys))
+                    jax.tree_util.tree_structure(eval_shape(fun, *args)), ys))
                 return y, _singular_check(logabs, who, on_singular, steps, at_run_time=False)
             got = _try_sweep(run, method, on_singular, who)
             if got is not None:
@@ -386,7 +386,7 @@ def inverse_and_slogdet(fun: Callable, argnums: int | Sequence[int] = 0, *,
         if method != "dense":
             def run():
                 t = _trace(fun, stand, nums, who)
-                t.flat = jax.tree_util.tree_leaves(tuple(args))
+                t.flat = traced_leaves(tuple(args))
                 rec, env = _walk(t, jax.tree_util.tree_leaves(ys_tree))
                 pl = plan(rec, rec.seeded, rec.goals)
                 steps: list = []

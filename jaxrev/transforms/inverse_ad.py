@@ -39,6 +39,7 @@ import numpy as np
 from jaxrev._compat import is_concrete, make_jaxpr, staged_constants
 from jaxrev._jaxpr import eval_closed, without_custom_vjp
 from jaxrev._errors import NotInvertibleError, SingularJacobianError
+from jaxrev._program import Filtered, eval_shape
 from jaxrev.transforms import nonlinear
 from jaxrev.transforms.reverse import reverse
 from jaxrev.transforms.reversible import reversible
@@ -60,10 +61,10 @@ def _primal_computation(fun: Callable, primals: Sequence[Any]) -> Callable:
     depth): J⁻¹v and log|det J| differentiate forward, which a custom VJP cannot. `fun`
     itself where it has none (decided by one trace at `primals`)."""
     def traced(*args):
-        flat, tree = jax.tree_util.tree_flatten(args)
-        closed, out_shape = make_jaxpr(
-            lambda *leaves: fun(*jax.tree_util.tree_unflatten(tree, list(leaves))), *flat)
-        return flat, closed, jax.tree_util.tree_structure(out_shape)
+        split = Filtered(args)
+        closed, out_shape = make_jaxpr(lambda *leaves: fun(*split.rebuild(leaves)),
+                                       *split.flat)
+        return split.flat, closed, jax.tree_util.tree_structure(out_shape)
 
     _, closed, _ = traced(*primals)
     if without_custom_vjp(closed) is closed:
@@ -95,8 +96,10 @@ class _Square:
     def __init__(self, fun: Callable, primals: Sequence[Any], who: str) -> None:
         self.fun, self.who = fun, who
         self.primals = tuple(primals)
-        self.in_leaves, self.in_tree = jax.tree_util.tree_flatten(self.primals)
-        out_shape = jax.eval_shape(fun, *self.primals)
+        # static leaves (an Equinox module's functions) are passed through, not inputs
+        self.split = Filtered(self.primals)
+        self.in_leaves = self.split.flat
+        out_shape = eval_shape(fun, *self.primals)
         self.out_leaves_shape, self.out_tree = jax.tree_util.tree_flatten(out_shape)
         n_in = sum(int(np.size(x)) for x in self.in_leaves)
         n_out = sum(int(np.prod(o.shape, dtype=np.int64)) for o in self.out_leaves_shape)
@@ -118,7 +121,7 @@ class _Square:
 
     # the state passed to / returned by `reverse`
     def state_in(self, leaves):
-        args = jax.tree_util.tree_unflatten(self.in_tree, list(leaves))
+        args = self.split.rebuild(list(leaves))
         return args[0] if len(args) == 1 else tuple(args)
 
     def args_of(self, state):
@@ -128,7 +131,13 @@ class _Square:
         return jax.tree_util.tree_unflatten(self.out_tree, list(leaves))
 
     def in_tree_of(self, leaves):
-        return tuple(jax.tree_util.tree_unflatten(self.in_tree, list(leaves)))
+        return tuple(self.split.rebuild(list(leaves)))
+
+    def tangents_of(self, leaves):
+        """Tangents in the primals' structure: None at static leaves (as Equinox's)."""
+        it = iter(leaves)
+        return tuple(jax.tree_util.tree_unflatten(
+            self.split.tree, [next(it) if m else None for m in self.split.mask]))
 
     def ravel_in(self, leaves):
         return jnp.concatenate([jnp.ravel(x) for x in leaves]) if leaves else jnp.zeros(0)
@@ -346,7 +355,7 @@ def inverse_jvp(fun: Callable, primals: Sequence[Any], out_tangent: Any, *,
                         lambda: _nan_like(sq.in_leaves))
 
     leaves = _guard(leaves, on_singular, who, _diagnoser(used, sq, fun, y_leaves))
-    return y, sq.in_tree_of(leaves)
+    return y, sq.tangents_of(leaves)
 
 
 # --------------------------------------------------------------------------- inverse_vjp

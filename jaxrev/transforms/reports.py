@@ -11,7 +11,7 @@ import numpy as np
 from jaxrev._compat import JaxprEqn, Var, prims, user_source
 from jaxrev._errors import NotInvertibleError, ReversibilityError
 from jaxrev._jaxpr import Env, is_var
-from jaxrev._program import normalize_argnums
+from jaxrev._program import normalize_argnums, traced_leaves
 from jaxrev.transforms._sweep import Plan, n_checkpoints, top_plan
 from jaxrev.transforms.dial import Dial
 from jaxrev.transforms._walker import propagate
@@ -216,7 +216,7 @@ def _by_reverse(fun: Callable, args: Sequence[Any], nums: Sequence[int], x_true:
                                                         jax.tree_util.tree_leaves(x_true))]
     # forward values of every variable, to see where the backward run drifts
     fwd = Env()
-    flat_args = jax.tree_util.tree_leaves(tuple(args))
+    flat_args = traced_leaves(tuple(args))
     for v, x in zip(jaxpr.invars, flat_args):
         fwd.write(v, x)
     inv_consts = {v: inv_env.read(v) for v in jaxpr.constvars}

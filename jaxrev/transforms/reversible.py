@@ -10,6 +10,7 @@ outputs with the inverse rules, and pulls the cotangent through it. Loops run ba
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 from functools import partial, wraps
 from typing import Any, Callable, Sequence
@@ -17,11 +18,13 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from jaxrev._compat import (ClosedJaxpr, Primitive, ShapedArray, hoist_consts, is_symbolic_zero,
+from jaxrev._compat import (ClosedJaxpr, Primitive, ShapedArray, hoist_consts, is_concrete,
+                            is_symbolic_zero,
                             lower_fun, primitive_batchers, primitive_jvps, primitive_transposes,
                             register_lowering, trace_to_closed)
 from jaxrev._jaxpr import Env, batch_front, eval_closed, instantiate_tangents
-from jaxrev._program import check_sizes, check_structure, normalize_argnums, trace_program
+from jaxrev._program import (Filtered, check_sizes, check_structure, normalize_argnums,
+                             trace_program, traced_leaves)
 from jaxrev.transforms import dial as drift
 from jaxrev.transforms.dial import Dial
 from jaxrev.transforms._sweep import (Plan, Residuals, acc, forward_with_residuals, get_ct,
@@ -37,9 +40,39 @@ reversible_lin_p = Primitive("jaxrev_reversible_lin")
 reversible_lin_p.multiple_results = True
 
 
+_JITTED: "OrderedDict[tuple, tuple[Any, Callable]]" = OrderedDict()
+_MAX_JITTED = 256
+
+
+def eager(key: tuple, fn: Callable, *args: Any) -> Any:
+    """`fn(*args)` on concrete values (a primitive applied eagerly, as `jax.grad` without `jit`
+    does) as one cached compiled call, like `jax.jit`: the walk is traced once per key, not
+    replayed operation by operation on every call. `key[1]` is the jaxpr (kept alive with the
+    entry). A run-time check that fails inside is re-run eagerly, so that it raises its own
+    error. Traced values (under `jit`, `vmap`) run `fn` as it is."""
+    leaves = jax.tree_util.tree_leaves(args)
+    if not all(is_concrete(x) for x in leaves):
+        return fn(*args)
+    hit = _JITTED.get(key)
+    if hit is None:
+        hit = _JITTED[key] = (key[1], jax.jit(fn))
+        if len(_JITTED) > _MAX_JITTED:
+            _JITTED.popitem(last=False)
+    else:
+        _JITTED.move_to_end(key)
+    try:
+        return hit[1](*args)
+    except jax.errors.JaxRuntimeError:
+        return fn(*args)
+
+
 def _rev_impl(*args, jaxpr, state, store, dial):
     if not store:
-        return eval_closed(jaxpr, *args)
+        return eager(("run", jaxpr), partial(eval_closed, jaxpr), *args)
+    return eager(("store", jaxpr, state, dial), partial(_store_run, jaxpr, state, dial), *args)
+
+
+def _store_run(jaxpr, state, dial, *args):
     outs, res = forward_with_residuals(top_plan(jaxpr, state, dial), args)
     return [*outs, *res]
 
@@ -155,21 +188,35 @@ def _lin_abstract(*avals, jaxpr, state, nz, nres, dial):
 
 def _lin_transpose(cts, *args, jaxpr, state, nz, nres, dial):
     ys, res, params, xtrue, tans = _lin_split(args, jaxpr, state, nres, dial)
+    zero = tuple(is_symbolic_zero(c) for c in cts)
+    given = [c for c, z in zip(cts, zero) if not z]
+    in_cts = eager(("transpose", jaxpr, state, nz, nres, dial, zero),
+                   partial(_backward, jaxpr, state, nz, nres, dial, zero),
+                   given, [*ys, *res, *params, *xtrue])
+    return [None] * (len(args) - len(tans)) + list(in_cts)
+
+
+def _backward(jaxpr, state, nz, nres, dial, zero, given, known):
+    """The backward sweep: the cotangents of the active inputs from the outputs' (`given`,
+    where not `zero`) and the primal operands `known` (outputs, residuals, parameters, true
+    state)."""
+    ys, res, params, xtrue, _ = _lin_split(known, jaxpr, state, nres, dial)
     P = top_plan(jaxpr, state, dial)
     J = P.closed.jaxpr
     env = _top_env(P, state, params, ys)
     ctenv: dict = {}
-    for v, c in zip(J.outvars, cts):
-        if not is_symbolic_zero(c):
-            acc(ctenv, v, c)
+    it = iter(given)
+    for v, z in zip(J.outvars, zero):
+        if not z:
+            acc(ctenv, v, next(it))
     active = {v for v, z in zip(J.invars, nz) if z}
-    in_cts = _checked_walk(P, env, ctenv, active, res, state, xtrue,
-                           lambda: [get_ct(ctenv, v) for v, z in zip(J.invars, nz) if z])
-    return [None] * (len(args) - len(tans)) + in_cts
+    return _checked_walk(P, env, ctenv, active, res, state, xtrue,
+                         lambda: [get_ct(ctenv, v) for v, z in zip(J.invars, nz) if z])
 
 
 def _lin_jvp(primals, tangents, **params):
-    return jax.jvp(partial(_lin_impl, **params), tuple(primals), instantiate_tangents(primals, tangents))
+    return jax.jvp(partial(_lin_impl, **params), tuple(primals),
+                   instantiate_tangents(primals, tangents))
 
 
 def _lin_batch(args, dims, **params):
@@ -196,9 +243,61 @@ class Bound:
     out_tree: Any               # the output's tree definition
 
 
+_BOUND: "OrderedDict[tuple, tuple]" = OrderedDict()
+_MAX_BOUND = 256
+
+
+def _trace_key(fun: Callable, args: Sequence[Any], nums: tuple[int, ...]) -> tuple | None:
+    """What a trace of `fun` depends on, as for `jax.jit`: the function, the argument
+    structure, shapes, dtypes (and weak types), and the static leaves; None if unhashable."""
+    split = Filtered(tuple(args))
+    avals = tuple((tuple(jnp.shape(x)), jnp.result_type(x),
+                   isinstance(x, (bool, int, float, complex))) for x in split.flat)
+    statics = tuple(x for x, m in zip(split.leaves, split.mask) if not m)
+    key = (fun, _cells(fun), nums, split.tree, avals, statics)
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _cells(fun: Any) -> tuple:
+    """The values `fun` closes over (and a partial's arguments), so that a closure whose
+    variable changed (a loop length) is traced again: by value where hashable, else by
+    identity."""
+    if isinstance(fun, partial):
+        return (_cells(fun.func), tuple(_by(a) for a in fun.args),
+                tuple((k, _by(v)) for k, v in sorted(fun.keywords.items())))
+    cells = getattr(fun, "__closure__", None) or ()
+    out = []
+    for c in cells:
+        try:
+            out.append(_by(c.cell_contents))
+        except ValueError:   # an empty cell
+            out.append(None)
+    return tuple(out)
+
+
+def _by(v: Any) -> Any:
+    try:
+        hash(v)
+        return v
+    except TypeError:
+        return ("id", id(v))
+
+
 def bind_reversible(fun: Callable, args: Sequence[Any], argnums: int | Sequence[int]) -> Bound:
-    """Trace `fun` for `reversible_p`: its jaxpr, which inputs are state, the operands."""
+    """Trace `fun` for `reversible_p`: its jaxpr, which inputs are state, the operands. The
+    trace is cached per function and argument avals (so is everything keyed on the jaxpr:
+    plans and compiled eager calls), unless it closes over values of an outer trace."""
     nums = normalize_argnums(argnums, len(args), fun)
+    key = _trace_key(fun, args, nums)
+    hit = _BOUND.get(key) if key is not None else None
+    if hit is not None:
+        _BOUND.move_to_end(key)
+        j, state, out_tree = hit
+        return Bound(j, state, [jnp.asarray(x) for x in traced_leaves(tuple(args))], out_tree)
     prog = trace_program(fun, args, nums)
     out_tree = jax.tree_util.tree_structure(prog.out_shape)
     try:
@@ -210,6 +309,10 @@ def bind_reversible(fun: Callable, args: Sequence[Any], argnums: int | Sequence[
     j, consts = hoist_consts(prog.closed)
     state = (False,) * len(consts) + tuple(i in state_pos for i in range(len(prog.flat)))
     operands = [*consts, *[jnp.asarray(x) for x in prog.flat]]
+    if key is not None and not consts:
+        _BOUND[key] = (j, state, out_tree)
+        if len(_BOUND) > _MAX_BOUND:
+            _BOUND.popitem(last=False)
     return Bound(j, state, operands, out_tree)
 
 
