@@ -135,6 +135,7 @@ def sharded_run():
 
 
 @pytest.mark.parametrize("case", ["reversible_grad-rows", "reversible_grad-cols"])
+@pytest.mark.slow
 def test_sharded_reversible_grad(sharded_run, case):
     r, msg = _case(sharded_run, case)
     assert r["rel_err"] <= 1e-10, msg
@@ -154,6 +155,7 @@ NONLINEAR = ["simultaneous-50", "simultaneous-1000", "heun-1000", "residual", "l
 
 
 @pytest.mark.parametrize("name", NONLINEAR)
+@pytest.mark.slow
 def test_sharded_nonlinear_groups(sharded_run, name):
     """Round trips (1e-12 by elimination, 1e-10 by Newton) and reversible gradients (1e-9) of
     the nonlinear-lump programs on states sharded over 4 devices."""
@@ -164,6 +166,7 @@ def test_sharded_nonlinear_groups(sharded_run, name):
 
 
 @pytest.mark.parametrize("case", CASES)
+@pytest.mark.slow
 def test_sharded_round_trip(sharded_run, case):
     r, msg = _case(sharded_run, case)
     assert r["shape"] == [8, 16] and r["dtype"] == "float64", msg
@@ -171,6 +174,7 @@ def test_sharded_round_trip(sharded_run, case):
 
 
 @pytest.mark.parametrize("case", CASES)
+@pytest.mark.slow
 def test_sharded_result_stays_sharded(sharded_run, case):
     r, msg = _case(sharded_run, case)
     print(f"{case}: x_rec.sharding = {r['x_rec_sharding']}")

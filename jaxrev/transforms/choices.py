@@ -81,7 +81,8 @@ def _choices(G: Sequence[JaxprEqn], env: Env) -> list[_Choice]:
     equations with choice rules whose decision is not known and that do not only feed those."""
     producer = {o: e for e in G for o in real_outvars(e)}
     # a select's predicate or a cond's index is enumerated by the select or the cond itself
-    decisions = {e.invars[0] for e in G if e.primitive in (prims.select_n, prims.cond)}
+    decisions = {e.invars[0] for e in G
+                 if e.primitive in (prims.select_n, prims.cond) and is_var(e.invars[0])}
     values: list[_Choice] = []
     for e in G:
         outs = real_outvars(e)
