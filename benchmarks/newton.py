@@ -21,7 +21,12 @@ Everything is compiled ahead of time; times are medians of interleaved runs, com
 one for the slowest). Writes results/newton.{json,md,png}; --quick runs
 fewer sizes and writes results/newton_quick.*.
 
-    python benchmarks/newton.py [--quick]
+- Part C (issue 20), a dense problem: L2-regularised logistic regression, 1000 samples x 200
+  features, time to max |grad| <= 1e-8 for `jr.optim.minimize` (its dense-Hessian path, and
+  with it off), naive Newton (`jax.hessian` + solve), Optimistix BFGS and Newton, Optax
+  L-BFGS. `--logistic` runs only this part (results/newton_logistic.*).
+
+    python benchmarks/newton.py [--quick] [--logistic]
 """
 from __future__ import annotations
 
@@ -32,10 +37,15 @@ import time
 from functools import partial
 from typing import Any, Callable
 
-import jax
-import jax.numpy as jnp
-import optax  # a dependency of jaxrev.optim
-from jax import lax
+# one BLAS thread: on a busy 2-core machine OpenBLAS threads spinning made a 200 x 200 solve
+# take ~60 ms instead of < 1 ms, distorting every dense path's time
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402  (a dependency of jaxrev.optim)
+from jax import lax  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
 
@@ -164,10 +174,11 @@ def standard_start(n: int) -> jax.Array:
     return jnp.where(jnp.arange(n) % 2 == 0, -1.2, 1.0)
 
 
-def lbfgs(x0: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+def lbfgs(x0: jax.Array, fun: Callable = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Optax L-BFGS (zoom line search) until max |grad| <= GTOL; (x, steps, converged)."""
+    fun = fun or rosenbrock
     opt = optax.lbfgs()
-    value_and_grad = optax.value_and_grad_from_state(rosenbrock)
+    value_and_grad = optax.value_and_grad_from_state(fun)
 
     def gnorm(state):
         # the line search leaves the new point's gradient in the state: no extra evaluation
@@ -176,8 +187,7 @@ def lbfgs(x0: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     def body(c):
         x, state, k = c
         value, grad = value_and_grad(x, state=state)
-        updates, state = opt.update(grad, state, x, value=value, grad=grad,
-                                    value_fn=rosenbrock)
+        updates, state = opt.update(grad, state, x, value=value, grad=grad, value_fn=fun)
         return optax.apply_updates(x, updates), state, k + 1
 
     def cond(c):
@@ -195,29 +205,36 @@ def optx_limits(bfgs_max_n: int) -> dict[str, tuple[int, str]]:
                 OPTX_NEWTON_MAX_N, "jacfwd and LU of the n x n Hessian every step")}
 
 
+def jaxrev_minimize(fun: Callable, method: str) -> Callable[[jax.Array], tuple]:
+    def run(x0):
+        x, info = jr.optim.minimize(fun, x0, method=method, tol=GTOL, maxiter=MAX_STEPS)
+        return x, info.iterations, info.status == 0
+    return run
+
+
+def optx_bfgs(fun: Callable) -> Callable[[jax.Array], tuple]:
+    def run(x0):
+        sol = optx.minimise(lambda x, _: fun(x), optx.BFGS(rtol=BFGS_TOL, atol=BFGS_TOL),
+                            x0, max_steps=MAX_STEPS, throw=False)
+        return sol.value, sol.stats["num_steps"], sol.result == optx.RESULTS.successful
+    return run
+
+
+def optx_newton_root(fun: Callable) -> Callable[[jax.Array], tuple]:
+    def run(x0):
+        # Cauchy termination with atol = GTOL: max |grad| < GTOL and a small last step
+        sol = optx.root_find(lambda x, _: jax.grad(fun)(x), optx.Newton(rtol=GTOL, atol=GTOL),
+                             x0, max_steps=OPTX_NEWTON_MAX_STEPS, throw=False)
+        return sol.value, sol.stats["num_steps"], sol.result == optx.RESULTS.successful
+    return run
+
+
 def minimizers(n: int, bfgs_max_n: int) -> dict[str, Callable[[jax.Array], tuple]]:
     """Part B's solvers at size n (Optimistix's within `optx_limits`), each
     x0 -> (x, steps, converged as the solver reports it)."""
-    def jaxrev(method):
-        def run(x0):
-            x, info = jr.optim.minimize(rosenbrock, x0, method=method, tol=GTOL,
-                                        maxiter=MAX_STEPS)
-            return x, info.iterations, info.status == 0
-        return run
-
-    def bfgs(x0):
-        sol = optx.minimise(lambda x, _: rosenbrock(x), optx.BFGS(rtol=BFGS_TOL, atol=BFGS_TOL),
-                            x0, max_steps=MAX_STEPS, throw=False)
-        return sol.value, sol.stats["num_steps"], sol.result == optx.RESULTS.successful
-
-    def newton_root(x0):
-        # Cauchy termination with atol = GTOL: max |grad| < GTOL and a small last step
-        sol = optx.root_find(lambda x, _: jax.grad(rosenbrock)(x),
-                             optx.Newton(rtol=GTOL, atol=GTOL), x0,
-                             max_steps=OPTX_NEWTON_MAX_STEPS, throw=False)
-        return sol.value, sol.stats["num_steps"], sol.result == optx.RESULTS.successful
-
-    fns = {"jaxrev trust-region": jaxrev("trust-region"), "jaxrev newton": jaxrev("newton")}
+    bfgs, newton_root = optx_bfgs(rosenbrock), optx_newton_root(rosenbrock)
+    fns = {"jaxrev trust-region": jaxrev_minimize(rosenbrock, "trust-region"),
+           "jaxrev newton": jaxrev_minimize(rosenbrock, "newton")}
     if optx is not None:
         limits = optx_limits(bfgs_max_n)
         for k, fn in (("optimistix BFGS", bfgs), ("optimistix Newton (root of grad)", newton_root)):
@@ -241,6 +258,91 @@ def run_minimize(n: int, bfgs_max_n: int) -> dict:
     skipped = {k: f"n > {lim}, {why}" for k, (lim, why) in optx_limits(bfgs_max_n).items()
                if n > lim and optx is not None}
     return {"n": n, "runs": runs, "skipped": skipped}
+
+
+# --------------------------------------------------------------------------- part C
+
+
+LOGISTIC = (1000, 200)   # samples, features
+TIERS_C = ((1.0, 15), (float("inf"), 3))
+NAIVE = "naive Newton (jax.hessian + solve)"
+
+
+def logistic_loss(n_samples: int, n_features: int, seed: int = 0) -> Callable:
+    """L2-regularised logistic regression on generated data (a dense Hessian XᵀDX)."""
+    rng = np.random.default_rng(seed)
+    X = rng.standard_normal((n_samples, n_features)) / np.sqrt(n_features)
+    w = rng.standard_normal(n_features)
+    y = (rng.random(n_samples) < 1.0 / (1.0 + np.exp(-X @ w))).astype(float)
+    X, y = jnp.asarray(X), jnp.asarray(y)
+
+    def loss(w):
+        z = X @ w
+        return jnp.mean(jnp.logaddexp(0.0, z) - y * z) + 1e-3 * jnp.sum(w ** 2)
+    return loss
+
+
+def naive_newton(fun: Callable) -> Callable[[jax.Array], tuple]:
+    """Full Newton steps with `jax.hessian` and a dense solve, until max |grad| <= GTOL."""
+    g, H = jax.grad(fun), jax.hessian(fun)
+
+    def run(x0):
+        def body(c):
+            x, k = c
+            return x - jnp.linalg.solve(H(x), g(x)), k + 1
+        x, k = lax.while_loop(lambda c: (jnp.max(jnp.abs(g(c[0]))) > GTOL) & (c[1] < 100),
+                              body, (x0, jnp.zeros([], jnp.int32)))
+        return x, k, jnp.max(jnp.abs(g(x))) <= GTOL
+    return run
+
+
+def without_dense_path(fn: Callable) -> Callable:
+    """`fn` traced with jaxrev's dense-Hessian path off (inverse accumulation throughout)."""
+    def run(x0):
+        old, jr.optim.DENSE_MAX = jr.optim.DENSE_MAX, 0
+        try:
+            return fn(x0)
+        finally:
+            jr.optim.DENSE_MAX = old
+    return run
+
+
+def run_logistic() -> dict:
+    """Part C: time to max |grad| <= GTOL on logistic regression, from w = 0."""
+    loss = logistic_loss(*LOGISTIC)
+    fns = {"jaxrev newton": jaxrev_minimize(loss, "newton"),
+           "jaxrev trust-region": jaxrev_minimize(loss, "trust-region"),
+           "jaxrev newton, dense path off": without_dense_path(jaxrev_minimize(loss, "newton")),
+           NAIVE: naive_newton(loss)}
+    if optx is not None:
+        fns["optimistix BFGS"] = optx_bfgs(loss)
+        fns["optimistix Newton (root of grad)"] = optx_newton_root(loss)
+    fns["optax L-BFGS"] = partial(lbfgs, fun=loss)
+    x0 = jnp.zeros(LOGISTIC[1])
+    outs, times, used = compile_run_time(fns, x0, TIERS_C)
+    gmax = jax.jit(lambda x: jnp.max(jnp.abs(jax.grad(loss)(x))))
+    runs = {k: {"seconds": times[k], "reps": used[k], "steps": int(steps),
+                "value": float(loss(x)), "grad_max": float(gmax(x)),
+                "converged": bool(gmax(x) <= GTOL)} for k, (x, steps, ok) in outs.items()}
+    return {"samples": LOGISTIC[0], "features": LOGISTIC[1], "runs": runs}
+
+
+def logistic_table(d: dict) -> str:
+    c = d["part_c"]
+    base = c["runs"][NAIVE]["seconds"]
+    out = [f"# Newton on a dense problem: logistic regression ({d['device']['backend']}, "
+           f"JAX {d['device']['jax']})", "",
+           f"L2-regularised logistic regression, {c['samples']} samples x {c['features']} "
+           f"features, float64, from w = 0 to max |grad| <= {GTOL:g}. jaxrev's Newton finds "
+           "the Hessian dense when traced (a few of its columns at a stand-in point), forms it "
+           "with one vmapped batch of Hessian-vector products and solves by Cholesky. Seconds "
+           "are medians of interleaved runs, compile excluded; OPENBLAS_NUM_THREADS=1.", "",
+           "| solver | steps | milliseconds | / naive Newton | max abs grad | converged |",
+           "|---|---|---|---|---|---|"]
+    for k, r in c["runs"].items():
+        out.append(f"| {k} | {r['steps']} | {r['seconds'] * 1e3:.2f} | "
+                   f"{r['seconds'] / base:.2f} | {r['grad_max']:.1e} | {r['converged']} |")
+    return "\n".join(out + [""])
 
 
 # --------------------------------------------------------------------------- report
@@ -368,8 +470,17 @@ def plot(d: dict, path: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--logistic", action="store_true",
+                    help="only part C (results/newton_logistic.*)")
     args = ap.parse_args(argv)
     q = args.quick
+    if args.logistic:
+        data = {"device": device_info(), "part_c": run_logistic()}
+        table = logistic_table(data)
+        write_results("newton_logistic", data, table)
+        logistic_plot(data, os.path.join(RESULTS, "newton_logistic.png"))
+        print(table)
+        return
     part_a = [run_direction(n)
               for n in progress(SIZES_A_QUICK if q else SIZES_A, desc="Newton directions")]
     bfgs_max_n = BFGS_MAX_N_QUICK if q else BFGS_MAX_N
@@ -382,6 +493,19 @@ def main(argv: list[str] | None = None) -> None:
     write_results("newton" + suffix, data, table)
     plot(data, os.path.join(RESULTS, f"newton{suffix}.png"))
     print(table)
+
+
+def logistic_plot(d: dict, path: str) -> None:
+    plt = pyplot()
+    if plt is None:
+        return
+    runs = d["part_c"]["runs"]
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    names = list(runs)
+    ax.barh(names, [runs[k]["seconds"] * 1e3 for k in names])
+    ax.set(xlabel="milliseconds to max |grad| <= 1e-8", title="logistic regression, 200 features")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
 
 
 if __name__ == "__main__":

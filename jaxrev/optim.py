@@ -19,11 +19,12 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import lax
 from jax.flatten_util import ravel_pytree
 
-from jaxrev._program import ravel_filtered
+from jaxrev._program import ravel_filtered, traced_leaves
 from jaxrev.transforms.inverse_ad import inverse_jvp, inverse_vjp
 
 __all__ = ["scale_by_newton", "newton", "minimize", "root", "Info", "STATUS",
@@ -74,9 +75,62 @@ def newton_direction(value_fn: Callable[[Any], Any], params: Any, grad: Any | No
         return g if _is_zero(damping) else _tree_axpy(damping, p, g)
     if grad is None:
         grad = g_fn(params)
+    if method == "dense" or (method == "auto" and _dense_hessian(g_fn, params)):
+        return _dense_direction(g_fn, params, grad, damping)
     _, ivjp = inverse_vjp(damped, params, method=method, on_singular="nan")
     # H is symmetric: the output cotangent w with Hᵀw = grad is H⁻¹grad
     return ivjp((grad,))
+
+
+DENSE_MAX = 2048
+"""Above this many parameters the Hessian is never formed densely by "auto"."""
+
+
+def _dense_hessian(g_fn: Callable[[Any], Any], params: Any) -> bool:
+    """Whether the Hessian is mostly filled (a dense problem: logistic regression, a small
+    network), decided when traced from a few of its columns at a stand-in point (the
+    sparsity pattern, not the values: a NaN counts as filled). Inverse accumulation only pays
+    off on structure; a dense Hessian is formed and factored directly. False where it cannot
+    be decided when traced (the objective closes over values known only at run time)."""
+    v, unravel = ravel_filtered(params)
+    n = int(v.size)
+    if n < 8 or n > DENSE_MAX:
+        return False
+    dtype = v.dtype
+    stand = np.asarray(0.1 + 0.3 * np.arange(n) / n, dtype=dtype)
+    cols = np.unique(np.linspace(0, n - 1, 4).astype(int))
+    try:
+        with jax.ensure_compile_time_eval():
+            flat_g = lambda u: ravel_pytree(traced_leaves(g_fn(unravel(u))))[0]  # noqa: E731
+            _, lin = jax.linearize(flat_g, jnp.asarray(stand))
+            basis = np.zeros((cols.size, n), dtype)
+            basis[np.arange(cols.size), cols] = 1.0
+            H = np.asarray(jax.vmap(lin)(jnp.asarray(basis)))
+    except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError,
+            jax.errors.TracerBoolConversionError):
+        return False
+    filled = (H != 0) | ~np.isfinite(H)
+    return bool(filled.sum(axis=1).min() >= n // 2)
+
+
+def _dense_direction(g_fn: Callable[[Any], Any], params: Any, grad: Any, damping: Any) -> Any:
+    """``(H + damping·I)⁻¹ grad`` with H formed by one vmapped batch of Hessian-vector
+    products (the gradient linearized once) and factored by Cholesky; LU where H is not
+    positive definite; NaN where it is singular."""
+    v, unravel = ravel_filtered(params)
+    gv = ravel_pytree(traced_leaves(grad))[0].astype(v.dtype)
+    n = v.size
+
+    def flat_g(u):
+        return ravel_pytree(traced_leaves(g_fn(unravel(u))))[0]
+    _, lin = jax.linearize(flat_g, v)
+    H = jax.vmap(lin)(jnp.eye(n, dtype=v.dtype))
+    H = 0.5 * (H + H.T) + damping * jnp.eye(n, dtype=v.dtype)
+    L = jnp.linalg.cholesky(H)
+    d = lax.cond(jnp.all(jnp.isfinite(L)),
+                 lambda: jax.scipy.linalg.cho_solve((L, True), gv),
+                 lambda: jnp.linalg.solve(H, gv))
+    return unravel(d)
 
 
 def _is_zero(x) -> bool:

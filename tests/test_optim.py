@@ -217,3 +217,28 @@ def test_chained_rosenbrock_newton_direction_is_banded():
     assert rel(d, dense_newton(chained_rosenbrock, x)) < 1e-9
     jaxpr = str(jax.make_jaxpr(lambda x: jr.optim.newton_direction(chained_rosenbrock, x))(x))
     assert "= lu " not in jaxpr and "= lu[" not in jaxpr
+
+
+def test_dense_hessian_is_formed_and_factored():
+    """A dense Hessian (logistic regression) is found when traced, formed by one batch of
+    HVPs and solved by Cholesky; an indefinite one by LU; a banded one keeps the band path."""
+    rng = np.random.default_rng(0)
+    X = jnp.asarray(rng.standard_normal((60, 12)))
+    y = jnp.asarray((rng.random(60) < 0.5).astype(float))
+
+    def loss(w):
+        z = X @ w
+        return jnp.mean(jnp.logaddexp(0.0, z) - y * z) + 1e-3 * jnp.sum(w ** 2)
+    w = jnp.linspace(-0.3, 0.3, 12)
+    g = jax.grad(loss)(w)
+    ref = jnp.linalg.solve(jax.hessian(loss)(w), g)
+    d = jax.jit(lambda w: jr.optim.newton_direction(loss, w))(w)
+    np.testing.assert_allclose(d, ref, rtol=1e-10)
+    jaxpr = str(jax.make_jaxpr(lambda w: jr.optim.newton_direction(loss, w))(w))
+    assert "cholesky" in jaxpr
+    indefinite = lambda w: loss(w) - 0.5 * jnp.sum(w[:3] ** 2)  # noqa: E731
+    ref = jnp.linalg.solve(jax.hessian(indefinite)(w), jax.grad(indefinite)(w))
+    np.testing.assert_allclose(jr.optim.newton_direction(indefinite, w), ref, rtol=1e-9)
+    banded = lambda x: jnp.sum(100.0 * (x[1:] - x[:-1] ** 2) ** 2 + (1.0 - x[:-1]) ** 2)  # noqa: E731
+    assert "cholesky" not in str(jax.make_jaxpr(
+        lambda x: jr.optim.newton_direction(banded, x))(jnp.ones(40) * 1.01))
