@@ -27,9 +27,11 @@ import argparse
 import os
 import sys
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")   # no BLAS threads spinning on a busy CPU
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
 

@@ -23,10 +23,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any, Callable
 
-import jax
-import numpy as np
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")   # no BLAS threads spinning on a busy CPU
+from typing import Any, Callable  # noqa: E402
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
 

@@ -24,11 +24,13 @@ import json
 import os
 import subprocess
 import sys
-import time
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")   # no BLAS threads spinning on a busy CPU
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
 
