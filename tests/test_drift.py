@@ -350,3 +350,84 @@ def test_while_checkpoints_under_vmap(every):
         n = trips(X0, ths[b])
         ref = jax.grad(loss(lambda x, th: fp_fori(x, th, n)))(ths[b])
         np.testing.assert_allclose(g[b], ref, atol=1e-10, rtol=0)
+
+
+# --------------------------------------------------------------------------- review findings
+
+def test_nested_reversible_calls():
+    """A reversible call inside another's loop: its plan is made while the outer backward run
+    is live (its placeholders must not reach the outer run's comparisons)."""
+    inner = jr.reversible(lambda x, th: lax.fori_loop(
+        0, 3, lambda i, x: x + 0.1 * jnp.tanh(th * x[::-1]), x))
+
+    def outer(x, th):
+        return lax.scan(lambda x, _: (inner(x, th), None), x, None, length=9)[0]
+
+    def plain(x, th):
+        return lax.scan(lambda x, _: (lax.fori_loop(
+            0, 3, lambda i, x: x + 0.1 * jnp.tanh(th * x[::-1]), x), None), x, None,
+            length=9)[0]
+    x0 = jnp.linspace(0.1, 1.0, 3)
+    ref = jax.grad(lambda th: jnp.sum(plain(x0, th) ** 2))(0.5)
+    for kw in (dict(), dict(checkpoint_every=3), dict(checkpoint_every="auto")):
+        g = jax.grad(lambda th: jnp.sum(jr.reversible(outer, **kw)(x0, th) ** 2))(0.5)
+        assert abs(g - ref) < 1e-12 * abs(ref), kw
+
+
+def test_auto_with_a_while_loop_in_the_body():
+    """JAX cannot take the VJP of a while loop: such a body is checkpointed and checked, not
+    recomputed."""
+    def f(x, th):
+        def body(x, _):
+            x, _ = lax.while_loop(lambda s: s[1] < 3, lambda s: (
+                s[0] + 0.1 * jnp.tanh(th * s[0][::-1]), s[1] + 1), (x, 0))
+            return x, None
+        return lax.scan(body, x, None, length=9)[0]
+    x0 = jnp.linspace(0.1, 1.0, 3)
+    ref = jax.grad(lambda th: jnp.sum(jr.reversible(f)(x0, th) ** 2))(0.5)
+    g = jax.grad(lambda th: jnp.sum(jr.reversible(f, checkpoint_every="auto")(x0, th) ** 2))(0.5)
+    assert abs(g - ref) < 1e-12 * abs(ref)
+
+
+def test_mixed_precision_carry_is_not_a_false_alarm():
+    """A float64 carry that reads a float32 one is rebuilt to float32's precision: the
+    tolerance is the loosest dtype's."""
+    def f(c, th):
+        def body(c, _):
+            a, b = c
+            a = a + jnp.tanh(th * b)
+            b = b + (0.5 * jnp.sin(a)).astype(jnp.float32)
+            return (a, b), None
+        return lax.scan(body, c, None, length=13)[0]
+    c0 = (jnp.linspace(0.1, 1.0, 3), jnp.linspace(-1.0, 1.0, 3).astype(jnp.float32))
+    jax.grad(lambda th: jnp.sum(jr.reversible(f, checkpoint_every=1)(c0, th)[0] ** 2))(0.7)
+
+
+def test_eager_calls_see_changed_closures_and_attributes():
+    """The eager trace cache keys on the traced program (text and constants), so a changed
+    attribute, a changed closure of a helper, or an array mutated in place is seen."""
+    class Model:
+        def __init__(self):
+            self.s = 1.0
+
+        def run(self, x):
+            return lax.fori_loop(0, 5, lambda i, x: x + self.s * 0.1 * jnp.tanh(x[::-1]), x)
+
+    m = Model()
+    x0 = jnp.linspace(0.1, 1.0, 3)
+
+    def grads(fun):
+        return (jax.grad(lambda x: jnp.sum(jr.reversible(fun)(x) ** 2))(x0),
+                jax.grad(lambda x: jnp.sum(fun(x) ** 2))(x0))
+    for s in (1.0, 4.0):
+        m.s = s
+        got, ref = grads(m.run)
+        np.testing.assert_allclose(got, ref, rtol=1e-12)
+    w = np.ones(3)
+
+    def g(x):
+        return lax.fori_loop(0, 5, lambda i, x: x + 0.1 * jnp.tanh(w * x[::-1]), x)
+    for v in (1.0, 3.0):
+        w[:] = v            # in place
+        got, ref = grads(g)
+        np.testing.assert_allclose(got, ref, rtol=1e-12)

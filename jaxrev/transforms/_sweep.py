@@ -217,7 +217,8 @@ def plan_for(closed: ClosedJaxpr, known_in: tuple[bool, ...], known_out: tuple[b
         walk(P, env, None, set(), Residuals(P), goals)
         return []
 
-    jax.make_jaxpr(dry)(ins, outs)
+    with drift.suspended():
+        jax.make_jaxpr(dry)(ins, outs)
     _PLANS[key] = (closed, P)
     if len(_PLANS) > _MAX_PLANS:
         _PLANS.popitem(last=False)

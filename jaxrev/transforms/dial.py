@@ -33,7 +33,8 @@ from jaxrev._errors import DriftError
 from jaxrev.transforms._checks import check_at_run_time
 
 __all__ = ["ON_DRIFT", "Dial", "Log", "DriftWarning", "scope", "note", "site", "checking",
-           "combine", "NO_DRIFT", "ratio", "leaf_drift", "describe_loops"]
+           "combine", "NO_DRIFT", "ratio", "leaf_drift", "describe_loops", "suspended",
+           "recomputable", "values_tol"]
 
 ON_DRIFT = ("raise", "nan", "warn", "ignore")
 
@@ -128,14 +129,22 @@ def leaf_drift(rebuilt: Any, true: Any, atol: float = 0.0) -> Any:
     return where(jnp.isnan(d), jnp.inf, d).astype(jnp.float32)
 
 
+def values_tol(dial: Dial, dtypes: Sequence[Any]) -> float:
+    """The tolerance for values compared together: the loosest of their floating dtypes'
+    (a float64 carry that reads a float32 one is rebuilt no better than float32)."""
+    floats = [d for d in dtypes if jnp.issubdtype(d, jnp.inexact)]
+    return max((dial.tol(d) for d in floats), default=0.0)
+
+
 def ratio(dial: Dial, rebuilt: Sequence[Any], true: Sequence[Any]) -> Any:
     """The largest drift / tolerance over the floating leaves (infinite where a NaN or an
     infinity appeared)."""
+    tol = values_tol(dial, [jnp.result_type(b) for b in true])
     r = jnp.zeros((), jnp.float32)
     for a, b in zip(rebuilt, true):
         if not jnp.issubdtype(jnp.result_type(b), jnp.inexact):
             continue
-        r = jnp.maximum(r, leaf_drift(a, b) / dial.tol(jnp.result_type(b)))
+        r = jnp.maximum(r, leaf_drift(a, b) / tol)
     return r
 
 
@@ -228,6 +237,37 @@ def checking(dial: Dial, name: str, loops: str = "") -> Iterator[Log | None]:
         yield log
     finally:
         _logs.pop()
+
+
+@contextlib.contextmanager
+def suspended() -> Iterator[None]:
+    """No comparisons collected inside: a planning walk (on placeholders, traced apart) may
+    start while a backward run is live (a `reversible` call inside another's loop), and its
+    values must not reach that run's log."""
+    saved = _logs[:]
+    _logs.clear()
+    try:
+        yield
+    finally:
+        _logs[:] = saved
+
+
+def recomputable(closed: Any) -> bool:
+    """Whether "auto" can recompute a segment of a loop with this body: JAX's VJP of the body,
+    which a `while_loop` inside refuses (that loop then stays checkpointed and checked)."""
+    def walk(j: Any) -> bool:
+        for e in j.eqns:
+            if e.primitive.name in ("while", "jaxrev_while"):
+                return False
+            for v in e.params.values():
+                for sub in (v if isinstance(v, (tuple, list)) else (v,)):
+                    inner = getattr(sub, "jaxpr", None)
+                    if inner is not None and hasattr(inner, "eqns") and not walk(inner):
+                        return False
+                    if hasattr(sub, "eqns") and not walk(sub):
+                        return False
+        return True
+    return walk(closed.jaxpr)
 
 
 def site(what: str, eqn: Any, tol: float, inputs: bool = False) -> int:

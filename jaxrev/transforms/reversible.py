@@ -10,6 +10,8 @@ outputs with the inverse rules, and pulls the cotangent through it. Loops run ba
 """
 from __future__ import annotations
 
+import hashlib
+import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 from functools import partial, wraps
@@ -17,14 +19,14 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxrev._compat import (ClosedJaxpr, Primitive, ShapedArray, hoist_consts, is_concrete,
                             is_symbolic_zero,
                             lower_fun, primitive_batchers, primitive_jvps, primitive_transposes,
                             register_lowering, trace_to_closed)
 from jaxrev._jaxpr import Env, batch_front, eval_closed, instantiate_tangents
-from jaxrev._program import (Filtered, check_sizes, check_structure, normalize_argnums,
-                             trace_program, traced_leaves)
+from jaxrev._program import check_sizes, check_structure, normalize_argnums, trace_program
 from jaxrev.transforms import dial as drift
 from jaxrev.transforms.dial import Dial
 from jaxrev.transforms._sweep import (Plan, Residuals, acc, forward_with_residuals, get_ct,
@@ -60,10 +62,18 @@ def eager(key: tuple, fn: Callable, *args: Any) -> Any:
             _JITTED.popitem(last=False)
     else:
         _JITTED.move_to_end(key)
+    # a failed check is re-run below for its own error: JAX's log of the callback's failure
+    # would only repeat it
+    quiet = logging.getLogger("jax._src.debugging")
+    level = quiet.level
+    quiet.setLevel(logging.CRITICAL)
     try:
         return hit[1](*args)
     except jax.errors.JaxRuntimeError:
-        return fn(*args)
+        pass
+    finally:
+        quiet.setLevel(level)
+    return fn(*args)
 
 
 def _rev_impl(*args, jaxpr, state, store, dial):
@@ -157,9 +167,8 @@ def _checked_walk(P: Plan, env: Env, ctenv: dict | None, active: set, res: Seque
         if log is None:
             return cts
         xs = [v for v, s in zip(J.invars, state) if s]
-        floats = [v.aval.dtype for v in xs if jnp.issubdtype(v.aval.dtype, jnp.inexact)]
         at = drift.site("the state rebuilt by the backward run (the inputs of the call)", None,
-                        dial.tol(floats[0]) if floats else 0.0, inputs=True)
+                        drift.values_tol(dial, [v.aval.dtype for v in xs]), inputs=True)
         drift.note((drift.ratio(dial, [env.read(v) for v in xs], xtrue), at))
         return log.finish(log.worst(), cts)
 
@@ -247,57 +256,31 @@ _BOUND: "OrderedDict[tuple, tuple]" = OrderedDict()
 _MAX_BOUND = 256
 
 
-def _trace_key(fun: Callable, args: Sequence[Any], nums: tuple[int, ...]) -> tuple | None:
-    """What a trace of `fun` depends on, as for `jax.jit`: the function, the argument
-    structure, shapes, dtypes (and weak types), and the static leaves; None if unhashable."""
-    split = Filtered(tuple(args))
-    avals = tuple((tuple(jnp.shape(x)), jnp.result_type(x),
-                   isinstance(x, (bool, int, float, complex))) for x in split.flat)
-    statics = tuple(x for x, m in zip(split.leaves, split.mask) if not m)
-    key = (fun, _cells(fun), nums, split.tree, avals, statics)
-    try:
-        hash(key)
-    except TypeError:
-        return None
-    return key
+def _fingerprint(fun: Callable, closed: ClosedJaxpr, state: tuple, out_tree: Any
+                 ) -> tuple | None:
+    """What makes two traces of `fun` the same program: its text and its constants' values
+    (so a closure or attribute that changed, even in place, gives a new program), with the
+    function (whose source lines the equations carry); None where a constant is too large
+    to compare cheaply."""
+    digest = hashlib.sha1()
+    for c in closed.consts:
+        a = np.asarray(c)
+        if a.size > _MAX_CONST_HASH:
+            return None
+        digest.update(str((a.shape, a.dtype)).encode())
+        digest.update(np.ascontiguousarray(a).tobytes())
+    return (fun, str(closed.jaxpr), tuple(v.aval for v in closed.jaxpr.invars),
+            digest.hexdigest(), state, out_tree)
 
 
-def _cells(fun: Any) -> tuple:
-    """The values `fun` closes over (and a partial's arguments), so that a closure whose
-    variable changed (a loop length) is traced again: by value where hashable, else by
-    identity."""
-    if isinstance(fun, partial):
-        return (_cells(fun.func), tuple(_by(a) for a in fun.args),
-                tuple((k, _by(v)) for k, v in sorted(fun.keywords.items())))
-    cells = getattr(fun, "__closure__", None) or ()
-    out = []
-    for c in cells:
-        try:
-            out.append(_by(c.cell_contents))
-        except ValueError:   # an empty cell
-            out.append(None)
-    return tuple(out)
-
-
-def _by(v: Any) -> Any:
-    try:
-        hash(v)
-        return v
-    except TypeError:
-        return ("id", id(v))
+_MAX_CONST_HASH = 1 << 22
 
 
 def bind_reversible(fun: Callable, args: Sequence[Any], argnums: int | Sequence[int]) -> Bound:
-    """Trace `fun` for `reversible_p`: its jaxpr, which inputs are state, the operands. The
-    trace is cached per function and argument avals (so is everything keyed on the jaxpr:
-    plans and compiled eager calls), unless it closes over values of an outer trace."""
+    """Trace `fun` for `reversible_p`: its jaxpr, which inputs are state, the operands. A trace
+    that gives the same program as an earlier one (same function, text and constants) reuses
+    that one's jaxpr, so that what is keyed on it (plans, compiled eager calls) is reused."""
     nums = normalize_argnums(argnums, len(args), fun)
-    key = _trace_key(fun, args, nums)
-    hit = _BOUND.get(key) if key is not None else None
-    if hit is not None:
-        _BOUND.move_to_end(key)
-        j, state, out_tree = hit
-        return Bound(j, state, [jnp.asarray(x) for x in traced_leaves(tuple(args))], out_tree)
     prog = trace_program(fun, args, nums)
     out_tree = jax.tree_util.tree_structure(prog.out_shape)
     try:
@@ -309,10 +292,15 @@ def bind_reversible(fun: Callable, args: Sequence[Any], argnums: int | Sequence[
     j, consts = hoist_consts(prog.closed)
     state = (False,) * len(consts) + tuple(i in state_pos for i in range(len(prog.flat)))
     operands = [*consts, *[jnp.asarray(x) for x in prog.flat]]
-    if key is not None and not consts:
-        _BOUND[key] = (j, state, out_tree)
-        if len(_BOUND) > _MAX_BOUND:
-            _BOUND.popitem(last=False)
+    key = _fingerprint(fun, j, state, out_tree) if not consts else None
+    if key is not None:
+        if key in _BOUND:
+            _BOUND.move_to_end(key)
+            j = _BOUND[key]
+        else:
+            _BOUND[key] = j
+            if len(_BOUND) > _MAX_BOUND:
+                _BOUND.popitem(last=False)
     return Bound(j, state, operands, out_tree)
 
 

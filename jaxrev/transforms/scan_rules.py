@@ -292,15 +292,14 @@ def _segment_checks(P: Plan, e: JaxprEqn, sp: ScanParams, env: Env, consts: Sequ
     dial = P.dial
     if planning or not dial.checks:
         return None, None
-    floats = [a.dtype for a in carry if jnp.issubdtype(a.dtype, jnp.inexact)]
     at = drift.site("the rebuilt start of a checkpointed segment of the loop", e,
-                    dial.tol(floats[0]) if floats else 0.0)
+                    drift.values_tol(dial, [a.dtype for a in carry]))
 
     def check(c, ck):
         return drift.ratio(dial, c, ck), at
 
     redo = None
-    if dial.auto and want and all(xk):
+    if dial.auto and want and all(xk) and drift.recomputable(sp.body):
         redo = drift.body_redo(sp.body, sp.nconsts, sp.ncarry,
                                [env.read(v) for v in consts], act, yct)
     return check, redo

@@ -185,11 +185,9 @@ def _stored_sweep(P: Plan, i: int, env: Env, ctenv: dict | None, active: set,
     K, dial = lp.every, P.dial
     check = K is not None and dial.checks and not res.planning
     at = drift.site("the rebuilt start of a checkpointed segment of the loop", e,
-                    dial.tol(next((a.dtype for a in lp.carry
-                                   if jnp.issubdtype(a.dtype, jnp.inexact)), jnp.float32))
-                    ) if check else -1
+                    drift.values_tol(dial, [a.dtype for a in lp.carry])) if check else -1
     redo = (drift.body_redo(body, nbc, ncar, bvals, act, ())
-            if check and dial.auto and want else None)
+            if check and dial.auto and want and drift.recomputable(body) else None)
 
     def back(s):
         k, c, c_ct, k_ct, w, snap = s
