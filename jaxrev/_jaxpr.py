@@ -519,7 +519,7 @@ def without_custom_vjp(closed: ClosedJaxpr) -> ClosedJaxpr:
     user's VJP (which is only a way to compute a VJP of that same computation).
     """
     from jaxrev._compat import new_var, prims
-    if not _mentions(closed.jaxpr, prims.custom_vjp_call):
+    if not mentions(closed.jaxpr, _is_custom_vjp):
         return closed
     jaxpr = closed.jaxpr
     consts, constvars = list(closed.consts), list(jaxpr.constvars)
@@ -533,7 +533,7 @@ def without_custom_vjp(closed: ClosedJaxpr) -> ClosedJaxpr:
         # a custom_jvp rule over a custom_vjp function would JVP it: that one goes too
         if eqn.primitive is prims.custom_vjp_call or (
                 eqn.primitive is prims.custom_jvp_call
-                and _mentions(call_jaxpr(eqn.params).jaxpr, prims.custom_vjp_call)):
+                and mentions(call_jaxpr(eqn.params).jaxpr, _is_custom_vjp)):
             inner = without_custom_vjp(call_jaxpr(eqn.params))
             for v, c in zip(inner.jaxpr.constvars, inner.consts):
                 sub[v] = nv = new_var(v.aval)
@@ -573,14 +573,20 @@ def _rewrite_param(p: Any) -> Any:
     return p
 
 
-def _mentions(jaxpr: Jaxpr, prim: Any) -> bool:
-    """Whether `prim` occurs in `jaxpr` or any of its sub-jaxprs."""
+def _is_custom_vjp(p: Any) -> bool:
+    from jaxrev._compat import prims
+    return p is prims.custom_vjp_call
+
+
+def mentions(jaxpr: Jaxpr, match: Callable[[Any], bool]) -> bool:
+    """Whether a primitive for which `match` holds occurs in `jaxpr` or any of its
+    sub-jaxprs."""
     for e in jaxpr.eqns:
-        if e.primitive is prim:
+        if match(e.primitive):
             return True
         for p in e.params.values():
-            for b in (p if isinstance(p, tuple) else (p,)):
-                if isinstance(b, (ClosedJaxpr, Jaxpr)) and _mentions(
-                        b.jaxpr if isinstance(b, ClosedJaxpr) else b, prim):
+            for b in (p if isinstance(p, (tuple, list)) else (p,)):
+                if isinstance(b, (ClosedJaxpr, Jaxpr)) and mentions(
+                        b.jaxpr if isinstance(b, ClosedJaxpr) else b, match):
                     return True
     return False

@@ -60,14 +60,16 @@ counts = {"newton": 0}
 it)."""
 
 
-def raise_where(error: Callable[..., Exception | None], *flags: Any, bad: Any = None) -> None:
+def raise_where(error: Callable[..., Exception | None], *flags: Any, bad: Any = None,
+                always: bool = False) -> None:
     """Raise `error(*flags)` (None: nothing wrong) now on concrete values, else when the program
-    runs; nothing under ``on_failure="nan"``, where the NaN left in the result is the answer.
+    runs; nothing under ``on_failure="nan"``, where the NaN left in the result is the answer,
+    unless `always` (a failure that leaves no NaN behind: a loop stopped at its bound).
 
     `bad` (a boolean computed from the flags, any of whose elements says `error` will raise)
     makes the run-time check cheap: the host is called only when it holds, and under `vmap`
     once for the whole batch, with the first bad sample's flags (`check_p`)."""
-    if _settings[-1]["on_failure"] == "nan":
+    if _settings[-1]["on_failure"] == "nan" and not always:
         return
     if all(is_concrete(x) for x in flags):
         err = error(*[np.asarray(x) for x in flags])

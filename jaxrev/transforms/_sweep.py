@@ -446,7 +446,7 @@ class BodyStep:
     xs: list                    # the iteration's unknown `xs`, rebuilt
     xs_ct: list | None          # the cotangents of the active `xs`
     consts_ct: list | None      # this iteration's share of the active constants' cotangents
-    drift: tuple = drift.NO_DRIFT   # the worst (ratio, site) of the loops inside the body
+    drift: tuple                # the worst (ratio, site) of the loops inside the body
 
 
 class BodyWalk:

@@ -28,13 +28,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrev._compat import is_concrete, user_source
-from jaxrev._jaxpr import eval_closed, select_batched, where
+from jaxrev._jaxpr import eval_closed, mentions, select_batched, where
 from jaxrev._errors import DriftError
 from jaxrev.transforms._checks import check_at_run_time
 
 __all__ = ["ON_DRIFT", "Dial", "Log", "DriftWarning", "scope", "note", "site", "checking",
-           "combine", "NO_DRIFT", "ratio", "leaf_drift", "describe_loops", "suspended",
-           "recomputable", "values_tol"]
+           "combine", "no_drift", "ratio", "leaf_drift", "describe_loops", "suspended",
+           "recomputable", "values_tol", "segment_checks"]
 
 ON_DRIFT = ("raise", "nan", "warn", "ignore")
 
@@ -108,7 +108,9 @@ class Dial:
         return float(np.sqrt(np.finfo(dtype).eps))
 
 
-NO_DRIFT = (0.0, -1)
+def no_drift() -> tuple[Any, Any]:
+    """The `(ratio, site)` pair of no comparison: a loop's starting worst."""
+    return jnp.zeros((), jnp.float32), jnp.full((), -1, jnp.int32)
 
 
 def leaf_drift(rebuilt: Any, true: Any, atol: float = 0.0) -> Any:
@@ -255,19 +257,28 @@ def suspended() -> Iterator[None]:
 def recomputable(closed: Any) -> bool:
     """Whether "auto" can recompute a segment of a loop with this body: JAX's VJP of the body,
     which a `while_loop` inside refuses (that loop then stays checkpointed and checked)."""
-    def walk(j: Any) -> bool:
-        for e in j.eqns:
-            if e.primitive.name in ("while", "jaxrev_while"):
-                return False
-            for v in e.params.values():
-                for sub in (v if isinstance(v, (tuple, list)) else (v,)):
-                    inner = getattr(sub, "jaxpr", None)
-                    if inner is not None and hasattr(inner, "eqns") and not walk(inner):
-                        return False
-                    if hasattr(sub, "eqns") and not walk(sub):
-                        return False
-        return True
-    return walk(closed.jaxpr)
+    return not mentions(closed.jaxpr, lambda p: p.name in ("while", "jaxrev_while"))
+
+
+def segment_checks(dial: Dial, eqn: Any, carry: Sequence[Any], body: Any, nc: int, ncar: int,
+                   consts: Sequence[Any], act: Sequence[bool] | None, yct: Sequence[bool],
+                   can_redo: bool, planning: bool) -> tuple[Any, Any]:
+    """A checkpointed loop's comparison `check(c_rebuilt, c_stored) -> (ratio, site)` of each
+    segment's rebuilt start with its checkpoint, and (the "auto" dial, where `can_redo` and the
+    body allows it) `body_redo`'s recomputation of a segment that missed; (None, None) where
+    nothing is checked (the planning walk, on_drift="ignore")."""
+    if planning or not dial.checks:
+        return None, None
+    at = site("the rebuilt start of a checkpointed segment of the loop", eqn,
+              values_tol(dial, [a.dtype for a in carry]))
+
+    def check(c, ck):
+        return ratio(dial, c, ck), jnp.asarray(at, jnp.int32)
+
+    redo = None
+    if dial.auto and can_redo and act is not None and recomputable(body):
+        redo = body_redo(body, nc, ncar, consts, act, yct)
+    return check, redo
 
 
 def site(what: str, eqn: Any, tol: float, inputs: bool = False) -> int:
@@ -290,7 +301,7 @@ class _Scope:
         self.entries = entries
 
     def worst(self) -> tuple[Any, Any]:
-        w = (jnp.zeros((), jnp.float32), jnp.full((), -1, jnp.int32))
+        w = no_drift()
         for p in self.entries:
             w = combine(w, p)
         return w
@@ -357,7 +368,7 @@ def segmented(bstep: Any, carry0: tuple, slices: Any, length: int, K: int,
                 lambda: (c_ct_s, k_ct_s, outs))
             w_s = tuple(where(bad, a, b) for a, b in zip(w, w_s))
             rho = where(bad, 0.0, rho)
-        return c_ct_s, k_ct_s, combine(w_s, (rho, jnp.asarray(at, jnp.int32))), outs
+        return c_ct_s, k_ct_s, combine(w_s, (rho, at)), outs
 
     outs_full = None
     c_end = [jnp.asarray(f, c.dtype) for f, c in zip(c_final, ckpts)]

@@ -160,7 +160,8 @@ def _checked_walk(P: Plan, env: Env, ctenv: dict | None, active: set, res: Seque
     the dial says."""
     dial = P.dial
     J = P.closed.jaxpr
-    loops = drift.describe_loops(J.eqns, lambda e: e.primitive.name in _LOOPS)
+    loops = (drift.describe_loops(J.eqns, lambda e: e.primitive.name in _LOOPS)
+             if dial.checks else "")
     with drift.checking(dial, dial.name, loops) as log:
         walk(P, env, ctenv, active, Residuals(P, res), [])
         cts = read()
@@ -292,7 +293,10 @@ def bind_reversible(fun: Callable, args: Sequence[Any], argnums: int | Sequence[
     j, consts = hoist_consts(prog.closed)
     state = (False,) * len(consts) + tuple(i in state_pos for i in range(len(prog.flat)))
     operands = [*consts, *[jnp.asarray(x) for x in prog.flat]]
-    key = _fingerprint(fun, j, state, out_tree) if not consts else None
+    # eager calls only: a traced call (under jit) is traced once anyway, and hashing its
+    # constants' bytes would be work on every trace for nothing
+    eager_call = not consts and all(is_concrete(x) for x in prog.flat)
+    key = _fingerprint(fun, j, state, out_tree) if eager_call else None
     if key is not None:
         if key in _BOUND:
             _BOUND.move_to_end(key)

@@ -265,13 +265,14 @@ def _scan_sweep(P: Plan, i: int, env: Env, ctenv: dict | None, active: set,
 
     sl = ([env.read(v) for v, k in zip(ys, yk) if k], [c for c in ys_ct if c is not None],
           [env.read(v) for v, k in zip(xs, xk) if k], list(lres))
-    w0 = (jnp.zeros((), jnp.float32), jnp.full((), -1, jnp.int32))
+    w0 = drift.no_drift()
     if K is None:
         (c_first, c_first_ct, k_ct, w), (x_rec, x_ct) = lax.scan(
             bstep, (c0, c_ct0, k_ct0, w0), sl, length=length, reverse=not rev)
     else:
-        check, redo = _segment_checks(P, e, sp, env, consts, carry, act, yct, xk, want,
-                                      res.planning)
+        check, redo = drift.segment_checks(P.dial, e, carry, body, nc, ncar,
+                                           [env.read(v) for v in consts], act, yct, all(xk),
+                                           res.planning)
         (c_first, c_first_ct, k_ct, w), (x_rec, x_ct) = drift.segmented(
             bstep, (c0, c_ct0, k_ct0, w0), sl, length, K, ckpts, rev, check, redo)
     drift.note(w)
@@ -281,28 +282,6 @@ def _scan_sweep(P: Plan, i: int, env: Env, ctenv: dict | None, active: set,
     if want:
         for v, g in zip([v for v, a in zip(xs, act[nc + ncar:]) if a], x_ct):
             acc(ctenv, v, g)
-
-
-def _segment_checks(P: Plan, e: JaxprEqn, sp: ScanParams, env: Env, consts: Sequence[Any],
-                    carry: Sequence[Any], act: Sequence[bool] | None, yct: Sequence[bool],
-                    xk: Sequence[bool], want: bool, planning: bool) -> tuple[Any, Any]:
-    """A checkpointed loop's comparison of each segment's rebuilt start with its checkpoint,
-    and (the "auto" dial, where every `xs` is known) the recomputation of a segment that
-    missed."""
-    dial = P.dial
-    if planning or not dial.checks:
-        return None, None
-    at = drift.site("the rebuilt start of a checkpointed segment of the loop", e,
-                    drift.values_tol(dial, [a.dtype for a in carry]))
-
-    def check(c, ck):
-        return drift.ratio(dial, c, ck), at
-
-    redo = None
-    if dial.auto and want and all(xk) and drift.recomputable(sp.body):
-        redo = drift.body_redo(sp.body, sp.nconsts, sp.ncarry,
-                               [env.read(v) for v in consts], act, yct)
-    return check, redo
 
 
 def _discarded_counters(sp: ScanParams, env: Env, consts: Sequence[Any], init: Sequence[Any],

@@ -87,7 +87,7 @@ def _while_sweep(P: Plan, i: int, env: Env, ctenv: dict | None, active: set,
     step = BodyWalk(bp, nbc, ncar, (), (), bvals, act, ())
     c0 = [env.read(v) for v in e.outvars]
     c_ct0, k_ct0 = loop_cts_in(ctenv, e.outvars, body, nbc, act)
-    w0 = (jnp.zeros((), jnp.float32), jnp.full((), -1, jnp.int32))
+    w0 = drift.no_drift()
 
     def bstep(go, c, c_ct, k_ct, w):
         return _masked_step(step, body, bvals, go, c, c_ct, k_ct, w, [])
@@ -182,12 +182,9 @@ def _stored_sweep(P: Plan, i: int, env: Env, ctenv: dict | None, active: set,
     step = BodyWalk(bp, nbc, ncar, (), (), bvals, act, ())
     c0 = [env.read(v) for v in e.outvars]
     c_ct0, k_ct0 = loop_cts_in(ctenv, e.outvars, body, nbc, act)
-    K, dial = lp.every, P.dial
-    check = K is not None and dial.checks and not res.planning
-    at = drift.site("the rebuilt start of a checkpointed segment of the loop", e,
-                    drift.values_tol(dial, [a.dtype for a in lp.carry])) if check else -1
-    redo = (drift.body_redo(body, nbc, ncar, bvals, act, ())
-            if check and dial.auto and want and drift.recomputable(body) else None)
+    K = lp.every
+    check, redo = (drift.segment_checks(P.dial, e, lp.carry, body, nbc, ncar, bvals, act, (),
+                                        True, res.planning) if K is not None else (None, None))
 
     def back(s):
         k, c, c_ct, k_ct, w, snap = s
@@ -198,8 +195,8 @@ def _stored_sweep(P: Plan, i: int, env: Env, ctenv: dict | None, active: set,
         if K is not None:
             start = t % K == 0
             ck_j = [lax.dynamic_index_in_dim(b, t // K, keepdims=False) for b in ck]
-            if check:
-                rho = drift.ratio(dial, c2, ck_j)
+            if check is not None:
+                rho, at = check(c2, ck_j)
                 if redo is not None:
                     bad = start & ~(rho <= 1.0)
                     m = jnp.clip(n - t, 0, K)   # per element under vmap
@@ -207,14 +204,14 @@ def _stored_sweep(P: Plan, i: int, env: Env, ctenv: dict | None, active: set,
                         bad, lambda: redo(ck_j, snap[0], snap[1], ([], [], [], []), K, m)[:2],
                         lambda: (c_ct2, k_ct2))
                     rho = where(bad, 0.0, rho)
-                w = drift.combine(w, (where(start, rho, 0.0), jnp.asarray(at, jnp.int32)))
+                w = drift.combine(w, (where(start, rho, 0.0), at))
             c2 = [where(start, a, b) for a, b in zip(ck_j, c2)]
             if redo is not None:
                 snap = jax.tree_util.tree_map(lambda a, b: where(start, a, b),
                                               (c_ct2, k_ct2), snap)
         return k - 1, c2, c_ct2, k_ct2, w, snap
 
-    w0 = (jnp.zeros((), jnp.float32), jnp.full((), -1, jnp.int32))
+    w0 = drift.no_drift()
     snap0 = (c_ct0, k_ct0) if redo is not None else ()
     _, c_first, c_first_ct, k_ct, w, _ = lax.while_loop(
         lambda s: s[0] > 0, back, (jnp.max(n), c0, c_ct0, k_ct0, w0, snap0))
@@ -353,9 +350,10 @@ def _bounded_forward(e: JaxprEqn, lp: LoopPlan, pred: Callable, bc: Sequence[Any
         lambda s: (s[0] < N) & jnp.any(pred(s[2])), body,
         (jnp.zeros((), jnp.int32), n0, [jnp.asarray(x) for x in init], bufs, ck))
     over = jnp.any(pred(c))
+    # the loop stopped at its bound: no NaN would tell, so this raises under any setting
     raise_where(lambda o: None if not o else not_invertible(
         e, f"the loop ran past max_steps={N} (its stored iterations)",
-        "Ways out: raise `max_steps` in `jr.reversible`."), over, bad=over)
+        "Ways out: raise `max_steps` in `jr.reversible`."), over, bad=over, always=True)
     return list(c), [n, *bufs, *ck]
 
 
