@@ -351,7 +351,10 @@ def prepare(closed: ClosedJaxpr) -> ClosedJaxpr:
 
     def inline(eqn: JaxprEqn, outer_src: Any) -> None:
         src = eqn.source_info if outer_src is None or has_user_frame(eqn) else outer_src
-        if eqn.primitive not in CALL_PRIMITIVES:
+        taken = _taken_branch(eqn, s)
+        if taken is not None:
+            inner, operands = taken
+        elif eqn.primitive not in CALL_PRIMITIVES:
             invars = [s(v) for v in eqn.invars]
             sig = _signature(eqn, invars)
             first = seen.get(sig) if sig is not None else None
@@ -375,13 +378,14 @@ def prepare(closed: ClosedJaxpr) -> ClosedJaxpr:
             if sig is not None and first is None:
                 seen[sig] = new
             return
-        inner = call_jaxpr(eqn.params)
+        else:
+            inner, operands = call_jaxpr(eqn.params), eqn.invars
         ij = inner.jaxpr
         for v, c in zip(ij.constvars, inner.consts):
             sub[v] = nv = new_var(v.aval)
             constvars.append(nv)
             consts.append(c)
-        outer_in = [s(a) for a in eqn.invars]
+        outer_in = [s(a) for a in operands]
         for v, a in zip(ij.invars, outer_in):
             sub[v] = a
         for ie in ij.eqns:
@@ -395,6 +399,21 @@ def prepare(closed: ClosedJaxpr) -> ClosedJaxpr:
         inline(eqn, None)
     new = jaxpr.replace(constvars=constvars, eqns=eqns, outvars=[s(v) for v in jaxpr.outvars])
     return ClosedJaxpr(new, consts)
+
+
+def _taken_branch(eqn: JaxprEqn, s: Callable) -> tuple[ClosedJaxpr, list] | None:
+    """A `cond` whose index is a literal (diffrax's `made_jump=False`, a Python bool passed to
+    `lax.cond`) is its taken branch: inlined, its other branches never run, so they need no
+    inverse and store nothing."""
+    from jaxrev._compat import as_closed, prims
+    if eqn.primitive is not prims.cond:
+        return None
+    index = s(eqn.invars[0])
+    if not isinstance(index, Literal):
+        return None
+    branches = eqn.params["branches"]
+    k = min(max(int(np.asarray(index.val)), 0), len(branches) - 1)
+    return as_closed(branches[k]), list(eqn.invars[1:])
 
 
 @functools.lru_cache(maxsize=65536)

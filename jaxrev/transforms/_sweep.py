@@ -250,7 +250,7 @@ def _rebuild(P: Plan, i: int, hi: int, env: Env, goals: list, res: Residuals) ->
     stuck: list[Stuck] = []
     while hi > 0:
         lo = max(0, hi - n)
-        stuck = propagate(Window(eqns[lo:hi]), env, goals, soft=True)
+        stuck = propagate(Window(eqns[lo:hi], cut=lo > 0), env, goals, soft=True)
         if all(env.known(g) for g in goals) or lo == 0:
             break
         n *= 4

@@ -51,13 +51,18 @@ class Stuck:
 
 
 class Window:
-    """A stretch of a jaxpr's equations, for `propagate` (which reads `.eqns`, `.outvars`)."""
+    """A stretch of a jaxpr's equations, for `propagate` (which reads `.eqns`, `.outvars`).
 
-    __slots__ = ("eqns", "outvars")
+    `cut`: equations before the stretch are left out, so a value the stretch reads may be
+    fixed by equations it cannot see; a group step then refuses a group that is singular on
+    random stand-ins (it would take such a value as free), and the window widens instead."""
 
-    def __init__(self, eqns: Sequence[JaxprEqn]) -> None:
+    __slots__ = ("eqns", "outvars", "cut")
+
+    def __init__(self, eqns: Sequence[JaxprEqn], cut: bool = False) -> None:
         self.eqns = list(eqns)
         self.outvars: list = []
+        self.cut = cut
 
 
 @dataclass
@@ -261,10 +266,11 @@ def propagate(jaxpr: Jaxpr | Window, env: Env, goals: Sequence[Any] | None, *,
         # group steps see only the allowed equations
         gp = pending if allow is None else [i for i in pending if allow(eqns[i])]
         lossy = {i for i, s in stuck.items() if s.lossy}
-        if (lumps.lump_step(eqns, env, [i for i in gp if i not in lossy])
+        cut = getattr(jaxpr, "cut", False)
+        if (lumps.lump_step(eqns, env, [i for i in gp if i not in lossy], cut)
                 or choices.choice_step(eqns, env, gp, soft)
                 or nonlinear.eliminate_step(eqns, env, gp, lossy)
-                or nonlinear.newton_step(eqns, env, gp, lossy)):
+                or nonlinear.newton_step(eqns, env, gp, lossy, cut)):
             for j in gp:   # a group step may write anywhere: look at everything again
                 if not queued[j]:
                     queued[j] = True

@@ -31,11 +31,12 @@ from jax import lax
 
 from jaxrev._compat import JaxprEqn, Var, is_concrete, prims, staged_constants
 from jaxrev._errors import not_invertible
-from jaxrev._jaxpr import Env, evaluate, real_outvars, size_of
+from jaxrev._jaxpr import Env, apply, evaluate, real_outvars, size_of
 from jaxrev.transforms import records
 from jaxrev.transforms.registry import BILINEAR, LINEAR, Unsupported, elementwise_in, is_kind
 
-__all__ = ["lump_step", "Lump", "affine_eqn", "stand_ins", "probe_band", "band_entries",
+__all__ = ["lump_step", "Lump", "affine_eqn", "stand_ins", "singular_on_stand_ins",
+           "probe_band", "band_entries",
            "banded_triangular_solve", "banded_solve", "slogdet_of", "MIN_STRUCTURED_SIZE"]
 
 MIN_STRUCTURED_SIZE = 64
@@ -242,8 +243,10 @@ def _is_affine(eqns: Sequence[JaxprEqn], active: set[Var]) -> bool:
     return True
 
 
-def lump_step(eqns: Sequence[JaxprEqn], env: Env, pending: Sequence[int]) -> bool:
-    """Solve the smallest trailing group of stuck equations that is square and affine."""
+def lump_step(eqns: Sequence[JaxprEqn], env: Env, pending: Sequence[int],
+              cut: bool = False) -> bool:
+    """Solve the smallest trailing group of stuck equations that is square and affine (and,
+    where equations before `eqns` are `cut` off, not singular on stand-ins)."""
     cand = [i for i in pending if any(not env.known(v) for v in eqns[i].invars)]
     stuck = [i for i in cand if any(env.known(v) for v in real_outvars(eqns[i]))]
     if not stuck:
@@ -275,6 +278,10 @@ def lump_step(eqns: Sequence[JaxprEqn], env: Env, pending: Sequence[int]) -> boo
         # (an overwritten operand's elements do not reach its output); such a lump is not
         # the one to solve
         if any(v in env.part for v in inputs) and _singular_at_trace_time(L, env) is not False:
+            continue
+        # singular on random stand-ins: an input the lump takes as free may be fixed by
+        # equations the window cuts off; solving would give NaN, so the window widens
+        if cut and singular_on_stand_ins(L, env):
             continue
         _solve_lump(L, env)
         records.group_step(env, "lump", L.eqns, L.inputs, L.outputs)
@@ -321,8 +328,10 @@ class Lump:
     """A group of equations, its unknown inputs and its known outputs, as the map
     ``F(inputs; values read from outside) = outputs``."""
 
-    def __init__(self, eqns: Sequence[JaxprEqn], inputs: list[Var], outputs: list[Var]) -> None:
+    def __init__(self, eqns: Sequence[JaxprEqn], inputs: list[Var], outputs: list[Var],
+                 sources: dict | None = None) -> None:
         self.eqns, self.inputs, self.outputs = list(eqns), inputs, outputs
+        self.sources = sources or {}   # var -> the equation computing it (for stand-ins)
         produced = {v for e in self.eqns for v in real_outvars(e)}
         self.reads = list(dict.fromkeys(v for e in self.eqns for v in e.invars
                                         if isinstance(v, Var) and v not in produced
@@ -354,13 +363,11 @@ class Lump:
 
 def _solve_lump(L: Lump, env: Env) -> None:
     inputs, outputs = L.inputs, L.outputs
-    shapes = {tuple(v.aval.shape) for v in [*inputs, *outputs]}
     dtype = jnp.result_type(*[v.aval.dtype for v in [*inputs, *outputs]])
     ys = [jnp.asarray(env.read(o), dtype) for o in outputs]
-    elementwise = len(shapes) == 1 and len(inputs) == len(outputs) and all(
-        elementwise_in(e, next(iter(shapes))) for e in L.eqns)
-    if elementwise:
-        sols = _solve_elementwise(L, env, next(iter(shapes)), dtype, ys)
+    shape = _elementwise_shape(L)
+    if shape is not None:
+        sols = _solve_elementwise(L, env, shape, dtype, ys)
     else:
         sizes = [int(np.prod(v.aval.shape, dtype=np.int64)) for v in inputs]
         offs = np.cumsum([0] + sizes)
@@ -384,23 +391,79 @@ def _solve_lump(L: Lump, env: Env) -> None:
         env.write(v, s)
 
 
-def _solve_elementwise(L: Lump, env: Env, shape: tuple[int, ...], dtype: Any,
-                       ys: list[Any]) -> list[Any]:
-    """One small k x k system per element: k JVPs give every block at once."""
-    inputs = L.inputs
-    k = len(inputs)
+def _elementwise_shape(L: Lump) -> tuple[int, ...] | None:
+    shapes = {tuple(v.aval.shape) for v in [*L.inputs, *L.outputs]}
+    if len(shapes) == 1 and len(L.inputs) == len(L.outputs) and all(
+            elementwise_in(e, next(iter(shapes))) for e in L.eqns):
+        return next(iter(shapes))
+    return None
+
+
+def _blocks(L: Lump, env: Env, shape: tuple[int, ...], dtype: Any,
+            at: Sequence[Any] | None = None) -> tuple[list, Any]:
+    """F at zero (or at `at`) and the k x k block of each element there (k JVPs give every
+    block at once)."""
     F = partial(L, known=env)
-    zeros = [jnp.zeros(shape, v.aval.dtype) for v in inputs]
+    zeros = list(at) if at is not None else [jnp.zeros(shape, v.aval.dtype) for v in L.inputs]
     f0 = [jnp.asarray(f, dtype) for f in F(*zeros)]
     cols = []
-    for j in range(k):
+    for j in range(len(L.inputs)):
         tang = [jnp.ones(shape, v.aval.dtype) if m == j else jnp.zeros(shape, v.aval.dtype)
-                for m, v in enumerate(inputs)]
+                for m, v in enumerate(L.inputs)]
         _, d = jax.jvp(F, zeros, tang)
         cols.append(jnp.stack([jnp.asarray(x, dtype) for x in d], -1))
+    return f0, jnp.stack(cols, -1)
+
+
+_MAX_STAND_IN_RANK = 256
+_MAX_STAND_IN_ELEMENTS = 1 << 20
+
+
+def singular_on_stand_ins(L: Lump, env: Env, nonlinear: bool = False) -> bool:
+    """Whether the group's matrix (its Jacobian, at a random point, when `nonlinear`) is
+    singular at random stand-ins for what it reads, so, almost surely, at every value: its
+    blocks' smallest singular values when elementwise, its rank up to `_MAX_STAND_IN_RANK`
+    unknowns otherwise. False when not decided."""
+    shape = _elementwise_shape(L)
+    n = size_of(v.aval for v in L.inputs)
+    if shape is None and n > _MAX_STAND_IN_RANK:
+        return False
+    if shape is not None and int(np.prod(shape, dtype=np.int64)) > _MAX_STAND_IN_ELEMENTS:
+        return False
+    stand_in = stand_ins(L, env)
+    if stand_in is None:
+        return False
+    dtype = jnp.result_type(*[v.aval.dtype for v in [*L.inputs, *L.outputs]])
+    rng = np.random.default_rng(1)
+    try:
+        with jax.ensure_compile_time_eval():
+            if shape is not None:
+                at = [(0.5 * rng.standard_normal(shape)).astype(v.aval.dtype) if nonlinear
+                      else np.zeros(shape, v.aval.dtype) for v in L.inputs]
+                A = np.asarray(_blocks(L, stand_in, shape, dtype, at)[1])
+                A = A.reshape(-1, len(L.inputs), len(L.inputs))
+            else:
+                offs = np.cumsum([0] + [int(np.prod(v.aval.shape, dtype=np.int64))
+                                        for v in L.inputs])
+                u = (0.5 * rng.standard_normal(n) if nonlinear else np.zeros(n)).astype(dtype)
+                A = np.asarray(jax.jacfwd(L.flat(offs, dtype, stand_in))(jnp.asarray(u)))[None]
+    except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
+        return False
+    if not np.all(np.isfinite(A)) or A.size == 0:
+        return False
+    sv = np.linalg.svd(A, compute_uv=False)
+    eps = np.finfo(sv.dtype).eps
+    return bool(np.any(sv[:, -1] <= 64 * eps * A.shape[-1] * sv[:, 0]))
+
+
+def _solve_elementwise(L: Lump, env: Env, shape: tuple[int, ...], dtype: Any,
+                       ys: list[Any]) -> list[Any]:
+    """One small k x k system per element."""
+    k = len(L.inputs)
+    f0, A = _blocks(L, env, shape, dtype)
     # A depends on known values only; applying inv(A) by elementwise mul/add keeps the
     # result an elementwise linear lump again, so reverse(reverse(f)) works
-    Ainv = jnp.linalg.inv(jnp.stack(cols, -1))
+    Ainv = jnp.linalg.inv(A)
     rs = [y - f for y, f in zip(ys, f0)]
     sols = []
     for m in range(k):
@@ -411,20 +474,48 @@ def _solve_elementwise(L: Lump, env: Env, shape: tuple[int, ...], dtype: Any,
     return sols
 
 
+_SOURCE_DEPTH = 16
+
+
 def stand_ins(L: Lump, env: Env) -> Env | None:
     """Concrete values for what `L` reads, to find its structure at trace time: the known
     values where concrete, random numbers for traced floats; None when a traced integer or
-    boolean (an index, a predicate) is read, since it may change the pattern."""
+    boolean (an index, a predicate) is read, since it may change the pattern.
+
+    A traced float computed from other traced floats by equations `L.sources` holds (``dt``
+    and ``dt / 2``, both read) is computed from their stand-ins: independent random values
+    would break the relation a cancellation rests on."""
     stand_in = Env()
     rng = np.random.default_rng(0)
-    for v in L.reads:
-        val = env.read(v)
-        if is_concrete(val):
-            stand_in.write(v, np.asarray(val))
-        elif jnp.issubdtype(v.aval.dtype, jnp.inexact):
-            stand_in.write(v, rng.standard_normal(v.aval.shape).astype(v.aval.dtype) + 1.5)
+    memo: dict = {}
+
+    def value(v: Any, depth: int) -> Any:
+        if not isinstance(v, Var):
+            return np.asarray(v.val)
+        if v in memo:
+            return memo[v]
+        val = env.read(v) if env.known(v) else None
+        if val is not None and is_concrete(val):
+            out = np.asarray(val)
+        elif not jnp.issubdtype(v.aval.dtype, jnp.inexact):
+            out = None
         else:
+            e = L.sources.get(v) if depth < _SOURCE_DEPTH else None
+            ins = [value(u, depth + 1) for u in e.invars] if e is not None else [None]
+            if all(x is not None for x in ins):
+                with jax.ensure_compile_time_eval():
+                    out = np.asarray(apply(e, [jnp.asarray(x) for x in ins])[
+                        list(e.outvars).index(v)])
+            else:
+                out = rng.standard_normal(v.aval.shape).astype(v.aval.dtype) + 1.5
+        memo[v] = out
+        return out
+
+    for v in L.reads:
+        val = value(v, 0)
+        if val is None:
             return None
+        stand_in.write(v, val)
     return stand_in
 
 

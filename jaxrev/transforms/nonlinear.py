@@ -42,7 +42,7 @@ from jaxrev._jaxpr import Env, real_outvars, size_of
 from jaxrev.transforms._checks import (NEWTON_STARTS, ON_FAILURE, counts, raise_where,
                                       setting, settings)
 from jaxrev.transforms import records
-from jaxrev.transforms.lumps import Lump, affine_eqn, stand_ins
+from jaxrev.transforms.lumps import Lump, affine_eqn, singular_on_stand_ins, stand_ins
 from jaxrev.transforms.registry import SMOOTH, elementwise_in, is_kind
 
 __all__ = ["eliminate_step", "newton_step", "settings", "ON_FAILURE"]
@@ -86,12 +86,17 @@ def eliminate_step(eqns: Sequence[JaxprEqn], env: Env, pending: Sequence[int],
     if not stuck:
         return False
     group = [eqns[i] for i in cand][-MAX_GROUP_EQNS:]
+    first = cand[-MAX_GROUP_EQNS:][0]
+    # where the known values the group reads come from, nearby: their stand-ins keep their
+    # relations (the step's dt and dt / 2)
+    sources = {o: e for e in eqns[max(0, first - 4 * MAX_GROUP_EQNS):first]
+               for o in real_outvars(e)}
     shapes = Counter(tuple(o.aval.shape) for i in stuck for o in real_outvars(eqns[i])
                      if env.known(o))
     shape = shapes.most_common(1)[0][0]
     tried: list = []
     for blocks in (True, False):
-        L, cut = _affine_part(group, env, shape if blocks else None)
+        L, cut = _affine_part(group, env, shape if blocks else None, sources)
         # without a cut, the affine part is a linear lump, which `lumps` has tried already;
         # the dense pass adds nothing when its affine part is the elementwise one
         if L is None or not cut & set(L.inputs) or not _floats([*L.inputs, *L.outputs]):
@@ -104,18 +109,19 @@ def eliminate_step(eqns: Sequence[JaxprEqn], env: Env, pending: Sequence[int],
             continue
         tried.append(L.eqns)
         system = _System(L, blocks, shape)
-        det = _determined(system, env)
+        det, full_rows = _determined(system, env)
         if not det:
             continue
-        for v, val in zip([L.inputs[j] for j in det], _solve_determined(system, env, det)):
+        for v, val in zip([L.inputs[j] for j in det],
+                          _solve_determined(system, env, det, full_rows)):
             env.write(v, val)
         records.unsupported(env, f"an exact linear elimination ({L.eqns[0].primitive})")
         return True
     return False
 
 
-def _affine_part(group: Sequence[JaxprEqn], env: Env, shape: tuple[int, ...] | None
-                 ) -> tuple[Lump | None, set]:
+def _affine_part(group: Sequence[JaxprEqn], env: Env, shape: tuple[int, ...] | None,
+                 sources: dict | None = None) -> tuple[Lump | None, set]:
     """The equations affine in the unknowns (elementwise of `shape`, when given), and the
     outputs of the others (cut: they become unknowns of the affine part)."""
     lin, cut = [], set()
@@ -133,16 +139,17 @@ def _affine_part(group: Sequence[JaxprEqn], env: Env, shape: tuple[int, ...] | N
     outputs = [v for e in lin for v in real_outvars(e) if env.known(v)]
     if not inputs or not outputs:
         return None, cut
-    return Lump(lin, inputs, outputs), cut
+    return Lump(lin, inputs, outputs, sources), cut
 
 
-_DETERMINED: dict[tuple, list[int]] = {}
+_DETERMINED: dict[tuple, tuple[list[int], bool]] = {}
 
 
-def _determined(system: "_System", env: Env) -> list[int]:
+def _determined(system: "_System", env: Env) -> tuple[list[int], bool]:
     """Which unknowns the system determines, from M's structure on stand-in values: unknown j
-    is determined where its unit vector lies in M's row space (in every element). Memoized
-    per group: the walks of one jaxpr meet the same stuck group again and again."""
+    is determined where its unit vector lies in M's row space (in every element); and whether
+    M's rows are independent there. Memoized per group: the walks of one jaxpr meet the same
+    stuck group again and again."""
     L = system.lump
     key = (tuple(L.eqns), tuple(L.inputs), tuple(L.outputs), system.blocks)
     if key not in _DETERMINED:
@@ -152,18 +159,18 @@ def _determined(system: "_System", env: Env) -> list[int]:
     return _DETERMINED[key]
 
 
-def _rank_analysis(system: "_System", env: Env) -> list[int]:
+def _rank_analysis(system: "_System", env: Env) -> tuple[list[int], bool]:
     probe = stand_ins(system.lump, env)
     if probe is None:
-        return []
+        return [], False
     reads = [probe.read(v) for v in system.lump.reads]
     try:
         with jax.ensure_compile_time_eval():
             M = np.asarray(system.probe_matrix(reads))
     except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
-        return []
+        return [], False
     if not np.all(np.isfinite(M)):
-        return []
+        return [], False
     # null space of each block: right singular vectors with negligible singular values
     _, s, vt = np.linalg.svd(M, full_matrices=True)
     k = M.shape[-1]
@@ -172,15 +179,33 @@ def _rank_analysis(system: "_System", env: Env) -> list[int]:
     null = np.arange(k) >= rank[..., None]                       # (..., k) rows of vt
     weight = np.einsum("...ij,...i->...j", vt ** 2, null.astype(M.dtype))
     det_comp = np.all(weight.reshape(-1, k) < 1e-12, axis=0) if weight.size else np.zeros(k, bool)
-    return system.whole_unknowns(det_comp)
+    full_rows = bool(np.all(rank == M.shape[-2]))
+    return system.whole_unknowns(det_comp), full_rows
 
 
-def _solve_determined(system: "_System", env: Env, det: list[int]) -> list[Any]:
+def _small_inv(A: Any) -> Any:
+    """Inverses of a batch of m x m matrices; closed forms for m <= 2, which are elementwise
+    arithmetic (a batched LAPACK call per loop iteration costs more than the step)."""
+    m = A.shape[-1]
+    if m == 1:
+        return 1.0 / A
+    if m == 2:
+        a, b, c, d = A[..., 0, 0], A[..., 0, 1], A[..., 1, 0], A[..., 1, 1]
+        det = a * d - b * c
+        return jnp.stack([jnp.stack([d, -b], -1), jnp.stack([-c, a], -1)], -2) / det[
+            ..., None, None]
+    return jnp.linalg.inv(A)
+
+
+def _solve_determined(system: "_System", env: Env, det: list[int],
+                      full_rows: bool = False) -> list[Any]:
     reads = [env.read(v) for v in system.lump.reads]
     M = system.matrix(reads)
     r = system.pack_out([env.read(o) for o in system.lump.outputs]) - system.F(
         system.zeros(), reads)
-    P = jnp.linalg.pinv(M)
+    MT = jnp.swapaxes(M, -1, -2)
+    # independent rows: M⁺ = Mᵀ (M Mᵀ)⁻¹, an m x m inverse instead of an SVD per call
+    P = MT @ _small_inv(M @ MT) if full_rows else jnp.linalg.pinv(M)
     u = jnp.einsum("...ij,...j->...i", P, r)
     rows = system.component_rows(det)
     # the rank found on stand-ins must hold for the actual values
@@ -239,8 +264,9 @@ def _affine_coefficients(L: Lump, sample: Sequence[Any], n: int) -> Any | None:
 # --------------------------------------------------------------------------- Newton
 
 def newton_step(eqns: Sequence[JaxprEqn], env: Env, pending: Sequence[int],
-                blocked: set[int]) -> bool:
-    """Solve the smallest trailing square group of two or more smooth equations by Newton."""
+                blocked: set[int], cut: bool = False) -> bool:
+    """Solve the smallest trailing square group of two or more smooth equations by Newton
+    (where equations before `eqns` are `cut` off, not one singular on stand-ins)."""
     cand, stuck = _candidates(eqns, env, pending, blocked)
     if not stuck or not setting("newton"):
         return False
@@ -265,6 +291,10 @@ def newton_step(eqns: Sequence[JaxprEqn], env: Env, pending: Sequence[int],
         blocks = (len(shapes) == 1 and len(inputs) == len(outputs)
                   and all(elementwise_in(e, next(iter(shapes))) for e in group))
         if not blocks and size_of(v.aval for v in inputs) > MAX_UNKNOWNS:
+            continue
+        # a Jacobian singular on stand-ins: an input the group takes as free may be fixed
+        # by equations the window cuts off
+        if cut and singular_on_stand_ins(L, env, nonlinear=True):
             continue
         system = _System(L, blocks, next(iter(shapes)) if blocks else ())
         for v, val in zip(inputs, _newton(system, env)):
