@@ -10,11 +10,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrev._compat import ClosedJaxpr, make_jaxpr
+from jaxrev._compat import ClosedJaxpr, Var, make_jaxpr
+from jaxrev._jaxpr import Env, evaluate, prepare
 
 __all__ = ["avals_of", "fun_name", "normalize_argnums", "Program", "trace_program",
            "check_structure", "check_sizes", "is_traced", "traced_leaves", "Filtered",
-           "ravel_filtered", "eval_shape"]
+           "ravel_filtered", "eval_shape", "derived_leaves"]
 
 
 _NUMBERS = (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct, bool, int, float, complex)
@@ -162,3 +163,77 @@ def check_sizes(fun: Callable, state_leaves: Sequence[Any], out_leaves: Sequence
         raise ValueError(f"{who}: {fun_name(fun)} maps a state of {show(s)} elements to an "
                          f"output of {show(o)}: a bijection keeps the number of elements of "
                          "each dtype")
+
+
+def derived_leaves(step: Callable, carry: Any) -> tuple[list[int], Callable[[Sequence[Any]],
+                                                                         list[Any]]]:
+    """The leaves of a loop body's carry that the body computes from its other output leaves
+    alone, and a function that computes them from the other leaves of a carry.
+
+    A loop need not carry such a leaf: it is a function of the rest, so carrying it only
+    makes the step lose information (the value it overwrites). diffrax's `ReversibleHeun`
+    carries ``(yhat, f(t, yhat))`` to save a vector-field evaluation; its step inverts only
+    once ``f(t, yhat)`` is seen as what it is. A leaf whose computation reads another derived
+    leaf is kept, so the rest can be computed in one pass.
+
+    Returns (indices of the derived leaves of `jax.tree_util.tree_leaves(carry)`, `fill`):
+    ``fill(leaves)`` returns the leaves with the derived ones recomputed from the others.
+    """
+    leaves, tree = jax.tree_util.tree_flatten(carry)
+    closed, _ = make_jaxpr(
+        lambda *xs: jax.tree_util.tree_leaves(step(jax.tree_util.tree_unflatten(tree, xs))),
+        *leaves)
+    # merged duplicates: the counter's `k + 1` read by the time and the one carried are one
+    closed = prepare(closed)
+    j = closed.jaxpr
+    outs, ins = j.outvars, set(j.invars)
+    made = {o: e for e in j.eqns for o in e.outvars}
+    slices: dict[int, tuple[list, dict]] = {}
+    for k, o in enumerate(outs):
+        if not isinstance(o, Var) or o in ins:
+            continue
+        boundary = {}
+        for s, v in enumerate(outs):
+            if s != k and isinstance(v, Var) and v is not o:
+                boundary.setdefault(v, s)
+        eqns, reads, todo, seen, ok = [], {}, [o], set(), True
+        while todo and ok:
+            v = todo.pop()
+            if not isinstance(v, Var) or v in seen:
+                continue
+            seen.add(v)
+            if v in boundary:
+                reads[v] = boundary[v]
+            elif v in ins:
+                ok = False
+            elif v in made:
+                e = made[v]
+                if e not in eqns:
+                    if e.effects:
+                        ok = False
+                    eqns.append(e)
+                    todo.extend(e.invars)
+        # an equation of the slice that also makes a value read across the boundary would
+        # overwrite the carry's value with the body's own
+        ok = ok and not any(o in reads for e in eqns for o in e.outvars)
+        if ok:
+            order = {id(e): n for n, e in enumerate(j.eqns)}
+            slices[k] = (sorted(eqns, key=lambda e: order[id(e)]), reads)
+    derived = set(slices)
+    while any(set(slices[k][1].values()) & derived for k in derived):
+        derived = {k for k in derived if not set(slices[k][1].values()) & derived}
+
+    def fill(xs: Sequence[Any]) -> list[Any]:
+        xs = list(xs)
+        for k in sorted(derived):
+            eqns, reads = slices[k]
+            env = Env()
+            for v, c in zip(j.constvars, closed.consts):
+                env.write(v, c)
+            for v, s in reads.items():
+                env.write(v, xs[s])
+            evaluate(eqns, env)
+            xs[k] = env.read(outs[k])
+        return xs
+
+    return sorted(derived), fill

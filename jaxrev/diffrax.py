@@ -1,0 +1,300 @@
+"""`ReversibleAdjoint`: diffrax solves differentiated by running the solver backwards.
+
+An optional module (it imports diffrax). `diffeqsolve(..., adjoint=jr.diffrax.ReversibleAdjoint())`
+runs the step loop under `jr.reversible`: the backward pass rebuilds every step's state by
+inverting the solver's step (exactly so for `diffrax.ReversibleHeun`, whose step is an
+algebraic bijection of `(y, yhat, vf)`), so memory does not grow with the number of steps and
+the gradient is the discretise-then-optimise gradient (`DirectAdjoint`'s), not an adjoint ODE's
+approximation of it (`BacksolveAdjoint`'s).
+
+The loop is jaxrev's own, not diffrax's: the times come from the step counter (as
+`ConstantStepSize` and `StepTo` compute them, so the steps equal diffrax's bit for bit), and a
+value saved at `SaveAt(ts=...)` is one more step from the step it falls in, interpolated with
+the solver's interpolation and added into a zero buffer (which the backward pass subtracts).
+Nothing is stored per step; per save time, one trip count.
+"""
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import diffrax
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+from jax import lax
+
+from jaxrev._program import derived_leaves
+from jaxrev.transforms.reversible import reversible
+
+__all__ = ["ReversibleAdjoint"]
+
+# int32 step counts, so 31 halvings find any step
+_SEARCH_ROUNDS = 32
+
+
+class ReversibleAdjoint(diffrax.AbstractAdjoint):
+    """Backpropagate through `diffeqsolve` by running the solver backwards (`jr.reversible`).
+
+    Memory is flat in the number of steps; the gradient equals `DirectAdjoint`'s (to the
+    solver's reversal error, which `jr.reversible` measures and checks: `jr.DriftError`).
+    Needs a solver whose step jaxrev can invert (`diffrax.ReversibleHeun`; a solver that
+    loses information, e.g. `Euler`, is refused naming its line, unless `checkpoint_every`
+    is given), a `ConstantStepSize` or `StepTo` controller, no events, and `SaveAt` with
+    `t0`, `t1` and `ts` (not `steps` or `dense`). The fields are `jr.reversible`'s.
+
+    Example:
+        >>> import diffrax, jax, jax.numpy as jnp, jaxrev as jr
+        >>> from jaxrev.diffrax import ReversibleAdjoint
+        >>> def loss(th):
+        ...     term = diffrax.ODETerm(lambda t, y, th: -th * y)
+        ...     sol = diffrax.diffeqsolve(term, diffrax.ReversibleHeun(), 0.0, 1.0, 0.01,
+        ...                               jnp.ones(3), args=th, adjoint=ReversibleAdjoint())
+        ...     return sol.ys[-1].sum()
+        >>> g = jax.grad(loss)(0.5)
+        >>> bool(jnp.abs(g + 3 * jnp.exp(-0.5)) < 1e-3)
+        True
+    """
+
+    checkpoint_every: int | str | None = eqx.field(static=True, default=None)
+    memory_budget: int | None = eqx.field(static=True, default=None)
+    on_drift: str = eqx.field(static=True, default="raise")
+    drift_rtol: float | None = eqx.field(static=True, default=None)
+
+    def loop(self, *, args, terms, solver, stepsize_controller, event, saveat, t0, t1, dt0,
+             max_steps, throw, init_state, passed_solver_state, passed_controller_state,
+             progress_meter) -> Any:
+        del dt0, throw, passed_solver_state, passed_controller_state, progress_meter
+        _check_supported(event, saveat)
+        grid = _Grid.make(stepsize_controller, init_state, t0, t1)
+        n_run = grid.n if max_steps is None else jnp.minimum(grid.n, max_steps)
+
+        subs = jtu.tree_leaves(saveat.subs, is_leaf=_is_sub)
+        states = jtu.tree_leaves(init_state.save_state, is_leaf=_is_save_state)
+        save_ts = [jnp.asarray(s.ts) for s in subs if s.ts is not None]
+        if save_ts:
+            s_all = jnp.concatenate(save_ts).astype(jnp.result_type(t0))
+        else:
+            s_all = jnp.zeros((0,), jnp.result_type(t0))
+        where = jax.vmap(lambda s: grid.step_of(s))(s_all)
+        order = jnp.argsort(where, stable=True)
+
+        y0, ss0 = init_state.y, init_state.solver_state
+        full0 = (jnp.zeros((), jnp.int32), y0, ss0)
+        carry = _Carry(_body(terms, args, solver, grid), full0)
+        kept0 = eqx.error_if(carry.pack(full0), _off_manifold(carry, full0),
+                             "ReversibleAdjoint: the solver's initial state is not what its "
+                             "step computes from the rest of the state, so the step cannot "
+                             "be inverted from it")
+        buf0 = jtu.tree_map(lambda y: jnp.zeros((s_all.shape[0],) + jnp.shape(y),
+                                                jnp.result_type(y)), y0)
+        run = reversible(partial(_run, template=jax.eval_shape(lambda: full0)),
+                         checkpoint_every=self.checkpoint_every,
+                         memory_budget=self.memory_budget, on_drift=self.on_drift,
+                         drift_rtol=self.drift_rtol)
+        params = (terms, args, solver, grid, n_run, where[order], s_all[order], order)
+        kept1, buf = run((kept0, buf0), params)
+        _, y1, ss1 = carry.unpack(kept1)
+
+        saved, start = [], 0
+        for sub in subs:
+            pieces_t, pieces_y = [], []
+            if sub.t0:
+                pieces_t.append(jnp.reshape(t0, (1,)))
+                pieces_y.append(_lead(sub.fn(t0, y0, args)))
+            if sub.ts is not None:
+                k = len(sub.ts)
+                ts = s_all[start:start + k]
+                ys = jtu.tree_map(lambda b: b[start:start + k], buf)
+                pieces_t.append(ts)
+                pieces_y.append(jax.vmap(lambda t, y: sub.fn(t, y, args))(ts, ys))
+                start += k
+            if sub.t1:
+                pieces_t.append(jnp.reshape(grid.time(n_run), (1,)))
+                pieces_y.append(_lead(sub.fn(grid.time(n_run), y1, args)))
+            saved.append((pieces_t, pieces_y))
+
+        new_states = [_filled(st, ts, ys, 0 if sub.ts is None else len(sub.ts))
+                      for st, sub, (ts, ys) in zip(states, subs, saved)]
+        save_state = jtu.tree_unflatten(
+            jtu.tree_structure(init_state.save_state, is_leaf=_is_save_state), new_states)
+        result = diffrax.RESULTS.where(n_run < grid.n, diffrax.RESULTS.max_steps_reached,
+                                       diffrax.RESULTS.successful)
+        count = jnp.asarray(n_run, jnp.result_type(init_state.num_steps))
+        t_end = grid.time(n_run)
+        final = eqx.tree_at(
+            lambda s: (s.y, s.solver_state, s.tprev, s.tnext, s.num_steps,
+                       s.num_accepted_steps, s.save_state, s.result),
+            init_state, (y1, ss1, t_end, t_end, count, count, save_state, result),
+            is_leaf=lambda x: x is None)
+        return final, {}
+
+
+def _is_sub(x: Any) -> bool:
+    return isinstance(x, diffrax.SubSaveAt)
+
+
+def _is_save_state(x: Any) -> bool:
+    return hasattr(x, "saveat_ts_index") and hasattr(x, "save_index")
+
+
+def _lead(tree: Any) -> Any:
+    return jtu.tree_map(lambda x: jnp.expand_dims(jnp.asarray(x), 0), tree)
+
+
+def _filled(state: Any, ts: list, ys: list, n_ts: int) -> Any:
+    """`state` (diffrax's SaveState) with its buffers holding what was saved, in diffrax's
+    order (t0, then the `n_ts` times of `ts`, then t1)."""
+    if not ts:
+        return state
+    ts_all = jnp.concatenate(ts).astype(state.ts.dtype)
+    ys_all = jtu.tree_map(lambda *leaves: jnp.concatenate(leaves), *ys)
+    ys_all = jtu.tree_map(lambda new, old: new.astype(old.dtype).reshape(old.shape),
+                          ys_all, state.ys)
+    n = ts_all.shape[0]
+    return eqx.tree_at(lambda s: (s.ts, s.ys, s.save_index, s.saveat_ts_index), state,
+                       (ts_all, ys_all, jnp.asarray(n, jnp.result_type(state.save_index)),
+                        jnp.asarray(n_ts, jnp.result_type(state.saveat_ts_index))))
+
+
+def _check_supported(event: Any, saveat: Any) -> None:
+    if event is not None:
+        raise ValueError("ReversibleAdjoint does not support events: the step at which an "
+                         "event stops the solve is not known before it runs.")
+    if saveat.dense:
+        raise ValueError("ReversibleAdjoint does not support SaveAt(dense=True): it would "
+                         "store every step's interpolation, which is what it avoids.")
+    for sub in jtu.tree_leaves(saveat.subs, is_leaf=_is_sub):
+        if sub.steps:
+            raise ValueError("ReversibleAdjoint does not support SaveAt(steps=True): saving "
+                             "every step is the memory it avoids; save at `ts` instead.")
+
+
+class _Grid(eqx.Module):
+    """The step times of a `ConstantStepSize` or `StepTo` solve as a function of the step
+    counter, computed as diffrax's controllers compute them, so they equal diffrax's steps."""
+
+    n: Any
+    t0: Any
+    t1: Any
+    first: Any
+    frac: Any
+    ts: Any
+    clip_floor: Any
+
+    @classmethod
+    def make(cls, controller: Any, init_state: Any, t0: Any, t1: Any) -> "_Grid":
+        t0, t1 = jnp.asarray(t0), jnp.asarray(t1)
+        if isinstance(controller, diffrax.StepTo):
+            ts = jnp.asarray(controller.ts)
+            return cls(ts.shape[0] - 1, t0, t1, None, None, ts, None)
+        if not isinstance(controller, diffrax.ConstantStepSize):
+            raise ValueError(f"ReversibleAdjoint needs a ConstantStepSize or StepTo step-size "
+                             f"controller (the steps must be known before the solve), not "
+                             f"{type(controller).__name__}.")
+        _, num_steps, t0_sim, t1_sim = init_state.controller_state
+        num_steps = eqx.error_if(num_steps, num_steps < 0,
+                                 "ReversibleAdjoint needs a finite t1.")
+        floor = t1
+        for _ in range(100):
+            floor = jnp.nextafter(floor, jnp.asarray(-jnp.inf, floor.dtype))
+        return cls(num_steps, t0, t1, init_state.tnext, (t0_sim, t1_sim), None, floor)
+
+    def time(self, k: Any) -> Any:
+        if self.ts is not None:
+            return self.ts[k]
+        t0_sim, t1_sim = self.frac
+        dtype = jnp.result_type(t0_sim, t1_sim)
+        t = t0_sim + (t1_sim - t0_sim) * (jnp.astype(k, dtype) / jnp.astype(self.n, dtype))
+        t = jnp.where(k == self.n, t1_sim, t)
+        t = jnp.where(t > self.clip_floor, self.t1, t)
+        t = jnp.where(k == 1, self.first, t)
+        return jnp.minimum(jnp.where(k == 0, self.t0, t), self.t1).astype(self.t0.dtype)
+
+    def step_of(self, s: Any) -> Any:
+        """The first step k whose end reaches `s`: diffrax saves `s` while taking it."""
+        def halve(_, lohi):
+            lo, hi = lohi
+            mid = (lo + hi) // 2
+            up = self.time(mid + 1) >= s
+            return jnp.where(up, lo, mid + 1), jnp.where(up, mid, hi)
+
+        zero = jnp.zeros((), jnp.int32)
+        top = jnp.maximum(jnp.asarray(self.n, jnp.int32) - 1, 0)
+        return lax.fori_loop(0, _SEARCH_ROUNDS, halve, (zero, top))[0]
+
+
+def _body(terms: Any, args: Any, solver: Any, grid: _Grid) -> Any:
+    """One step of the solve on the carry (step counter, y, solver state)."""
+    def body(c):
+        k, y, ss = c
+        y, _, _, ss, _ = solver.step(terms, grid.time(k), grid.time(k + 1), y, args, ss, False)
+        return k + 1, y, ss
+    return body
+
+
+class _Carry:
+    """The carry the loop keeps: the leaves of (counter, y, solver state) that the step does
+    not compute from the others (`derived_leaves`: `ReversibleHeun`'s ``f(t, yhat)``). Keeping
+    a derived leaf would make the step lose the value it overwrites."""
+
+    def __init__(self, body: Any, full: Any):
+        leaves, self.tree = jtu.tree_flatten(full)
+        self.avals = [jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for x in leaves]
+        self.derived, self.fill = derived_leaves(body, full)
+        self.keep = [i for i in range(len(leaves)) if i not in self.derived]
+
+    def pack(self, full: Any) -> list:
+        leaves = jtu.tree_leaves(full)
+        return [leaves[i] for i in self.keep]
+
+    def unpack(self, kept: list) -> Any:
+        leaves = [jnp.zeros(a.shape, a.dtype) for a in self.avals]
+        for i, v in zip(self.keep, kept):
+            leaves[i] = v
+        return jtu.tree_unflatten(self.tree, self.fill(leaves))
+
+
+def _off_manifold(carry: _Carry, full: Any) -> Any:
+    """Whether a derived leaf of the initial carry differs from what the step would compute
+    from the rest (beyond √eps): the loop would then start from another state."""
+    leaves = jtu.tree_leaves(full)
+    rebuilt = jtu.tree_leaves(carry.unpack(carry.pack(full)))
+    bad = jnp.zeros((), bool)
+    for i in carry.derived:
+        a, b = rebuilt[i], leaves[i]
+        tol = jnp.sqrt(jnp.finfo(jnp.result_type(b)).eps) if jnp.issubdtype(
+            jnp.result_type(b), jnp.inexact) else 0
+        bad = bad | (jnp.max(jnp.abs(a - b), initial=0) > tol * (
+            jnp.max(jnp.abs(b), initial=0) + 1e-30))
+    return bad
+
+
+def _run(state: Any, params: Any, template: Any) -> Any:
+    """The solve: step to each save time's step, add its interpolated value into the buffer,
+    then step to the end. Every operation on the state inverts, so nothing is stored."""
+    terms, args, solver, grid, n_run, where, s, order = params
+    body = _body(terms, args, solver, grid)
+    carry = _Carry(body, template)
+
+    def advance(kept, stop):
+        return lax.while_loop(lambda c: c[0] < stop,
+                              lambda c: carry.pack(body(carry.unpack(c))), kept)
+
+    def save(c, x):
+        kept, buf = c
+        m, t, slot = x
+        kept = advance(kept, jnp.minimum(m, n_run))
+        k, y, ss = carry.unpack(kept)
+        _, _, dense, _, _ = solver.step(terms, grid.time(k), grid.time(k + 1), y, args, ss,
+                                        False)
+        value = solver.interpolation_cls(t0=grid.time(k), t1=grid.time(k + 1),
+                                         **dense).evaluate(t)
+        buf = jtu.tree_map(lambda b, v: b.at[slot].add(v.astype(b.dtype)), buf, value)
+        return (kept, buf), None
+
+    kept, buf = state
+    if s.shape[0]:
+        (kept, buf), _ = lax.scan(save, (kept, buf), (where, s, order))
+    return advance(kept, n_run), buf
