@@ -212,3 +212,12 @@ def test_fixed_point_example():
     m = re.search(r"training loss: ([0-9.]+) -> ([0-9.]+)", out)
     assert m and float(m.group(2)) < 0.1 * float(m.group(1)), out
     assert out.rstrip().endswith("fixed_point finished")
+
+
+@pytest.mark.slow  # about 40 s; the same solves are checked in-process by test_diffrax
+def test_neural_ode_example():
+    out = _run("neural_ode.py")
+    assert _number(out, "gradient vs DirectAdjoint, max relative error:") < 1e-10
+    m = re.search(r"first batch ([0-9.]+), whole dataset after training ([0-9.]+)", out)
+    assert m, out
+    assert float(m.group(2)) < 0.1 * float(m.group(1))
