@@ -8,6 +8,7 @@ import time
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -43,6 +44,13 @@ def write_results(name: str, data: dict, table: str) -> tuple[str, str]:
     return jpath, mpath
 
 
+def rel_err(ref: Any, got: Any) -> float:
+    """max |ref - got| over every leaf, relative to the largest entry of `ref`."""
+    la, lb = jax.tree_util.tree_leaves(ref), jax.tree_util.tree_leaves(got)
+    scale = max(float(jnp.max(jnp.abs(a))) for a in la)
+    return max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(la, lb)) / scale
+
+
 def device_info() -> dict:
     d = jax.devices()[0]
     return {"backend": jax.default_backend(), "device": str(d.device_kind),
@@ -76,3 +84,21 @@ def pyplot():
     except ImportError:  # pragma: no cover
         return None
     return plt
+
+
+def plot_memory_and_time(name: str, steps: list, rows: list, names: list,
+                         titles: tuple[str, str] = ("memory", "time")) -> None:
+    """results/<name>.png: each method's temp memory (MB) and seconds against the number of
+    steps, on log-log axes (rows hold ``mem`` and ``time`` dicts keyed by method)."""
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, ax = plt.subplots(1, 2, figsize=(10, 4))
+    for k in names:
+        ax[0].loglog(steps, [r["mem"][k] / 1e6 for r in rows], "o-", label=k)
+        ax[1].loglog(steps, [r["time"][k] for r in rows], "o-", label=k)
+    ax[0].set(xlabel="steps", ylabel="temp memory (MB)", title=titles[0])
+    ax[1].set(xlabel="steps", ylabel="seconds", title=titles[1])
+    ax[0].legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(RESULTS, f"{name}.png"), dpi=120)

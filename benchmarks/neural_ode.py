@@ -32,8 +32,9 @@ from jaxrev.diffrax import ReversibleAdjoint  # noqa: E402
 jax.config.update("jax_enable_x64", True)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import (device_info, interleaved_medians, progress, pyplot,  # noqa: E402
-                     write_results)
+from _common import (device_info, interleaved_medians, plot_memory_and_time,  # noqa: E402
+                     rel_err,
+                     progress, write_results)
 
 DIM, WIDTH, BATCH, SAVES = 8, 32, 16, 10
 DIRECT_MAX = 10_000
@@ -53,12 +54,6 @@ def loss_grad(n: int, adjoint):
         return jnp.mean((jax.vmap(lambda y: solve(field, y))(y0) - target) ** 2)
 
     return jax.grad(loss)
-
-
-def rel_err(ref, got) -> float:
-    la, lb = jax.tree_util.tree_leaves(ref), jax.tree_util.tree_leaves(got)
-    scale = max(float(jnp.max(jnp.abs(a))) for a in la)
-    return max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(la, lb)) / scale
 
 
 def main(argv=None):
@@ -128,18 +123,8 @@ def main(argv=None):
     if args.quick:
         return
     write_results("neural_ode", {"device": device_info(), "rows": rows}, table)
-    plt = pyplot()
-    if plt is not None:
-        fig, ax = plt.subplots(1, 2, figsize=(10, 4))
-        for k in names:
-            ax[0].loglog(sizes, [r["mem"][k] / 1e6 for r in rows], "o-", label=k)
-            ax[1].loglog(sizes, [r["time"][k] for r in rows], "o-", label=k)
-        ax[0].set(xlabel="steps", ylabel="temp memory (MB)", title="memory of the gradient")
-        ax[1].set(xlabel="steps", ylabel="seconds", title="time of the gradient")
-        ax[0].legend()
-        fig.tight_layout()
-        fig.savefig(os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                 "neural_ode.png"), dpi=120)
+    plot_memory_and_time("neural_ode", sizes, rows, names,
+                         ("memory of the gradient", "time of the gradient"))
 
 
 if __name__ == "__main__":

@@ -29,8 +29,9 @@ jax.config.update("jax_enable_x64", True)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jaxrev as jr  # noqa: E402
-from _common import (device_info, interleaved_medians, progress, pyplot,  # noqa: E402
-                     temp_bytes, write_results)
+from _common import (device_info, interleaved_medians, plot_memory_and_time,  # noqa: E402
+                     rel_err,
+                     progress, temp_bytes, write_results)
 
 DIM, DT = 64, 0.01
 
@@ -53,12 +54,6 @@ def heun(n: int, checkpoint: bool = False):
 def loss_of(fun):
     return jax.grad(lambda s, W: jnp.sum(jnp.sin(fun(s, W)[0])) + jnp.sum(fun(s, W)[1] ** 2),
                     argnums=(0, 1))
-
-
-def rel_err(ref, got):
-    la, lb = jax.tree_util.tree_leaves(ref), jax.tree_util.tree_leaves(got)
-    scale = max(float(jnp.max(jnp.abs(a))) for a in la)
-    return max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(la, lb)) / scale
 
 
 def main(argv=None):
@@ -113,18 +108,7 @@ def main(argv=None):
     if args.quick:
         return
     write_results("reversible_heun", {"device": device_info(), "rows": rows}, table)
-    plt = pyplot()
-    if plt is not None:
-        fig, ax = plt.subplots(1, 2, figsize=(10, 4))
-        for k in names:
-            ax[0].loglog(steps, [r["mem"][k] / 1e6 for r in rows], "o-", label=k)
-            ax[1].loglog(steps, [r["time"][k] for r in rows], "o-", label=k)
-        ax[0].set(xlabel="steps", ylabel="temp memory (MB)", title="memory")
-        ax[1].set(xlabel="steps", ylabel="seconds", title="time")
-        ax[0].legend()
-        fig.tight_layout()
-        fig.savefig(os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                 "reversible_heun.png"), dpi=120)
+    plot_memory_and_time("reversible_heun", steps, rows, names)
 
 
 if __name__ == "__main__":
