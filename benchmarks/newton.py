@@ -40,6 +40,10 @@ from typing import Any, Callable
 # one BLAS thread: on a busy 2-core machine OpenBLAS threads spinning made a 200 x 200 solve
 # take ~60 ms instead of < 1 ms, distorting every dense path's time
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+# XLA:CPU on one thread too: ratios against peers are not distorted by threads spinning
+# on a busy machine (set XLA_FLAGS to change it)
+os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false "
+                      "intra_op_parallelism_threads=1")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

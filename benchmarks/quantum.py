@@ -45,6 +45,10 @@ from typing import Any, Callable
 # nothing there and, on a busy 2-core machine, made a 16-qubit gradient 5-8x slower (2 s against
 # 10-16 s). One thread unless the caller says otherwise; XLA does not use OpenBLAS.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+# XLA:CPU on one thread too: ratios against peers are not distorted by threads spinning
+# on a busy machine (set XLA_FLAGS to change it)
+os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false "
+                      "intra_op_parallelism_threads=1")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

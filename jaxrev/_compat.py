@@ -43,6 +43,39 @@ Tracer = _core.Tracer
 
 primitive_jvps = _ad.primitive_jvps
 primitive_transposes = _ad.primitive_transposes
+# a primitive's own linearization, which spares an eager `grad` tracing its JVP rule with
+# partial evaluation on every call (absent from JAX versions without the linearize trace)
+_linearizations = getattr(_ad, "primitive_linearizations", None)
+_fallback_linearize = getattr(_ad, "fallback_linearize_rule", None)
+
+
+def _structured_residuals() -> bool:
+    """Whether linearization rules return structured residuals (JAX >= 0.12: a 5-tuple, and
+    the tangent function takes their binders)."""
+    import inspect
+    try:
+        return "structured_res" in inspect.getsource(_ad.LinearizeTrace.process_primitive)
+    except (OSError, TypeError, AttributeError):
+        return False
+
+
+def register_linearization(prim: Primitive, rule: Callable, fallback_when: Callable) -> None:
+    """Give `prim` its own linearization: ``rule(nonzeros, *primals, **params)`` returns
+    ``(primals_out, nonzeros_out, residuals, tangent_fun)`` with ``tangent_fun(residuals,
+    *tangents)``; where ``fallback_when(**params)`` holds, JAX's (its JVP rule traced with
+    partial evaluation) is used. A no-op on a JAX without linearization rules."""
+    if _linearizations is None:
+        return
+    structured = _structured_residuals()
+
+    def lin(is_vjp, nonzeros, *primals, **params):
+        if fallback_when(**params):
+            return _fallback_linearize(prim, is_vjp, nonzeros, *primals, **params)
+        outs, nzs, res, fn = rule(nonzeros, *primals, **params)
+        if structured:
+            return outs, nzs, res, None, lambda r, _s, *t: fn(r, *t)
+        return outs, nzs, res, fn
+    _linearizations[prim] = lin
 primitive_batchers = _batching.primitive_batchers
 not_mapped = None  # batching marks an unbatched operand with None
 register_lowering = _mlir.register_lowering
@@ -214,6 +247,21 @@ def trace_to_closed(fun: Callable, *args: Any) -> tuple[ClosedJaxpr, list[Any], 
 
 def is_concrete(x: Any) -> bool:
     return not isinstance(x, _core.Tracer)
+
+
+def is_staged(x: Any) -> bool:
+    """Whether `x` is being staged into a jaxpr (under `jit`, `make_jaxpr`, `scan`), as
+    opposed to a concrete value or a tracer of an eager `grad` / `vmap` (whose traces sit on
+    top of the eager one)."""
+    if not isinstance(x, _core.Tracer):
+        return False
+    from jax._src.interpreters import partial_eval as pe
+    trace = x._trace
+    while trace is not None:
+        if isinstance(trace, pe.DynamicJaxprTrace):
+            return True
+        trace = getattr(trace, "parent_trace", None)
+    return False
 
 
 def new_var(aval: Any) -> Var:

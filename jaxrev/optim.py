@@ -15,6 +15,7 @@ Hessian is never materialised unless it is dense anyway.
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -24,7 +25,9 @@ import optax
 from jax import lax
 from jax.flatten_util import ravel_pytree
 
+from jaxrev._cache import cached_call
 from jaxrev._program import ravel_filtered, traced_leaves
+from jaxrev.transforms._checks import snapshot
 from jaxrev.transforms.inverse_ad import inverse_jvp, inverse_vjp
 
 __all__ = ["scale_by_newton", "newton", "minimize", "root", "Info", "STATUS",
@@ -68,6 +71,17 @@ def newton_direction(value_fn: Callable[[Any], Any], params: Any, grad: Any | No
         >>> [round(float(v), 4) for v in d]
         [0.4286, 0.72]
     """
+    # eager calls are compiled from the second on, keyed like jax.jit's (`_cache`); a Python
+    # zero `damping` is part of the key (it skips the damping term), other values are traced
+    static = damping if _is_zero(damping) else None
+    return cached_call(("newton_direction", method, static, snapshot()), value_fn,
+                       partial(_newton_direction, value_fn, method, static),
+                       (params, grad, None if static is not None else damping))
+
+
+def _newton_direction(value_fn: Callable[[Any], Any], method: str, static: Any, params: Any,
+                      grad: Any, damping: Any) -> Any:
+    damping = static if static is not None else damping
     g_fn = jax.grad(value_fn)
 
     def damped(p):

@@ -51,6 +51,11 @@ def setting(name: str) -> Any:
     return _settings[-1][name]
 
 
+def snapshot() -> tuple:
+    """The current settings, hashable: part of a cached call's key (they change its trace)."""
+    return tuple(sorted(_settings[-1].items()))
+
+
 NEWTON_STARTS = 4
 """How many single starting points `newton_start` picks from (0.5, then up to three values
 the group reads, then 0), besides the default: the best of all, per element."""

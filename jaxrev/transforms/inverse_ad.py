@@ -30,17 +30,20 @@ are not known when the program is traced: singular steps then give non-finite re
 from __future__ import annotations
 
 import functools
+from functools import partial
 from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrev._cache import cached_call
 from jaxrev._compat import is_concrete, make_jaxpr, staged_constants
 from jaxrev._jaxpr import eval_closed, without_custom_vjp
 from jaxrev._errors import NotInvertibleError, SingularJacobianError
 from jaxrev._program import Filtered, eval_shape
 from jaxrev.transforms import nonlinear
+from jaxrev.transforms._checks import snapshot
 from jaxrev.transforms.reverse import reverse
 from jaxrev.transforms.reversible import reversible
 
@@ -330,6 +333,15 @@ def inverse_jvp(fun: Callable, primals: Sequence[Any], out_tangent: Any, *,
     """
     who = "jaxrev.inverse_jvp"
     _check_args(fun, primals, method, on_singular, who)
+    # eager calls are compiled from the second on, keyed like jax.jit's (`_cache`)
+    return cached_call((who, method, on_singular, snapshot()), fun,
+                       partial(_inverse_jvp, fun, method, on_singular), (tuple(primals),
+                                                                          out_tangent))
+
+
+def _inverse_jvp(fun: Callable, method: str, on_singular: str, primals: tuple,
+                 out_tangent: Any) -> tuple[Any, tuple]:
+    who = "jaxrev.inverse_jvp"
     fun = _primal_computation(fun, primals)
     sq = _Square(fun, primals, who)
     out_leaves = jax.tree_util.tree_leaves(out_tangent)
@@ -380,41 +392,51 @@ def inverse_vjp(fun: Callable, *primals: Any, method: str = "auto",
     """
     who = "jaxrev.inverse_vjp"
     _check_args(fun, primals, method, on_singular, who)
-    fun = _primal_computation(fun, primals)
-    sq = _Square(fun, primals, who)
-    y = fun(*primals)
-    y_leaves = jax.tree_util.tree_leaves(y)
+    primals = tuple(primals)
+    _Square(fun, primals, who)      # checks that the Jacobian is square, now
+    y = cached_call(("primal", snapshot()), fun, fun, primals)
 
     def ivjp_fn(in_cotangents):
         if not isinstance(in_cotangents, (tuple, list)) or len(in_cotangents) != len(primals):
             raise ValueError(f"{who}: in_cotangents must be a tuple with one entry per primal "
                              f"({len(primals)}), got {type(in_cotangents).__name__}")
-        c_leaves = jax.tree_util.tree_leaves(tuple(in_cotangents))
-
-        def attempt(m):
-            if m == "reverse":
-                inv = reversible(reverse(sq.state_fun(fun)))
-                _, pull = jax.vjp(inv, sq.to_state_out(y_leaves))
-                (w,) = pull(sq.to_state_in(c_leaves))
-                return sq.from_state_out(w)
-            if m == "linearize":
-                _, lin = jax.linearize(fun, *primals)
-                lin_t = jax.linear_transpose(lin, *primals)
-                # lin_t: output cotangent -> tuple of input cotangents; invert it
-                t_state = _TransposedState(sq, lin_t)
-                w = reverse(t_state)(sq.to_state_in(c_leaves))
-                return sq.from_state_out(w)
-            c = sq.ravel_in(c_leaves)
-            return sq.unravel(_dense_solve(sq.dense_jacobian(), c, True, on_singular, who),
-                              sq.out_sd)
-
-        leaves, used = _try(_methods(method), attempt, who, on_singular,
-                            lambda: _nan_like(y_leaves))
-
-        leaves = _guard(leaves, on_singular, who, _diagnoser(used, sq, fun, y_leaves))
-        return sq.out_tree_of(leaves)
+        return cached_call((who, method, on_singular, snapshot()), fun,
+                           partial(_inverse_vjp, fun, method, on_singular),
+                           (primals, tuple(in_cotangents)))
 
     return y, ivjp_fn
+
+
+def _inverse_vjp(fun: Callable, method: str, on_singular: str, primals: tuple,
+                 in_cotangents: tuple) -> Any:
+    who = "jaxrev.inverse_vjp"
+    fun = _primal_computation(fun, primals)
+    sq = _Square(fun, primals, who)
+    y_leaves = jax.tree_util.tree_leaves(fun(*primals))
+    c_leaves = jax.tree_util.tree_leaves(in_cotangents)
+
+    def attempt(m):
+        if m == "reverse":
+            inv = reversible(reverse(sq.state_fun(fun)))
+            _, pull = jax.vjp(inv, sq.to_state_out(y_leaves))
+            (w,) = pull(sq.to_state_in(c_leaves))
+            return sq.from_state_out(w)
+        if m == "linearize":
+            _, lin = jax.linearize(fun, *primals)
+            lin_t = jax.linear_transpose(lin, *primals)
+            # lin_t: output cotangent -> tuple of input cotangents; invert it
+            t_state = _TransposedState(sq, lin_t)
+            w = reverse(t_state)(sq.to_state_in(c_leaves))
+            return sq.from_state_out(w)
+        c = sq.ravel_in(c_leaves)
+        return sq.unravel(_dense_solve(sq.dense_jacobian(), c, True, on_singular, who),
+                          sq.out_sd)
+
+    leaves, used = _try(_methods(method), attempt, who, on_singular,
+                        lambda: _nan_like(y_leaves))
+
+    leaves = _guard(leaves, on_singular, who, _diagnoser(used, sq, fun, y_leaves))
+    return sq.out_tree_of(leaves)
 
 
 class _TransposedState:

@@ -14,12 +14,13 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 
+from jaxrev._cache import cached_call
 from jaxrev._compat import Jaxpr, JaxprEqn, Var
 from jaxrev._jaxpr import Env, Unknown
 from jaxrev._program import (check_sizes, check_structure, fun_name, normalize_argnums,
                              trace_program)
 from jaxrev.transforms._walker import propagate, raise_stuck, seed
-from jaxrev.transforms._checks import ON_FAILURE, settings
+from jaxrev.transforms._checks import ON_FAILURE, settings, snapshot
 # the names rule authors use, importable from here as the docs say
 from jaxrev.transforms.registry import (Lossy, NeedMore, element_rules,  # noqa: F401
                                         inverse_jvp_rules, inverse_rules, register_inverse,
@@ -162,9 +163,16 @@ def reverse(fun: Callable, argnums: int | Sequence[int] = 0, *,
         raise ValueError(f"jaxrev.reverse: on_failure must be one of {ON_FAILURE}, got "
                          f"{on_failure!r}")
 
+    nums_key = argnums if isinstance(argnums, int) else tuple(argnums)
+
+    def impl(*args: Any) -> Any:
+        return invert_call(fun, args, argnums, on_failure=on_failure, state=state).state
+
     @functools.wraps(fun)
     def inv(*args: Any) -> Any:
-        return invert_call(fun, args, argnums, on_failure=on_failure, state=state).state
+        # eager calls are compiled from the second on, keyed like jax.jit's (`_cache`)
+        return cached_call(("reverse", nums_key, on_failure, snapshot()), (fun, state),
+                           impl, args)
 
     inv.__name__ = f"reverse({getattr(fun, '__name__', 'fun')})"
     # reverse(inv) needs inv's state (fun's output) when fun changes structure

@@ -11,7 +11,6 @@ outputs with the inverse rules, and pulls the cotangent through it. Loops run ba
 from __future__ import annotations
 
 import hashlib
-import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 from functools import partial, wraps
@@ -21,12 +20,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrev._compat import (ClosedJaxpr, Primitive, ShapedArray, hoist_consts, is_concrete,
+from jaxrev._compat import (ClosedJaxpr, Primitive, ShapedArray, hoist_consts,
                             is_symbolic_zero,
-                            lower_fun, primitive_batchers, primitive_jvps, primitive_transposes,
+                            lower_fun, primitive_batchers, primitive_jvps,
+                            primitive_transposes, register_linearization,
                             register_lowering, trace_to_closed)
+from jaxrev._cache import call_key, compiled, is_eager
 from jaxrev._jaxpr import Env, batch_front, eval_closed, instantiate_tangents
-from jaxrev._program import check_sizes, check_structure, normalize_argnums, trace_program
+from jaxrev._program import (Filtered, check_sizes, check_structure, normalize_argnums,
+                             trace_program)
 from jaxrev.transforms import dial as drift
 from jaxrev.transforms.dial import Dial
 from jaxrev.transforms._sweep import (Plan, Residuals, acc, forward_with_residuals, get_ct,
@@ -42,44 +44,11 @@ reversible_lin_p = Primitive("jaxrev_reversible_lin")
 reversible_lin_p.multiple_results = True
 
 
-_JITTED: "OrderedDict[tuple, tuple[Any, Callable]]" = OrderedDict()
-_MAX_JITTED = 256
-
-
-def eager(key: tuple, fn: Callable, *args: Any) -> Any:
-    """`fn(*args)` on concrete values (a primitive applied eagerly, as `jax.grad` without `jit`
-    does) as one cached compiled call, like `jax.jit`: the walk is traced once per key, not
-    replayed operation by operation on every call. `key[1]` is the jaxpr (kept alive with the
-    entry). A run-time check that fails inside is re-run eagerly, so that it raises its own
-    error. Traced values (under `jit`, `vmap`) run `fn` as it is."""
-    leaves = jax.tree_util.tree_leaves(args)
-    if not all(is_concrete(x) for x in leaves):
-        return fn(*args)
-    hit = _JITTED.get(key)
-    if hit is None:
-        hit = _JITTED[key] = (key[1], jax.jit(fn))
-        if len(_JITTED) > _MAX_JITTED:
-            _JITTED.popitem(last=False)
-    else:
-        _JITTED.move_to_end(key)
-    # a failed check is re-run below for its own error: JAX's log of the callback's failure
-    # would only repeat it
-    quiet = logging.getLogger("jax._src.debugging")
-    level = quiet.level
-    quiet.setLevel(logging.CRITICAL)
-    try:
-        return hit[1](*args)
-    except jax.errors.JaxRuntimeError:
-        pass
-    finally:
-        quiet.setLevel(level)
-    return fn(*args)
-
-
 def _rev_impl(*args, jaxpr, state, store, dial):
     if not store:
-        return eager(("run", jaxpr), partial(eval_closed, jaxpr), *args)
-    return eager(("store", jaxpr, state, dial), partial(_store_run, jaxpr, state, dial), *args)
+        return compiled(("run", jaxpr), partial(eval_closed, jaxpr), *args, keep=jaxpr)
+    return compiled(("store", jaxpr, state, dial), partial(_store_run, jaxpr, state, dial),
+                    *args, keep=jaxpr)
 
 
 def _store_run(jaxpr, state, dial, *args):
@@ -112,6 +81,25 @@ def _rev_jvp(primals, tangents, *, jaxpr, state, store, dial):
     return ys, out_t
 
 
+def _rev_linearize(nonzeros, *primals, jaxpr, state, store, dial):
+    """The JVP rule's split, given to JAX's linearization directly (so an eager `grad` does
+    not trace the JVP rule on every call): the forward run that keeps the outputs and
+    residuals now, and the linear part `reversible_lin_p` on the tangents."""
+    nz = tuple(bool(z) and jnp.issubdtype(a.dtype, jnp.inexact)
+               for z, a in zip(nonzeros, jaxpr.in_avals))
+    outs = reversible_p.bind(*primals, jaxpr=jaxpr, state=state, store=True, dial=dial)
+    n = len(jaxpr.out_avals)
+    ys, res = outs[:n], outs[n:]
+    params = [p for p, s in zip(primals, state) if not s]
+    xtrue = [p for p, s in zip(primals, state) if s] if dial.checks else []
+
+    def tangent_fun(residuals, *tangents):
+        tans = [t for t, z in zip(tangents, nz) if z]
+        return reversible_lin_p.bind(*residuals, *tans, jaxpr=jaxpr, state=state, nz=nz,
+                                     nres=len(res), dial=dial)
+    return ys, [True] * n, [*ys, *res, *params, *xtrue], tangent_fun
+
+
 def _vmapped(fun, args, dims):
     size, args, in_axes = batch_front(args, dims)
     outs = jax.vmap(fun, in_axes=in_axes, axis_size=size)(*args)
@@ -135,6 +123,7 @@ reversible_p.def_impl(_rev_impl)
 reversible_p.def_abstract_eval(_rev_abstract)
 register_lowering(reversible_p, lower_fun(_rev_impl, multiple_results=True))
 primitive_jvps[reversible_p] = _rev_jvp
+register_linearization(reversible_p, _rev_linearize, lambda store, **_: store)
 primitive_batchers[reversible_p] = _rev_batch
 
 
@@ -200,9 +189,9 @@ def _lin_transpose(cts, *args, jaxpr, state, nz, nres, dial):
     ys, res, params, xtrue, tans = _lin_split(args, jaxpr, state, nres, dial)
     zero = tuple(is_symbolic_zero(c) for c in cts)
     given = [c for c, z in zip(cts, zero) if not z]
-    in_cts = eager(("transpose", jaxpr, state, nz, nres, dial, zero),
-                   partial(_backward, jaxpr, state, nz, nres, dial, zero),
-                   given, [*ys, *res, *params, *xtrue])
+    in_cts = compiled(("transpose", jaxpr, state, nz, nres, dial, zero),
+                      partial(_backward, jaxpr, state, nz, nres, dial, zero),
+                      given, [*ys, *res, *params, *xtrue], keep=jaxpr)
     return [None] * (len(args) - len(tans)) + list(in_cts)
 
 
@@ -278,10 +267,24 @@ _MAX_CONST_HASH = 1 << 22
 
 
 def bind_reversible(fun: Callable, args: Sequence[Any], argnums: int | Sequence[int]) -> Bound:
-    """Trace `fun` for `reversible_p`: its jaxpr, which inputs are state, the operands. A trace
-    that gives the same program as an earlier one (same function, text and constants) reuses
-    that one's jaxpr, so that what is keyed on it (plans, compiled eager calls) is reused."""
+    """Trace `fun` for `reversible_p`: its jaxpr, which inputs are state, the operands.
+
+    Eager calls (an eager `grad` or `vmap` included) are cached: a call whose key
+    (`_cache.call_key`: the function and what it reads, the arguments' avals and static
+    leaves) was seen reuses that trace without tracing again; a trace that gives the same
+    program as an earlier one (same function, text and constants) reuses that one's jaxpr.
+    Either way what is keyed on the jaxpr (plans, compiled calls) is reused."""
     nums = normalize_argnums(argnums, len(args), fun)
+    eager_call = is_eager(args)
+    ck = call_key(fun, tuple(args)) if eager_call else None
+    if ck is not None:
+        hit = _CALLS.get((nums, ck[0]))
+        if hit is not None:
+            _CALLS.move_to_end((nums, ck[0]))
+            flat = Filtered(tuple(args)).flat
+            return Bound(hit[1].jaxpr, hit[1].state,
+                         [x if isinstance(x, jax.Array) else jnp.asarray(x) for x in flat],
+                         hit[1].out_tree)
     prog = trace_program(fun, args, nums)
     out_tree = jax.tree_util.tree_structure(prog.out_shape)
     try:
@@ -293,10 +296,9 @@ def bind_reversible(fun: Callable, args: Sequence[Any], argnums: int | Sequence[
     j, consts = hoist_consts(prog.closed)
     state = (False,) * len(consts) + tuple(i in state_pos for i in range(len(prog.flat)))
     operands = [*consts, *[jnp.asarray(x) for x in prog.flat]]
-    # eager calls only: a traced call (under jit) is traced once anyway, and hashing its
-    # constants' bytes would be work on every trace for nothing
-    eager_call = not consts and all(is_concrete(x) for x in prog.flat)
-    key = _fingerprint(fun, j, state, out_tree) if eager_call else None
+    # a staged call (under jit) is traced once anyway, and hashing its constants' bytes
+    # would be work on every trace for nothing
+    key = _fingerprint(fun, j, state, out_tree) if eager_call and not consts else None
     if key is not None:
         if key in _BOUND:
             _BOUND.move_to_end(key)
@@ -305,7 +307,14 @@ def bind_reversible(fun: Callable, args: Sequence[Any], argnums: int | Sequence[
             _BOUND[key] = j
             if len(_BOUND) > _MAX_BOUND:
                 _BOUND.popitem(last=False)
+        if ck is not None:
+            _CALLS[(nums, ck[0])] = (ck[1], Bound(j, state, [], out_tree))
+            if len(_CALLS) > _MAX_BOUND:
+                _CALLS.popitem(last=False)
     return Bound(j, state, operands, out_tree)
+
+
+_CALLS: "OrderedDict[tuple, tuple[Any, Bound]]" = OrderedDict()
 
 
 def rebuild(fun: Callable, args: Sequence[Any], argnums: int | Sequence[int], dial: Dial
