@@ -340,7 +340,8 @@ def logistic_table(d: dict) -> str:
            f"features, float64, from w = 0 to max |grad| <= {GTOL:g}. jaxrev's Newton finds "
            "the Hessian dense when traced (a few of its columns at a stand-in point), forms it "
            "with one vmapped batch of Hessian-vector products and solves by Cholesky. Seconds "
-           "are medians of interleaved runs, compile excluded; OPENBLAS_NUM_THREADS=1.", "",
+           "are medians of interleaved runs, compile excluded; OPENBLAS_NUM_THREADS=1, "
+           f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}.", "",
            "| solver | steps | milliseconds | / naive Newton | max abs grad | converged |",
            "|---|---|---|---|---|---|"]
     for k, r in c["runs"].items():

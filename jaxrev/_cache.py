@@ -8,20 +8,26 @@ the static leaves, as `jax.jit` keys its calls, and runs as one compiled call, t
 `jax.jit` assumes the function reads nothing but its arguments; an eager call of a jaxrev
 transform promises no such thing, so the key also holds what the function can read besides
 its arguments (`function_key`): its code, its closure cells, its defaults, the globals its
-code names, a bound method's object, recursively. A value is keyed by identity where it
-cannot change (a JAX array, a module, a class), by value where it can (a NumPy array's bytes,
-an object's attributes); where it cannot be keyed cheaply (a tracer, a large NumPy array, a
-deep object) there is no key and the call runs as it would without the cache. So a changed
-closure, attribute or array (even one changed in place) gives a new key, never a stale
-answer. A module's attributes are keyed by the module's identity (monkeypatching a library
-function between calls is not seen, as it is not by `jax.jit`).
+code names, a bound method's object, an object's attributes and its class's, recursively. A
+value is keyed by identity where it cannot change (a JAX array, a module, a library's
+function or class), by value where it can (a NumPy array's bytes, an object's attributes, a
+set's elements); where it cannot be keyed cheaply (a tracer, a NumPy array over 64 KB, a
+random generator, an extension object whose state is hidden, a deep object) there is no key
+and the call runs as it would without the cache. So a changed closure, attribute or array
+(even one changed in place) gives a new key, never a stale answer. A module's attributes
+are keyed by the module's identity: monkeypatching a library function between calls is not
+seen, nor is NumPy's global random state (as with `jax.jit`). Objects a key names by
+identity are held by weak reference: an entry whose object died is dropped, and entries
+do not keep arrays alive.
 """
 from __future__ import annotations
 
+import collections
 import functools
 import hashlib
 import logging
 import types
+import weakref
 from collections import OrderedDict
 from typing import Any, Callable
 
@@ -29,10 +35,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrev._compat import is_concrete, is_staged
+from jaxrev._compat import is_concrete, is_staged, tracing
 from jaxrev._program import Filtered, is_traced
 
-__all__ = ["function_key", "call_key", "compiled", "cached_call", "is_eager"]
+__all__ = ["function_key", "call_key", "compiled", "cached_call", "is_eager", "alive", "Cache"]
 
 _MAX_ENTRIES = 256
 _MAX_NODES = 400        # values visited per key: past it, no key
@@ -48,16 +54,21 @@ _IMMUTABLE = (type(None), bool, int, float, complex, str, bytes, np.dtype, type(
 
 
 class _Keyer:
-    """Builds a hashable key for values a function may read; `keep` holds the objects keyed
-    by identity, so that their ids are not reused while the key lives."""
+    """Builds a hashable key for values a function may read. `keep` holds what the key names
+    by identity: weak references where the object allows them (an entry whose object died is
+    stale: `alive`), the object itself otherwise; `seen` holds every object visited, so that
+    no id is reused by another object while the key is built."""
 
     def __init__(self) -> None:
         self.keep: list[Any] = []
         self.nodes = 0
-        self.seen: dict[int, int] = {}
+        self.seen: dict[int, tuple[int, Any]] = {}
 
     def ident(self, v: Any) -> tuple:
-        self.keep.append(v)
+        try:
+            self.keep.append(weakref.ref(v))
+        except TypeError:           # code objects, builtins: small and long-lived
+            self.keep.append(v)
         return ("id", id(v))
 
     def key(self, v: Any, depth: int = 0) -> Any:
@@ -66,8 +77,8 @@ class _Keyer:
             raise _NoKey
         if isinstance(v, _IMMUTABLE):
             return (type(v), v)
-        if isinstance(v, jax.core.Tracer):
-            raise _NoKey
+        if isinstance(v, (jax.core.Tracer, np.random.Generator, np.random.RandomState)):
+            raise _NoKey            # a value known only when run; a state each draw changes
         if isinstance(v, jax.Array):
             return self.ident(v)
         if isinstance(v, np.ndarray):
@@ -77,16 +88,21 @@ class _Keyer:
                     hashlib.sha1(np.ascontiguousarray(v).tobytes()).hexdigest())
         if isinstance(v, np.generic):
             return ("npg", v.dtype.str, v.item())
-        if isinstance(v, (types.ModuleType, type, types.BuiltinFunctionType, np.ufunc)):
+        if isinstance(v, (bytearray, memoryview)):
+            return ("bytes", bytes(v))
+        if isinstance(v, (types.ModuleType, types.BuiltinFunctionType, np.ufunc)):
             return self.ident(v)
         if id(v) in self.seen:      # a cycle, or a value shared by two paths
-            return ("seen", self.seen[id(v)])
-        self.seen[id(v)] = len(self.seen)
-        if isinstance(v, (tuple, list)):
+            return ("seen", self.seen[id(v)][0])
+        self.seen[id(v)] = (len(self.seen), v)
+        if isinstance(v, type):
+            return self.cls(v, depth)
+        if isinstance(v, (tuple, list, collections.deque)):
             return (type(v), tuple(self.key(x, depth + 1) for x in v))
+        if isinstance(v, (set, frozenset)):
+            return (type(v), tuple(sorted((self.key(x, depth + 1) for x in v), key=repr)))
         if isinstance(v, dict):
-            return (type(v), tuple((self.key(k, depth + 1), self.key(x, depth + 1))
-                                   for k, x in v.items()))
+            return (type(v), self.items(v, depth))
         if isinstance(v, types.FunctionType):
             if _library(v) and not v.__closure__:
                 return self.ident(v)
@@ -96,12 +112,34 @@ class _Keyer:
         if isinstance(v, functools.partial):
             return ("partial", self.key(v.func, depth + 1), self.key(v.args, depth + 1),
                     self.key(v.keywords, depth + 1))
-        if _library(v):
-            return self.ident(v)
+        if _library(v) and hasattr(v, "__qualname__"):
+            return self.ident(v)    # a library's function (`jnp.tanh`, `jax.nn.relu`)
         attrs = _attributes(v)
-        if attrs is None:          # a C object with no state of its own
-            return self.ident(v)
-        return (self.ident(type(v)), self.key(attrs, depth + 1))
+        if attrs is None:
+            if _library(v):         # a library's object with no state of its own
+                return self.ident(v)
+            raise _NoKey            # an extension type whose state cannot be seen
+        return (self.key(type(v), depth + 1), self.items(attrs, depth))
+
+    def items(self, d: dict, depth: int) -> tuple:
+        return tuple((self.key(k, depth + 1), self.key(x, depth + 1)) for k, x in d.items())
+
+    def cls(self, c: type, depth: int) -> tuple:
+        """A class: a library's by identity; a user's also by its attributes (a class-level
+        setting changed between calls) and its bases'."""
+        if _library(c) or c.__module__ == "builtins":
+            return self.ident(c)
+        own = {}
+        for k, x in vars(c).items():
+            if (k.startswith("__") and k.endswith("__")) or isinstance(x, _SLOTS):
+                continue
+            if isinstance(x, property):
+                x = (x.fget, x.fset)
+            elif isinstance(x, (staticmethod, classmethod)):
+                x = x.__func__
+            own[k] = x
+        return ("cls", self.ident(c), self.items(own, depth),
+                tuple(self.key(b, depth + 1) for b in c.__bases__))
 
     def function(self, fn: types.FunctionType, depth: int) -> tuple:
         cells = tuple(self.key(c.cell_contents, depth + 1) if _filled(c) else ("empty",)
@@ -111,6 +149,14 @@ class _Keyer:
                       if n in glob)
         return ("fn", self.ident(fn.__code__), cells, self.key(fn.__defaults__, depth + 1),
                 self.key(fn.__kwdefaults__, depth + 1), names)
+
+
+_SLOTS = (types.MemberDescriptorType, types.GetSetDescriptorType)
+
+
+def alive(keep: list) -> bool:
+    """Whether every object a key names by identity still lives (so its id is still its)."""
+    return all(r() is not None for r in keep if isinstance(r, weakref.ref))
 
 
 def _filled(cell: Any) -> bool:
@@ -127,8 +173,9 @@ _LIBRARIES = frozenset({"jax", "jaxlib", "numpy", "jaxrev", "equinox", "flax", "
 
 
 def _library(v: Any) -> bool:
-    """A function or callable of a library (`jnp.tanh`, `jax.nn.relu`): keyed by identity,
-    as its module is; a user's function is keyed by what it reads."""
+    """Whether `v` (a function, class or object) is defined by a library: its functions and
+    classes are keyed by identity, as its modules are; its objects (an `eqx.nn.Lambda`, a
+    diffrax term, an nnx module) by their attributes, which may hold the user's code."""
     mod = getattr(v, "__module__", None)
     return isinstance(mod, str) and mod.split(".", 1)[0] in _LIBRARIES
 
@@ -219,48 +266,69 @@ class _Quiet(logging.Filter):
 _QUIET = _Quiet()
 logging.getLogger("jax._src.debugging").addFilter(_QUIET)
 
-_COMPILED: "OrderedDict[Any, Any]" = OrderedDict()
+class Cache:
+    """A least-recently-used map whose entries hold the `keep` list of their key: an entry one
+    of whose objects died is dropped (its id may now be another object's)."""
+
+    def __init__(self, size: int = _MAX_ENTRIES) -> None:
+        self.size = size
+        self.entries: "OrderedDict[Any, tuple[list, Any]]" = OrderedDict()
+
+    def get(self, key: Any) -> Any:
+        hit = self.entries.get(key)
+        if hit is None:
+            return None
+        if not alive(hit[0]):
+            del self.entries[key]
+            return None
+        self.entries.move_to_end(key)
+        return hit[1]
+
+    def put(self, key: Any, keep: list, value: Any) -> Any:
+        self.entries[key] = (keep, value)
+        if len(self.entries) > self.size:
+            self.entries.popitem(last=False)
+        return value
 
 
-def _entry(key: Any, make: Callable[[], Any]) -> Any:
-    hit = _COMPILED.get(key)
-    if hit is None:
-        hit = _COMPILED[key] = make()
-        if len(_COMPILED) > _MAX_ENTRIES:
-            _COMPILED.popitem(last=False)
-    else:
-        _COMPILED.move_to_end(key)
-    return hit
+_COMPILED = Cache()
+_SEEN = Cache()
 
 
-def compiled(key: Any, fn: Callable, *args: Any, keep: Any = None) -> Any:
-    """`fn(*args)` on array arguments as one compiled call cached on `key` (`keep` is held
-    with it). A run-time check that fails inside is re-run as `fn(*args)`, so that it raises
-    its own error eagerly. Arguments being staged (under `jit`) run `fn` as it is."""
-    if not all(is_concrete(x) for x in jax.tree_util.tree_leaves(args)):
-        return fn(*args)
-    jitted = _entry(key, lambda: (keep, jax.jit(fn)))[1]
+def _run_quietly(jitted: Callable, *args: Any) -> tuple[bool, Any]:
+    """``(True, jitted(*args))``, or ``(False, None)`` where a run-time check failed inside
+    (JAX's log of the failure is dropped: the caller re-runs the call for its own error)."""
     _QUIET.depth += 1
     try:
-        return jitted(*args)
+        return True, jax.block_until_ready(jitted(*args))
     except jax.errors.JaxRuntimeError:
-        pass
+        return False, None
     finally:
         _QUIET.depth -= 1
-    return fn(*args)
+
+
+def compiled(key: Any, fn: Callable, *args: Any) -> Any:
+    """`fn(*args)` on concrete arrays as one compiled call cached on `key` (which holds what
+    it names). A run-time check that fails inside is re-run as `fn(*args)`, so that it raises
+    its own error eagerly. Traced arguments (under `jit`) run `fn` as it is."""
+    if tracing() or not all(is_concrete(x) for x in jax.tree_util.tree_leaves(args)):
+        return fn(*args)
+    jitted = _COMPILED.get(key) or _COMPILED.put(key, [], jax.jit(fn))
+    ok, out = _run_quietly(jitted, *args)
+    return out if ok else fn(*args)
 
 
 def cached_call(who: Any, fun: Any, impl: Callable[..., Any], args: tuple) -> Any:
     """``impl(*args)``: a transform of `fun` applied to `args` (whose leaves may be static).
 
-    A call on concrete values whose key (`who`, the transform and its settings, and
-    `call_key(fun, args)`) was seen before runs as one compiled call, traced once per key;
-    the first call runs `impl` as it is (a call made once would pay a compilation for
-    nothing). Calls on tracers (under `jit`, `grad`, `vmap`), and calls without a key, run
-    `impl` as it is. A compiled call whose run-time
-    check fails, or whose result is not finite, is re-run as `impl(*args)`: eagerly the rules
-    see the values, and raise naming the step where a pivot vanished (a division by a zero
-    factor that, traced, would give an infinity).
+    An eager call (no transformation tracing, concrete arguments) whose key (`who`, the
+    transform and its settings, and `call_key(fun, args)`) was seen before runs as one
+    compiled call, traced once per key; the first call runs `impl` as it is (a call made
+    once would pay a compilation for nothing). Other calls, and calls without a key, run
+    `impl` as it is. A compiled call whose run-time check fails, or whose result is not
+    finite, is re-run as `impl(*args)`: eagerly the rules see the values, and raise naming
+    the step where a pivot vanished (a division by a zero factor that, traced, would give an
+    infinity).
 
     Example:
         >>> import jax.numpy as jnp
@@ -268,41 +336,30 @@ def cached_call(who: Any, fun: Any, impl: Callable[..., Any], args: tuple) -> An
         >>> [cached_call("double", double, double, (jnp.ones(2),)).tolist() for _ in "ab"]
         [[2.0, 2.0], [2.0, 2.0]]
     """
-    # concrete arguments only: under an eager `grad` or `vmap` the compiled call's finiteness
-    # could not be read without forcing its tracers
-    if not all(is_concrete(x) for x in jax.tree_util.tree_leaves(args)):
+    if tracing() or not all(is_concrete(x) for x in jax.tree_util.tree_leaves(args)):
         return impl(*args)
     ck = call_key(fun, args)
     if ck is None:
         return impl(*args)
-    key, keep = ck
-    if (who, key) not in _SEEN:
-        _SEEN[(who, key)] = keep
-        if len(_SEEN) > _MAX_ENTRIES:
-            _SEEN.popitem(last=False)
+    key, keep = (who, ck[0]), ck[1]
+    if _SEEN.get(key) is None:
+        _SEEN.put(key, keep, True)
         return impl(*args)
     split = Filtered(tuple(args))
-
-    def make():
+    hit = _COMPILED.get(key)
+    if hit is None:
         out_split: list = []
 
         def flat_impl(*flat):
             out = Filtered((impl(*split.rebuild(flat)),))
             out_split[:] = [out]
             return out.flat, _all_finite(out.flat)
-        return keep, jax.jit(flat_impl), out_split
-
-    _, jitted, out_split = _entry((who, key), make)
-    _QUIET.depth += 1
-    try:
-        outs, finite = jitted(*split.flat)
-    except jax.errors.JaxRuntimeError:
+        hit = _COMPILED.put(key, keep, (jax.jit(flat_impl), out_split))
+    jitted, out_split = hit
+    ok, res = _run_quietly(jitted, *split.flat)
+    if not ok or not bool(res[1]):
         return impl(*args)
-    finally:
-        _QUIET.depth -= 1
-    if not bool(finite):
-        return impl(*args)
-    return out_split[0].rebuild(outs)[0]
+    return out_split[0].rebuild(res[0])[0]
 
 
 def _all_finite(leaves: list) -> Any:
@@ -311,6 +368,3 @@ def _all_finite(leaves: list) -> Any:
         if jnp.issubdtype(jnp.result_type(x), jnp.inexact):
             ok = ok & jnp.all(jnp.isfinite(x))
     return ok
-
-
-_SEEN: "OrderedDict[Any, Any]" = OrderedDict()

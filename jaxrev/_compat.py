@@ -249,6 +249,12 @@ def is_concrete(x: Any) -> bool:
     return not isinstance(x, _core.Tracer)
 
 
+def tracing() -> bool:
+    """Whether a transformation is tracing now (`jit`, `grad`, `vmap`, ...): values computed
+    now may be tracers even where every argument is concrete."""
+    return not isinstance(_core.trace_ctx.trace, _core.EvalTrace)
+
+
 def is_staged(x: Any) -> bool:
     """Whether `x` is being staged into a jaxpr (under `jit`, `make_jaxpr`, `scan`), as
     opposed to a concrete value or a tracer of an eager `grad` / `vmap` (whose traces sit on

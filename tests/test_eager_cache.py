@@ -191,3 +191,89 @@ def test_a_zero_factor_is_named_on_every_eager_call():
         with pytest.raises(jr.NotInvertibleError, match="mul"):
             jr.reverse(f)(jnp.ones(3), 0.0)
     np.testing.assert_allclose(jr.reverse(f)(jnp.ones(3), 2.0), 0.5)
+
+
+class Config:
+    scale = 2.0
+
+
+def test_state_read_through_classes_objects_and_library_wrappers_is_seen():
+    """Found by review: class attributes, dataclasses with slots, library objects holding the
+    user's code (an `eqx.nn.Lambda`), sets, randomness drawn when traced."""
+    import dataclasses
+    x = jnp.array([1.0, 2.0])
+
+    def f(x):
+        return x * Config.scale + 1.0
+    for s in (2.0, 2.0, 4.0, 4.0, 2.0):
+        Config.scale = s
+        np.testing.assert_allclose(jr.reverse(f)(f(x)), x, rtol=1e-12)
+
+    @dataclasses.dataclass(slots=True)
+    class Layer:
+        w: float
+
+    layers = [Layer(1.0), Layer(2.0)]
+
+    def net(x):
+        for layer in layers:
+            x = x * layer.w
+        return x
+    for w in (2.0, 2.0, 4.0, 4.0):
+        layers[1].w = w
+        np.testing.assert_allclose(jr.reverse(net)(net(x)), x, rtol=1e-12)
+
+    eqx = pytest.importorskip("equinox")
+    k = [2.0]
+    lam = eqx.nn.Lambda(lambda x: x * k[0] + 1.0)
+    for v in (2.0, 2.0, 4.0, 4.0):
+        k[0] = v
+        np.testing.assert_allclose(jr.reverse(lambda x, m: m(x))(lam(x), lam), x, rtol=1e-12)
+
+    flags = {"double"}
+
+    def g(x):
+        return x * (2.0 if "double" in flags else 1.5)
+    for clear in (False, False, True, True):
+        if clear:
+            flags.clear()
+        np.testing.assert_allclose(jr.reverse(g)(g(x)), x, rtol=1e-12)
+
+    rng = np.random.default_rng(0)
+
+    def noisy(x):
+        return x + rng.normal(size=2)
+    outs = [jr.reverse(noisy)(x) for _ in range(3)]     # fresh noise each call, as eagerly
+    assert not np.allclose(outs[1], outs[2])
+
+
+def test_calls_inside_jit_on_concrete_arguments():
+    """A transform applied to constants inside `jit` (its arguments concrete, the call
+    traced) runs as it is, also once its key was seen eagerly."""
+    f = lambda x: 2.0 * x                                 # noqa: E731
+    y0 = jnp.array([2.0, 4.0])
+    jr.reverse(f)(y0)
+    jr.reverse(f)(y0)
+    out = jax.jit(lambda th: th * jr.reverse(f)(y0))(2.0)
+    np.testing.assert_allclose(out, [2.0, 4.0])
+    g = lambda p: jnp.sum(p ** 4) + jnp.sum(p ** 2)      # noqa: E731
+    p0 = jnp.array([1.0, 2.0])
+    jr.optim.newton_direction(g, p0)
+    jr.optim.newton_direction(g, p0)
+    d = jax.jit(lambda s: s * jr.optim.newton_direction(g, p0))(2.0)
+    np.testing.assert_allclose(d, 2 * jr.optim.newton_direction(g, p0), rtol=1e-12)
+
+
+def test_cache_entries_do_not_keep_arrays_alive():
+    import gc
+    import weakref
+    x = jnp.ones(4)
+    refs = []
+    for step in range(5):
+        W = jnp.full(4, 2.0 + step)           # new weights every step, as in training
+        refs.append(weakref.ref(W))
+        h = lambda x, W=W: x * W              # noqa: E731
+        np.testing.assert_allclose(jr.reverse(h)(h(x)), x)
+        del W, h
+    gc.collect()
+    assert sum(r() is not None for r in refs) == 0

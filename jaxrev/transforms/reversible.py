@@ -11,7 +11,6 @@ outputs with the inverse rules, and pulls the cotangent through it. Loops run ba
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict
 from dataclasses import dataclass
 from functools import partial, wraps
 from typing import Any, Callable, Sequence
@@ -25,7 +24,7 @@ from jaxrev._compat import (ClosedJaxpr, Primitive, ShapedArray, hoist_consts,
                             lower_fun, primitive_batchers, primitive_jvps,
                             primitive_transposes, register_linearization,
                             register_lowering, trace_to_closed)
-from jaxrev._cache import call_key, compiled, is_eager
+from jaxrev._cache import Cache, call_key, compiled, is_eager
 from jaxrev._jaxpr import Env, batch_front, eval_closed, instantiate_tangents
 from jaxrev._program import (Filtered, check_sizes, check_structure, normalize_argnums,
                              trace_program)
@@ -46,9 +45,9 @@ reversible_lin_p.multiple_results = True
 
 def _rev_impl(*args, jaxpr, state, store, dial):
     if not store:
-        return compiled(("run", jaxpr), partial(eval_closed, jaxpr), *args, keep=jaxpr)
+        return compiled(("run", jaxpr), partial(eval_closed, jaxpr), *args)
     return compiled(("store", jaxpr, state, dial), partial(_store_run, jaxpr, state, dial),
-                    *args, keep=jaxpr)
+                    *args)
 
 
 def _store_run(jaxpr, state, dial, *args):
@@ -191,7 +190,7 @@ def _lin_transpose(cts, *args, jaxpr, state, nz, nres, dial):
     given = [c for c, z in zip(cts, zero) if not z]
     in_cts = compiled(("transpose", jaxpr, state, nz, nres, dial, zero),
                       partial(_backward, jaxpr, state, nz, nres, dial, zero),
-                      given, [*ys, *res, *params, *xtrue], keep=jaxpr)
+                      given, [*ys, *res, *params, *xtrue])
     return [None] * (len(args) - len(tans)) + list(in_cts)
 
 
@@ -242,8 +241,11 @@ class Bound:
     out_tree: Any               # the output's tree definition
 
 
-_BOUND: "OrderedDict[tuple, tuple]" = OrderedDict()
-_MAX_BOUND = 256
+# traces kept for eager calls; a trace holding more than _MAX_CONST_BYTES of constants is not
+# kept (a loop whose function closes over new weights every step would pin each step's)
+_BOUND = Cache(64)
+_CALLS = Cache(64)
+_MAX_CONST_BYTES = 1 << 22
 
 
 def _fingerprint(fun: Callable, closed: ClosedJaxpr, state: tuple, out_tree: Any
@@ -253,17 +255,15 @@ def _fingerprint(fun: Callable, closed: ClosedJaxpr, state: tuple, out_tree: Any
     function (whose source lines the equations carry); None where a constant is too large
     to compare cheaply."""
     digest = hashlib.sha1()
+    held = sum(getattr(c, "nbytes", 0) or np.asarray(c).nbytes for c in closed.consts)
+    if held > _MAX_CONST_BYTES:
+        return None
     for c in closed.consts:
         a = np.asarray(c)
-        if a.size > _MAX_CONST_HASH:
-            return None
         digest.update(str((a.shape, a.dtype)).encode())
         digest.update(np.ascontiguousarray(a).tobytes())
     return (fun, str(closed.jaxpr), tuple(v.aval for v in closed.jaxpr.invars),
             digest.hexdigest(), state, out_tree)
-
-
-_MAX_CONST_HASH = 1 << 22
 
 
 def bind_reversible(fun: Callable, args: Sequence[Any], argnums: int | Sequence[int]) -> Bound:
@@ -280,11 +280,10 @@ def bind_reversible(fun: Callable, args: Sequence[Any], argnums: int | Sequence[
     if ck is not None:
         hit = _CALLS.get((nums, ck[0]))
         if hit is not None:
-            _CALLS.move_to_end((nums, ck[0]))
             flat = Filtered(tuple(args)).flat
-            return Bound(hit[1].jaxpr, hit[1].state,
+            return Bound(hit.jaxpr, hit.state,
                          [x if isinstance(x, jax.Array) else jnp.asarray(x) for x in flat],
-                         hit[1].out_tree)
+                         hit.out_tree)
     prog = trace_program(fun, args, nums)
     out_tree = jax.tree_util.tree_structure(prog.out_shape)
     try:
@@ -300,21 +299,13 @@ def bind_reversible(fun: Callable, args: Sequence[Any], argnums: int | Sequence[
     # would be work on every trace for nothing
     key = _fingerprint(fun, j, state, out_tree) if eager_call and not consts else None
     if key is not None:
-        if key in _BOUND:
-            _BOUND.move_to_end(key)
-            j = _BOUND[key]
-        else:
-            _BOUND[key] = j
-            if len(_BOUND) > _MAX_BOUND:
-                _BOUND.popitem(last=False)
+        j = _BOUND.get(key) or _BOUND.put(key, [], j)
         if ck is not None:
-            _CALLS[(nums, ck[0])] = (ck[1], Bound(j, state, [], out_tree))
-            if len(_CALLS) > _MAX_BOUND:
-                _CALLS.popitem(last=False)
+            _CALLS.put((nums, ck[0]), ck[1], Bound(j, state, [], out_tree))
     return Bound(j, state, operands, out_tree)
 
 
-_CALLS: "OrderedDict[tuple, tuple[Any, Bound]]" = OrderedDict()
+
 
 
 def rebuild(fun: Callable, args: Sequence[Any], argnums: int | Sequence[int], dial: Dial
