@@ -210,11 +210,11 @@ def function_key(fun: Any) -> tuple[Any, list[Any]] | None:
     names by identity (to keep alive with it); None where there is no cheap key.
 
     Example:
-        >>> import jax.numpy as jnp
-        >>> w = 2.0
-        >>> k1 = function_key(lambda x: w * x)[0]
-        >>> w = 3.0
-        >>> k1 == function_key(lambda x: w * x)[0]
+        >>> def scaled(w):
+        ...     return lambda x: w * x
+        >>> function_key(scaled(2.0))[0] == function_key(scaled(2.0))[0]
+        True
+        >>> function_key(scaled(2.0))[0] == function_key(scaled(3.0))[0]
         False
     """
     k = _Keyer()
@@ -295,12 +295,16 @@ _COMPILED = Cache()
 _SEEN = Cache()
 
 
-def _run_quietly(jitted: Callable, *args: Any) -> tuple[bool, Any]:
+def _run_quietly(jitted: Callable, *args: Any, block: bool = False) -> tuple[bool, Any]:
     """``(True, jitted(*args))``, or ``(False, None)`` where a run-time check failed inside
-    (JAX's log of the failure is dropped: the caller re-runs the call for its own error)."""
+    (JAX's log of the failure is dropped: the caller re-runs the call for its own error).
+    `block` waits for the result, so that a failure an accelerator reports late is caught
+    too; without it the call stays asynchronous (such a failure then reaches the caller as
+    JAX's runtime error carrying the check's message)."""
     _QUIET.depth += 1
     try:
-        return True, jax.block_until_ready(jitted(*args))
+        out = jitted(*args)
+        return True, jax.block_until_ready(out) if block else out
     except jax.errors.JaxRuntimeError:
         return False, None
     finally:
@@ -356,7 +360,7 @@ def cached_call(who: Any, fun: Any, impl: Callable[..., Any], args: tuple) -> An
             return out.flat, _all_finite(out.flat)
         hit = _COMPILED.put(key, keep, (jax.jit(flat_impl), out_split))
     jitted, out_split = hit
-    ok, res = _run_quietly(jitted, *split.flat)
+    ok, res = _run_quietly(jitted, *split.flat, block=True)
     if not ok or not bool(res[1]):
         return impl(*args)
     return out_split[0].rebuild(res[0])[0]
