@@ -33,7 +33,7 @@ from program_grammar import Program, programs  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
 
-EXAMPLES = int(os.environ.get("JAXREV_GRAMMAR_EXAMPLES", "6"))
+EXAMPLES = int(os.environ.get("JAXREV_GRAMMAR_EXAMPLES", "5"))
 SLOW_EXAMPLES = int(os.environ.get("JAXREV_GRAMMAR_EXAMPLES", "500"))
 COMMON = dict(deadline=None, print_blob=True, derandomize=False,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
