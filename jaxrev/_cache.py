@@ -254,7 +254,7 @@ def is_eager(args: Any) -> bool:
 
 
 class _Quiet(logging.Filter):
-    """Drops JAX's log of a failed host check while `compiled` runs a call it will re-run
+    """Drops JAX's log of a failed host check while a compiled call runs that will be re-run
     eagerly for the check's own error."""
 
     depth = 0
@@ -265,6 +265,7 @@ class _Quiet(logging.Filter):
 
 _QUIET = _Quiet()
 logging.getLogger("jax._src.debugging").addFilter(_QUIET)
+
 
 class Cache:
     """A least-recently-used map whose entries hold the `keep` list of their key: an entry one

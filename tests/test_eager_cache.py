@@ -23,12 +23,16 @@ class Counter:
     def __init__(self, monkeypatch):
         import jaxrev._program as P
         self.n = 0
-        real = P.make_jaxpr
+        for name in ("make_jaxpr", "eval_shape"):     # jaxrev's traces and shape checks
+            real = getattr(P, name) if name == "make_jaxpr" else P.jax.eval_shape
+            monkeypatch.setattr(P if name == "make_jaxpr" else P.jax, name,
+                                self.counting(real))
 
-        def counting(*a, **k):
+    def counting(self, real):
+        def count(*a, **k):
             self.n += 1
             return real(*a, **k)
-        monkeypatch.setattr(P, "make_jaxpr", counting)
+        return count
 
 
 def run(xy, th):

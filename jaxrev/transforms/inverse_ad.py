@@ -393,8 +393,11 @@ def inverse_vjp(fun: Callable, *primals: Any, method: str = "auto",
     who = "jaxrev.inverse_vjp"
     _check_args(fun, primals, method, on_singular, who)
     primals = tuple(primals)
-    _Square(fun, primals, who)      # checks that the Jacobian is square, now
-    y = cached_call(("primal", snapshot()), fun, fun, primals)
+
+    def primal(*args):
+        _Square(fun, args, who)     # the Jacobian is square: checked when traced, not per hit
+        return fun(*args)
+    y = cached_call(("primal", snapshot()), fun, primal, primals)
 
     def ivjp_fn(in_cotangents):
         if not isinstance(in_cotangents, (tuple, list)) or len(in_cotangents) != len(primals):
@@ -402,17 +405,18 @@ def inverse_vjp(fun: Callable, *primals: Any, method: str = "auto",
                              f"({len(primals)}), got {type(in_cotangents).__name__}")
         return cached_call((who, method, on_singular, snapshot()), fun,
                            partial(_inverse_vjp, fun, method, on_singular),
-                           (primals, tuple(in_cotangents)))
+                           (primals, y, tuple(in_cotangents)))
 
     return y, ivjp_fn
 
 
-def _inverse_vjp(fun: Callable, method: str, on_singular: str, primals: tuple,
+def _inverse_vjp(fun: Callable, method: str, on_singular: str, primals: tuple, y: Any,
                  in_cotangents: tuple) -> Any:
+    """J⁻ᵀ in_cotangents at `primals`, where `fun` gave `y` (computed once, by the caller)."""
     who = "jaxrev.inverse_vjp"
     fun = _primal_computation(fun, primals)
     sq = _Square(fun, primals, who)
-    y_leaves = jax.tree_util.tree_leaves(fun(*primals))
+    y_leaves = jax.tree_util.tree_leaves(y)
     c_leaves = jax.tree_util.tree_leaves(in_cotangents)
 
     def attempt(m):

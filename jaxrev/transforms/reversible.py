@@ -63,40 +63,43 @@ def _rev_abstract(*avals, jaxpr, state, store, dial):
     return outs
 
 
+def _forward(primals, jaxpr, state, dial):
+    """The known part of the split: the forward run, and what the linear part
+    `reversible_lin_p` reads besides the tangents (outputs, residuals, parameters and, where
+    drift is checked, the true state the caller holds); with the residuals' count."""
+    outs = reversible_p.bind(*primals, jaxpr=jaxpr, state=state, store=True, dial=dial)
+    n = len(jaxpr.out_avals)
+    ys, res = outs[:n], outs[n:]
+    params = [p for p, s in zip(primals, state) if not s]
+    xtrue = [p for p, s in zip(primals, state) if s] if dial.checks else []
+    return ys, [*ys, *res, *params, *xtrue], len(res)
+
+
 def _rev_jvp(primals, tangents, *, jaxpr, state, store, dial):
     if store:  # forward mode of the run that also returns residuals: a plain JVP
         f = partial(_rev_impl, jaxpr=jaxpr, state=state, store=True, dial=dial)
         return jax.jvp(f, tuple(primals), instantiate_tangents(primals, tangents))
     nz = tuple(not is_symbolic_zero(t) for t in tangents)
-    outs = reversible_p.bind(*primals, jaxpr=jaxpr, state=state, store=True, dial=dial)
-    n = len(jaxpr.out_avals)
-    ys, res = outs[:n], outs[n:]
-    params = [p for p, s in zip(primals, state) if not s]
-    # the true state, to compare the rebuilt one with (the caller holds it)
-    xtrue = [p for p, s in zip(primals, state) if s] if dial.checks else []
+    ys, known, nres = _forward(primals, jaxpr, state, dial)
     tans = [t for t, z in zip(tangents, nz) if z]
-    out_t = reversible_lin_p.bind(*ys, *res, *params, *xtrue, *tans, jaxpr=jaxpr, state=state,
-                                  nz=nz, nres=len(res), dial=dial)
+    out_t = reversible_lin_p.bind(*known, *tans, jaxpr=jaxpr, state=state, nz=nz, nres=nres,
+                                  dial=dial)
     return ys, out_t
 
 
 def _rev_linearize(nonzeros, *primals, jaxpr, state, store, dial):
     """The JVP rule's split, given to JAX's linearization directly (so an eager `grad` does
-    not trace the JVP rule on every call): the forward run that keeps the outputs and
-    residuals now, and the linear part `reversible_lin_p` on the tangents."""
+    not trace the JVP rule on every call): the forward run now, and the linear part
+    `reversible_lin_p` on the tangents."""
     nz = tuple(bool(z) and jnp.issubdtype(a.dtype, jnp.inexact)
                for z, a in zip(nonzeros, jaxpr.in_avals))
-    outs = reversible_p.bind(*primals, jaxpr=jaxpr, state=state, store=True, dial=dial)
-    n = len(jaxpr.out_avals)
-    ys, res = outs[:n], outs[n:]
-    params = [p for p, s in zip(primals, state) if not s]
-    xtrue = [p for p, s in zip(primals, state) if s] if dial.checks else []
+    ys, known, nres = _forward(primals, jaxpr, state, dial)
 
     def tangent_fun(residuals, *tangents):
         tans = [t for t, z in zip(tangents, nz) if z]
         return reversible_lin_p.bind(*residuals, *tans, jaxpr=jaxpr, state=state, nz=nz,
-                                     nres=len(res), dial=dial)
-    return ys, [True] * n, [*ys, *res, *params, *xtrue], tangent_fun
+                                     nres=nres, dial=dial)
+    return ys, [True] * len(ys), known, tangent_fun
 
 
 def _vmapped(fun, args, dims):
