@@ -14,7 +14,7 @@ RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
 def temp_bytes(fn: Callable, *args: Any) -> int:
-    """XLA's planned scratch memory for `jit(fn)(*args)` (DESIGN.md §4)."""
+    """XLA's planned scratch memory for `jit(fn)(*args)` (docs/design.md §4)."""
     return int(jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes)
 
 

@@ -6,12 +6,12 @@ from jaxrev._errors import (DriftError, JaxrevError, NotInvertibleError, Reversi
                             SingularJacobianError)
 from jaxrev import optim
 from jaxrev.primitives import apply_gate, rot, swap
-from jaxrev.transforms.cond_rules import cond
-from jaxrev.transforms.dial import DriftWarning
+from jaxrev.transforms.rules.cond import cond
+from jaxrev.transforms.sweep.drift import DriftWarning
 from jaxrev.transforms.custom import (custom_inverse, forward_mode, hook, nestlevel, recompute,
                                      store)
-from jaxrev.transforms.bijector import Bijector, Chain
-from jaxrev.transforms.flows import (forward_and_slogdet, inverse_and_slogdet, logdet_strategy,
+from jaxrev.transforms.flows.bijector import Bijector, Chain
+from jaxrev.transforms.flows.slogdet import (forward_and_slogdet, inverse_and_slogdet, logdet_strategy,
                                     register_logdet, slogdet_jacobian)
 from jaxrev.transforms.inverse_ad import inverse_jvp, inverse_vjp
 from jaxrev.transforms.registry import register_inverse, register_inverse_jvp
@@ -19,7 +19,7 @@ from jaxrev.transforms.reports import (MemoryReport, ReversibilityReport, check_
                                       memory_report)
 from jaxrev.transforms.reverse import reverse
 from jaxrev.transforms.reversible import reversible
-from jaxrev.transforms.while_rules import while_loop
+from jaxrev.transforms.rules.while_loop import while_loop
 
 __version__ = "0.1.0"
 

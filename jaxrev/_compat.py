@@ -150,7 +150,7 @@ class _Prims:
 prims = _Prims()
 
 # Call-like primitives and the parameter that holds their sub-jaxpr. One table for every
-# interpreter (DESIGN.md §3.1); loops and branches have their own rules.
+# interpreter (docs/design.md §3.1); loops and branches have their own rules.
 prims.remat = getattr(_ad_checkpoint, "remat_p", None)
 prims.add_any = getattr(_ad_util, "add_jaxvals_p", None)  # the sum JAX's tangent programs use
 

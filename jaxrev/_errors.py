@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from jaxrev._compat import user_source
+
 
 class JaxrevError(Exception):
     """Base class of every error jaxrev raises on purpose."""
@@ -47,7 +49,7 @@ class ReversibilityError(_AtStep):
 
 class DriftError(ReversibilityError):
     """A value `reversible`'s backward run rebuilt missed its true counterpart (the inputs of
-    the call, or a stored checkpoint) by more than the tolerance (DESIGN.md §3.8).
+    the call, or a stored checkpoint) by more than the tolerance (docs/design.md §3.8).
 
     Attributes: `drift` (the measured relative drift), `tolerance`, `file` (the loop's or the
     call's user line, where one is known).
@@ -73,15 +75,10 @@ WAYS_OUT = (
     "`jr.register_inverse(primitive, rule)`.")
 
 
-def where(eqn: Any) -> tuple[str | None, int | None, str]:
-    from jaxrev._compat import user_source
-    return user_source(eqn)
-
-
 def at_eqn(cls: type, eqn: Any, what: str, hint: str) -> JaxrevError:
     """An error of class `cls` (`ReversibilityError`, `SingularJacobianError`) about `eqn`,
     naming its primitive and the user's line: "jaxrev: <what> at <line>\n<hint>"."""
-    file, line, summary = where(eqn)
+    file, line, summary = user_source(eqn)
     summary = summary or "an equation with no user source line"
     name = eqn.primitive.name
     return cls(f"jaxrev: {what}; the group starts with `{name}` at {summary}\n{hint}",
@@ -91,7 +88,7 @@ def at_eqn(cls: type, eqn: Any, what: str, hint: str) -> JaxrevError:
 def not_invertible(eqn: Any, reason: str, hint: str | None = None,
                    singular: bool = False) -> NotInvertibleError:
     """Build the error for equation `eqn`, naming its primitive and the user's source line."""
-    file, line, summary = where(eqn)
+    file, line, summary = user_source(eqn)
     if not summary:
         summary = "an equation with no user source line (library or jaxrev-generated code)"
     name = eqn.primitive.name

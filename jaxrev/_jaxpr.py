@@ -9,8 +9,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrev._compat import (CALL_PRIMITIVES, ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Literal,
-                            Var, bind_eqn, call_jaxpr)
+from jaxrev._compat import (CALL_PRIMITIVES, ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Literal, Var,
+                            as_closed, bind_eqn, call_jaxpr, has_user_frame, is_concrete,
+                            is_symbolic_zero, new_var, not_mapped, prims, trace_to_closed)
 
 
 class Unknown:
@@ -62,7 +63,6 @@ class Statics:
     def __init__(self, jaxpr: Jaxpr | None = None, consts: Sequence[Any] = (),
                  static_in: dict | None = None, enum_in: dict | None = None,
                  length: int | None = None) -> None:
-        from jaxrev._compat import is_concrete
         self.producer: dict[Var, JaxprEqn] = {}
         if jaxpr is not None:
             for e in jaxpr.eqns:
@@ -337,7 +337,6 @@ def prepare(closed: ClosedJaxpr) -> ClosedJaxpr:
     does not merge duplicates (`f(z)` written twice, `x[:1]` and `x[0]`): merged, a value known
     once is known everywhere, and a nonlinear group sees `f(z)` as one unknown, not two.
     """
-    from jaxrev._compat import has_user_frame, new_var
     jaxpr = closed.jaxpr
     consts = list(closed.consts)
     constvars = list(jaxpr.constvars)
@@ -405,7 +404,6 @@ def _taken_branch(eqn: JaxprEqn, s: Callable) -> tuple[ClosedJaxpr, list] | None
     """A `cond` whose index is a literal (diffrax's `made_jump=False`, a Python bool passed to
     `lax.cond`) is its taken branch: inlined, its other branches never run, so they need no
     inverse and store nothing."""
-    from jaxrev._compat import as_closed, prims
     if eqn.primitive is not prims.cond:
         return None
     index = s(eqn.invars[0])
@@ -451,7 +449,6 @@ def _signature(eqn: JaxprEqn, invars: Sequence[Any]) -> tuple | None:
 def instantiate_tangents(primals: Sequence[Any], tangents: Sequence[Any]) -> tuple[Any, ...]:
     """Tangents as arrays, for JVP rules that run `jax.jvp` on an impl: symbolic zeros (or None)
     become zeros, float0 ones for integer primals."""
-    from jaxrev._compat import is_symbolic_zero
     out = []
     for p, t in zip(primals, tangents):
         if t is None or is_symbolic_zero(t):
@@ -464,7 +461,6 @@ def instantiate_tangents(primals: Sequence[Any], tangents: Sequence[Any]) -> tup
 
 def batch_front(args: Sequence[Any], dims: Sequence[Any]) -> tuple[int, list, list]:
     """For a batching rule: (batch size, operands with their batch axis first, vmap in_axes)."""
-    from jaxrev._compat import not_mapped
     size = next(jnp.shape(x)[d] for x, d in zip(args, dims) if d is not not_mapped)
     args = [jnp.moveaxis(x, d, 0) if d is not not_mapped else x for x, d in zip(args, dims)]
     return size, args, [0 if d is not not_mapped else None for d in dims]
@@ -512,7 +508,6 @@ def switch_batched(index: Any, fns: Sequence[Callable[..., Any]], *args: Any) ->
 def vmap_closed(closed: ClosedJaxpr, in_axes: Sequence[Any], args: Sequence[Any]
                 ) -> ClosedJaxpr:
     """`closed` vmapped over `in_axes` (for the batching rules of primitives carrying jaxprs)."""
-    from jaxrev._compat import trace_to_closed
     fn = jax.vmap(lambda *a: eval_closed(closed, *a), in_axes=tuple(in_axes))
     new, consts, _ = trace_to_closed(
         fn, *[jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for x in args])
@@ -537,7 +532,6 @@ def without_custom_vjp(closed: ClosedJaxpr) -> ClosedJaxpr:
     forward-mode quantities: they differentiate the function's own computation, not the
     user's VJP (which is only a way to compute a VJP of that same computation).
     """
-    from jaxrev._compat import new_var, prims
     if not mentions(closed.jaxpr, _is_custom_vjp):
         return closed
     jaxpr = closed.jaxpr
@@ -593,7 +587,6 @@ def _rewrite_param(p: Any) -> Any:
 
 
 def _is_custom_vjp(p: Any) -> bool:
-    from jaxrev._compat import prims
     return p is prims.custom_vjp_call
 
 

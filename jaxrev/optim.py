@@ -1,4 +1,4 @@
-"""Newton-step optimizers and root finding on inverse accumulation (DESIGN.md §1, §3.4).
+"""Newton-step optimizers and root finding on inverse accumulation (docs/design.md §1, §3.4).
 
 A Newton step solves ``H d = g``. `H` is the Jacobian of the gradient, so ``d = H⁻¹g`` is
 `inverse_vjp` (or `inverse_jvp`, `H` being symmetric) over ``jax.grad(f)``: the gradient
@@ -27,7 +27,7 @@ from jax.flatten_util import ravel_pytree
 
 from jaxrev._cache import cached_call
 from jaxrev._program import ravel_filtered, traced_leaves
-from jaxrev.transforms._checks import snapshot
+from jaxrev.transforms.knowledge.checks import snapshot
 from jaxrev.transforms.inverse_ad import inverse_jvp, inverse_vjp
 
 __all__ = ["scale_by_newton", "newton", "minimize", "root", "Info", "STATUS",

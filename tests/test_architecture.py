@@ -15,8 +15,8 @@ import jaxrev as jr
 from jaxrev import transforms as T
 from jaxrev._compat import prims
 from jaxrev.primitives import rot_p, swap_p
-from jaxrev.transforms.cond_rules import cond_p
-from jaxrev.transforms.while_rules import while_p
+from jaxrev.transforms.rules.cond import cond_p
+from jaxrev.transforms.rules.while_loop import while_p
 
 PKG = pathlib.Path(jr.__file__).parent
 
@@ -73,9 +73,9 @@ def test_one_walker_and_one_evaluator():
         if "bind_eqn(" in text and path.name != "_compat.py":
             binds.append(path.name)
         assert "eval_jaxpr(" not in text or path.name == "_compat.py", path
-    assert defs == ["_walker.py"]
+    assert defs == ["walker.py"]
     # the evaluator, and the per-equation VJP of reversible's sweep
-    assert sorted(binds) == ["_jaxpr.py", "_sweep.py"]
+    assert sorted(binds) == ["_jaxpr.py", "backward.py"]
 
 
 def test_tags_are_set_by_the_registering_call():

@@ -1,4 +1,4 @@
-"""The drift guard and the time-space dial of `jr.reversible` (DESIGN.md §3.8, issue 19).
+"""The drift guard and the time-space dial of `jr.reversible` (docs/design.md §3.8, issue 19).
 
 References are `jax.grad` in float64. The programs: a contracting fixed point (a deep
 equilibrium layer's shape: its backward run expands rounding without bound) as a `fori_loop`

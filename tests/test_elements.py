@@ -1,7 +1,7 @@
 """Inversion at element granularity (issue 15): masks, in-place updates, state-dependent selects,
 structure-changing bijections, linear tracing cost.
 
-Every program of `element_programs.PROGRAMS` is checked the same way: the round trip eagerly,
+Every program of `programs.elements.PROGRAMS` is checked the same way: the round trip eagerly,
 under `jit` and under `vmap` to 1e-12 (float64), `reverse(reverse(f)) == f`, `reversible`
 gradients against `jax.grad` to 1e-10 (state and parameters), and what `reversible` stores.
 """
@@ -20,7 +20,7 @@ from jax import lax
 import jaxrev as jr
 
 sys.path.insert(0, os.path.dirname(__file__))
-from element_programs import (LOOPS, add_up, masked_coupling, masked_steps,  # noqa: E402
+from programs.elements import (LOOPS, add_up, masked_coupling, masked_steps,  # noqa: E402
                               mlp_params, programs, split_coupling)
 
 HERE = os.path.basename(__file__)
@@ -216,15 +216,15 @@ def test_mask_known_only_when_the_program_runs():
 def test_tracing_cost_is_linear_in_masked_steps():
     """diffrax masks every step with where(keep, new, old): rule applications must grow
     linearly with the number of steps (a case split per select grew exponentially)."""
-    from jaxrev.transforms import _walker
+    from jaxrev.transforms.propagation import walker
 
     def applications(k):
-        n0 = _walker.counts["rules"] + _walker.counts["elements"]
+        n0 = walker.counts["rules"] + walker.counts["elements"]
         ab = (jnp.ones(8), jnp.zeros(8))
         t = jnp.linspace(0, 1, 8)
         jax.make_jaxpr(jax.grad(lambda ab, t: jnp.sum(jr.reversible(masked_steps(k))(ab, t)[0])))(
             ab, t)
-        return _walker.counts["rules"] + _walker.counts["elements"] - n0
+        return walker.counts["rules"] + walker.counts["elements"] - n0
     a5, a20 = applications(5), applications(20)
     assert a20 <= 4.5 * a5, (a5, a20)
 

@@ -31,7 +31,7 @@ def _line(tag: str) -> int:
 
 
 def _check(err: BaseException, primitive: str, tag: str, hint: str | None = None) -> str:
-    """The checks every NotInvertibleError must pass (DESIGN.md §1, Errors)."""
+    """The checks every NotInvertibleError must pass (docs/design.md §1, Errors)."""
     msg = str(err)
     assert isinstance(err, jr.NotInvertibleError)
     assert isinstance(err, jr.JaxrevError)

@@ -1,4 +1,4 @@
-"""Log-determinants from the inversion sweep and the flows API (issue 17, DESIGN.md §3.7).
+"""Log-determinants from the inversion sweep and the flows API (issue 17, docs/design.md §3.7).
 
 Every program is checked against `jnp.linalg.slogdet(jax.jacfwd(f))` in float64 (sign exactly,
 log|det| to 1e-10), eagerly, under `jit` and under `vmap`; `logdet_strategy` must say "sweep",
@@ -19,7 +19,7 @@ from jax import lax
 import jaxrev as jr
 
 sys.path.insert(0, os.path.dirname(__file__))
-from element_programs import programs  # noqa: E402
+from programs.elements import programs  # noqa: E402
 
 TOL = 1e-10
 HERE = os.path.basename(__file__)

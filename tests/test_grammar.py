@@ -1,4 +1,4 @@
-"""Random programs from `program_grammar` against every property of issue 18.
+"""Random programs from `programs.grammar` against every property of issue 18.
 
 One drawn program is checked for all properties at once (tracing dominates the cost):
 
@@ -29,7 +29,7 @@ from hypothesis import HealthCheck, given, settings
 import jaxrev as jr
 
 sys.path.insert(0, os.path.dirname(__file__))
-from program_grammar import Program, programs  # noqa: E402
+from programs.grammar import Program, programs  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
 

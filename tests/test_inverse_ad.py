@@ -333,7 +333,7 @@ def test_singular_general_banded_lump_is_named():
 @pytest.mark.parametrize("n,lo,up", [(1, 0, 0), (5, 1, 1), (50, 2, 3), (50, 3, 0), (64, 0, 2),
                                      (7, 4, 4), (3, 2, 2), (64, 2, 1)])
 def test_banded_solve_against_dense(n, lo, up):
-    from jaxrev.transforms import lumps
+    from jaxrev.transforms.propagation import lumps
     A = np.zeros((n, n))
     for i in range(n):
         for j in range(max(0, i - lo), min(n, i + up + 1)):

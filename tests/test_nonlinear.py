@@ -1,4 +1,4 @@
-"""Nonlinear lumps (DESIGN.md §3.6): exact linear elimination and Newton's method.
+"""Nonlinear lumps (docs/design.md §3.6): exact linear elimination and Newton's method.
 
 Round trips, `reversible` gradients against `jax.grad`, `jit`, `vmap`, memory flat in the
 number of steps, derivatives by the implicit function theorem, and the errors: no preimage
@@ -17,8 +17,8 @@ from jax import lax
 from jax import test_util as jtu
 
 import jaxrev as jr
-from jaxrev.transforms import nonlinear
-from nonlinear_programs import cases, heun, residual, simultaneous
+from jaxrev.transforms.propagation import nonlinear
+from programs.nonlinear import cases, heun, residual, simultaneous
 
 HERE = os.path.basename(__file__)
 CASES = cases()

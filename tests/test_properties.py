@@ -1,7 +1,7 @@
 """Property tests for `jr.reverse` on random compositions of invertible steps.
 
 Hypothesis draws a state shape (1-D or 2-D, small), a list of steps and their parameters, and
-builds ``f(x, params)`` by composing the steps. The properties (DESIGN.md §1, §3.2):
+builds ``f(x, params)`` by composing the steps. The properties (docs/design.md §1, §3.2):
 
 * round trip: ``reverse(f)(f(x, p), p) == x``;
 * double reverse: ``reverse(reverse(f))(x, p) == f(x, p)``;

@@ -88,7 +88,7 @@ SCRIPT = textwrap.dedent(r'''
             "fully_replicated": bool(g[0].sharding.is_fully_replicated),
         }), flush=True)
     # nonlinear groups (elimination, Newton) on states sharded over the 4 devices
-    import nonlinear_programs as nlp
+    import programs.nonlinear as nlp
     sh1 = NamedSharding(mesh, P("d"))
     for name, (fun, s, p) in nlp.cases().items():
         s = jax.tree_util.tree_map(lambda v: jax.device_put(jnp.asarray(v), sh1), s)

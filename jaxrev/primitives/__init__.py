@@ -1,4 +1,4 @@
-"""jaxrev's own JAX primitives (DESIGN.md §1 Primitives): NiLang's reversible instructions
+"""jaxrev's own JAX primitives (docs/design.md §1 Primitives): NiLang's reversible instructions
 (`rot`, `swap`) and in-place quantum-gate application (`apply_gate`). Each has abstract
 evaluation, an XLA lowering, JVP, transpose, batching, and inverse and inverse-JVP rules."""
 from jaxrev.primitives.gates import apply_gate, apply_gate_p

@@ -19,13 +19,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrev._compat import (Primitive, differentiation_depth, lower_fun, primitive_batchers,
-                            primitive_jvps, primitive_transposes, register_lowering,
-                            trace_to_closed)
+from jaxrev._compat import (Primitive, differentiation_depth, is_symbolic_zero, lower_fun,
+                            primitive_batchers, primitive_jvps, primitive_transposes,
+                            register_lowering, trace_to_closed)
 from jaxrev._jaxpr import batch_front, eval_closed, instantiate_tangents, is_unknown
 from jaxrev._program import avals_of, check_structure, normalize_argnums
-from jaxrev.transforms.logdet import DENSE_STEP, LogdetContext
-from jaxrev.transforms.registry import NeedMore, Unsupported, define
+from jaxrev.transforms.registry import DENSE_STEP, LogdetContext, NeedMore, Unsupported, define
 
 __all__ = ["custom_inverse", "custom_inverse_p", "hook", "hook_p", "nestlevel", "forward_mode",
            "store", "recompute", "store_p", "recompute_p"]
@@ -314,7 +313,6 @@ def hook(fn: Callable[[Any], Any], x: Any) -> Any:
 
 
 def _hook_transpose(cts, *xs, fn, tree):
-    from jaxrev._compat import is_symbolic_zero
     cts = [jnp.zeros(x.aval.shape, x.aval.dtype) if is_symbolic_zero(c) else c
            for c, x in zip(cts, xs)]
     g = jax.tree_util.tree_unflatten(tree, cts)

@@ -2,7 +2,7 @@
 `flows.slogdet_jacobian`.
 
 A square program is a product of step Jacobians J = E_T … E_1, so J⁻¹ = E_1⁻¹ … E_T⁻¹: one
-inverted step at a time, in reverse order for J⁻¹v and in program order for J⁻ᵀw (DESIGN.md
+inverted step at a time, in reverse order for J⁻¹v and in program order for J⁻ᵀw (docs/design.md
 §3.4). jaxrev already knows how to invert steps: `reverse`'s rules and its lumps. The three
 strategies below use them, tried in this order:
 
@@ -42,8 +42,8 @@ from jaxrev._compat import is_concrete, make_jaxpr, staged_constants
 from jaxrev._jaxpr import eval_closed, without_custom_vjp
 from jaxrev._errors import NotInvertibleError, SingularJacobianError
 from jaxrev._program import Filtered, eval_shape
-from jaxrev.transforms import nonlinear
-from jaxrev.transforms._checks import snapshot
+from jaxrev.transforms.propagation import nonlinear
+from jaxrev.transforms.knowledge.checks import snapshot
 from jaxrev.transforms.reverse import reverse
 from jaxrev.transforms.reversible import reversible
 

@@ -19,7 +19,7 @@ The registries:
   a decision made on them (`select_n`, `max`, `abs`, `cond`), so that a group of equations
   whose decision depends on the unknown state inverts one branch at a time (see `choices`).
 - `element_rules`: `ElementRule(forward, backward)`, each ``rule(eqn, env) -> bool | None``:
-  propagation of knowledge of some elements of a value (DESIGN.md §3.5; see `elements`), for
+  propagation of knowledge of some elements of a value (docs/design.md §3.5; see `elements`), for
   primitives whose partial knowledge the generic elementwise and structural handling does not
   capture (`select_n`, `mul` by a factor with zeros, scatters, dynamic slices).
 """
@@ -27,14 +27,16 @@ from __future__ import annotations
 
 from typing import Any, Callable, NamedTuple, Sequence
 
-from jaxrev._compat import DropVar, Primitive
+import jax.numpy as jnp
+
+from jaxrev._compat import DropVar, JaxprEqn, Primitive
 
 __all__ = ["inverse_rules", "inverse_jvp_rules", "sweep_rules", "forward_rules",
            "element_rules", "ElementRule", "choice_rules", "ChoiceRule", "index_args",
            "logdet_rules",
            "kinds", "ELEMENTWISE", "LINEAR", "BILINEAR", "SMOOTH", "STRUCTURAL", "define",
            "is_kind", "elementwise_in", "Lossy", "NeedMore", "Unsupported", "register_inverse",
-           "register_inverse_jvp", "check_rule"]
+           "register_inverse_jvp", "check_rule", "LogdetContext", "DENSE_STEP"]
 
 inverse_rules: dict[Primitive, Callable[..., Sequence[Any]]] = {}
 """Inverse rule per primitive: ``rule(out, *invals, **params) -> recovered invals``."""
@@ -67,7 +69,7 @@ element_rules: dict[Primitive, ElementRule] = {}
 
 
 class ChoiceRule(NamedTuple):
-    """A primitive that picks one of a few values by a decision on its inputs (DESIGN.md
+    """A primitive that picks one of a few values by a decision on its inputs (docs/design.md
     §3.5): `count(eqn)` branches; `branch(eqn, k)` is what branch k computes, as an equation
     with the same output (a copy of a case, `neg` for `abs`), or the operand (Var or Literal)
     whose value, broadcast, the output then is; `holds(eqn, invals, k)` is where branch k is
@@ -102,7 +104,7 @@ an operand (reshape, transpose, slices, concatenate, pad, gather, set-scatter, s
 which positions being fixed by the params and the `index_args` operands."""
 SMOOTH = "smooth"
 """Differentiable wherever it is defined (linear and bilinear primitives are too): Newton's
-method may solve a group of such equations (DESIGN.md §3.6)."""
+method may solve a group of such equations (docs/design.md §3.6)."""
 
 kinds: dict[Primitive, frozenset[str]] = {}
 """What the walker may assume of a primitive, set by the call that registers its rules."""
@@ -223,3 +225,37 @@ def register_inverse_jvp(primitive: Primitive, rule: Callable[..., Sequence[Any]
     """
     check_rule("register_inverse_jvp", primitive, rule)
     define(primitive, inverse_jvp=rule)
+
+
+# --------------------------------------------------------------------------- log-det rule contract
+
+DENSE_STEP = 1024
+"""Unknowns of a step, at most, whose log-determinant is found from its dense Jacobian."""
+
+
+class LogdetContext:
+    """What a `logdet_rules` entry gets: the equation, its inputs' and outputs' values, which
+    inputs were recovered, and (for a loop or branch) the plan of its sub-jaxpr's walk."""
+
+    def __init__(self, eqn: JaxprEqn, read: Callable[[Any], Any], recovered: Sequence[bool],
+                 child: Any) -> None:
+        self.eqn, self.recovered, self.child = eqn, list(recovered), child
+        self.invals = [read(v) for v in eqn.invars]
+        self.outvals = [_read_or_none(read, v) for v in eqn.outvars]
+
+    @property
+    def dtype(self) -> Any:
+        """The floating-point type the log-determinant is computed in."""
+        fl = [jnp.result_type(x) for x in self.invals if x is not None
+              and jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
+        return jnp.result_type(*fl) if fl else jnp.float32
+
+
+
+def _read_or_none(read: Callable, v: Any) -> Any:
+    if isinstance(v, DropVar):
+        return None
+    try:
+        return read(v)
+    except KeyError:
+        return None

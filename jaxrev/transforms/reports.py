@@ -12,11 +12,11 @@ from jaxrev._compat import JaxprEqn, Var, prims, user_source
 from jaxrev._errors import NotInvertibleError, ReversibilityError
 from jaxrev._jaxpr import Env, is_var
 from jaxrev._program import normalize_argnums, traced_leaves
-from jaxrev.transforms._sweep import Plan, n_checkpoints, top_plan
-from jaxrev.transforms.dial import Dial
-from jaxrev.transforms._walker import propagate
+from jaxrev.transforms.sweep.backward import Plan, n_checkpoints, top_plan
+from jaxrev.transforms.sweep.dial import Dial
+from jaxrev.transforms.propagation.walker import propagate
 from jaxrev.transforms.reverse import invert_call
-from jaxrev.transforms.dial import leaf_drift
+from jaxrev.transforms.sweep.drift import leaf_drift
 from jaxrev.transforms.reversible import bind_reversible, rebuild
 
 __all__ = ["memory_report", "MemoryReport", "check_reversible", "ReversibilityReport"]

@@ -19,8 +19,8 @@ from jaxrev._compat import Jaxpr, JaxprEqn, Var
 from jaxrev._jaxpr import Env, Unknown
 from jaxrev._program import (check_sizes, check_structure, fun_name, normalize_argnums,
                              trace_program)
-from jaxrev.transforms._walker import propagate, raise_stuck, seed
-from jaxrev.transforms._checks import ON_FAILURE, settings, snapshot
+from jaxrev.transforms.propagation.walker import propagate, raise_stuck, seed
+from jaxrev.transforms.knowledge.checks import ON_FAILURE, settings, snapshot
 # the names rule authors use, importable from here as the docs say
 from jaxrev.transforms.registry import (Lossy, NeedMore, element_rules,  # noqa: F401
                                         inverse_jvp_rules, inverse_rules, register_inverse,
@@ -142,7 +142,7 @@ def reverse(fun: Callable, argnums: int | Sequence[int] = 0, *,
     first state position (the other state positions are left out), and returns the state in
     its own structure. Raises `NotInvertibleError` at trace time, naming the primitive and
     source line, where the program loses information. Groups of equations invertible only
-    together and not affine are solved by Newton's method (a local inverse, DESIGN.md §3.6);
+    together and not affine are solved by Newton's method (a local inverse, docs/design.md §3.6);
     where it misses its tolerance, or no branch of a state-dependent choice is consistent,
     `on_failure="raise"` raises naming the line (under `jit`, when the program runs) and
     `on_failure="nan"` returns NaN there.

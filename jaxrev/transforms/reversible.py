@@ -28,9 +28,9 @@ from jaxrev._cache import Cache, call_key, compiled, is_eager
 from jaxrev._jaxpr import Env, batch_front, eval_closed, instantiate_tangents
 from jaxrev._program import (Filtered, check_sizes, check_structure, normalize_argnums,
                              trace_program)
-from jaxrev.transforms import dial as drift
-from jaxrev.transforms.dial import Dial
-from jaxrev.transforms._sweep import (Plan, Residuals, acc, forward_with_residuals, get_ct,
+from jaxrev.transforms.sweep import drift
+from jaxrev.transforms.sweep.dial import Dial
+from jaxrev.transforms.sweep.backward import (Plan, Residuals, acc, forward_with_residuals, get_ct,
                                       res_avals, seed_env, top_plan, walk)
 
 __all__ = ["reversible", "reversible_p", "reversible_lin_p", "bind_reversible", "Bound",
@@ -349,7 +349,7 @@ def reversible(fun: Callable, argnums: int | Sequence[int] = 0, *,
     (see `memory_report`). Composes with `jit`, `vmap`, `grad`, `jvp` and `hessian`.
 
     The backward run's rebuilt state is compared with the true inputs, and, where loops are
-    checkpointed, every segment's rebuilt start with its checkpoint (DESIGN.md §3.8):
+    checkpointed, every segment's rebuilt start with its checkpoint (docs/design.md §3.8):
 
     - `checkpoint_every`: None (fully reversible), K (store a loop's carry every K iterations
       and rebuild each segment from the next one's stored start: drift grows over K steps;

@@ -1,4 +1,4 @@
-"""Nonlinear lumps (DESIGN.md §3.6): groups of equations invertible only together, not affine.
+"""Nonlinear lumps (docs/design.md §3.6): groups of equations invertible only together, not affine.
 
 The walker tries two steps once the linear lumps (`lumps.lump_step`) found nothing:
 
@@ -39,10 +39,10 @@ from jax import lax
 from jaxrev._compat import JaxprEqn, Var, has_user_frame, prims, scan_info
 from jaxrev._errors import (ReversibilityError, SingularJacobianError, at_eqn, not_invertible)
 from jaxrev._jaxpr import Env, real_outvars, size_of
-from jaxrev.transforms._checks import (NEWTON_STARTS, ON_FAILURE, counts, raise_where,
+from jaxrev.transforms.knowledge.checks import (NEWTON_STARTS, ON_FAILURE, counts, raise_where,
                                       setting, settings)
-from jaxrev.transforms import records
-from jaxrev.transforms.lumps import Lump, affine_eqn, singular_on_stand_ins, stand_ins
+from jaxrev.transforms.knowledge import records
+from jaxrev.transforms.propagation.lumps import Lump, affine_eqn, singular_on_stand_ins, stand_ins
 from jaxrev.transforms.registry import SMOOTH, elementwise_in, is_kind
 
 __all__ = ["eliminate_step", "newton_step", "settings", "ON_FAILURE"]

@@ -21,14 +21,15 @@ from jaxrev._compat import JaxprEqn, Literal, ScanParams, Var, is_concrete, prim
 from jaxrev._errors import NotInvertibleError
 from jaxrev._jaxpr import (Env, Statics, Unknown, evaluate, forward_known, is_unknown,
                            is_var, needed_vars, size_of)
-from jaxrev.transforms._sweep import (BodyWalk, LoopEnd, LoopPlan, Plan, Residuals, acc,
+from jaxrev.transforms.sweep.backward import (BodyWalk, LoopEnd, LoopPlan, Plan, Residuals, acc,
                                       forward_with_residuals, known_or_rebuilt, loop_activity,
                                       loop_cts_in, loop_cts_out, outs_known, plan_for, res_avals,
                                       sds)
-from jaxrev.transforms._walker import (Hints, Window, invert_jaxpr, propagate, rule_context,
+from jaxrev.transforms.propagation.walker import (Hints, Window, invert_jaxpr, propagate, rule_context,
                                       seed, statics_for)
-from jaxrev.transforms import dial as drift
-from jaxrev.transforms.logdet import LogdetContext, evaluate_plan
+from jaxrev.transforms.sweep import drift
+from jaxrev.transforms.sweep.dial import segment_checks, segmented, segmented_forward
+from jaxrev.transforms.flows.logdet import LogdetContext, evaluate_plan
 from jaxrev.transforms.registry import NeedMore, Unsupported, define
 
 __all__: list[str] = []
@@ -270,10 +271,10 @@ def _scan_sweep(P: Plan, i: int, env: Env, ctenv: dict | None, active: set,
         (c_first, c_first_ct, k_ct, w), (x_rec, x_ct) = lax.scan(
             bstep, (c0, c_ct0, k_ct0, w0), sl, length=length, reverse=not rev)
     else:
-        check, redo = drift.segment_checks(P.dial, e, carry, body, nc, ncar,
+        check, redo = segment_checks(P.dial, e, carry, body, nc, ncar,
                                            [env.read(v) for v in consts], act, yct, all(xk),
                                            res.planning)
-        (c_first, c_first_ct, k_ct, w), (x_rec, x_ct) = drift.segmented(
+        (c_first, c_first_ct, k_ct, w), (x_rec, x_ct) = segmented(
             bstep, (c0, c_ct0, k_ct0, w0), sl, length, K, ckpts, rev, check, redo)
     drift.note(w)
     loop_cts_out(env, ctenv, LoopEnd(init, c_first, c_first_ct, consts, k_ct), act, nc)
@@ -316,7 +317,7 @@ def _scan_forward(e: JaxprEqn, lp: LoopPlan, ins: Sequence[Any]) -> tuple[list, 
         return outs[:ncar], (outs[ncar:], r)
 
     if lp.every is not None:
-        c, (ys, r), ck = drift.segmented_forward(f, init, list(xs), sp.length, lp.every,
+        c, (ys, r), ck = segmented_forward(f, init, list(xs), sp.length, lp.every,
                                                  sp.reverse)
         return [*c, *ys], [*r, *ck]
     c, (ys, r) = lax.scan(f, list(init), list(xs), length=sp.length, reverse=sp.reverse)

@@ -1,9 +1,9 @@
 """The propagation walker: every jaxrev transform recovers unknown values with it.
 
-Inversion is propagation over the jaxpr (DESIGN.md §3.2): starting from the known outputs and
+Inversion is propagation over the jaxpr (docs/design.md §3.2): starting from the known outputs and
 parameters, repeatedly (a) evaluate forward any equation whose inputs are all known and
 (b) invert any equation whose outputs are known and whose unknown inputs a rule can recover.
-Knowledge is per element (DESIGN.md §3.5): next to values known on some of their elements, or
+Knowledge is per element (docs/design.md §3.5): next to values known on some of their elements, or
 equations with element-level rules, `elements.forward` / `elements.backward` propagate what is
 known of each element (a select's case where its known predicate picks it, the operand of a
 scatter outside the written window, a gather's window). When nothing moves, group steps are
@@ -27,9 +27,10 @@ import jax
 from jaxrev._compat import ClosedJaxpr, Jaxpr, JaxprEqn, Var
 from jaxrev._errors import NotInvertibleError, WAYS_OUT, not_invertible
 from jaxrev._jaxpr import Env, Statics, evaluate, is_unknown, prepare, real_outvars, used_vars
-from jaxrev.transforms import choices, elements, lumps, nonlinear, records
-from jaxrev.transforms import regions as R
-from jaxrev.transforms.elements import token
+from jaxrev.transforms.propagation import choices, lumps, nonlinear
+from jaxrev.transforms.knowledge import elements, records
+from jaxrev.transforms.knowledge import regions as R
+from jaxrev.transforms.knowledge.elements import token
 from jaxrev.transforms.registry import (STRUCTURAL, Lossy, NeedMore, element_rules,
                                         inverse_jvp_rules, inverse_rules, is_kind)
 
@@ -268,7 +269,7 @@ def propagate(jaxpr: Jaxpr | Window, env: Env, goals: Sequence[Any] | None, *,
         lossy = {i for i, s in stuck.items() if s.lossy}
         cut = getattr(jaxpr, "cut", False)
         if (lumps.lump_step(eqns, env, [i for i in gp if i not in lossy], cut)
-                or choices.choice_step(eqns, env, gp, soft)
+                or choices.choice_step(eqns, env, gp, soft, _subwalk)
                 or nonlinear.eliminate_step(eqns, env, gp, lossy)
                 or nonlinear.newton_step(eqns, env, gp, lossy, cut)):
             for j in gp:   # a group step may write anywhere: look at everything again
@@ -279,6 +280,11 @@ def propagate(jaxpr: Jaxpr | Window, env: Env, goals: Sequence[Any] | None, *,
         return [s for i, s in sorted(stuck.items())] or [
             Stuck(eqns[i], "its result does not reach the output") for i in pending
             if any(not env.known(v) for v in eqns[i].invars)][:1]
+
+
+def _subwalk(eqns: Sequence[JaxprEqn], env: Env, goals: Sequence[Var]) -> list[Stuck]:
+    """The recursion handed to group steps: a soft walk over a group's equations alone."""
+    return propagate(Window(eqns), env, goals, soft=True)
 
 
 def _visit(i: int, eqn: JaxprEqn, env: Env, used: set, forward_only: bool, soft: bool,

@@ -1,4 +1,4 @@
-"""Element-level propagation (DESIGN.md §3.5): values known on some of their elements.
+"""Element-level propagation (docs/design.md §3.5): values known on some of their elements.
 
 Knowledge is per element, not per array. A variable known on part of its elements is held in
 `Env.part` as a `Part`: an array right outside an unknown `Region`, plus windows known besides
@@ -30,7 +30,7 @@ from jax import lax
 
 from jaxrev._compat import DropVar, JaxprEqn, Var
 from jaxrev._jaxpr import Env, Unknown, apply, fit_to_aval, is_var, real_outvars
-from jaxrev.transforms import regions as R
+from jaxrev.transforms.knowledge import regions as R
 from jaxrev.transforms.registry import (STRUCTURAL, Lossy, NeedMore, element_rules,
                                         elementwise_in, index_args, inverse_rules, is_kind)
 

@@ -1,4 +1,4 @@
-"""Groups whose decisions depend on the unknown state (DESIGN.md §3.5): consistent branches.
+"""Groups whose decisions depend on the unknown state (docs/design.md §3.5): consistent branches.
 
 ``where(x > 0, x, 0.01 * x)`` cannot be inverted by propagation: the select's predicate is
 computed from the `x` being recovered. It inverts by consistency instead: assume the select
@@ -26,7 +26,7 @@ Derivatives differentiate the chosen candidate (the selection by consistency has
 from __future__ import annotations
 
 import itertools
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -36,11 +36,15 @@ from jax import lax
 from jaxrev._compat import JaxprEqn, Literal, Var, has_user_frame, is_concrete, prims
 from jaxrev._errors import ReversibilityError, at_eqn, not_invertible
 from jaxrev._jaxpr import Env, evaluate, is_var, real_outvars, size_of
-from jaxrev.transforms._checks import NEWTON_STARTS, counts, raise_where, settings
-from jaxrev.transforms import records
+from jaxrev.transforms.knowledge.checks import NEWTON_STARTS, counts, raise_where, settings
+from jaxrev.transforms.custom import custom_inverse
+from jaxrev.transforms.knowledge import records
 from jaxrev.transforms.registry import choice_rules, elementwise_in
 
 __all__ = ["choice_step", "MAX_COMBOS"]
+
+Walk = Callable[[Sequence[JaxprEqn], Env, Sequence[Var]], Any]
+"""The walker's recursion, as group steps receive it: ``walk(eqns, env, goals)``."""
 
 MAX_COMBOS = 64
 """Combinations of branches tried in one group, at most."""
@@ -188,11 +192,12 @@ def _range_of_eqn(e: JaxprEqn | None, producer: dict, env: Env, memo: dict
     return None
 
 
-def choice_step(eqns: Sequence[JaxprEqn], env: Env, pending: Sequence[int],
-                soft: bool = False) -> bool:
+def choice_step(eqns: Sequence[JaxprEqn], env: Env, pending: Sequence[int], soft: bool,
+                walk: Walk) -> bool:
     """Invert the smallest trailing square group holding state-dependent decisions. With
     `soft` (`reversible`'s walks), a group with a branch that loses the state is left alone
-    (the sweep stores what it loses) instead of raising."""
+    (the sweep stores what it loses) instead of raising. `walk(eqns, env, goals)` is the
+    walker's recursion (a soft propagation over `eqns`), handed in by the walker."""
     cand = [i for i in pending if any(not env.known(v) for v in eqns[i].invars)]
     stuck = [i for i in cand if any(env.known(v) for v in real_outvars(eqns[i]))]
     if not stuck:
@@ -227,7 +232,7 @@ def choice_step(eqns: Sequence[JaxprEqn], env: Env, pending: Sequence[int],
         if int(np.prod([c.n for c in ch])) > MAX_COMBOS:
             continue
         try:
-            return _split(G, ch, inputs, outputs, env, shape if per_element else None)
+            return _split(G, ch, inputs, outputs, env, shape if per_element else None, walk)
         except _Lost as e:
             if soft:
                 return False
@@ -300,7 +305,7 @@ def _live(window: list[JaxprEqn], targets: Sequence[Var]) -> list[JaxprEqn]:
 
 
 def _split(G: Sequence[JaxprEqn], ch: list[_Choice], inputs: list[Var], outputs: list[Var],
-           env: Env, shape: tuple | None) -> bool:
+           env: Env, shape: tuple | None, walk: Walk) -> bool:
     """Invert the group branch by branch and write the consistent candidate. The inverse is
     emitted as one `custom_inverse` step whose own inverse is the group run forward, so that
     the inverse program can be inverted again (``reverse(reverse(f))``)."""
@@ -317,7 +322,7 @@ def _split(G: Sequence[JaxprEqn], ch: list[_Choice], inputs: list[Var], outputs:
 
     def solve(ys: Sequence[Any], rs: Sequence[Any]) -> tuple:
         return tuple(_solve(G, ch, inputs, outputs, fresh([(reads, rs), (outputs, ys)]),
-                            shape))
+                            shape, walk))
 
     def forward(xs: Sequence[Any], rs: Sequence[Any]) -> tuple:
         e = fresh([(reads, rs), (inputs, xs)])
@@ -329,7 +334,6 @@ def _split(G: Sequence[JaxprEqn], ch: list[_Choice], inputs: list[Var], outputs:
     same = [(tuple(a.aval.shape), a.aval.dtype) for a in outputs] == [
         (tuple(a.aval.shape), a.aval.dtype) for a in inputs]
     if same and not all(is_concrete(x) for x in [*ys, *rs]):
-        from jaxrev.transforms.custom import custom_inverse
         step = custom_inverse(solve)
         step.definverse(forward)
         xs = step(ys, rs)
@@ -344,7 +348,7 @@ def _split(G: Sequence[JaxprEqn], ch: list[_Choice], inputs: list[Var], outputs:
 
 
 def _solve(G: Sequence[JaxprEqn], ch: list[_Choice], inputs: list[Var], outputs: list[Var],
-           env: Env, shape: tuple | None) -> list[Any] | None:
+           env: Env, shape: tuple | None, walk: Walk) -> list[Any] | None:
     cands, oks, tried = [], [], []
     producer = {o: e for e in G for o in real_outvars(e)}
     for ks in itertools.product(*[range(c.n) for c in ch]):
@@ -359,7 +363,7 @@ def _solve(G: Sequence[JaxprEqn], ch: list[_Choice], inputs: list[Var], outputs:
         # start's preimage is a candidate, and consistency picks
         before = counts["newton"]
         vals, ok = jax.vmap(lambda start: _branch(G, combo, ch, ks, inputs, outputs, env, shape,
-                                                  start))(jnp.arange(-1, NEWTON_STARTS))
+                                                  start, walk))(jnp.arange(-1, NEWTON_STARTS))
         starts = range(NEWTON_STARTS + 1) if counts["newton"] > before else range(1)
         for j in starts:
             cands.append([x[j] for x in vals])
@@ -375,15 +379,14 @@ def _solve(G: Sequence[JaxprEqn], ch: list[_Choice], inputs: list[Var], outputs:
 
 
 def _branch(G: Sequence[JaxprEqn], combo: dict, ch: list[_Choice], ks: Sequence[int],
-            inputs: list[Var], outputs: list[Var], env: Env, shape: tuple | None, start: Any
-            ) -> tuple[list[Any], Any]:
+            inputs: list[Var], outputs: list[Var], env: Env, shape: tuple | None, start: Any,
+            walk: Walk) -> tuple[list[Any], Any]:
     """One combination of branches: the candidate it inverts to (Newton's method starting
     from start `start`, -1 for the best of all) and where the group takes those branches."""
-    from jaxrev.transforms._walker import Window, propagate
     env_c = env.copy()
     window = _live(_branch_window(G, combo, env_c), outputs)
     with settings(on_failure="nan", newton_start=start):
-        propagate(Window(window), env_c, inputs, soft=True)
+        walk(window, env_c, inputs)
     if not all(env_c.known(v) for v in inputs):
         e, k = _lossy_branch(ch, ks, env)
         raise _Lost(not_invertible(

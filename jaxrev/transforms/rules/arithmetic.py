@@ -20,10 +20,10 @@ from jax import lax
 
 from jaxrev._compat import JaxprEqn, as_closed, is_concrete, prims
 from jaxrev._jaxpr import Env, apply, eval_closed, is_unknown
-from jaxrev.transforms import regions as R
-from jaxrev.transforms.elements import learn, region_of, static_of, value_of
+from jaxrev.transforms.knowledge import regions as R
+from jaxrev.transforms.knowledge.elements import learn, region_of, static_of, value_of
 from jaxrev.transforms.custom import custom_inverse
-from jaxrev.transforms.logdet import LogdetContext
+from jaxrev.transforms.registry import LogdetContext
 from jaxrev.transforms.registry import (BILINEAR, ELEMENTWISE, LINEAR, SMOOTH, STRUCTURAL,
                                         ChoiceRule, ElementRule, Lossy, NeedMore, Unsupported,
                                         define)

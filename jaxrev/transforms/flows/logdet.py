@@ -1,10 +1,10 @@
-"""log|det J| and its sign from the inversion sweep (DESIGN.md §3.7).
+"""log|det J| and its sign from the inversion sweep (docs/design.md §3.7).
 
 Inverting a program recovers its inputs from its outputs one step at a time: an equation's
 inverse or element rule recovers some elements U of its inputs from elements O of its output,
 a group step (a lump, a state-dependent choice, a Newton group) recovers its unknown inputs
 from its known outputs. Seen as a change of variables, each step replaces the "slots" O of the
-current n independent values by U, so (DESIGN.md §3.4)
+current n independent values by U, so (docs/design.md §3.4)
 
     det J⁻¹ = sign(σ) · ∏ det(∂U/∂O) = sign(σ) / ∏ det(∂O/∂U),
 
@@ -35,15 +35,15 @@ import numpy as np
 
 from jaxrev._compat import DropVar, JaxprEqn, Var, is_concrete, prims, scan_info
 from jaxrev._jaxpr import Env, apply, evaluate, real_outvars, size_of
-from jaxrev.transforms import records
-from jaxrev.transforms.lumps import slogdet_of
-from jaxrev.transforms import regions as R
-from jaxrev.transforms.registry import (ELEMENTWISE, STRUCTURAL, Unsupported, elementwise_in,
-                                        index_args, is_kind, logdet_rules)
+from jaxrev.transforms.knowledge import records
+from jaxrev.transforms.propagation.lumps import slogdet_of
+from jaxrev.transforms.knowledge import regions as R
+from jaxrev.transforms.registry import (DENSE_STEP, ELEMENTWISE, STRUCTURAL, LogdetContext,
+                                        Unsupported, elementwise_in, index_args, is_kind,
+                                        logdet_rules)
 
 __all__ = ["Unsupported", "Plan", "plan", "evaluate_plan", "LogdetContext", "DENSE_STEP"]
 
-DENSE_STEP = 1024
 """Largest step (recovered elements) whose Jacobian is materialised when it has no structure."""
 
 # operands in which these primitives are positional: output element p depends on the
@@ -435,24 +435,6 @@ def _plan_group(st: records.Step, slots: _Slots) -> _PStep:
 
 
 # --------------------------------------------------------------------------- evaluation
-
-class LogdetContext:
-    """What a `logdet_rules` entry gets: the equation, its inputs' and outputs' values, which
-    inputs were recovered, and (for a loop or branch) the plan of its sub-jaxpr's walk."""
-
-    def __init__(self, eqn: JaxprEqn, read: Callable[[Any], Any], recovered: Sequence[bool],
-                 child: Plan | None) -> None:
-        self.eqn, self.recovered, self.child = eqn, list(recovered), child
-        self.invals = [read(v) for v in eqn.invars]
-        self.outvals = [_try_read(read, v) for v in eqn.outvars]
-
-    @property
-    def dtype(self) -> Any:
-        """The floating-point type the log-determinant is computed in."""
-        fl = [jnp.result_type(x) for x in self.invals if x is not None
-              and jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
-        return jnp.result_type(*fl) if fl else jnp.float32
-
 
 def _try_read(read: Callable, v: Any, zeros: bool = False) -> Any:
     if isinstance(v, DropVar):

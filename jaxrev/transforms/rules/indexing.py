@@ -1,4 +1,4 @@
-"""Rules of the primitives that select, gather and scatter elements (DESIGN.md §3.5).
+"""Rules of the primitives that select, gather and scatter elements (docs/design.md §3.5).
 
 These are where element-level knowledge comes from:
 
@@ -24,14 +24,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxrev._compat import JaxprEqn, Literal, prims
+from jaxrev._compat import JaxprEqn, Literal, prims, user_source
 from jaxrev._errors import NotInvertibleError
 from jaxrev._jaxpr import Env, apply, is_unknown, is_var
-from jaxrev.transforms._checks import raise_where
-from jaxrev.transforms import regions as R
-from jaxrev.transforms.elements import (is_case, is_partial, learn, learn_piece, not_case,
+from jaxrev.transforms.knowledge.checks import raise_where
+from jaxrev.transforms.knowledge import regions as R
+from jaxrev.transforms.knowledge.elements import (is_case, is_partial, learn, learn_piece, not_case,
                                         read_window, region_of, static_of, value_of)
-from jaxrev.transforms.rules import check_nonzero
+from jaxrev.transforms.rules.arithmetic import check_nonzero
 from jaxrev.transforms.registry import (ELEMENTWISE, LINEAR, STRUCTURAL, ChoiceRule,
                                         ElementRule, Lossy, NeedMore, define)
 
@@ -331,8 +331,7 @@ def _ds_forward(eqn: JaxprEqn, env: Env) -> bool | None:
 
 def _note_undecided(env: Env, x: Any, w: R.Win, read: JaxprEqn) -> None:
     """A read that may overlap a write: say so for the write, whose inversion it blocks."""
-    from jaxrev._errors import where
-    _, _, at = where(read)
+    _, _, at = user_source(read)
     for wrote in R.undecided(region_of(env, x), w, env.info):
         if wrote.source is not None:
             env.losses[wrote.source] = Lossy(

@@ -1,5 +1,5 @@
 """Linear lumps: find them, find their structure, and solve them with the cheapest structure
-they admit (DESIGN.md §3.4).
+they admit (docs/design.md §3.4).
 
 A lump is a group of equations invertible only together; when the walker is stuck,
 `lump_step` looks for the smallest trailing group of stuck equations that is square and affine
@@ -32,7 +32,7 @@ from jax import lax
 from jaxrev._compat import JaxprEqn, Var, is_concrete, prims, staged_constants
 from jaxrev._errors import not_invertible
 from jaxrev._jaxpr import Env, apply, evaluate, real_outvars, size_of
-from jaxrev.transforms import records
+from jaxrev.transforms.knowledge import records
 from jaxrev.transforms.registry import BILINEAR, LINEAR, Unsupported, elementwise_in, is_kind
 
 __all__ = ["lump_step", "Lump", "affine_eqn", "stand_ins", "singular_on_stand_ins",

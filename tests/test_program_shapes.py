@@ -1,4 +1,5 @@
-"""Regression tests for the defects random-program testing found (issue 18), each a minimal
+"""Programs of many shapes (calls, loops and branches nested in each other, inverses of inverses):
+regression tests for the defects random-program testing found (issue 18), each a minimal
 program written from the defect's description."""
 from __future__ import annotations
 
@@ -198,7 +199,7 @@ def test_counted_plain_while_loop_runs_backwards():
     with pytest.raises(jr.NotInvertibleError, match="does not record how many times") as e:
         jr.reverse(g)(g(s2, 2.0), 2.0)
     line = next(k for k, t in enumerate(open(__file__), 1) if "<state while>" in t)
-    assert f"test_defects.py:{line + 1}:" in str(e.value)
+    assert f"test_program_shapes.py:{line + 1}:" in str(e.value)
 
 
 @pytest.mark.parametrize("loop", ["fori", "while"])

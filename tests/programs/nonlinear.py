@@ -1,4 +1,4 @@
-"""Programs whose steps are invertible only as nonlinear groups (DESIGN.md §3.6), shared by
+"""Programs whose steps are invertible only as nonlinear groups (docs/design.md §3.6), shared by
 `test_nonlinear.py` and the sharded run of `test_sharding.py`.
 
 Each case is ``(fun, state, param)`` with ``fun(state, param)`` returning the state's

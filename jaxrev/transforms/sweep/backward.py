@@ -22,10 +22,10 @@ import numpy as np
 from jaxrev._compat import ClosedJaxpr, DropVar, JaxprEqn, Literal, Var, bind_eqn, is_symbolic_zero
 from jaxrev._errors import not_invertible
 from jaxrev._jaxpr import Env, evaluate, fit_to_aval, is_var, prepare
-from jaxrev.transforms._walker import Hints, Stuck, Window, blame, propagate, statics_for
-from jaxrev.transforms import dial as drift
+from jaxrev.transforms.propagation.walker import Hints, Stuck, Window, blame, propagate, statics_for
+from jaxrev.transforms.sweep import drift
 from jaxrev.transforms.custom import recompute_p, store_p
-from jaxrev.transforms.dial import Dial
+from jaxrev.transforms.sweep.dial import Dial
 from jaxrev.transforms.registry import forward_rules, sweep_rules
 
 __all__ = ["Plan", "LoopPlan", "Residuals", "plan_for", "top_plan", "res_avals", "loop_avals",

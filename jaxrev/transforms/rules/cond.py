@@ -24,12 +24,12 @@ from jaxrev._compat import (ClosedJaxpr, JaxprEqn, Primitive, cond_branches, lit
 from jaxrev._jaxpr import (Env, eval_closed, instantiate_tangents, is_unknown, is_var,
                            move_batch, needed_vars, switch_batched, vmap_closed)
 from jaxrev._program import avals_of
-from jaxrev.transforms._sweep import (LoopPlan, Plan, Residuals, acc, branch_slices,
+from jaxrev.transforms.sweep.backward import (LoopPlan, Plan, Residuals, acc, branch_slices,
                                       forward_with_residuals, get_ct, is_float, known_or_rebuilt,
                                       loop_avals, outs_known, plan_for, res_avals, seed_env,
                                       walk, zero_ct)
-from jaxrev.transforms._walker import invert_jaxpr, rule_context, static_hints
-from jaxrev.transforms import dial as drift
+from jaxrev.transforms.propagation.walker import invert_jaxpr, rule_context, static_hints
+from jaxrev.transforms.sweep import drift
 from jaxrev.transforms.registry import ChoiceRule, NeedMore, define
 
 __all__ = ["cond", "cond_p"]

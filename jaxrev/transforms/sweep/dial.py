@@ -1,46 +1,31 @@
-"""`reversible`'s time-space dial and drift checks (DESIGN.md §3.8).
+"""`reversible`'s time-space dial (docs/design.md §3.8).
 
-A rebuilt trajectory drifts from the one the forward run computed: rounding, amplified by the
-backward dynamics (a contracting loop run backwards expands it without bound). Every rebuilt
-value that has a true counterpart is compared with it: the inputs of a `reversible` call (the
-caller holds them) and the start of every checkpointed segment of a loop (`Dial.segment`: the
-forward run stores the carry every K iterations, and each segment is rebuilt from the stored
-start of the next, so drift grows over K steps, not the whole loop).
-
-A walk collects its comparisons in a `scope`: one number per comparison, the drift divided by
-its tolerance (a *ratio*, NaN counted as infinite), and a *site* (which comparison: an index
-into the `Log` of the top-level backward run). A loop's body walk is traced inside a
-`lax.scan` or `while_loop`, so its scope's worst `(ratio, site)` pair leaves the loop in the
-loop's carry (`combine`) and is noted in the enclosing scope. `Log.finish` acts on the worst
-one: raise (eagerly, or under `jit` when the program runs), warn, NaN, or nothing.
+`Dial` holds one call's settings: how often a loop's carry is stored (K per loop, from
+`checkpoint_every` or `memory_budget`), what a drift does (`on_drift`), its tolerance, and
+`max_steps` for lossy while loops. A checkpointed loop runs backwards in segments
+(`segmented`): the forward run stores the carry every K iterations (`segmented_forward`), and
+each segment is rebuilt from the stored start of the next, so drift grows over K steps, not the
+whole loop; under "auto" a segment whose rebuilt start misses is recomputed forward from its
+checkpoint (`body_redo`). The comparisons themselves are `drift`'s.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
-import warnings
-from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrev._compat import is_concrete, user_source
 from jaxrev._jaxpr import eval_closed, mentions, select_batched, where
-from jaxrev._errors import DriftError
-from jaxrev.transforms._checks import check_at_run_time
+from jaxrev.transforms.sweep.drift import combine, ratio, site, values_tol
 
-__all__ = ["ON_DRIFT", "Dial", "Log", "DriftWarning", "scope", "note", "site", "checking",
-           "combine", "no_drift", "ratio", "leaf_drift", "describe_loops", "suspended",
-           "recomputable", "values_tol", "segment_checks"]
+__all__ = ["ON_DRIFT", "Dial", "recomputable", "segmented", "segmented_forward", "body_redo", "segment_checks"]
+
 
 ON_DRIFT = ("raise", "nan", "warn", "ignore")
-
-
-class DriftWarning(UserWarning):
-    """A rebuilt value missed its true counterpart (`on_drift="warn"`)."""
 
 
 @dataclass(frozen=True)
@@ -108,237 +93,14 @@ class Dial:
         return float(np.sqrt(np.finfo(dtype).eps))
 
 
-def no_drift() -> tuple[Any, Any]:
-    """The `(ratio, site)` pair of no comparison: a loop's starting worst."""
-    return jnp.zeros((), jnp.float32), jnp.full((), -1, jnp.int32)
-
-
-def leaf_drift(rebuilt: Any, true: Any, atol: float = 0.0) -> Any:
-    """max|rebuilt − true| / (max|true| + atol): a leaf's normwise relative error; a leaf that
-    is all zeros is measured absolutely (so x = 0 does not blow it up). Infinite where a NaN
-    or an infinity differs from the true value."""
-    a = jnp.asarray(rebuilt)
-    b = jnp.asarray(true, a.dtype)
-    if a.dtype == jnp.bool_:  # a flag rebuilt wrong is off by one, relative to one
-        a, b = a.astype(jnp.int32), b.astype(jnp.int32)
-    if a.size == 0:
-        return jnp.zeros((), jnp.float32)
-    # equal values (an infinity the program holds, rebuilt as that infinity) do not drift;
-    # a NaN or an infinity where the true value differs is infinitely far
-    same = (a == b) | (jnp.isnan(a) & jnp.isnan(b))
-    err = where(same, 0.0, jnp.abs(a - b))
-    m = jnp.max(where(jnp.isfinite(b), jnp.abs(b), 0.0))
-    den = where(m > 0, m, 1.0) + atol
-    d = jnp.max(err) / den
-    return where(jnp.isnan(d), jnp.inf, d).astype(jnp.float32)
-
-
-def values_tol(dial: Dial, dtypes: Sequence[Any]) -> float:
-    """The tolerance for values compared together: the loosest of their floating dtypes'
-    (a float64 carry that reads a float32 one is rebuilt no better than float32)."""
-    floats = [d for d in dtypes if jnp.issubdtype(d, jnp.inexact)]
-    return max((dial.tol(d) for d in floats), default=0.0)
-
-
-def ratio(dial: Dial, rebuilt: Sequence[Any], true: Sequence[Any]) -> Any:
-    """The largest drift / tolerance over the floating leaves (infinite where a NaN or an
-    infinity appeared)."""
-    tol = values_tol(dial, [jnp.result_type(b) for b in true])
-    r = jnp.zeros((), jnp.float32)
-    for a, b in zip(rebuilt, true):
-        if not jnp.issubdtype(jnp.result_type(b), jnp.inexact):
-            continue
-        r = jnp.maximum(r, leaf_drift(a, b) / tol)
-    return r
-
-
-def combine(a: tuple[Any, Any], b: tuple[Any, Any]) -> tuple[Any, Any]:
-    """The worse of two `(ratio, site)` pairs."""
-    ra, sa = a
-    rb, sb = b
-    take = jnp.asarray(rb, jnp.float32) > jnp.asarray(ra, jnp.float32)
-    return (where(take, rb, ra).astype(jnp.float32),
-            where(take, sb, sa).astype(jnp.int32))
-
-
-@dataclass
-class Site:
-    what: str                  # the comparison, in words
-    where: str                 # the loop's (or call's) user line
-    tol: float
-    inputs: bool = False       # the call's rebuilt inputs (the message lists the loops)
-
-
-@dataclass
-class Log:
-    """The comparisons of one top-level backward run, and what a miss does."""
-
-    dial: Dial
-    name: str
-    loops: str = ""                         # the program's loops, for the inputs' message
-    sites: list[Site] = field(default_factory=list)
-    scopes: list[list] = field(default_factory=lambda: [[]])
-
-    def worst(self) -> tuple[Any, Any]:
-        return _Scope(self.scopes[0]).worst()
-
-    def message(self, r: float, k: int) -> str:
-        s = self.sites[k] if 0 <= k < len(self.sites) else Site("a rebuilt value", "", 0.0)
-        drift = "NaN or inf" if not math.isfinite(r) else f"{r * s.tol:.3g}"
-        where = f" at {s.where}" if s.where else ""
-        extra = f"\n{self.loops}" if s.inputs and self.loops else ""
-        return (f"jaxrev.reversible({self.name}): {s.what}{where} misses its true value by a "
-                f"relative drift of {drift} (tolerance {s.tol:.3g}): the backward run "
-                f"amplifies rounding (a contracting loop run backwards expands it).{extra}\n"
-                "Ways out: checkpoint_every=K (drift grows over K steps, not the loop), "
-                "memory_budget=bytes or checkpoint_every='auto' (recompute the segments that "
-                "miss), a looser drift_rtol, or on_drift='warn' / 'ignore'.")
-
-    def error(self, r: Any, k: Any) -> Exception | None:
-        r, k = float(np.asarray(r)), int(np.asarray(k))
-        if not r > 1.0 and not math.isnan(r):
-            return None
-        msg = self.message(r, k)
-        if self.dial.on_drift == "warn":
-            warnings.warn(msg, DriftWarning, stacklevel=2)
-            return None
-        s = self.sites[k] if 0 <= k < len(self.sites) else None
-        return DriftError(msg, file=s.where if s else None, drift=r * (s.tol if s else 1.0),
-                          tolerance=s.tol if s else None)
-
-    def finish(self, worst: tuple[Any, Any], cts: list[Any]) -> list[Any]:
-        """Act on the worst comparison: the cotangents `cts` come back unchanged, or NaN
-        (`on_drift="nan"`) where it missed."""
-        r, k = worst
-        mode = self.dial.on_drift
-        if mode == "ignore":
-            return cts
-        if mode == "nan":
-            bad = ~(r <= 1.0)
-            return [c if c is None or not jnp.issubdtype(jnp.result_type(c), jnp.inexact)
-                    else where(bad, jnp.nan, c) for c in cts]
-        if is_concrete(r) and is_concrete(k):
-            err = self.error(r, k)
-            if err is not None:
-                raise err
-            return cts
-        check_at_run_time(self.error, r, k, bad=~(r <= 1.0))
-        return cts
-
-
-_logs: list[Log] = []
-
-
-@contextlib.contextmanager
-def checking(dial: Dial, name: str, loops: str = "") -> Iterator[Log | None]:
-    """The comparisons of one backward run (None when the dial asks for none)."""
-    if not dial.checks:
-        yield None
-        return
-    log = Log(dial, name, loops)
-    _logs.append(log)
-    try:
-        yield log
-    finally:
-        _logs.pop()
-
-
-@contextlib.contextmanager
-def suspended() -> Iterator[None]:
-    """No comparisons collected inside: a planning walk (on placeholders, traced apart) may
-    start while a backward run is live (a `reversible` call inside another's loop), and its
-    values must not reach that run's log."""
-    saved = _logs[:]
-    _logs.clear()
-    try:
-        yield
-    finally:
-        _logs[:] = saved
+def _tmap(f: Any, *t: Any) -> Any:
+    return jax.tree_util.tree_map(f, *t)
 
 
 def recomputable(closed: Any) -> bool:
     """Whether "auto" can recompute a segment of a loop with this body: JAX's VJP of the body,
     which a `while_loop` inside refuses (that loop then stays checkpointed and checked)."""
     return not mentions(closed.jaxpr, lambda p: p.name in ("while", "jaxrev_while"))
-
-
-def segment_checks(dial: Dial, eqn: Any, carry: Sequence[Any], body: Any, nc: int, ncar: int,
-                   consts: Sequence[Any], act: Sequence[bool] | None, yct: Sequence[bool],
-                   can_redo: bool, planning: bool) -> tuple[Any, Any]:
-    """A checkpointed loop's comparison `check(c_rebuilt, c_stored) -> (ratio, site)` of each
-    segment's rebuilt start with its checkpoint, and (the "auto" dial, where `can_redo` and the
-    body allows it) `body_redo`'s recomputation of a segment that missed; (None, None) where
-    nothing is checked (the planning walk, on_drift="ignore")."""
-    if planning or not dial.checks:
-        return None, None
-    at = site("the rebuilt start of a checkpointed segment of the loop", eqn,
-              values_tol(dial, [a.dtype for a in carry]))
-
-    def check(c, ck):
-        return ratio(dial, c, ck), jnp.asarray(at, jnp.int32)
-
-    redo = None
-    if dial.auto and can_redo and act is not None and recomputable(body):
-        redo = body_redo(body, nc, ncar, consts, act, yct)
-    return check, redo
-
-
-def site(what: str, eqn: Any, tol: float, inputs: bool = False) -> int:
-    """Register a comparison of the current backward run; its index (-1 when none runs)."""
-    if not _logs:
-        return -1
-    where = user_source(eqn)[2] if eqn is not None else ""
-    _logs[-1].sites.append(Site(what, where or "", tol, inputs))
-    return len(_logs[-1].sites) - 1
-
-
-def note(pair: tuple[Any, Any]) -> None:
-    """Add a `(ratio, site)` pair to the innermost scope (nothing when no run checks)."""
-    if _logs:
-        _logs[-1].scopes[-1].append(pair)
-
-
-class _Scope:
-    def __init__(self, entries: list) -> None:
-        self.entries = entries
-
-    def worst(self) -> tuple[Any, Any]:
-        w = no_drift()
-        for p in self.entries:
-            w = combine(w, p)
-        return w
-
-
-@contextlib.contextmanager
-def scope() -> Iterator[_Scope]:
-    """Collect the pairs noted inside (a loop body's walk, traced inside the loop): their worst
-    leaves the loop in its carry."""
-    entries: list = []
-    if _logs:
-        _logs[-1].scopes.append(entries)
-    try:
-        yield _Scope(entries)
-    finally:
-        if _logs:
-            _logs[-1].scopes.pop()
-
-
-def describe_loops(eqns: Sequence[Any], is_loop: Any) -> str:
-    """The program's loops, for the message about its rebuilt inputs."""
-    out = []
-    for e in eqns:
-        if is_loop(e):
-            out.append(f"`{e.primitive.name}` at {user_source(e)[2]}")
-    if not out:
-        return ""
-    return ("Its loops (a while loop is checkpointed with max_steps=N): " + "; ".join(out[:4])
-            + ("; ..." if len(out) > 4 else ""))
-
-
-# --------------------------------------------------------------------------- segments
-
-def _tmap(f: Any, *t: Any) -> Any:
-    return jax.tree_util.tree_map(f, *t)
 
 
 def segmented(bstep: Any, carry0: tuple, slices: Any, length: int, K: int,
@@ -499,3 +261,24 @@ def body_redo(body: Any, nc: int, ncar: int, consts: Sequence[Any], act: Sequenc
         return c_ct, k_ct, outs
 
     return redo
+
+
+def segment_checks(dial: Dial, eqn: Any, carry: Sequence[Any], body: Any, nc: int, ncar: int,
+                   consts: Sequence[Any], act: Sequence[bool] | None, yct: Sequence[bool],
+                   can_redo: bool, planning: bool) -> tuple[Any, Any]:
+    """A checkpointed loop's comparison `check(c_rebuilt, c_stored) -> (ratio, site)` of each
+    segment's rebuilt start with its checkpoint, and (the "auto" dial, where `can_redo` and the
+    body allows it) `body_redo`'s recomputation of a segment that missed; (None, None) where
+    nothing is checked (the planning walk, on_drift="ignore")."""
+    if planning or not dial.checks:
+        return None, None
+    at = site("the rebuilt start of a checkpointed segment of the loop", eqn,
+              values_tol(dial, [a.dtype for a in carry]))
+
+    def check(c, ck):
+        return ratio(dial, c, ck), jnp.asarray(at, jnp.int32)
+
+    redo = None
+    if dial.auto and can_redo and act is not None and recomputable(body):
+        redo = body_redo(body, nc, ncar, consts, act, yct)
+    return check, redo

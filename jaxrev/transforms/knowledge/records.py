@@ -1,4 +1,4 @@
-"""What a walk recovered, step by step: the record log-determinants are summed over (DESIGN.md
+"""What a walk recovered, step by step: the record log-determinants are summed over (docs/design.md
 §3.7).
 
 While a `Recorder` is active, the walker notes every step that recovers unknown values in the

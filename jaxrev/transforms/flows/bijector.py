@@ -1,4 +1,4 @@
-"""`jr.Bijector`: any invertible function in distrax's bijector protocol (DESIGN.md §1 flows).
+"""`jr.Bijector`: any invertible function in distrax's bijector protocol (docs/design.md §1 flows).
 
 `forward` is the function, `inverse` is `reverse(fun)`, and the log-determinants come from the
 inversion sweep (`flows`), one pass each. distrax is not imported: the class has the methods
@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrev._program import fun_name
-from jaxrev.transforms.flows import forward_and_slogdet, inverse_and_slogdet
+from jaxrev.transforms.flows.slogdet import forward_and_slogdet, inverse_and_slogdet
 from jaxrev.transforms.reverse import reverse
 
 __all__ = ["Bijector", "Chain"]

@@ -1,5 +1,5 @@
 """Log-determinants for normalizing flows: `slogdet_jacobian`, `forward_and_slogdet`,
-`inverse_and_slogdet`, `register_logdet` (DESIGN.md §1 flows, §3.7).
+`inverse_and_slogdet`, `register_logdet` (docs/design.md §1 flows, §3.7).
 
 Each runs the program once (forward, or backwards by `reverse`'s walker) and sums the
 log-determinants of the steps the inversion is made of (`logdet`): a coupling layer costs about
@@ -23,11 +23,12 @@ from jaxrev._errors import NotInvertibleError, SingularJacobianError, at_eqn
 from jaxrev._jaxpr import Env, Unknown, evaluate, prepare, without_custom_vjp
 from jaxrev._program import (check_sizes, eval_shape, fun_name, normalize_argnums,
                              trace_program, traced_leaves)
-from jaxrev.transforms import elements, records
-from jaxrev.transforms._checks import check_at_run_time, settings
-from jaxrev.transforms._walker import propagate, raise_stuck, seed
-from jaxrev.transforms.logdet import LogdetContext, evaluate_plan, plan
+from jaxrev.transforms.knowledge import elements, records
+from jaxrev.transforms.knowledge.checks import check_at_run_time, settings
+from jaxrev.transforms.propagation.walker import propagate, raise_stuck, seed
+from jaxrev.transforms.flows.logdet import LogdetContext, evaluate_plan, plan
 from jaxrev.transforms.registry import Unsupported, check_rule, define
+from jaxrev.transforms.reverse import reverse
 
 __all__ = ["slogdet_jacobian", "forward_and_slogdet", "inverse_and_slogdet",
            "register_logdet", "logdet_strategy", "METHODS"]
@@ -373,7 +374,6 @@ def inverse_and_slogdet(fun: Callable, argnums: int | Sequence[int] = 0, *,
     """
     who = "jaxrev.inverse_and_slogdet"
     _check_method(method, on_singular, who)
-    from jaxrev.transforms.reverse import reverse
 
     @functools.wraps(fun)
     def inv(*args: Any) -> tuple[Any, Any]:

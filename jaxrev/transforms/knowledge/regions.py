@@ -1,4 +1,4 @@
-"""Sets of element positions (DESIGN.md §3.5): where a partly known value is not known yet.
+"""Sets of element positions (docs/design.md §3.5): where a partly known value is not known yet.
 
 A value may be known on part of its elements. The walker keeps, for such a value, an array
 that is right outside a `Region` (the positions still unknown) and garbage inside it. A region

@@ -25,13 +25,14 @@ from jaxrev._jaxpr import (Env, Unknown, eval_closed, instantiate_tangents, is_u
                            is_var, move_batch, needed_vars, restrict, select_batched, size_of,
                            vmap_closed, where)
 from jaxrev._program import avals_of
-from jaxrev.transforms._sweep import (BodyWalk, LoopEnd, LoopPlan, Plan, Residuals,
+from jaxrev.transforms.sweep.backward import (BodyWalk, LoopEnd, LoopPlan, Plan, Residuals,
                                       forward_with_residuals, known_or_rebuilt, loop_activity,
                                       loop_cts_in, loop_cts_out, n_checkpoints, outs_known,
                                       plan_for, res_avals, sds)
-from jaxrev.transforms._checks import raise_where
-from jaxrev.transforms._walker import invert_jaxpr, rule_context, static_hints
-from jaxrev.transforms import dial as drift
+from jaxrev.transforms.knowledge.checks import raise_where
+from jaxrev.transforms.propagation.walker import invert_jaxpr, rule_context, static_hints
+from jaxrev.transforms.sweep import drift
+from jaxrev.transforms.sweep.dial import segment_checks
 from jaxrev.transforms.registry import Lossy, NeedMore, define
 
 __all__ = ["while_loop", "while_p"]
@@ -183,7 +184,7 @@ def _stored_sweep(P: Plan, i: int, env: Env, ctenv: dict | None, active: set,
     c0 = [env.read(v) for v in e.outvars]
     c_ct0, k_ct0 = loop_cts_in(ctenv, e.outvars, body, nbc, act)
     K = lp.every
-    check, redo = (drift.segment_checks(P.dial, e, lp.carry, body, nbc, ncar, bvals, act, (),
+    check, redo = (segment_checks(P.dial, e, lp.carry, body, nbc, ncar, bvals, act, (),
                                         True, res.planning) if K is not None else (None, None))
 
     def back(s):

@@ -1,0 +1,1 @@
+"""The rules of each primitive family, one block per primitive: `jax.lax` arithmetic, indexing (select, gather, scatter, slices), `scan`, `while` and `cond`."""

@@ -1,0 +1,1 @@
+"""Catalogues of programs that the tests (and `benchmarks/tracing.py`) run through jaxrev."""
