@@ -38,7 +38,7 @@ import numpy as np
 from jaxrev._compat import is_concrete, is_staged, tracing
 from jaxrev._program import Filtered, is_traced
 
-__all__ = ["function_key", "call_key", "compiled", "cached_call", "is_eager", "alive", "Cache"]
+__all__ = ["function_key", "call_key", "compiled", "cached_call", "is_eager", "alive", "Cache", "memo"]
 
 _MAX_ENTRIES = 256
 _MAX_NODES = 400        # values visited per key: past it, no key
@@ -294,6 +294,17 @@ class Cache:
 
 _COMPILED = Cache()
 _SEEN = Cache()
+_MEMOS: dict[str, Cache] = {}
+
+
+def memo(name: str, size: int = _MAX_ENTRIES) -> Cache:
+    """The process-wide cache called `name` (created with `size` entries on first use). The
+    transforms keep no state of their own: what they memoize (traces, plans) lives here,
+    keyed on everything that decides the result, so no walk depends on what ran before it."""
+    cache = _MEMOS.get(name)
+    if cache is None:
+        cache = _MEMOS[name] = Cache(size)
+    return cache
 
 
 def _run_quietly(jitted: Callable, *args: Any, block: bool = False) -> tuple[bool, Any]:

@@ -24,7 +24,7 @@ from jaxrev._compat import (ClosedJaxpr, Primitive, ShapedArray, hoist_consts,
                             lower_fun, primitive_batchers, primitive_jvps,
                             primitive_transposes, register_linearization,
                             register_lowering, trace_to_closed)
-from jaxrev._cache import Cache, call_key, compiled, is_eager
+from jaxrev._cache import call_key, compiled, is_eager, memo
 from jaxrev._jaxpr import Env, batch_front, eval_closed, instantiate_tangents
 from jaxrev._program import (Filtered, check_sizes, check_structure, normalize_argnums,
                              trace_program)
@@ -246,8 +246,7 @@ class Bound:
 
 # traces kept for eager calls; a trace holding more than _MAX_CONST_BYTES of constants is not
 # kept (a loop whose function closes over new weights every step would pin each step's)
-_BOUND = Cache(64)
-_CALLS = Cache(64)
+_TRACES = 64
 _MAX_CONST_BYTES = 1 << 22
 
 
@@ -281,7 +280,7 @@ def bind_reversible(fun: Callable, args: Sequence[Any], argnums: int | Sequence[
     eager_call = is_eager(args)
     ck = call_key(fun, tuple(args)) if eager_call else None
     if ck is not None:
-        hit = _CALLS.get((nums, ck[0]))
+        hit = memo("reversible.calls", _TRACES).get((nums, ck[0]))
         if hit is not None:
             flat = Filtered(tuple(args)).flat
             return Bound(hit.jaxpr, hit.state,
@@ -302,9 +301,10 @@ def bind_reversible(fun: Callable, args: Sequence[Any], argnums: int | Sequence[
     # would be work on every trace for nothing
     key = _fingerprint(fun, j, state, out_tree) if eager_call and not consts else None
     if key is not None:
-        j = _BOUND.get(key) or _BOUND.put(key, [], j)
+        traces = memo("reversible.traces", _TRACES)
+        j = traces.get(key) or traces.put(key, [], j)
         if ck is not None:
-            _CALLS.put((nums, ck[0]), ck[1], Bound(j, state, [], out_tree))
+            memo("reversible.calls", _TRACES).put((nums, ck[0]), ck[1], Bound(j, state, [], out_tree))
     return Bound(j, state, operands, out_tree)
 
 

@@ -27,6 +27,7 @@ Anything else is `Unsupported`: the caller then materialises J (the "dense" stra
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, Callable, Sequence
 
 import jax
@@ -48,13 +49,14 @@ __all__ = ["Unsupported", "Plan", "plan", "evaluate_plan", "LogdetContext", "DEN
 
 # operands in which these primitives are positional: output element p depends on the
 # operand's element p only (a select's cases, a scatter's or dynamic update's operand)
-_POSITIONAL = {p: ks for p, ks in (
+_POSITIONAL = MappingProxyType({p: ks for p, ks in (
     (prims.select_n, "cases"), (prims.scatter_add, (0,)), (prims.scatter_mul, (0,)),
     (prims.scatter, (0,)), (prims.dynamic_update_slice, (0,)))
-    if p is not None}
+    if p is not None})
 # inputs that these primitives copy into their output (an update's elements)
-_COPIES = {p: ks for p, ks in ((prims.scatter, (2,)), (prims.dynamic_update_slice, (1,)))
-           if p is not None}
+_COPIES = MappingProxyType({p: ks for p, ks in ((prims.scatter, (2,)),
+                                                 (prims.dynamic_update_slice, (1,)))
+                            if p is not None})
 
 
 def _inexact(v: Any) -> bool:

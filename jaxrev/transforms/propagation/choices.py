@@ -26,6 +26,7 @@ Derivatives differentiate the chosen candidate (the selection by consistency has
 from __future__ import annotations
 
 import itertools
+from types import MappingProxyType
 from typing import Any, Callable, Sequence
 
 import jax
@@ -442,7 +443,8 @@ def _recheck(G: Sequence[JaxprEqn], ch: list[_Choice], inputs: list[Var], env: E
 # (relu's zero where x < 0); combinations whose intervals for one value do not meet are never
 # taken, so they are neither tried nor refused (`where(x > 20, x, log1p(exp(min(x, 20))))`).
 
-_CMP = {"gt": (1, False), "ge": (1, True), "lt": (-1, False), "le": (-1, True)}
+_CMP = MappingProxyType({"gt": (1, False), "ge": (1, True), "lt": (-1, False),
+                         "le": (-1, True)})
 
 
 def _interval(e: JaxprEqn, k: int, producer: dict, env: Env) -> tuple[Any, tuple] | None:

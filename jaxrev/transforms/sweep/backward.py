@@ -11,7 +11,6 @@ with the loops' `forward_rules`) stores exactly those values.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -20,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrev._compat import ClosedJaxpr, DropVar, JaxprEqn, Literal, Var, bind_eqn, is_symbolic_zero
+from jaxrev._cache import memo
 from jaxrev._errors import not_invertible
 from jaxrev._jaxpr import Env, evaluate, fit_to_aval, is_var, prepare
 from jaxrev.transforms.propagation.walker import Hints, Stuck, Window, blame, propagate, statics_for
@@ -171,7 +171,6 @@ class Residuals:
         return self.loop_vals[i]
 
 
-_PLANS: "OrderedDict[tuple, tuple[ClosedJaxpr, Plan]]" = OrderedDict()
 _MAX_PLANS = 512
 
 
@@ -202,9 +201,9 @@ def plan_for(closed: ClosedJaxpr, known_in: tuple[bool, ...], known_out: tuple[b
     inputs it must rebuild (a loop body's carry), and what its inputs are at trace time
     (`hints`: a loop counter at every iteration), under the call's `dial`; cached per jaxpr."""
     key = (id(closed), known_in, known_out, goal_in, hints.key() if hints else None, dial)
-    hit = _PLANS.get(key)
+    plans = memo("sweep.plans", _MAX_PLANS)
+    hit = plans.get(key)
     if hit is not None and hit[0] is closed:
-        _PLANS.move_to_end(key)
         return hit[1]
     P = Plan(prepare(closed), hints=hints, dial=dial)
     J = P.closed.jaxpr
@@ -219,9 +218,7 @@ def plan_for(closed: ClosedJaxpr, known_in: tuple[bool, ...], known_out: tuple[b
 
     with drift.suspended():
         jax.make_jaxpr(dry)(ins, outs)
-    _PLANS[key] = (closed, P)
-    if len(_PLANS) > _MAX_PLANS:
-        _PLANS.popitem(last=False)
+    plans.put(key, [], (closed, P))
     return P
 
 
