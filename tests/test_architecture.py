@@ -44,6 +44,166 @@ def test_no_private_names_imported_across_modules():
                         f"{path} imports the private name {alias.name} from {node.module}")
 
 
+def _module_name(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(PKG.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _jaxrev_imports(path: pathlib.Path) -> list[tuple[ast.AST, str, bool]]:
+    """(node, imported module, at module level) for every import of a jaxrev module; `from
+    pkg import name` counts as importing `pkg.name` when that is a module."""
+    names = {_module_name(p) for p in _modules()}
+    tree = ast.parse(path.read_text())
+    top = set(map(id, tree.body))
+    out = []
+    for node in ast.walk(tree):
+        targets = []
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            targets = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in names
+                       else node.module for a in node.names]
+        for t in targets:
+            if t == "jaxrev" or t.startswith("jaxrev."):
+                out.append((node, t, id(node) in top))
+    return out
+
+
+def _import_graph() -> dict[str, set[str]]:
+    graph = {}
+    for path in _modules():
+        graph[_module_name(path)] = {t for _, t, _ in _jaxrev_imports(path)}
+    return graph
+
+
+def test_no_function_level_imports_of_jaxrev_modules():
+    """An import inside a function is how an import circle hides: jaxrev has none."""
+    for path in _modules():
+        for node, target, at_top in _jaxrev_imports(path):
+            assert at_top, f"{path}:{node.lineno} imports {target} inside a function or block"
+
+
+def _circle(graph: dict[str, set[str]]) -> list[str] | None:
+    """An import circle of `graph` (module -> imported modules), or None."""
+    state: dict[str, int] = {}
+
+    def visit(m: str, stack: list[str]) -> list[str] | None:
+        state[m] = 1
+        for t in sorted(graph.get(m, ())):
+            if t not in graph or t == m or m.startswith(t + "."):
+                continue   # a package's own __init__ importing its modules is not a circle
+            if state.get(t) == 1:
+                return stack[stack.index(t):] + [t]
+            if t not in state:
+                found = visit(t, stack + [t])
+                if found:
+                    return found
+        state[m] = 2
+        return None
+
+    for m in sorted(graph):
+        if m not in state:
+            found = visit(m, [m])
+            if found:
+                return found
+    return None
+
+
+def test_no_import_circle():
+    found = _circle(_import_graph())
+    assert found is None, "import circle: " + " -> ".join(found)
+    # the check itself finds one
+    assert _circle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+
+
+# docs/architecture.md's layers, lowest first: a module imports only modules of its own layer
+# or below (package __init__ files re-export and are exempt)
+LAYERS = [
+    ("core", ("jaxrev._compat", "jaxrev._errors", "jaxrev._jaxpr", "jaxrev._program",
+              "jaxrev._cache", "jaxrev._primitive", "jaxrev._stats")),
+    ("registry and knowledge", ("jaxrev.transforms.registry", "jaxrev.transforms.knowledge.",
+                                "jaxrev.transforms.custom")),
+    ("propagation", ("jaxrev.transforms.propagation.",)),
+    ("sweep", ("jaxrev.transforms.sweep.",)),
+    ("rules and log-dets", ("jaxrev.transforms.rules.", "jaxrev.transforms.flows.logdet",
+                            "jaxrev.primitives.")),
+    ("public transforms", ("jaxrev.transforms.reverse", "jaxrev.transforms.reversible",
+                           "jaxrev.transforms.reports", "jaxrev.transforms.inverse_ad",
+                           "jaxrev.transforms.flows.", "jaxrev.optim", "jaxrev.diffrax")),
+]
+
+
+def _layer(module: str) -> int | None:
+    for k, (_, prefixes) in enumerate(LAYERS):
+        if any(module == p or (p.endswith(".") and module.startswith(p)) for p in prefixes):
+            return k
+    return None
+
+
+def _layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    out = []
+    for m, targets in sorted(graph.items()):
+        if m in ("jaxrev", "jaxrev.transforms", "jaxrev.primitives") or _is_package(m):
+            continue
+        lm = _layer(m)
+        if lm is None:
+            out.append(f"{m} is in no layer of docs/architecture.md (add it there and here)")
+            continue
+        for t in sorted(targets):
+            lt = _layer(t)
+            if lt is not None and lt > lm:
+                out.append(f"{m} ({LAYERS[lm][0]}) imports {t}, a higher layer "
+                           f"({LAYERS[lt][0]})")
+    return out
+
+
+def test_lower_layers_never_import_higher_ones():
+    assert _layer_violations(_import_graph()) == []
+    # the check itself finds one
+    assert _layer_violations({"jaxrev.transforms.propagation.lumps": {
+        "jaxrev.transforms.reverse"}}) == [
+        "jaxrev.transforms.propagation.lumps (propagation) imports jaxrev.transforms.reverse, "
+        "a higher layer (public transforms)"]
+
+
+def _is_package(module: str) -> bool:
+    return (PKG.parent / module.replace(".", "/") / "__init__.py").exists()
+
+
+# the registries are the documented extension point (filled at import, and by
+# `jr.register_inverse` on request); nothing else in the transforms may be mutable state
+_REGISTRIES = {"inverse_rules", "inverse_jvp_rules", "sweep_rules", "forward_rules",
+               "element_rules", "choice_rules", "logdet_rules", "index_args", "kinds"}
+_MUTABLE_CALLS = {"list", "dict", "set", "OrderedDict", "defaultdict", "deque", "Counter",
+                  "Cache", "bytearray"}
+
+
+def test_no_module_level_mutable_state_in_the_transforms():
+    """What a walk does depends only on its arguments and its context: no module of
+    jaxrev/transforms/ keeps lists, dicts, sets or caches of its own at module level."""
+    for path in sorted((PKG / "transforms").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            assert not isinstance(node, ast.Global), f"{path}:{node.lineno} uses `global`"
+        for node in tree.body:
+            if isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                names = [t.id for t in targets if isinstance(t, ast.Name)]
+                value = node.value
+                if value is None or names == ["__all__"]:
+                    continue
+                if path.name == "registry.py" and set(names) <= _REGISTRIES:
+                    continue
+                call = (value.func.id if isinstance(value, ast.Call)
+                        and isinstance(value.func, ast.Name) else
+                        value.func.attr if isinstance(value, ast.Call)
+                        and isinstance(value.func, ast.Attribute) else None)
+                mutable = call in _MUTABLE_CALLS or isinstance(
+                    value, (ast.List, ast.Dict, ast.Set, ast.ListComp, ast.DictComp, ast.SetComp))
+                assert not mutable, (f"{path}:{node.lineno} keeps mutable state at module "
+                                     f"level: {', '.join(names)}")
+
+
 def test_only_compat_imports_jax_internals():
     for path in _modules():
         if path.name == "_compat.py":
