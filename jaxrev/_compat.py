@@ -59,7 +59,8 @@ def _structured_residuals() -> bool:
         return False
 
 
-def register_linearization(prim: Primitive, rule: Callable, fallback_when: Callable) -> None:
+def register_linearization(prim: Primitive, rule: Callable,
+                           fallback_when: Callable | None = None) -> None:
     """Give `prim` its own linearization: ``rule(nonzeros, *primals, **params)`` returns
     ``(primals_out, nonzeros_out, residuals, tangent_fun)`` with ``tangent_fun(residuals,
     *tangents)``; where ``fallback_when(**params)`` holds, JAX's (its JVP rule traced with
@@ -69,7 +70,7 @@ def register_linearization(prim: Primitive, rule: Callable, fallback_when: Calla
     structured = _structured_residuals()
 
     def lin(is_vjp, nonzeros, *primals, **params):
-        if fallback_when(**params):
+        if fallback_when is not None and fallback_when(**params):
             return _fallback_linearize(prim, is_vjp, nonzeros, *primals, **params)
         outs, nzs, res, fn = rule(nonzeros, *primals, **params)
         if structured:
@@ -77,6 +78,20 @@ def register_linearization(prim: Primitive, rule: Callable, fallback_when: Calla
         return outs, nzs, res, fn
     _linearizations[prim] = lin
 primitive_batchers = _batching.primitive_batchers
+
+
+def registered_rules(prim: Primitive) -> frozenset[str]:
+    """Which JAX rules `prim` has, read from JAX's own tables (names as `_primitive.RULES`):
+    what a test compares with what the factory says it registered."""
+    lowered = prim in _mlir._lowerings or any(
+        prim in table for table in _mlir._platform_specific_lowerings.values())
+    have = {"impl": "impl" in vars(prim), "abstract": "abstract_eval" in vars(prim),
+            "lowering": lowered, "jvp": prim in primitive_jvps,
+            "transpose": prim in primitive_transposes, "batch": prim in primitive_batchers,
+            "linearize": _linearizations is not None and prim in _linearizations}
+    return frozenset(k for k, v in have.items() if v)
+
+
 not_mapped = None  # batching marks an unbatched operand with None
 register_lowering = _mlir.register_lowering
 lower_fun = _mlir.lower_fun

@@ -19,16 +19,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrev._compat import (Primitive, ShapedArray, is_symbolic_zero, is_undefined_primal,
-                            not_mapped)
+from jaxrev._compat import ShapedArray, is_symbolic_zero, is_undefined_primal, not_mapped
 from jaxrev._jaxpr import Unknown
-from jaxrev.primitives.rotations import all_batched, define
-from jaxrev.transforms.registry import Lossy
+from jaxrev._primitive import make_primitive
+from jaxrev.primitives.rotations import all_batched
+from jaxrev.transforms.registry import Lossy, define
 
 __all__ = ["apply_gate", "apply_gate_p"]
-
-apply_gate_p = Primitive("jaxrev_apply_gate")
-
 
 def apply_gate(state: Any, matrix: Any, locs: Sequence[int] | int,
                ctrl_locs: Sequence[int] | int = (), ctrl_vals: Sequence[int] | int = (), *,
@@ -291,5 +288,7 @@ def _inverse_jvp(t_out, out, state, matrix, **params):
             None]
 
 
-define(apply_gate_p, impl=_impl, abstract=_abstract, jvp=_jvp, transpose=_transpose,
-       batch=_batch, inverse=_inverse, inverse_jvp=_inverse_jvp)
+# JAX's rules (the lowering is `_impl`'s, the same on CPU and GPU), then jaxrev's
+apply_gate_p = make_primitive("jaxrev_apply_gate", impl=_impl, abstract=_abstract, jvp=_jvp,
+                              transpose=_transpose, batch=_batch)
+define(apply_gate_p, inverse=_inverse, inverse_jvp=_inverse_jvp)

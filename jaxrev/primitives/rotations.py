@@ -6,24 +6,17 @@ JVP, transpose, batching, an inverse rule (``rot(−θ)``, ``swap``) and an inve
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from jaxrev._compat import (Primitive, is_symbolic_zero, is_undefined_primal, lower_fun,
-                            not_mapped, primitive_batchers, primitive_jvps,
-                            primitive_transposes, register_lowering)
+from jaxrev._compat import is_symbolic_zero, is_undefined_primal, not_mapped
 from jaxrev._jaxpr import Unknown, batch_front
-from jaxrev.transforms.registry import Lossy, define as define_rules
+from jaxrev._primitive import make_primitive
+from jaxrev.transforms.registry import Lossy, define
 
 __all__ = ["rot", "swap", "rot_p", "swap_p"]
-
-rot_p = Primitive("jaxrev_rot")
-rot_p.multiple_results = True
-swap_p = Primitive("jaxrev_swap")
-swap_p.multiple_results = True
-
 
 def rot(a: Any, b: Any, theta: Any) -> tuple[jax.Array, jax.Array]:
     """Rotate the pair (a, b) by the angle `theta`:
@@ -115,20 +108,6 @@ def _rot_transpose(cts, a, b, theta):
             None]
 
 
-def define(p: Primitive, *, impl: Callable, abstract: Callable, jvp: Callable,
-           transpose: Callable, batch: Callable, inverse: Callable,
-           inverse_jvp: Callable) -> None:
-    """Give a jaxrev primitive every rule: evaluation, abstract evaluation, an XLA lowering of
-    `impl` (the same on every platform), JVP, transpose, batching, inverse and inverse JVP."""
-    p.def_impl(impl)
-    p.def_abstract_eval(abstract)
-    register_lowering(p, lower_fun(impl, multiple_results=p.multiple_results))
-    primitive_jvps[p] = jvp
-    primitive_transposes[p] = transpose
-    primitive_batchers[p] = batch
-    define_rules(p, inverse=inverse, inverse_jvp=inverse_jvp)
-
-
 def all_batched(args, dims) -> list:
     """For a batching rule: every operand with its batch axis first, unbatched ones
     broadcast along it."""
@@ -159,8 +138,11 @@ def _rot_inverse_jvp(t_out, outs, a, b, theta):
     return [ta, tb, None]
 
 
-define(rot_p, impl=_rot_impl, abstract=_rot_abstract, jvp=_rot_jvp, transpose=_rot_transpose,
-       batch=_rot_batch, inverse=_rot_inverse, inverse_jvp=_rot_inverse_jvp)
+# JAX's rules (the lowering is `impl`'s, the same on CPU and GPU), then jaxrev's
+rot_p = make_primitive("jaxrev_rot", multiple_results=True, impl=_rot_impl,
+                       abstract=_rot_abstract, jvp=_rot_jvp, transpose=_rot_transpose,
+                       batch=_rot_batch)
+define(rot_p, inverse=_rot_inverse, inverse_jvp=_rot_inverse_jvp)
 
 
 # --------------------------------------------------------------------------- swap rules
@@ -189,7 +171,8 @@ def _swap_batch(args, dims):
     return swap_p.bind(*all_batched(args, dims)), [0, 0]
 
 
-define(swap_p, impl=_swap_impl, abstract=lambda a, b: [b, a], jvp=_swap_jvp,
-       transpose=_swap_transpose, batch=_swap_batch,
-       inverse=lambda outs, a, b: [outs[1], outs[0]],
+swap_p = make_primitive("jaxrev_swap", multiple_results=True, impl=_swap_impl,
+                        abstract=lambda a, b: [b, a], jvp=_swap_jvp, transpose=_swap_transpose,
+                        batch=_swap_batch)
+define(swap_p, inverse=lambda outs, a, b: [outs[1], outs[0]],
        inverse_jvp=lambda t, outs, a, b: [t[1], t[0]])

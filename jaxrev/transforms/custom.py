@@ -19,19 +19,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrev._compat import (Primitive, differentiation_depth, is_symbolic_zero, lower_fun,
-                            primitive_batchers, primitive_jvps, primitive_transposes,
-                            register_lowering, trace_to_closed)
+from jaxrev._compat import Primitive, differentiation_depth, is_symbolic_zero, trace_to_closed
 from jaxrev._jaxpr import batch_front, eval_closed, instantiate_tangents, is_unknown
+from jaxrev._primitive import make_primitive
 from jaxrev._program import avals_of, check_structure, normalize_argnums
 from jaxrev.transforms.registry import DENSE_STEP, LogdetContext, NeedMore, Unsupported, define
 
 __all__ = ["custom_inverse", "custom_inverse_p", "hook", "hook_p", "nestlevel", "forward_mode",
            "store", "recompute", "store_p", "recompute_p"]
-
-custom_inverse_p = Primitive("jaxrev_custom_inverse")
-custom_inverse_p.multiple_results = True
-
 
 class custom_inverse:
     """Give a function an inverse of your own, used by every jaxrev transform.
@@ -233,12 +228,11 @@ def _eager_impl(*args, fun_jaxpr, inv_jaxpr, n_fconsts, n_iconsts, state, logdet
     return _compiled(fun_jaxpr)(*fc, *xs)
 
 
-custom_inverse_p.def_impl(_eager_impl)
-custom_inverse_p.def_abstract_eval(
-    lambda *avals, fun_jaxpr, **_: list(fun_jaxpr.out_avals))
-register_lowering(custom_inverse_p, lower_fun(_impl, multiple_results=True))
-primitive_jvps[custom_inverse_p] = _jvp
-primitive_batchers[custom_inverse_p] = _batch
+# evaluated eagerly as one compiled program; lowered (under `jit`) as the function itself
+custom_inverse_p = make_primitive(
+    "jaxrev_custom_inverse", multiple_results=True, impl=_eager_impl,
+    abstract=lambda *avals, fun_jaxpr, **_: list(fun_jaxpr.out_avals), lowering=_impl,
+    jvp=_jvp, batch=_batch)
 
 
 def _inverse_rule(outs, *ins, fun_jaxpr, inv_jaxpr, n_fconsts, n_iconsts, state, logdet=None):
@@ -290,10 +284,6 @@ define(custom_inverse_p, inverse=_inverse_rule, logdet=_logdet_rule)
 
 # --------------------------------------------------------------------------- hook, nestlevel
 
-hook_p = Primitive("jaxrev_hook")
-hook_p.multiple_results = True
-
-
 def hook(fn: Callable[[Any], Any], x: Any) -> Any:
     """Identity on `x`; in the backward pass, `fn` is applied to `x`'s cotangent.
 
@@ -330,13 +320,10 @@ def _hook_jvp(primals, tangents, *, fn, tree):
             hook_p.bind(*instantiate_tangents(primals, tangents), fn=fn, tree=tree))
 
 
-hook_p.def_impl(lambda *xs, fn, tree: list(xs))
-hook_p.def_abstract_eval(lambda *avals, fn, tree: list(avals))
-register_lowering(hook_p, lower_fun(lambda *xs, fn, tree: list(xs), multiple_results=True))
-primitive_jvps[hook_p] = _hook_jvp
-primitive_transposes[hook_p] = _hook_transpose
-primitive_batchers[hook_p] = lambda args, dims, *, fn, tree: (
-    hook_p.bind(*args, fn=fn, tree=tree), list(dims))
+hook_p = make_primitive(
+    "jaxrev_hook", multiple_results=True, impl=lambda *xs, fn, tree: list(xs),
+    abstract=lambda *avals, fn, tree: list(avals), jvp=_hook_jvp, transpose=_hook_transpose,
+    batch=lambda args, dims, *, fn, tree: (hook_p.bind(*args, fn=fn, tree=tree), list(dims)))
 define(hook_p, inverse=lambda outs, *xs, fn, tree: list(outs))
 
 
@@ -417,13 +404,11 @@ def forward_mode(fun: Callable) -> Callable:
 # --------------------------------------------------------------------------- store / recompute
 
 def _identity_primitive(name: str) -> Primitive:
-    p = Primitive(name)
-    p.def_impl(lambda x: x)
-    p.def_abstract_eval(lambda a: a)
-    register_lowering(p, lower_fun(lambda x: x, multiple_results=False))
-    primitive_jvps[p] = lambda primals, tangents: (p.bind(primals[0]), tangents[0])
-    primitive_transposes[p] = lambda ct, x: [ct]
-    primitive_batchers[p] = lambda args, dims: (p.bind(args[0]), dims[0])
+    """An identity that marks a value in the jaxpr (and keeps marking it under JVP and vmap)."""
+    p = make_primitive(
+        name, impl=lambda x: x, abstract=lambda a: a,
+        jvp=lambda primals, tangents: (p.bind(primals[0]), tangents[0]),
+        transpose=lambda ct, x: [ct], batch=lambda args, dims: (p.bind(args[0]), dims[0]))
     define(p, inverse=lambda out, x: [out])
     return p
 

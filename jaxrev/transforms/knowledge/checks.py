@@ -18,8 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxrev._compat import (Primitive, debug_effect, is_concrete, lower_fun, primitive_batchers,
-                            primitive_jvps, register_lowering)
+from jaxrev._compat import debug_effect, is_concrete
+from jaxrev._primitive import make_primitive
 
 __all__ = ["ON_FAILURE", "NEWTON_STARTS", "counts", "settings", "setting", "raise_where",
            "check_p", "check_at_run_time"]
@@ -103,15 +103,6 @@ class _Hashable:
         return self.fn(*args)
 
 
-check_p = Primitive("jaxrev_check")
-"""``check_p(bad, *flags, error, levels)``: when the program runs, if any element of `bad`
-holds, raise ``error(*flags)`` on the host. `levels` leading axes of every operand are vmap's
-batch axes (the first bad sample's flags are passed). It has the debug effect, so it is never
-removed as dead code, and it is lowered as a `cond`: no host call when nothing is bad."""
-check_p.multiple_results = True
-check_p.def_effectful_abstract_eval(lambda *avals, **_: ([], {debug_effect}))
-
-
 def _check_impl(bad: Any, *flags: Any, error: Callable, levels: int) -> list:
     def on_host(bad, *flags):
         bad = np.asarray(bad)
@@ -144,7 +135,10 @@ def _check_jvp(primals: Any, tangents: Any, **params: Any) -> tuple[list, list]:
     return check_p.bind(*primals, **params), []
 
 
-check_p.def_impl(_check_impl)
-register_lowering(check_p, lower_fun(_check_impl, multiple_results=True))
-primitive_batchers[check_p] = _check_batch
-primitive_jvps[check_p] = _check_jvp
+check_p = make_primitive(
+    "jaxrev_check", multiple_results=True, impl=_check_impl, effectful=True,
+    abstract=lambda *avals, **_: ([], {debug_effect}), jvp=_check_jvp, batch=_check_batch)
+"""``check_p(bad, *flags, error, levels)``: when the program runs, if any element of `bad`
+holds, raise ``error(*flags)`` on the host. `levels` leading axes of every operand are vmap's
+batch axes (the first bad sample's flags are passed). It has the debug effect, so it is never
+removed as dead code, and it is lowered as a `cond`: no host call when nothing is bad."""

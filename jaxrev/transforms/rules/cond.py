@@ -18,11 +18,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxrev._compat import (ClosedJaxpr, JaxprEqn, Primitive, cond_branches, literal,
-                            lower_fun, primitive_batchers, primitive_jvps, prims, register_lowering,
+from jaxrev._compat import (ClosedJaxpr, JaxprEqn, cond_branches, literal, prims,
                             trace_to_closed)
 from jaxrev._jaxpr import (Env, eval_closed, instantiate_tangents, is_unknown, is_var,
                            move_batch, needed_vars, switch_batched, vmap_closed)
+from jaxrev._primitive import make_primitive
 from jaxrev._program import avals_of
 from jaxrev.transforms.sweep.backward import (LoopPlan, Plan, Residuals, acc, branch_slices,
                                       forward_with_residuals, get_ct, is_float, known_or_rebuilt,
@@ -198,10 +198,6 @@ define(prims.cond, inverse=_lax_cond_inverse, sweep=_cond_sweep, forward=_cond_f
 
 # --------------------------------------------------------------------------- jr.cond
 
-cond_p = Primitive("jaxrev_cond")
-cond_p.multiple_results = True
-
-
 def _cond_impl(index, *args, branches, post_jaxpr, post_nconsts):
     return list(switch_batched(index, [partial(eval_closed, b) for b in branches],
                                *args[post_nconsts:]))
@@ -241,11 +237,10 @@ def _cond_inverse(outs, index, *ins, branches, post_jaxpr, post_nconsts):
     return [None] + [None] * post_nconsts + _switch_inverse(index, branches, ops, outs)
 
 
-cond_p.def_impl(_cond_impl)
-cond_p.def_abstract_eval(lambda index, *avals, branches, **_: list(branches[0].out_avals))
-register_lowering(cond_p, lower_fun(_cond_impl, multiple_results=True))
-primitive_jvps[cond_p] = _cond_jvp
-primitive_batchers[cond_p] = _cond_batch
+cond_p = make_primitive(
+    "jaxrev_cond", multiple_results=True, impl=_cond_impl,
+    abstract=lambda index, *avals, branches, **_: list(branches[0].out_avals), jvp=_cond_jvp,
+    batch=_cond_batch)
 define(cond_p, inverse=_cond_inverse, sweep=_cond_sweep, forward=_cond_forward)
 
 

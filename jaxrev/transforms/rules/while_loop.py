@@ -18,12 +18,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxrev._compat import (JaxprEqn, Primitive, lower_fun, primitive_batchers, primitive_jvps,
-                            prims, register_lowering, trace_to_closed)
+from jaxrev._compat import JaxprEqn, prims, trace_to_closed
 from jaxrev._errors import not_invertible
 from jaxrev._jaxpr import (Env, Unknown, eval_closed, instantiate_tangents, is_unknown,
                            is_var, move_batch, needed_vars, restrict, select_batched, size_of,
                            vmap_closed, where)
+from jaxrev._primitive import make_primitive
 from jaxrev._program import avals_of
 from jaxrev.transforms.sweep.backward import (BodyWalk, LoopEnd, LoopPlan, Plan, Residuals,
                                       forward_with_residuals, known_or_rebuilt, loop_activity,
@@ -363,10 +363,6 @@ define(prims.while_, inverse=_lax_while_inverse, sweep=_while_sweep, forward=_la
 
 # --------------------------------------------------------------------------- jr.while_loop
 
-while_p = Primitive("jaxrev_while")
-while_p.multiple_results = True
-
-
 def _while_split(args: Sequence[Any], cond_nconsts: int, body_nconsts: int, post_nconsts: int
                  ) -> tuple[Sequence[Any], Sequence[Any], Sequence[Any], Sequence[Any]]:
     """A `jaxrev_while`'s operands: (cond consts, body consts, post consts, carry)."""
@@ -450,11 +446,8 @@ def _while_inverse(outs, *ins, cond_jaxpr, body_jaxpr, post_jaxpr, cond_nconsts,
     return [None] * n + list(back[:ncar])
 
 
-while_p.def_impl(_while_impl)
-while_p.def_abstract_eval(_while_abstract)
-register_lowering(while_p, lower_fun(_while_impl, multiple_results=True))
-primitive_jvps[while_p] = _while_jvp
-primitive_batchers[while_p] = _while_batch
+while_p = make_primitive("jaxrev_while", multiple_results=True, impl=_while_impl,
+                         abstract=_while_abstract, jvp=_while_jvp, batch=_while_batch)
 define(while_p, inverse=_while_inverse, sweep=_while_sweep)
 
 
