@@ -1,9 +1,9 @@
 """Memory-free reverse mode: `reversible` and its primitives.
 
 `reversible(fun)` binds `reversible_p`, a primitive carrying `fun`'s jaxpr (modelled on JAX's
-`remat_p`). Its JVP rule splits it, as linearization needs, into a known part that runs `fun`
-forward and keeps only the outputs (plus whatever a lossy step forces it to keep, the
-*residuals*), and a linear part `reversible_lin_p` whose transpose is the backward sweep
+`remat_p`). Its JVP rule splits it, as linearization needs, into a known part
+`reversible_store_p` that runs `fun` forward and keeps only the outputs (plus whatever a lossy
+step forces it to keep, the *residuals*), and a linear part `reversible_lin_p` whose transpose is the backward sweep
 (`_sweep.walk`): it walks the equations last to first, rebuilds each equation's inputs from its
 outputs with the inverse rules, and pulls the cotangent through it. Loops run backwards by their
 `sweep_rules`, so memory stays at the width of the program, not its depth.
@@ -19,13 +19,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrev._compat import (ClosedJaxpr, Primitive, ShapedArray, hoist_consts,
-                            is_symbolic_zero,
-                            lower_fun, primitive_batchers, primitive_jvps,
-                            primitive_transposes, register_linearization,
-                            register_lowering, trace_to_closed)
+from jaxrev._compat import (ClosedJaxpr, ShapedArray, hoist_consts, is_symbolic_zero,
+                            trace_to_closed)
 from jaxrev._cache import call_key, compiled, is_eager, memo
 from jaxrev._jaxpr import Env, batch_front, eval_closed, instantiate_tangents
+from jaxrev._primitive import make_primitive
 from jaxrev._program import (Filtered, check_sizes, check_structure, normalize_argnums,
                              trace_program)
 from jaxrev.transforms.sweep import drift
@@ -33,41 +31,25 @@ from jaxrev.transforms.sweep.dial import Dial
 from jaxrev.transforms.sweep.backward import (Plan, Residuals, acc, forward_with_residuals, get_ct,
                                       res_avals, seed_env, top_plan, walk)
 
-__all__ = ["reversible", "reversible_p", "reversible_lin_p", "bind_reversible", "Bound",
-           "rebuild"]
+__all__ = ["reversible", "reversible_p", "reversible_store_p", "reversible_lin_p",
+           "bind_reversible", "Bound", "rebuild"]
 
 
-reversible_p = Primitive("jaxrev_reversible")
-reversible_p.multiple_results = True
-reversible_lin_p = Primitive("jaxrev_reversible_lin")
-reversible_lin_p.multiple_results = True
+# --------------------------------------------------------------------------- reversible_p
+
+def _rev_impl(*args, jaxpr, state, dial):
+    return compiled(("run", jaxpr), partial(eval_closed, jaxpr), *args)
 
 
-def _rev_impl(*args, jaxpr, state, store, dial):
-    if not store:
-        return compiled(("run", jaxpr), partial(eval_closed, jaxpr), *args)
-    return compiled(("store", jaxpr, state, dial), partial(_store_run, jaxpr, state, dial),
-                    *args)
-
-
-def _store_run(jaxpr, state, dial, *args):
-    outs, res = forward_with_residuals(top_plan(jaxpr, state, dial), args)
-    return [*outs, *res]
-
-
-def _rev_abstract(*avals, jaxpr, state, store, dial):
-    outs = list(jaxpr.out_avals)
-    if store:
-        outs += [ShapedArray(a.shape, a.dtype)
-                 for a in res_avals(top_plan(jaxpr, state, dial))]
-    return outs
+def _rev_abstract(*avals, jaxpr, state, dial):
+    return list(jaxpr.out_avals)
 
 
 def _forward(primals, jaxpr, state, dial):
     """The known part of the split: the forward run, and what the linear part
     `reversible_lin_p` reads besides the tangents (outputs, residuals, parameters and, where
     drift is checked, the true state the caller holds); with the residuals' count."""
-    outs = reversible_p.bind(*primals, jaxpr=jaxpr, state=state, store=True, dial=dial)
+    outs = reversible_store_p.bind(*primals, jaxpr=jaxpr, state=state, dial=dial)
     n = len(jaxpr.out_avals)
     ys, res = outs[:n], outs[n:]
     params = [p for p, s in zip(primals, state) if not s]
@@ -75,10 +57,7 @@ def _forward(primals, jaxpr, state, dial):
     return ys, [*ys, *res, *params, *xtrue], len(res)
 
 
-def _rev_jvp(primals, tangents, *, jaxpr, state, store, dial):
-    if store:  # forward mode of the run that also returns residuals: a plain JVP
-        f = partial(_rev_impl, jaxpr=jaxpr, state=state, store=True, dial=dial)
-        return jax.jvp(f, tuple(primals), instantiate_tangents(primals, tangents))
+def _rev_jvp(primals, tangents, *, jaxpr, state, dial):
     nz = tuple(not is_symbolic_zero(t) for t in tangents)
     ys, known, nres = _forward(primals, jaxpr, state, dial)
     tans = [t for t, z in zip(tangents, nz) if z]
@@ -87,7 +66,7 @@ def _rev_jvp(primals, tangents, *, jaxpr, state, store, dial):
     return ys, out_t
 
 
-def _rev_linearize(nonzeros, *primals, jaxpr, state, store, dial):
+def _rev_linearize(nonzeros, *primals, jaxpr, state, dial):
     """The JVP rule's split, given to JAX's linearization directly (so an eager `grad` does
     not trace the JVP rule on every call): the forward run now, and the linear part
     `reversible_lin_p` on the tangents."""
@@ -108,25 +87,60 @@ def _vmapped(fun, args, dims):
     return outs, [0] * len(outs)
 
 
-def _rev_batch(args, dims, *, jaxpr, state, store, dial):
-    if store:  # the forward run of a linearization: its residuals keep the unbatched plan
-        return _vmapped(partial(_rev_impl, jaxpr=jaxpr, state=state, store=True, dial=dial),
-                        args, dims)
+def _rev_batch(args, dims, *, jaxpr, state, dial):
     size, args, in_axes = batch_front(args, dims)
     avals = [jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for x in args]
     bj, consts, _ = trace_to_closed(
         jax.vmap(lambda *a: eval_closed(jaxpr, *a), in_axes=in_axes, axis_size=size), *avals)
     outs = reversible_p.bind(*consts, *args, jaxpr=bj, state=(False,) * len(consts) + state,
-                             store=False, dial=dial)
+                             dial=dial)
     return outs, [0] * len(outs)
 
 
-reversible_p.def_impl(_rev_impl)
-reversible_p.def_abstract_eval(_rev_abstract)
-register_lowering(reversible_p, lower_fun(_rev_impl, multiple_results=True))
-primitive_jvps[reversible_p] = _rev_jvp
-register_linearization(reversible_p, _rev_linearize, lambda store, **_: store)
-primitive_batchers[reversible_p] = _rev_batch
+reversible_p = make_primitive(
+    "jaxrev_reversible", multiple_results=True, impl=_rev_impl, abstract=_rev_abstract,
+    jvp=_rev_jvp, batch=_rev_batch, linearize=_rev_linearize)
+"""``reversible_p(*operands, jaxpr, state, dial)``: `jaxpr`'s outputs; its derivatives are
+split into `reversible_store_p` (the forward run) and `reversible_lin_p` (the linear part)."""
+
+
+# --------------------------------------------------------------------------- reversible_store_p
+
+def _store_impl(*args, jaxpr, state, dial):
+    return compiled(("store", jaxpr, state, dial), partial(_store_run, jaxpr, state, dial),
+                    *args)
+
+
+def _store_run(jaxpr, state, dial, *args):
+    outs, res = forward_with_residuals(top_plan(jaxpr, state, dial), args)
+    return [*outs, *res]
+
+
+def _store_abstract(*avals, jaxpr, state, dial):
+    return [*jaxpr.out_avals, *(ShapedArray(a.shape, a.dtype)
+                                for a in res_avals(top_plan(jaxpr, state, dial)))]
+
+
+def _store_jvp(primals, tangents, **params):
+    # forward mode of the run that also returns residuals: a plain JVP (JAX's linearization
+    # of it traces this with partial evaluation)
+    return jax.jvp(partial(_store_impl, **params), tuple(primals),
+                   instantiate_tangents(primals, tangents))
+
+
+def _store_batch(args, dims, **params):
+    # the forward run of a batched linearization: its residuals keep the unbatched plan
+    return _vmapped(partial(_store_impl, **params), args, dims)
+
+
+reversible_store_p = make_primitive(
+    "jaxrev_reversible_store", multiple_results=True, impl=_store_impl,
+    abstract=_store_abstract, jvp=_store_jvp, batch=_store_batch)
+"""``reversible_store_p(*operands, jaxpr, state, dial)``: `reversible_p`'s forward run that
+also returns the residuals its backward sweep reads (outputs, then residuals)."""
+
+
+# --------------------------------------------------------------------------- reversible_lin_p
 
 
 def _lin_split(args: Sequence[Any], jaxpr: ClosedJaxpr, state: Sequence[bool], nres: int,
@@ -224,12 +238,11 @@ def _lin_batch(args, dims, **params):
     return _vmapped(partial(_lin_impl, **params), args, dims)
 
 
-reversible_lin_p.def_impl(_lin_impl)
-reversible_lin_p.def_abstract_eval(_lin_abstract)
-register_lowering(reversible_lin_p, lower_fun(_lin_impl, multiple_results=True))
-primitive_transposes[reversible_lin_p] = _lin_transpose
-primitive_jvps[reversible_lin_p] = _lin_jvp
-primitive_batchers[reversible_lin_p] = _lin_batch
+reversible_lin_p = make_primitive(
+    "jaxrev_reversible_lin", multiple_results=True, impl=_lin_impl, abstract=_lin_abstract,
+    jvp=_lin_jvp, transpose=_lin_transpose, batch=_lin_batch)
+"""``reversible_lin_p(*known, *tangents, jaxpr, state, nz, nres, dial)``: the linear part of
+`reversible_p`'s split (J·t); its transpose is the backward sweep."""
 
 
 # --------------------------------------------------------------------------- public API
@@ -382,8 +395,7 @@ def reversible(fun: Callable, argnums: int | Sequence[int] = 0, *,
     @wraps(fun)
     def wrapped(*args: Any) -> Any:
         b = bind_reversible(fun, args, argnums)
-        outs = reversible_p.bind(*b.operands, jaxpr=b.jaxpr, state=b.state, store=False,
-                                 dial=dial)
+        outs = reversible_p.bind(*b.operands, jaxpr=b.jaxpr, state=b.state, dial=dial)
         return jax.tree_util.tree_unflatten(b.out_tree, outs)
 
     wrapped.__name__ = f"reversible({getattr(fun, '__name__', 'fun')})"
