@@ -87,7 +87,9 @@ def registered_rules(prim: Primitive) -> frozenset[str]:
         prim in table for table in _mlir._platform_specific_lowerings.values())
     have = {"impl": "impl" in vars(prim), "abstract": "abstract_eval" in vars(prim),
             "lowering": lowered, "jvp": prim in primitive_jvps,
-            "transpose": prim in primitive_transposes, "batch": prim in primitive_batchers,
+            "transpose": prim in primitive_transposes,
+            # `primitive_batchers` is a write-only proxy of the table batching reads
+            "batch": prim in getattr(_batching, "fancy_primitive_batchers", primitive_batchers),
             "linearize": _linearizations is not None and prim in _linearizations}
     return frozenset(k for k, v in have.items() if v)
 
