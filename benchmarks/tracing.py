@@ -42,7 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 import jaxrev as jr  # noqa: E402
 from programs.elements import masked_steps  # noqa: E402  (the tests' program)
-from jaxrev.transforms.propagation import walker  # noqa: E402
+from jaxrev._stats import counting  # noqa: E402
 from _common import RESULTS, device_info, progress, pyplot, write_results  # noqa: E402
 
 
@@ -52,12 +52,11 @@ def measure(k: int, n: int = 64) -> dict:
     out = {"k": k, "equations": len(jax.make_jaxpr(f)(ab, t).jaxpr.eqns)}
     for what, fn, args in (("reversible grad", grad, (ab, t)),
                            ("reverse", jr.reverse(f), (f(ab, t), t))):
-        c0 = walker.counts["rules"] + walker.counts["elements"]
         t0 = time.perf_counter()
-        jax.make_jaxpr(fn)(*args)
+        with counting() as c:
+            jax.make_jaxpr(fn)(*args)
         out[f"{what} s"] = time.perf_counter() - t0
-        out[f"{what} rule applications"] = (walker.counts["rules"]
-                                            + walker.counts["elements"] - c0)
+        out[f"{what} rule applications"] = c["rules"] + c["elements"]
     # and it is right: the gradient against jax.grad's
     want = jax.jit(jax.grad(lambda ab, t: jnp.sum(f(ab, t)[1] ** 2)))(ab, t)
     got = jax.jit(grad)(ab, t)

@@ -2,8 +2,8 @@
 
     >>> import jaxrev as jr
 """
-from jaxrev._errors import (DriftError, JaxrevError, NotInvertibleError, ReversibilityError,
-                            SingularJacobianError)
+from jaxrev._errors import (DriftError, FailureWarning, JaxrevError, NotInvertibleError,
+                            ReversibilityError, SingularJacobianError)
 from jaxrev import optim
 from jaxrev.primitives import apply_gate, rot, swap
 from jaxrev.transforms.rules.cond import cond
@@ -33,4 +33,5 @@ __all__ = [
     "hook", "nestlevel", "forward_mode", "store", "recompute",
     "optim", "rot", "swap", "apply_gate", "JaxrevError", "NotInvertibleError",
     "ReversibilityError", "SingularJacobianError", "DriftError", "DriftWarning",
+    "FailureWarning",
 ]

@@ -1,6 +1,7 @@
 """Error classes and the helpers that make every message name the primitive and the user's line."""
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 from jaxrev._compat import user_source
@@ -69,29 +70,60 @@ class SingularJacobianError(_AtStep):
     """
 
 
+class FailureWarning(UserWarning):
+    """A failure the caller asked to be warned of (``on_error="warn"``): the result is NaN
+    where it happened."""
+
+
 WAYS_OUT = (
     "Ways out: keep the information the step drops as part of the state (or compute the step "
     "from parameters only), or register an inverse rule for the primitive with "
     "`jr.register_inverse(primitive, rule)`.")
 
 
-def at_eqn(cls: type, eqn: Any, what: str, hint: str) -> JaxrevError:
+def at_eqn(cls: type, eqn: Any, what: str, hint: str, *, who: str) -> JaxrevError:
     """An error of class `cls` (`ReversibilityError`, `SingularJacobianError`) about `eqn`,
-    naming its primitive and the user's line: "jaxrev: <what> at <line>\n<hint>"."""
+    naming its primitive and the user's line: "<who>: <what>; the group starts with `p` at
+    <line>\n<hint>" (`who`: the transform's public name, from its walk context)."""
     file, line, summary = user_source(eqn)
     summary = summary or "an equation with no user source line"
     name = eqn.primitive.name
-    return cls(f"jaxrev: {what}; the group starts with `{name}` at {summary}\n{hint}",
+    return cls(f"{who}: {what}; the group starts with `{name}` at {summary}\n{hint}",
                primitive=name, file=file, line=line)
 
 
 def not_invertible(eqn: Any, reason: str, hint: str | None = None,
-                   singular: bool = False) -> NotInvertibleError:
-    """Build the error for equation `eqn`, naming its primitive and the user's source line."""
+                   singular: bool = False, *, who: str) -> NotInvertibleError:
+    """Build the error for equation `eqn`, naming its primitive and the user's source line:
+    "<who> cannot invert `p` at <line>: <reason>" (`who`: the transform's public name)."""
     file, line, summary = user_source(eqn)
     if not summary:
         summary = "an equation with no user source line (library or jaxrev-generated code)"
     name = eqn.primitive.name
-    msg = (f"jaxrev.reverse cannot invert `{name}` at {summary}: {reason}\n"
+    msg = (f"{who} cannot invert `{name}` at {summary}: {reason}\n"
            f"{hint or WAYS_OUT}")
-    return NotInvertibleError(msg, primitive=name, file=file, line=line, singular=singular)
+    err = NotInvertibleError(msg, primitive=name, file=file, line=line, singular=singular)
+    err.parts = (name, summary, reason, hint or WAYS_OUT)
+    return err
+
+
+def singular_jacobian(err: NotInvertibleError, who: str) -> SingularJacobianError:
+    """The `SingularJacobianError` of a transform (`who`) that inverts a Jacobian, from the
+    error of the step whose pivot vanished: "<who>: the Jacobian is singular at `p` at
+    <line>: <reason>"."""
+    parts = getattr(err, "parts", None)
+    if parts is None:
+        msg = f"{who}: the Jacobian is singular: {err}"
+    else:
+        name, summary, reason, hint = parts
+        msg = f"{who}: the Jacobian is singular at `{name}` at {summary}: {reason}\n{hint}"
+    return SingularJacobianError(msg, primitive=err.primitive, file=err.file, line=err.line)
+
+
+def fail(on_error: str, err: Exception, category: type[Warning] | None = None) -> None:
+    """What a failure found on concrete values does under `on_error`: "raise" raises `err`,
+    "warn" warns with its message (the caller returns NaN), "nan" nothing."""
+    if on_error == "raise":
+        raise err
+    if on_error == "warn":
+        warnings.warn(str(err), category or FailureWarning, stacklevel=3)

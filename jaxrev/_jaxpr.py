@@ -155,15 +155,18 @@ class Env:
 
     `part` holds the variables known on some of their elements only (`elements.Part`), and
     `losses` why an equation's element rules could not give back some elements (a `Lossy`);
-    `info` the trace-time knowledge of the jaxpr (`Statics`), shared by copies."""
+    `info` the trace-time knowledge of the jaxpr (`Statics`), shared by copies; `ctx` the walk
+    context of the walk that fills it (`transforms/knowledge/context.py`: its settings, record,
+    drift log), kept by copies (None for an env only evaluated forward)."""
 
-    def __init__(self, fit: bool = True, info: Statics | None = None) -> None:
+    def __init__(self, fit: bool = True, info: Statics | None = None, ctx: Any = None) -> None:
         self.vals: dict[Var, Any] = {}
         self.part: dict[Var, Any] = {}
         self.losses: dict[Any, Any] = {}   # equation -> why some elements of its inputs are lost
         self.masks: dict[Any, Any] = {}    # regions made into arrays, shared by copies
         self.fit = fit
         self.info = info if info is not None else Statics()
+        self.ctx = ctx
 
     def known(self, v: Any) -> bool:
         if isinstance(v, Literal) or v in self.vals:
@@ -195,7 +198,7 @@ class Env:
         return self.part.get(v) if is_var(v) else None
 
     def copy(self) -> "Env":
-        e = Env(self.fit, self.info)
+        e = Env(self.fit, self.info, self.ctx)
         e.vals = dict(self.vals)
         e.part = dict(self.part)
         e.losses = dict(self.losses)

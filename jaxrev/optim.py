@@ -27,7 +27,6 @@ from jax.flatten_util import ravel_pytree
 
 from jaxrev._cache import cached_call
 from jaxrev._program import ravel_filtered, traced_leaves
-from jaxrev.transforms.knowledge.checks import snapshot
 from jaxrev.transforms.inverse_ad import inverse_jvp, inverse_vjp
 
 __all__ = ["scale_by_newton", "newton", "minimize", "root", "Info", "STATUS",
@@ -74,7 +73,7 @@ def newton_direction(value_fn: Callable[[Any], Any], params: Any, grad: Any | No
     # eager calls are compiled from the second on, keyed like jax.jit's (`_cache`); a Python
     # zero `damping` is part of the key (it skips the damping term), other values are traced
     static = damping if _is_zero(damping) else None
-    return cached_call(("newton_direction", method, static, snapshot()), value_fn,
+    return cached_call(("newton_direction", method, static), value_fn,
                        partial(_newton_direction, value_fn, method, static),
                        (params, grad, None if static is not None else damping))
 
@@ -91,7 +90,7 @@ def _newton_direction(value_fn: Callable[[Any], Any], method: str, static: Any, 
         grad = g_fn(params)
     if method == "dense" or (method == "auto" and _dense_hessian(g_fn, params)):
         return _dense_direction(g_fn, params, grad, damping)
-    _, ivjp = inverse_vjp(damped, params, method=method, on_singular="nan")
+    _, ivjp = inverse_vjp(damped, params, method=method, on_error="nan")
     # H is symmetric: the output cotangent w with Hᵀw = grad is H⁻¹grad
     return ivjp((grad,))
 
@@ -396,7 +395,7 @@ def root(fun: Callable[[Any], Any], x0: Any, *, tol: float = 1e-10, maxiter: int
     def step(c):
         x, r, k, _ = c
         # J d = F(x): the full Newton step is x - d
-        _, (d,) = inverse_jvp(F, (x,), r, on_singular="nan")
+        _, (d,) = inverse_jvp(F, (x,), r, on_error="nan")
         m0 = 0.5 * jnp.real(jnp.vdot(r, r))
         # along -d the merit's slope is -‖F‖² (Jd = F), so Armijo's test uses 2 m0
         t, _, found = _backtrack(merit, x, d, m0, 2 * m0)

@@ -162,7 +162,7 @@ def test_a_failing_check_in_a_compiled_call_raises_its_own_error():
         with pytest.raises(jr.SingularJacobianError) as e:
             jr.inverse_jvp(f, (x,), jnp.ones(3))
         msgs.add(str(e.value))
-    assert len(msgs) == 1 and "on_singular='nan'" in msgs.pop()
+    assert len(msgs) == 1 and "on_error='nan'" in msgs.pop()
     ok = jnp.array([1.0, 2.0, 3.0])
     for _ in range(2):
         _, (t,) = jr.inverse_jvp(f, (ok,), jnp.ones(3))

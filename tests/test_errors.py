@@ -212,7 +212,7 @@ def test_two_consistent_cases_raise_naming_the_select():
     _check(_raises(f, X), "select_n", "two-cases")
     with pytest.raises(Exception, match="two different branches"):  # a runtime error
         jax.block_until_ready(jax.jit(jr.reverse(f))(f(X)))
-    inv = jr.reverse(f, on_failure="nan")(f(X))  # NaN where asked for, at the ambiguous ones
+    inv = jr.reverse(f, on_error="nan")(f(X))  # NaN where asked for, at the ambiguous ones
     assert bool(jnp.all(jnp.isnan(inv)))
 
 

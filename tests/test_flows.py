@@ -284,7 +284,7 @@ def test_singular_step_is_named():
     with pytest.raises(jr.SingularJacobianError) as e:
         jr.forward_and_slogdet(lambda x: x * w)(jnp.ones(3))  # the singular step
     assert "mul" in str(e.value) and HERE in str(e.value)
-    sign, ld = jr.slogdet_jacobian(lambda x: x * w, jnp.ones(3), on_singular="nan")
+    sign, ld = jr.slogdet_jacobian(lambda x: x * w, jnp.ones(3), on_error="nan")
     assert float(sign) == 0.0 and float(ld) == -np.inf
     # a state-dependent pivot that vanishes when the program runs
     f = lambda x: jnp.cumsum(x ** 3)  # noqa: E731  (the line the errors name)
@@ -295,7 +295,7 @@ def test_singular_step_is_named():
     # under jit the forward direction returns the exact answer, -inf, with no host check
     assert float(jax.jit(jr.forward_and_slogdet(f))(jnp.array([1.0, 0.0, 2.0]))[1]) == -np.inf
     xs = jnp.array([[1.0, 3.0, 2.0], [1.0, 0.0, 2.0]])
-    _, ld = jax.vmap(jr.forward_and_slogdet(f, on_singular="nan"))(xs)
+    _, ld = jax.vmap(jr.forward_and_slogdet(f, on_error="nan"))(xs)
     assert np.isfinite(float(ld[0])) and float(ld[1]) == -np.inf
     # the inverse has none there: an error when the program runs, naming the step, also
     # vmapped (one check for the batch)
@@ -306,7 +306,7 @@ def test_singular_step_is_named():
         jax.block_until_ready(jax.jit(jr.inverse_and_slogdet(g))(ys[1]))
     with pytest.raises(Exception, match=f"`integer_pow` at .*{line}"):
         jax.block_until_ready(jax.jit(jax.vmap(jr.inverse_and_slogdet(g)))(ys))
-    _, ild = jax.jit(jax.vmap(jr.inverse_and_slogdet(g, on_singular="nan")))(ys)
+    _, ild = jax.jit(jax.vmap(jr.inverse_and_slogdet(g, on_error="nan")))(ys)
     assert np.isfinite(float(ild[0])) and float(ild[1]) == np.inf
 
 

@@ -178,7 +178,7 @@ def test_singular_step_is_named():
         jr.inverse_jvp(f, (jnp.ones(3),), jnp.ones(3))
     assert f"test_inverse_ad.py:{_line_of('SINGULAR-STEP')}" in str(ei.value)
     assert ei.value.primitive == "mul"
-    _, (t,) = jr.inverse_jvp(f, (jnp.ones(3),), jnp.ones(3), on_singular="nan")
+    _, (t,) = jr.inverse_jvp(f, (jnp.ones(3),), jnp.ones(3), on_error="nan")
     assert bool(jnp.all(jnp.isnan(t)))
     with pytest.raises(jr.SingularJacobianError):
         jr.inverse_vjp(f, jnp.ones(3))[1]((jnp.ones(3),))
@@ -216,7 +216,7 @@ def test_singular_banded_lump_is_named():
     assert "singular" in str(ei.value)
     assert ei.value.line is not None
     _, (t,) = jr.inverse_jvp(f, (jnp.ones(n),), jnp.ones(n), method="linearize",
-                             on_singular="nan")
+                             on_error="nan")
     assert bool(jnp.all(jnp.isnan(t)))
 
 

@@ -17,7 +17,8 @@ from jax import lax
 from jax import test_util as jtu
 
 import jaxrev as jr
-from jaxrev.transforms.propagation import nonlinear
+from jaxrev.transforms.knowledge.context import Settings
+from jaxrev.transforms.reverse import reverse_with
 from programs.nonlinear import cases, heun, residual, simultaneous
 
 HERE = os.path.basename(__file__)
@@ -98,8 +99,7 @@ def test_heun_inverts_by_elimination_alone():
     """The reversible Heun step is affine once f(z) counts as an unknown: no Newton needed."""
     fun, s, p = CASES["heun-1000"]
     y = fun(s, p)
-    with nonlinear.settings(newton=False):
-        assert _err(jr.reverse(fun)(y, p), s) <= 1e-12
+    assert _err(reverse_with(fun, Settings(newton=False))(y, p), s) <= 1e-12
 
 
 def test_derivatives_of_a_recovered_value_by_the_implicit_function_theorem():
@@ -139,7 +139,7 @@ def test_no_preimage_raises_naming_the_line():
     err = info.value
     assert "Newton" in str(err) and HERE in str(err) and "Ways out" in str(err)
     assert os.path.basename(err.file) == HERE and err.line == _line("no-preimage")
-    out = jr.reverse(f, on_failure="nan")(y)
+    out = jr.reverse(f, on_error="nan")(y)
     np.testing.assert_allclose(out[0], 1.0, rtol=1e-12)
     assert np.isnan(out[1])
     # under jit the check runs with the program
@@ -153,14 +153,14 @@ def test_vanished_jacobian_raises_singular_naming_the_line():
     with pytest.raises(jr.SingularJacobianError) as info:
         jr.reverse(f)(jnp.array([0.0, 1.0]))
     assert info.value.line == _line("vanished") and "vanishes" in str(info.value)
-    assert np.isnan(jr.reverse(f, on_failure="nan")(jnp.array([0.0, 1.0]))[0])
+    assert np.isnan(jr.reverse(f, on_error="nan")(jnp.array([0.0, 1.0]))[0])
 
 
 def test_a_single_primitive_without_a_rule_stays_an_error():
     with pytest.raises(jr.NotInvertibleError, match="sin"):
         jr.reverse(jnp.sin)(jnp.array([0.3]))
-    with pytest.raises(ValueError, match="on_failure"):
-        jr.reverse(jnp.sin, on_failure="ignore")
+    with pytest.raises(ValueError, match="on_error"):
+        jr.reverse(jnp.sin, on_error="ignore")
 
 
 def test_float32_round_trip():

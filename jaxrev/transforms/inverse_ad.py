@@ -23,9 +23,12 @@ strategies below use them, tried in this order:
   O(n) JVPs plus O(n³).
 
 A pivot that is exactly zero raises `SingularJacobianError` naming the step and its source
-line (on concrete values); ``on_singular="nan"`` returns NaN instead. Under `jit` the values
-are not known when the program is traced: singular steps then give non-finite results, which
-``on_singular="raise"`` turns into an error when the program runs.
+line (on concrete values); ``on_error="nan"`` returns NaN instead, and ``on_error="warn"`` NaN
+and a `FailureWarning`. Under `jit` the values are not known when the program is traced:
+singular steps then give non-finite results, which ``on_error="raise"`` turns into an error
+when the program runs (and "warn" into a warning). ``on_singular=`` is the deprecated name of
+``on_error=``. The walks of both transforms run in their own name (their errors say
+`jaxrev.inverse_jvp` / `jaxrev.inverse_vjp`) and without Newton's method.
 """
 from __future__ import annotations
 
@@ -40,17 +43,16 @@ import numpy as np
 from jaxrev._cache import cached_call
 from jaxrev._compat import is_concrete, make_jaxpr, staged_constants
 from jaxrev._jaxpr import eval_closed, without_custom_vjp
-from jaxrev._errors import NotInvertibleError, SingularJacobianError
+from jaxrev._errors import NotInvertibleError, SingularJacobianError, fail, singular_jacobian
 from jaxrev._program import Filtered, eval_shape
-from jaxrev.transforms.propagation import nonlinear
-from jaxrev.transforms.knowledge.checks import snapshot
-from jaxrev.transforms.reverse import reverse
-from jaxrev.transforms.reversible import reversible
+from jaxrev.transforms.knowledge.context import Settings, resolve_on_error
+from jaxrev.transforms.reverse import reverse_with
+from jaxrev.transforms.reversible import reversible_with
+from jaxrev.transforms.sweep.dial import Dial
 
 __all__ = ["inverse_jvp", "inverse_vjp", "METHODS"]
 
 METHODS = ("auto", "reverse", "linearize", "dense")
-_ON_SINGULAR = ("raise", "nan")
 
 
 # --------------------------------------------------------------------------- plumbing
@@ -81,15 +83,19 @@ def _primal_computation(fun: Callable, primals: Sequence[Any]) -> Callable:
     return primal_fun
 
 
-def _check_args(fun: Callable, primals: Any, method: str, on_singular: str, who: str) -> None:
+def _check_args(fun: Callable, primals: Any, method: str, who: str) -> None:
     if not isinstance(primals, (tuple, list)):
         raise TypeError(f"{who}: primals must be a tuple of {_name(fun)}'s arguments, got "
                         f"{type(primals).__name__}")
     if method not in METHODS:
         raise ValueError(f"{who}: method must be one of {METHODS}, got {method!r}")
-    if on_singular not in _ON_SINGULAR:
-        raise ValueError(f"{who}: on_singular must be one of {_ON_SINGULAR}, got "
-                         f"{on_singular!r}")
+
+
+def _walks(who: str) -> Settings:
+    """The settings of the transform's walks: its name for errors; no Newton's method (J⁻¹
+    needs only the step Jacobians, which the "linearize" strategy inverts exactly); a failed
+    run-time check inside them raises (a vanished pivot is what `on_error` is about)."""
+    return Settings(who, newton=False)
 
 
 class _Square:
@@ -210,22 +216,16 @@ class _Square:
         return self.ravel_in(in_leaves)
 
 
-def _singular_error(err: NotInvertibleError, who: str) -> SingularJacobianError:
-    msg = str(err).replace("jaxrev.reverse cannot invert", f"{who}: the Jacobian is singular at",
-                           1)
-    return SingularJacobianError(msg, primitive=err.primitive, file=err.file, line=err.line)
-
-
 def _nan_like(leaves):
     return [jnp.full(jnp.shape(x), jnp.nan, jnp.result_type(x)) for x in leaves]
 
 
-def _guard(leaves: list, on_singular: str, who: str,
+def _guard(leaves: list, on_error: str, who: str,
            diagnose: Callable[[], Any] | None = None) -> list:
-    """With "raise", a non-finite result is a vanished pivot. Concrete results are checked now
-    (and `diagnose` re-runs the inversion on plain values, where its rules check their pivots
-    and name the step); traced ones (under jit) when the program runs."""
-    if on_singular != "raise":
+    """With "raise" (or "warn"), a non-finite result is a vanished pivot. Concrete results are
+    checked now (and `diagnose` re-runs the inversion on plain values, where its rules check
+    their pivots and name the step); traced ones (under jit) when the program runs."""
+    if on_error == "nan":
         return leaves
     if all(is_concrete(x) for x in leaves):
         if all(bool(jnp.all(jnp.isfinite(x))) for x in leaves):
@@ -235,18 +235,20 @@ def _guard(leaves: list, on_singular: str, who: str,
                 diagnose()
             except NotInvertibleError as e:
                 if e.singular:
-                    raise _singular_error(e, who) from None
-        raise SingularJacobianError(
+                    fail(on_error, singular_jacobian(e, who))
+                    return leaves
+        fail(on_error, SingularJacobianError(
             f"{who}: the result is not finite: a pivot of the Jacobian vanished (or overflowed); "
-            "no single step could be named. Pass on_singular='nan' to get NaN instead.")
+            "no single step could be named. Pass on_error='nan' to get NaN instead."))
+        return leaves
     ok = jnp.all(jnp.asarray([jnp.all(jnp.isfinite(x)) for x in leaves]))
 
     def check(ok):
         if not bool(ok):
-            raise SingularJacobianError(
+            fail(on_error, SingularJacobianError(
                 f"{who}: the result is not finite: a pivot of the Jacobian vanished (or "
                 "overflowed) while the program ran. Run it without jit to name the step, or "
-                "pass on_singular='nan'.")
+                "pass on_error='nan'."))
 
     jax.debug.callback(check, ok)
     return leaves
@@ -259,12 +261,11 @@ def _diagnoser(used: str, sq: _Square, fun: Callable, y_leaves: list
     if used != "reverse":
         return None
     def diagnose():
-        with nonlinear.settings(newton=False):
-            return reverse(sq.state_fun(fun))(sq.to_state_out(y_leaves))
+        return reverse_with(sq.state_fun(fun), _walks(sq.who))(sq.to_state_out(y_leaves))
     return diagnose
 
 
-def _try(methods: Sequence[str], attempt: Callable[[str], Any], who: str, on_singular: str,
+def _try(methods: Sequence[str], attempt: Callable[[str], Any], who: str, on_error: str,
          nan_shape: Callable[[], Any]):
     """Run `attempt(method)` for the first method that applies. A vanished pivot ends the
     search (a singular Jacobian is singular whichever way it is inverted), once the step
@@ -273,9 +274,9 @@ def _try(methods: Sequence[str], attempt: Callable[[str], Any], who: str, on_sin
     for m in methods:
         try:
             # values computed from constants alone (the indices of `x.at[1:]`) stay concrete
-            # under jit, so lumps can see their sparsity; Newton's method is not used: J⁻¹
-            # needs only the step Jacobians, which the "linearize" strategy inverts exactly
-            with jax.ensure_compile_time_eval(), nonlinear.settings(newton=False):
+            # under jit, so lumps can see their sparsity (Newton's method is not used: the
+            # attempts' walks have the settings of `_walks`)
+            with jax.ensure_compile_time_eval():
                 return attempt(m), m
         except NotInvertibleError as e:
             # "reverse" inverts the program's own steps, grouped as it finds them: a group it
@@ -284,9 +285,10 @@ def _try(methods: Sequence[str], attempt: Callable[[str], Any], who: str, on_sin
                 last = e
                 continue
             if e.singular:
-                if on_singular == "nan":
-                    return nan_shape(), m
-                raise _singular_error(e, who) from None
+                if on_error == "raise":
+                    raise singular_jacobian(e, who) from None
+                fail(on_error, singular_jacobian(e, who))
+                return nan_shape(), m
             last = e
     assert last is not None
     raise last
@@ -298,31 +300,32 @@ def _methods(method: str) -> tuple[str, ...]:
 
 # --------------------------------------------------------------------------- dense fallback
 
-def _dense_solve(J: Any, b: Any, transpose: bool, on_singular: str, who: str) -> Any:
+def _dense_solve(J: Any, b: Any, transpose: bool, on_error: str, who: str) -> Any:
     lu, piv = jax.scipy.linalg.lu_factor(J)
     diag = jnp.diagonal(lu)
     if is_concrete(diag) and bool(jnp.any(diag == 0)):
         k = int(jnp.argmax(diag == 0))
-        if on_singular == "nan":
-            return jnp.full_like(b, jnp.nan)
-        raise SingularJacobianError(
+        fail(on_error, SingularJacobianError(
             f"{who}: the Jacobian is singular (dense fallback: pivot {k} of its LU "
             "factorization vanished; no single step could be named because no step-by-step "
-            "inversion applied)")
+            "inversion applied)"))
+        return jnp.full_like(b, jnp.nan)
     return jax.scipy.linalg.lu_solve((lu, piv), b, trans=1 if transpose else 0)
 
 
 # --------------------------------------------------------------------------- inverse_jvp
 
 def inverse_jvp(fun: Callable, primals: Sequence[Any], out_tangent: Any, *,
-                method: str = "auto", on_singular: str = "raise") -> tuple[Any, tuple]:
+                method: str = "auto", on_error: str | None = None,
+                on_singular: str | None = None) -> tuple[Any, tuple]:
     """Solve ``J @ in_tangents == out_tangent`` step by step; returns ``(fun(*primals),
     in_tangents)``.
 
     `J` is the Jacobian of `fun` with respect to all of `primals` (it must be square);
     `out_tangent` has the structure of `fun`'s output and `in_tangents` is a tuple matching
     `primals`. `method` picks the strategy (see the module docs); "auto" tries "reverse",
-    then "linearize", then "dense".
+    then "linearize", then "dense". `on_error`: what a singular Jacobian does ("raise", "nan":
+    NaN tangents, "warn": NaN and a warning; `on_singular=` is its deprecated name).
 
     Example:
         >>> import jax.numpy as jnp, jaxrev as jr
@@ -332,14 +335,15 @@ def inverse_jvp(fun: Callable, primals: Sequence[Any], out_tangent: Any, *,
         [1.0, 0.0, 0.0]
     """
     who = "jaxrev.inverse_jvp"
-    _check_args(fun, primals, method, on_singular, who)
+    on_error = resolve_on_error(who, on_error, on_singular=on_singular)
+    _check_args(fun, primals, method, who)
     # eager calls are compiled from the second on, keyed like jax.jit's (`_cache`)
-    return cached_call((who, method, on_singular, snapshot()), fun,
-                       partial(_inverse_jvp, fun, method, on_singular), (tuple(primals),
-                                                                          out_tangent))
+    return cached_call((who, method, on_error), fun,
+                       partial(_inverse_jvp, fun, method, on_error), (tuple(primals),
+                                                                      out_tangent))
 
 
-def _inverse_jvp(fun: Callable, method: str, on_singular: str, primals: tuple,
+def _inverse_jvp(fun: Callable, method: str, on_error: str, primals: tuple,
                  out_tangent: Any) -> tuple[Any, tuple]:
     who = "jaxrev.inverse_jvp"
     fun = _primal_computation(fun, primals)
@@ -353,33 +357,34 @@ def _inverse_jvp(fun: Callable, method: str, on_singular: str, primals: tuple,
 
     def attempt(m):
         if m == "reverse":
-            inv = reverse(sq.state_fun(fun))
+            inv = reverse_with(sq.state_fun(fun), _walks(who))
             _, t = jax.jvp(inv, (sq.to_state_out(y_leaves),), (sq.to_state_out(out_leaves),))
             return sq.from_state_in(t)
         if m == "linearize":
             _, lin = jax.linearize(fun, *primals)
-            t = reverse(sq.state_fun(lin))(sq.to_state_out(out_leaves))
+            t = reverse_with(sq.state_fun(lin), _walks(who))(sq.to_state_out(out_leaves))
             return sq.from_state_in(t)
         b = jnp.concatenate([jnp.ravel(o) for o in out_leaves])
-        return sq.unravel(_dense_solve(sq.dense_jacobian(), b, False, on_singular, who), sq.in_sd)
+        return sq.unravel(_dense_solve(sq.dense_jacobian(), b, False, on_error, who), sq.in_sd)
 
-    leaves, used = _try(_methods(method), attempt, who, on_singular,
+    leaves, used = _try(_methods(method), attempt, who, on_error,
                         lambda: _nan_like(sq.in_leaves))
 
-    leaves = _guard(leaves, on_singular, who, _diagnoser(used, sq, fun, y_leaves))
+    leaves = _guard(leaves, on_error, who, _diagnoser(used, sq, fun, y_leaves))
     return y, sq.tangents_of(leaves)
 
 
 # --------------------------------------------------------------------------- inverse_vjp
 
 def inverse_vjp(fun: Callable, *primals: Any, method: str = "auto",
-                on_singular: str = "raise") -> tuple[Any, Callable]:
+                on_error: str | None = None,
+                on_singular: str | None = None) -> tuple[Any, Callable]:
     """Returns ``(fun(*primals), ivjp_fn)``: ``ivjp_fn(in_cotangents)`` is the output
     cotangent `w` with ``vjp_fn(w) == in_cotangents``, that is ``J⁻ᵀ in_cotangents``.
 
     `in_cotangents` is a tuple matching `primals`. With method "reverse" (tried first by
     "auto") no tape is kept: the sweep runs `fun`'s steps in program order, rebuilding values
-    as it goes.
+    as it goes. `on_error` is `inverse_jvp`'s (`on_singular=` its deprecated name).
 
     Example:
         >>> import jax, jax.numpy as jnp, jaxrev as jr
@@ -391,26 +396,27 @@ def inverse_vjp(fun: Callable, *primals: Any, method: str = "auto",
         [1.0, 1.0, 1.0]
     """
     who = "jaxrev.inverse_vjp"
-    _check_args(fun, primals, method, on_singular, who)
+    on_error = resolve_on_error(who, on_error, on_singular=on_singular)
+    _check_args(fun, primals, method, who)
     primals = tuple(primals)
 
     def primal(*args):
         _Square(fun, args, who)     # the Jacobian is square: checked when traced, not per hit
         return fun(*args)
-    y = cached_call(("primal", snapshot()), fun, primal, primals)
+    y = cached_call(("primal",), fun, primal, primals)
 
     def ivjp_fn(in_cotangents):
         if not isinstance(in_cotangents, (tuple, list)) or len(in_cotangents) != len(primals):
             raise ValueError(f"{who}: in_cotangents must be a tuple with one entry per primal "
                              f"({len(primals)}), got {type(in_cotangents).__name__}")
-        return cached_call((who, method, on_singular, snapshot()), fun,
-                           partial(_inverse_vjp, fun, method, on_singular),
+        return cached_call((who, method, on_error), fun,
+                           partial(_inverse_vjp, fun, method, on_error),
                            (primals, y, tuple(in_cotangents)))
 
     return y, ivjp_fn
 
 
-def _inverse_vjp(fun: Callable, method: str, on_singular: str, primals: tuple, y: Any,
+def _inverse_vjp(fun: Callable, method: str, on_error: str, primals: tuple, y: Any,
                  in_cotangents: tuple) -> Any:
     """J⁻ᵀ in_cotangents at `primals`, where `fun` gave `y` (computed once, by the caller)."""
     who = "jaxrev.inverse_vjp"
@@ -421,7 +427,8 @@ def _inverse_vjp(fun: Callable, method: str, on_singular: str, primals: tuple, y
 
     def attempt(m):
         if m == "reverse":
-            inv = reversible(reverse(sq.state_fun(fun)))
+            back = reverse_with(sq.state_fun(fun), _walks(who))
+            inv = reversible_with(back, 0, Dial(name=back.__name__, walk=_walks(who)))
             _, pull = jax.vjp(inv, sq.to_state_out(y_leaves))
             (w,) = pull(sq.to_state_in(c_leaves))
             return sq.from_state_out(w)
@@ -430,16 +437,16 @@ def _inverse_vjp(fun: Callable, method: str, on_singular: str, primals: tuple, y
             lin_t = jax.linear_transpose(lin, *primals)
             # lin_t: output cotangent -> tuple of input cotangents; invert it
             t_state = _TransposedState(sq, lin_t)
-            w = reverse(t_state)(sq.to_state_in(c_leaves))
+            w = reverse_with(t_state, _walks(who))(sq.to_state_in(c_leaves))
             return sq.from_state_out(w)
         c = sq.ravel_in(c_leaves)
-        return sq.unravel(_dense_solve(sq.dense_jacobian(), c, True, on_singular, who),
+        return sq.unravel(_dense_solve(sq.dense_jacobian(), c, True, on_error, who),
                           sq.out_sd)
 
-    leaves, used = _try(_methods(method), attempt, who, on_singular,
+    leaves, used = _try(_methods(method), attempt, who, on_error,
                         lambda: _nan_like(y_leaves))
 
-    leaves = _guard(leaves, on_singular, who, _diagnoser(used, sq, fun, y_leaves))
+    leaves = _guard(leaves, on_error, who, _diagnoser(used, sq, fun, y_leaves))
     return sq.out_tree_of(leaves)
 
 

@@ -34,7 +34,7 @@ from jaxrev._compat import DropVar, JaxprEqn, Primitive
 __all__ = ["inverse_rules", "inverse_jvp_rules", "sweep_rules", "forward_rules",
            "element_rules", "ElementRule", "choice_rules", "ChoiceRule", "index_args",
            "logdet_rules",
-           "kinds", "ELEMENTWISE", "LINEAR", "BILINEAR", "SMOOTH", "STRUCTURAL", "define",
+           "kinds", "ELEMENTWISE", "LINEAR", "BILINEAR", "SMOOTH", "STRUCTURAL", "WALKS", "define",
            "is_kind", "elementwise_in", "Lossy", "NeedMore", "Unsupported", "register_inverse",
            "register_inverse_jvp", "check_rule", "LogdetContext", "DENSE_STEP"]
 
@@ -105,6 +105,11 @@ which positions being fixed by the params and the `index_args` operands."""
 SMOOTH = "smooth"
 """Differentiable wherever it is defined (linear and bilinear primitives are too): Newton's
 method may solve a group of such equations (docs/design.md §3.6)."""
+WALKS = "walks"
+"""Its inverse rule walks on its own (a loop's or branch's body, inverted by `invert_jaxpr`) or
+checks values when the program runs: the walker passes it the walk's `RuleContext` (the
+equation, its env, the walk context) as the keyword `ctx`. Built-in rules only: a user's rule
+keeps the signature ``rule(out, *invals, **params)``."""
 
 kinds: dict[Primitive, frozenset[str]] = {}
 """What the walker may assume of a primitive, set by the call that registers its rules."""
@@ -140,9 +145,10 @@ def define(p: Primitive | None, *, inverse: Callable | None = None,
            sweep: Callable | None = None, forward: Callable | None = None,
            element: ElementRule | None = None, choice: ChoiceRule | None = None,
            logdet: Callable | None = None, kind: Sequence[str] = (),
-           index: Sequence[int] = ()) -> None:
-    """Register every jaxrev rule of `p` at once and tag it with `kind`. A primitive missing
-    from this JAX version (None) is skipped, so rule blocks need no version checks."""
+           index: Sequence[int] = (), walks: bool = False) -> None:
+    """Register every jaxrev rule of `p` at once and tag it with `kind` (and `WALKS` where its
+    inverse rule takes the walk's `ctx`). A primitive missing from this JAX version (None) is
+    skipped, so rule blocks need no version checks."""
     if p is None:
         return
     for table, rule in ((inverse_rules, inverse), (inverse_jvp_rules, inverse_jvp),
@@ -153,6 +159,9 @@ def define(p: Primitive | None, *, inverse: Callable | None = None,
             table[p] = rule
     if index:
         index_args[p] = tuple(index)
+    kind = (*kind, WALKS) if walks else tuple(kind)
+    if inverse is not None and not walks and WALKS in kinds.get(p, ()):
+        kinds[p] = kinds[p] - {WALKS}   # a rule registered over a built-in one takes no ctx
     if kind:
         kinds[p] = kinds.get(p, frozenset()) | frozenset(kind)
 

@@ -13,6 +13,7 @@ from jaxrev._errors import NotInvertibleError, ReversibilityError
 from jaxrev._jaxpr import Env, is_var
 from jaxrev._program import normalize_argnums, traced_leaves
 from jaxrev.transforms.sweep.backward import Plan, n_checkpoints, top_plan
+from jaxrev.transforms.knowledge.context import Settings, WalkContext
 from jaxrev.transforms.sweep.dial import Dial
 from jaxrev.transforms.propagation.walker import propagate
 from jaxrev.transforms.reverse import invert_call
@@ -116,7 +117,8 @@ def memory_report(fun: Callable, *args: Any, argnums: int | Sequence[int] = 0,
     """
     b = bind_reversible(fun, args, argnums)
     P = top_plan(b.jaxpr, b.state, Dial(checkpoint_every, memory_budget, max_steps=max_steps,
-                                        name=getattr(fun, "__name__", "fun")))
+                                        name=getattr(fun, "__name__", "fun"),
+                                        walk=Settings("jaxrev.memory_report")))
     entries: list[dict] = []
     _report_entries(P, 1, entries)
     return MemoryReport(entries, getattr(fun, "__name__", "fun"))
@@ -152,6 +154,9 @@ class ReversibilityReport:
         return "\n".join(lines)
 
 
+_WHO = Settings("jaxrev.check_reversible")
+
+
 def _rel_err(a: Any, b: Any, atol: float = 0.0) -> float:
     return float(leaf_drift(a, b, atol))
 
@@ -180,14 +185,15 @@ def check_reversible(fun: Callable, *args: Any, argnums: int | Sequence[int] = 0
     if checkpoint_every is not None or max_steps is not None:
         rep = _by_reversible(fun, args, nums, x_true, atol,
                              Dial(checkpoint_every, max_steps=max_steps, on_drift="nan",
-                                  name=name))
+                                  name=name, walk=_WHO))
     else:
         try:
             rep = _by_reverse(fun, args, nums, x_true, atol)
         except NotInvertibleError as err:
             if err.primitive != "while":
                 raise
-            rep = _by_reversible(fun, args, nums, x_true, atol, Dial(on_drift="nan", name=name))
+            rep = _by_reversible(fun, args, nums, x_true, atol,
+                                 Dial(on_drift="nan", name=name, walk=_WHO))
     if rtol is not None and rep.max_error > rtol:
         raise ReversibilityError(f"round trip exceeds rtol={rtol:g}\n{rep}")
     return rep
@@ -210,12 +216,13 @@ def _by_reverse(fun: Callable, args: Sequence[Any], nums: Sequence[int], x_true:
     for a, o in zip(nums, outs):
         inv_args[a] = o
     events: list[tuple[Any, list[Var]]] = []
-    inv = invert_call(fun, tuple(inv_args), nums, on_invert=lambda e, vs: events.append((e, vs)))
+    inv = invert_call(fun, tuple(inv_args), nums, on_invert=lambda e, vs: events.append((e, vs)),
+                      settings=_WHO)
     state, jaxpr, inv_env = inv.state, inv.jaxpr, inv.env
     leaf_errors = [_rel_err(a, b, atol) for a, b in zip(jax.tree_util.tree_leaves(state),
                                                         jax.tree_util.tree_leaves(x_true))]
     # forward values of every variable, to see where the backward run drifts
-    fwd = Env()
+    fwd = Env(ctx=WalkContext(_WHO))
     flat_args = traced_leaves(tuple(args))
     for v, x in zip(jaxpr.invars, flat_args):
         fwd.write(v, x)

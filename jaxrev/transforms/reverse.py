@@ -1,9 +1,10 @@
 """`jr.reverse`: run a traced JAX program backwards (NiLang's `~f`).
 
-The program is traced once; the walker (`_walker.propagate`) then recovers the state from the
+The program is traced once; the walker (`walker.propagate`) then recovers the state from the
 outputs with the inverse rules of `registry.inverse_rules` (those of `rules`, the loop and
-branch rule modules, and the user's). A rule raises `Lossy` where its step destroys
-information, which becomes a `NotInvertibleError` naming the primitive and the user's line.
+branch rule modules, and the user's), in a walk context made from the call's own settings
+(`knowledge.context`). A rule raises `Lossy` where its step destroys information, which
+becomes a `NotInvertibleError` naming the primitive and the user's line.
 """
 from __future__ import annotations
 
@@ -19,14 +20,14 @@ from jaxrev._compat import Jaxpr, JaxprEqn, Var
 from jaxrev._jaxpr import Env, Unknown
 from jaxrev._program import (check_sizes, check_structure, fun_name, normalize_argnums,
                              trace_program)
+from jaxrev.transforms.knowledge.context import Settings, WalkContext, resolve_on_error
 from jaxrev.transforms.propagation.walker import propagate, raise_stuck, seed
-from jaxrev.transforms.knowledge.checks import ON_FAILURE, settings, snapshot
 # the names rule authors use, importable from here as the docs say
 from jaxrev.transforms.registry import (Lossy, NeedMore, element_rules,  # noqa: F401
                                         inverse_jvp_rules, inverse_rules, register_inverse,
                                         register_inverse_jvp)
 
-__all__ = ["reverse", "invert_call", "Inverted", "register_inverse", "register_inverse_jvp",
+__all__ = ["reverse", "reverse_with", "invert_call", "Inverted", "register_inverse", "register_inverse_jvp",
            "inverse_rules", "inverse_jvp_rules", "element_rules", "Lossy", "NeedMore"]
 
 
@@ -41,10 +42,11 @@ class Inverted:
 
 def invert_call(fun: Callable, args: Sequence[Any], argnums: int | Sequence[int],
                 on_invert: Callable[[JaxprEqn, list[Var]], None] | None = None,
-                on_failure: str = "raise", state: Any = None) -> Inverted:
+                settings: Settings = Settings(), state: Any = None) -> Inverted:
     """Recover the state of `fun` from its outputs: held in the state positions of `args`
     (`state` None: the outputs have the state's structure), or, with `state` (the state's
-    structure, shapes and dtypes), as one argument in the first state position."""
+    structure, shapes and dtypes), as one argument in the first state position. The walk's
+    context is made here, from `settings` (the calling transform's)."""
     if state is None:
         hint = getattr(fun, "_jaxrev_inverse_of", None)
         if hint is not None and isinstance(argnums, int):
@@ -74,13 +76,12 @@ def invert_call(fun: Callable, args: Sequence[Any], argnums: int | Sequence[int]
     ins = list(prog.flat)
     for i in state_pos:
         ins[i] = Unknown(prog.closed.jaxpr.invars[i].aval)
-    jaxpr, env, _ = seed(prog.closed, ins, ys)
+    jaxpr, env, _ = seed(prog.closed, ins, ys, ctx=WalkContext(settings))
     goals = [jaxpr.invars[i] for i in state_pos]  # in the state's leaf order
-    with settings(on_failure=on_failure):
-        stuck = propagate(jaxpr, env, goals, on_invert=on_invert)
+    stuck = propagate(jaxpr, env, goals, on_invert=on_invert)
     missing = [k for k, g in enumerate(goals) if not env.known(g)]
     if missing:
-        raise_stuck(stuck, f"state leaf {missing[0]} of {len(goals)}")
+        raise_stuck(stuck, f"state leaf {missing[0]} of {len(goals)}", settings.who)
     vals = [env.read(g) for g in goals]
     return Inverted(jax.tree_util.tree_unflatten(s_tree, vals), jaxpr, env)
 
@@ -129,7 +130,8 @@ def _state_of_inverse(hint: tuple, args: Sequence[Any], argnums: int) -> Any:
 
 
 def reverse(fun: Callable, argnums: int | Sequence[int] = 0, *,
-            on_failure: str = "raise", state: Any = None) -> Callable:
+            on_error: str | None = None, state: Any = None,
+            on_failure: str | None = None) -> Callable:
     """Return the inverse of `fun` in the arguments at `argnums` (the state).
 
     `fun(*args)` returns the state's pytree structure, shapes and dtypes; the other arguments
@@ -144,8 +146,10 @@ def reverse(fun: Callable, argnums: int | Sequence[int] = 0, *,
     source line, where the program loses information. Groups of equations invertible only
     together and not affine are solved by Newton's method (a local inverse, docs/design.md §3.6);
     where it misses its tolerance, or no branch of a state-dependent choice is consistent,
-    `on_failure="raise"` raises naming the line (under `jit`, when the program runs) and
-    `on_failure="nan"` returns NaN there.
+    `on_error="raise"` (the default) raises naming the line (under `jit`, when the program
+    runs), `on_error="nan"` returns NaN there, and `on_error="warn"` returns NaN and warns
+    (a `jr.FailureWarning`; under `jit` when the program runs). `on_failure=` is its
+    deprecated name.
 
     Example:
         >>> import jax.numpy as jnp, jaxrev as jr
@@ -158,21 +162,24 @@ def reverse(fun: Callable, argnums: int | Sequence[int] = 0, *,
         >>> jr.reverse(g, (0, 1), state=(a, b))(g(a, b))[1].tolist()
         [0.0, 1.0, 2.0]
     """
+    who = "jaxrev.reverse"
+    on_error = resolve_on_error(who, on_error, on_failure=on_failure)
+    return reverse_with(fun, Settings(who, on_error), argnums, state)
 
-    if on_failure not in ON_FAILURE:
-        raise ValueError(f"jaxrev.reverse: on_failure must be one of {ON_FAILURE}, got "
-                         f"{on_failure!r}")
 
+def reverse_with(fun: Callable, settings: Settings, argnums: int | Sequence[int] = 0,
+                 state: Any = None) -> Callable:
+    """`reverse(fun)` whose walks have the caller's `settings` (the inverse transforms run
+    theirs in their own name and without Newton's method)."""
     nums_key = argnums if isinstance(argnums, int) else tuple(argnums)
 
     def impl(*args: Any) -> Any:
-        return invert_call(fun, args, argnums, on_failure=on_failure, state=state).state
+        return invert_call(fun, args, argnums, settings=settings, state=state).state
 
     @functools.wraps(fun)
     def inv(*args: Any) -> Any:
         # eager calls are compiled from the second on, keyed like jax.jit's (`_cache`)
-        return cached_call(("reverse", nums_key, on_failure, snapshot()), (fun, state),
-                           impl, args)
+        return cached_call(("reverse", nums_key, settings), (fun, state), impl, args)
 
     inv.__name__ = f"reverse({getattr(fun, '__name__', 'fun')})"
     # reverse(inv) needs inv's state (fun's output) when fun changes structure

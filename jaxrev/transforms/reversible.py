@@ -26,13 +26,14 @@ from jaxrev._jaxpr import Env, batch_front, eval_closed, instantiate_tangents
 from jaxrev._primitive import make_primitive
 from jaxrev._program import (Filtered, check_sizes, check_structure, normalize_argnums,
                              trace_program)
+from jaxrev.transforms.knowledge.context import Settings, WalkContext, resolve_on_error
 from jaxrev.transforms.sweep import drift
 from jaxrev.transforms.sweep.dial import Dial
 from jaxrev.transforms.sweep.backward import (Plan, Residuals, acc, forward_with_residuals, get_ct,
                                       res_avals, seed_env, top_plan, walk)
 
-__all__ = ["reversible", "reversible_p", "reversible_store_p", "reversible_lin_p",
-           "bind_reversible", "Bound", "rebuild"]
+__all__ = ["reversible", "reversible_with", "reversible_p", "reversible_store_p",
+           "reversible_lin_p", "bind_reversible", "Bound", "rebuild"]
 
 
 # --------------------------------------------------------------------------- reversible_p
@@ -154,7 +155,10 @@ def _lin_split(args: Sequence[Any], jaxpr: ClosedJaxpr, state: Sequence[bool], n
 
 
 def _top_env(P: Plan, state: Sequence[bool], params: Sequence[Any], ys: Sequence[Any]) -> Env:
-    return seed_env(P, [not s for s in state], params, [True] * len(ys), ys)
+    """The env of a call's backward walk, whose context the call's dial gives (a drift log is
+    added by the walk that checks)."""
+    return seed_env(P, [not s for s in state], params, [True] * len(ys), ys,
+                    WalkContext(P.dial.walk))
 
 
 def _checked_walk(P: Plan, env: Env, ctenv: dict | None, active: set, res: Sequence[Any],
@@ -167,16 +171,17 @@ def _checked_walk(P: Plan, env: Env, ctenv: dict | None, active: set, res: Seque
     J = P.closed.jaxpr
     loops = (drift.describe_loops(J.eqns, lambda e: e.primitive.name in _LOOPS)
              if dial.checks else "")
-    with drift.checking(dial, dial.name, loops) as log:
-        walk(P, env, ctenv, active, Residuals(P, res), [])
-        cts = read()
-        if log is None:
-            return cts
-        xs = [v for v, s in zip(J.invars, state) if s]
-        at = drift.site("the state rebuilt by the backward run (the inputs of the call)", None,
-                        drift.values_tol(dial, [v.aval.dtype for v in xs]), inputs=True)
-        drift.note((drift.ratio(dial, [env.read(v) for v in xs], xtrue), at))
-        return log.finish(log.worst(), cts)
+    log = drift.log_for(dial, dial.name, loops)
+    env.ctx = env.ctx.replace(drift=log)
+    walk(P, env, ctenv, active, Residuals(P, res), [])
+    cts = read()
+    if log is None:
+        return cts
+    xs = [v for v, s in zip(J.invars, state) if s]
+    at = drift.site(log, "the state rebuilt by the backward run (the inputs of the call)", None,
+                    drift.values_tol(dial, [v.aval.dtype for v in xs]), inputs=True)
+    drift.note(log, (drift.ratio(dial, [env.read(v) for v in xs], xtrue), at))
+    return log.finish(log.worst(), cts)
 
 
 _LOOPS = ("scan", "while", "jaxrev_while")
@@ -336,22 +341,23 @@ def rebuild(fun: Callable, args: Sequence[Any], argnums: int | Sequence[int], di
     J = P.closed.jaxpr
     env = _top_env(P, b.state, [x for x, st in zip(b.operands, b.state) if not st], outs)
     sites: list[tuple[str, float]] = []
-    with drift.checking(dial, dial.name) as log:
-        walk(P, env, None, set(), Residuals(P, res), [])
-        if log is not None:
-            for r, k in log.scopes[0]:
-                if int(k) < 0:   # a loop with no comparison inside
-                    continue
-                st = log.sites[int(k)]
-                where = f" at {st.where}" if st.where else ""
-                sites.append((f"{st.what}{where}", float(r) * st.tol))
+    log = drift.log_for(dial, dial.name)
+    env.ctx = env.ctx.replace(drift=log)
+    walk(P, env, None, set(), Residuals(P, res), [])
+    if log is not None:
+        for r, k in log.scopes[0]:
+            if int(k) < 0:   # a loop with no comparison inside
+                continue
+            st = log.sites[int(k)]
+            where = f" at {st.where}" if st.where else ""
+            sites.append((f"{st.what}{where}", float(r) * st.tol))
     return [env.read(v) for v, st in zip(J.invars, b.state) if st], sites
 
 
 def reversible(fun: Callable, argnums: int | Sequence[int] = 0, *,
                checkpoint_every: int | str | None = None, memory_budget: int | None = None,
                on_drift: str = "raise", drift_rtol: float | None = None,
-               max_steps: int | None = None) -> Callable:
+               max_steps: int | None = None, on_error: str = "raise") -> Callable:
     """`fun` with a reverse-mode derivative that rebuilds intermediates by running backwards.
 
     `fun(*args)` returns the structure, shapes and dtypes of the state `args[argnums]` (as
@@ -376,6 +382,9 @@ def reversible(fun: Callable, argnums: int | Sequence[int] = 0, *,
       when the program runs), "warn", "nan" (the gradient is NaN), "ignore" (no check).
     - `max_steps`: a bound on every `while_loop`'s trip count, which lets `reversible`
       checkpoint it, or store a body that loses information once per iteration.
+    - `on_error`: what a failure inside a rebuilt value does (a group solved by Newton's
+      method that misses its tolerance, a state-dependent choice with no consistent branch),
+      as for `reverse`: "raise", "nan" or "warn" (NaN and a warning).
 
     Example:
         >>> import jax, jax.numpy as jnp, jaxrev as jr
@@ -390,7 +399,14 @@ def reversible(fun: Callable, argnums: int | Sequence[int] = 0, *,
         True
     """
     dial = Dial(checkpoint_every, memory_budget, on_drift, drift_rtol, max_steps,
-                getattr(fun, "__name__", "fun"))
+                getattr(fun, "__name__", "fun"),
+                Settings("jaxrev.reversible", resolve_on_error("jaxrev.reversible", on_error)))
+    return reversible_with(fun, argnums, dial)
+
+
+def reversible_with(fun: Callable, argnums: int | Sequence[int], dial: Dial) -> Callable:
+    """`reversible(fun)` under a dial of the caller's (the settings of its walks among them:
+    `inverse_vjp` runs its walks in its own name and without Newton's method)."""
 
     @wraps(fun)
     def wrapped(*args: Any) -> Any:

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from jaxrev._program import fun_name
 from jaxrev.transforms.flows.slogdet import forward_and_slogdet, inverse_and_slogdet
+from jaxrev.transforms.knowledge.context import resolve_on_error
 from jaxrev.transforms.reverse import reverse
 
 __all__ = ["Bijector", "Chain"]
@@ -28,7 +29,7 @@ class Bijector:
     log-determinants of the batch's shape. Extra positional arguments of the methods are
     passed on to `fun` (parameters): ``b.forward(x, params)`` calls ``fun(x, params)``, and
     with ``argnums=1`` ``fun(params, x)``.
-    `method` and `on_singular` are those of `forward_and_slogdet` / `inverse_and_slogdet` (a
+    `method` and `on_error` are those of `forward_and_slogdet` / `inverse_and_slogdet` (a
     vanished pivot raises `SingularJacobianError`; under `jit` the forward methods return
     -inf, the inverse ones raise when the program runs).
 
@@ -41,8 +42,8 @@ class Bijector:
     """
 
     def __init__(self, fun: Callable, event_ndims: int = 1, *, argnums: int = 0,
-                 method: str = "auto", on_singular: str = "raise", name: str | None = None
-                 ) -> None:
+                 method: str = "auto", on_error: str | None = None, name: str | None = None,
+                 on_singular: str | None = None) -> None:
         if not isinstance(event_ndims, int) or event_ndims < 0:
             raise ValueError(f"jaxrev.Bijector: event_ndims must be a non-negative int, got "
                              f"{event_ndims!r}")
@@ -55,8 +56,9 @@ class Bijector:
         self.is_constant_jacobian = False
         self.is_constant_log_det = False
         self._inv = reverse(fun, argnums)
-        self._fwd_ld = forward_and_slogdet(fun, argnums, method=method, on_singular=on_singular)
-        self._inv_ld = inverse_and_slogdet(fun, argnums, method=method, on_singular=on_singular)
+        on_error = resolve_on_error("jaxrev.Bijector", on_error, on_singular=on_singular)
+        self._fwd_ld = forward_and_slogdet(fun, argnums, method=method, on_error=on_error)
+        self._inv_ld = inverse_and_slogdet(fun, argnums, method=method, on_error=on_error)
 
     def _batched(self, g: Callable, x: Any, params: Sequence[Any]) -> Any:
         leaves = jax.tree_util.tree_leaves(x)

@@ -19,16 +19,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrev._compat import Primitive, is_concrete, staged_constants
-from jaxrev._errors import NotInvertibleError, SingularJacobianError, at_eqn
+from jaxrev._errors import (NotInvertibleError, SingularJacobianError, at_eqn, fail,
+                            singular_jacobian)
 from jaxrev._jaxpr import Env, Unknown, evaluate, prepare, without_custom_vjp
 from jaxrev._program import (check_sizes, eval_shape, fun_name, normalize_argnums,
                              trace_program, traced_leaves)
 from jaxrev.transforms.knowledge import elements, records
-from jaxrev.transforms.knowledge.checks import check_at_run_time, settings
+from jaxrev.transforms.knowledge.checks import check_at_run_time
+from jaxrev.transforms.knowledge.context import Settings, WalkContext, resolve_on_error
 from jaxrev.transforms.propagation.walker import propagate, raise_stuck, seed
 from jaxrev.transforms.flows.logdet import LogdetContext, evaluate_plan, plan
 from jaxrev.transforms.registry import Unsupported, check_rule, define
-from jaxrev.transforms.reverse import reverse
+from jaxrev.transforms.reverse import reverse_with
 
 __all__ = ["slogdet_jacobian", "forward_and_slogdet", "inverse_and_slogdet",
            "register_logdet", "logdet_strategy", "METHODS"]
@@ -46,6 +48,7 @@ class _Traced:
     out_tree: Any
     state_tree: Any
     dtype: Any
+    who: str             # the transform, for its walks' errors
 
 
 def _trace(fun: Callable, args: Sequence[Any], argnums: tuple[int, ...], who: str) -> _Traced:
@@ -63,22 +66,24 @@ def _trace(fun: Callable, args: Sequence[Any], argnums: tuple[int, ...], who: st
     dtype = jnp.result_type(*state) if state else jnp.float32
     return _Traced(closed, list(prog.flat), prog.state_pos,
                    jax.tree_util.tree_structure(prog.out_shape),
-                   jax.tree_util.tree_structure(st), dtype)
+                   jax.tree_util.tree_structure(st), dtype, who)
 
 
 def _walk(t: _Traced, ys: Sequence[Any]) -> tuple[records.Recorder, Env]:
-    """Recover the state from the outputs `ys`, recording every step."""
+    """Recover the state from the outputs `ys`, recording every step (in a walk context of
+    the transform's own: its name, the default settings)."""
     jaxpr = t.closed.jaxpr
     ins = list(t.flat)
     for i in t.state_pos:
         ins[i] = Unknown(jaxpr.invars[i].aval)
-    jaxpr, env, _ = seed(t.closed, ins, ys, prepared=True)
+    ctx = WalkContext(Settings(t.who))
+    jaxpr, env, _ = seed(t.closed, ins, ys, prepared=True, ctx=ctx)
     goals = [jaxpr.invars[i] for i in t.state_pos]
     rec = records.Recorder(env, jaxpr, None, range(len(jaxpr.outvars)), t.state_pos)
-    with records.recording(rec), settings(newton=True):
-        stuck = propagate(jaxpr, env, goals)
+    ctx.recorder = rec
+    stuck = propagate(jaxpr, env, goals)
     if any(not env.known(g) for g in goals):
-        raise_stuck(stuck, "")
+        raise_stuck(stuck, "", t.who)
     return rec, env
 
 
@@ -186,11 +191,11 @@ def _dense(fun: Callable, args: Sequence[Any], nums: tuple[int, ...]) -> tuple[A
         return jnp.linalg.slogdet(jax.jacfwd(f)(x0))
 
 
-def _singular_check(logabs: Any, who: str, on_singular: str,
+def _singular_check(logabs: Any, who: str, on_error: str,
                     per_step: Sequence[tuple[Any, Any]] = (), at_run_time: bool = True) -> Any:
     """A vanished pivot gives log|det| = -inf: with "raise", an error naming the step, eagerly
-    at once, and (`at_run_time`) under jit when the program runs."""
-    if on_singular != "raise":
+    at once, and (`at_run_time`) under jit when the program runs ("warn": a warning)."""
+    if on_error == "nan":
         return logabs
     eqns = [e for e, _ in per_step]
 
@@ -199,24 +204,24 @@ def _singular_check(logabs: Any, who: str, on_singular: str,
         if not hit:
             return SingularJacobianError(
                 f"{who}: the Jacobian is singular (a pivot of the inversion sweep vanished); "
-                "pass on_singular='nan' to get -inf instead")
-        return at_eqn(SingularJacobianError, hit[0], f"{who}: the Jacobian is singular (a "
-                      "pivot vanished)", "Pass on_singular='nan' to get -inf instead.")
+                "pass on_error='nan' to get -inf instead")
+        return at_eqn(SingularJacobianError, hit[0], "the Jacobian is singular (a pivot "
+                      "vanished)", "Pass on_error='nan' to get -inf instead.", who=who)
     flags = [jnp.isneginf(la) for _, la in per_step]
     if is_concrete(logabs) and all(is_concrete(f) for f in flags):
         if bool(jnp.any(jnp.isneginf(logabs))):
-            raise error([bool(f) for f in flags])
+            fail(on_error, error([bool(f) for f in flags]))
         return logabs
     if not at_run_time:
         return logabs
     # one host call per batch under vmap, none when no pivot vanished
-    check_at_run_time(lambda bad: error([bool(b) for b in np.atleast_1d(bad)]),
+    check_at_run_time(lambda bad: fail(on_error, error([bool(b) for b in np.atleast_1d(bad)])),
                       jnp.stack(flags) if flags else jnp.zeros(0, bool),
                       bad=jnp.isneginf(logabs))
     return logabs
 
 
-def _try_sweep(run: Callable[[], Any], method: str, on_singular: str, who: str,
+def _try_sweep(run: Callable[[], Any], method: str, on_error: str, who: str,
                dense_if_not_invertible: bool = True) -> Any:
     """`run()`, the sweep; None where "auto" falls back to the dense Jacobian (a step the
     sweep cannot describe; a program it cannot invert, when the caller can do without its
@@ -228,27 +233,21 @@ def _try_sweep(run: Callable[[], Any], method: str, on_singular: str, who: str,
             raise NotInvertibleError(f"{who}: the inversion sweep cannot give the "
                                      f"log-determinant: {e}") from None
     except NotInvertibleError as e:
-        if e.singular and on_singular == "raise":
-            raise _singular_from(e, who) from None
+        if e.singular and on_error == "raise":
+            raise singular_jacobian(e, who) from None
         if method == "sweep" or not (e.singular or dense_if_not_invertible):
             raise
     return None
 
 
-def _check_method(method: str, on_singular: str, who: str) -> None:
+def _check_method(method: str, who: str) -> None:
     if method not in METHODS:
         raise ValueError(f"{who}: method must be one of {METHODS}, got {method!r}")
-    if on_singular not in ("raise", "nan"):
-        raise ValueError(f"{who}: on_singular must be 'raise' or 'nan', got {on_singular!r}")
-
-
-def _singular_from(e: NotInvertibleError, who: str) -> SingularJacobianError:
-    msg = str(e).replace("jaxrev.reverse cannot invert", f"{who}: the Jacobian is singular at", 1)
-    return SingularJacobianError(msg, primitive=e.primitive, file=e.file, line=e.line)
 
 
 def slogdet_jacobian(fun: Callable, *primals: Any, argnums: int | Sequence[int] = 0,
-                     method: str = "auto", on_singular: str = "raise") -> tuple[Any, Any]:
+                     method: str = "auto", on_error: str | None = None,
+                     on_singular: str | None = None) -> tuple[Any, Any]:
     """``(sign, log|det J|)`` of `fun`'s Jacobian with respect to the arguments at `argnums`
     (the state: `fun` maps it to as many numbers), the others held fixed.
 
@@ -258,7 +257,8 @@ def slogdet_jacobian(fun: Callable, *primals: Any, argnums: int | Sequence[int] 
     (`logdet_strategy` says which). A singular Jacobian raises `SingularJacobianError`
     naming the step whose pivot vanished, on concrete values; under `jit` the exact answer,
     sign 0 and -inf, comes back (as from `jnp.linalg.slogdet`; no host check is compiled
-    in). `on_singular="nan"` returns that answer eagerly too.
+    in). `on_error="nan"` returns that answer eagerly too, and "warn" with a warning
+    (`on_singular=` is the deprecated name of `on_error=`).
 
     Example:
         >>> import jax.numpy as jnp, jaxrev as jr
@@ -268,17 +268,18 @@ def slogdet_jacobian(fun: Callable, *primals: Any, argnums: int | Sequence[int] 
         (1.0, 3.0)
     """
     who = "jaxrev.slogdet_jacobian"
-    _check_method(method, on_singular, who)
+    on_error = resolve_on_error(who, on_error, on_singular=on_singular)
+    _check_method(method, who)
     nums = normalize_argnums(argnums, len(primals), fun)
     if method != "dense":
         def run():
             _, sign, logabs, steps, _ = _sweep(fun, primals, nums, who, need_sign=True)
-            return sign, _singular_check(logabs, who, on_singular, steps, at_run_time=False)
-        got = _try_sweep(run, method, on_singular, who)
+            return sign, _singular_check(logabs, who, on_error, steps, at_run_time=False)
+        got = _try_sweep(run, method, on_error, who)
         if got is not None:
             return got
     sign, logabs = _dense(fun, primals, nums)
-    return sign, _singular_check(logabs, who, on_singular, at_run_time=False)
+    return sign, _singular_check(logabs, who, on_error, at_run_time=False)
 
 
 def logdet_strategy(fun: Callable, *primals: Any, argnums: int | Sequence[int] = 0) -> str:
@@ -323,7 +324,8 @@ def _state_value(t: _Traced, leaves: Sequence[Any], nums: tuple[int, ...]) -> An
 
 
 def forward_and_slogdet(fun: Callable, argnums: int | Sequence[int] = 0, *,
-                        method: str = "auto", on_singular: str = "raise") -> Callable:
+                        method: str = "auto", on_error: str | None = None,
+                        on_singular: str | None = None) -> Callable:
     """A function returning ``(fun(*args), log|det J|)``, J the Jacobian with respect to the
     arguments at `argnums`, from one forward pass (distrax's ``forward_and_log_det``). A
     vanished pivot raises `SingularJacobianError` naming the step on concrete values; under
@@ -337,7 +339,8 @@ def forward_and_slogdet(fun: Callable, argnums: int | Sequence[int] = 0, *,
         1.5
     """
     who = "jaxrev.forward_and_slogdet"
-    _check_method(method, on_singular, who)
+    on_error = resolve_on_error(who, on_error, on_singular=on_singular)
+    _check_method(method, who)
 
     @functools.wraps(fun)
     def fwd(*args: Any) -> tuple[Any, Any]:
@@ -347,23 +350,25 @@ def forward_and_slogdet(fun: Callable, argnums: int | Sequence[int] = 0, *,
                 ys, _, logabs, steps, _ = _sweep(fun, args, nums, who, need_sign=False)
                 y = (fun(*args) if ys is None else jax.tree_util.tree_unflatten(
                     jax.tree_util.tree_structure(eval_shape(fun, *args)), ys))
-                return y, _singular_check(logabs, who, on_singular, steps, at_run_time=False)
-            got = _try_sweep(run, method, on_singular, who)
+                return y, _singular_check(logabs, who, on_error, steps, at_run_time=False)
+            got = _try_sweep(run, method, on_error, who)
             if got is not None:
                 return got
         _, logabs = _dense(fun, args, nums)
-        return fun(*args), _singular_check(logabs, who, on_singular, at_run_time=False)
+        return fun(*args), _singular_check(logabs, who, on_error, at_run_time=False)
     return fwd
 
 
 def inverse_and_slogdet(fun: Callable, argnums: int | Sequence[int] = 0, *,
-                        method: str = "auto", on_singular: str = "raise") -> Callable:
+                        method: str = "auto", on_error: str | None = None,
+                        on_singular: str | None = None) -> Callable:
     """A function returning ``(reverse(fun)(*args), log|det|)`` of the inverse's Jacobian
     (minus `fun`'s at the recovered state), from one backward pass (distrax's
     ``inverse_and_log_det``). Its arguments are `fun`'s, with `fun`'s output in the state
     positions. A vanished pivot (no inverse) raises `SingularJacobianError` naming the step,
     under `jit` when the program runs (a host check, 0.15-0.6 ms a call on CPU;
-    `on_singular="nan"` drops it and returns the non-finite values).
+    `on_error="nan"` drops it and returns the non-finite values; "warn" warns instead;
+    `on_singular=` is its deprecated name).
 
     Example:
         >>> import jax.numpy as jnp, jaxrev as jr
@@ -373,7 +378,8 @@ def inverse_and_slogdet(fun: Callable, argnums: int | Sequence[int] = 0, *,
         -1.5
     """
     who = "jaxrev.inverse_and_slogdet"
-    _check_method(method, on_singular, who)
+    on_error = resolve_on_error(who, on_error, on_singular=on_singular)
+    _check_method(method, who)
 
     @functools.wraps(fun)
     def inv(*args: Any) -> tuple[Any, Any]:
@@ -393,18 +399,18 @@ def inverse_and_slogdet(fun: Callable, argnums: int | Sequence[int] = 0, *,
                 _, logabs = evaluate_plan(pl, _reader(env), t.dtype, per_step=steps)
                 xs = [env.read(rec.jaxpr.invars[i]) for i in t.state_pos]
                 return (_state_value(t, xs, nums),
-                        -_singular_check(logabs, who, on_singular, steps))
+                        -_singular_check(logabs, who, on_error, steps))
             # (a program the walker cannot invert has no inverse to return: that raises)
-            got = _try_sweep(run, method, on_singular, who, dense_if_not_invertible=False)
+            got = _try_sweep(run, method, on_error, who, dense_if_not_invertible=False)
             if got is not None:
                 return got
-        x = reverse(fun, argnums)(*args)
+        x = reverse_with(fun, Settings(who), argnums)(*args)
         a = list(args)
         xl = [x] if len(nums) == 1 else list(x)
         for i, s in zip(nums, xl):
             a[i] = s
         _, logabs = _dense(fun, a, nums)
-        return x, -_singular_check(logabs, who, on_singular)
+        return x, -_singular_check(logabs, who, on_error)
     return inv
 
 

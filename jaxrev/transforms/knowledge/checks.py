@@ -1,17 +1,18 @@
-"""Checks that a transform makes of values known only when the program runs, and the settings
-that say what a failed one does.
+"""Checks that a transform makes of values known only when the program runs, and what a
+failed one does.
 
 A rule that can only decide when the program runs (a pivot that may vanish, a Newton group that
 may miss its tolerance, a select whose consistent case may not be unique, a gather whose
 indices may not be a permutation) builds a NaN into its result where it fails and calls
-`raise_where` with the flags: eagerly the error is raised at once, under `jit` when the program
-runs (a `jax.debug.callback`), and under ``on_failure="nan"`` not at all, the NaN being the
+`raise_where` with its walk's `on_error` and the flags: under "raise" the error is raised
+eagerly at once, under `jit` when the program runs (a `jax.debug.callback`); under "warn" it is
+a `FailureWarning` instead, at the same moments; under "nan" nothing happens, the NaN being the
 answer the caller asked for.
 """
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Callable, Iterator
+import warnings
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -19,69 +20,50 @@ import numpy as np
 from jax import lax
 
 from jaxrev._compat import debug_effect, is_concrete
+from jaxrev._errors import FailureWarning
 from jaxrev._primitive import make_primitive
+from jaxrev.transforms.knowledge.context import ON_ERROR
 
-__all__ = ["ON_FAILURE", "NEWTON_STARTS", "counts", "settings", "setting", "raise_where",
-           "check_p", "check_at_run_time"]
-
-ON_FAILURE = ("raise", "nan")
-
-_settings: list[dict] = [dict(on_failure="raise", newton=True, newton_start=None)]
-
-
-@contextlib.contextmanager
-def settings(**changes: Any) -> Iterator[None]:
-    """Settings while a transform traces (nested calls inherit the rest): `on_failure`, what a
-    failed run-time check does ("raise": eagerly an error, under `jit` a runtime error;
-    "nan"), `newton`, whether Newton's method is used at all (the inverse transforms need
-    only Jacobians, which linear lumps give exactly), and `newton_start`: None (Newton starts,
-    per element, from the candidate start with the smallest residual) or k (from start k
-    only: where the map has several preimages, `choices` tries each start's)."""
-    if changes.get("on_failure", "raise") not in ON_FAILURE:
-        raise ValueError(f"on_failure must be one of {ON_FAILURE}, got "
-                         f"{changes['on_failure']!r}")
-    _settings.append({**_settings[-1], **changes})
-    try:
-        yield
-    finally:
-        _settings.pop()
-
-
-def setting(name: str) -> Any:
-    return _settings[-1][name]
-
-
-def snapshot() -> tuple:
-    """The current settings, hashable: part of a cached call's key (they change its trace)."""
-    return tuple(sorted(_settings[-1].items()))
-
+__all__ = ["ON_ERROR", "NEWTON_STARTS", "raise_where", "check_p", "check_at_run_time"]
 
 NEWTON_STARTS = 4
-"""How many single starting points `newton_start` picks from (0.5, then up to three values
-the group reads, then 0), besides the default: the best of all, per element."""
-
-counts = {"newton": 0}
-"""How many groups Newton's method has solved so far (`choices` asks whether a branch used
-it)."""
+"""How many single starting points a walk's `newton_start` picks from (0.5, then up to three
+values the group reads, then 0), besides the default: the best of all, per element."""
 
 
-def raise_where(error: Callable[..., Exception | None], *flags: Any, bad: Any = None,
-                always: bool = False) -> None:
+def raise_where(on_error: str, error: Callable[..., Exception | None], *flags: Any,
+                bad: Any = None, always: bool = False) -> None:
     """Raise `error(*flags)` (None: nothing wrong) now on concrete values, else when the program
-    runs; nothing under ``on_failure="nan"``, where the NaN left in the result is the answer,
-    unless `always` (a failure that leaves no NaN behind: a loop stopped at its bound).
+    runs; under ``on_error="warn"`` warn with its message instead; nothing under "nan", where
+    the NaN left in the result is the answer, unless `always` (a failure that leaves no NaN
+    behind: a loop stopped at its bound; "warn" then still only warns).
 
     `bad` (a boolean computed from the flags, any of whose elements says `error` will raise)
     makes the run-time check cheap: the host is called only when it holds, and under `vmap`
     once for the whole batch, with the first bad sample's flags (`check_p`)."""
-    if _settings[-1]["on_failure"] == "nan" and not always:
+    if on_error == "nan" and not always:
         return
+    if on_error == "warn":
+        error = _Warning(error)
     if all(is_concrete(x) for x in flags):
         err = error(*[np.asarray(x) for x in flags])
         if err is not None:
             raise err
         return
     check_at_run_time(error, *flags, bad=bad)
+
+
+class _Warning:
+    """`error` turned into a warning (``on_error="warn"``): it warns and returns None."""
+
+    def __init__(self, error: Callable[..., Exception | None]) -> None:
+        self.error = error
+
+    def __call__(self, *flags: Any) -> None:
+        err = self.error(*flags)
+        if err is not None:
+            warnings.warn(str(err), FailureWarning, stacklevel=2)
+        return None
 
 
 def check_at_run_time(error: Callable[..., Exception | None], *flags: Any,

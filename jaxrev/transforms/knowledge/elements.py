@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxrev._cache import memo
 from jaxrev._compat import DropVar, JaxprEqn, Var
 from jaxrev._jaxpr import Env, Unknown, apply, fit_to_aval, is_var, real_outvars
 from jaxrev.transforms.knowledge import regions as R
@@ -473,7 +474,8 @@ _MAX_MAP = 1 << 22
 
 
 def _index_maps(eqn: JaxprEqn, key: tuple, statics: tuple) -> tuple[list, list] | None:
-    hit = _MAPS.get((id(eqn), key))
+    maps = memo("elements.index_maps", 4096)
+    hit = maps.get((id(eqn), key))
     if hit is not None and hit[0] is eqn:
         return hit[1]
     data = _data_args(eqn)
@@ -507,13 +509,8 @@ def _index_maps(eqn: JaxprEqn, key: tuple, statics: tuple) -> tuple[list, list] 
             irow.append(R.IndexMap(back, tuple(eqn.invars[k].aval.shape), True))
         fwd.append(row)
         inv.append(irow)
-    _MAPS[(id(eqn), key)] = (eqn, (fwd, inv))
-    if len(_MAPS) > 4096:
-        _MAPS.pop(next(iter(_MAPS)))
+    maps.put((id(eqn), key), [], (eqn, (fwd, inv)))   # (the eqn kept: its id stays its)
     return fwd, inv
-
-
-_MAPS: dict = {}
 
 
 def _structural_forward(eqn: JaxprEqn, env: Env) -> bool:

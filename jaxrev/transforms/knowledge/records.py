@@ -1,7 +1,7 @@
 """What a walk recovered, step by step: the record log-determinants are summed over (docs/design.md
 §3.7).
 
-While a `Recorder` is active, the walker notes every step that recovers unknown values in the
+While a walk's context holds a `Recorder` (`WalkContext.recorder`), the walker notes every step that recovers unknown values in the
 env it was given: one equation's inverse or element rule (which inputs, and which of their
 elements, were new), a group step (a lump, a choice, a Newton group: the group's equations, its
 unknown inputs and its known outputs), and, for a loop or branch rule that inverts a sub-jaxpr,
@@ -11,14 +11,12 @@ Walks on other envs (a choice's candidate branches, probes) are not recorded.
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 from jaxrev._compat import JaxprEqn, Var
 
-__all__ = ["Step", "Recorder", "recording", "active", "eqn_step", "group_step", "unsupported",
-           "child"]
+__all__ = ["Step", "Recorder", "active", "eqn_step", "group_step", "unsupported", "child"]
 
 
 @dataclass
@@ -59,23 +57,11 @@ class Recorder:
         return env is self.env
 
 
-_STACK: list[Recorder] = []
-
-
 def active(env: Any) -> Recorder | None:
-    """The recorder of the walk over `env`, if one is recording."""
-    if _STACK and _STACK[-1].mine(env):
-        return _STACK[-1]
-    return None
-
-
-@contextlib.contextmanager
-def recording(rec: Recorder) -> Iterator[Recorder]:
-    _STACK.append(rec)
-    try:
-        yield rec
-    finally:
-        _STACK.pop()
+    """The recorder of the walk over `env`, if its context records that walk."""
+    ctx = getattr(env, "ctx", None)
+    rec = ctx.recorder if ctx is not None else None
+    return rec if rec is not None and rec.mine(env) else None
 
 
 def eqn_step(env: Any, eqn: JaxprEqn, changes: Sequence[tuple[Var, Any, Any]]) -> None:
@@ -98,15 +84,22 @@ def unsupported(env: Any, why: str) -> None:
         rec.unsupported.append(why)
 
 
-@contextlib.contextmanager
 def child(parent_env: Any, eqn: JaxprEqn | None, env: Any, jaxpr: Any, hints: Any,
-          seeded: Sequence[int], goals: Sequence[int]) -> Iterator[None]:
-    """Record the walk over a sub-jaxpr (`env`, `jaxpr`) that the rule of `eqn` runs."""
-    if not _STACK or eqn is None or not _STACK[-1].mine(parent_env):
-        yield
-        return
-    parent = _STACK[-1]
+          seeded: Sequence[int], goals: Sequence[int]) -> tuple[Any, Callable[[], None]]:
+    """The context of the walk over a sub-jaxpr (`env`, `jaxpr`) that the rule of `eqn` runs
+    in the walk over `parent_env`, and what to call once that walk succeeded: where the
+    parent walk is recorded, the child walk gets a record of its own, filed under `eqn`."""
+    ctx = parent_env.ctx
+    parent = active(parent_env)
+    if parent is None or eqn is None:
+        return ctx.replace(recorder=None), _nothing
     rec = Recorder(env, jaxpr, hints, seeded, goals)
-    with recording(rec):
-        yield
-    parent.children[id(eqn)] = rec
+
+    def attach() -> None:
+        parent.children[id(eqn)] = rec
+
+    return ctx.replace(recorder=rec), attach
+
+
+def _nothing() -> None:
+    return None

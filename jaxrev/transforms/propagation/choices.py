@@ -19,7 +19,7 @@ one combination must be consistent, or several that agree:
   state) is refused when the program is traced, naming the choice;
 - none consistent (the output is outside the map's range), or two that disagree (the map is not
   one-to-one there), is found when the program runs: raised eagerly, under `jit` a runtime
-  error, or NaN with ``on_failure="nan"`` (`_checks.raise_where`).
+  error, or NaN with ``on_error="nan"`` (`checks.raise_where`, with the walk's `on_error`).
 
 Derivatives differentiate the chosen candidate (the selection by consistency has none).
 """
@@ -37,7 +37,7 @@ from jax import lax
 from jaxrev._compat import JaxprEqn, Literal, Var, has_user_frame, is_concrete, prims
 from jaxrev._errors import ReversibilityError, at_eqn, not_invertible
 from jaxrev._jaxpr import Env, evaluate, is_var, real_outvars, size_of
-from jaxrev.transforms.knowledge.checks import NEWTON_STARTS, counts, raise_where, settings
+from jaxrev.transforms.knowledge.checks import NEWTON_STARTS, raise_where
 from jaxrev.transforms.custom import custom_inverse
 from jaxrev.transforms.knowledge import records
 from jaxrev.transforms.registry import choice_rules, elementwise_in
@@ -315,7 +315,8 @@ def _split(G: Sequence[JaxprEqn], ch: list[_Choice], inputs: list[Var], outputs:
                                and v not in produced))
 
     def fresh(vars_vals: Sequence[tuple[Sequence[Var], Sequence[Any]]]) -> Env:
-        e = Env(info=env.info)
+        e = Env(info=env.info, ctx=env.ctx)   # the creating walk's context, even when
+        # `solve` is traced later (the custom_inverse below, inverted again)
         for vs, xs in vars_vals:
             for v, x in zip(vs, xs):
                 e.write(v, x)
@@ -362,17 +363,19 @@ def _solve(G: Sequence[JaxprEqn], ch: list[_Choice], inputs: list[Var], outputs:
         # a branch solved by Newton's method may have several preimages (a spline piece
         # continued past its bin): Newton runs from every start at once (vmapped), each
         # start's preimage is a candidate, and consistency picks
-        before = counts["newton"]
+        # (the branch walk's own context: whether Newton's method ran is asked of it alone)
+        bctx = env.ctx.replace(on_error="nan")
         vals, ok = jax.vmap(lambda start: _branch(G, combo, ch, ks, inputs, outputs, env, shape,
-                                                  start, walk))(jnp.arange(-1, NEWTON_STARTS))
-        starts = range(NEWTON_STARTS + 1) if counts["newton"] > before else range(1)
+                                                  start, walk, bctx))(
+            jnp.arange(-1, NEWTON_STARTS))
+        starts = range(NEWTON_STARTS + 1) if bctx.newton_uses else range(1)
         for j in starts:
             cands.append([x[j] for x in vals])
             oks.append(ok[j])
             tried.append(ks)
     if not cands:
         return None
-    out, idx = _merge(ch, inputs, cands, oks)
+    out, idx = _merge(ch, inputs, cands, oks, env.ctx)
     if shape is not None and not all(elementwise_in(e, shape) or _pointwise_gather(e, shape)
                                      for e in G):
         _recheck(G, ch, inputs, env, out, idx, tried)
@@ -381,20 +384,21 @@ def _solve(G: Sequence[JaxprEqn], ch: list[_Choice], inputs: list[Var], outputs:
 
 def _branch(G: Sequence[JaxprEqn], combo: dict, ch: list[_Choice], ks: Sequence[int],
             inputs: list[Var], outputs: list[Var], env: Env, shape: tuple | None, start: Any,
-            walk: Walk) -> tuple[list[Any], Any]:
+            walk: Walk, bctx: Any) -> tuple[list[Any], Any]:
     """One combination of branches: the candidate it inverts to (Newton's method starting
-    from start `start`, -1 for the best of all) and where the group takes those branches."""
+    from start `start`, -1 for the best of all) and where the group takes those branches.
+    `bctx`: the branch walk's context (NaN instead of errors), derived from the group's."""
     env_c = env.copy()
     window = _live(_branch_window(G, combo, env_c), outputs)
-    with settings(on_failure="nan", newton_start=start):
-        walk(window, env_c, inputs)
+    env_c.ctx = bctx.replace(newton_start=start)
+    walk(window, env_c, inputs)
     if not all(env_c.known(v) for v in inputs):
         e, k = _lossy_branch(ch, ks, env)
         raise _Lost(not_invertible(
             e, f"where the program takes branch {k} of it, the state cannot be recovered from "
                "the output (that branch does not depend on it, like relu's zero)",
             "Ways out: make every branch invertible (leaky relu instead of relu), or keep what "
-            "the branch loses in the state."))
+            "the branch loses in the state.", who=env.ctx.who))
     vals = [env_c.read(v) for v in inputs]
     # run the original group forward from the candidate: does it take these branches?
     env_f = env.copy()
@@ -431,11 +435,12 @@ def _recheck(G: Sequence[JaxprEqn], ch: list[_Choice], inputs: list[Var], env: E
     together = jnp.all(ok | jnp.any(jnp.stack([jnp.isnan(x) for x in out
                                                if jnp.issubdtype(x.dtype, jnp.inexact)]
                                               or [jnp.zeros(idx.shape, bool)]), axis=0))
-    raise_where(lambda ok: None if np.all(ok) else at_eqn(
+    who = env.ctx.who
+    raise_where(env.ctx.on_error, lambda ok: None if np.all(ok) else at_eqn(
         ReversibilityError, first, "the branches chosen element by element are not consistent "
         "together (a decision depends on several elements)",
         "Ways out: compute each element's decision from that element only, or pass "
-        "on_failure='nan'."), together, bad=~together)
+        "on_error='nan'.", who=who), together, bad=~together)
 
 
 # --------------------------------------------------------------------------- reachability
@@ -538,10 +543,11 @@ def _lossy_branch(ch: list[_Choice], ks: Sequence[int], env: Env) -> tuple[Jaxpr
     return ch[0].eqn, ks[0]
 
 
-def _merge(ch: list[_Choice], inputs: list[Var], cands: list, oks: list
+def _merge(ch: list[_Choice], inputs: list[Var], cands: list, oks: list, ctx: Any
            ) -> tuple[list[Any], Any]:
     """Per element (or as a whole), the first consistent candidate; checks that one is
-    consistent and that the consistent ones agree."""
+    consistent and that the consistent ones agree (what a failure does: `ctx.on_error`)."""
+    who = ctx.who
     ok = jnp.stack(oks)
     idx = jnp.argmax(ok, axis=0).astype(jnp.int32)
     anyok = jnp.any(ok, axis=0)
@@ -567,18 +573,19 @@ def _merge(ch: list[_Choice], inputs: list[Var], cands: list, oks: list
                           "no branch of the choices in this group (a select or a max whose "
                           "decision depends on the state) is consistent with the output",
                           "Ways out: the output is outside the map's range; check the input, "
-                          "or pass on_failure='nan'.")
+                          "or pass on_error='nan'.", who=who)
         if np.any(apart):
             hint = ("Ways out: use `jr.cond(pred, true_fun, false_fun, *operands, post=...)`, "
                     "whose post condition tells the backward run which branch ran, or pass "
-                    "on_failure='nan'." if first.primitive is prims.cond else
+                    "on_error='nan'." if first.primitive is prims.cond else
                     "Ways out: make the map one-to-one (strictly monotone pieces that meet "
-                    "where the decision switches), or pass on_failure='nan'.")
+                    "where the decision switches), or pass on_error='nan'.")
             return not_invertible(first, "two different branches of it are consistent with "
-                                         "the output, so the map is not one-to-one there", hint)
+                                         "the output, so the map is not one-to-one there", hint,
+                                  who=who)
         return None
 
-    raise_where(error, anyok, apart, bad=~jnp.all(anyok) | jnp.any(apart))
+    raise_where(ctx.on_error, error, anyok, apart, bad=~jnp.all(anyok) | jnp.any(apart))
     good = anyok & ~apart
     out = []
     for p in picked:

@@ -386,7 +386,7 @@ def _solve_lump(L: Lump, env: Env) -> None:
         culprit = next((e for e in L.eqns if e.primitive is prims.reduce_sum), L.eqns[-1])
         raise not_invertible(culprit, "it belongs to a group of equations that are invertible "
                              "only together, and together they form a singular linear map",
-                             singular=True)
+                             singular=True, who=env.ctx.who)
     for v, s in zip(inputs, sols):
         env.write(v, s)
 
@@ -544,5 +544,5 @@ def _structured_solve(L: Lump, env: Env, offs: Any, dtype: Any, r: Any) -> Any:
         k = int(jnp.argmax(pivots == 0))
         raise not_invertible(L.eqns[-1], "it belongs to a group of equations that are "
                              f"invertible only together, and their {what} has a zero pivot "
-                             f"(row {k})", singular=True)
+                             f"(row {k})", singular=True, who=env.ctx.who)
     return u

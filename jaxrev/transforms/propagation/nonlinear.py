@@ -16,7 +16,7 @@ The walker tries two steps once the linear lumps (`lumps.lump_step`) found nothi
   as for residual maps ``x + g(x)``), with backtracking on the residual, inside a bounded
   `lax.while_loop`. The result is accepted only where the residual meets a tolerance of a few
   ulps of y; elsewhere `ReversibilityError` names the group's first line (or NaN with
-  ``reverse(..., on_failure="nan")``; under `jit` the check runs with the program). A
+  ``reverse(..., on_error="nan")``; under `jit` the check runs with the program). A
   Jacobian that vanishes at the solution raises `SingularJacobianError`. Derivatives of the
   recovered value come from the implicit function theorem (one linear solve), never from the
   iterations.
@@ -36,16 +36,16 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxrev._cache import memo
 from jaxrev._compat import JaxprEqn, Var, has_user_frame, prims, scan_info
 from jaxrev._errors import (ReversibilityError, SingularJacobianError, at_eqn, not_invertible)
 from jaxrev._jaxpr import Env, real_outvars, size_of
-from jaxrev.transforms.knowledge.checks import (NEWTON_STARTS, ON_FAILURE, counts, raise_where,
-                                      setting, settings)
+from jaxrev.transforms.knowledge.checks import NEWTON_STARTS, raise_where
 from jaxrev.transforms.knowledge import records
 from jaxrev.transforms.propagation.lumps import Lump, affine_eqn, singular_on_stand_ins, stand_ins
 from jaxrev.transforms.registry import SMOOTH, elementwise_in, is_kind
 
-__all__ = ["eliminate_step", "newton_step", "settings", "ON_FAILURE"]
+__all__ = ["eliminate_step", "newton_step"]
 
 MAX_GROUP_EQNS = 256
 """How many stuck equations a group may hold."""
@@ -142,9 +142,6 @@ def _affine_part(group: Sequence[JaxprEqn], env: Env, shape: tuple[int, ...] | N
     return Lump(lin, inputs, outputs, sources), cut
 
 
-_DETERMINED: dict[tuple, tuple[list[int], bool]] = {}
-
-
 def _determined(system: "_System", env: Env) -> tuple[list[int], bool]:
     """Which unknowns the system determines, from M's structure on stand-in values: unknown j
     is determined where its unit vector lies in M's row space (in every element); and whether
@@ -152,11 +149,11 @@ def _determined(system: "_System", env: Env) -> tuple[list[int], bool]:
     stuck group again and again."""
     L = system.lump
     key = (tuple(L.eqns), tuple(L.inputs), tuple(L.outputs), system.blocks)
-    if key not in _DETERMINED:
-        _DETERMINED[key] = _rank_analysis(system, env)
-        if len(_DETERMINED) > 4096:
-            _DETERMINED.pop(next(iter(_DETERMINED)))
-    return _DETERMINED[key]
+    cache = memo("nonlinear.determined", 4096)
+    hit = cache.get(key)
+    if hit is None:
+        hit = cache.put(key, [], _rank_analysis(system, env))
+    return hit
 
 
 def _rank_analysis(system: "_System", env: Env) -> tuple[list[int], bool]:
@@ -218,9 +215,10 @@ def _solve_determined(system: "_System", env: Env, det: list[int],
             return None
         return not_invertible(first, "it belongs to a group of equations whose affine part "
                               "determines some unknowns only for other values of the known "
-                              "ones: here its matrix loses rank", singular=True)
+                              "ones: here its matrix loses rank", singular=True, who=who)
 
-    raise_where(error, err, bad=~(err < 1e-6))
+    who = env.ctx.who
+    raise_where(env.ctx.on_error, error, err, bad=~(err < 1e-6))
     u = jnp.where(err < 1e-6, u, jnp.nan)
     vals = system.unpack(u)
     return [vals[j] for j in det]
@@ -268,7 +266,7 @@ def newton_step(eqns: Sequence[JaxprEqn], env: Env, pending: Sequence[int],
     """Solve the smallest trailing square group of two or more smooth equations by Newton
     (where equations before `eqns` are `cut` off, not one singular on stand-ins)."""
     cand, stuck = _candidates(eqns, env, pending, blocked)
-    if not stuck or not setting("newton"):
+    if not stuck or not env.ctx.newton:
         return False
     top = max(stuck)
     for n_tried, t in enumerate(sorted((i for i in cand if i <= top), reverse=True)):
@@ -323,12 +321,13 @@ def _smooth(e: JaxprEqn, env: Env) -> bool:
 
 
 def _newton(system: "_System", env: Env) -> list[Any]:
-    counts["newton"] += 1
+    ctx = env.ctx
+    ctx.used_newton()
     L = system.lump
     reads = [env.read(v) for v in L.reads]
     yp = system.pack_out([env.read(o) for o in L.outputs])
     tol = _tolerance(system, yp)
-    u = _recover(system, yp, reads)
+    u = _recover(system, yp, reads, ctx.newton_start)
     # the answer is checked where it is used: F(u) must give the known outputs back
     rn = system.norm(yp - system.F(u, reads))
     ok = jnp.isfinite(rn) & (rn <= tol)
@@ -336,7 +335,7 @@ def _newton(system: "_System", env: Env) -> list[Any]:
     singular = ok & ~jnp.isfinite(logdet)
     good = ok & ~singular
     u = jnp.where(system.broadcast(good), u, jnp.nan)
-    _check(L, ok, singular, rn, tol)
+    _check(L, ok, singular, rn, tol, ctx)
     return system.unpack(u)
 
 
@@ -346,12 +345,13 @@ def _tolerance(system: "_System", yp: Any) -> Any:
     return lax.stop_gradient(_TOL_ULPS * fi.eps * jnp.maximum(system.norm(yp), fi.tiny))
 
 
-def _recover(system: "_System", yp: Any, reads: list) -> Any:
-    """u with F(u) = yp by damped Newton; its derivative by the implicit function theorem."""
+def _recover(system: "_System", yp: Any, reads: list, only: Any) -> Any:
+    """u with F(u) = yp by damped Newton (from start `only`, the walk's `newton_start`); its
+    derivative by the implicit function theorem."""
 
     @jax.custom_jvp
     def recover(yp, reads):
-        return _iterate(system, yp, reads)
+        return _iterate(system, yp, reads, only)
 
     @recover.defjvp
     def _ift(primals, tangents):
@@ -364,7 +364,7 @@ def _recover(system: "_System", yp: Any, reads: list) -> Any:
     return recover(yp, reads)
 
 
-def _iterate(system: "_System", yp: Any, reads: list) -> Any:
+def _iterate(system: "_System", yp: Any, reads: list, only: Any) -> Any:
     F = lambda u: system.F(u, reads)  # noqa: E731
 
     def resid(u):
@@ -377,7 +377,6 @@ def _iterate(system: "_System", yp: Any, reads: list) -> Any:
     guess = system.guess(yp)
     reads_ = system.read_guesses(reads, 3)
     consts = [jnp.full_like(yp, c) for c in (0.0, 0.5, 1.0, -1.0)]
-    only = setting("newton_start")
     if only is None:
         starts = ([] if guess is None else [guess]) + reads_ + consts
         rs = jnp.stack([resid(s) for s in starts])
@@ -434,9 +433,11 @@ def _pick(stacked: Any, best: Any) -> Any:
                                axis=0)[0]
 
 
-def _check(L: Lump, ok: Any, singular: Any, rn: Any, tol: Any) -> None:
-    """Raise where the group was not solved (eagerly, or when the program runs)."""
+def _check(L: Lump, ok: Any, singular: Any, rn: Any, tol: Any, ctx: Any) -> None:
+    """Raise where the group was not solved (eagerly, or when the program runs), as the
+    walk's context says."""
     first = _first_line(L.eqns)
+    who = ctx.who
 
     def error(ok, singular, rn, tol):
         if np.any(singular):
@@ -444,7 +445,7 @@ def _check(L: Lump, ok: Any, singular: Any, rn: Any, tol: Any) -> None:
                           "the Jacobian of a group of equations solved by Newton's method "
                           "vanishes at the solution",
                           "Ways out: the map is not invertible there; keep what it loses in the "
-                          "state, or pass on_failure='nan'.")
+                          "state, or pass on_error='nan'.", who=who)
         if not np.all(ok):
             worst = float(np.max(np.where(np.asarray(ok), 0.0, np.asarray(rn))))
             return at_eqn(ReversibilityError, first,
@@ -453,10 +454,11 @@ def _check(L: Lump, ok: Any, singular: Any, rn: Any, tol: Any) -> None:
                           f"{float(np.max(tol)):.3g})",
                           "Ways out: the outputs may have no preimage (outside the map's "
                           "range), or Newton's start is too far from it: give the group an "
-                          "inverse with `jr.custom_inverse`, or pass on_failure='nan'.")
+                          "inverse with `jr.custom_inverse`, or pass on_error='nan'.", who=who)
         return None
 
-    raise_where(error, ok, singular, rn, tol, bad=jnp.any(singular) | ~jnp.all(ok))
+    raise_where(ctx.on_error, error, ok, singular, rn, tol,
+                bad=jnp.any(singular) | ~jnp.all(ok))
 
 
 # --------------------------------------------------------------------------- packing

@@ -14,7 +14,9 @@ method). Equations that compute the same value were merged before the walk
 
 `reverse`, `reversible`'s planner and backward sweep, the loop and branch rules,
 `check_reversible` and the inverse transforms all call `propagate` (or `invert_jaxpr`, its
-entry point for a whole sub-jaxpr); forward evaluation is `_jaxpr.evaluate`.
+entry point for a whole sub-jaxpr); forward evaluation is `_jaxpr.evaluate`. What steers a
+walk besides its jaxpr and values is its context (`knowledge.context.WalkContext`), which the
+env carries (`env.ctx`): the transform that created it sets it in `seed`.
 """
 from __future__ import annotations
 
@@ -30,12 +32,13 @@ from jaxrev._jaxpr import Env, Statics, evaluate, is_unknown, prepare, real_outv
 from jaxrev.transforms.propagation import choices, lumps, nonlinear
 from jaxrev.transforms.knowledge import elements, records
 from jaxrev.transforms.knowledge import regions as R
+from jaxrev.transforms.knowledge.context import WalkContext
 from jaxrev.transforms.knowledge.elements import token
-from jaxrev.transforms.registry import (STRUCTURAL, Lossy, NeedMore, element_rules,
+from jaxrev.transforms.registry import (STRUCTURAL, WALKS, Lossy, NeedMore, element_rules,
                                         inverse_jvp_rules, inverse_rules, is_kind)
 
-__all__ = ["Stuck", "Window", "Hints", "RuleContext", "rule_context", "propagate", "seed",
-           "invert_jaxpr", "raise_stuck", "blame", "statics_for", "static_hints", "counts"]
+__all__ = ["Stuck", "Window", "Hints", "RuleContext", "propagate", "seed", "invert_jaxpr",
+           "raise_stuck", "blame", "statics_for", "static_hints"]
 
 
 @dataclass
@@ -103,42 +106,42 @@ def statics_for(jaxpr: Jaxpr, consts: Sequence[Any], hints: Hints | None) -> Sta
 
 
 class RuleContext:
-    """What the walker knows, at trace time, of the operands of the equation whose inverse rule
-    runs (`rule_context()`): a loop's rule hands it on to its body as `Hints`."""
+    """What a `WALKS` inverse rule receives as `ctx`: its equation, the env of the walk that
+    applies it, and that walk's context (`walk`). A loop's rule hands what the walker knows of
+    the operands at trace time (`static`) on to its body as `Hints`, and walks its body with
+    `invert_jaxpr(..., ctx=ctx)`."""
 
     def __init__(self, eqn: JaxprEqn, env: Env) -> None:
         self.eqn, self.env = eqn, env
+
+    @property
+    def walk(self) -> WalkContext:
+        return self.env.ctx
 
     def static(self, k: int) -> Any:
         return self.env.info.static(self.eqn.invars[k])
 
 
-_CONTEXT: list[RuleContext] = []
-
-counts = {"rules": 0, "elements": 0}
-"""How many inverse rules and element steps the walker has applied (tracing cost: a test
-checks that it grows linearly with the program)."""
 _NO_LOSS = object()
 
 
-def rule_context() -> RuleContext | None:
-    """The equation (and env) whose inverse rule is running, for rules of loops and branches."""
-    return _CONTEXT[-1] if _CONTEXT else None
+def _call_rule(eqn: JaxprEqn, env: Env, rule: Callable, out: Any, ins: Sequence[Any],
+               params: dict) -> Any:
+    """`rule(out, *ins, **params)`, with the walk's `ctx` for a `WALKS` rule."""
+    if is_kind(eqn.primitive, WALKS):
+        return rule(out, *ins, ctx=RuleContext(eqn, env), **params)
+    return rule(out, *ins, **params)
 
 
 # --------------------------------------------------------------------------- applying a rule
 
 def _apply_rule(eqn: JaxprEqn, env: Env) -> list[Any] | None:
-    counts["rules"] += 1
+    env.ctx.count("rules")
     rule = inverse_rules[eqn.primitive]
     outs = [env.read_or_unknown(v) for v in eqn.outvars]
     ins = [env.read_or_unknown(v) for v in eqn.invars]
     out = outs if eqn.primitive.multiple_results else outs[0]
-    _CONTEXT.append(RuleContext(eqn, env))
-    try:
-        rec = rule(out, *ins, **eqn.params)
-    finally:
-        _CONTEXT.pop()
+    rec = _call_rule(eqn, env, rule, out, ins, eqn.params)
     if rec is None:
         return None
     if not isinstance(rec, (list, tuple)) or len(rec) != len(ins):
@@ -148,11 +151,11 @@ def _apply_rule(eqn: JaxprEqn, env: Env) -> list[Any] | None:
             f"entry per input ({len(ins)}: the recovered value or None), got {rec!r:.200}")
     rec = list(rec)
     if eqn.primitive in inverse_jvp_rules:
-        rec = _with_inverse_jvp(eqn, out, ins, rec)
+        rec = _with_inverse_jvp(eqn, env, out, ins, rec)
     return rec
 
 
-def _with_inverse_jvp(eqn: JaxprEqn, out: Any, ins: list, rec: list) -> list:
+def _with_inverse_jvp(eqn: JaxprEqn, env: Env, out: Any, ins: list, rec: list) -> list:
     """Give the recovered inputs the derivative the user's inverse-JVP rule states, instead of
     the derivative of the inverse rule's own code (`out` is a list for multiple results)."""
     ij = inverse_jvp_rules[eqn.primitive]
@@ -170,7 +173,8 @@ def _with_inverse_jvp(eqn: JaxprEqn, out: Any, ins: list, rec: list) -> list:
 
     @jax.custom_jvp
     def recovered(out, known_vals):
-        rec2 = inverse_rules[eqn.primitive](out, *filled(known_vals), **params)
+        rec2 = _call_rule(eqn, env, inverse_rules[eqn.primitive], out, filled(known_vals),
+                          params)
         return [rec2[k] for k in got]
 
     @recovered.defjvp
@@ -209,10 +213,14 @@ def propagate(jaxpr: Jaxpr | Window, env: Env, goals: Sequence[Any] | None, *,
 
     Returns [] on success, else the equations that blocked it. With `soft`, a step that loses
     information is one more blocked equation instead of an error (`reversible` stores what it
-    loses and goes on).
+    loses and goes on). What steers the walk besides `jaxpr` and `env` is the walk context
+    the env carries (`env.ctx`: its settings, record and drift log), which `seed` sets.
 
     A worklist: an equation is looked at again only when something known about one of its
     variables changed, so tracing stays linear in the program's length."""
+    if not isinstance(env.ctx, WalkContext):
+        raise TypeError("propagate: the env carries no walk context (`seed(..., ctx=)` or "
+                        "`Env(ctx=)` sets it)")
     eqns = jaxpr.eqns
     used = used_vars(jaxpr)
     near: dict[Var, list[int]] = {}   # variable -> the equations that read or write it
@@ -380,7 +388,7 @@ def _element_step(eqn: JaxprEqn, env: Env, forward_only: bool, soft: bool,
                   stuck: dict[int, Stuck], claimed: set[int], i: int) -> bool:
     """Element-level propagation around `eqn`; whether it learned something. Its element
     rules may claim the equation (then its ordinary inverse rule is not tried)."""
-    counts["elements"] += 1
+    env.ctx.count("elements")
     learned = elements.forward(eqn, env)
     if forward_only:
         return learned
@@ -438,30 +446,34 @@ def blame(stuck: list[Stuck]) -> Stuck | None:
     return flat[0] if flat else stuck[0]
 
 
-def raise_stuck(stuck: list[Stuck], what: str) -> None:
+def raise_stuck(stuck: list[Stuck], what: str, who: str) -> None:
+    """Raise the error of a walk that ended with `stuck` before recovering `what`, in the
+    name of the transform `who` (its walk context's)."""
     s = blame(stuck)
     if s is None:
         raise NotInvertibleError(
-            f"jaxrev.reverse cannot recover {what}: the program's output does not depend on it "
+            f"{who} cannot recover {what}: the program's output does not depend on it "
             f"(the value is discarded or overwritten).\n{WAYS_OUT}")
     # a step that loses information makes the Jacobian singular only if nothing else stopped
     # the walk: behind another obstacle (a loop that cannot run backwards), what it loses may
     # be known from elsewhere
     singular = s.singular and all(t.singular for t in _innermost(stuck))
     raise not_invertible(s.eqn, s.reason if not what else f"{s.reason} (recovering {what})",
-                         s.hint, singular=singular)
+                         s.hint, singular=singular, who=who)
 
 
 def seed(closed: ClosedJaxpr, ins: Sequence[Any], outs: Sequence[Any],
-         hints: Hints | None = None, prepared: bool = False) -> tuple[Jaxpr, Env, list[Var]]:
+         hints: Hints | None = None, prepared: bool = False, *,
+         ctx: WalkContext | None) -> tuple[Jaxpr, Env, list[Var]]:
     """Inline `closed`'s calls and fill a fresh env with its consts and the known entries of
-    `ins` and `outs` (`Unknown` elsewhere). Returns (jaxpr, env, goals): the goals are the
-    inputs passed as `Unknown`. `hints` say which inputs are static or, in a loop body, known
-    at every iteration when the program is traced."""
+    `ins` and `outs` (`Unknown` elsewhere), for a walk with context `ctx` (None: the env is
+    only evaluated forward). Returns (jaxpr, env, goals): the goals are the inputs passed as
+    `Unknown`. `hints` say which inputs are static or, in a loop body, known at every
+    iteration when the program is traced."""
     if not prepared:
         closed = prepare(closed)
     jaxpr = closed.jaxpr
-    env = Env(info=statics_for(jaxpr, closed.consts, hints))
+    env = Env(info=statics_for(jaxpr, closed.consts, hints), ctx=ctx)
     for v, c in zip(jaxpr.constvars, closed.consts):
         env.write(v, c)
     for v, x in zip(jaxpr.invars, ins):
@@ -474,20 +486,23 @@ def seed(closed: ClosedJaxpr, ins: Sequence[Any], outs: Sequence[Any],
 
 
 def invert_jaxpr(closed: ClosedJaxpr, ins: Sequence[Any], outs: Sequence[Any],
-                 hints: Hints | None = None) -> list[Any]:
+                 hints: Hints | None = None, *, ctx: RuleContext) -> list[Any]:
     """Recover the `Unknown` entries of `ins` from the known `outs` (`Unknown` where not known);
-    None for the inputs that were known. Raises `NotInvertibleError` where it cannot."""
-    jaxpr, env, goals = seed(closed, ins, outs, hints)
-    ctx = rule_context()
-    with records.child(ctx.env if ctx else None, ctx.eqn if ctx else None, env, jaxpr, hints,
-                       [i for i, (v, y) in enumerate(zip(jaxpr.outvars, outs))
-                        if not is_unknown(y) and isinstance(v, Var)],
-                       [i for i, x in enumerate(ins) if is_unknown(x)]):
-        stuck = propagate(jaxpr, env, goals)
+    None for the inputs that were known. Raises `NotInvertibleError` where it cannot. `ctx`:
+    the rule context of the loop's or branch's rule that walks its body (the walk inherits its
+    walk's context; where that walk is recorded, it is recorded as the equation's child)."""
+    jaxpr, env, goals = seed(closed, ins, outs, hints, ctx=None)
+    env.ctx, attach = records.child(
+        ctx.env, ctx.eqn, env, jaxpr, hints,
+        [i for i, (v, y) in enumerate(zip(jaxpr.outvars, outs))
+         if not is_unknown(y) and isinstance(v, Var)],
+        [i for i, x in enumerate(ins) if is_unknown(x)])
+    stuck = propagate(jaxpr, env, goals)
+    attach()
     missing = [i for i, (v, x) in enumerate(zip(jaxpr.invars, ins))
                if is_unknown(x) and not env.known(v)]
     if missing:
-        raise_stuck(stuck, f"input(s) {missing}" if blame(stuck) is None else "")
+        raise_stuck(stuck, f"input(s) {missing}" if blame(stuck) is None else "", ctx.walk.who)
     return [env.read(v) if is_unknown(x) else None for v, x in zip(jaxpr.invars, ins)]
 
 

@@ -28,7 +28,7 @@ from jaxrev.transforms.sweep.backward import (LoopPlan, Plan, Residuals, acc, br
                                       forward_with_residuals, get_ct, is_float, known_or_rebuilt,
                                       loop_avals, outs_known, plan_for, res_avals, seed_env,
                                       walk, zero_ct)
-from jaxrev.transforms.propagation.walker import invert_jaxpr, rule_context, static_hints
+from jaxrev.transforms.propagation.walker import RuleContext, invert_jaxpr, static_hints
 from jaxrev.transforms.sweep import drift
 from jaxrev.transforms.registry import ChoiceRule, NeedMore, define
 
@@ -44,23 +44,23 @@ def _unread(branches: Sequence[ClosedJaxpr], ks: Sequence[int]) -> list[int]:
 
 
 def _switch_inverse(index: Any, branches: Sequence[ClosedJaxpr], ins: Sequence[Any],
-                    outs: Sequence[Any]) -> list[Any]:
-    """Invert `switch(index, branches, *ins) == outs` for the unknown `ins`."""
+                    outs: Sequence[Any], ctx: RuleContext) -> list[Any]:
+    """Invert `switch(index, branches, *ins) == outs` for the unknown `ins` (`ctx`: the cond
+    rule's context, whose walk the branches' walks inherit)."""
     unknown = [k for k, x in enumerate(ins) if is_unknown(x)]
     unused = _unread(branches, unknown)
     if unused:   # a branch drops it (JAX forwards a leaf a branch passes through around the cond)
         raise NeedMore(f"operands {unused} of the cond do not reach every branch's output: they "
                        "must be known from elsewhere")
     known_vals = [x for x in ins if not is_unknown(x)]
-    ctx = rule_context()   # the branches' operands are the cond's last len(ins) operands
-    off = len(ctx.eqn.invars) - len(ins) if ctx is not None else 0
-    hints = static_hints(len(ins), lambda k: ctx.static(off + k)) if ctx is not None else None
+    off = len(ctx.eqn.invars) - len(ins)   # the branches' operands: the cond's last len(ins)
+    hints = static_hints(len(ins), lambda k: ctx.static(off + k))
 
     def inv_branch(b):
         def f(outs_, known_):
             it = iter(known_)
             ins_ = [x if is_unknown(x) else next(it) for x in ins]
-            rec = invert_jaxpr(b, ins_, list(outs_), hints)
+            rec = invert_jaxpr(b, ins_, list(outs_), hints, ctx=ctx)
             return [rec[k] for k in unknown]
         return f
 
@@ -113,7 +113,7 @@ def _cond_sweep(P: Plan, i: int, env: Env, ctenv: dict | None, active: set,
     def branch_fn(bp, span):
         def f(outs, cts, known_ops, lres):
             J = bp.closed.jaxpr
-            benv = seed_env(bp, ok, known_ops, (True,) * nout, outs)
+            benv = seed_env(bp, ok, known_ops, (True,) * nout, outs, env.ctx)
             bct = None
             bactive: set = set()
             if want:
@@ -123,7 +123,7 @@ def _cond_sweep(P: Plan, i: int, env: Env, ctenv: dict | None, active: set,
                     if is_float(v.aval):
                         acc(bct, v, g)
             goals = [v for v, k in zip(J.invars, ok) if not k]
-            with drift.scope() as sc:
+            with drift.scope(env.ctx.drift) as sc:
                 walk(bp, benv, bct, bactive, Residuals(bp, lres[span[0]:span[1]]), goals)
             rec = [benv.read(v) for v in goals]
             g = [get_ct(bct, v) for v, a in zip(J.invars, act) if a] if want else []
@@ -134,7 +134,7 @@ def _cond_sweep(P: Plan, i: int, env: Env, ctenv: dict | None, active: set,
     idx = env.read(index)
     rec, g, w = switch_batched(idx, fns, outs, cts, known_ops, list(lres))
     if jnp.ndim(idx) == 0:  # a batched index runs every branch on every element: a branch's
-        drift.note(w)       # comparisons then mix elements that did not take it
+        drift.note(env.ctx.drift, w)   # comparisons then mix elements that did not take it
 
     for v, val in zip([v for v, k in zip(ops, ok) if not k], rec):
         env.write(v, val)
@@ -164,7 +164,7 @@ def _cond_forward(e: JaxprEqn, lp: LoopPlan, ins: Sequence[Any]) -> tuple[list, 
 
 # --------------------------------------------------------------------------- lax.cond
 
-def _lax_cond_inverse(outs, index, *ins, **params):
+def _lax_cond_inverse(outs, index, *ins, ctx: RuleContext, **params):
     if is_unknown(index):
         raise NeedMore("the branch taken depends on the unknown state",
                        hint="Ways out: use `jr.cond(pred, true_fun, false_fun, *operands, "
@@ -172,7 +172,7 @@ def _lax_cond_inverse(outs, index, *ins, **params):
                             "branch ran.")
     if any(is_unknown(o) for o in outs):
         raise NeedMore("some outputs of the branch are unknown")
-    return [None] + _switch_inverse(index, cond_branches(params), ins, outs)
+    return [None] + _switch_inverse(index, cond_branches(params), ins, outs, ctx)
 
 
 def _cond_count(eqn: JaxprEqn, known: Any) -> int:
@@ -193,7 +193,7 @@ def _cond_holds(eqn: JaxprEqn, ins: list, k: int) -> Any:
 
 # a cond whose index the state computes inverts by consistency (`choices`), one branch at a time
 define(prims.cond, inverse=_lax_cond_inverse, sweep=_cond_sweep, forward=_cond_forward,
-       choice=ChoiceRule(_cond_count, _cond_branch, _cond_holds))
+       choice=ChoiceRule(_cond_count, _cond_branch, _cond_holds), walks=True)
 
 
 # --------------------------------------------------------------------------- jr.cond
@@ -227,21 +227,21 @@ def _cond_batch(args, dims, *, branches, post_jaxpr, post_nconsts):
     return out, [0] * len(out)
 
 
-def _cond_inverse(outs, index, *ins, branches, post_jaxpr, post_nconsts):
+def _cond_inverse(outs, index, *ins, ctx: RuleContext, branches, post_jaxpr, post_nconsts):
     pc, ops = ins[:post_nconsts], ins[post_nconsts:]
     if any(is_unknown(c) for c in pc) or any(is_unknown(o) for o in outs):
         raise NeedMore("the post condition's constants or the outputs are not known yet")
     if is_unknown(index):
         took_true = eval_closed(post_jaxpr, *pc, *outs)[0]
         index = lax.convert_element_type(took_true, jnp.int32)
-    return [None] + [None] * post_nconsts + _switch_inverse(index, branches, ops, outs)
+    return [None] + [None] * post_nconsts + _switch_inverse(index, branches, ops, outs, ctx)
 
 
 cond_p = make_primitive(
     "jaxrev_cond", multiple_results=True, impl=_cond_impl,
     abstract=lambda index, *avals, branches, **_: list(branches[0].out_avals), jvp=_cond_jvp,
     batch=_cond_batch)
-define(cond_p, inverse=_cond_inverse, sweep=_cond_sweep, forward=_cond_forward)
+define(cond_p, inverse=_cond_inverse, sweep=_cond_sweep, forward=_cond_forward, walks=True)
 
 
 def cond(pred: Any, true_fun: Callable, false_fun: Callable, *operands: Any,

@@ -28,6 +28,7 @@ from jaxrev._compat import JaxprEqn, Literal, prims, user_source
 from jaxrev._errors import NotInvertibleError
 from jaxrev._jaxpr import Env, apply, is_unknown, is_var
 from jaxrev.transforms.knowledge.checks import raise_where
+from jaxrev.transforms.propagation.walker import RuleContext
 from jaxrev.transforms.knowledge import regions as R
 from jaxrev.transforms.knowledge.elements import (is_case, is_partial, learn, learn_piece, not_case,
                                         read_window, region_of, static_of, value_of)
@@ -453,7 +454,8 @@ def _gather_backward(eqn: JaxprEqn, env: Env) -> bool | None:
     return learn_piece(env, x, w, env.read(o))
 
 
-def _gather(out, operand, indices, *, dimension_numbers, slice_sizes, mode, **params):
+def _gather(out, operand, indices, *, ctx: RuleContext, dimension_numbers, slice_sizes, mode,
+            **params):
     """A gather of whole elements at indices known only when the program runs: invertible
     when they are a permutation, which is checked when the program runs."""
     if not is_unknown(operand) or is_unknown(indices):
@@ -474,14 +476,15 @@ def _gather(out, operand, indices, *, dimension_numbers, slice_sizes, mode, **pa
                     unique_indices=True)
     perm = jnp.all(counts == 1)
     # not a permutation: some element of the operand is read never or twice, and lost
-    raise_where(lambda ok: None if ok else NotInvertibleError(
-        "jaxrev.reverse: a gather's indices (known only when the program runs) are not a "
+    who = ctx.walk.who
+    raise_where(ctx.walk.on_error, lambda ok: None if ok else NotInvertibleError(
+        f"{who}: a gather's indices (known only when the program runs) are not a "
         "permutation of its operand's elements, so some element is lost"), perm, bad=~perm)
     return [jnp.where(perm, x, jnp.nan), None]
 
 
 define(prims.gather, inverse=_gather, element=ElementRule(_gather_forward, _gather_backward),
-       kind=(LINEAR, STRUCTURAL), index=(1,))
+       kind=(LINEAR, STRUCTURAL), index=(1,), walks=True)
 
 
 # --------------------------------------------------------------------------- slices

@@ -25,8 +25,8 @@ from jaxrev.transforms.sweep.backward import (BodyWalk, LoopEnd, LoopPlan, Plan,
                                       forward_with_residuals, known_or_rebuilt, loop_activity,
                                       loop_cts_in, loop_cts_out, outs_known, plan_for, res_avals,
                                       sds)
-from jaxrev.transforms.propagation.walker import (Hints, Window, invert_jaxpr, propagate, rule_context,
-                                      seed, statics_for)
+from jaxrev.transforms.propagation.walker import (Hints, RuleContext, Window, invert_jaxpr,
+                                                 propagate, seed, statics_for)
 from jaxrev.transforms.sweep import drift
 from jaxrev.transforms.sweep.dial import segment_checks, segmented, segmented_forward
 from jaxrev.transforms.flows.logdet import LogdetContext, evaluate_plan
@@ -37,7 +37,7 @@ __all__: list[str] = []
 
 # --------------------------------------------------------------------------- inverse
 
-def _scan_inverse(outs, *ins, **params):
+def _scan_inverse(outs, *ins, ctx: RuleContext, **params):
     sp = scan_info(params)
     nc, ncar, body, length, rev = sp.nconsts, sp.ncarry, sp.body, sp.length, sp.reverse
     consts, init, xs = ins[:nc], list(ins[nc:nc + ncar]), list(ins[nc + ncar:])
@@ -79,8 +79,7 @@ def _scan_inverse(outs, *ins, **params):
         _, kin_fwd = _run_forward_carries(sp, consts, init, xs, fwd_idx)
         kin_of.update(zip(fwd_idx, kin_fwd))
     kin = [kin_of[i] for i in known_idx]
-    ctx = rule_context()
-    hints = loop_hints(sp, ctx.static) if ctx is not None else None
+    hints = loop_hints(sp, ctx.static)
     ys_known_idx = [j for j, y in enumerate(ys) if not is_unknown(y)]
 
     def ibody(c_unk, sl):
@@ -90,7 +89,7 @@ def _scan_inverse(outs, *ins, **params):
             outs_t[i] = c
         for j, y in zip(ys_known_idx, ys_t):
             outs_t[ncar + j] = y
-        rec = invert_jaxpr(body, body_ins(kin_t, known_idx, xs_t), outs_t, hints)
+        rec = invert_jaxpr(body, body_ins(kin_t, known_idx, xs_t), outs_t, hints, ctx=ctx)
         c_prev = [rec[nc + i] for i in unk]
         x_rec = [rec[nc + ncar + j] for j, kn in enumerate(xs_known) if not kn]
         return c_prev, x_rec
@@ -153,7 +152,7 @@ def _run_forward_carries(sp: ScanParams, consts: Sequence[Any], init: Sequence[A
 
     def kbody(ck, xs_t):
         ins_t = _body_inputs(sp, consts, xs_known, idx, ck, xs_t)
-        jaxpr, env, _ = seed(body, ins_t, [Unknown(v.aval) for v in bj.outvars])
+        jaxpr, env, _ = seed(body, ins_t, [Unknown(v.aval) for v in bj.outvars], ctx=None)
         # only what the carries need: the loop's other constants (weights) stay out of it
         need = needed_vars(jaxpr, [jaxpr.outvars[i] for i in idx])
         evaluate(jaxpr.eqns, env, partial=True, used=need)
@@ -252,7 +251,7 @@ def _scan_sweep(P: Plan, i: int, env: Env, ctenv: dict | None, active: set,
     act = loop_activity(ins, active, nc, ncar, body) if want else None
     ys_ct = [ctenv.pop(v, None) if want and is_var(v) else None for v in ys]
     yct = [c is not None for c in ys_ct]
-    step = BodyWalk(bp, nc, ncar, xk, yk, [env.read(v) for v in consts], act, yct)
+    step = BodyWalk(bp, nc, ncar, xk, yk, [env.read(v) for v in consts], act, yct, env.ctx)
     c0 = [env.read(v) for v in cout]
     c_ct0, k_ct0 = loop_cts_in(ctenv, cout, body, nc, act)
 
@@ -271,12 +270,12 @@ def _scan_sweep(P: Plan, i: int, env: Env, ctenv: dict | None, active: set,
         (c_first, c_first_ct, k_ct, w), (x_rec, x_ct) = lax.scan(
             bstep, (c0, c_ct0, k_ct0, w0), sl, length=length, reverse=not rev)
     else:
-        check, redo = segment_checks(P.dial, e, carry, body, nc, ncar,
+        check, redo = segment_checks(P.dial, env.ctx.drift, e, carry, body, nc, ncar,
                                            [env.read(v) for v in consts], act, yct, all(xk),
                                            res.planning)
         (c_first, c_first_ct, k_ct, w), (x_rec, x_ct) = segmented(
             bstep, (c0, c_ct0, k_ct0, w0), sl, length, K, ckpts, rev, check, redo)
-    drift.note(w)
+    drift.note(env.ctx.drift, w)
     loop_cts_out(env, ctenv, LoopEnd(init, c_first, c_first_ct, consts, k_ct), act, nc)
     for v, val in zip([v for v, k in zip(xs, xk) if not k], x_rec):
         env.write(v, val)
@@ -363,4 +362,4 @@ def _scan_logdet(ctx: LogdetContext) -> tuple[Any, Any]:
 
 
 define(prims.scan, inverse=_scan_inverse, sweep=_scan_sweep, forward=_scan_forward,
-       logdet=_scan_logdet)
+       logdet=_scan_logdet, walks=True)

@@ -30,7 +30,7 @@ from jaxrev.transforms.sweep.backward import (BodyWalk, LoopEnd, LoopPlan, Plan,
                                       loop_cts_in, loop_cts_out, n_checkpoints, outs_known,
                                       plan_for, res_avals, sds)
 from jaxrev.transforms.knowledge.checks import raise_where
-from jaxrev.transforms.propagation.walker import invert_jaxpr, rule_context, static_hints
+from jaxrev.transforms.propagation.walker import RuleContext, invert_jaxpr, static_hints
 from jaxrev.transforms.sweep import drift
 from jaxrev.transforms.sweep.dial import segment_checks
 from jaxrev.transforms.registry import Lossy, NeedMore, define
@@ -78,14 +78,15 @@ def _while_sweep(P: Plan, i: int, env: Env, ctenv: dict | None, active: set,
                    "iterations cannot be stored (its length is not known in advance)",
             "Ways out: pass `max_steps=N` to `jr.reversible` (the lost part is then stored per "
             "iteration, up to N), use `lax.scan` or a `fori_loop` with static bounds, whose "
-            "iterations `reversible` can store, or make the step invertible.")
+            "iterations `reversible` can store, or make the step invertible.",
+            who=env.ctx.who)
     if lp is not None:
         _stored_sweep(P, i, env, ctenv, active, res, bp, lp)
         return
     want = ctenv is not None
     act = loop_activity([*bc, *init], active, nbc, ncar, body) if want else None
     bvals = [env.read(v) for v in bc]
-    step = BodyWalk(bp, nbc, ncar, (), (), bvals, act, ())
+    step = BodyWalk(bp, nbc, ncar, (), (), bvals, act, (), env.ctx)
     c0 = [env.read(v) for v in e.outvars]
     c_ct0, k_ct0 = loop_cts_in(ctenv, e.outvars, body, nbc, act)
     w0 = drift.no_drift()
@@ -113,7 +114,7 @@ def _while_sweep(P: Plan, i: int, env: Env, ctenv: dict | None, active: set,
 
         _, c_first, c_first_ct, k_ct, w = lax.while_loop(lambda s: jnp.any(s[0] > 0), back,
                                                           (n, c0, c_ct0, k_ct0, w0))
-    drift.note(w)
+    drift.note(env.ctx.drift, w)
     loop_cts_out(env, ctenv, LoopEnd(init, c_first, c_first_ct, bc, k_ct), act, nbc)
 
 
@@ -180,11 +181,12 @@ def _stored_sweep(P: Plan, i: int, env: Env, ctenv: dict | None, active: set,
     act = loop_activity([*bc, *e.invars[p["cond_nconsts"] + nbc:]], active, nbc, ncar,
                         body) if want else None
     bvals = [env.read(v) for v in bc]
-    step = BodyWalk(bp, nbc, ncar, (), (), bvals, act, ())
+    step = BodyWalk(bp, nbc, ncar, (), (), bvals, act, (), env.ctx)
     c0 = [env.read(v) for v in e.outvars]
     c_ct0, k_ct0 = loop_cts_in(ctenv, e.outvars, body, nbc, act)
     K = lp.every
-    check, redo = (segment_checks(P.dial, e, lp.carry, body, nbc, ncar, bvals, act, (),
+    check, redo = (segment_checks(P.dial, env.ctx.drift, e, lp.carry, body, nbc, ncar, bvals,
+                                  act, (),
                                         True, res.planning) if K is not None else (None, None))
 
     def back(s):
@@ -216,7 +218,7 @@ def _stored_sweep(P: Plan, i: int, env: Env, ctenv: dict | None, active: set,
     snap0 = (c_ct0, k_ct0) if redo is not None else ()
     _, c_first, c_first_ct, k_ct, w, _ = lax.while_loop(
         lambda s: s[0] > 0, back, (jnp.max(n), c0, c_ct0, k_ct0, w0, snap0))
-    drift.note(w)
+    drift.note(env.ctx.drift, w)
     init = e.invars[p["cond_nconsts"] + nbc:]
     loop_cts_out(env, ctenv, LoopEnd(init, c_first, c_first_ct, bc, k_ct), act, nbc)
 
@@ -269,7 +271,8 @@ def trip_count(p: dict, cc: Sequence[Any], bc: Sequence[Any], init: dict[int, An
     return n, dict(zip(K, last))
 
 
-def _lax_while_inverse(outs, *ins, cond_jaxpr, body_jaxpr, cond_nconsts, body_nconsts):
+def _lax_while_inverse(outs, *ins, ctx: RuleContext, cond_jaxpr, body_jaxpr, cond_nconsts,
+                       body_nconsts):
     """Runs backwards when its counters give the trip count (`lax.fori_loop` with bounds known
     only when the program runs, a counted `while_loop`): the inverted body, that many times."""
     p = dict(cond_jaxpr=cond_jaxpr, body_jaxpr=body_jaxpr, cond_nconsts=cond_nconsts,
@@ -288,12 +291,12 @@ def _lax_while_inverse(outs, *ins, cond_jaxpr, body_jaxpr, cond_nconsts, body_nc
         raise NeedMore("the loop's constants or final values are not known yet")
     count, last = trip_count(p, cc, bc, {k: init[k] for k in K})
     outs = [last[k] if is_unknown(o) else o for k, o in enumerate(outs)]  # a discarded counter
-    ctx = rule_context()
-    hints = static_hints(body_nconsts, lambda k: ctx.static(cond_nconsts + k)) if ctx else None
+    hints = static_hints(body_nconsts, lambda k: ctx.static(cond_nconsts + k))
     unknown = [Unknown(v.aval) for v in body_jaxpr.jaxpr.invars[body_nconsts:]]
 
     def back(_, c):
-        return invert_jaxpr(body_jaxpr, [*bc, *unknown], list(c), hints)[body_nconsts:]
+        return invert_jaxpr(body_jaxpr, [*bc, *unknown], list(c), hints,
+                            ctx=ctx)[body_nconsts:]
 
     first = lax.fori_loop(0, count, back, list(outs))
     return [None] * n + [None if not is_unknown(x) else f for x, f in zip(init, first)]
@@ -351,14 +354,18 @@ def _bounded_forward(e: JaxprEqn, lp: LoopPlan, pred: Callable, bc: Sequence[Any
         lambda s: (s[0] < N) & jnp.any(pred(s[2])), body,
         (jnp.zeros((), jnp.int32), n0, [jnp.asarray(x) for x in init], bufs, ck))
     over = jnp.any(pred(c))
-    # the loop stopped at its bound: no NaN would tell, so this raises under any setting
-    raise_where(lambda o: None if not o else not_invertible(
+    # the loop stopped at its bound: no NaN would tell, so this raises under "nan" too (the
+    # forward run of `reversible`: its dial holds the call's settings)
+    st = lp.body.dial.walk
+    raise_where(st.on_error, lambda o: None if not o else not_invertible(
         e, f"the loop ran past max_steps={N} (its stored iterations)",
-        "Ways out: raise `max_steps` in `jr.reversible`."), over, bad=over, always=True)
+        "Ways out: raise `max_steps` in `jr.reversible`.", who=st.who), over, bad=over,
+        always=True)
     return list(c), [n, *bufs, *ck]
 
 
-define(prims.while_, inverse=_lax_while_inverse, sweep=_while_sweep, forward=_lax_while_forward)
+define(prims.while_, inverse=_lax_while_inverse, sweep=_while_sweep, forward=_lax_while_forward,
+       walks=True)
 
 
 # --------------------------------------------------------------------------- jr.while_loop
@@ -416,8 +423,8 @@ def _while_batch(args, dims, *, cond_jaxpr, body_jaxpr, post_jaxpr, cond_nconsts
     return out, [0] * len(out)
 
 
-def _while_inverse(outs, *ins, cond_jaxpr, body_jaxpr, post_jaxpr, cond_nconsts, body_nconsts,
-                   post_nconsts):
+def _while_inverse(outs, *ins, ctx: RuleContext, cond_jaxpr, body_jaxpr, post_jaxpr,
+                   cond_nconsts, body_nconsts, post_nconsts):
     """The backward loop is the same primitive with the roles of the conditions swapped: it
     runs the inverted body while the post condition holds."""
     n = cond_nconsts + body_nconsts + post_nconsts
@@ -428,15 +435,14 @@ def _while_inverse(outs, *ins, cond_jaxpr, body_jaxpr, post_jaxpr, cond_nconsts,
                   consts[cond_nconsts + body_nconsts:])
     ncar = len(outs)
 
-    ctx = rule_context()
     off = cond_nconsts
-    hints = static_hints(body_nconsts, lambda k: ctx.static(off + k)) if ctx else None
+    hints = static_hints(body_nconsts, lambda k: ctx.static(off + k))
 
     def inv_body(*a):
         b, c = a[:body_nconsts], a[body_nconsts:]
         rec = invert_jaxpr(body_jaxpr, [*b, *[Unknown(v.aval) for v in
                                                   body_jaxpr.jaxpr.invars[body_nconsts:]]], list(c),
-                           hints)
+                           hints, ctx=ctx)
         return rec[body_nconsts:]
 
     ij, ic, _ = trace_to_closed(inv_body, *avals_of([*bc, *outs]))
@@ -448,7 +454,7 @@ def _while_inverse(outs, *ins, cond_jaxpr, body_jaxpr, post_jaxpr, cond_nconsts,
 
 while_p = make_primitive("jaxrev_while", multiple_results=True, impl=_while_impl,
                          abstract=_while_abstract, jvp=_while_jvp, batch=_while_batch)
-define(while_p, inverse=_while_inverse, sweep=_while_sweep)
+define(while_p, inverse=_while_inverse, sweep=_while_sweep, walks=True)
 
 
 def while_loop(cond_fun: Callable[[Any], Any], body_fun: Callable[[Any], Any], init_val: Any,

@@ -22,6 +22,7 @@ from jaxrev._compat import ClosedJaxpr, DropVar, JaxprEqn, Literal, Var, bind_eq
 from jaxrev._cache import memo
 from jaxrev._errors import not_invertible
 from jaxrev._jaxpr import Env, evaluate, fit_to_aval, is_var, prepare
+from jaxrev.transforms.knowledge.context import WalkContext
 from jaxrev.transforms.propagation.walker import Hints, Stuck, Window, blame, propagate, statics_for
 from jaxrev.transforms.sweep import drift
 from jaxrev.transforms.custom import recompute_p, store_p
@@ -175,10 +176,11 @@ _MAX_PLANS = 512
 
 
 def seed_env(P: Plan, known_in: Sequence[bool], ins: Sequence[Any],
-             known_out: Sequence[bool], outs: Sequence[Any]) -> Env:
-    """An env holding `P`'s consts, its known inputs and its known outputs."""
+             known_out: Sequence[bool], outs: Sequence[Any], ctx: WalkContext) -> Env:
+    """An env holding `P`'s consts, its known inputs and its known outputs, for a walk with
+    context `ctx`."""
     J = P.closed.jaxpr
-    env = Env(info=statics_for(J, P.closed.consts, P.hints))
+    env = Env(info=statics_for(J, P.closed.consts, P.hints), ctx=ctx)
     for v, c in zip(J.constvars, P.closed.consts):
         env.write(v, c)
     it = iter(ins)
@@ -212,12 +214,14 @@ def plan_for(closed: ClosedJaxpr, known_in: tuple[bool, ...], known_out: tuple[b
     goals = [v for v, g in zip(J.invars, goal_in) if g]
 
     def dry(ins, outs):
-        env = seed_env(P, known_in, ins, known_out, outs)
+        # a context of its own, with no drift log: the planning walk (on placeholders, traced
+        # apart) may run while a backward run is live (a `reversible` call inside another's
+        # loop), and nothing of it may reach that run's log
+        env = seed_env(P, known_in, ins, known_out, outs, WalkContext(dial.walk))
         walk(P, env, None, set(), Residuals(P), goals)
         return []
 
-    with drift.suspended():
-        jax.make_jaxpr(dry)(ins, outs)
+    jax.make_jaxpr(dry)(ins, outs)
     plans.put(key, [], (closed, P))
     return P
 
@@ -429,7 +433,8 @@ def outs_known(P: Plan, i: int, env: Env, outs: Sequence[Any], res: Residuals) -
     for v in outs:
         if isinstance(v, DropVar):
             raise not_invertible(e, "the loop's final carry is discarded, so it cannot be run "
-                                    "backwards", "Ways out: return the final carry.")
+                                    "backwards", "Ways out: return the final carry.",
+                                 who=env.ctx.who)
         if not env.known(v):  # a final carry the output does not use (a loop counter, say)
             env.write(v, res.store(v, e, "final loop carry that the output discards"))
 
@@ -452,7 +457,8 @@ class BodyWalk:
 
     def __init__(self, bp: Plan, nc: int, ncar: int, xk: Sequence[bool], yk: Sequence[bool],
                  consts: Sequence[Any], act: Sequence[bool] | None,
-                 yct: Sequence[bool]) -> None:
+                 yct: Sequence[bool], ctx: WalkContext) -> None:
+        self.ctx = ctx   # the loop's walk's: its drift log collects the body's comparisons
         self.bp, self.nc, self.ncar, self.xk, self.yk = bp, nc, ncar, list(xk), list(yk)
         self.consts, self.act, self.yct = list(consts), act, list(yct)
         J = bp.closed.jaxpr
@@ -466,7 +472,7 @@ class BodyWalk:
         J = bp.closed.jaxpr
         known_in = [True] * nc + [False] * ncar + self.xk
         known_out = [True] * ncar + self.yk
-        env = seed_env(bp, known_in, [*self.consts, *xs_t], known_out, [*c, *ys_t])
+        env = seed_env(bp, known_in, [*self.consts, *xs_t], known_out, [*c, *ys_t], self.ctx)
         ctenv = None
         active: set = set()
         if self.act is not None:
@@ -478,7 +484,7 @@ class BodyWalk:
             for v, g in zip([v for v, w in zip(self.yout, self.yct) if w], ys_ct_t):
                 acc(ctenv, v, g)
         goals = [*self.cin, *[v for v, k in zip(self.xin, self.xk) if not k]]
-        with drift.scope() as sc:
+        with drift.scope(self.ctx.drift) as sc:
             walk(bp, env, ctenv, active, Residuals(bp, res_t), goals)
         c_prev = [env.read(v) for v in self.cin]
         x_rec = [env.read(v) for v, k in zip(self.xin, self.xk) if not k]

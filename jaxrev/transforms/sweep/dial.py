@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrev._jaxpr import eval_closed, mentions, select_batched, where
+from jaxrev.transforms.knowledge.context import Settings
 from jaxrev.transforms.sweep.drift import combine, ratio, site, values_tol
 
 __all__ = ["ON_DRIFT", "Dial", "recomputable", "segmented", "segmented_forward", "body_redo", "segment_checks"]
@@ -37,7 +38,8 @@ class Dial:
     whose rebuilt start misses its checkpoint is recomputed forward from it); `budget`: bytes of
     checkpoints each loop may keep (picks K); `on_drift`; `rtol` (default √eps of the value's
     dtype); `max_steps`: the bound that lets a `while_loop` be checkpointed or store a lossy
-    body per iteration."""
+    body per iteration; `walk`: the settings of its forward, planning and backward walks (the
+    transform's name for errors, `on_error` for failures inside rebuilt values)."""
 
     every: int | str | None = None
     budget: int | None = None
@@ -45,6 +47,7 @@ class Dial:
     rtol: float | None = None
     max_steps: int | None = None
     name: str = "fun"         # the user's function, for messages
+    walk: Settings = Settings("jaxrev.reversible")   # its walks' settings (on_error, ...)
 
     def __post_init__(self) -> None:
         if self.on_drift not in ON_DRIFT:
@@ -263,16 +266,17 @@ def body_redo(body: Any, nc: int, ncar: int, consts: Sequence[Any], act: Sequenc
     return redo
 
 
-def segment_checks(dial: Dial, eqn: Any, carry: Sequence[Any], body: Any, nc: int, ncar: int,
-                   consts: Sequence[Any], act: Sequence[bool] | None, yct: Sequence[bool],
-                   can_redo: bool, planning: bool) -> tuple[Any, Any]:
+def segment_checks(dial: Dial, log: Any, eqn: Any, carry: Sequence[Any], body: Any, nc: int,
+                   ncar: int, consts: Sequence[Any], act: Sequence[bool] | None,
+                   yct: Sequence[bool], can_redo: bool, planning: bool) -> tuple[Any, Any]:
     """A checkpointed loop's comparison `check(c_rebuilt, c_stored) -> (ratio, site)` of each
     segment's rebuilt start with its checkpoint, and (the "auto" dial, where `can_redo` and the
     body allows it) `body_redo`'s recomputation of a segment that missed; (None, None) where
-    nothing is checked (the planning walk, on_drift="ignore")."""
+    nothing is checked (the planning walk, on_drift="ignore"). `log`: the backward run's drift
+    log (its walk context's)."""
     if planning or not dial.checks:
         return None, None
-    at = site("the rebuilt start of a checkpointed segment of the loop", eqn,
+    at = site(log, "the rebuilt start of a checkpointed segment of the loop", eqn,
               values_tol(dial, [a.dtype for a in carry]))
 
     def check(c, ck):

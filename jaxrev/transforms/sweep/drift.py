@@ -5,7 +5,9 @@ backward dynamics (a contracting loop run backwards expands it without bound). E
 value that has a true counterpart is compared with it: the inputs of a `reversible` call (the
 caller holds them) and the start of every checkpointed segment of a loop (`segment_checks`).
 
-A walk collects its comparisons in a `scope`: one number per comparison, the drift divided by
+A backward run's comparisons go to its `Log`, which its walk context carries
+(`WalkContext.drift`; a planning walk has none). A walk collects them in a `scope`: one number
+per comparison, the drift divided by
 its tolerance (a *ratio*, NaN counted as infinite), and a *site* (which comparison: an index
 into the `Log` of the top-level backward run). A loop's body walk is traced inside a
 `lax.scan` or `while_loop`, so its scope's worst `(ratio, site)` pair leaves the loop in the
@@ -28,7 +30,8 @@ from jaxrev._jaxpr import where
 from jaxrev._errors import DriftError
 from jaxrev.transforms.knowledge.checks import check_at_run_time
 
-__all__ = ["DriftWarning", "no_drift", "leaf_drift", "values_tol", "ratio", "combine", "Site", "Log", "checking", "suspended", "site", "note", "scope", "describe_loops"]
+__all__ = ["DriftWarning", "no_drift", "leaf_drift", "values_tol", "ratio", "combine", "Site",
+           "Log", "log_for", "site", "note", "scope", "describe_loops"]
 
 
 class DriftWarning(UserWarning):
@@ -153,49 +156,25 @@ class Log:
         return cts
 
 
-_logs: list[Log] = []
+def log_for(dial: Any, name: str, loops: str = "") -> Log | None:
+    """The log of one backward run's comparisons (None when the dial asks for none)."""
+    return Log(dial, name, loops) if dial.checks else None
 
 
-@contextlib.contextmanager
-def checking(dial: Any, name: str, loops: str = "") -> Iterator[Log | None]:
-    """The comparisons of one backward run (None when the dial asks for none)."""
-    if not dial.checks:
-        yield None
-        return
-    log = Log(dial, name, loops)
-    _logs.append(log)
-    try:
-        yield log
-    finally:
-        _logs.pop()
-
-
-@contextlib.contextmanager
-def suspended() -> Iterator[None]:
-    """No comparisons collected inside: a planning walk (on placeholders, traced apart) may
-    start while a backward run is live (a `reversible` call inside another's loop), and its
-    values must not reach that run's log."""
-    saved = _logs[:]
-    _logs.clear()
-    try:
-        yield
-    finally:
-        _logs[:] = saved
-
-
-def site(what: str, eqn: Any, tol: float, inputs: bool = False) -> int:
-    """Register a comparison of the current backward run; its index (-1 when none runs)."""
-    if not _logs:
+def site(log: Log | None, what: str, eqn: Any, tol: float, inputs: bool = False) -> int:
+    """Register a comparison of the backward run whose log is `log`; its index (-1 when no
+    run checks: a planning walk, on_drift="ignore")."""
+    if log is None:
         return -1
     where = user_source(eqn)[2] if eqn is not None else ""
-    _logs[-1].sites.append(Site(what, where or "", tol, inputs))
-    return len(_logs[-1].sites) - 1
+    log.sites.append(Site(what, where or "", tol, inputs))
+    return len(log.sites) - 1
 
 
-def note(pair: tuple[Any, Any]) -> None:
-    """Add a `(ratio, site)` pair to the innermost scope (nothing when no run checks)."""
-    if _logs:
-        _logs[-1].scopes[-1].append(pair)
+def note(log: Log | None, pair: tuple[Any, Any]) -> None:
+    """Add a `(ratio, site)` pair to the innermost scope of `log` (nothing when None)."""
+    if log is not None:
+        log.scopes[-1].append(pair)
 
 
 class _Scope:
@@ -210,17 +189,17 @@ class _Scope:
 
 
 @contextlib.contextmanager
-def scope() -> Iterator[_Scope]:
+def scope(log: Log | None) -> Iterator[_Scope]:
     """Collect the pairs noted inside (a loop body's walk, traced inside the loop): their worst
     leaves the loop in its carry."""
     entries: list = []
-    if _logs:
-        _logs[-1].scopes.append(entries)
+    if log is not None:
+        log.scopes.append(entries)
     try:
         yield _Scope(entries)
     finally:
-        if _logs:
-            _logs[-1].scopes.pop()
+        if log is not None:
+            log.scopes.pop()
 
 
 def describe_loops(eqns: Sequence[Any], is_loop: Any) -> str:

@@ -1,0 +1,134 @@
+"""The walk context: everything that steers a walk besides its jaxpr and its values.
+
+A transform creates one at its entry, from its own arguments (`Settings`: who it is, for
+errors; `on_error`; whether Newton's method may be used), and hands it down: the walker's
+`Env` carries it (`env.ctx`, kept by `Env.copy`), and inverse rules that walk sub-programs
+receive it in their `RuleContext`. Nothing that steers a walk is global, so what a walk does
+never depends on what ran before it, and a transform called inside another's rule (a
+`custom_inverse` whose inverse calls `jr.reverse`) sees only its own settings.
+
+A derived context (`replace`) is what a group step hands a walk of its own: a choice's branch
+walk (NaN instead of errors, one Newton start), a loop body's walk (its child record). Counts
+of Newton's use go up its chain of parents, never to siblings; statistics go to the
+observers of `jaxrev._stats` that were active when the transform created its context.
+"""
+from __future__ import annotations
+
+import warnings
+from collections import Counter
+from dataclasses import dataclass, replace as _replace
+from typing import Any
+
+from jaxrev._stats import observers
+
+__all__ = ["ON_ERROR", "Settings", "WalkContext", "resolve_on_error"]
+
+ON_ERROR = ("raise", "nan", "warn")
+"""What a failure a transform cannot rule out when it traces does: "raise" (eagerly an error
+at once, under `jit` when the program runs), "nan" (NaN where it failed, no error), "warn"
+(NaN and a warning: eagerly `warnings.warn`, under `jit` when the program runs)."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What a transform asks of its walks (hashable: part of cache keys, and of `reversible`'s
+    dial, a primitive param). `who`: the transform's public name, which its errors say;
+    `on_error` (`ON_ERROR`); `newton`: whether Newton's method is used at all (the inverse
+    transforms need only Jacobians, which linear lumps give exactly)."""
+
+    who: str = "jaxrev.reverse"
+    on_error: str = "raise"
+    newton: bool = True
+
+    def __post_init__(self) -> None:
+        if self.on_error not in ON_ERROR:
+            raise ValueError(f"{self.who}: on_error must be one of {ON_ERROR}, got "
+                             f"{self.on_error!r}")
+
+    def replace(self, **changes: Any) -> "Settings":
+        return _replace(self, **changes)
+
+
+_KEEP: Any = object()
+
+
+class WalkContext:
+    """One walk's context: its `settings`, `newton_start` (None: Newton starts, per element,
+    from the candidate start with the smallest residual; k: from start k only, which a choice's
+    branch walk asks for where the map has several preimages), the `recorder` of a walk whose
+    steps are recorded (`records`), the `drift` log of `reversible`'s backward run (`drift.Log`,
+    None elsewhere, and in a planning walk), and its counters."""
+
+    __slots__ = ("settings", "newton_start", "recorder", "drift", "_parent", "_newton",
+                 "_observers")
+
+    def __init__(self, settings: Settings = Settings(), *, recorder: Any = None,
+                 drift: Any = None, newton_start: Any = None) -> None:
+        self.settings = settings
+        self.newton_start = newton_start
+        self.recorder = recorder
+        self.drift = drift
+        self._parent: WalkContext | None = None
+        self._newton = 0
+        self._observers: tuple[Counter, ...] = observers()
+
+    @property
+    def who(self) -> str:
+        return self.settings.who
+
+    @property
+    def on_error(self) -> str:
+        return self.settings.on_error
+
+    @property
+    def newton(self) -> bool:
+        return self.settings.newton
+
+    def replace(self, *, recorder: Any = _KEEP, drift: Any = _KEEP, newton_start: Any = _KEEP,
+                **settings: Any) -> "WalkContext":
+        """A derived context (the rest as here) for a walk this one starts; its counters start
+        at zero."""
+        new = WalkContext(self.settings.replace(**settings) if settings else self.settings,
+                          recorder=self.recorder if recorder is _KEEP else recorder,
+                          drift=self.drift if drift is _KEEP else drift,
+                          newton_start=self.newton_start if newton_start is _KEEP
+                          else newton_start)
+        new._parent = self
+        new._observers = self._observers
+        return new
+
+    def count(self, what: str) -> None:
+        """One more `what` (statistics, for the observers)."""
+        for c in self._observers:
+            c[what] += 1
+
+    def used_newton(self) -> None:
+        """Newton's method solved a group in this walk (or a walk it started)."""
+        ctx: WalkContext | None = self
+        while ctx is not None:
+            ctx._newton += 1
+            ctx = ctx._parent
+        self.count("newton")
+
+    @property
+    def newton_uses(self) -> int:
+        """How many groups Newton's method solved in this walk and the walks it started."""
+        return self._newton
+
+
+def resolve_on_error(who: str, on_error: str | None, **old: str | None) -> str:
+    """`on_error`, or the deprecated keyword (`on_failure=`, `on_singular=`) given instead:
+    same values, with a `DeprecationWarning` naming `on_error`."""
+    given = {k: v for k, v in old.items() if v is not None}
+    name = "on_error"
+    if given:
+        (name, value), = given.items()
+        if on_error is not None:
+            raise TypeError(f"{who}: pass on_error only ({name} is its old name)")
+        warnings.warn(f"{who}: {name}= is deprecated; pass on_error={value!r} instead "
+                      "(same values)", DeprecationWarning, stacklevel=3)
+        on_error = value
+    on_error = "raise" if on_error is None else on_error
+    if on_error not in ON_ERROR:
+        raise ValueError(f"{who}: {name} must be one of {ON_ERROR}, got {on_error!r}")
+    return on_error
