@@ -59,7 +59,7 @@ distrax = optional("distrax")
 LAYERS = 4
 DENSE_MAX_N = 64        # dense jacfwd + slogdet at every batch up to this n
 DENSE_MAX_BATCH = 8     # and above it only for batches up to this
-NAN = "jaxrev nan"      # jr.*_and_slogdet(flow, on_singular="nan"): no singular-pivot check
+NAN = "jaxrev nan"      # jr.*_and_slogdet(flow, on_error="nan"): no singular-pivot check
 FWD = ("jaxrev", NAN, "jr.Bijector", "distrax", "analytic", "dense")
 INV = ("jaxrev", NAN, "jr.Bijector", "distrax", "analytic")
 RATIOS = [f"{d} {k} / distrax" for d in ("fwd", "inv") for k in ("jaxrev", NAN)]
@@ -141,12 +141,12 @@ def methods(n: int, batch: int, dense: bool = False) -> tuple[dict, dict]:
     flow, afwd, ainv, chain = make_flow(n)
     bij = jr.Bijector(flow)
     fwd = {"jaxrev": jax.jit(jax.vmap(jr.forward_and_slogdet(flow), in_axes=(0, None))),
-           NAN: jax.jit(jax.vmap(jr.forward_and_slogdet(flow, on_singular="nan"),
+           NAN: jax.jit(jax.vmap(jr.forward_and_slogdet(flow, on_error="nan"),
                                  in_axes=(0, None))),
            "jr.Bijector": jax.jit(bij.forward_and_log_det),
            "analytic": jax.jit(jax.vmap(afwd, in_axes=(0, None)))}
     inv = {"jaxrev": jax.jit(jax.vmap(jr.inverse_and_slogdet(flow), in_axes=(0, None))),
-           NAN: jax.jit(jax.vmap(jr.inverse_and_slogdet(flow, on_singular="nan"),
+           NAN: jax.jit(jax.vmap(jr.inverse_and_slogdet(flow, on_error="nan"),
                                  in_axes=(0, None))),
            "jr.Bijector": jax.jit(bij.inverse_and_log_det),
            "analytic": jax.jit(jax.vmap(ainv, in_axes=(0, None)))}
@@ -341,7 +341,7 @@ def make_table(d: dict) -> str:
     out += ["", "## Program size (jaxpr equations, host callbacks; compiled HLO fusions, host "
             "custom-calls, exp, log, select)", "",
             "`jaxrev` checks for a singular pivot with one host callback per call, also under "
-            "`vmap` (on_singular='raise', the default). `jaxrev nan` (on_singular='nan') has no "
+            "`vmap` (on_error='raise', the default). `jaxrev nan` (on_error='nan') has no "
             "check.", "",
             "| n | batch | program | jaxpr eqns | callbacks | HLO fusions | "
             "custom-calls | exp | log | select |", "|---|---|---|---|---|---|---|---|---|---|"]
