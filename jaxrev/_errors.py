@@ -8,13 +8,28 @@ from jaxrev._compat import user_source
 
 
 class JaxrevError(Exception):
-    """Base class of every error jaxrev raises on purpose."""
+    """Base class of every error jaxrev raises on purpose.
+
+        >>> import jax.numpy as jnp, jaxrev as jr
+        >>> try:
+        ...     jr.reverse(lambda x: x * 0.0)(jnp.ones(2))
+        ... except jr.JaxrevError as e:
+        ...     print(type(e).__name__)
+        NotInvertibleError
+    """
 
 
 class NotInvertibleError(JaxrevError):
     """A program loses information, so `jr.reverse` cannot run it backwards.
 
     Attributes: `primitive` (its name), `file`, `line` (the user's source line, when known).
+
+        >>> import jax.numpy as jnp, jaxrev as jr
+        >>> try:
+        ...     jr.reverse(lambda x: jnp.maximum(x, 0.0))(jnp.ones(2))   # relu loses x < 0
+        ... except jr.NotInvertibleError as e:
+        ...     print(e.primitive)
+        max
     """
 
     def __init__(self, message: str, primitive: str | None = None,
@@ -45,6 +60,14 @@ class ReversibilityError(_AtStep):
     not reach its tolerance.
 
     Attributes: `primitive`, `file`, `line` of the step, where one is named (else None).
+
+        >>> import jax.numpy as jnp, jaxrev as jr
+        >>> x = jnp.array([0.1, 0.5, 1.0], jnp.float32)
+        >>> try:   # float32 rounding is far above the asked tolerance
+        ...     jr.check_reversible(lambda x: 3.0 * x + 1.0, x, rtol=1e-12)
+        ... except jr.ReversibilityError:
+        ...     print("round trip missed")
+        round trip missed
     """
 
 
@@ -54,6 +77,15 @@ class DriftError(ReversibilityError):
 
     Attributes: `drift` (the measured relative drift), `tolerance`, `file` (the loop's or the
     call's user line, where one is known).
+
+        >>> import jax, jax.numpy as jnp, jaxrev as jr
+        >>> from jax import lax
+        >>> halve = lambda y: lax.fori_loop(0, 60, lambda i, y: 0.5 * y + 0.1, y)  # x2 backwards
+        >>> try:
+        ...     jax.grad(lambda y: jr.reversible(halve)(y).sum())(jnp.ones(2))
+        ... except jr.DriftError as e:
+        ...     print(e.drift > e.tolerance)
+        True
     """
 
     def __init__(self, message: str, file: str | None = None, drift: float | None = None,
@@ -67,12 +99,28 @@ class SingularJacobianError(_AtStep):
     """A step's pivot vanished while inverting a Jacobian.
 
     Attributes: `primitive`, `file`, `line` of the step (None when the dense fallback found it).
+
+        >>> import jax.numpy as jnp, jaxrev as jr
+        >>> try:   # the Jacobian of x * x is 2x, singular at 0
+        ...     jr.inverse_jvp(lambda x: x * x, (jnp.zeros(1),), jnp.ones(1))
+        ... except jr.SingularJacobianError:
+        ...     print("singular")
+        singular
     """
 
 
 class FailureWarning(UserWarning):
     """A failure the caller asked to be warned of (``on_error="warn"``): the result is NaN
-    where it happened."""
+    where it happened.
+
+        >>> import warnings, jax.numpy as jnp, jaxrev as jr
+        >>> step = lambda x: jnp.where(x > 0, x + 1.0, x - 1.0)   # nothing maps to 0
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     x = jr.reverse(step, on_error="warn")(jnp.array([2.0, 0.0]))
+        >>> x.tolist(), [type(w.message).__name__ for w in caught]
+        ([1.0, nan], ['FailureWarning'])
+    """
 
 
 WAYS_OUT = (

@@ -42,7 +42,13 @@ class Info(NamedTuple):
     """What `minimize` and `root` return beside the solution (arrays, so jit can return them).
 
     `residual` is the gradient's (or F's) largest absolute entry at the solution; `status` an
-    index into `jaxrev.optim.STATUS`."""
+    index into `jaxrev.optim.STATUS`.
+
+        >>> import jax.numpy as jnp, jaxrev as jr
+        >>> x, info = jr.optim.root(lambda x: x ** 3 - 8.0, jnp.array([1.0]))
+        >>> round(float(x[0]), 6), jr.optim.STATUS[int(info.status)]
+        (2.0, 'converged')
+    """
     iterations: jax.Array
     residual: jax.Array
     value: jax.Array

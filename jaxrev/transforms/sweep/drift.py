@@ -35,7 +35,17 @@ __all__ = ["DriftWarning", "no_drift", "leaf_drift", "values_tol", "ratio", "com
 
 
 class DriftWarning(UserWarning):
-    """A rebuilt value missed its true counterpart (`on_drift="warn"`)."""
+    """A rebuilt value missed its true counterpart (`on_drift="warn"`).
+
+        >>> import warnings, jax, jax.numpy as jnp, jaxrev as jr
+        >>> from jax import lax
+        >>> halve = lambda y: lax.fori_loop(0, 60, lambda i, y: 0.5 * y + 0.1, y)  # x2 backwards
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     g = jax.grad(lambda y: jr.reversible(halve, on_drift="warn")(y).sum())(jnp.ones(2))
+        >>> [type(w.message).__name__ for w in caught]
+        ['DriftWarning']
+    """
 
 
 def no_drift() -> tuple[Any, Any]:
