@@ -105,6 +105,38 @@ def test_transform_inside_a_reversible_sweep_sees_only_its_own_settings():
     np.testing.assert_allclose(back, x, rtol=1e-4)
 
 
+def _residual_p():
+    """A user's primitive computing `residual`, whose inverse rule runs `jr.reverse(residual)`:
+    a walk of its own, started while the walk that applies the rule is live."""
+    from jax.extend.core import Primitive
+    from jax.interpreters import ad, mlir
+
+    p = Primitive("jaxrev_test_residual")
+    p.def_impl(residual)
+    p.def_abstract_eval(lambda a: a)
+    ad.defjvp(p, lambda t, x: t * (1.0 + 0.5 * (1.0 - jnp.tanh(x) ** 2)))
+    mlir.register_lowering(p, mlir.lower_fun(residual, multiple_results=False))
+    jr.register_inverse(p, lambda out, x: [jr.reverse(residual)(out)])
+    return p
+
+
+def test_a_walk_started_by_another_walks_rule_sees_only_its_own_settings():
+    """`inverse_jvp` walks without Newton's method; the rule it applies mid-walk starts a
+    `reverse` whose map only Newton's method inverts. With settings on a global stack the inner
+    walk inherited "no Newton" and failed; with its own context it solves."""
+    p = _residual_p()
+    f = lambda x: p.bind(x) * 2.0   # noqa: E731
+    x = jnp.asarray([0.3, -1.0, 2.0])
+    v = jnp.asarray([1.0, -0.5, 0.25])
+    with counting() as c:
+        y, dx = jr.inverse_jvp(f, (x,), v, method="reverse")
+    assert c["newton"] >= 1             # by the inner walk
+    J = jax.jacfwd(f)(x)
+    np.testing.assert_allclose(dx[0], np.linalg.solve(np.asarray(J), np.asarray(v)),
+                               rtol=1e-10)
+    np.testing.assert_allclose(y, f(x), rtol=1e-12)
+
+
 def test_errors_of_a_reversible_walk_name_reversible():
     def lossy_while(x):
         return jax.lax.while_loop(lambda s: s[1] < 3, lambda s: (jnp.maximum(s[0], 0.0) + 1.0,
@@ -200,3 +232,48 @@ def test_nan_does_not_warn():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert np.isnan(jr.reverse(gap, on_error="nan")(jnp.asarray(BAD)))
+
+
+def test_a_loop_cut_short_raises_under_every_policy():
+    """A while loop that runs past `max_steps` leaves no NaN behind to show that its result is
+    wrong: "nan" and "warn" raise too, never a wrong gradient with a warning."""
+    def f(x):
+        return jax.lax.while_loop(lambda s: s[1] < 10,
+                                  lambda s: (jnp.maximum(s[0], 0.0) * 1.1 + 0.1, s[1] + 1),
+                                  (x, 0))[0]
+
+    for on_error in ("raise", "nan", "warn"):
+        g = jax.grad(lambda x: jr.reversible(f, max_steps=3, on_error=on_error)(x).sum())
+        with pytest.raises(jr.NotInvertibleError, match="ran past max_steps=3"):
+            g(jnp.ones(2))
+        with pytest.raises(Exception, match="ran past max_steps=3"):
+            jax.block_until_ready(jax.jit(g)(jnp.ones(2)))
+
+
+def test_a_built_in_walking_rule_registered_again_still_walks():
+    """The mark that a rule takes the walk's `ctx` is the rule's: putting the built-in gather
+    rule back (after an override, say), or a `functools.wraps` wrapper of it, keeps working."""
+    import functools
+
+    from jaxrev._compat import prims
+    from jaxrev.transforms import inverse_rules
+
+    builtin = inverse_rules[prims.gather]
+    perm = jnp.asarray([2, 0, 1])
+    x = jnp.asarray([1.0, 2.0, 3.0])
+    f = lambda x, p: x[p]   # noqa: E731
+    calls = []
+
+    @functools.wraps(builtin)
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return builtin(*args, **kwargs)
+
+    try:
+        jr.register_inverse(prims.gather, builtin)
+        np.testing.assert_allclose(jr.reverse(f)(f(x, perm), perm), x)
+        jr.register_inverse(prims.gather, spy)
+        np.testing.assert_allclose(jr.reverse(f)(f(x, perm), perm), x)
+        assert calls
+    finally:
+        jr.register_inverse(prims.gather, builtin)

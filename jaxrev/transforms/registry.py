@@ -105,10 +105,12 @@ which positions being fixed by the params and the `index_args` operands."""
 SMOOTH = "smooth"
 """Differentiable wherever it is defined (linear and bilinear primitives are too): Newton's
 method may solve a group of such equations (docs/design.md §3.6)."""
-WALKS = "walks"
-"""Its inverse rule walks on its own (a loop's or branch's body, inverted by `invert_jaxpr`) or
-checks values when the program runs: the walker passes it the walk's `RuleContext` (the
-equation, its env, the walk context) as the keyword `ctx`. Built-in rules only: a user's rule
+WALKS = "jaxrev_walks"
+"""The mark (an attribute, set by ``define(..., walks=True)``) of an inverse rule that walks on
+its own (a loop's or branch's body, inverted by `invert_jaxpr`) or checks values when the
+program runs: the walker passes it the walk's `RuleContext` (the equation, its env, the walk
+context) as the keyword `ctx`. The mark is the rule's, not the primitive's: a built-in rule
+registered again (or wrapped with `functools.wraps`) still gets its `ctx`, and a user's rule
 keeps the signature ``rule(out, *invals, **params)``."""
 
 kinds: dict[Primitive, frozenset[str]] = {}
@@ -146,8 +148,8 @@ def define(p: Primitive | None, *, inverse: Callable | None = None,
            element: ElementRule | None = None, choice: ChoiceRule | None = None,
            logdet: Callable | None = None, kind: Sequence[str] = (),
            index: Sequence[int] = (), walks: bool = False) -> None:
-    """Register every jaxrev rule of `p` at once and tag it with `kind` (and `WALKS` where its
-    inverse rule takes the walk's `ctx`). A primitive missing from this JAX version (None) is
+    """Register every jaxrev rule of `p` at once and tag it with `kind` (`walks`: its inverse
+    rule takes the walk's `ctx`, see `WALKS`). A primitive missing from this JAX version (None) is
     skipped, so rule blocks need no version checks."""
     if p is None:
         return
@@ -159,9 +161,8 @@ def define(p: Primitive | None, *, inverse: Callable | None = None,
             table[p] = rule
     if index:
         index_args[p] = tuple(index)
-    kind = (*kind, WALKS) if walks else tuple(kind)
-    if inverse is not None and not walks and WALKS in kinds.get(p, ()):
-        kinds[p] = kinds[p] - {WALKS}   # a rule registered over a built-in one takes no ctx
+    if walks and inverse is not None:
+        setattr(inverse, WALKS, True)
     if kind:
         kinds[p] = kinds.get(p, frozenset()) | frozenset(kind)
 

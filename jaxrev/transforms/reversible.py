@@ -4,7 +4,7 @@
 `remat_p`). Its JVP rule splits it, as linearization needs, into a known part
 `reversible_store_p` that runs `fun` forward and keeps only the outputs (plus whatever a lossy
 step forces it to keep, the *residuals*), and a linear part `reversible_lin_p` whose transpose is the backward sweep
-(`_sweep.walk`): it walks the equations last to first, rebuilds each equation's inputs from its
+(`sweep.backward.walk`): it walks the equations last to first, rebuilds each equation's inputs from its
 outputs with the inverse rules, and pulls the cotangent through it. Loops run backwards by their
 `sweep_rules`, so memory stays at the width of the program, not its depth.
 """

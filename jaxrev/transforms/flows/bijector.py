@@ -14,8 +14,8 @@ import jax.numpy as jnp
 
 from jaxrev._program import fun_name
 from jaxrev.transforms.flows.slogdet import forward_and_slogdet, inverse_and_slogdet
-from jaxrev.transforms.knowledge.context import resolve_on_error
-from jaxrev.transforms.reverse import reverse
+from jaxrev.transforms.knowledge.context import Settings, resolve_on_error
+from jaxrev.transforms.reverse import reverse_with
 
 __all__ = ["Bijector", "Chain"]
 
@@ -55,8 +55,8 @@ class Bijector:
         self.name = name or fun_name(fun)
         self.is_constant_jacobian = False
         self.is_constant_log_det = False
-        self._inv = reverse(fun, argnums)
         on_error = resolve_on_error("jaxrev.Bijector", on_error, on_singular=on_singular)
+        self._inv = reverse_with(fun, Settings("jaxrev.Bijector", on_error), argnums)
         self._fwd_ld = forward_and_slogdet(fun, argnums, method=method, on_error=on_error)
         self._inv_ld = inverse_and_slogdet(fun, argnums, method=method, on_error=on_error)
 

@@ -69,14 +69,15 @@ def _trace(fun: Callable, args: Sequence[Any], argnums: tuple[int, ...], who: st
                    jax.tree_util.tree_structure(st), dtype, who)
 
 
-def _walk(t: _Traced, ys: Sequence[Any]) -> tuple[records.Recorder, Env]:
+def _walk(t: _Traced, ys: Sequence[Any], on_error: str = "raise"
+          ) -> tuple[records.Recorder, Env]:
     """Recover the state from the outputs `ys`, recording every step (in a walk context of
-    the transform's own: its name, the default settings)."""
+    the transform's own: its name and `on_error`)."""
     jaxpr = t.closed.jaxpr
     ins = list(t.flat)
     for i in t.state_pos:
         ins[i] = Unknown(jaxpr.invars[i].aval)
-    ctx = WalkContext(Settings(t.who))
+    ctx = WalkContext(Settings(t.who, on_error))
     jaxpr, env, _ = seed(t.closed, ins, ys, prepared=True, ctx=ctx)
     goals = [jaxpr.invars[i] for i in t.state_pos]
     rec = records.Recorder(env, jaxpr, None, range(len(jaxpr.outvars)), t.state_pos)
@@ -393,7 +394,7 @@ def inverse_and_slogdet(fun: Callable, argnums: int | Sequence[int] = 0, *,
             def run():
                 t = _trace(fun, stand, nums, who)
                 t.flat = traced_leaves(tuple(args))
-                rec, env = _walk(t, jax.tree_util.tree_leaves(ys_tree))
+                rec, env = _walk(t, jax.tree_util.tree_leaves(ys_tree), on_error)
                 pl = plan(rec, rec.seeded, rec.goals)
                 steps: list = []
                 _, logabs = evaluate_plan(pl, _reader(env), t.dtype, per_step=steps)
@@ -404,7 +405,7 @@ def inverse_and_slogdet(fun: Callable, argnums: int | Sequence[int] = 0, *,
             got = _try_sweep(run, method, on_error, who, dense_if_not_invertible=False)
             if got is not None:
                 return got
-        x = reverse_with(fun, Settings(who), argnums)(*args)
+        x = reverse_with(fun, Settings(who, on_error), argnums)(*args)
         a = list(args)
         xl = [x] if len(nums) == 1 else list(x)
         for i, s in zip(nums, xl):

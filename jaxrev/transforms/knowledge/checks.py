@@ -36,14 +36,15 @@ def raise_where(on_error: str, error: Callable[..., Exception | None], *flags: A
     """Raise `error(*flags)` (None: nothing wrong) now on concrete values, else when the program
     runs; under ``on_error="warn"`` warn with its message instead; nothing under "nan", where
     the NaN left in the result is the answer, unless `always` (a failure that leaves no NaN
-    behind: a loop stopped at its bound; "warn" then still only warns).
+    behind: a loop stopped at its bound: it raises under every policy, since a result cut
+    short is wrong without a NaN to show it).
 
     `bad` (a boolean computed from the flags, any of whose elements says `error` will raise)
     makes the run-time check cheap: the host is called only when it holds, and under `vmap`
     once for the whole batch, with the first bad sample's flags (`check_p`)."""
     if on_error == "nan" and not always:
         return
-    if on_error == "warn":
+    if on_error == "warn" and not always:
         error = _Warning(error)
     if all(is_concrete(x) for x in flags):
         err = error(*[np.asarray(x) for x in flags])

@@ -6,7 +6,7 @@ Knowledge is per element, not per array. A variable known on part of its element
 equation next to such knowledge; they apply, in this order:
 
 1. the primitive's own `element_rules` (`select_n` with a known predicate, `mul` by a factor
-   with zeros, scatters, dynamic slices: `index_rules`);
+   with zeros, scatters, dynamic slices: `rules.indexing`);
 2. for `ELEMENTWISE` primitives, the primitive itself forward and its inverse rule backward on
    the partly known arrays (each element depends on the same element only, so the result is
    known where every operand is);

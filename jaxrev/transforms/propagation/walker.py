@@ -128,7 +128,7 @@ _NO_LOSS = object()
 def _call_rule(eqn: JaxprEqn, env: Env, rule: Callable, out: Any, ins: Sequence[Any],
                params: dict) -> Any:
     """`rule(out, *ins, **params)`, with the walk's `ctx` for a `WALKS` rule."""
-    if is_kind(eqn.primitive, WALKS):
+    if getattr(rule, WALKS, False):
         return rule(out, *ins, ctx=RuleContext(eqn, env), **params)
     return rule(out, *ins, **params)
 

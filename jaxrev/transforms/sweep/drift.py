@@ -3,7 +3,7 @@
 A rebuilt trajectory drifts from the one the forward run computed: rounding, amplified by the
 backward dynamics (a contracting loop run backwards expands it without bound). Every rebuilt
 value that has a true counterpart is compared with it: the inputs of a `reversible` call (the
-caller holds them) and the start of every checkpointed segment of a loop (`segment_checks`).
+caller holds them) and the start of every checkpointed segment of a loop (`dial.segment_checks`).
 
 A backward run's comparisons go to its `Log`, which its walk context carries
 (`WalkContext.drift`; a planning walk has none). A walk collects them in a `scope`: one number
