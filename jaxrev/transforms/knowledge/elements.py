@@ -33,7 +33,7 @@ from jaxrev._compat import DropVar, JaxprEqn, Var
 from jaxrev._jaxpr import Env, Unknown, apply, fit_to_aval, is_var, real_outvars
 from jaxrev.transforms.knowledge import regions as R
 from jaxrev.transforms.registry import (STRUCTURAL, Lossy, NeedMore, element_rules,
-                                        elementwise_in, index_args, inverse_rules, is_kind)
+                                        elementwise_over, index_args, inverse_rules, is_kind)
 
 __all__ = ["Part", "FILL", "forward", "backward", "learn", "learn_piece", "complete", "region_of",
            "value_of", "static_of", "is_partial", "read_window", "not_case", "token"]
@@ -144,12 +144,14 @@ def learn(env: Env, v: Any, value: Any, region: R.Region) -> bool:
     p = env.part.get(v)
     st = env.info
     if p is None:
+        if R.too_complex(region):
+            return False
         env.part[v] = Part(value, region, (), region)
         return True
     if p.learned >= MAX_LEARN:
         return False
     new = R.intersect(p.region, region, st)
-    if R.implies(p.region, new):
+    if R.implies(p.region, new) or R.too_complex(new):
         return False
     if p.value is None:
         base, val = region, value
@@ -354,7 +356,7 @@ def forward(eqn: JaxprEqn, env: Env) -> bool:
     if is_kind(eqn.primitive, STRUCTURAL):
         return _structural_forward(eqn, env)
     outs = real_outvars(eqn)
-    if len(outs) == 1 and elementwise_in(eqn, tuple(outs[0].aval.shape)):
+    if len(outs) == 1 and elementwise_over(eqn, tuple(outs[0].aval.shape)):
         return _elementwise_forward(eqn, env)
     return False
 
@@ -374,7 +376,7 @@ def backward(eqn: JaxprEqn, env: Env) -> bool | None:
         if partial_out or eqn.primitive not in inverse_rules or static_idx:
             return _structural_backward(eqn, env)
         return None
-    if len(outs) == 1 and elementwise_in(eqn, tuple(outs[0].aval.shape)):
+    if len(outs) == 1 and elementwise_over(eqn, tuple(outs[0].aval.shape)):
         return _elementwise_backward(eqn, env)
     return None
 
@@ -562,8 +564,7 @@ def _structural_backward(eqn: JaxprEqn, env: Env) -> bool:
                     is_partial(env, o) and env.part[o].value is None):
                 continue   # (known by windows only: they are read by window, not assembled)
             im = _known_readers(frow[j], ro, tuple(v.aval.shape)) or irow[j]
-            ov = jnp.reshape(value_of(env, o), (-1,))
-            got = jnp.reshape(ov[np.maximum(im.index, 0)], v.aval.shape)
+            got = im.take(value_of(env, o))
             wrote = learn(env, v, got, R.pullback(ro, im)) or wrote
             if env.known(v):
                 break

@@ -62,7 +62,7 @@ class IndexMap:
     (`then`), so a region pulled back through many steps holds one; equal maps are equal
     (compared by content), so ``p`` and ``not p`` pulled back the same way still merge."""
 
-    __slots__ = ("index", "shape", "_key")
+    __slots__ = ("index", "shape", "_key", "_kind")
 
     def __init__(self, index: np.ndarray, shape: tuple, fill: bool | None = None) -> None:
         index = np.asarray(index, np.int64)
@@ -71,6 +71,7 @@ class IndexMap:
         self.index = index
         self.shape = tuple(shape)
         self._key = None
+        self._kind: str | None = None
 
     def key(self) -> tuple:
         if self._key is None:
@@ -89,22 +90,60 @@ class IndexMap:
         idx = after.index
         return IndexMap(np.where(idx >= 0, self.index[np.maximum(idx, 0)], idx), after.shape)
 
+    def _form(self) -> str:
+        """"identity" (the source itself), "constant" (one source element everywhere), else
+        "gather": most predicates are read whole or broadcast from a scalar, and a mask made
+        when the program runs should then cost no gather."""
+        if self._kind is None:
+            idx = self.index
+            self._kind = ("constant" if idx.size and idx[0] >= 0 and np.all(idx == idx[0]) else
+                          "identity" if np.array_equal(idx, np.arange(idx.size)) else "gather")
+        return self._kind
+
     def apply(self, m: Any) -> Any:
         """Pull a mask (numpy or jax) of the source back to the output's positions."""
         idx = self.index
         flat = m.reshape(-1)
+        form = self._form()
+        if form == "identity" and flat.shape[0] == idx.size:
+            return flat.reshape(self.shape)
+        if form == "constant" and not isinstance(m, np.ndarray):
+            return jnp.broadcast_to(flat[int(idx[0])], self.shape)
         if isinstance(m, np.ndarray):
             out = np.where(idx >= 0, flat[np.maximum(idx, 0)], idx == -2)
             return out.reshape(self.shape)
-        taken = jnp.take(flat, jnp.asarray(np.maximum(idx, 0)), mode="clip")
-        out = jnp.where(jnp.asarray(idx >= 0), taken, jnp.asarray(idx == -2))
-        return out.reshape(self.shape)
+        taken = take_static(flat, np.maximum(idx, 0))
+        if (idx >= 0).all():
+            return taken.reshape(self.shape)
+        return jnp.where(idx >= 0, taken, idx == -2).reshape(self.shape)
+
+    def take(self, x: Any) -> Any:
+        """The elements of `x` (the source) at the map's positions (any element where the
+        map has none), shaped as the output."""
+        flat = jnp.reshape(x, (-1,))
+        if self._form() == "identity" and flat.shape[0] == self.index.size:
+            return jnp.reshape(x, self.shape)
+        return take_static(flat, np.maximum(self.index, 0)).reshape(self.shape)
+
+
+def take_static(flat: Any, idx: np.ndarray) -> Any:
+    """``flat[idx]`` for in-bounds indices known when tracing: a slice, else one gather
+    (jnp's indexing normalizes the indices with eager operations, dispatched one by one)."""
+    idx = np.asarray(idx, np.int64).reshape(-1)
+    n = idx.size
+    if n and (n == 1 or bool(np.all(np.diff(idx) == 1))):
+        return lax.slice(flat, (int(idx[0]),), (int(idx[0]) + n,))
+    dnums = lax.GatherDimensionNumbers(offset_dims=(), collapsed_slice_dims=(0,),
+                                       start_index_map=(0,))
+    return lax.gather(flat, idx.astype(np.int32).reshape(-1, 1), dnums, slice_sizes=(1,),
+                      mode=lax.GatherScatterMode.PROMISE_IN_BOUNDS)
 
 
 @dataclass(frozen=True)
 class Pred:
-    """Positions where the known array `var` (broadcast to `shape0`) takes a value in `cases`,
-    out of `range(n)`; then pulled back through `maps` (to `shape`)."""
+    """Positions where the known array `var` (of shape `shape0`) takes a value in `cases`, out
+    of `range(n)`, read through `maps`: one `IndexMap` from the region's positions (`shape`) to
+    `var`'s elements (`pred_region` makes it; `pullback` composes it)."""
 
     var: Any
     cases: frozenset
@@ -159,12 +198,22 @@ def mask_region(m: np.ndarray) -> Region:
 
 
 def pred_region(var: Any, cases: Iterable[int], n: int, shape: tuple) -> Region:
+    """Where the known array `var` (broadcast to `shape`) takes a value in `cases`. The atom is
+    canonical: it holds one map from the region's positions to `var`'s own elements (the
+    broadcast folded in), so the same predicate pulled back through permutations that undo
+    each other (a reversal applied twice), or a scalar predicate through any permutation, is
+    the same atom, and ``p`` and ``not p`` cancel (docs/design.md §3.5: a predicate known when
+    the program runs never splits a walk)."""
     cases = frozenset(int(c) for c in cases if 0 <= int(c) < n)
     if not cases:
         return EMPTY
     if len(cases) == n:
         return FULL
-    return frozenset({frozenset({Pred(var, cases, n, tuple(shape))})})
+    vshape = tuple(var.aval.shape)
+    size = int(np.prod(vshape, dtype=np.int64))
+    src = np.broadcast_to(np.arange(size, dtype=np.int64).reshape(vshape), tuple(shape))
+    im = IndexMap(np.ascontiguousarray(src).reshape(-1), tuple(shape))
+    return frozenset({frozenset({Pred(var, cases, n, vshape, (im,))})})
 
 
 def _box(w: Win) -> np.ndarray | None:
@@ -370,6 +419,24 @@ def _merge_pair(a: Conj, b: Conj) -> Conj | None:
     return None
 
 
+def _reduce_by(c: Conj, by: Conj) -> Conj | None:
+    """`c` less an atom `by` makes redundant ((R and x) or (R and y and T) is (R and x) or
+    (R and T) where x or y is everything), or None: else steps masked by the same predicates
+    grow a conjunction per step."""
+    preds = [x for x in by if isinstance(x, Pred)]
+    if not preds or len(by) > len(c):
+        return None
+    for x in preds:
+        rest = by - {x}
+        if not rest <= c:
+            continue
+        for y in c:
+            if (isinstance(y, Pred) and y.key == x.key and y is not x
+                    and len(x.cases | y.cases) == x.n):
+                return c - {y}
+    return None
+
+
 def _simplify(r: Iterable[Conj], statics: Any) -> Region:
     conjs = []
     for c in r:
@@ -390,6 +457,14 @@ def _simplify(r: Iterable[Conj], statics: Any) -> Region:
                 kept.append(c)
         changed = len(kept) != len(conjs)
         conjs = kept
+        for i in range(len(conjs)):
+            for j in range(len(conjs)):
+                r2 = _reduce_by(conjs[i], conjs[j]) if i != j else None
+                if r2 is not None:
+                    if not r2:
+                        return FULL
+                    conjs[i] = r2
+                    changed = True
         for i in range(len(conjs)):
             for j in range(i + 1, len(conjs)):
                 m = _merge_pair(conjs[i], conjs[j])
@@ -424,6 +499,18 @@ def intersect(a: Region, b: Region, statics: Any = None) -> Region:
     return _simplify([ca | cb for ca in a for cb in b], statics)
 
 
+MAX_PREDICATES, MAX_CONJUNCTIONS = 3, 16
+"""Run-time predicates and conjunctions one region may hold (docs/design.md §3.5). A masked
+step completes with its own predicate and its complement; a region mixing several steps'
+predicates comes from knowledge spread across steps first, and grows with every step."""
+
+
+def too_complex(r: Region) -> bool:
+    """Whether `r` exceeds the bound that keeps tracing linear: the walk does not record it."""
+    return r not in (EMPTY, FULL) and (len(r) > MAX_CONJUNCTIONS or len(
+        {id(a.var) for c in r for a in c if isinstance(a, Pred)}) > MAX_PREDICATES)
+
+
 def implies(a: Region, b: Region) -> bool:
     """Whether `a` is inside `b`, as far as the atoms show (every conjunction of `a` has one
     of `b` whose atoms it contains)."""
@@ -440,17 +527,36 @@ def pullback(r: Region, m: IndexMap) -> Region:
     for c in r:
         if any(isinstance(a, (Win, CoWin)) for a in c):
             return FULL
-        atoms = set()
+        conjs: list[set] = [set()]
         for a in c:
             if isinstance(a, Mask):
-                atoms.add(Mask.of(m.apply(a.array)))
+                for cj in conjs:
+                    cj.add(Mask.of(m.apply(a.array)))
             else:
-                atoms.add(Pred(a.var, a.cases, a.n, a.shape0,
-                               (a.maps[0].then(m),) if a.maps else (m,)))
+                conjs = [cj | alt for cj in conjs
+                         for alt in _pred_pulled(a, a.maps[0].then(m) if a.maps else m)]
         if not c:
-            atoms.add(Mask.of(np.where(m.index >= 0, True, m.index == -2).reshape(m.shape)))
-        out.append(frozenset(atoms))
+            conjs[0].add(Mask.of(np.where(m.index >= 0, True, m.index == -2).reshape(m.shape)))
+        out.extend(frozenset(cj) for cj in conjs)
     return _simplify(out, None)
+
+
+def _pred_pulled(a: Pred, im: IndexMap) -> list[set]:
+    """`a` read through `im`, canonical: a predicate on every position (reading element 0
+    where `im` has none, a static mask saying where it speaks), or the fill's positions. A
+    scalar predicate cut and joined again (a roll) stays one atom, and cancels its complement."""
+    idx = im.index
+    if not (idx < 0).any():
+        return [{Pred(a.var, a.cases, a.n, a.shape0, (im,))}]
+    total = Pred(a.var, a.cases, a.n, a.shape0, (IndexMap(np.maximum(idx, 0), im.shape),))
+    alts = []
+    if (idx >= 0).any():
+        read = (idx >= 0).reshape(im.shape)
+        alts.append({total} if read.all() else {total, Mask.of(read)})
+    inside = (idx == -2).reshape(im.shape)
+    if inside.any():
+        alts.append({Mask.of(inside)})
+    return alts or [{Mask.of(np.zeros(im.shape, bool))}]
 
 
 # --------------------------------------------------------------------------- run-time masks

@@ -229,8 +229,18 @@ def propagate(jaxpr: Jaxpr | Window, env: Env, goals: Sequence[Any] | None, *,
             if isinstance(v, Var):
                 near.setdefault(v, []).append(i)
     done = [False] * len(eqns)
-    queue = deque(range(len(eqns)))
-    queued = [True] * len(eqns)
+    # two queues: an equation woken because one of its variables became known whole is looked
+    # at first (`front`); one woken by a change of partial knowledge waits (`back`) until
+    # nothing is left to complete. Spreading a value known on some elements through earlier
+    # steps before the step that completes it has run would intersect the regions of
+    # independent predicates, wave after wave (per-step masks: exponential in the steps).
+    # Of those, one that can now run forward goes before one that would be inverted: an
+    # output a group step already took over is then recomputed, not inverted again
+    back = deque(range(len(eqns)))
+    front: deque = deque()
+    ready: deque = deque()
+    queued = [True] * len(eqns)       # waiting in either queue
+    in_front = [False] * len(eqns)
     stuck: dict[int, Stuck] = {}
     # what was known around an equation when its rule last failed: a rule (a loop's, say, which
     # traces its body) is only tried again once something about its equation has changed; the
@@ -239,18 +249,29 @@ def propagate(jaxpr: Jaxpr | Window, env: Env, goals: Sequence[Any] | None, *,
     etried: dict[int, tuple] = {}
     claimed: set[int] = set()
 
-    def wake(vs: Sequence[Any]) -> None:
+    def wake(vs: Sequence[Any], whole: set) -> None:
         for v in vs:
             for j in near.get(v, ()) if isinstance(v, Var) else ():
-                if not done[j] and not queued[j]:
+                if done[j]:
+                    continue
+                if v in whole and not in_front[j]:
+                    in_front[j] = queued[j] = True
+                    (ready if all(env.known(u) for u in eqns[j].invars) else front).append(j)
+                elif not queued[j]:
                     queued[j] = True
-                    queue.append(j)
+                    back.append(j)
 
     while True:
-        while queue:
+        while ready or front or back:
             if goals is not None and all(env.known(g) for g in goals):
                 return []
-            i = queue.popleft()
+            if ready or front:
+                i = (ready or front).popleft()
+                in_front[i] = False
+            else:
+                i = back.popleft()
+            if not queued[i]:
+                continue   # looked at from the front queue since
             queued[i] = False
             if done[i]:
                 continue
@@ -266,7 +287,9 @@ def propagate(jaxpr: Jaxpr | Window, env: Env, goals: Sequence[Any] | None, *,
                 stuck.pop(i, None)
             after = tuple(token(env, v) for v in (*eqn.invars, *outs))
             if after != before:
-                wake([v for v, x, y in zip((*eqn.invars, *outs), before, after) if x != y])
+                changed = [v for v, x, y in zip((*eqn.invars, *outs), before, after) if x != y]
+                wake(changed, {v for v, y in zip((*eqn.invars, *outs), after)
+                               if y is True and isinstance(v, Var)})
         if goals is not None and all(env.known(g) for g in goals):
             return []
         pending = [i for i in range(len(eqns)) if not done[i]]
@@ -280,10 +303,18 @@ def propagate(jaxpr: Jaxpr | Window, env: Env, goals: Sequence[Any] | None, *,
                 or choices.choice_step(eqns, env, gp, soft, _subwalk)
                 or nonlinear.eliminate_step(eqns, env, gp, lossy)
                 or nonlinear.newton_step(eqns, env, gp, lossy, cut)):
-            for j in gp:   # a group step may write anywhere: look at everything again
-                if not queued[j]:
+            # a group step may write anywhere: look at everything again, what can run forward
+            # first (the values the group took over are recomputed, not inverted again)
+            for j in gp:
+                if done[j]:
+                    continue
+                if all(env.known(u) for u in eqns[j].invars):
+                    if not in_front[j]:
+                        in_front[j] = queued[j] = True
+                        ready.append(j)
+                elif not queued[j]:
                     queued[j] = True
-                    queue.append(j)
+                    back.append(j)
             continue
         return [s for i, s in sorted(stuck.items())] or [
             Stuck(eqns[i], "its result does not reach the output") for i in pending

@@ -1,0 +1,49 @@
+"""Tracing cost linear in program size on families of masked-step programs (issue 28,
+docs/design.md §3.5): predicates known only when the program runs, one per step or shared,
+with reversals, permutations and diffrax's time arrays between the couplings, never split a
+walk. Counted in the walker's rule applications (never wall-clock time), per transform."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxrev as jr
+from jaxrev._stats import counting
+from programs.families import family, loss
+
+jax.config.update("jax_enable_x64", True)
+
+LINEAR = ("shared", "per_step", "reversal", "permutation", "time_array", "scan")
+
+
+def _applications(name: str, k: int, what: str) -> int:
+    f, s, p = family(name, k)
+    with counting() as c:
+        if what == "reverse":
+            jax.make_jaxpr(jr.reverse(f))(f(s, p), p)
+        else:
+            jax.make_jaxpr(jax.grad(loss(jr.reversible(f))))(s, p)
+    return c["rules"] + c["elements"]
+
+
+@pytest.mark.parametrize("what", ["reverse", "reversible grad"])
+@pytest.mark.parametrize("name", LINEAR)
+def test_rule_applications_grow_linearly_with_the_steps(name, what):
+    n5, n10, n20 = (_applications(name, k, what) for k in (5, 10, 20))
+    # a doubling of the steps at most doubles the work, up to the fixed part of the program
+    assert n10 <= 2.3 * n5 and n20 <= 2.3 * n10, (n5, n10, n20)
+
+
+@pytest.mark.parametrize("name", LINEAR + ("roll",))
+def test_families_invert_and_differentiate_right(name):
+    f, s, p = family(name, 6)
+    y = f(s, p)
+    back = jr.reverse(f)(y, p)
+    for a, b in zip(back, s):
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
+    got = jax.grad(loss(jr.reversible(f)), argnums=(0, 1))(s, p)
+    want = jax.grad(loss(f), argnums=(0, 1))(s, p)
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
