@@ -35,7 +35,8 @@ __all__ = ["inverse_rules", "inverse_jvp_rules", "sweep_rules", "forward_rules",
            "element_rules", "ElementRule", "choice_rules", "ChoiceRule", "index_args",
            "logdet_rules",
            "kinds", "ELEMENTWISE", "LINEAR", "BILINEAR", "SMOOTH", "STRUCTURAL", "WALKS", "define",
-           "is_kind", "elementwise_in", "Lossy", "NeedMore", "Unsupported", "register_inverse",
+           "is_kind", "elementwise_in", "elementwise_over", "broadcasts_to", "Lossy", "NeedMore",
+           "Unsupported", "register_inverse",
            "register_inverse_jvp", "check_rule", "LogdetContext", "DENSE_STEP"]
 
 inverse_rules: dict[Primitive, Callable[..., Sequence[Any]]] = {}
@@ -179,6 +180,22 @@ def elementwise_in(eqn: Any, shape: tuple[int, ...]) -> bool:
             and all(tuple(o.aval.shape) == shape for o in eqn.outvars
                     if not isinstance(o, DropVar))
             and all(tuple(v.aval.shape) in (shape, ()) for v in eqn.invars))
+
+
+def broadcasts_to(a: tuple, shape: tuple) -> bool:
+    """Whether an operand of shape `a` meets the output `shape` elementwise: the same shape,
+    a scalar, or the same rank with size-1 axes (lax's binary ops broadcast those, as
+    `s * w[None]` under `vmap` writes them)."""
+    return a in (shape, ()) or (len(a) == len(shape)
+                                and all(x in (1, y) for x, y in zip(a, shape)))
+
+
+def elementwise_over(eqn: Any, shape: tuple[int, ...]) -> bool:
+    """`elementwise_in`, also with operands broadcast over size-1 axes (`broadcasts_to`)."""
+    return (is_kind(eqn.primitive, ELEMENTWISE)
+            and all(tuple(o.aval.shape) == shape for o in eqn.outvars
+                    if not isinstance(o, DropVar))
+            and all(broadcasts_to(tuple(v.aval.shape), shape) for v in eqn.invars))
 
 
 def check_rule(who: str, primitive: Any, rule: Any) -> None:

@@ -49,7 +49,7 @@ Walk = Callable[[Sequence[JaxprEqn], Env, Sequence[Var]], Any]
 
 MAX_COMBOS = 64
 """Combinations of branches tried in one group, at most."""
-MAX_GROUP_EQNS = 64
+MAX_GROUP_EQNS = 256
 MAX_VALUES = 16
 """Values of an integer decided by the state (a spline's bin index) tried, at most."""
 _AGREE_ULPS = 64
@@ -222,8 +222,10 @@ def choice_step(eqns: Sequence[JaxprEqn], env: Env, pending: Sequence[int], soft
         # may be anything: the merged candidate is checked against every decision again
         values = [c for c in ch if c.value is not None]
         det = _determined(G, values, env)
+        # (what only decides a select's or a cond's case, an argmax over a `jnp.select`'s
+        # conditions, is not inverted: each branch replaces the choice by one case)
         core = [e for e in _live([e for e in G if not any(c.eqn is e for c in values)],
-                                 outputs)
+                                 outputs, decided={c.eqn for c in ch if c.value is None})
                 if not all(o in det for o in real_outvars(e))]
         per_element = all(tuple(v.aval.shape) == shape for v in [*inputs, *outputs]) and all(
             elementwise_in(e, shape) or _pointwise_gather(e, shape) for e in core)
@@ -292,16 +294,21 @@ def _branch_window(G: Sequence[JaxprEqn], combo: dict, env_c: Env) -> list[Jaxpr
     return window
 
 
-def _live(window: list[JaxprEqn], targets: Sequence[Var]) -> list[JaxprEqn]:
+def _live(window: list[JaxprEqn], targets: Sequence[Var],
+          decided: set | frozenset = frozenset()) -> list[JaxprEqn]:
     """The equations of the window that lead to the group's known outputs (a choice replaced
-    by one of its cases leaves the others' computations, the predicate's among them, dead)."""
+    by one of its cases leaves the others' computations, the predicate's among them, dead).
+    The selects and conds in `decided` are followed through their cases only."""
     keep = [False] * len(window)
     need: set = set(targets)
     for i in reversed(range(len(window))):
-        outs = real_outvars(window[i])
+        e = window[i]
+        outs = real_outvars(e)
         if any(o in need for o in outs):
             keep[i] = True
-            need.update(v for v in window[i].invars if is_var(v))
+            ins = e.invars[1:] if e in decided and e.primitive in (prims.select_n,
+                                                                    prims.cond) else e.invars
+            need.update(v for v in ins if is_var(v))
     return [e for e, k in zip(window, keep) if k]
 
 
@@ -561,7 +568,9 @@ def _merge(ch: list[_Choice], inputs: list[Var], cands: list, oks: list, ctx: An
             x = cands[c][m]
             eps = jnp.finfo(jnp.result_type(p)).eps if jnp.issubdtype(
                 jnp.result_type(p), jnp.inexact) else 0
-            tol = _AGREE_ULPS * eps * jnp.maximum(jnp.abs(p), jnp.abs(x)) + 1e-300
+            # (floored at 1: a candidate near 0 computed through values of order 1, a knot
+            # of the bin, carries their rounding, not its own)
+            tol = _AGREE_ULPS * eps * jnp.maximum(jnp.maximum(jnp.abs(p), jnp.abs(x)), 1.0)
             far = jnp.abs(x - p) > tol
             far = far if idx.ndim else jnp.any(far)
             apart = apart | (o & (idx != c) & far)
