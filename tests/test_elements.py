@@ -74,13 +74,21 @@ def test_element_loops_store_nothing(name):
     assert rep.total_bytes == 0, str(rep)
 
 
+def _inverse_program(closed) -> list:
+    """The equations of the inverse program: traced, `reverse(f)` is one `custom_inverse`
+    step (whose own inverse is f), its function the walk's program."""
+    (eqn,) = closed.jaxpr.eqns
+    assert eqn.primitive.name == "jaxrev_custom_inverse"
+    return eqn.params["fun_jaxpr"].jaxpr.eqns
+
+
 def test_element_loop_inverse_is_one_update_per_iteration():
     # the inverse of x.at[i].add(g(x[i-1])) is x.at[i].add(-g(x[i-1])): no n-sized work per
     # iteration, so the inverse program does not grow with n (a dense lump would be n x n)
     def size(n):
         p = {"w": jnp.ones(n)}
-        jaxpr = jax.make_jaxpr(jr.reverse(add_up))(jnp.ones(n), p)
-        body = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan"][-1].params["jaxpr"]
+        eqns = _inverse_program(jax.make_jaxpr(jr.reverse(add_up))(jnp.ones(n), p))
+        body = [e for e in eqns if e.primitive.name == "scan"][-1].params["jaxpr"]
         return len(body.jaxpr.eqns), [str(v.aval) for e in body.jaxpr.eqns for v in e.outvars]
     (k1, _), (k2, a2) = size(64), size(4096)
     assert k1 == k2
@@ -143,8 +151,8 @@ def test_masked_coupling_runs_its_conditioner_once():
     even = jnp.arange(n) % 2 == 0
     p = mlp_params(jax.random.PRNGKey(0), n, 32, 2 * n)
     f = lambda x, p: masked_coupling(x, p, even)  # noqa: E731
-    jaxpr = jax.make_jaxpr(jr.reverse(f))(jnp.ones(n), p)
-    dots = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "dot_general"]
+    eqns = _inverse_program(jax.make_jaxpr(jr.reverse(f))(jnp.ones(n), p))
+    dots = [e for e in eqns if e.primitive.name == "dot_general"]
     assert len(dots) == 2   # the conditioner's two layers, nothing else
 
 

@@ -16,10 +16,11 @@ import jax
 import jax.numpy as jnp
 
 from jaxrev._cache import cached_call
-from jaxrev._compat import Jaxpr, JaxprEqn, Var
+from jaxrev._compat import Jaxpr, JaxprEqn, Var, is_concrete
 from jaxrev._jaxpr import Env, Unknown
 from jaxrev._program import (check_sizes, check_structure, fun_name, normalize_argnums,
                              trace_program)
+from jaxrev.transforms.custom import custom_inverse
 from jaxrev.transforms.knowledge.context import Settings, WalkContext, resolve_on_error
 from jaxrev.transforms.propagation.walker import propagate, raise_stuck, seed
 # the names rule authors use, importable from here as the docs say
@@ -164,22 +165,36 @@ def reverse(fun: Callable, argnums: int | Sequence[int] = 0, *,
     """
     who = "jaxrev.reverse"
     on_error = resolve_on_error(who, on_error, on_failure=on_failure)
-    return reverse_with(fun, Settings(who, on_error), argnums, state)
+    return reverse_with(fun, Settings(who, on_error), argnums, state, closed=True)
 
 
 def reverse_with(fun: Callable, settings: Settings, argnums: int | Sequence[int] = 0,
-                 state: Any = None) -> Callable:
+                 state: Any = None, closed: bool = False) -> Callable:
     """`reverse(fun)` whose walks have the caller's `settings` (the inverse transforms run
-    theirs in their own name and without Newton's method)."""
+    theirs in their own name and without Newton's method). `closed`: traced, the inverse is
+    one `custom_inverse` step whose inverse is `fun` (what `reverse` hands to users, who may
+    invert it again; the transforms that only evaluate or differentiate it skip the wrap)."""
     nums_key = argnums if isinstance(argnums, int) else tuple(argnums)
 
-    def impl(*args: Any) -> Any:
+    def walk(*args: Any) -> Any:
         return invert_call(fun, args, argnums, settings=settings, state=state).state
+
+    def impl(*args: Any) -> Any:
+        leaves = jax.tree_util.tree_leaves(args)
+        if closed and state is None and not all(is_concrete(x) for x in leaves):
+            # traced, the inverse is one step whose own inverse is `fun`: what the walk emits
+            # (element masks, a consistent-case choice, Newton's method) need not be invertible
+            # by jaxrev in turn, and reverse(reverse(fun)) is then `fun` itself
+            # (docs/design.md §3.5). Eagerly the walk runs on values (its errors name the step)
+            step = custom_inverse(walk, argnums)
+            step.definverse(fun)
+            return step(*args)
+        return walk(*args)
 
     @functools.wraps(fun)
     def inv(*args: Any) -> Any:
         # eager calls are compiled from the second on, keyed like jax.jit's (`_cache`)
-        return cached_call(("reverse", nums_key, settings), (fun, state), impl, args)
+        return cached_call(("reverse", nums_key, settings, closed), (fun, state), impl, args)
 
     inv.__name__ = f"reverse({getattr(fun, '__name__', 'fun')})"
     # reverse(inv) needs inv's state (fun's output) when fun changes structure
