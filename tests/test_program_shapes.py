@@ -10,6 +10,8 @@ import pytest
 from jax import lax
 
 import jaxrev as jr
+from programs.elements import rq_knots
+from programs.families import family, loss
 
 jax.config.update("jax_enable_x64", True)
 
@@ -239,3 +241,114 @@ def test_inverse_vjp_goes_on_when_the_programs_own_grouping_looks_singular():
     v = jnp.cos(jnp.arange(4.0))
     _close(jr.inverse_vjp(f, a)[1]((v,)), jnp.linalg.solve(J.T, v))
     _close(jr.inverse_jvp(f, (a,), v)[1][0], jnp.linalg.solve(J, v))
+
+
+# ----------------------------------------------------------------------------- issue 28
+
+def test_mask_from_a_parameter_inside_vmap():
+    """`where(P[1] > 0, s0 * P[2], s0 + P[3])` per row under `vmap`: the factors broadcast over
+    the batch axis as `(1, n)` operands of `mul`/`add` (lax broadcasts size-1 axes), which the
+    element rules read like scalars; each case is an invertible affine map chosen by a known
+    mask."""
+    def f(s, P):
+        def row(s0):
+            s0 = s0 * P[0]
+            return jnp.where(P[1] > 0, s0 * P[2], s0 + P[3])
+        return jax.vmap(row)(s)
+    s = jnp.array([[1.0, 2.0], [3.0, -4.0]])
+    P = jnp.array([[1.5, 2.0], [1.0, -1.0], [2.0, 3.0], [0.5, 0.7]])
+    y = f(s, P)
+    _close(jr.reverse(f)(y, P), s, 1e-12)
+    _close(jax.jit(jr.reverse(f))(y, P), s, 1e-12)
+    _close(jax.grad(_loss(jr.reversible(f)), argnums=(0, 1))(s, P),
+           jax.grad(_loss(f), argnums=(0, 1))(s, P))
+
+
+def _spline_by_select(x, p, bound=3.0):
+    """A rational-quadratic spline written as `jnp.select` over its bins (each bin's piece
+    computed everywhere, the bin's own condition picks it), identity outside [-B, B)."""
+    xk, yk, d = p["xk"], p["yk"], p["d"]
+    conds, vals = [], []
+    for i in range(xk.shape[0] - 1):
+        w, h = xk[i + 1] - xk[i], yk[i + 1] - yk[i]
+        s = h / w
+        z = (x - xk[i]) / w
+        num = h * (s * z * z + d[i] * z * (1 - z))
+        den = s + (d[i + 1] + d[i] - 2 * s) * z * (1 - z)
+        conds.append((x >= xk[i]) & (x < xk[i + 1]))
+        vals.append(yk[i] + num / den)
+    return jnp.where(jnp.abs(x) < bound, jnp.select(conds, vals, x), x)
+
+
+@pytest.mark.parametrize("how", ["eager", "jit", "vmap", "vmap inside", "jit inside"])
+def test_spline_by_select_over_bins(how):
+    """The bin index is an argmax over the stacked conditions: it only decides the select's
+    case, so each branch inverts one bin's piece (consistency picks the bin). A candidate near
+    0 computed through knots of order 1 agrees with the others to their rounding."""
+    p = rq_knots(jax.random.PRNGKey(3))
+    x = jnp.linspace(-4.0, 4.0, 11) + 0.013      # 0.013: inside a bin, next to 0
+    y = _spline_by_select(x, p)
+    f = _spline_by_select
+    if how == "eager":
+        got = jr.reverse(f)(y, p)
+    elif how == "jit":
+        got = jax.jit(jr.reverse(f))(y, p)
+    elif how == "vmap":
+        got = jax.vmap(jr.reverse(f), (0, None))(y[:, None], p)[:, 0]
+    elif how == "vmap inside":
+        got = jr.reverse(lambda x, p: jax.vmap(lambda e: f(e, p))(x))(y, p)
+    else:
+        got = jr.reverse(jax.jit(f))(y, p)
+    _close(got, x, 1e-12)
+    if how == "eager":
+        _close(jax.grad(_loss(jr.reversible(f)), argnums=(0, 1))(x, p),
+               jax.grad(_loss(f), argnums=(0, 1))(x, p))
+
+
+def test_masked_steps_with_a_batched_mask():
+    """Per-step masks from a time parameter that differs per batch element."""
+    f, s, _ = family("per_step", 4, n=6)
+    S = jax.tree_util.tree_map(lambda v: jnp.stack([v, 0.5 * v, -v]), s)
+    P = {"t": jnp.array([1.5, 2.5, 4.5])}
+    Y = jax.vmap(f)(S, P)
+    _close(jax.vmap(jr.reverse(f))(Y, P), S, 1e-12)
+    _close(jax.jit(jax.vmap(jr.reverse(f)))(Y, P), S, 1e-12)
+    _close(jr.reverse(jax.vmap(f))(Y, P), S, 1e-12)
+    _close(jax.vmap(jax.grad(loss(jr.reversible(f)), argnums=(0, 1)))(S, P),
+           jax.vmap(jax.grad(loss(f), argnums=(0, 1)))(S, P))
+
+
+@pytest.mark.parametrize("name", ["coupled steps", "masked coupling", "jr.cond", "spline"])
+def test_reverse_is_closed_under_its_own_inverses(name):
+    """reverse(reverse(f)) == f for what the walk emits with element masks, fill values and
+    consistent-case choices (the inverse is one step whose inverse is f), eager and jitted."""
+    if name == "coupled steps":       # issue 28's forty unrolled steps
+        def f(s, c):
+            x, y = s
+            for i in range(40):
+                x = x + jnp.tanh(c * y + i)
+                y = y - jax.nn.softplus(x) * 0.1
+            return x, y
+        s, c = (jnp.linspace(-1.0, 1.0, 5), jnp.linspace(0.0, 1.0, 5)), jnp.asarray(0.7)
+    elif name == "masked coupling":   # found by the grammar: a per-element parameter mask
+        def f(s, c):
+            a, b = s
+            t2 = a + jnp.tanh(b[::-1])
+            u3 = b + jnp.sin(c["w4"] * t2)
+            return jnp.where(c["w1"] > 0, t2, a), jnp.where(c["w1"] > 0, u3, b)
+        s = (jnp.array([0.0025, 0.005]), jnp.array([0.0075, 0.01]))
+        c = {"w1": jnp.array([0.3, -0.2]), "w4": jnp.array([0.5, 0.7])}
+    elif name == "jr.cond":
+        def f(s, c):
+            return jr.cond(s[0] > 0, lambda v: v * 2.0, lambda v: v - 10.0, s,
+                           post=lambda v: v[0] > 0) * c
+        s, c = jnp.array([0.5, -1.0, 2.0]), jnp.asarray(1.5)
+    else:
+        f = _spline_by_select
+        s, c = jnp.linspace(-2.5, 2.5, 7) + 0.01, rq_knots(jax.random.PRNGKey(3))
+    y = f(s, c)
+    inv = jr.reverse(f)
+    _close(inv(y, c), s, 1e-10)
+    _close(jr.reverse(inv)(s, c), y, 1e-10)
+    _close(jax.jit(jr.reverse(inv))(s, c), y, 1e-10)
+    _close(jr.reverse(jr.reverse(inv))(y, c), s, 1e-10)

@@ -8,7 +8,9 @@ it is the reproducer, runnable as it is.
 Constructs (each a step on the state; compound steps hold a random sub-program):
 additive and masked couplings between leaves (`jnp.where`, masks), a scale, a leaky relu (a
 select on the state), `.at[]` updates (a half-split coupling and NiLang's `x[i] += g(x[i-1])`
-chain), simultaneous updates and swaps, `jnp.roll`; sub-programs wrapped in `jax.jit`,
+chain), simultaneous updates and swaps, `jnp.roll`, gathers by a fixed permutation, steps
+masked by a predicate known only when the program runs (a parameter per element or per step,
+or the loop counter) and diffrax-style masked couplings; sub-programs wrapped in `jax.jit`,
 `jax.custom_jvp` and `jax.custom_vjp` (rules written with `jax.jvp` / `jax.vjp` of the
 sub-program, as library code does), elementwise functions under `jax.vmap`, `lax.scan`,
 `lax.fori_loop` (zero-trip included, bodies that close over the counter), a `while_loop` of a
@@ -111,9 +113,9 @@ class _Gen:
     # ---------------------------------------------------------------- simple steps
     def simple(self, counter: str | None) -> list[str]:
         n, k = self.n, self.k
-        kinds = ["scale", "leaky", "half", "chain", "roll", "mask_self"]
+        kinds = ["scale", "leaky", "half", "chain", "roll", "mask_self", "perm", "pmask"]
         if k > 1:
-            kinds += ["add", "mask", "swap", "simul"]
+            kinds += ["add", "mask", "swap", "simul", "pcoupling"]
         if counter is not None:
             kinds += ["shift"]
         kind = self.draw(st.sampled_from(kinds))
@@ -142,6 +144,12 @@ class _Gen:
                     f"jnp.sum({t} * {mask}))) + jnp.tanh(jnp.sum({t} * {mask})))"]
         if kind == "shift":
             return [f"{t} = {t} + 0.1 * {counter}.astype({t}.dtype)"]
+        if kind == "perm":   # a gather by a fixed permutation, as flows permute between couplings
+            perm = self.draw(st.permutations(list(range(n))))
+            return [f"{t} = {t}[jnp.array({list(perm)!r})]"]
+        if kind == "pmask":  # a step kept where a parameter says (known when the program runs)
+            return [f"{t} = jnp.where({self._predicate(counter)}, {t} * jnp.exp(0.3 * "
+                    f"{self.param((n,))}) + 0.25, {t})"]
         u = self.leaf(exclude=t)
         if kind == "add":
             return [f"{t} = {t} + jnp.tanh({self.param((n,))} * {u})"]
@@ -152,7 +160,23 @@ class _Gen:
                     f"+ jnp.tanh({u}))"]
         if kind == "swap":
             return [f"{t}, {u} = {u}, {t}"]
+        if kind == "pcoupling":   # diffrax's masked step: both halves kept or not, together
+            keep = self._predicate(counter)
+            t2, u2 = self.fresh("t"), self.fresh("u")
+            return [f"{t2} = {t} + jnp.tanh({u}[::-1])",
+                    f"{u2} = {u} + jnp.sin({self.param((n,))} * {t2})",
+                    f"{t}, {u} = jnp.where({keep}, {t2}, {t}), jnp.where({keep}, {u2}, {u})"]
         return [f"{t}, {u} = {t} + jnp.tanh({u}), {u} * 1.5"]  # simul: one simultaneous update
+
+    def _predicate(self, counter: str | None) -> str:
+        """A mask that does not depend on the state: one from a parameter, per element or
+        one for the whole step (as diffrax's `t < t1`), or from the loop counter."""
+        kind = self.draw(st.sampled_from(["vector", "scalar"] + (["counter"] if counter else [])))
+        if kind == "vector":
+            return f"{self.param((self.n,))} > 0"
+        if kind == "scalar":
+            return f"{self.param(())} > {self.draw(st.sampled_from([-0.5, 0.0, 0.5]))}"
+        return f"{self.param(())} * 4.0 > {counter}.astype(jnp.float32)"
 
     # ---------------------------------------------------------------- programs
     def block(self, depth: int, counter: str | None) -> list[str]:
