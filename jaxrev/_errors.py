@@ -129,14 +129,17 @@ WAYS_OUT = (
     "`jr.register_inverse(primitive, rule)`.")
 
 
-def at_eqn(cls: type, eqn: Any, what: str, hint: str, *, who: str) -> JaxrevError:
+def at_eqn(cls: type, eqn: Any, what: str, hint: str, *, who: str,
+           group: bool = True) -> JaxrevError:
     """An error of class `cls` (`ReversibilityError`, `SingularJacobianError`) about `eqn`,
     naming its primitive and the user's line: "<who>: <what>; the group starts with `p` at
-    <line>\n<hint>" (`who`: the transform's public name, from its walk context)."""
+    <line>\n<hint>", or (not `group`: a single step) "<who>: <what> at `p` at <line>\n<hint>"
+    (`who`: the transform's public name, from its walk context)."""
     file, line, summary = user_source(eqn)
     summary = summary or "an equation with no user source line"
     name = eqn.primitive.name
-    return cls(f"{who}: {what}; the group starts with `{name}` at {summary}\n{hint}",
+    where = "; the group starts with" if group else " at"
+    return cls(f"{who}: {what}{where} `{name}` at {summary}\n{hint}",
                primitive=name, file=file, line=line)
 
 

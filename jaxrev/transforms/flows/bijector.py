@@ -11,7 +11,9 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from jaxrev._compat import is_concrete
 from jaxrev._program import fun_name
 from jaxrev.transforms.flows.slogdet import forward_and_slogdet, inverse_and_slogdet
 from jaxrev.transforms.knowledge.context import Settings, resolve_on_error
@@ -56,9 +58,15 @@ class Bijector:
         self.is_constant_jacobian = False
         self.is_constant_log_det = False
         on_error = resolve_on_error("jaxrev.Bijector", on_error, on_singular=on_singular)
+        self._on_error = on_error
         self._inv = reverse_with(fun, Settings("jaxrev.Bijector", on_error), argnums)
         self._fwd_ld = forward_and_slogdet(fun, argnums, method=method, on_error=on_error)
         self._inv_ld = inverse_and_slogdet(fun, argnums, method=method, on_error=on_error)
+        # a batch called eagerly runs vmapped, where values are traced: it runs without
+        # checks, and a failed sample is then run alone, on values, to raise (or warn) naming
+        # the step (docs/flows.md: on concrete values every entry point raises)
+        self._fwd_ld_nan = forward_and_slogdet(fun, argnums, method=method, on_error="nan")
+        self._inv_ld_nan = inverse_and_slogdet(fun, argnums, method=method, on_error="nan")
 
     def _batched(self, g: Callable, x: Any, params: Sequence[Any]) -> Any:
         leaves = jax.tree_util.tree_leaves(x)
@@ -77,18 +85,37 @@ class Bijector:
             h = jax.vmap(h, in_axes=(0, *([None] * len(params))))
         return h(x, *params)
 
+    def _checked(self, g: Callable, unchecked: Callable, x: Any,
+                 params: Sequence[Any]) -> tuple[Any, Any]:
+        """`g` batched; called eagerly on a batch, the first sample with a non-finite result
+        runs again alone, on values, so that its error names the step."""
+        leaves = jax.tree_util.tree_leaves((x, params))
+        nb = jnp.ndim(jax.tree_util.tree_leaves(x)[0]) - self.event_ndims_in
+        if (nb <= 0 or self._on_error == "nan"
+                or not all(is_concrete(v) for v in leaves)):
+            return self._batched(g, x, params)
+        out, ld = self._batched(unchecked, x, params)
+        bad = ~jnp.isfinite(ld)
+        for o in jax.tree_util.tree_leaves(out):
+            bad = bad | ~jnp.all(jnp.isfinite(o), axis=tuple(range(nb, jnp.ndim(o))))
+        if bool(jnp.any(bad)):
+            at = np.unravel_index(int(jnp.argmax(bad.ravel())), bad.shape)
+            sample = jax.tree_util.tree_map(lambda v: v[at], x)
+            a = self.argnums
+            g(*params[:a], sample, *params[a:])
+        return out, ld
+
     def forward(self, x: Any, *params: Any) -> Any:
         return self._batched(self.fun, x, params)
-
 
     def inverse(self, y: Any, *params: Any) -> Any:
         return self._batched(self._inv, y, params)
 
     def forward_and_log_det(self, x: Any, *params: Any) -> tuple[Any, Any]:
-        return self._batched(self._fwd_ld, x, params)
+        return self._checked(self._fwd_ld, self._fwd_ld_nan, x, params)
 
     def inverse_and_log_det(self, y: Any, *params: Any) -> tuple[Any, Any]:
-        return self._batched(self._inv_ld, y, params)
+        return self._checked(self._inv_ld, self._inv_ld_nan, y, params)
 
     def forward_log_det_jacobian(self, x: Any, *params: Any) -> Any:
         return self.forward_and_log_det(x, *params)[1]

@@ -43,7 +43,8 @@ from jaxrev.transforms.registry import (DENSE_STEP, ELEMENTWISE, STRUCTURAL, Log
                                         Unsupported, elementwise_in, index_args, is_kind,
                                         logdet_rules)
 
-__all__ = ["Unsupported", "Plan", "plan", "evaluate_plan", "LogdetContext", "DENSE_STEP"]
+__all__ = ["Unsupported", "Plan", "plan", "evaluate_plan", "LogdetContext", "DENSE_STEP",
+           "UNSIGNED_RULE", "UNSIGNED_PERM"]
 
 """Largest step (recovered elements) whose Jacobian is materialised when it has no structure."""
 
@@ -80,14 +81,20 @@ class _PStep:
 @dataclass
 class Plan:
     """A walk's record made into the steps to evaluate, with the sign of σ (None where the
-    slots could not be followed at trace time), whether σ is the identity pairing of goals
-    and seeded outputs (a loop body's), and the walk's trace-time knowledge (`info`)."""
+    slots could not be followed at trace time, `unsigned` saying why), whether σ is the
+    identity pairing of goals and seeded outputs (a loop body's), and the walk's trace-time
+    knowledge (`info`)."""
 
     steps: list[_PStep]
     perm_sign: int | None
     identity: bool
     info: Any
     recorder: records.Recorder
+    unsigned: str | None = None
+
+
+UNSIGNED_RULE = "a `deflogdet` rule returns no sign"
+UNSIGNED_PERM = "the sign of a permutation the program applies is not followed"
 
 
 OPAQUE = -2
@@ -210,7 +217,9 @@ def plan(rec: records.Recorder, seeded: Sequence[Var], goals: Sequence[Var],
         identity = pair and bool(np.all(final == np.arange(n)))
     elif np.any((final < 0) & (final != OPAQUE)):
         raise Unsupported("an element of the state was not recovered by a step it can follow")
-    return Plan(steps, perm_sign, identity, rec.env.info if rec.env is not None else None, rec)
+    why = None if perm_sign is not None else UNSIGNED_RULE if slots.unsigned else UNSIGNED_PERM
+    return Plan(steps, perm_sign, identity, rec.env.info if rec.env is not None else None, rec,
+                why)
 
 
 def _perm_sign(p: np.ndarray) -> int:
@@ -254,7 +263,9 @@ def _plan_step(st: records.Step, rec: records.Recorder, slots: _Slots) -> _PStep
             os = [eqn.outvars[i] for i in child.seeded_pos if _inexact(eqn.outvars[i])]
             if set(us) != {v for _, v, _, _ in got}:
                 raise Unsupported(f"`{p}` recovered other inputs than its sub-jaxpr's walk")
-            if cplan.perm_sign is None:
+            if cplan.unsigned == UNSIGNED_RULE:
+                slots.unsigned = True
+            elif cplan.perm_sign is None:
                 slots.exact = False
             elif cplan.perm_sign < 0:
                 # σ of the loop is the product of each iteration's: the body's, `length` times
@@ -461,14 +472,15 @@ def evaluate_plan(pl: Plan, read: Callable[[Any], Any], dtype: Any,
                   permutation: bool = True, per_step: list | None = None) -> tuple[Any, Any]:
     """(sign, log|det ∂outputs/∂inputs|) of the walk's program at the values `read` gives.
     (`sign` includes σ's when the plan knows it and `permutation` asks for it; `per_step`
-    collects (equation, its log|det|) for naming a singular step.)"""
+    collects (equation, its log|det|, whether it is a group's first) for naming a singular
+    step.)"""
     sign = jnp.asarray(pl.perm_sign if permutation and pl.perm_sign is not None else 1, dtype)
     logabs = jnp.zeros((), dtype)
     for ps in pl.steps:
         before = logabs
         sign, logabs = _eval_step(ps, read, sign, logabs, pl)
         if per_step is not None and ps.how not in ("none", "structural"):
-            per_step.append((ps.step.eqns[0], logabs - before))
+            per_step.append((ps.step.eqns[0], logabs - before, ps.step.kind != "eqn"))
     return sign, logabs
 
 

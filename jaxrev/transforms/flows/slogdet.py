@@ -21,8 +21,8 @@ import numpy as np
 from jaxrev._compat import Primitive, is_concrete, staged_constants
 from jaxrev._errors import (NotInvertibleError, SingularJacobianError, at_eqn, fail,
                             singular_jacobian)
-from jaxrev._jaxpr import Env, Unknown, evaluate, prepare, without_custom_vjp
-from jaxrev._program import (check_sizes, eval_shape, fun_name, normalize_argnums,
+from jaxrev._jaxpr import Env, Unknown, eval_closed, evaluate, prepare, without_custom_vjp
+from jaxrev._program import (check_sizes, fun_name, normalize_argnums,
                              trace_program, traced_leaves)
 from jaxrev.transforms.knowledge import elements, records
 from jaxrev.transforms.knowledge.checks import check_at_run_time
@@ -42,7 +42,8 @@ METHODS = ("auto", "sweep", "dense")
 class _Traced:
     """A function traced over its flat arguments, prepared for walking."""
 
-    closed: Any          # the prepared closed jaxpr
+    closed: Any          # the prepared closed jaxpr (custom_vjp calls: their primal computation)
+    raw: Any             # the jaxpr as traced (custom_vjp calls kept)
     flat: list           # flat argument values
     state_pos: list[int]
     out_tree: Any
@@ -64,9 +65,22 @@ def _trace(fun: Callable, args: Sequence[Any], argnums: tuple[int, ...], who: st
                             f"{jnp.result_type(x)}")
     st = args[argnums[0]] if len(argnums) == 1 else tuple(args[a] for a in argnums)
     dtype = jnp.result_type(*state) if state else jnp.float32
-    return _Traced(closed, list(prog.flat), prog.state_pos,
+    return _Traced(closed, prog.closed, list(prog.flat), prog.state_pos,
                    jax.tree_util.tree_structure(prog.out_shape),
                    jax.tree_util.tree_structure(st), dtype, who)
+
+
+def _state_fun(t: _Traced, closed: Any = None) -> tuple[Callable, list]:
+    """The traced program (`t.closed` unless `closed` is given) as a function of its state's
+    flat leaves, the parameters held at their values; and the state's leaves."""
+    closed = t.closed if closed is None else closed
+
+    def of_state(*leaves: Any) -> list:
+        flat = list(t.flat)
+        for i, x in zip(t.state_pos, leaves):
+            flat[i] = x
+        return eval_closed(closed, *flat)
+    return of_state, [t.flat[i] for i in t.state_pos]
 
 
 def _walk(t: _Traced, ys: Sequence[Any], on_error: str = "raise"
@@ -116,99 +130,141 @@ def _forward(t: _Traced) -> tuple[list, Env]:
     return [env.read(v) for v in jaxpr.outvars], env
 
 
-def _sweep_forward(t: _Traced, need_sign: bool) -> tuple[list, Any, Any, list]:
+# what JAX raises where forward mode cannot pass a primitive (a callback has no JVP rule)
+_NO_FORWARD_MODE = (TypeError, NotImplementedError, ValueError)
+
+
+@dataclass
+class _Swept:
+    """What a sweep gave: the outputs (None from the linearized sweep), the sign (None where
+    the sweep does not follow it, `unsigned` saying why), log|det|, the per-step log-dets
+    (`evaluate_plan`'s `per_step`) and the strategy."""
+
+    ys: list | None
+    sign: Any
+    logabs: Any
+    steps: list
+    how: str
+    unsigned: str | None
+
+
+def _sweep_forward(t: _Traced, how: str) -> _Swept:
     pl = _plan_abstract(t)
-    if need_sign and pl.perm_sign is None:
-        raise Unsupported("the sign of a permutation the program applies is not followed")
     ys, env = _forward(t)
     env.info = pl.info
     steps: list = []
     sign, logabs = evaluate_plan(pl, env.read, t.dtype, per_step=steps)
-    return ys, sign, logabs, steps
+    return _Swept(ys, None if pl.perm_sign is None else sign, logabs, steps, how, pl.unsigned)
 
 
-def _tangent_map(fun: Callable, args: Sequence[Any], nums: tuple[int, ...]
-                 ) -> tuple[Callable, list]:
-    """`fun`'s linearization in its state at `args` (the step partials are its constants),
-    as a function of the state's tangents, and zero tangents to evaluate it at."""
-    state = [args[a] for a in nums]
-
-    def of_state(*st):
-        a = list(args)
-        for i, v in zip(nums, st):
-            a[i] = v
-        return fun(*a)
-    # values computed from constants alone (a scatter's indices) stay concrete under jit
-    with jax.ensure_compile_time_eval():
-        _, lin = jax.linearize(of_state, *state)
-    return lin, [jax.tree_util.tree_map(jnp.zeros_like, v) for v in state]
-
-
-def _sweep(fun: Callable, args: Sequence[Any], nums: tuple[int, ...], who: str,
-           need_sign: bool) -> tuple[list | None, Any, Any, list, str]:
-    """log|det| (and the sign) from the sweep that inverts `fun` ("sweep"), else from the
-    sweep that inverts its tangent program ("sweep (linearized)": a program that `reverse`
-    cannot invert, such as a triangular nonlinear recurrence, may have an invertible Jacobian
-    whose steps the walker inverts). Returns (outputs or None, sign, log|det|, per-step
-    log-dets, strategy); raises `Unsupported` or `NotInvertibleError` where neither applies."""
+def _linearized(t: _Traced) -> _Swept:
+    """The sweep over `t`'s tangent program at its values ("sweep (linearized)": a program
+    that `reverse` cannot invert, such as a triangular nonlinear recurrence, may have an
+    invertible Jacobian whose steps the walker inverts). The partials are its constants;
+    custom_vjp calls are linearized through their primal computation, as the sweep sees
+    them."""
+    of_state, state = _state_fun(t)
     try:
-        t = _trace(fun, args, nums, who)
-        ys, sign, logabs, steps = _sweep_forward(t, need_sign)
-        return ys, sign, logabs, steps, "sweep"
+        # values computed from constants alone (a scatter's indices) stay concrete under jit
+        with jax.ensure_compile_time_eval():
+            _, lin = jax.linearize(of_state, *state)
+    except _NO_FORWARD_MODE as e:
+        raise Unsupported(f"forward mode cannot differentiate the program: {e}") from None
+    zeros = [jnp.zeros_like(x) for x in state]
+    sw = _sweep_forward(_trace(lin, zeros, tuple(range(len(zeros))), t.who),
+                        "sweep (linearized)")
+    sw.ys = None
+    return sw
+
+
+def _sweep(t: _Traced) -> _Swept:
+    """log|det| (and the sign, where it is followed) from the sweep that inverts the program
+    ("sweep"), else from the sweep that inverts its tangent program ("sweep (linearized)").
+    Raises `Unsupported` or `NotInvertibleError` where neither applies (a singular step found
+    at trace time: its `NotInvertibleError`, at once)."""
+    try:
+        return _sweep_forward(t, "sweep")
     except (Unsupported, NotInvertibleError) as e:
         if isinstance(e, NotInvertibleError) and e.singular:
             raise
         first = e
     try:
-        lin, zeros = _tangent_map(fun, args, nums)
-        t = _trace(lin, zeros, tuple(range(len(zeros))), who)
-        _, sign, logabs, steps = _sweep_forward(t, need_sign)
-        return None, sign, logabs, steps, "sweep (linearized)"
+        return _linearized(t)
     except (Unsupported, NotInvertibleError) as e:
         if isinstance(e, NotInvertibleError) and e.singular:
             raise
         raise first from None
 
 
-def _dense(fun: Callable, args: Sequence[Any], nums: tuple[int, ...]) -> tuple[Any, Any]:
-    """slogdet of the Jacobian of `fun`'s flattened output with respect to its flattened
-    state: the last resort."""
-    state = [args[a] for a in nums]
-    leaves, tree = jax.tree_util.tree_flatten(state)
-    sizes = [int(np.size(x)) for x in leaves]
+def _sign_elsewhere(t: _Traced, sw: _Swept, dense: bool = True) -> tuple[Any, str]:
+    """The sign of det J where the sweep `sw` gives log|det| only (a permutation decided at
+    run time, a `deflogdet` rule with no sign): from the linearized sweep where it follows
+    it, else from the dense Jacobian (None without `dense`). log|det| stays the sweep's, so
+    the user's rules hold; only the sign is the true Jacobian's."""
+    if sw.how == "sweep":
+        try:
+            lin = _linearized(t)
+            if lin.sign is not None:
+                return lin.sign, "the linearized sweep"
+        except (Unsupported, NotInvertibleError):
+            pass   # (a singular tangent step: the dense Jacobian's sign is then 0)
+    return (_dense(t)[0] if dense else None), "the dense Jacobian"
 
-    def f(vec):
-        parts, k = [], 0
-        for x, n in zip(leaves, sizes):
-            parts.append(jnp.reshape(vec[k:k + n], jnp.shape(x)).astype(jnp.result_type(x)))
-            k += n
-        st = jax.tree_util.tree_unflatten(tree, parts)
-        a = list(args)
-        for i, s in zip(nums, st):
-            a[i] = s
-        return jnp.concatenate([jnp.ravel(o) for o in jax.tree_util.tree_leaves(fun(*a))])
-    x0 = jnp.concatenate([jnp.ravel(x) for x in leaves])
-    with staged_constants():
-        return jnp.linalg.slogdet(jax.jacfwd(f)(x0))
+
+def _dense(t: _Traced) -> tuple[Any, Any]:
+    """slogdet of the Jacobian of the flattened output with respect to the flattened state:
+    the last resort. Forward mode through the primal computation of custom_vjp calls (the
+    sweep's view of them); reverse mode through the user's VJP rules where forward mode is
+    not available (a callback with no JVP rule)."""
+    state = [t.flat[i] for i in t.state_pos]
+
+    def flat(g: Callable) -> Callable:
+        def f(vec):
+            parts, k = [], 0
+            for x in state:
+                n = int(np.size(x))
+                parts.append(jnp.reshape(vec[k:k + n], jnp.shape(x)).astype(jnp.result_type(x)))
+                k += n
+            return jnp.concatenate([jnp.ravel(o) for o in g(*parts)])
+        return f
+    x0 = jnp.concatenate([jnp.ravel(x) for x in state])
+    with staged_constants():   # the n x n identity basis must not become a constant
+        try:
+            J = jax.jacfwd(flat(_state_fun(t)[0]))(x0)
+        except _NO_FORWARD_MODE as e:
+            # (where reverse mode fails too, its error says why, with forward mode's as cause)
+            try:
+                J = jax.jacrev(flat(_state_fun(t, t.raw)[0]))(x0)
+            except Exception as e2:
+                raise e2 from e
+        return jnp.linalg.slogdet(J)
 
 
 def _singular_check(logabs: Any, who: str, on_error: str,
-                    per_step: Sequence[tuple[Any, Any]] = (), at_run_time: bool = True) -> Any:
+                    per_step: Sequence[tuple[Any, Any, bool]] = (), at_run_time: bool = True,
+                    dense: str | None = None) -> Any:
     """A vanished pivot gives log|det| = -inf: with "raise", an error naming the step, eagerly
-    at once, and (`at_run_time`) under jit when the program runs ("warn": a warning)."""
+    at once, and (`at_run_time`) under jit when the program runs ("warn": a warning).
+    `dense`: why the dense Jacobian was taken (no step to name)."""
     if on_error == "nan":
         return logabs
-    eqns = [e for e, _ in per_step]
 
     def error(bad: Any) -> SingularJacobianError:
-        hit = [e for e, b in zip(eqns, bad) if b]
-        if not hit:
+        hit = [(e, group) for (e, _, group), b in zip(per_step, bad) if b]
+        if hit:
+            e, group = hit[0]
+            return at_eqn(SingularJacobianError, e, "the Jacobian is singular (a pivot "
+                          "vanished)", "Pass on_error='nan' to get -inf instead.", who=who,
+                          group=group)
+        if dense is not None:
             return SingularJacobianError(
-                f"{who}: the Jacobian is singular (a pivot of the inversion sweep vanished); "
-                "pass on_error='nan' to get -inf instead")
-        return at_eqn(SingularJacobianError, hit[0], "the Jacobian is singular (a pivot "
-                      "vanished)", "Pass on_error='nan' to get -inf instead.", who=who)
-    flags = [jnp.isneginf(la) for _, la in per_step]
+                f"{who}: the Jacobian is singular (its dense Jacobian, taken because "
+                f"{dense}, has determinant 0): no single step can be named without a "
+                "step-by-step inversion; pass on_error='nan' to get -inf instead")
+        return SingularJacobianError(
+            f"{who}: the Jacobian is singular (log|det| = -inf) and no single step could be "
+            "named; pass on_error='nan' to get -inf instead")
+    flags = [jnp.isneginf(la) for _, la, _ in per_step]
     if is_concrete(logabs) and all(is_concrete(f) for f in flags):
         if bool(jnp.any(jnp.isneginf(logabs))):
             fail(on_error, error([bool(f) for f in flags]))
@@ -223,22 +279,27 @@ def _singular_check(logabs: Any, who: str, on_error: str,
 
 
 def _try_sweep(run: Callable[[], Any], method: str, on_error: str, who: str,
-               dense_if_not_invertible: bool = True) -> Any:
-    """`run()`, the sweep; None where "auto" falls back to the dense Jacobian (a step the
-    sweep cannot describe; a program it cannot invert, when the caller can do without its
-    inverse). A vanished pivot found while inverting raises, naming the step."""
+               dense_if_not_invertible: bool = True) -> tuple[Any, str]:
+    """`run()`, the sweep, and ""; or None and why, where "auto" falls back to the dense
+    Jacobian (a step the sweep cannot describe; a program it cannot invert, when the caller
+    can do without its inverse). A vanished pivot found while inverting raises, naming the
+    step."""
     try:
-        return run()
+        return run(), ""
     except Unsupported as e:
         if method == "sweep":
             raise NotInvertibleError(f"{who}: the inversion sweep cannot give the "
                                      f"log-determinant: {e}") from None
+        return None, f"the sweep cannot give the log-determinant ({e})"
     except NotInvertibleError as e:
         if e.singular and on_error == "raise":
             raise singular_jacobian(e, who) from None
         if method == "sweep" or not (e.singular or dense_if_not_invertible):
             raise
-    return None
+        return None, str(e).splitlines()[0]
+
+
+_ASKED = "method='dense' was asked for"
 
 
 def _check_method(method: str, who: str) -> None:
@@ -272,20 +333,29 @@ def slogdet_jacobian(fun: Callable, *primals: Any, argnums: int | Sequence[int] 
     on_error = resolve_on_error(who, on_error, on_singular=on_singular)
     _check_method(method, who)
     nums = normalize_argnums(argnums, len(primals), fun)
+    t = _trace(fun, primals, nums, who)
+    why = _ASKED
     if method != "dense":
         def run():
-            _, sign, logabs, steps, _ = _sweep(fun, primals, nums, who, need_sign=True)
-            return sign, _singular_check(logabs, who, on_error, steps, at_run_time=False)
-        got = _try_sweep(run, method, on_error, who)
+            sw = _sweep(t)
+            logabs = _singular_check(sw.logabs, who, on_error, sw.steps, at_run_time=False)
+            if sw.sign is not None:
+                return sw.sign, logabs
+            # log|det| stays the sweep's (a deflogdet rule's, where one is given)
+            sign = _sign_elsewhere(t, sw)[0]
+            return jnp.where(jnp.isneginf(logabs), 0, sign).astype(sign.dtype), logabs
+        got, why = _try_sweep(run, method, on_error, who)
         if got is not None:
             return got
-    sign, logabs = _dense(fun, primals, nums)
-    return sign, _singular_check(logabs, who, on_error, at_run_time=False)
+    sign, logabs = _dense(t)
+    return sign, _singular_check(logabs, who, on_error, at_run_time=False, dense=why)
 
 
 def logdet_strategy(fun: Callable, *primals: Any, argnums: int | Sequence[int] = 0) -> str:
     """Which strategy `slogdet_jacobian` (and the flow transforms) use for `fun` at `primals`,
-    and why: "sweep", or "dense: <the step the sweep cannot describe>".
+    and why: "sweep", "sweep (linearized)" (the sweep over its tangent program), either with
+    "(log|det| only: <why>; the sign from <where>)" where the sweep does not follow the sign,
+    or "dense: <the step the sweep cannot describe>".
 
     Example:
         >>> import jax.numpy as jnp, jaxrev as jr
@@ -293,18 +363,15 @@ def logdet_strategy(fun: Callable, *primals: Any, argnums: int | Sequence[int] =
         'sweep'
     """
     nums = normalize_argnums(argnums, len(primals), fun)
+    t = _trace(fun, primals, nums, "jaxrev.logdet_strategy")
     try:
-        _, _, _, _, how = _sweep(fun, primals, nums, "jaxrev.logdet_strategy", need_sign=True)
-        return how
-    except NotInvertibleError as e:
-        return f"dense: {str(e).splitlines()[0]}"
-    except Unsupported:
-        pass
-    try:
-        _, _, _, _, how = _sweep(fun, primals, nums, "jaxrev.logdet_strategy", need_sign=False)
+        sw = _sweep(t)
     except (Unsupported, NotInvertibleError) as e:
         return f"dense: {str(e).splitlines()[0]}"
-    return f"{how} (log|det| only: the sign of a permutation is not followed)"
+    if sw.sign is not None:
+        return sw.how
+    _, where = _sign_elsewhere(t, sw, dense=False)
+    return f"{sw.how} (log|det| only: {sw.unsigned}; the sign from {where})"
 
 
 def _reader(env: Env) -> Callable[[Any], Any]:
@@ -346,17 +413,21 @@ def forward_and_slogdet(fun: Callable, argnums: int | Sequence[int] = 0, *,
     @functools.wraps(fun)
     def fwd(*args: Any) -> tuple[Any, Any]:
         nums = normalize_argnums(argnums, len(args), fun)
+        t = _trace(fun, args, nums, who)
+        why = _ASKED
         if method != "dense":
             def run():
-                ys, _, logabs, steps, _ = _sweep(fun, args, nums, who, need_sign=False)
-                y = (fun(*args) if ys is None else jax.tree_util.tree_unflatten(
-                    jax.tree_util.tree_structure(eval_shape(fun, *args)), ys))
-                return y, _singular_check(logabs, who, on_error, steps, at_run_time=False)
-            got = _try_sweep(run, method, on_error, who)
+                sw = _sweep(t)
+                y = (fun(*args) if sw.ys is None
+                     else jax.tree_util.tree_unflatten(t.out_tree, sw.ys))
+                return y, _singular_check(sw.logabs, who, on_error, sw.steps,
+                                          at_run_time=False)
+            got, why = _try_sweep(run, method, on_error, who)
             if got is not None:
                 return got
-        _, logabs = _dense(fun, args, nums)
-        return fun(*args), _singular_check(logabs, who, on_error, at_run_time=False)
+        _, logabs = _dense(t)
+        return fun(*args), _singular_check(logabs, who, on_error, at_run_time=False,
+                                           dense=why)
     return fwd
 
 
@@ -390,6 +461,7 @@ def inverse_and_slogdet(fun: Callable, argnums: int | Sequence[int] = 0, *,
         for a in nums:
             stand[a] = jax.tree_util.tree_map(
                 lambda y: jax.ShapeDtypeStruct(jnp.shape(y), jnp.result_type(y)), args[a])
+        why = _ASKED
         if method != "dense":
             def run():
                 t = _trace(fun, stand, nums, who)
@@ -402,16 +474,27 @@ def inverse_and_slogdet(fun: Callable, argnums: int | Sequence[int] = 0, *,
                 return (_state_value(t, xs, nums),
                         -_singular_check(logabs, who, on_error, steps))
             # (a program the walker cannot invert has no inverse to return: that raises)
-            got = _try_sweep(run, method, on_error, who, dense_if_not_invertible=False)
+            got, why = _try_sweep(run, method, on_error, who, dense_if_not_invertible=False)
             if got is not None:
                 return got
-        x = reverse_with(fun, Settings(who, on_error), argnums)(*args)
+        try:
+            x = reverse_with(fun, Settings(who, on_error), argnums)(*args)
+        except NotInvertibleError as e:
+            if not e.singular or on_error == "raise":
+                raise
+            # a pivot that vanished when the walk was traced: no inverse, the exact answer
+            # (log|det| of the inverse's Jacobian = +inf), and under "warn" a warning
+            fail(on_error, singular_jacobian(e, who))
+            nan = jax.tree_util.tree_map(lambda y: jnp.full(jnp.shape(y), jnp.nan,
+                                                            jnp.result_type(y)), ys_tree)
+            x = nan[0] if len(nums) == 1 else tuple(nan)
+            return x, jnp.asarray(jnp.inf, jnp.result_type(*jax.tree_util.tree_leaves(nan)))
         a = list(args)
         xl = [x] if len(nums) == 1 else list(x)
         for i, s in zip(nums, xl):
             a[i] = s
-        _, logabs = _dense(fun, a, nums)
-        return x, -_singular_check(logabs, who, on_error)
+        _, logabs = _dense(_trace(fun, a, nums, who))
+        return x, -_singular_check(logabs, who, on_error, dense=why)
     return inv
 
 
