@@ -266,6 +266,17 @@ def is_concrete(x: Any) -> bool:
     return not isinstance(x, _core.Tracer)
 
 
+def is_key(x: Any) -> bool:
+    """Whether `x` (a value, an aval or a dtype) has an extended dtype: a PRNG key, new-style
+    (`jax.random.key`) or inside a traced `jax.random.PRNGKey`. numpy cannot hold one, it has
+    no arithmetic, and its tangents and cotangents are float0."""
+    dt = getattr(x, "dtype", x)
+    try:
+        return jax.dtypes.issubdtype(dt, jax.dtypes.extended)
+    except TypeError:   # not a dtype at all (a Python scalar's type, None)
+        return False
+
+
 def tracing() -> bool:
     """Whether a transformation is tracing now (`jit`, `grad`, `vmap`, ...): values computed
     now may be tracers even where every argument is concrete."""

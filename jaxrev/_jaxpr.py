@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrev._compat import (CALL_PRIMITIVES, ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Literal, Var,
-                            as_closed, bind_eqn, call_jaxpr, has_user_frame, is_concrete,
+                            as_closed, bind_eqn, call_jaxpr, has_user_frame, is_concrete, is_key,
                             is_symbolic_zero, new_var, not_mapped, prims, trace_to_closed)
 
 
@@ -76,15 +76,21 @@ class Statics:
         self.length = length
 
     def static(self, v: Any) -> np.ndarray | None:
+        return _numeric(self._static_value(v))
+
+    def enum(self, v: Any) -> np.ndarray | None:
+        return _numeric(self._enum_value(v))
+
+    def _static_value(self, v: Any) -> Any:
         if isinstance(v, Literal):
-            return np.asarray(v.val)
+            return _host(v.val)
         if not is_var(v):
             return None
         if v in self._static:
             return self._static[v]
         if v in self._consts:
             c = self._consts[v]
-            val = np.asarray(c) if np.size(c) <= self.MAX_SIZE else None
+            val = _host(c) if np.size(c) <= self.MAX_SIZE else None
             self._static[v] = val
             return val
         e = self.producer.get(v)
@@ -101,19 +107,19 @@ class Statics:
                 stack.append(self.producer[missing[0]])
                 continue
             stack.pop()
-            ins = [self.static(u) for u in e.invars]
+            ins = [self._static_value(u) for u in e.invars]
             outs = None
             if all(x is not None for x in ins) and not getattr(e, "effects", None) and all(
                     np.prod(o.aval.shape, dtype=np.int64) <= self.MAX_SIZE
                     for o in e.outvars if is_var(o)):
                 with jax.ensure_compile_time_eval():
-                    outs = [np.asarray(o) for o in bind_eqn(e, ins)]
+                    outs = [_host(o) for o in bind_eqn(e, ins)]
             for o, val in zip(e.outvars, outs or [None] * len(e.outvars)):
                 if is_var(o):
                     self._static[o] = val
         return self._static.get(v)
 
-    def enum(self, v: Any) -> np.ndarray | None:
+    def _enum_value(self, v: Any) -> Any:
         if self.length is None or not is_var(v):
             return None
         if v in self._enum:
@@ -128,12 +134,12 @@ class Statics:
             return None
         args, axes = [], []
         for u in e.invars:
-            s = self.static(u)
+            s = self._static_value(u)
             if s is not None:
                 args.append(s)
                 axes.append(None)
                 continue
-            en = self.enum(u)
+            en = self._enum_value(u)
             if en is None:
                 return None
             args.append(en)
@@ -144,8 +150,19 @@ class Statics:
             outs = jax.vmap(lambda *a: bind_eqn(e, a), in_axes=tuple(axes))(*args)
         for o, val in zip(e.outvars, outs):
             if is_var(o):
-                self._enum[o] = np.asarray(val)
+                self._enum[o] = _host(val)
         return self._enum[v]
+
+
+# A PRNG key made from a literal seed is known at trace time, and so is a mask or noise drawn
+# from it. numpy cannot hold the key: it stays a JAX array, which `static` and `enum` never
+# hand out (no rule reads a key as a mask or an index)
+def _host(x: Any) -> Any:
+    return x if is_key(x) else np.asarray(x)
+
+
+def _numeric(x: Any) -> Any:
+    return None if is_key(x) else x
 
 
 class Env:
@@ -477,11 +494,12 @@ def where(pred: Any, a: Any, b: Any) -> Any:
     its first caller, and a user's `jnp.where` of the same shapes would then be blamed on the
     line where jaxrev first traced one."""
     a, b = jnp.asarray(a), jnp.asarray(b)
-    dt = jnp.result_type(a, b)
+    if not is_key(a):   # a key array has no `astype` (two keys have one dtype anyway)
+        dt = jnp.result_type(a, b)
+        a, b = a.astype(dt), b.astype(dt)
     shape = jnp.broadcast_shapes(jnp.shape(pred), a.shape, b.shape)
     return jax.lax.select(jnp.broadcast_to(jnp.asarray(pred, bool), shape),
-                          jnp.broadcast_to(a.astype(dt), shape),
-                          jnp.broadcast_to(b.astype(dt), shape))
+                          jnp.broadcast_to(a, shape), jnp.broadcast_to(b, shape))
 
 
 def select_batched(pred: Any, new: Any, old: Any) -> Any:

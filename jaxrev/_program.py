@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrev._compat import ClosedJaxpr, Var, make_jaxpr
+from jaxrev._compat import ClosedJaxpr, Var, is_key, make_jaxpr
 from jaxrev._jaxpr import Env, evaluate, prepare
 
 __all__ = ["avals_of", "fun_name", "normalize_argnums", "Program", "trace_program",
@@ -153,7 +153,8 @@ def check_sizes(fun: Callable, state_leaves: Sequence[Any], out_leaves: Sequence
     def count(leaves):
         out: dict = {}
         for x in leaves:
-            dt = np.dtype(x.dtype if hasattr(x, "dtype") else jnp.result_type(x))
+            dt = x.dtype if hasattr(x, "dtype") else jnp.result_type(x)
+            dt = dt if is_key(dt) else np.dtype(dt)   # numpy has no PRNG key dtype
             out[dt] = out.get(dt, 0) + int(np.prod(np.shape(x) if not hasattr(x, "shape")
                                                     else x.shape, dtype=np.int64))
         return out

@@ -324,7 +324,9 @@ hook_p = make_primitive(
     "jaxrev_hook", multiple_results=True, impl=lambda *xs, fn, tree: list(xs),
     abstract=lambda *avals, fn, tree: list(avals), jvp=_hook_jvp, transpose=_hook_transpose,
     batch=lambda args, dims, *, fn, tree: (hook_p.bind(*args, fn=fn, tree=tree), list(dims)))
-define(hook_p, inverse=lambda outs, *xs, fn, tree: list(outs))
+# the walker asks with some outputs still unknown (a key that the hook passes along, computed
+# only once the state is): those inputs are not recovered yet
+define(hook_p, inverse=lambda outs, *xs, fn, tree: [None if is_unknown(o) else o for o in outs])
 
 
 def nestlevel() -> int:

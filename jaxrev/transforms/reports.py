@@ -8,7 +8,7 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
-from jaxrev._compat import JaxprEqn, Var, prims, user_source
+from jaxrev._compat import JaxprEqn, Var, is_key, prims, user_source
 from jaxrev._errors import NotInvertibleError, ReversibilityError
 from jaxrev._jaxpr import Env, is_var
 from jaxrev._program import normalize_argnums, traced_leaves
@@ -74,7 +74,7 @@ def _describe(eqn: JaxprEqn | None) -> str:
 def _report_entries(P: Plan, count: int, out: list[dict]) -> None:
     producer = {o: e for e in P.closed.jaxpr.eqns for o in e.outvars if is_var(o)}
     for v in P.store:
-        nbytes = int(np.prod(v.aval.shape, dtype=np.int64)) * np.dtype(v.aval.dtype).itemsize
+        nbytes = int(np.prod(v.aval.shape, dtype=np.int64)) * v.aval.dtype.itemsize
         why = P.why.get(v)
         what = P.labels.get(v) or (
             "branch index of a cond" if why is not None and why.primitive is prims.cond
@@ -168,6 +168,8 @@ _WHO = Settings("jaxrev.check_reversible")
 
 
 def _rel_err(a: Any, b: Any, atol: float = 0.0) -> float:
+    if is_key(b):   # a PRNG key has no arithmetic: its bits are rebuilt exactly, or not
+        a, b = jax.random.key_data(a), jax.random.key_data(b)
     return float(leaf_drift(a, b, atol))
 
 

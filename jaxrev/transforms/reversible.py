@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrev._compat import (ClosedJaxpr, ShapedArray, hoist_consts, is_symbolic_zero,
+from jaxrev._compat import (ClosedJaxpr, ShapedArray, hoist_consts, is_key, is_symbolic_zero,
                             trace_to_closed)
 from jaxrev._cache import call_key, compiled, is_eager, memo
 from jaxrev._jaxpr import Env, batch_front, eval_closed, instantiate_tangents
@@ -279,8 +279,9 @@ def _fingerprint(fun: Callable, closed: ClosedJaxpr, state: tuple, out_tree: Any
     if held > _MAX_CONST_BYTES:
         return None
     for c in closed.consts:
-        a = np.asarray(c)
-        digest.update(str((a.shape, a.dtype)).encode())
+        # numpy cannot hold a PRNG key: its bits identify it, its dtype the implementation
+        a = np.asarray(jax.random.key_data(c) if is_key(c) else c)
+        digest.update(str((a.shape, getattr(c, "dtype", a.dtype))).encode())
         digest.update(np.ascontiguousarray(a).tobytes())
     return (fun, str(closed.jaxpr), tuple(v.aval for v in closed.jaxpr.invars),
             digest.hexdigest(), state, out_tree)

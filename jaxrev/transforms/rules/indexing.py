@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxrev._compat import JaxprEqn, Literal, prims, user_source
+from jaxrev._compat import JaxprEqn, Literal, is_key, prims, user_source
 from jaxrev._errors import NotInvertibleError
 from jaxrev._jaxpr import Env, apply, is_unknown, is_var
 from jaxrev.transforms.knowledge.checks import raise_where
@@ -480,7 +480,8 @@ def _gather(out, operand, indices, *, ctx: RuleContext, dimension_numbers, slice
     raise_where(ctx.walk.on_error, lambda ok: None if ok else NotInvertibleError(
         f"{who}: a gather's indices (known only when the program runs) are not a "
         "permutation of its operand's elements, so some element is lost"), perm, bad=~perm)
-    return [jnp.where(perm, x, jnp.nan), None]
+    # a PRNG key has no NaN: where the check lets it through, the scattered keys stand
+    return [x if is_key(x) else jnp.where(perm, x, jnp.nan), None]
 
 
 define(prims.gather, inverse=_gather, element=ElementRule(_gather_forward, _gather_backward),

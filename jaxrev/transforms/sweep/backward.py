@@ -306,7 +306,7 @@ def _choose_store(eqns: Sequence[JaxprEqn], env: Env, missing: list) -> list:
 
 
 def _nbytes(vs: Sequence[Var]) -> int:
-    return int(sum(np.prod(v.aval.shape, dtype=np.int64) * np.dtype(v.aval.dtype).itemsize
+    return int(sum(np.prod(v.aval.shape, dtype=np.int64) * v.aval.dtype.itemsize
                    for v in vs))
 
 
