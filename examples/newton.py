@@ -98,7 +98,7 @@ def newton_direction_chained(n: int = 4000) -> None:
 
 def broyden_root(n: int = 200) -> None:
     print(f"4. root of the Broyden tridiagonal system, n = {n}, from x = -1")
-    x, info = jax.jit(lambda x0: jr.optim.root(broyden_tridiagonal, x0, tol=1e-12))(-jnp.ones(n))
+    x, info = jax.jit(lambda x0: jr.optim.root(broyden_tridiagonal, x0, atol=1e-12))(-jnp.ones(n))
     print(f"   residual {float(jnp.max(jnp.abs(broyden_tridiagonal(x)))):.1e} after "
           f"{int(info.iterations)} Newton steps ({info.message})")
 

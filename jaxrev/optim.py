@@ -11,10 +11,14 @@ Hessian is never materialised unless it is dense anyway.
 - `minimize`: Newton with a backtracking (Armijo) line search, or a Levenberg-Marquardt trust
   region that handles indefinite and singular Hessians; jittable, one `lax.while_loop`;
 - `root`: Newton's method on ``F(x) = 0`` with ``J⁻¹F`` from `inverse_jvp` of `F` itself and a
-  backtracking line search on ``‖F‖²``.
+  backtracking line search on ``‖F‖²``; Optimistix's `rtol` / `atol`.
+
+Called eagerly, `minimize` and `root` run as one compiled call per function, argument shapes
+and settings, cached like `jax.jit`'s: a repeated call does not trace again.
 """
 from __future__ import annotations
 
+import warnings
 from functools import partial
 from typing import Any, Callable, NamedTuple
 
@@ -25,17 +29,19 @@ import optax
 from jax import lax
 from jax.flatten_util import ravel_pytree
 
-from jaxrev._cache import cached_call
-from jaxrev._program import ravel_filtered, traced_leaves
+from jaxrev._cache import cached_call, call_key, memo
+from jaxrev._compat import is_concrete, tracing
+from jaxrev._program import Filtered, ravel_filtered, traced_leaves
 from jaxrev.transforms.inverse_ad import inverse_jvp, inverse_vjp
 
 __all__ = ["scale_by_newton", "newton", "minimize", "root", "Info", "STATUS",
            "newton_direction"]
 
 STATUS = ("converged", "max_iterations", "stalled", "non_finite")
-"""What `Info.status` counts: 0 converged to `tol`; 1 stopped at `maxiter`; 2 no step could
-make progress any more (a line search or trust region shrank to nothing); 3 the objective or
-its derivatives stopped being finite."""
+"""What `Info.status` counts: 0 converged (to `minimize`'s `tol`, to `root`'s `rtol` / `atol`);
+1 stopped at `maxiter`; 2 no step could make progress any more (a line search or trust region
+shrank to nothing) short of the tolerance; 3 the objective or its derivatives stopped being
+finite."""
 
 
 class Info(NamedTuple):
@@ -241,8 +247,43 @@ def _status(finite, converged, out_of_iterations) -> jax.Array:
 def _check_common(who, tol, maxiter):
     if not tol > 0:
         raise ValueError(f"{who}: tol must be > 0, got {tol}")
+    _check_maxiter(who, maxiter)
+
+
+def _check_maxiter(who, maxiter):
     if not isinstance(maxiter, int) or maxiter < 0:
         raise ValueError(f"{who}: maxiter must be a non-negative int, got {maxiter!r}")
+
+
+def _eager_compiled(settings: tuple, fun: Callable, impl: Callable[..., Any],
+                    args: tuple) -> Any:
+    """``impl(*args)``, a solve of `fun`. Called eagerly (concrete arguments, nothing
+    tracing), it runs as one compiled call cached on `settings` and on `call_key(fun, args)`
+    (the arguments' structure, avals and static leaves, and what `fun` reads besides its
+    arguments), so a repeated call traces nothing. Unlike `cached_call` it compiles on the
+    first call: a `lax.while_loop` run eagerly is traced and compiled by JAX anyway, so a
+    call made once loses nothing; and it re-runs nothing eagerly, since a solve's checks give
+    NaN (a rejected step, a status), never an error. Other calls run `impl` as it is."""
+    if tracing() or not all(is_concrete(x) for x in jax.tree_util.tree_leaves(args)):
+        return impl(*args)
+    ck = call_key(fun, args)
+    if ck is None:
+        return impl(*args)
+    key = (settings, ck[0])
+    cache = memo("optim.solves")
+    hit = cache.get(key)
+    if hit is None:
+        split = Filtered(tuple(args))
+        out_split: list = []
+
+        def flat_impl(*flat):
+            out = Filtered((impl(*split.rebuild(flat)),))
+            out_split[:] = [out]
+            return out.flat
+        hit = cache.put(key, ck[1], (jax.jit(flat_impl), out_split))
+    jitted, out_split = hit
+    flat_out = jitted(*Filtered(tuple(args)).flat)
+    return out_split[0].rebuild(flat_out)[0]
 
 
 def _backtrack(merit: Callable[[Any], Any], x: Any, d: Any, m0: Any, slope: Any,
@@ -284,7 +325,8 @@ def minimize(fun: Callable[[Any], Any], x0: Any, *, method: str = "trust-region"
       ``−(H + λI)⁻¹g`` is accepted or not by comparing the decrease with the quadratic model's,
       and λ shrinks or grows accordingly, so indefinite and singular Hessians are handled.
 
-    Jittable and vmappable (one `lax.while_loop`). Example:
+    Jittable and vmappable (one `lax.while_loop`); an eager call is compiled, and a repeated
+    one (same `fun`, shapes, dtypes and settings) reuses it. Example:
         >>> import jax.numpy as jnp, jaxrev as jr
         >>> rosen = lambda x: (1 - x[0]) ** 2 + 100 * (x[1] - x[0] ** 2) ** 2
         >>> x, info = jr.optim.minimize(rosen, jnp.array([-1.2, 1.0]))
@@ -295,6 +337,13 @@ def minimize(fun: Callable[[Any], Any], x0: Any, *, method: str = "trust-region"
     if method not in ("newton", "trust-region"):
         raise ValueError(f"{who}: method must be 'newton' or 'trust-region', got {method!r}")
     _check_common(who, tol, maxiter)
+    return _eager_compiled((who, method, float(tol), maxiter), fun,
+                           partial(_minimize, fun, method, float(tol), maxiter), (x0,))
+
+
+def _minimize(fun: Callable[[Any], Any], method: str, tol: float, maxiter: int,
+              x0: Any) -> tuple[Any, Info]:
+    who = "jaxrev.optim.minimize"
     v0, unravel = ravel_filtered(x0)
     if not jnp.issubdtype(v0.dtype, jnp.floating):
         raise TypeError(f"{who}: x0 must hold real floating-point arrays, got {v0.dtype}")
@@ -364,21 +413,51 @@ def minimize(fun: Callable[[Any], Any], x0: Any, *, method: str = "trust-region"
 # --------------------------------------------------------------------------- root
 
 
-def root(fun: Callable[[Any], Any], x0: Any, *, tol: float = 1e-10, maxiter: int = 50
-         ) -> tuple[Any, Info]:
-    """Solve ``fun(x) = 0`` (a square system; `x0` a pytree) by Newton's method: the step
-    ``J⁻¹F(x)`` comes from `inverse_jvp` of `fun` itself, and a backtracking line search on
-    ``‖F‖²`` keeps it from diverging. Stops when F's largest entry is at most `tol`; returns
-    ``(x, info)`` with ``info.value = ‖F(x)‖²/2``.
+RTOL = 1e-10
+"""`root`'s default relative tolerance on the Newton step."""
+ATOL = 1e-10
+"""`root`'s default absolute tolerance on the Newton step and on F."""
 
-    Jittable and vmappable (one `lax.while_loop`). Example:
+
+def root(fun: Callable[[Any], Any], x0: Any, *, rtol: float = RTOL, atol: float = ATOL,
+         maxiter: int = 50, tol: float | None = None) -> tuple[Any, Info]:
+    """Solve ``fun(x) = 0`` (a square system; `x0` a pytree) by Newton's method: the step
+    ``d = J⁻¹F(x)`` comes from `inverse_jvp` of `fun` itself, and a backtracking line search
+    on ``‖F‖²`` keeps it from diverging. Returns ``(x, info)`` with ``info.value = ‖F(x)‖²/2``.
+
+    Tolerances as Optimistix's root finders take them: converged when ``|F(x)| <= atol``
+    everywhere (F is compared with 0, so `rtol` does not apply to it), or when the Newton
+    step is within ``atol + rtol·|x|`` everywhere: x is then that close to a root whatever
+    F's scale (a discretised operator's F of order 1/h² stops decreasing at its rounding, far
+    above `atol`). "stalled" means no step could reduce ‖F‖ while the Newton step was still
+    larger than that. `tol` is the deprecated name of `atol` (with ``rtol=0``).
+
+    Jittable and vmappable (one `lax.while_loop`); an eager call is compiled, and a repeated
+    one (same `fun`, shapes, dtypes and settings) reuses it. Example:
         >>> import jax.numpy as jnp, jaxrev as jr
         >>> x, info = jr.optim.root(lambda x: x ** 3 - jnp.array([8.0, 27.0]), jnp.ones(2))
         >>> [round(float(v), 4) for v in x], info.message
         ([2.0, 3.0], 'converged')
     """
     who = "jaxrev.optim.root"
-    _check_common(who, tol, maxiter)
+    if tol is not None:
+        if (rtol, atol) != (RTOL, ATOL):
+            raise ValueError(f"{who}: pass rtol and atol, not tol (its deprecated name)")
+        warnings.warn(f"{who}: tol= is deprecated; pass atol={tol!r} (and rtol, relative to "
+                      "|x|, on the Newton step) instead", DeprecationWarning, stacklevel=2)
+        if not tol > 0:
+            raise ValueError(f"{who}: tol must be > 0, got {tol}")
+        rtol, atol = 0.0, tol
+    if not (rtol >= 0 and atol >= 0):
+        raise ValueError(f"{who}: rtol and atol must be >= 0, got rtol={rtol}, atol={atol}")
+    _check_maxiter(who, maxiter)
+    settings = (float(rtol), float(atol), maxiter)
+    return _eager_compiled((who, *settings), fun, partial(_root, fun, *settings), (x0,))
+
+
+def _root(fun: Callable[[Any], Any], rtol: float, atol: float, maxiter: int,
+          x0: Any) -> tuple[Any, Info]:
+    who = "jaxrev.optim.root"
     v0, unravel = ravel_filtered(x0)
     if not jnp.issubdtype(v0.dtype, jnp.inexact):
         raise TypeError(f"{who}: x0 must hold floating-point arrays, got {v0.dtype}")
@@ -395,8 +474,8 @@ def root(fun: Callable[[Any], Any], x0: Any, *, tol: float = 1e-10, maxiter: int
         r = F(v)
         return 0.5 * jnp.real(jnp.vdot(r, r))
 
-    def finish(x, r, k):
-        return _status(_finite(r), _inf_norm(r) <= tol, k >= maxiter)
+    def small(r):
+        return _inf_norm(r) <= atol
 
     def step(c):
         x, r, k, _ = c
@@ -408,11 +487,16 @@ def root(fun: Callable[[Any], Any], x0: Any, *, tol: float = 1e-10, maxiter: int
         found = found & _finite(d)
         x = jnp.where(found, x - t * d, x)
         r = F(x)
-        status = finish(x, r, k + 1)
+        # the Newton step estimates x's distance to the root (the step taken leaves a
+        # quadratically smaller one): within atol + rtol|x| it has converged, even where
+        # rounding in F stops the line search
+        near = _finite(d) & jnp.all(jnp.abs(d) <= atol + rtol * jnp.abs(x))
+        status = _status(_finite(r), small(r) | near, k + 1 >= maxiter)
         return x, r, k + 1, jnp.where(found | (status == 0), status, jnp.int32(2))
 
     r0 = F(v0)
     k0 = jnp.zeros([], jnp.int32)
-    c = lax.while_loop(lambda c: c[3] < 0, step, (v0, r0, k0, finish(v0, r0, k0)))
+    s0 = _status(_finite(r0), small(r0), k0 >= maxiter)
+    c = lax.while_loop(lambda c: c[3] < 0, step, (v0, r0, k0, s0))
     x, r, k, status = c
     return unravel(x), Info(k, _inf_norm(r), 0.5 * jnp.real(jnp.vdot(r, r)), status)

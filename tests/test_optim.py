@@ -201,10 +201,13 @@ def test_root_pytree_float32_and_errors():
     p, info = jr.optim.root(F, {"u": jnp.ones(1), "v": jnp.zeros(1)})
     assert abs(float(p["v"][0]) - np.log(2.0)) < 1e-12
     assert abs(float(p["u"][0]) - np.log(2.0) ** (1 / 3)) < 1e-9 and float(info.residual) < 1e-10
-    x32, info32 = jr.optim.root(lambda x: x ** 3 - 8.0, jnp.ones(3, jnp.float32), tol=1e-5)
+    x32, info32 = jr.optim.root(lambda x: x ** 3 - 8.0, jnp.ones(3, jnp.float32), rtol=1e-5,
+                                atol=1e-5)
     assert x32.dtype == jnp.float32 and info32.message == "converged"
     with pytest.raises(ValueError, match="square"):
         jr.optim.root(lambda x: x[:2], jnp.ones(3))
+    with pytest.raises(ValueError, match="rtol and atol"):
+        jr.optim.root(lambda x: x, jnp.ones(3), rtol=-1.0)
     # a singular Jacobian at the root's start: no step can be taken
     _, info = jr.optim.root(lambda x: x ** 2 + 1.0, jnp.zeros(2))
     assert info.message in ("stalled", "non_finite")
@@ -242,3 +245,97 @@ def test_dense_hessian_is_formed_and_factored():
     banded = lambda x: jnp.sum(100.0 * (x[1:] - x[:-1] ** 2) ** 2 + (1.0 - x[:-1]) ** 2)  # noqa: E731
     assert "cholesky" not in str(jax.make_jaxpr(
         lambda x: jr.optim.newton_direction(banded, x))(jnp.ones(40) * 1.01))
+
+
+def bratu(n, lam=1.0):
+    """The Bratu problem -u'' = λ exp(u) on (0, 1), u(0) = u(1) = 0, by central differences on
+    n interior points: F is of order 1/h², so its rounding is far above an absolute 1e-10."""
+    h = 1.0 / (n + 1)
+
+    def F(u):
+        left = jnp.concatenate([jnp.zeros(1, u.dtype), u[:-1]])
+        right = jnp.concatenate([u[1:], jnp.zeros(1, u.dtype)])
+        return (2 * u - left - right) / h ** 2 - lam * jnp.exp(u)
+    return F
+
+
+def test_root_bratu_converges_to_rounding_and_a_stall_is_still_one():
+    # issue 28: F ≈ 1/h² = 4e6 stops decreasing at ~2e-10 > atol; the Newton step says the
+    # solve is there, so it is reported converged, not stalled
+    F = bratu(2000)
+    solve = jax.jit(lambda u0, rtol, atol: jr.optim.root(F, u0, rtol=rtol, atol=atol),
+                    static_argnums=(1, 2))
+    u, info = solve(jnp.zeros(2000), 1e-10, 1e-10)
+    assert info.message == "converged" and int(info.iterations) < 10
+    # an atol far below F's rounding: only the Newton step's test can say converged
+    u, info = solve(jnp.zeros(2000), 1e-10, 1e-14)
+    assert info.message == "converged" and float(info.residual) > 1e-14
+    # Newton's step from the answer is at rounding: u is the root to working precision
+    _, (d,) = jax.jit(lambda u: jr.inverse_jvp(F, (u,), F(u)))(u)
+    assert float(jnp.max(jnp.abs(d))) < 1e-13 * float(jnp.max(jnp.abs(u)))
+    # asking for less than rounding stalls, and says so
+    _, info = solve(jnp.zeros(2000), 1e-20, 1e-20)
+    assert info.message == "stalled"
+    # no real root: the line search walks to where J is singular and stops
+    _, info = jr.optim.root(lambda x: x ** 2 + 1.0, jnp.array([0.5, -3.0]))
+    assert info.message == "stalled" and float(info.residual) >= 1.0
+
+
+def test_root_tol_is_deprecated_for_atol():
+    f = lambda x: x ** 3 - 8.0                              # noqa: E731
+    with pytest.warns(DeprecationWarning, match="atol"):
+        x, info = jr.optim.root(f, jnp.ones(3), tol=1e-12)
+    assert info.message == "converged" and float(info.residual) <= 1e-12
+    with pytest.raises(ValueError, match="not tol"):
+        jr.optim.root(f, jnp.ones(3), tol=1e-12, atol=1e-8)
+
+
+class TraceCounter:
+    """Counts traces of user functions by jaxrev (`_program.make_jaxpr`) and shape checks
+    (`jax.eval_shape`), as tests/test_eager_cache.py does: a counter the function bumped
+    itself would be part of the cache's key."""
+
+    def __init__(self, monkeypatch):
+        import jaxrev._program as P
+        self.n = 0
+        monkeypatch.setattr(P, "make_jaxpr", self.counting(P.make_jaxpr))
+        monkeypatch.setattr(jax, "eval_shape", self.counting(jax.eval_shape))
+
+    def counting(self, real):
+        def count(*a, **k):
+            self.n += 1
+            return real(*a, **k)
+        return count
+
+
+def test_eager_root_and_minimize_are_traced_once(monkeypatch):
+    # issue 28: called eagerly, as the docs write them, each call traced the loop again
+    count = TraceCounter(monkeypatch)
+    F = bratu(8)
+    u0 = jnp.zeros(8)
+    u, info = jr.optim.root(F, u0)
+    first = count.n
+    assert first > 0 and info.message == "converged"
+    for _ in range(2):
+        u2, info2 = jr.optim.root(F, u0)
+    assert count.n == first
+    np.testing.assert_array_equal(u, u2)
+    assert int(info2.status) == int(info.status)
+    # other settings, shapes or closures are other keys
+    jr.optim.root(F, u0, rtol=1e-8)
+    assert count.n > first
+    n = count.n
+    jr.optim.root(bratu(8, lam=2.0), u0)
+    assert count.n > n
+
+    count.n = 0
+    x, info = jr.optim.minimize(rosenbrock, jnp.array([-1.2, 1.0]), method="newton")
+    first = count.n
+    for _ in range(2):
+        x2, _ = jr.optim.minimize(rosenbrock, jnp.array([-1.2, 1.0]), method="newton")
+    assert count.n == first and info.message == "converged"
+    np.testing.assert_array_equal(x, x2)
+    # a pytree with a static leaf passes through the compiled call
+    p, _ = jr.optim.minimize(lambda p: jnp.sum((p["w"] - 1.0) ** 2), {"w": jnp.zeros(3),
+                                                                       "act": jnp.tanh})
+    assert p["act"] is jnp.tanh
