@@ -15,7 +15,7 @@ from programs.families import family, loss
 
 jax.config.update("jax_enable_x64", True)
 
-LINEAR = ("shared", "per_step", "reversal", "permutation", "time_array", "scan")
+LINEAR = ("shared", "per_step", "reversal", "roll", "permutation", "time_array", "scan")
 
 
 def _applications(name: str, k: int, what: str) -> int:
@@ -23,6 +23,10 @@ def _applications(name: str, k: int, what: str) -> int:
     with counting() as c:
         if what == "reverse":
             jax.make_jaxpr(jr.reverse(f))(f(s, p), p)
+        elif what == "inverse_jvp":
+            jax.make_jaxpr(lambda s, p: jr.inverse_jvp(lambda s: f(s, p), (s,), s))(s, p)
+        elif what == "forward_and_slogdet":
+            jax.make_jaxpr(jr.forward_and_slogdet(f))(s, p)
         else:
             jax.make_jaxpr(jax.grad(loss(jr.reversible(f))))(s, p)
     return c["rules"] + c["elements"]
@@ -36,7 +40,14 @@ def test_rule_applications_grow_linearly_with_the_steps(name, what):
     assert n10 <= 2.3 * n5 and n20 <= 2.3 * n10, (n5, n10, n20)
 
 
-@pytest.mark.parametrize("name", LINEAR + ("roll",))
+@pytest.mark.parametrize("what", ["inverse_jvp", "forward_and_slogdet"])
+@pytest.mark.parametrize("name", ["per_step", "roll", "time_array"])
+def test_inverse_transforms_grow_linearly_with_the_steps(name, what):
+    n5, n10, n20 = (_applications(name, k, what) for k in (5, 10, 20))
+    assert n10 <= 2.3 * n5 and n20 <= 2.3 * n10, (n5, n10, n20)
+
+
+@pytest.mark.parametrize("name", LINEAR)
 def test_families_invert_and_differentiate_right(name):
     f, s, p = family(name, 6)
     y = f(s, p)

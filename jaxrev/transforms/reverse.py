@@ -14,6 +14,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxrev._cache import cached_call
 from jaxrev._compat import Jaxpr, JaxprEqn, Var, is_concrete
@@ -168,6 +169,40 @@ def reverse(fun: Callable, argnums: int | Sequence[int] = 0, *,
     return reverse_with(fun, Settings(who, on_error), argnums, state, closed=True)
 
 
+def _as_one_step(walk: Callable, fun: Callable, args: tuple, argnums: Any) -> Any:
+    """``walk(*args)`` bound as one `custom_inverse` step whose inverse is `fun`, over the
+    array leaves of `args` (the others, an activation function in an Equinox module, are
+    closed over); None where the state holds a leaf that is no array."""
+    leaves, tree = jax.tree_util.tree_flatten(args)
+    dyn = [i for i, x in enumerate(leaves) if isinstance(x, (jax.Array, np.ndarray))]
+    marks = jax.tree_util.tree_unflatten(tree, list(range(len(leaves))))
+    nums = normalize_argnums(argnums, len(args), fun)
+    in_state = [i for a in nums for i in jax.tree_util.tree_leaves(marks[a])]
+    if not in_state or any(i not in dyn for i in in_state):
+        return None
+
+    def rebuild(vals: Sequence[Any]) -> tuple:
+        full = list(leaves)
+        for i, v in zip(dyn, vals):
+            full[i] = v
+        return jax.tree_util.tree_unflatten(tree, full)
+
+    def flat(g: Callable) -> Callable:
+        def h(*vals: Any) -> Any:
+            out = tuple(jax.tree_util.tree_leaves(g(*rebuild(vals))))
+            return out[0] if len(in_state) == 1 else out
+        return h
+
+    pos = [dyn.index(i) for i in in_state]
+    step = custom_inverse(flat(walk), pos[0] if len(pos) == 1 else pos)
+    step.definverse(flat(fun))
+    got = step(*[leaves[i] for i in dyn])
+    got = [got] if len(in_state) == 1 else list(got)
+    s_tree = jax.tree_util.tree_structure(
+        args[nums[0]] if len(nums) == 1 else tuple(args[a] for a in nums))
+    return jax.tree_util.tree_unflatten(s_tree, got)
+
+
 def reverse_with(fun: Callable, settings: Settings, argnums: int | Sequence[int] = 0,
                  state: Any = None, closed: bool = False) -> Callable:
     """`reverse(fun)` whose walks have the caller's `settings` (the inverse transforms run
@@ -186,9 +221,9 @@ def reverse_with(fun: Callable, settings: Settings, argnums: int | Sequence[int]
             # (element masks, a consistent-case choice, Newton's method) need not be invertible
             # by jaxrev in turn, and reverse(reverse(fun)) is then `fun` itself
             # (docs/design.md §3.5). Eagerly the walk runs on values (its errors name the step)
-            step = custom_inverse(walk, argnums)
-            step.definverse(fun)
-            return step(*args)
+            out = _as_one_step(walk, fun, args, argnums)
+            if out is not None:
+                return out
         return walk(*args)
 
     @functools.wraps(fun)

@@ -179,7 +179,7 @@ def scan_chain(x: jax.Array, p: dict) -> jax.Array:
 
 def masked_steps(k: int):
     """diffrax's way: every step masked with ``where(keep, new, old)``, `keep` known only when
-    the program runs (a function of time): the tracing-cost program (benchmarks/tracing.py)."""
+    the program runs (a function of time): issue 15's tracing-cost program."""
     def f(ab: tuple, t: jax.Array) -> tuple:
         a, b = ab
         keep = t > 0.5

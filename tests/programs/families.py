@@ -1,6 +1,6 @@
-"""Families of masked-step programs, k steps each, for the tracing-cost guarantee of issue 28
-(every family should trace in time linear in k, for every transform; today the per-step
-predicate families with reversals, rolls or permutations do not, which is what issue 28 fixes).
+"""Families of masked-step programs, k steps each, for the tracing-cost guarantee of issue 28:
+every family traces in time linear in k, for every transform (docs/design.md §3.5;
+`tests/test_tracing_cost.py` counts rule applications, `benchmarks/tracing.py` times them).
 
 Each step is a coupling `a2 = a + tanh(P b); b2 = b + sin(Q a2)` masked as diffrax masks its
 steps, ``a, b = where(keep, a2, a), where(keep, b2, b)``; the families differ in what moves
@@ -49,7 +49,7 @@ def family(name: str, k: int, n: int = 16) -> tuple[Callable, tuple, dict]:
     P, Q = _moves(moves, n)
     # a time that stops the masked steps two thirds of the way (some steps kept, some not)
     stop = 2.0 * k / 3.0 + 0.5
-    if name == "shared":          # one predicate array for every step (tracing.py's program)
+    if name == "shared":          # one predicate array for every step (issue 15's program)
         params = {"t": jnp.linspace(0.0, 1.0, n)}
 
         def f(s, p):
