@@ -15,12 +15,14 @@ same run:
 
 The program: ``(a, b) -> (a + tanh(th b), b + sin(a) / 2)`` 100 times, state 2 x N, N = 100,
 1000, 10000, float64. Times are medians of interleaved calls (`block_until_ready`).
-Writes results/eager_cache.{json,md,png}.
+Writes results/eager_cache.{json,md,png} (eager_cache_quick.* with --quick).
 
     python benchmarks/eager_cache.py            # about 2 minutes
+    python benchmarks/eager_cache.py --quick    # N = 100, 1000 only
 """
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import time
@@ -59,10 +61,16 @@ def loss_of(fun):
     return lambda xy, th: jnp.vdot(*fun(xy, th))
 
 
-def main() -> None:
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true",
+                    help="N = 100, 1000 only (results/eager_cache_quick.*)")
+    args = ap.parse_args(argv)
+    sizes = SIZES[:2] if args.quick else SIZES
+    name = "eager_cache_quick" if args.quick else "eager_cache"
     rows = []
     rrun = jr.reversible(run)
-    for n in progress(SIZES, desc="state sizes"):
+    for n in progress(sizes, desc="state sizes"):
         xy = (jnp.linspace(-1.0, 1.0, n), jnp.linspace(0.5, -0.5, n))
         th = 0.3
         g_jit = jax.jit(jax.grad(loss_of(run), argnums=(0, 1)))
@@ -127,7 +135,7 @@ def main() -> None:
                      f"{t['eager inverse_jvp'] / t['jit(inverse_jvp)']:.2f} | "
                      f"{r['grad_rel_err']:.1e} |")
     table = "\n".join(lines) + "\n"
-    write_results("eager_cache", {"meta": meta, "steps": STEPS, "rows": rows}, table)
+    write_results(name, {"meta": meta, "steps": STEPS, "rows": rows}, table)
     plt = pyplot()
     if plt is not None:
         fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -138,7 +146,7 @@ def main() -> None:
                title=f"repeated eager calls, {STEPS}-step scan")
         ax.legend(fontsize=7)
         fig.tight_layout()
-        fig.savefig(os.path.join(RESULTS, "eager_cache.png"), dpi=120)
+        fig.savefig(os.path.join(RESULTS, f"{name}.png"), dpi=120)
     print(table)
 
 

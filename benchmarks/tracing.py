@@ -1,33 +1,35 @@
-"""Tracing cost against program size (issue 15): masked steps, as diffrax writes every step.
+"""Tracing cost against program size, on families of masked-step programs (issues 15 and 28).
 
-    a2 = a + tanh(b); b2 = b + sin(a2)
-    a, b = where(keep, a2, a), where(keep, b2, b)       # repeated k times
+Every family is k coupling steps masked as diffrax masks its steps,
 
-`keep` is known only when the program runs (a function of time, as in diffrax). Before
-element-level inversion, every `select_n` split the walk into one propagation per case, each
-walking what the other had walked (issue 15 reports 0.1, 0.5, 2.0, 9.4 and 51 s for k = 1..5 in
-its variant). Now the selects' cases are known where `keep` picks them, each equation is
-inverted once, and the walker revisits an equation only when its variables change.
+    a2 = a + tanh(P b); b2 = b + sin(Q a2)
+    a, b = where(keep, a2, a), where(keep, b2, b)
 
-For k in 1, 2, 5, 10, 20, 50 it measures the time to trace (`jax.make_jaxpr`) the gradient
-through `jr.reversible` and `jr.reverse` itself, and counts the walker's rule applications;
-then fits time and applications against k (a slope near 1 on the log-log plot is linear).
-With ``--before PATH`` it also times the gradient with the jaxrev checkout at PATH (in a
-subprocess), for the same programs. Writes results/tracing.{json,md,png}.
+and the families differ in what moves elements between the halves (`P`, `Q`: nothing, a
+reversal, a roll, a gather by a fixed permutation) and in where `keep` comes from (one
+predicate array shared by every step, a predicate per step from a scalar parameter, diffrax's
+``t_i < t1`` from a time array, the steps run by `lax.scan`): `tests/programs/families.py`.
+No predicate depends on the state, so no walk needs to split on them; before issue 28 the
+per-step families traced in time exponential in k (50 s at k = 4, reversals).
 
-    python benchmarks/tracing.py [--quick] [--before PATH]
+For each family, each transform (`reverse`, `reversible`'s gradient, `inverse_jvp`,
+`forward_and_slogdet`) and k in 1, 2, 5, 10, 20, 50 it measures the seconds to trace
+(`jax.make_jaxpr`, with the defaults a user gets) and the walker's rule applications, and fits
+both against k on a log-log scale for k >= 10 (1 is linear; times are medians of three).
+Each result is checked in float64:
+the round trip, the gradient against `jax.grad`, the inverse JVP against a dense solve and the
+log-determinant against `jnp.linalg.slogdet` of the dense Jacobian, up to k = 5 (see
+`CHECK_UPTO`). Writes results/tracing.{json,md,png}.
+
+    python benchmarks/tracing.py [--quick] [--families per_step,roll]
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")   # no BLAS threads spinning on a busy CPU
-# XLA:CPU on one thread too: ratios against peers are not distorted by threads spinning
-# on a busy machine (set XLA_FLAGS to change it)
 os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false "
                       "intra_op_parallelism_threads=1")
 import time  # noqa: E402
@@ -41,81 +43,92 @@ jax.config.update("jax_enable_x64", True)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 import jaxrev as jr  # noqa: E402
-from programs.elements import masked_steps  # noqa: E402  (the tests' program)
 from jaxrev._stats import counting  # noqa: E402
+from programs.families import FAMILIES, family, loss  # noqa: E402
 from _common import RESULTS, device_info, progress, pyplot, write_results  # noqa: E402
 
+TRANSFORMS = ("reverse", "reversible grad", "inverse_jvp", "forward_and_slogdet")
+TIME_LIMIT = 5.0     # seconds to trace at k = 50 (issue 28)
+SLOPE_LIMIT = 1.2
+CHECK_UPTO = 5
+FIT_FROM = 10
+"""Slopes are fitted from this k on (below it a trace takes a few hundredths of a second, and
+fixed costs and noise dominate)."""
+"""Results are checked up to this k: XLA:CPU's instruction fusion duplicates the cheap
+elementwise chains these programs are made of, so compiling them takes time exponential in
+k (`jax.grad` of the reversal family itself: 2.4 s at k = 8, minutes at k = 20; the inverse
+JVP's program 17.8 s at k = 8)."""
 
-def measure(k: int, n: int = 64) -> dict:
-    f = masked_steps(k)
-    ab, t, grad = _grad_of(k, n)
-    out = {"k": k, "equations": len(jax.make_jaxpr(f)(ab, t).jaxpr.eqns)}
-    for what, fn, args in (("reversible grad", grad, (ab, t)),
-                           ("reverse", jr.reverse(f), (f(ab, t), t))):
-        t0 = time.perf_counter()
-        with counting() as c:
-            jax.make_jaxpr(fn)(*args)
-        out[f"{what} s"] = time.perf_counter() - t0
-        out[f"{what} rule applications"] = c["rules"] + c["elements"]
-    # and it is right: the gradient against jax.grad's
-    want = jax.jit(jax.grad(lambda ab, t: jnp.sum(f(ab, t)[1] ** 2)))(ab, t)
-    got = jax.jit(grad)(ab, t)
-    out["grad rel err"] = max(float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
-                              for a, b in zip(got, want))
+
+def _programs(name: str, k: int) -> dict:
+    """Per transform, the function to trace and its arguments, and a check of its result."""
+    f, s, p = family(name, k)
+    y = f(s, p)
+    flat = lambda v: jnp.concatenate(f((v[:16], v[16:]), p))  # noqa: E731
+    x = jnp.concatenate(s)
+    J = jax.jacfwd(flat)(x)
+
+    def err(got, want):
+        got, want = (jnp.concatenate([jnp.ravel(t) for t in jax.tree_util.tree_leaves(a)])
+                     for a in (got, want))
+        return float(jnp.max(jnp.abs(got - want)) / max(1.0, float(jnp.max(jnp.abs(want)))))
+
+    grad = jax.grad(loss(jr.reversible(f)), argnums=(0, 1))
+    ijvp = lambda s, p: jr.inverse_jvp(lambda s: f(s, p), (s,), s)[1][0]  # noqa: E731
+    fas = lambda s, p: jr.forward_and_slogdet(f)(s, p)[1]  # noqa: E731
+    v = jnp.concatenate(s)
+    return {
+        "reverse": (jr.reverse(f), (y, p), lambda out: err(out, s)),
+        "reversible grad": (grad, (s, p),
+                            lambda out: err(out, jax.grad(loss(f), argnums=(0, 1))(s, p))),
+        "inverse_jvp": (ijvp, (s, p), lambda out: err(out, jnp.linalg.solve(J, v))),
+        "forward_and_slogdet": (fas, (s, p),
+                                lambda out: err(out, jnp.linalg.slogdet(J)[1])),
+    }
+
+
+def measure(name: str, k: int, repeats: int = 3) -> dict:
+    """Seconds to trace: the median of `repeats` traces of freshly built programs (a shared
+    machine adds noise, never removes it); rule applications: those of one trace."""
+    out = {"family": name, "k": k}
+    times: dict[str, list] = {}
+    for rep in range(repeats):
+        for what, (fn, args, check) in _programs(name, k).items():
+            t0 = time.perf_counter()
+            with counting() as c:
+                jax.make_jaxpr(fn)(*args)
+            times.setdefault(what, []).append(time.perf_counter() - t0)
+            out[f"{what} rules"] = c["rules"] + c["elements"]
+            if rep == 0:
+                out[f"{what} err"] = (check(jax.jit(fn)(*args)) if k <= CHECK_UPTO else None)
+    for what, ts in times.items():
+        out[f"{what} s"] = float(np.median(ts))
     return out
 
 
-def grad_trace_seconds(k: int, n: int = 64) -> float:
-    """Only the time to trace the reversible gradient (what `--before` measures)."""
-    ab, t, grad = _grad_of(k, n)
-    t0 = time.perf_counter()
-    jax.make_jaxpr(grad)(ab, t)
-    return time.perf_counter() - t0
-
-
-def _grad_of(k: int, n: int) -> tuple:
-    f = masked_steps(k)
-    ab = (jnp.linspace(-1, 1, n), jnp.linspace(1, -1, n))
-    t = jnp.linspace(0, 1, n)
-    return ab, t, jax.grad(lambda ab, t: jnp.sum(jr.reversible(f)(ab, t)[1] ** 2))
-
-
-def before(path: str, ks: list[int]) -> dict:
-    """The reversible gradient's tracing time with an older jaxrev checkout, in a subprocess."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    tests = os.path.join(here, "..", "tests")
-    code = (f"import sys; sys.path.insert(0, {path!r}); sys.path[1:1] = [{here!r}, {tests!r}]\n"
-            "import json, tracing\n"
-            "tracing.grad_trace_seconds(1)\n"
-            f"print(json.dumps({{k: tracing.grad_trace_seconds(k) for k in {ks!r}}}))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=3600, env={**os.environ, "PYTHONPATH": path})
-    if out.returncode != 0:
-        raise RuntimeError(out.stderr[-2000:])
-    return {int(k): v for k, v in json.loads(out.stdout.strip().splitlines()[-1]).items()}
-
-
 def slope(xs, ys) -> float:
-    return float(np.polyfit(np.log(xs), np.log(ys), 1)[0])
+    return float(np.polyfit(np.log(xs), np.log(np.maximum(ys, 1e-9)), 1)[0])
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--before", help="an older jaxrev checkout to compare with")
+    ap.add_argument("--quick", action="store_true", help="k up to 10")
+    ap.add_argument("--families", default=",".join(FAMILIES))
     args = ap.parse_args(argv)
     ks = [1, 2, 5, 10] if args.quick else [1, 2, 5, 10, 20, 50]
-    measure(1)   # warm-up: first-time imports and compilations
-    rows = [measure(k) for k in progress(ks, desc="masked steps")]
-    if args.before:
-        old = before(args.before, ks)
-        for r in rows:
-            r["before: reversible grad s"] = old[r["k"]]
-    fits = {what: {"time": slope(ks[1:], [r[f"{what} s"] for r in rows[1:]]),
-                   "rule applications": slope(ks[1:], [r[f"{what} rule applications"]
-                                                       for r in rows[1:]])}
-            for what in ("reversible grad", "reverse")}
-    data = {"device": device_info(), "rows": rows, "log-log slopes (k >= 2)": fits}
+    names = args.families.split(",")
+    measure("shared", 1)   # warm-up: first-time imports and compilations
+    rows = [measure(n, k) for n, k in progress([(n, k) for n in names for k in ks],
+                                               desc="families x k")]
+    fit_from = 5 if args.quick else FIT_FROM
+    fits = {}
+    for n in names:
+        rs = [r for r in rows if r["family"] == n and r["k"] >= fit_from]
+        fits[n] = {w: {"time": slope([r["k"] for r in rs], [r[f"{w} s"] for r in rs]),
+                       "rules": slope([r["k"] for r in rs], [r[f"{w} rules"] for r in rs])}
+                   for w in TRANSFORMS}
+    data = {"device": device_info(), "ks": ks, "rows": rows, "fit from k": fit_from,
+            "log-log slopes": fits}
     table = make_table(data)
     suffix = "_quick" if args.quick else ""
     write_results("tracing" + suffix, data, table)
@@ -124,24 +137,34 @@ def main(argv=None):
 
 
 def make_table(d) -> str:
-    old = "before: reversible grad s" in d["rows"][0]
-    out = [f"# Tracing cost of masked steps ({d['device']['backend']}, JAX {d['device']['jax']})",
-           "", "Seconds to trace (`jax.make_jaxpr`) and the walker's rule applications; the "
-           "gradient's error against `jax.grad` (float64)."
-           + (" \"before\": the same, with the jaxrev of before issue 15." if old else ""), "",
-           "| k | equations | reversible grad s | rule applications | reverse s | "
-           "rule applications | grad rel err |" + (" before: reversible grad s |" if old else ""),
-           "|---|---|---|---|---|---|---|" + ("---|" if old else "")]
-    for r in d["rows"]:
-        out.append(f"| {r['k']} | {r['equations']} | {r['reversible grad s']:.3f} | "
-                   f"{r['reversible grad rule applications']} | {r['reverse s']:.3f} | "
-                   f"{r['reverse rule applications']} | {r['grad rel err']:.1e} |"
-                   + (f" {r['before: reversible grad s']:.3f} |" if old else ""))
-    out += ["", "Log-log slopes against k (1 is linear): " + "; ".join(
-        f"{w}: time {s['time']:.2f}, rule applications {s['rule applications']:.2f}"
-        for w, s in d["log-log slopes (k >= 2)"].items()) + ".",
-        "", "Issue 15 reported 0.1, 0.5, 2.0, 9.4, 51 s for k = 1..5 (its variant of the "
-        "program, before element-level inversion)."]
+    kmax = max(d["ks"])
+    out = [f"# Tracing cost of masked-step families ({d['device']['backend']}, "
+           f"JAX {d['device']['jax']})", "",
+           f"Seconds to trace (`jax.make_jaxpr`, defaults) at k = {kmax}, the log-log slopes "
+           f"of time (the median of three traces) and of the walker's rule applications "
+           f"against k (k >= {d['fit from k']}; 1 is linear), "
+           "and the largest error of the result (float64; the gradient against `jax.grad`, "
+           "the inverse JVP against a dense solve, log|det| against `slogdet`) for k <= "
+           f"{CHECK_UPTO} (compiling these programs, `jax.grad`'s included, takes XLA:CPU "
+           "time exponential in k: its fusion duplicates their elementwise chains).",
+           "", "| family | transform | s at k = %d | slope (time) | slope (rules) | "
+           "rules at k = %d | max error |" % (kmax, kmax), "|---|---|---|---|---|---|---|"]
+    worst = {"s": 0.0, "slope": 0.0, "err": 0.0}
+    for n, fit in d["log-log slopes"].items():
+        rs = [r for r in d["rows"] if r["family"] == n]
+        last = [r for r in rs if r["k"] == kmax][0]
+        for w in TRANSFORMS:
+            e = max(r[f"{w} err"] for r in rs if r[f"{w} err"] is not None)
+            out.append(f"| {n} | {w} | {last[f'{w} s']:.2f} | {fit[w]['time']:.2f} | "
+                       f"{fit[w]['rules']:.2f} | {last[f'{w} rules']} | {e:.1e} |")
+            worst["s"] = max(worst["s"], last[f"{w} s"])
+            worst["slope"] = max(worst["slope"], fit[w]["time"], fit[w]["rules"])
+            worst["err"] = max(worst["err"], e)
+    out += ["", f"Worst: {worst['s']:.2f} s at k = {kmax} (target < {TIME_LIMIT:g} s at k = "
+            f"50), slope {worst['slope']:.2f} (target <= {SLOPE_LIMIT}), error "
+            f"{worst['err']:.1e} (target 1e-10).",
+            "", "Before issue 28, `jax.grad` through `reversible` of the reversal family with "
+            "per-step predicates took 0.08, 1.6, 6.8, 50 s for k = 1..4 (issue 28's report)."]
     return "\n".join(out) + "\n"
 
 
@@ -149,18 +172,20 @@ def plot(d, path) -> None:
     plt = pyplot()
     if plt is None:
         return
-    ks = [r["k"] for r in d["rows"]]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for what in ("reversible grad", "reverse"):
-        ax.loglog(ks, [r[f"{what} s"] for r in d["rows"]], "o-", label=f"{what} (now)")
-    if "before: reversible grad s" in d["rows"][0]:
-        ax.loglog(ks, [r["before: reversible grad s"] for r in d["rows"]], "s--",
-                  label="reversible grad (before issue 15)")
-    ax.loglog([1, 2, 3, 4, 5], [0.1, 0.5, 2.0, 9.4, 51], "x:",
-              label="reversible grad (issue 15's report)")
-    ax.set_xlabel("masked steps k")
-    ax.set_ylabel("seconds to trace")
-    ax.legend()
+    fig, axes = plt.subplots(1, len(TRANSFORMS), figsize=(4 * len(TRANSFORMS), 4), sharey=True)
+    names = list(d["log-log slopes"])
+    for ax, w in zip(axes, TRANSFORMS):
+        for n in names:
+            rs = [r for r in d["rows"] if r["family"] == n]
+            ax.loglog([r["k"] for r in rs], [r[f"{w} s"] for r in rs], "o-", label=n)
+        if w == "reversible grad":
+            ax.loglog([1, 2, 3, 4], [0.08, 1.6, 6.8, 50], "x:", color="k",
+                      label="reversal, before issue 28")
+        ax.axhline(TIME_LIMIT, color="gray", lw=0.5)
+        ax.set_title(w)
+        ax.set_xlabel("masked steps k")
+    axes[0].set_ylabel("seconds to trace")
+    axes[-1].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
