@@ -17,17 +17,13 @@ import pytest
 from jax import lax
 
 import jaxrev as jr
+from programs import marker_line
 
 HERE = os.path.basename(__file__)
 
 
 def _line(tag: str) -> int:
-    """Line number (1-based) of the line of this file that ends with the marker `# <tag>`."""
-    marker = f"# <{tag}>"
-    with open(__file__, encoding="utf-8") as fh:
-        hits = [i for i, text in enumerate(fh, 1) if text.rstrip().endswith(marker)]
-    assert len(hits) == 1, f"marker {marker} must occur exactly once, found {hits}"
-    return hits[0]
+    return marker_line(__file__, tag)
 
 
 def _check(err: BaseException, primitive: str, tag: str, hint: str | None = None) -> str:

@@ -20,6 +20,7 @@ import pytest
 from jax import lax
 
 import jaxrev as jr
+from programs import marker_line
 
 HERE = os.path.basename(__file__)
 KINDS = {"key": jax.random.key, "raw": jax.random.PRNGKey}
@@ -28,11 +29,7 @@ W = jnp.cos(jnp.arange(6.0))
 
 
 def _line(tag: str) -> int:
-    marker = f"# <{tag}>"
-    with open(__file__, encoding="utf-8") as fh:
-        hits = [i for i, text in enumerate(fh, 1) if text.rstrip().endswith(marker)]
-    assert len(hits) == 1, f"marker {marker} must occur exactly once, found {hits}"
-    return hits[0]
+    return marker_line(__file__, tag)
 
 
 def _close(a, b, tol=1e-10):
