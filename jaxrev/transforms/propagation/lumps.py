@@ -472,7 +472,7 @@ def singular_on_stand_ins(L: Lump, env: Env, nonlinear: bool = False) -> bool:
     if not np.all(np.isfinite(A)) or A.size == 0:
         return False
     sv = np.linalg.svd(A, compute_uv=False)
-    eps = np.finfo(sv.dtype).eps
+    eps = jnp.finfo(sv.dtype).eps
     return bool(np.any(sv[:, -1] <= 64 * eps * A.shape[-1] * sv[:, 0]))
 
 

@@ -93,7 +93,7 @@ class Dial:
     def tol(self, dtype: Any) -> float:
         if self.rtol is not None:
             return float(self.rtol)
-        return float(np.sqrt(np.finfo(dtype).eps))
+        return float(np.sqrt(jnp.finfo(dtype).eps))
 
 
 def _tmap(f: Any, *t: Any) -> Any:
