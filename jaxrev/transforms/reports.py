@@ -108,11 +108,12 @@ def _report_entries(P: Plan, count: int, out: list[dict]) -> None:
 
 
 def memory_report(fun: Callable, *args: Any, argnums: int | Sequence[int] = 0,
-                  checkpoint_every: int | str | None = None, memory_budget: int | None = None,
-                  max_steps: int | None = None) -> MemoryReport:
+                  checkpoint_every: int | str | None = "auto", memory_budget: int | None = None,
+                  max_steps: int | None = None, on_drift: str = "repair") -> MemoryReport:
     """List what `reversible(fun, argnums, ...)` stores for its gradient, beyond inputs and
     outputs: values lossy steps cannot rebuild, and the time-space dial's checkpoints (the
-    keywords are `reversible`'s).
+    keywords are `reversible`'s, with its defaults; a repair's scratch, one segment's
+    carries, is not listed).
 
     Example:
         >>> import jax, jax.numpy as jnp, jaxrev as jr
@@ -122,7 +123,8 @@ def memory_report(fun: Callable, *args: Any, argnums: int | Sequence[int] = 0,
         [(10, '`max`')]
     """
     b = bind_reversible(fun, args, argnums)
-    P = top_plan(b.jaxpr, b.state, Dial(checkpoint_every, memory_budget, max_steps=max_steps,
+    P = top_plan(b.jaxpr, b.state, Dial(checkpoint_every, memory_budget, on_drift,
+                                        max_steps=max_steps,
                                         name=getattr(fun, "__name__", "fun"),
                                         walk=Settings("jaxrev.memory_report")))
     entries: list[dict] = []

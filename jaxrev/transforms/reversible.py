@@ -184,6 +184,7 @@ def _checked_walk(P: Plan, env: Env, ctenv: dict | None, active: set, res: Seque
     return log.finish(log.worst(), cts)
 
 
+
 _LOOPS = ("scan", "while", "jaxrev_while")
 
 
@@ -356,8 +357,8 @@ def rebuild(fun: Callable, args: Sequence[Any], argnums: int | Sequence[int], di
 
 
 def reversible(fun: Callable, argnums: int | Sequence[int] = 0, *,
-               checkpoint_every: int | str | None = None, memory_budget: int | None = None,
-               on_drift: str = "raise", drift_rtol: float | None = None,
+               checkpoint_every: int | str | None = "auto", memory_budget: int | None = None,
+               on_drift: str = "repair", drift_rtol: float | None = None,
                max_steps: int | None = None, on_error: str = "raise") -> Callable:
     """`fun` with a reverse-mode derivative that rebuilds intermediates by running backwards.
 
@@ -368,19 +369,25 @@ def reversible(fun: Callable, argnums: int | Sequence[int] = 0, *,
     loop iterations or unrolled blocks; steps that lose information store just what they lose
     (see `memory_report`). Composes with `jit`, `vmap`, `grad`, `jvp` and `hessian`.
 
-    The backward run's rebuilt state is compared with the true inputs, and, where loops are
-    checkpointed, every segment's rebuilt start with its checkpoint (docs/design.md §3.8):
+    Drift is repaired by default (docs/design.md §3.8): a top-level loop's carry is stored
+    every ⌈√T⌉ of its T iterations, the backward run rebuilds each segment from the next
+    one's stored start, and a segment whose rebuilt start misses its checkpoint (or whose
+    cotangents come back non-finite) is recomputed forward from it, at the cost of one more
+    forward run of that segment and its K carries; the rebuilt inputs of the call are
+    compared with the true ones.
 
-    - `checkpoint_every`: None (fully reversible), K (store a loop's carry every K iterations
-      and rebuild each segment from the next one's stored start: drift grows over K steps;
-      1 is plain storage) or "auto" (checkpoints every ⌈√T⌉ iterations, or as
-      `memory_budget` allows, and a segment whose rebuilt start misses is recomputed forward
-      from its checkpoint, at the cost of one more forward run of that segment, storing its
-      K carries).
+    - `checkpoint_every`: "auto" (the default: ⌈√T⌉, or as `memory_budget` allows; none under
+      on_drift="ignore"), K (a checkpoint every K iterations; 1 is plain storage) or None
+      (fully reversible: no checkpoints).
     - `memory_budget`: bytes of checkpoints each loop may keep (picks K per loop).
-    - `on_drift`: what a miss by more than `drift_rtol` (relative, default √eps of the dtype)
-      does: "raise" (a `jr.DriftError` naming the loop and the measured drift; under `jit`
-      when the program runs), "warn", "nan" (the gradient is NaN), "ignore" (no check).
+    - `on_drift`: what a miss does. A segment misses where its drift moves the gradient more
+      than the forward run's own rounding does (the cotangents measure it), the call's
+      inputs where they miss by more than √eps of their dtype; `drift_rtol` sets a relative
+      tolerance for both instead:
+      "repair" (the default; a miss that no checkpoint can repair raises), "raise" (a
+      `jr.DriftError` naming the loop and the measured drift; under `jit` when the program
+      runs, `jr.jit` turns it into that type), "warn", "nan" (the gradient is NaN), "ignore"
+      (no check, and no checkpoints unless asked: the fully reversible mode).
     - `max_steps`: a bound on every `while_loop`'s trip count, which lets `reversible`
       checkpoint it, or store a body that loses information once per iteration.
     - `on_error`: what a failure inside a rebuilt value does (a group solved by Newton's
@@ -394,7 +401,7 @@ def reversible(fun: Callable, argnums: int | Sequence[int] = 0, *,
         ...     x = x + jnp.tanh(th * y)
         ...     return x, y + jnp.sin(x)
         >>> loop = lambda xy, th: jax.lax.fori_loop(0, 100, lambda i, s: step(s, th), xy)
-        >>> f = jr.reversible(loop, checkpoint_every=10)
+        >>> f = jr.reversible(loop)
         >>> g = jax.grad(lambda th: f((jnp.ones(3), jnp.zeros(3)), th)[1].sum())(0.5)
         >>> bool(jnp.isfinite(g))
         True

@@ -32,7 +32,7 @@ from jaxrev.transforms.sweep.backward import (BodyWalk, LoopEnd, LoopPlan, Plan,
 from jaxrev.transforms.knowledge.checks import raise_where
 from jaxrev.transforms.propagation.walker import RuleContext, invert_jaxpr, static_hints
 from jaxrev.transforms.sweep import drift
-from jaxrev.transforms.sweep.dial import segment_checks
+from jaxrev.transforms.sweep.dial import budget_dtype, segment_checks, weight
 from jaxrev.transforms.registry import Lossy, NeedMore, define
 
 __all__ = ["while_loop", "while_p"]
@@ -167,7 +167,7 @@ def _stored_sweep(P: Plan, i: int, env: Env, ctenv: dict | None, active: set,
     """A bounded `lax.while_loop` run backwards from what its forward run stored: the trip
     count, the body's residuals per iteration, and (the dial) a checkpoint of the carry every
     K iterations, which replaces the rebuilt carry at each segment's start once compared with
-    it ("auto": a segment that missed is recomputed from its checkpoint)."""
+    it (on_drift="repair": a segment that missed is recomputed from its checkpoint)."""
     e = P.closed.jaxpr.eqns[i]
     p = e.params
     nbc = p["body_nconsts"]
@@ -185,12 +185,12 @@ def _stored_sweep(P: Plan, i: int, env: Env, ctenv: dict | None, active: set,
     c0 = [env.read(v) for v in e.outvars]
     c_ct0, k_ct0 = loop_cts_in(ctenv, e.outvars, body, nbc, act)
     K = lp.every
-    check, redo = (segment_checks(P.dial, env.ctx.drift, e, lp.carry, body, nbc, ncar, bvals,
-                                  act, (),
-                                        True, res.planning) if K is not None else (None, None))
+    check, redo = (segment_checks(P.dial, env.ctx.drift, e, lp.carry, lp.max_steps, body, nbc, ncar,
+                                  bvals, act, (), True, res.planning)
+                   if K is not None else (None, None))
 
     def back(s):
-        k, c, c_ct, k_ct, w, snap = s
+        k, c, c_ct, k_ct, w, snap, B = s
         t = k - 1
         c2, c_ct2, k_ct2, w = _masked_step(
             step, body, bvals, t < n, c, c_ct, k_ct, w,
@@ -199,9 +199,12 @@ def _stored_sweep(P: Plan, i: int, env: Env, ctenv: dict | None, active: set,
             start = t % K == 0
             ck_j = [lax.dynamic_index_in_dim(b, t // K, keepdims=False) for b in ck]
             if check is not None:
-                rho, at = check(c2, ck_j)
+                # the budget summed per iteration (a segment of 0 iterations adds nothing)
+                w_t = weight(c_ct2 or [], c2)
+                B = B + where((t < jnp.max(n)) & jnp.isfinite(w_t), w_t, 0.0)
+                rho, at, _ = check(c2, ck_j, c_ct2 or [None] * len(c2), c2, c_ct2, 0, B)
                 if redo is not None:
-                    bad = start & ~(rho <= 1.0)
+                    bad = start & (~(rho <= 1.0) | ~drift.finite([*c_ct2, *k_ct2]))
                     m = jnp.clip(n - t, 0, K)   # per element under vmap
                     c_ct2, k_ct2 = lax.cond(
                         bad, lambda: redo(ck_j, snap[0], snap[1], ([], [], [], []), K, m)[:2],
@@ -212,12 +215,13 @@ def _stored_sweep(P: Plan, i: int, env: Env, ctenv: dict | None, active: set,
             if redo is not None:
                 snap = jax.tree_util.tree_map(lambda a, b: where(start, a, b),
                                               (c_ct2, k_ct2), snap)
-        return k - 1, c2, c_ct2, k_ct2, w, snap
+        return k - 1, c2, c_ct2, k_ct2, w, snap, B
 
     w0 = drift.no_drift()
     snap0 = (c_ct0, k_ct0) if redo is not None else ()
-    _, c_first, c_first_ct, k_ct, w, _ = lax.while_loop(
-        lambda s: s[0] > 0, back, (jnp.max(n), c0, c_ct0, k_ct0, w0, snap0))
+    _, c_first, c_first_ct, k_ct, w, _, _ = lax.while_loop(
+        lambda s: s[0] > 0, back,
+        (jnp.max(n), c0, c_ct0, k_ct0, w0, snap0, jnp.zeros((), budget_dtype())))
     drift.note(env.ctx.drift, w)
     init = e.invars[p["cond_nconsts"] + nbc:]
     loop_cts_out(env, ctenv, LoopEnd(init, c_first, c_first_ct, bc, k_ct), act, nbc)

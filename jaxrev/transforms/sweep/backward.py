@@ -18,15 +18,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrev._compat import ClosedJaxpr, DropVar, JaxprEqn, Literal, Var, bind_eqn, is_symbolic_zero
+from jaxrev._compat import ClosedJaxpr, DropVar, JaxprEqn, Var, bind_eqn, is_symbolic_zero
 from jaxrev._cache import memo
 from jaxrev._errors import not_invertible
-from jaxrev._jaxpr import Env, evaluate, fit_to_aval, is_var, prepare
+from jaxrev._jaxpr import Env, fit_to_aval, is_var, prepare
 from jaxrev.transforms.knowledge.context import WalkContext
 from jaxrev.transforms.propagation.walker import Hints, Stuck, Window, blame, propagate, statics_for
 from jaxrev.transforms.sweep import drift
 from jaxrev.transforms.custom import recompute_p, store_p
 from jaxrev.transforms.sweep.dial import Dial
+from jaxrev.transforms.sweep.params import ParamOnly, tie_of
 from jaxrev.transforms.registry import forward_rules, sweep_rules
 
 __all__ = ["Plan", "LoopPlan", "Residuals", "plan_for", "top_plan", "res_avals", "loop_avals",
@@ -81,6 +82,7 @@ class Plan:
     labels: dict = field(default_factory=dict)           # Var -> what it is, for the report
     hints: Any = None                                    # what its inputs are at trace time
     dial: Dial = DEFAULT_DIAL                            # the reversible call's settings
+    params: Any = None                                   # its parameter-only values
 
 
 @dataclass(eq=False)
@@ -209,6 +211,7 @@ def plan_for(closed: ClosedJaxpr, known_in: tuple[bool, ...], known_out: tuple[b
         return hit[1]
     P = Plan(prepare(closed), hints=hints, dial=dial)
     J = P.closed.jaxpr
+    P.params = ParamOnly(J, known_in)
     ins = [sds(v.aval) for v, k in zip(J.invars, known_in) if k]
     outs = [sds(v.aval) for v, k in zip(J.outvars, known_out) if k]
     goals = [v for v, g in zip(J.invars, goal_in) if g]
@@ -249,8 +252,13 @@ def _rebuild(P: Plan, i: int, hi: int, env: Env, goals: list, res: Residuals) ->
     eqns = P.closed.jaxpr.eqns
     n = 1
     stuck: list[Stuck] = []
+    # parameter-only values are computed forward (`ParamOnly.need`), tied to this step
+    tie = tie_of([env.read(o) for o in eqns[i].outvars if is_var(o) and env.known(o)]
+                 if 0 <= i < len(eqns) else [])
+    P.params.need(env, goals, tie)
     while hi > 0:
         lo = max(0, hi - n)
+        P.params.window(env, eqns[lo:hi], tie)
         stuck = propagate(Window(eqns[lo:hi], cut=lo > 0), env, goals, soft=True)
         if all(env.known(g) for g in goals) or lo == 0:
             break
@@ -264,7 +272,7 @@ def _rebuild(P: Plan, i: int, hi: int, env: Env, goals: list, res: Residuals) ->
     label = (f"value stored: no inverse rule for `{s.eqn.primitive.name}`"
              if s is not None and s.no_rule else None)
     if res.planning:
-        chosen = _choose_store(eqns[:hi], env, list(missing))
+        chosen = _choose_store(eqns[:hi], env, list(missing), P.params)
     else:
         chosen = res.P.decisions[missing]
     for r in chosen:
@@ -281,13 +289,15 @@ def _rebuild(P: Plan, i: int, hi: int, env: Env, goals: list, res: Residuals) ->
 _MAX_STORE_CANDIDATES = 16
 
 
-def _choose_store(eqns: Sequence[JaxprEqn], env: Env, missing: list) -> list:
+def _choose_store(eqns: Sequence[JaxprEqn], env: Env, missing: list, po: ParamOnly) -> list:
     """What to store so that `missing` can be rebuilt, in the fewest bytes: a single value from
     which the rest follows (a loop body's overwritten carry, say), else the cheaper of the
     missing values themselves and the unknown inputs they are computed from."""
     roots, ancestors = _unknown_ancestry(eqns, env, missing)
-    # values marked with jr.recompute are never candidates: their sources are stored instead
+    # values marked with jr.recompute are never candidates: their sources are stored instead;
+    # nor are parameter-only values, which are recomputed
     no_store = {v for e in eqns if e.primitive is recompute_p for v in [*e.invars, *e.outvars]}
+    no_store |= po.made.keys()
     cands = sorted((c for c in dict.fromkeys([*missing, *roots,
                                               *ancestors[:_MAX_STORE_CANDIDATES]])
                     if c not in no_store), key=lambda v: _nbytes([v]))
@@ -369,6 +379,10 @@ def _differentiated_loop(e: JaxprEqn, ctenv: dict | None, active: set, res: Resi
         is_var(o) and o in ctenv for o in e.outvars)
 
 
+def _ct_tie(ctenv: dict | None, e: JaxprEqn) -> Any:
+    return tie_of([ctenv.get(o) for o in e.outvars if is_var(o)] if ctenv is not None else [])
+
+
 def walk(P: Plan, env: Env, ctenv: dict | None, active_in: set, res: Residuals,
          goals: Sequence[Var]) -> None:
     """Walk `P`'s jaxpr last equation first: rebuild each equation's inputs from its outputs,
@@ -376,15 +390,10 @@ def walk(P: Plan, env: Env, ctenv: dict | None, active_in: set, res: Residuals,
     J = P.closed.jaxpr
     eqns = J.eqns
     active = _activity(J, active_in) if ctenv is not None else set()
-    # values computed from known inputs alone (parameters, weights) are evaluated forward first
-    pk = {v for v in J.invars if env.known(v)} | set(J.constvars)
-    forward = set()
-    for i, e in enumerate(eqns):
-        if all(isinstance(v, Literal) or v in pk for v in e.invars):
-            pk.update(o for o in e.outvars if is_var(o))
-            forward.add(i)
-            if any(is_var(o) and not env.known(o) for o in e.outvars):
-                evaluate((e,), env)
+    # values computed from known inputs alone (parameters, weights) are parameter-only: never
+    # stored, computed forward from the parameters at each step that reads them (params.py)
+    po = P.params
+    forward = po.eqns
     for e in eqns:  # values the user asked to keep (jr.store) are read, not rebuilt: the kept
         if e.primitive is not store_p:  # value replaces a rebuilt one (a loop carry),
             continue                    # resetting its drift
@@ -395,6 +404,8 @@ def walk(P: Plan, env: Env, ctenv: dict | None, active_in: set, res: Residuals,
         e = eqns[i]
         sweep = sweep_rules.get(e.primitive)
         if i not in forward:
+            po.need(env, e.invars, tie_of([env.read(o) for o in e.outvars
+                                           if is_var(o) and env.known(o)]))
             if sweep is not None:
                 if not any(is_var(o) and is_float(o.aval) for o in e.outvars):
                     # no cotangent flows through it (a bin search): where its outputs are
@@ -408,8 +419,11 @@ def walk(P: Plan, env: Env, ctenv: dict | None, active_in: set, res: Residuals,
         elif sweep is not None and _differentiated_loop(e, ctenv, active, res):
             # a loop over parameters alone is computed forward, but its derivative still runs
             # it backwards: a plain VJP would keep its tape (or refuse a while loop)
+            po.need(env, [*e.invars, *e.outvars], _ct_tie(ctenv, e))
             sweep(P, i, env, ctenv, active, res)
             continue
+        elif ctenv is not None and any(is_var(o) and o in ctenv for o in e.outvars):
+            po.need(env, e.invars, _ct_tie(ctenv, e))
         _vjp_eqn(e, env, ctenv, active)
     missing = [g for g in goals if not env.known(g)]
     if missing:
@@ -556,7 +570,8 @@ def loop_cts_out(env: Env, ctenv: dict | None, end: LoopEnd, act: Sequence[bool]
 
 def forward_with_residuals(P: Plan, args: Sequence[Any]) -> tuple[list[Any], list[Any]]:
     """Run `P`'s jaxpr forward; also return its residuals (in `res_avals(P)` order). Loops
-    and branches with residuals of their own run by their `forward_rules`."""
+    and branches with residuals of their own run by their `forward_rules`; parameter-only
+    values are computed where they are read (`ParamOnly.run`)."""
     J = P.closed.jaxpr
     env = Env()
     for v, c in zip(J.constvars, P.closed.consts):
@@ -572,7 +587,8 @@ def forward_with_residuals(P: Plan, args: Sequence[Any]) -> tuple[list[Any], lis
         outs, lres[i] = forward_rules[e.primitive](e, lp, ins)
         return outs
 
-    evaluate(J.eqns, env, rule=rule)
+    P.params.run(env, rule, keep=P.loops.keys())
+    P.params.need(env, [*J.outvars, *P.store], None)
     res = [env.read(v) for v in P.store]
     for i in sorted(P.loops):
         res += lres[i]

@@ -21,25 +21,29 @@ import numpy as np
 
 from jaxrev._jaxpr import eval_closed, mentions, select_batched, where
 from jaxrev.transforms.knowledge.context import Settings
-from jaxrev.transforms.sweep.drift import combine, ratio, site, values_tol
+from jaxrev.transforms.sweep.drift import combine, finite, ratio, site, values_tol
 
-__all__ = ["ON_DRIFT", "Dial", "recomputable", "segmented", "segmented_forward", "body_redo", "segment_checks"]
+__all__ = ["ON_DRIFT", "Dial", "grad_ratio", "weight", "budget_dtype", "recomputable", "segmented", "segmented_forward", "body_redo", "segment_checks"]
 
 
-ON_DRIFT = ("raise", "nan", "warn", "ignore")
-
+ON_DRIFT = ("repair", "raise", "nan", "warn", "ignore")
 
 @dataclass(frozen=True)
 class Dial:
     """The settings of one `reversible` call (a primitive param: hashable).
 
     `every`: None (fully reversible), K (a checkpoint every K iterations; 1 is plain storage)
-    or "auto" (checkpoints every K from `budget`, else every ⌈√T⌉ iterations, and a segment
-    whose rebuilt start misses its checkpoint is recomputed forward from it); `budget`: bytes of
-    checkpoints each loop may keep (picks K); `on_drift`; `rtol` (default √eps of the value's
-    dtype); `max_steps`: the bound that lets a `while_loop` be checkpointed or store a lossy
-    body per iteration; `walk`: the settings of its forward, planning and backward walks (the
-    transform's name for errors, `on_error` for failures inside rebuilt values)."""
+    or "auto" (checkpoints every K from `budget`, else every ⌈√T⌉ iterations of a top-level
+    loop; none under on_drift="ignore", the fully reversible mode); `budget`: bytes of
+    checkpoints each loop may keep (picks K); `on_drift`: "repair" (a segment whose rebuilt
+    start misses its checkpoint, or whose cotangents come back non-finite, is recomputed
+    forward from it), "raise", "warn", "nan", "ignore"; `rtol` (default: `tol`); `max_steps`:
+    the bound that lets a `while_loop` be checkpointed or store a lossy body per iteration;
+    `walk`: the settings of its forward, planning and backward walks (the transform's name for
+    errors, `on_error` for failures inside rebuilt values).
+
+    The dataclass's defaults are the strict, fully reversible dial that the inverse
+    transforms use inside; `reversible`'s public defaults are "auto" and "repair"."""
 
     every: int | str | None = None
     budget: int | None = None
@@ -62,12 +66,12 @@ class Dial:
             raise ValueError(f"max_steps must be a positive int, got {self.max_steps!r}")
 
     @property
-    def auto(self) -> bool:
-        return self.every == "auto"
+    def repair(self) -> bool:
+        return self.on_drift == "repair"
 
     @property
     def checks(self) -> bool:
-        return self.on_drift != "ignore" or self.auto
+        return self.on_drift != "ignore"
 
     def segment(self, length: int, carry_bytes: int) -> int | None:
         """K for a loop of `length` iterations whose carry takes `carry_bytes`; None: the loop
@@ -77,20 +81,33 @@ class Dial:
         if isinstance(self.every, int):
             return min(self.every, length)
         if self.budget is not None:
-            n_ckpt = max(1, int(self.budget // max(carry_bytes, 1)))
-            return max(1, math.ceil(length / n_ckpt))
-        if self.auto:
+            slots = max(1, int(self.budget // max(carry_bytes, 1)))
+            if not self.repair:
+                return max(1, math.ceil(length / slots))
+            # a repair stores a segment's K carries besides the ⌈T/K⌉ checkpoints
+            for K in range(1, math.isqrt(length) + 2):   # ⌈T/K⌉ + K is least near √T
+                if math.ceil(length / K) + K <= slots:
+                    return K
+            return max(1, math.ceil(length / max(1, slots // 2)))
+        if self.every == "auto" and self.on_drift != "ignore":
             return max(1, math.ceil(math.sqrt(length)))
         return None
 
     def inner(self, iterations: int | None) -> "Dial":
         """The dial of a loop body that runs `iterations` times and whose residuals (an inner
-        loop's checkpoints among them) are stored per iteration: the budget is shared."""
-        if self.budget is None or not iterations:
+        loop's checkpoints among them) are stored per iteration: the budget is shared, and
+        "auto" places no checkpoints there (they would be stored once per outer iteration:
+        the outer loop's segments check and repair what the inner loop rebuilds)."""
+        if self.budget is None:
+            return dataclasses.replace(self, every=None) if self.every == "auto" else self
+        if not iterations:
             return self
         return dataclasses.replace(self, budget=max(1, self.budget // iterations))
 
     def tol(self, dtype: Any) -> float:
+        """The relative drift tolerated where no cotangent measures what it does to the
+        gradient (the call's rebuilt inputs, `check_reversible`): `rtol`, else √eps of the
+        dtype (a miss means the rebuilt values have lost half their digits)."""
         if self.rtol is not None:
             return float(self.rtol)
         return float(np.sqrt(jnp.finfo(dtype).eps))
@@ -106,6 +123,51 @@ def recomputable(closed: Any) -> bool:
     return not mentions(closed.jaxpr, lambda p: p.name in ("while", "jaxrev_while"))
 
 
+GRAD_SLACK = 1.0
+"""How far a segment's drift may change the gradient, in units of the budget (below)."""
+
+
+def budget_dtype() -> Any:
+    return jnp.result_type(float)   # float64 under x64: the budget spans many magnitudes
+
+
+def weight(cts: Sequence[Any], vals: Sequence[Any]) -> Any:
+    """Σ over floating leaves of u·‖ct‖₁·‖val‖∞: what one roundoff of each value moves the
+    loss by, at most (u: the leaf's unit roundoff)."""
+    out = jnp.zeros((), budget_dtype())
+    for g, v in zip(cts, vals):
+        if g is None or not jnp.issubdtype(jnp.result_type(v), jnp.inexact):
+            continue
+        u = float(jnp.finfo(jnp.result_type(v)).eps) / 2
+        out = out + u * (jnp.sum(jnp.abs(g)).astype(out.dtype)
+                         * jnp.max(jnp.abs(v), initial=0).astype(out.dtype))
+    return out
+
+
+def grad_ratio(c: Sequence[Any], ck: Sequence[Any], c_ct: Sequence[Any], c_end: Sequence[Any],
+               c_ct_end: Sequence[Any], n: int, B: Any) -> tuple[Any, Any]:
+    """How much a segment's drift may change the gradient, against what rounding alone
+    changes it by (docs/design.md §3.8): the drift δ of its rebuilt start moves what the
+    backward run computes there by about ‖c̄‖₁‖δ‖∞ (c̄: the cotangent of the carry), and
+    jax.grad's own forward run rounds every value it stores, each by u‖x‖∞ at least, which
+    moves it by the budget B = Σ_t u‖c̄_t‖₁‖x_t‖∞ over the iterations already swept (sampled
+    at segment boundaries). Returns (err / (GRAD_SLACK·B), B with this segment added): a
+    ratio above 1, or not finite, is a miss."""
+    dt = budget_dtype()
+    p_start = weight(c_ct, ck)
+    p_end = weight(c_ct_end, c_end)
+    p_start = where(jnp.isfinite(p_start), p_start, p_end)
+    B = B + 0.5 * n * (p_start + p_end)
+    err = jnp.zeros((), dt)
+    for g, a, b in zip(c_ct, c, ck):
+        if g is None or not jnp.issubdtype(jnp.result_type(b), jnp.inexact):
+            continue
+        d = jnp.max(jnp.abs(jnp.asarray(a, jnp.result_type(b)) - b), initial=0).astype(dt)
+        err = err + where(d > 0, jnp.sum(jnp.abs(g)).astype(dt) * d, 0.0)
+    r = err / (GRAD_SLACK * where(B > 0, B, jnp.finfo(dt).tiny))
+    return where(jnp.isnan(r), jnp.inf, r).astype(jnp.float32), B
+
+
 def segmented(bstep: Any, carry0: tuple, slices: Any, length: int, K: int,
               ckpts: Sequence[Any], rev: bool, check: Any = None, redo: Any = None
               ) -> tuple[tuple, Any]:
@@ -113,30 +175,32 @@ def segmented(bstep: Any, carry0: tuple, slices: Any, length: int, K: int,
     ``(c, c_ct, k_ct, worst)``) in segments of K iterations: each segment starts from the
     stored start of the next (`ckpts`, one per segment, in iteration order; the last segment
     from the loop's final carry), so drift grows over K steps, not the loop. `check(c_rebuilt,
-    c_stored)` (a ratio, or None) compares each segment's rebuilt start with its checkpoint;
-    `redo(c_start, c_ct_end, k_ct_end, seg_slices, n)` (None, or the "auto" dial's) recomputes
-    a segment that missed forward from its checkpoint and returns ``(c_ct, k_ct, outs)``.
+    c_stored, n)` (a `(ratio, site)` pair, or None) compares each segment's rebuilt start with
+    its checkpoint; `redo(c_start, c_ct_end, k_ct_end, seg_slices, n)` (None, or the repairing
+    dial's) recomputes forward from its checkpoint a segment that missed, or whose cotangents
+    came back non-finite (a NaN rebuilt inside the segment), and returns ``(c_ct, k_ct, outs)``.
     Returns the start's carry (its checkpoint) and the per-iteration outputs."""
     if rev:   # iteration order: position order reversed
         slices = _tmap(lambda a: a[::-1], slices)
     r, nseg = length % K, length // K
     c_final, c_ct, k_ct, w = carry0
 
-    def seg_back(c_end, c_ct, k_ct, w, sl, ck_start, n):
+    def seg_back(c_end, c_ct, k_ct, w, B, sl, ck_start, n):
         (c_s, c_ct_s, k_ct_s, w_s), outs = jax.lax.scan(bstep, (c_end, c_ct, k_ct, w), sl,
                                                         length=n, reverse=True)
         if check is None:
-            return c_ct_s, k_ct_s, w_s, outs
-        rho, at = check(c_s, ck_start)
+            return c_ct_s, k_ct_s, w_s, B, outs
+        rho, at, B = check(c_s, ck_start, c_ct_s, c_end, c_ct, n, B)
         if redo is not None:
-            bad = ~(rho <= 1.0)
+            bad = ~(rho <= 1.0) | ~finite([*c_ct_s, *k_ct_s])
             c_ct_s, k_ct_s, outs = jax.lax.cond(
                 bad, lambda: redo(ck_start, c_ct, k_ct, sl, n),
                 lambda: (c_ct_s, k_ct_s, outs))
             w_s = tuple(where(bad, a, b) for a, b in zip(w, w_s))
             rho = where(bad, 0.0, rho)
-        return c_ct_s, k_ct_s, combine(w_s, (rho, at)), outs
+        return c_ct_s, k_ct_s, combine(w_s, (rho, at)), B, outs
 
+    B = jnp.zeros((), budget_dtype())
     outs_full = None
     c_end = [jnp.asarray(f, c.dtype) for f, c in zip(c_final, ckpts)]
     if nseg:
@@ -145,18 +209,18 @@ def segmented(bstep: Any, carry0: tuple, slices: Any, length: int, K: int,
 
         def outer(carry, blk):
             # a segment ends where the next one's stored start is: carried, not copied
-            c_end, c_ct, k_ct, w = carry
+            c_end, c_ct, k_ct, w, B = carry
             sl, ck_start = blk
-            c_ct, k_ct, w, outs = seg_back(c_end, c_ct, k_ct, w, sl, ck_start, K)
-            return (list(ck_start), c_ct, k_ct, w), outs
+            c_ct, k_ct, w, B, outs = seg_back(c_end, c_ct, k_ct, w, B, sl, ck_start, K)
+            return (list(ck_start), c_ct, k_ct, w, B), outs
 
-        (c_end, c_ct, k_ct, w), outs_full = jax.lax.scan(outer, (c_end, c_ct, k_ct, w),
-                                                         (full, ck_full), reverse=True)
+        (c_end, c_ct, k_ct, w, B), outs_full = jax.lax.scan(
+            outer, (c_end, c_ct, k_ct, w, B), (full, ck_full), reverse=True)
         outs_full = _tmap(lambda a: a.reshape((nseg * K,) + a.shape[2:]), outs_full)
     if r:
         head = _tmap(lambda a: a[:r], slices)
-        c_ct, k_ct, w, outs_head = seg_back(c_end, c_ct, k_ct, w, head,
-                                            [c[0] for c in ckpts], r)
+        c_ct, k_ct, w, B, outs_head = seg_back(c_end, c_ct, k_ct, w, B, head,
+                                               [c[0] for c in ckpts], r)
         outs = outs_head if outs_full is None else _tmap(
             lambda a, b: jnp.concatenate([a, b]), outs_head, outs_full)
     else:
@@ -266,23 +330,36 @@ def body_redo(body: Any, nc: int, ncar: int, consts: Sequence[Any], act: Sequenc
     return redo
 
 
-def segment_checks(dial: Dial, log: Any, eqn: Any, carry: Sequence[Any], body: Any, nc: int,
-                   ncar: int, consts: Sequence[Any], act: Sequence[bool] | None,
-                   yct: Sequence[bool], can_redo: bool, planning: bool) -> tuple[Any, Any]:
-    """A checkpointed loop's comparison `check(c_rebuilt, c_stored) -> (ratio, site)` of each
-    segment's rebuilt start with its checkpoint, and (the "auto" dial, where `can_redo` and the
-    body allows it) `body_redo`'s recomputation of a segment that missed; (None, None) where
-    nothing is checked (the planning walk, on_drift="ignore"). `log`: the backward run's drift
-    log (its walk context's)."""
+def segment_checks(dial: Dial, log: Any, eqn: Any, carry: Sequence[Any], length: int,
+                   body: Any, nc: int, ncar: int, consts: Sequence[Any],
+                   act: Sequence[bool] | None, yct: Sequence[bool], can_redo: bool,
+                   planning: bool) -> tuple[Any, Any]:
+    """A checkpointed loop's comparison `check(c, ck, c_ct, c_end, c_ct_end, n, B) ->
+    (ratio, site, B)` of each segment's rebuilt start with its checkpoint (`grad_ratio`), and
+    (the repairing dial, where `can_redo` and the body allows it) `body_redo`'s recomputation
+    of a segment that missed; (None, None) where nothing is checked (the planning walk,
+    on_drift="ignore"). `log`: the backward run's drift log (its walk context's)."""
     if planning or not dial.checks:
         return None, None
-    at = site(log, "the rebuilt start of a checkpointed segment of the loop", eqn,
-              values_tol(dial, [a.dtype for a in carry]))
-
-    def check(c, ck):
-        return ratio(dial, c, ck), jnp.asarray(at, jnp.int32)
-
+    del length
     redo = None
-    if dial.auto and can_redo and act is not None and recomputable(body):
+    if dial.repair and can_redo and act is not None and recomputable(body):
         redo = body_redo(body, nc, ncar, consts, act, yct)
+    # a segment that cannot be recomputed is held to the relative tolerance, as the call's
+    # inputs are: what a repair would fix is not what must raise
+    fixed = dial.rtol is not None or (dial.repair and redo is None)
+    at = site(log, "the rebuilt start of a checkpointed segment of the loop", eqn,
+              values_tol(dial, [a.dtype for a in carry]), gradient=not fixed)
+    at_ = jnp.asarray(at, jnp.int32)
+
+    def check(c, ck, c_ct, c_end, c_ct_end, n, B):
+        """(ratio, site, budget) for a segment of n iterations: its rebuilt start `c` against
+        its checkpoint `ck`, given the cotangents at its start and end (`B`: the budget of
+        the segments after it). Without cotangents (`check_reversible`'s rebuild) or with a
+        relative tolerance: the relative drift against it."""
+        if fixed or all(g is None for g in c_ct):
+            return ratio(dial, c, ck), at_, B
+        r, B = grad_ratio(c, ck, c_ct, c_end, c_ct_end, n, B)
+        return r, at_, B
+
     return check, redo

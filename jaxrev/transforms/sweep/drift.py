@@ -31,7 +31,7 @@ from jaxrev._errors import DriftError
 from jaxrev.transforms.knowledge.checks import check_at_run_time
 
 __all__ = ["DriftWarning", "no_drift", "leaf_drift", "values_tol", "ratio", "combine", "Site",
-           "Log", "log_for", "site", "note", "scope", "describe_loops"]
+           "Log", "log_for", "site", "note", "scope", "describe_loops", "finite"]
 
 
 class DriftWarning(UserWarning):
@@ -46,6 +46,15 @@ class DriftWarning(UserWarning):
         >>> [type(w.message).__name__ for w in caught]
         ['DriftWarning']
     """
+
+
+def finite(values: Sequence[Any]) -> Any:
+    """Whether every floating element of `values` (None entries skipped) is finite."""
+    ok = jnp.ones((), bool)
+    for v in values:
+        if v is not None and jnp.issubdtype(jnp.result_type(v), jnp.inexact):
+            ok = ok & jnp.all(jnp.isfinite(v))
+    return ok
 
 
 def no_drift() -> tuple[Any, Any]:
@@ -105,8 +114,9 @@ def combine(a: tuple[Any, Any], b: tuple[Any, Any]) -> tuple[Any, Any]:
 class Site:
     what: str                  # the comparison, in words
     where: str                 # the loop's (or call's) user line
-    tol: float
+    tol: float                 # relative drift tolerated (without cotangents, or drift_rtol)
     inputs: bool = False       # the call's rebuilt inputs (the message lists the loops)
+    gradient: bool = False     # its ratio is the gradient's (dial.grad_ratio), not tol's
 
 
 @dataclass
@@ -124,15 +134,29 @@ class Log:
 
     def message(self, r: float, k: int) -> str:
         s = self.sites[k] if 0 <= k < len(self.sites) else Site("a rebuilt value", "", 0.0)
-        drift = "NaN or inf" if not math.isfinite(r) else f"{r * s.tol:.3g}"
         where = f" at {s.where}" if s.where else ""
         extra = f"\n{self.loops}" if s.inputs and self.loops else ""
-        return (f"jaxrev.reversible({self.name}): {s.what}{where} misses its true value by a "
-                f"relative drift of {drift} (tolerance {s.tol:.3g}): the backward run "
-                f"amplifies rounding (a contracting loop run backwards expands it).{extra}\n"
-                "Ways out: checkpoint_every=K (drift grows over K steps, not the loop), "
-                "memory_budget=bytes or checkpoint_every='auto' (recompute the segments that "
-                "miss), a looser drift_rtol, or on_drift='warn' / 'ignore'.")
+        if not math.isfinite(r):
+            miss = "is not finite (NaN or inf where the true value is finite)"
+        elif s.gradient:
+            miss = (f"misses its true value by a drift that moves the gradient {r:.3g} times "
+                    "as much as the forward run's own rounding does")
+        else:
+            miss = (f"misses its true value by a relative drift of {r * s.tol:.3g} "
+                    f"(tolerance {s.tol:.3g})")
+        if self.dial.on_drift == "repair":
+            why = ("no checkpoint could repair it (it is rebuilt outside a checkpointed "
+                   "loop, or the loop's body cannot be recomputed)")
+            out = ("Ways out: jr.store(x) on a value inside the program (rebuilding resets "
+                   "there), a smaller checkpoint_every=K, a looser drift_rtol, or "
+                   "on_drift='warn' / 'ignore'.")
+        else:
+            why = ("the backward run amplifies rounding (a contracting loop run backwards "
+                   "expands it)")
+            out = ("Ways out: on_drift='repair' (the default: recompute the segments that "
+                   "miss), checkpoint_every=K (drift grows over K steps, not the loop), a "
+                   "looser drift_rtol, or on_drift='warn' / 'ignore'.")
+        return f"jaxrev.reversible({self.name}): {s.what}{where} {miss}: {why}.{extra}\n{out}"
 
     def error(self, r: Any, k: Any) -> Exception | None:
         r, k = float(np.asarray(r)), int(np.asarray(k))
@@ -143,6 +167,8 @@ class Log:
             warnings.warn(msg, DriftWarning, stacklevel=2)
             return None
         s = self.sites[k] if 0 <= k < len(self.sites) else None
+        if s is not None and s.gradient:   # drift and tolerance in the gradient's units
+            return DriftError(msg, file=s.where, drift=r, tolerance=1.0)
         return DriftError(msg, file=s.where if s else None, drift=r * (s.tol if s else 1.0),
                           tolerance=s.tol if s else None)
 
@@ -171,13 +197,14 @@ def log_for(dial: Any, name: str, loops: str = "") -> Log | None:
     return Log(dial, name, loops) if dial.checks else None
 
 
-def site(log: Log | None, what: str, eqn: Any, tol: float, inputs: bool = False) -> int:
+def site(log: Log | None, what: str, eqn: Any, tol: float, inputs: bool = False,
+         gradient: bool = False) -> int:
     """Register a comparison of the backward run whose log is `log`; its index (-1 when no
     run checks: a planning walk, on_drift="ignore")."""
     if log is None:
         return -1
     where = user_source(eqn)[2] if eqn is not None else ""
-    log.sites.append(Site(what, where or "", tol, inputs))
+    log.sites.append(Site(what, where or "", tol, inputs, gradient))
     return len(log.sites) - 1
 
 
