@@ -4,6 +4,7 @@
 """
 from jaxrev._errors import (DriftError, FailureWarning, JaxrevError, NotInvertibleError,
                             ReversibilityError, SingularJacobianError)
+from jaxrev._runtime import jit, raise_runtime_errors
 from jaxrev import optim
 from jaxrev.primitives import apply_gate, rot, swap
 from jaxrev.transforms.rules.cond import cond
@@ -33,5 +34,5 @@ __all__ = [
     "hook", "nestlevel", "forward_mode", "store", "recompute",
     "optim", "rot", "swap", "apply_gate", "JaxrevError", "NotInvertibleError",
     "ReversibilityError", "SingularJacobianError", "DriftError", "DriftWarning",
-    "FailureWarning",
+    "FailureWarning", "jit", "raise_runtime_errors",
 ]

@@ -98,6 +98,7 @@ not_mapped = None  # batching marks an unbatched operand with None
 register_lowering = _mlir.register_lowering
 lower_fun = _mlir.lower_fun
 from jax._src import debugging as _debugging  # noqa: E402
+DEBUG_CALLBACK_LOGGER = _debugging.__name__   # the logger of a failed `jax.debug.callback`
 debug_effect = _debugging.debug_effect   # what keeps an effect-only check from being removed
 
 

@@ -120,7 +120,7 @@ def test_no_import_circle():
 # or below (package __init__ files re-export and are exempt)
 LAYERS = [
     ("core", ("jaxrev._compat", "jaxrev._errors", "jaxrev._jaxpr", "jaxrev._program",
-              "jaxrev._cache", "jaxrev._primitive", "jaxrev._stats")),
+              "jaxrev._cache", "jaxrev._primitive", "jaxrev._stats", "jaxrev._runtime")),
     ("registry and knowledge", ("jaxrev.transforms.registry", "jaxrev.transforms.knowledge.",
                                 "jaxrev.transforms.custom")),
     ("propagation", ("jaxrev.transforms.propagation.",)),

@@ -7,7 +7,9 @@ indices may not be a permutation) builds a NaN into its result where it fails an
 `raise_where` with its walk's `on_error` and the flags: under "raise" the error is raised
 eagerly at once, under `jit` when the program runs (a `jax.debug.callback`); under "warn" it is
 a `FailureWarning` instead, at the same moments; under "nan" nothing happens, the NaN being the
-answer the caller asked for.
+answer the caller asked for. A check failing in a compiled program reaches the caller of
+`jax.jit` as JAX's runtime error; `jr.jit` and `jr.raise_runtime_errors()` (`jaxrev._runtime`)
+raise the check's own error instead.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from jax import lax
 from jaxrev._compat import debug_effect, is_concrete
 from jaxrev._errors import FailureWarning
 from jaxrev._primitive import make_primitive
+from jaxrev._runtime import note_check, raise_at_run_time
 from jaxrev.transforms.knowledge.context import ON_ERROR
 
 __all__ = ["ON_ERROR", "NEWTON_STARTS", "raise_where", "check_p", "check_at_run_time"]
@@ -73,6 +76,7 @@ def check_at_run_time(error: Callable[..., Exception | None], *flags: Any,
     host) holds: one host call per batch under `vmap`, none when nothing is bad."""
     if bad is None:
         bad = jnp.ones((), bool)
+    note_check()
     check_p.bind(jnp.asarray(bad), *flags, error=_Hashable(error), levels=0)
 
 
@@ -86,18 +90,43 @@ class _Hashable:
         return self.fn(*args)
 
 
-def _check_impl(bad: Any, *flags: Any, error: Callable, levels: int) -> list:
+def _first_bad(bad: Any, flags: Any, levels: int) -> list | None:
+    """The flags of the first bad sample on the host (None: nothing is bad)."""
+    bad = np.asarray(bad)
+    if not bad.any():
+        return None
+    vals = [np.asarray(f) for f in flags]
+    if levels:   # the first bad sample of the batch
+        at = np.unravel_index(int(np.argmax(bad.reshape(-1))), bad.shape)
+        vals = [v[at] for v in vals]
+    return vals
+
+
+def _check_eager(bad: Any, *flags: Any, error: Callable, levels: int) -> list:
+    """Eagerly (concrete operands), the check runs here: `error` raises as it is."""
+    vals = _first_bad(bad, flags, levels)
+    err = None if vals is None else error(*vals)
+    if err is not None:
+        raise err
+    return []
+
+
+def _check_lowered(bad: Any, *flags: Any, error: Callable, levels: int) -> list:
+    """In a compiled program, a host callback under a `cond`: the error it raises is stashed
+    for `jr.jit` / `jr.raise_runtime_errors()` to re-raise as its own type
+    (`_runtime.raise_at_run_time`)."""
+    note_check()
+
     def on_host(bad, *flags):
-        bad = np.asarray(bad)
-        if not bad.any():
+        vals = _first_bad(bad, flags, levels)
+        if vals is None:
             return
-        vals = [np.asarray(f) for f in flags]
-        if levels:   # the first bad sample of the batch
-            at = np.unravel_index(int(np.argmax(bad.reshape(-1))), bad.shape)
-            vals = [v[at] for v in vals]
-        err = error(*vals)
+        try:
+            err = error(*vals)
+        except Exception as e:   # an `error` that raises (`fail`) rather than returns
+            err = e
         if err is not None:
-            raise err
+            raise_at_run_time(err)
 
     lax.cond(jnp.any(bad), lambda: jax.debug.callback(on_host, bad, *flags), lambda: None)
     return []
@@ -119,9 +148,12 @@ def _check_jvp(primals: Any, tangents: Any, **params: Any) -> tuple[list, list]:
 
 
 check_p = make_primitive(
-    "jaxrev_check", multiple_results=True, impl=_check_impl, effectful=True,
+    "jaxrev_check", multiple_results=True, impl=_check_eager, lowering=_check_lowered,
+    effectful=True,
     abstract=lambda *avals, **_: ([], {debug_effect}), jvp=_check_jvp, batch=_check_batch)
 """``check_p(bad, *flags, error, levels)``: when the program runs, if any element of `bad`
 holds, raise ``error(*flags)`` on the host. `levels` leading axes of every operand are vmap's
 batch axes (the first bad sample's flags are passed). It has the debug effect, so it is never
-removed as dead code, and it is lowered as a `cond`: no host call when nothing is bad."""
+removed as dead code, and it is lowered as a `cond`: no host call when nothing is bad. Eagerly
+it raises at once; in a compiled program its error reaches the caller as JAX's runtime error,
+which `jr.jit` and `jr.raise_runtime_errors()` turn back into the error itself."""
