@@ -37,6 +37,7 @@ import numpy as np
 
 from jaxrev._compat import is_concrete, is_staged, tracing
 from jaxrev._program import Filtered, is_traced
+from jaxrev._runtime import checked_jit, runtime_error
 
 __all__ = ["function_key", "call_key", "compiled", "cached_call", "is_eager", "alive", "Cache", "memo"]
 
@@ -309,15 +310,16 @@ def memo(name: str, size: int = _MAX_ENTRIES) -> Cache:
 
 def _run_quietly(jitted: Callable, *args: Any, block: bool = False) -> tuple[bool, Any]:
     """``(True, jitted(*args))``, or ``(False, None)`` where a run-time check failed inside
-    (JAX's log of the failure is dropped: the caller re-runs the call for its own error).
-    `block` waits for the result, so that a failure an accelerator reports late is caught
-    too; without it the call stays asynchronous (such a failure then reaches the caller as
-    JAX's runtime error carrying the check's message)."""
+    (JAX's log of the failure is dropped, and the check's error taken out of the stash of
+    `_runtime`: the caller re-runs the call for its own error). `jitted` (a `_runtime.checked_jit`
+    function) waits for its result where its program holds a check, so that a failure an
+    accelerator reports late is caught here too; `block` waits for every result."""
     _QUIET.depth += 1
     try:
         out = jitted(*args)
         return True, jax.block_until_ready(out) if block else out
-    except jax.errors.JaxRuntimeError:
+    except jax.errors.JaxRuntimeError as e:
+        runtime_error(e)       # the stashed error, not raised: the eager re-run raises it
         return False, None
     finally:
         _QUIET.depth -= 1
@@ -326,10 +328,12 @@ def _run_quietly(jitted: Callable, *args: Any, block: bool = False) -> tuple[boo
 def compiled(key: Any, fn: Callable, *args: Any) -> Any:
     """`fn(*args)` on concrete arrays as one compiled call cached on `key` (which holds what
     it names). A run-time check that fails inside is re-run as `fn(*args)`, so that it raises
-    its own error eagerly. Traced arguments (under `jit`) run `fn` as it is."""
+    its own error eagerly (and the call waits for its result where its program holds a
+    check: the error never reaches the caller later as JAX's runtime error). Traced
+    arguments (under `jit`) run `fn` as it is."""
     if tracing() or not all(is_concrete(x) for x in jax.tree_util.tree_leaves(args)):
         return fn(*args)
-    jitted = _COMPILED.get(key) or _COMPILED.put(key, [], jax.jit(fn))
+    jitted = _COMPILED.get(key) or _COMPILED.put(key, [], checked_jit(fn, convert=False))
     ok, out = _run_quietly(jitted, *args)
     return out if ok else fn(*args)
 
@@ -370,7 +374,7 @@ def cached_call(who: Any, fun: Any, impl: Callable[..., Any], args: tuple) -> An
             out = Filtered((impl(*split.rebuild(flat)),))
             out_split[:] = [out]
             return out.flat, _all_finite(out.flat)
-        hit = _COMPILED.put(key, keep, (jax.jit(flat_impl), out_split))
+        hit = _COMPILED.put(key, keep, (checked_jit(flat_impl, convert=False), out_split))
     jitted, out_split = hit
     ok, res = _run_quietly(jitted, *split.flat, block=True)
     if not ok or not bool(res[1]):

@@ -32,6 +32,7 @@ from jax.flatten_util import ravel_pytree
 from jaxrev._cache import cached_call, call_key, memo
 from jaxrev._compat import is_concrete, tracing
 from jaxrev._program import Filtered, ravel_filtered, traced_leaves
+from jaxrev._runtime import checked_jit
 from jaxrev.transforms.inverse_ad import inverse_jvp, inverse_vjp
 
 __all__ = ["scale_by_newton", "newton", "minimize", "root", "Info", "STATUS",
@@ -263,7 +264,9 @@ def _eager_compiled(settings: tuple, fun: Callable, impl: Callable[..., Any],
     arguments), so a repeated call traces nothing. Unlike `cached_call` it compiles on the
     first call: a `lax.while_loop` run eagerly is traced and compiled by JAX anyway, so a
     call made once loses nothing; and it re-runs nothing eagerly, since a solve's checks give
-    NaN (a rejected step, a status), never an error. Other calls run `impl` as it is."""
+    NaN (a rejected step, a status), never an error (a jaxrev check failing inside `fun`
+    raises its own error: the call is a `checked_jit` function). Other calls run `impl` as
+    it is."""
     if tracing() or not all(is_concrete(x) for x in jax.tree_util.tree_leaves(args)):
         return impl(*args)
     ck = call_key(fun, args)
@@ -280,7 +283,7 @@ def _eager_compiled(settings: tuple, fun: Callable, impl: Callable[..., Any],
             out = Filtered((impl(*split.rebuild(flat)),))
             out_split[:] = [out]
             return out.flat
-        hit = cache.put(key, ck[1], (jax.jit(flat_impl), out_split))
+        hit = cache.put(key, ck[1], (checked_jit(flat_impl), out_split))
     jitted, out_split = hit
     flat_out = jitted(*Filtered(tuple(args)).flat)
     return out_split[0].rebuild(flat_out)[0]

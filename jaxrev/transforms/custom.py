@@ -23,6 +23,7 @@ from jaxrev._compat import Primitive, differentiation_depth, is_symbolic_zero, t
 from jaxrev._jaxpr import batch_front, eval_closed, instantiate_tangents, is_unknown
 from jaxrev._primitive import make_primitive
 from jaxrev._program import avals_of, check_structure, normalize_argnums
+from jaxrev._runtime import checked_jit
 from jaxrev.transforms.registry import DENSE_STEP, LogdetContext, NeedMore, Unsupported, define
 
 __all__ = ["custom_inverse", "custom_inverse_p", "hook", "hook_p", "nestlevel", "forward_mode",
@@ -218,7 +219,7 @@ def _batch(args, dims, *, fun_jaxpr, inv_jaxpr, n_fconsts, n_iconsts, state, log
 
 @functools.lru_cache(maxsize=256)
 def _compiled(fun_jaxpr: Any) -> Callable:
-    return jax.jit(functools.partial(eval_closed, fun_jaxpr))
+    return checked_jit(functools.partial(eval_closed, fun_jaxpr))
 
 
 def _eager_impl(*args, fun_jaxpr, inv_jaxpr, n_fconsts, n_iconsts, state, logdet=None):

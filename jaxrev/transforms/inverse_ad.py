@@ -45,6 +45,7 @@ from jaxrev._compat import is_concrete, make_jaxpr, staged_constants
 from jaxrev._jaxpr import eval_closed, without_custom_vjp
 from jaxrev._errors import NotInvertibleError, SingularJacobianError, fail, singular_jacobian
 from jaxrev._program import Filtered, eval_shape
+from jaxrev.transforms.knowledge.checks import raise_where
 from jaxrev.transforms.knowledge.context import Settings, resolve_on_error
 from jaxrev.transforms.reverse import reverse_with
 from jaxrev.transforms.reversible import reversible_with
@@ -243,14 +244,13 @@ def _guard(leaves: list, on_error: str, who: str,
         return leaves
     ok = jnp.all(jnp.asarray([jnp.all(jnp.isfinite(x)) for x in leaves]))
 
-    def check(ok):
-        if not bool(ok):
-            fail(on_error, SingularJacobianError(
-                f"{who}: the result is not finite: a pivot of the Jacobian vanished (or "
-                "overflowed) while the program ran. Run it without jit to name the step, or "
-                "pass on_error='nan'."))
+    def error(ok):
+        return None if bool(ok) else SingularJacobianError(
+            f"{who}: the result is not finite: a pivot of the Jacobian vanished (or "
+            "overflowed) while the program ran. Run it without jit to name the step, or "
+            "pass on_error='nan'.")
 
-    jax.debug.callback(check, ok)
+    raise_where(on_error, error, ok, bad=~ok)
     return leaves
 
 
