@@ -27,10 +27,10 @@ PKG = pathlib.Path(jr.__file__).parent
 EXPECTED = {"jaxrev_rot", "jaxrev_swap", "jaxrev_apply_gate", "jaxrev_custom_inverse",
             "jaxrev_hook", "jaxrev_store", "jaxrev_recompute", "jaxrev_check", "jaxrev_while",
             "jaxrev_cond", "jaxrev_reversible", "jaxrev_reversible_store",
-            "jaxrev_reversible_lin"}
+            "jaxrev_reversible_lin", "jaxrev_fresh"}
 # linear in (some of) their operands: they transpose
 LINEAR = {"jaxrev_rot", "jaxrev_swap", "jaxrev_apply_gate", "jaxrev_hook", "jaxrev_store",
-          "jaxrev_recompute", "jaxrev_reversible_lin"}
+          "jaxrev_recompute", "jaxrev_reversible_lin", "jaxrev_fresh"}
 
 
 def _jaxrev_primitives() -> dict[str, Primitive]:

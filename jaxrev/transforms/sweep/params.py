@@ -1,0 +1,185 @@
+"""Values computed from parameters alone, recomputed where the backward walk needs them.
+
+A jaxpr's *parameter-only* values are those computed from its parameters (its inputs known
+to the backward walk: a `reversible` call's read-only arguments, a loop body's constants and
+known `xs`, the jaxpr's consts) and literals alone: a float32 kernel cast to float64 or
+bfloat16 in each block, a weight's transpose, a broadcast bias, any computation of them. The
+backward walk never stores them and never rebuilds them backwards: they are computed forward
+from the parameters (`ParamOnly.need`) at the step of the backward run that reads them, once
+per block or per loop iteration.
+
+Written once in the jaxpr, such a value would be computed once by XLA: the backward run's
+`convert(w)` is the same expression as the forward run's, so XLA merges them (CSE) and keeps
+the forward run's value alive until the backward run reads it: a buffer per block, as if it
+were stored. So the parameters a recomputation reads first pass through `fresh_p` with a
+value of the backward run at that step (the *tie*): an identity that XLA can neither merge
+with the forward run's reading of the parameters nor compute before the tie (an optimization
+barrier, which XLA:GPU keeps; XLA:CPU removes barriers before CSE, so also a shift of the
+parameters' bits by a run-time zero, derived from the tie, that XLA cannot prove zero).
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxrev._compat import JaxprEqn, Literal, is_key, is_symbolic_zero
+from jaxrev._jaxpr import Env, evaluate, is_var
+from jaxrev._primitive import make_primitive
+from jaxrev.transforms.registry import define
+
+__all__ = ["fresh_p", "fresh", "ParamOnly"]
+
+
+# --------------------------------------------------------------------------- fresh_p
+
+def _run_time_zero(tie: Any, dtype: Any) -> Any:
+    """A scalar of `dtype` that is 0 on every run, computed from one element of `tie` in a
+    way XLA does not fold: (t != t) is 1 only for a NaN, and shifted right by one it is 0."""
+    t = jnp.ravel(tie)[0]
+    if jnp.iscomplexobj(t):
+        t = jnp.real(t)
+    t = t.astype(jnp.float32)
+    return lax.shift_right_logical(lax.convert_element_type(t != t, dtype),
+                                   lax.convert_element_type(1, dtype))
+
+
+def _opaque(x: Any, tie: Any) -> Any:
+    """`x`, its bits shifted right by a run-time zero."""
+    if jnp.iscomplexobj(x):
+        return lax.complex(_opaque(jnp.real(x), tie), _opaque(jnp.imag(x), tie))
+    if x.dtype == jnp.bool_:
+        return x ^ (_run_time_zero(tie, jnp.uint8) != 0)
+    u = jnp.dtype(f"uint{8 * x.dtype.itemsize}")
+    bits = x if x.dtype == u else lax.bitcast_convert_type(x, u)
+    bits = lax.shift_right_logical(bits, _run_time_zero(tie, u))
+    return bits if x.dtype == u else lax.bitcast_convert_type(bits, x.dtype)
+
+
+def _fresh_lowering(*args: Any, n: int) -> list:
+    *xs, tie = lax.optimization_barrier(args)
+    return [_opaque(x, tie) for x in xs[:n]]
+
+
+def _fresh_jvp(primals: Sequence[Any], tangents: Sequence[Any], *, n: int) -> tuple:
+    # the tangents are recomputations too (forward mode over the backward run)
+    outs = fresh_p.bind(*primals, n=n)
+    live = [k for k in range(n) if not is_symbolic_zero(tangents[k])]
+    touts = list(tangents[:n])
+    if live:
+        for k, t in zip(live, fresh_p.bind(*[tangents[k] for k in live], primals[n],
+                                           n=len(live))):
+            touts[k] = t
+    return outs, touts
+
+
+def _fresh_transpose(cts: Sequence[Any], *args: Any, n: int) -> list:
+    return [None if is_symbolic_zero(c) else c for c in cts] + [None]
+
+
+def _fresh_batch(args: Sequence[Any], dims: Sequence[Any], *, n: int) -> tuple:
+    return fresh_p.bind(*args, n=n), list(dims[:n])
+
+
+fresh_p = make_primitive(
+    "jaxrev_fresh", multiple_results=True, impl=lambda *args, n: list(args[:n]),
+    abstract=lambda *avals, n: list(avals[:n]), lowering=_fresh_lowering, jvp=_fresh_jvp,
+    transpose=_fresh_transpose, batch=_fresh_batch)
+"""``fresh_p(*xs, tie, n)``: `xs` unchanged (n of them), in a form XLA neither merges with
+another computation of `xs` nor computes before `tie`."""
+
+define(fresh_p, inverse=lambda outs, *ins, n: [*outs, None])
+
+
+def fresh(xs: Sequence[Any], tie: Any) -> list:
+    """`xs` through `fresh_p` with `tie` (PRNG keys by their bits); unchanged without a tie."""
+    if tie is None or not xs:
+        return list(xs)
+    keys = [is_key(x) for x in xs]
+    plain = [jax.random.key_data(x) if k else x for x, k in zip(xs, keys)]
+    outs = fresh_p.bind(*plain, tie, n=len(plain))
+    return [jax.random.wrap_key_data(o, impl=jax.random.key_impl(x)) if k else o
+            for x, o, k in zip(xs, outs, keys)]
+
+
+def tie_of(vals: Sequence[Any]) -> Any:
+    """A value to tie recomputations to: the first array among `vals` that has elements and
+    arithmetic (None if there is none)."""
+    for x in vals:
+        if x is None or is_symbolic_zero(x) or is_key(x):
+            continue
+        dt = getattr(x, "dtype", None)
+        if dt is not None and dt != jax.dtypes.float0 and jnp.size(x) > 0:
+            return x
+    return None
+
+
+# --------------------------------------------------------------------------- parameter-only values
+
+class ParamOnly:
+    """The parameter-only values of a jaxpr whose inputs `known` are the parameters (with its
+    consts): which equations compute them (`eqns`, by index), and `need`, which computes
+    them where the backward walk reads them."""
+
+    def __init__(self, J: Any, known: Sequence[bool]) -> None:
+        self.J = J
+        self.roots = {v for v, k in zip(J.invars, known) if k} | set(J.constvars)
+        self.made: dict = {}    # parameter-only variable -> the index of its equation
+        self.eqns: set = set()
+        for i, e in enumerate(J.eqns):
+            if all(isinstance(v, Literal) or v in self.roots or v in self.made
+                   for v in e.invars):
+                self.eqns.add(i)
+                self.made.update((o, i) for o in e.outvars if is_var(o))
+
+    def need(self, env: Env, vs: Sequence[Any], tie: Any) -> None:
+        """Make the parameter-only values among `vs` known in `env`: computed forward (with
+        the parameter-only values they are computed from) from the parameters, passed
+        through `fresh` with `tie`."""
+        made, eqns = self.made, self.J.eqns
+        todo: set = set()
+        stack = [v for v in vs if is_var(v) and v in made and not env.known(v)]
+        while stack:
+            i = made[stack.pop()]
+            if i in todo:
+                continue
+            todo.add(i)
+            stack.extend(u for u in eqns[i].invars
+                         if is_var(u) and u in made and not env.known(u))
+        if not todo:
+            return
+        chain = [eqns[i] for i in sorted(todo)]
+        outs = {o for e in chain for o in e.outvars}
+        reads = list(dict.fromkeys(u for e in chain for u in e.invars
+                                   if is_var(u) and u not in outs))
+        roots = [u for u in reads if u in self.roots]
+        scratch = Env(info=env.info, ctx=env.ctx)
+        for u, x in zip(roots, fresh([env.read(u) for u in roots], tie)):
+            scratch.write(u, x)
+        for u in reads:
+            scratch.write(u, env.read(u))  # parameter-only values computed before
+        evaluate(chain, scratch)
+        for o in outs:
+            if is_var(o) and o in scratch.vals:
+                env.write(o, scratch.read(o))
+
+    def window(self, env: Env, eqns: Sequence[JaxprEqn], tie: Any) -> None:
+        """`need` every parameter-only value that `eqns` (a walk's window) read or compute,
+        so that the walk never computes one itself from the bare parameters."""
+        self.need(env, [v for e in eqns for v in (*e.invars, *e.outvars)], tie)
+
+    def run(self, env: Env, rule: Any = None, keep: Any = ()) -> None:
+        """Run the jaxpr forward in `env` (its inputs known) as `evaluate` does (`rule` as
+        there), except that a parameter-only value is computed where an equation reads it,
+        tied to that equation's other inputs, and not at all where none does (XLA computes
+        values of parameters alone first, so every block's cast would be alive at once).
+        Equations with effects, and those in `keep`, run in place."""
+        for i, e in enumerate(self.J.eqns):
+            if i in self.eqns and i not in keep and not e.effects:
+                continue
+            self.need(env, e.invars, tie_of([env.read(v) for v in e.invars if is_var(v)
+                                             and v not in self.made and v not in self.roots]))
+            evaluate((e,), env, rule=None if rule is None else (
+                lambda _, e, ins, i=i: rule(i, e, ins)))
