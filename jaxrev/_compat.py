@@ -99,6 +99,25 @@ register_lowering = _mlir.register_lowering
 lower_fun = _mlir.lower_fun
 from jax._src import debugging as _debugging  # noqa: E402
 DEBUG_CALLBACK_LOGGER = _debugging.__name__   # the logger of a failed `jax.debug.callback`
+from jax._src import dispatch as _dispatch  # noqa: E402
+
+
+def drop_failed_runtime_tokens() -> None:
+    """Forget the runtime tokens of computations that failed. JAX keeps the token of the last
+    effectful computation per device (and per ordered effect) to wait on in
+    `jax.effects_barrier()` and at exit; a computation whose host callback raised leaves a
+    token that raises again on every wait (on an accelerator, where the call returned before
+    the failure). Called once the failure's error was raised to the caller."""
+    tokens = getattr(_dispatch, "runtime_tokens", None)
+    for table in (getattr(tokens, "output_runtime_tokens", None),
+                  getattr(tokens, "current_tokens", None)):
+        if not isinstance(table, dict):
+            continue
+        for key, token in list(table.items()):
+            try:
+                token.block_until_ready()
+            except Exception:
+                table.pop(key, None)
 debug_effect = _debugging.debug_effect   # what keeps an effect-only check from being removed
 
 

@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterator, NoReturn
 
 import jax
 
-from jaxrev._compat import DEBUG_CALLBACK_LOGGER
+from jaxrev._compat import DEBUG_CALLBACK_LOGGER, drop_failed_runtime_tokens
 from jaxrev._errors import JaxrevError
 
 __all__ = ["jit", "checked_jit", "raise_runtime_errors", "raise_at_run_time", "runtime_error",
@@ -103,7 +103,10 @@ def runtime_error(e: BaseException) -> BaseException | None:
         except Exception:
             return None
         token = found and found.group(0)
-    return _STASH.pop(token) if token else None
+    if not token:
+        return None
+    drop_failed_runtime_tokens()   # else JAX's effects barrier (and exit) re-raises it
+    return _STASH.pop(token)
 
 
 class _Active:
