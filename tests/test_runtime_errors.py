@@ -207,6 +207,32 @@ def test_a_function_with_a_check_blocks_on_its_result(monkeypatch):
     assert len(blocked) == 2
 
 
+def test_a_check_inside_an_inner_jit_traced_before_is_seen(monkeypatch):
+    """JAX reuses the inner function's trace, so no check is staged while the outer function
+    traces: the check is seen when it is lowered."""
+    blocked = []
+    monkeypatch.setattr(_runtime, "block", lambda out: blocked.append(out))
+    inner = jax.jit(no_preimage)
+    good = CASES["no-preimage"][5]
+    jax.make_jaxpr(inner)(good)
+    jr.jit(lambda y: inner(y) * 2.0)(good)
+    assert len(blocked) == 1
+
+
+def test_equinox_filter_jit():
+    """`eqx.filter_jit` converts Equinox's own errors only: a jaxrev check's runtime error
+    passes through it unchanged, and `jr.raise_runtime_errors()` around it converts it."""
+    eqx = pytest.importorskip("equinox")
+    fun, cls, start, tag, bad, _ = CASES["no-preimage"]
+    ef = eqx.filter_jit(fun)
+    with pytest.raises(jax.errors.JaxRuntimeError) as raw:
+        ef(bad)
+    _runtime.runtime_error(raw.value)
+    with pytest.raises(cls) as info:
+        jr.raise_runtime_errors()(ef)(bad)
+    _check_message(info.value, cls, start, tag)
+
+
 def test_stash_is_bounded_and_emptied_by_the_converters():
     fun, cls, *_ = CASES["no-preimage"]
     bad = CASES["no-preimage"][4]
