@@ -82,7 +82,8 @@ class DriftError(ReversibilityError):
         >>> from jax import lax
         >>> halve = lambda y: lax.fori_loop(0, 60, lambda i, y: 0.5 * y + 0.1, y)  # x2 backwards
         >>> try:
-        ...     jax.grad(lambda y: jr.reversible(halve)(y).sum())(jnp.ones(2))
+        ...     strict = jr.reversible(halve, on_drift="raise", checkpoint_every=None)
+        ...     jax.grad(lambda y: strict(y).sum())(jnp.ones(2))
         ... except jr.DriftError as e:
         ...     print(e.drift > e.tolerance)
         True

@@ -430,7 +430,7 @@ def store(x: Any) -> Any:
     Example:
         >>> import jax, jax.numpy as jnp, jaxrev as jr
         >>> f = lambda x: jax.lax.fori_loop(0, 10, lambda i, x: jr.store(x * 1.5) + 1.0, x)
-        >>> [e["what"] for e in jr.memory_report(f, jnp.ones(3)).entries][-1]
+        >>> [e["what"] for e in jr.memory_report(f, jnp.ones(3)).entries][0]
         'value kept by jr.store'
     """
     return jax.tree_util.tree_map(store_p.bind, x)
