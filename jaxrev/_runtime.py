@@ -81,8 +81,9 @@ def raise_at_run_time(err: BaseException) -> NoReturn:
 
 
 def _carrier(err: BaseException, token: str) -> BaseException:
-    """`err`'s type (so that eagerly, under ``jax.disable_jit()``, it is still caught as such)
-    with the token at the end of its message."""
+    """A copy of `err`, of its type (a caller that meets the copy itself, where JAX runs the
+    callback in Python rather than in XLA, still catches it as that type), with the token
+    at the end of its message."""
     text = f"{err}\n[{token}: {_HINT}]"
     try:
         dup = copy.copy(err)
