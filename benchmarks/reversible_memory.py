@@ -42,6 +42,10 @@ from _common import (RESULTS, device_info, interleaved_medians, optional, progre
 eqx = optional("equinox")
 
 
+# The fully reversible mode (no checkpoints): an opt-in row, its drift reported as a warning
+FULLY_REVERSIBLE = dict(checkpoint_every=None, on_drift="warn")
+
+
 def step(c, th):
     x, y = c
     x = x + jnp.tanh(th[0] * y)
@@ -123,7 +127,9 @@ def memory_main(args):
     c = (jnp.linspace(0.0, 1.0, n), jnp.linspace(1.0, 2.0, n))
     th = jnp.array([0.5, 0.5])
     methods = {"jax.grad": coupled, "jax.checkpoint": coupled_checkpoint,
-               "jr.reversible": lambda d: jr.reversible(coupled(d))}
+               "jr.reversible": lambda d: jr.reversible(coupled(d)),
+               "jr.reversible fully reversible": lambda d: jr.reversible(coupled(d),
+                                                                         **FULLY_REVERSIBLE)}
     if eqx is not None:
         methods["equinox checkpointed"] = coupled_equinox
     rows = []
@@ -134,10 +140,12 @@ def memory_main(args):
             g = jax.jit(loss_of(mk(depth)))
             mem = temp_bytes(g, c, th)
             row["mem"][name] = mem
-            if name == "jr.reversible" or name.startswith("equinox") or \
+            if name.startswith("jr.") or name.startswith("equinox") or \
                     mem < args.time_limit_bytes:
                 fns[name] = (lambda g=g: g(c, th))
-        row["time"] = interleaved_medians(fns, reps=3 if depth >= 3000 else 5)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", jr.DriftWarning)
+            row["time"] = interleaved_medians(fns, reps=3 if depth >= 3000 else 5)
         rows.append(row)
 
     # accuracy against jax.grad, float64 and float32. Rebuilding by inversion drifts as fast
@@ -147,11 +155,10 @@ def memory_main(args):
     for th_a in ([0.5, 0.5], [0.7, 1.3]):
         th_a = jnp.array(th_a)
         ref = jax.jit(loss_of(coupled(acc_depth)))(c, th_a)
-        got = jax.jit(loss_of(jr.reversible(coupled(acc_depth), on_drift="ignore")))(c, th_a)
+        got = jax.jit(loss_of(jr.reversible(coupled(acc_depth))))(c, th_a)
         c32 = jax.tree_util.tree_map(lambda a: a.astype(jnp.float32), c)
         th32 = th_a.astype(jnp.float32)
-        got32 = jax.jit(loss_of(jr.reversible(coupled(acc_depth), on_drift="ignore")))(c32,
-                                                                                       th32)
+        got32 = jax.jit(loss_of(jr.reversible(coupled(acc_depth))))(c32, th32)
         ref32 = jax.jit(loss_of(coupled(acc_depth)))(c32, th32)
         acc.append({"depth": acc_depth, "theta": [float(t) for t in th_a],
                     "float64_rel_err": rel_err(ref, got),
@@ -209,28 +216,28 @@ def dial_main(quick: bool) -> None:
     mem_grad = temp_bytes(g_ref, c, th)
     sens = rel_err(ref, g_ref(c, th.at[0].set(jnp.nextafter(th[0], 2.0))))
     budget = int(0.01 * mem_grad)
-    settings = {f"K={k}": dict(checkpoint_every=k, on_drift="ignore")
-                for k in (1, 10, 100, 1000)}
-    settings["K=None (fully reversible)"] = dict(on_drift="ignore")
+    settings = {"default (repair, auto)": {}, "on_drift=raise (strict)": dict(on_drift="raise")}
+    settings.update({f"K={k}": dict(checkpoint_every=k) for k in (1, 10, 100)})
     settings["memory_budget=1%"] = dict(memory_budget=budget)
-    settings["memory_budget=1%, on_drift=ignore"] = dict(memory_budget=budget,
-                                                         on_drift="ignore")
-    settings["auto, memory_budget=1%"] = dict(memory_budget=budget, checkpoint_every="auto")
-    settings["K=None, on_drift=warn"] = dict(on_drift="warn")
+    settings["fully reversible (opt-in)"] = FULLY_REVERSIBLE
     rows, fns = [], {"jax.grad": (lambda: g_ref(c, th))}
     for name, kw in progress(list(settings.items()), desc="dial settings (float64)"):
-        g = jax.jit(loss_of(jr.reversible(coupled(d64), **kw)))
+        g = jr.jit(loss_of(jr.reversible(coupled(d64), **kw)))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            got = g(c, th)
-            jax.block_until_ready(got)
+            try:
+                got = jax.block_until_ready(g(c, th))
+            except jr.DriftError as e:   # the strict mode: a drift that moves the gradient
+                rows.append({"setting": name, "mem": temp_bytes(g, c, th), "err": None,
+                             "raised": f"DriftError: moves the gradient {e.drift:.3g}x"})
+                continue
         rows.append({"setting": name, "mem": temp_bytes(g, c, th), "err": rel_err(ref, got)})
         fns[name] = (lambda g=g: g(c, th))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         times = interleaved_medians(fns, reps=3 if quick else 5)
     for r in rows:
-        r["time"] = times[r["setting"]]
+        r["time"] = times.get(r["setting"])
     # float32 against float64 jax.grad
     c32f = (jnp.linspace(0.0, 1.0, n32), jnp.linspace(1.0, 2.0, n32))
     th5 = jnp.array([0.5, 0.5])
@@ -241,15 +248,17 @@ def dial_main(quick: bool) -> None:
     mem32 = temp_bytes(g32, c32, th32)
     err32 = rel_err(ref64, g32(c32, th32))
     rows32 = []
-    for name, kw in progress([("K=None (fully reversible)", dict(on_drift="ignore")),
+    for name, kw in progress([("default (repair, auto)", {}),
+                              ("fully reversible (opt-in)", FULLY_REVERSIBLE),
                               ("memory_budget=5%", dict(memory_budget=int(0.05 * mem32))),
-                              ("K=10", dict(checkpoint_every=10)),
-                              ("auto, memory_budget=5%", dict(checkpoint_every="auto",
-                                                              memory_budget=int(0.05 * mem32)))],
+                              ("K=10", dict(checkpoint_every=10))],
                              desc="dial settings (float32)"):
         g = jax.jit(loss_of(jr.reversible(coupled(d32), **kw)))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", jr.DriftWarning)
+            got = g(c32, th32)
         rows32.append({"setting": name, "mem_frac": temp_bytes(g, c32, th32) / mem32,
-                       "err": rel_err(ref64, g(c32, th32))})
+                       "err": rel_err(ref64, got)})
     data = {"device": device_info(), "float64": {
         "n": n64, "depth": d64, "theta": [0.9, 1.1], "jax.grad_mem": mem_grad,
         "jax.grad_time": times["jax.grad"], "sensitivity_1ulp": sens, "budget": budget,
@@ -276,17 +285,20 @@ def dial_table(d):
            "| setting | temp MB | / jax.grad memory | gradient error | error / sensitivity | "
            "time / jax.grad |", "|---|---|---|---|---|---|"]
     for r in f["rows"]:
+        if r.get("err") is None:
+            out.append(f"| {r['setting']} | {r['mem'] / 1e6:.2f} | "
+                       f"{r['mem'] / f['jax.grad_mem'] * 100:.2f} % | {r['raised']} | | |")
+            continue
         out.append(f"| {r['setting']} | {r['mem'] / 1e6:.2f} | "
                    f"{r['mem'] / f['jax.grad_mem'] * 100:.2f} % | {r['err']:.2e} | "
                    f"{r['err'] / f['sensitivity_1ulp']:.2g} | "
                    f"{r['time'] / f['jax.grad_time']:.2f} |")
     by = {r["setting"]: r for r in f["rows"]}
-    full, bud = by["K=None (fully reversible)"], by["memory_budget=1%"]
-    chk = bud["time"] / by["memory_budget=1%, on_drift=ignore"]["time"] - 1
-    chk0 = by["K=None, on_drift=warn"]["time"] / full["time"] - 1
-    out += ["", f"memory_budget=1 %: error {full['err'] / max(bud['err'], 1e-300):.0f}x smaller "
-                f"than fully reversible. Cost of the drift check under jit: "
-                f"{chk * 100:+.1f} % (checkpointed), {chk0 * 100:+.1f} % (fully reversible).", ""]
+    dflt, full = by["default (repair, auto)"], by["fully reversible (opt-in)"]
+    out += ["", f"Default: {f['jax.grad_mem'] / dflt['mem']:.0f}x less memory than jax.grad, "
+                f"{dflt['time'] / f['jax.grad_time']:.2f}x its time, gradient error "
+                f"{dflt['err'] / f['sensitivity_1ulp']:.2g}x the 1-ulp sensitivity. Fully "
+                f"reversible: {f['jax.grad_mem'] / full['mem']:.0f}x less memory.", ""]
     g = d["float32"]
     out += [f"Float32, state 2 x {g['n']}, depth {g['depth']}, theta = {tuple(g['theta'])}: "
             f"error against float64 jax.grad; float32 jax.grad's own: {g['jax.grad_err']:.3e} "
@@ -306,6 +318,8 @@ def dial_plot(d, path):
     f = d["float64"]
     fig, ax = plt.subplots(1, 2, figsize=(10, 4))
     for r in f["rows"]:
+        if r.get("err") is None:   # raised (the strict mode)
+            continue
         ax[0].loglog(r["mem"] / 1e6, max(r["err"], 1e-18), "o")
         ax[0].annotate(r["setting"].split(",")[0], (r["mem"] / 1e6, max(r["err"], 1e-18)),
                        fontsize=7)

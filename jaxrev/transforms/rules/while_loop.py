@@ -199,12 +199,17 @@ def _stored_sweep(P: Plan, i: int, env: Env, ctenv: dict | None, active: set,
             start = t % K == 0
             ck_j = [lax.dynamic_index_in_dim(b, t // K, keepdims=False) for b in ck]
             if check is not None:
-                # the budget summed per iteration (a segment of 0 iterations adds nothing)
+                # the budget, summed per iteration here
                 w_t = weight(c_ct2 or [], c2)
-                B = B + where((t < jnp.max(n)) & jnp.isfinite(w_t), w_t, 0.0)
-                rho, at, _ = check(c2, ck_j, c_ct2 or [None] * len(c2), c2, c_ct2, 0, B)
+                B = (B[0] + where((t < jnp.max(n)) & jnp.isfinite(w_t), w_t, 0.0), B[1])
+                rho, at, B2 = check(c2, ck_j, c_ct2 or [None] * len(c2), c2, c_ct2, K, B,
+                                    accumulate=False)
+                keep = ~start   # the drift's share counts at a segment's start, if kept
                 if redo is not None:
                     bad = start & (~(rho <= 1.0) | ~drift.finite([*c_ct2, *k_ct2]))
+                    keep = keep | bad
+                B = (B[0], where(keep, B[1], B2[1]))
+                if redo is not None:
                     m = jnp.clip(n - t, 0, K)   # per element under vmap
                     c_ct2, k_ct2 = lax.cond(
                         bad, lambda: redo(ck_j, snap[0], snap[1], ([], [], [], []), K, m)[:2],
@@ -219,9 +224,9 @@ def _stored_sweep(P: Plan, i: int, env: Env, ctenv: dict | None, active: set,
 
     w0 = drift.no_drift()
     snap0 = (c_ct0, k_ct0) if redo is not None else ()
+    B0 = (jnp.zeros((), budget_dtype()), jnp.zeros((), budget_dtype()))
     _, c_first, c_first_ct, k_ct, w, _, _ = lax.while_loop(
-        lambda s: s[0] > 0, back,
-        (jnp.max(n), c0, c_ct0, k_ct0, w0, snap0, jnp.zeros((), budget_dtype())))
+        lambda s: s[0] > 0, back, (jnp.max(n), c0, c_ct0, k_ct0, w0, snap0, B0))
     drift.note(env.ctx.drift, w)
     init = e.invars[p["cond_nconsts"] + nbc:]
     loop_cts_out(env, ctenv, LoopEnd(init, c_first, c_first_ct, bc, k_ct), act, nbc)

@@ -124,7 +124,12 @@ def recomputable(closed: Any) -> bool:
 
 
 GRAD_SLACK = 1.0
-"""How far a segment's drift may change the gradient, in units of the budget (below)."""
+"""How far the drift of the segments kept may move the gradient, in units of what the forward
+run's own rounding moves it by (`grad_ratio`)."""
+
+PROBE_EVERY = 4
+"""After a segment missed, the next ones are recomputed at once (the inversion's work would be
+thrown away), and inversion is tried again every PROBE_EVERY segments."""
 
 
 def budget_dtype() -> Any:
@@ -132,8 +137,8 @@ def budget_dtype() -> Any:
 
 
 def weight(cts: Sequence[Any], vals: Sequence[Any]) -> Any:
-    """Σ over floating leaves of u·‖ct‖₁·‖val‖∞: what one roundoff of each value moves the
-    loss by, at most (u: the leaf's unit roundoff)."""
+    """Σ over floating leaves of u·‖c̄‖₁·‖x‖∞: what one roundoff of each value moves the loss
+    by, at most (u: the leaf's unit roundoff)."""
     out = jnp.zeros((), budget_dtype())
     for g, v in zip(cts, vals):
         if g is None or not jnp.issubdtype(jnp.result_type(v), jnp.inexact):
@@ -145,27 +150,36 @@ def weight(cts: Sequence[Any], vals: Sequence[Any]) -> Any:
 
 
 def grad_ratio(c: Sequence[Any], ck: Sequence[Any], c_ct: Sequence[Any], c_end: Sequence[Any],
-               c_ct_end: Sequence[Any], n: int, B: Any) -> tuple[Any, Any]:
-    """How much a segment's drift may change the gradient, against what rounding alone
-    changes it by (docs/design.md §3.8): the drift δ of its rebuilt start moves what the
-    backward run computes there by about ‖c̄‖₁‖δ‖∞ (c̄: the cotangent of the carry), and
-    jax.grad's own forward run rounds every value it stores, each by u‖x‖∞ at least, which
-    moves it by the budget B = Σ_t u‖c̄_t‖₁‖x_t‖∞ over the iterations already swept (sampled
-    at segment boundaries). Returns (err / (GRAD_SLACK·B), B with this segment added): a
-    ratio above 1, or not finite, is a miss."""
+               c_ct_end: Sequence[Any], n: int, BE: tuple[Any, Any], accumulate: bool = True
+               ) -> tuple[Any, tuple[Any, Any]]:
+    """What a segment's drift does to the gradient, against what rounding alone does to
+    jax.grad's (docs/design.md §3.8). The drift δ of its rebuilt start moves what the
+    backward run computes there by about ‖c̄‖₁‖δ‖∞ (c̄: the carry's cotangent there); the
+    drift grows along the segment towards its start, so the segment's share is about n/2
+    times that. jax.grad's forward run rounds every value it stores, each by u‖x‖∞ at least,
+    which moves it by B = Σ_t u‖c̄_t‖₁‖x_t‖∞ over the iterations swept (sampled at segment
+    boundaries; a while loop sums it per iteration itself: `accumulate=False`). The shares of
+    the segments kept add up in the parameters' gradients: `BE = (B, E)`, E their sum.
+    Returns ((E + share) / (GRAD_SLACK·B), (B, E + share)): a ratio above 1, or not finite, is
+    a miss (a repaired segment keeps the old E)."""
+    B, E = BE
     dt = budget_dtype()
-    p_start = weight(c_ct, ck)
-    p_end = weight(c_ct_end, c_end)
-    p_start = where(jnp.isfinite(p_start), p_start, p_end)
-    B = B + 0.5 * n * (p_start + p_end)
+    if accumulate:
+        p_start = weight(c_ct, ck)
+        p_end = weight(c_ct_end, c_end)
+        B = B + 0.5 * n * (where(jnp.isfinite(p_start), p_start, p_end) + p_end)
     err = jnp.zeros((), dt)
     for g, a, b in zip(c_ct, c, ck):
         if g is None or not jnp.issubdtype(jnp.result_type(b), jnp.inexact):
             continue
-        d = jnp.max(jnp.abs(jnp.asarray(a, jnp.result_type(b)) - b), initial=0).astype(dt)
+        a = jnp.asarray(a, jnp.result_type(b))
+        same = (a == b) | (jnp.isnan(a) & jnp.isnan(b))    # an infinity the program holds
+        d = jnp.max(where(same, 0.0, jnp.abs(a - b)), initial=0).astype(dt)
+        d = where(jnp.isnan(d), jnp.inf, d)
         err = err + where(d > 0, jnp.sum(jnp.abs(g)).astype(dt) * d, 0.0)
-    r = err / (GRAD_SLACK * where(B > 0, B, jnp.finfo(dt).tiny))
-    return where(jnp.isnan(r), jnp.inf, r).astype(jnp.float32), B
+    err = err * max(n, 2) / 2
+    r = (E + err) / (GRAD_SLACK * where(B > 0, B, jnp.finfo(dt).tiny))
+    return where(jnp.isnan(r), jnp.inf, r).astype(jnp.float32), (B, E + err)
 
 
 def segmented(bstep: Any, carry0: tuple, slices: Any, length: int, K: int,
@@ -175,32 +189,52 @@ def segmented(bstep: Any, carry0: tuple, slices: Any, length: int, K: int,
     ``(c, c_ct, k_ct, worst)``) in segments of K iterations: each segment starts from the
     stored start of the next (`ckpts`, one per segment, in iteration order; the last segment
     from the loop's final carry), so drift grows over K steps, not the loop. `check(c_rebuilt,
-    c_stored, n)` (a `(ratio, site)` pair, or None) compares each segment's rebuilt start with
-    its checkpoint; `redo(c_start, c_ct_end, k_ct_end, seg_slices, n)` (None, or the repairing
-    dial's) recomputes forward from its checkpoint a segment that missed, or whose cotangents
-    came back non-finite (a NaN rebuilt inside the segment), and returns ``(c_ct, k_ct, outs)``.
+    c_stored, c_ct, c_end, c_ct_end, n, BE) -> (ratio, site, BE)` (or None) compares a
+    segment's rebuilt start with its checkpoint (`grad_ratio`);
+    `redo(c_start, c_ct_end, k_ct_end, seg_slices, n)` (None, or the repairing dial's)
+    recomputes forward from its checkpoint a segment that missed, or whose cotangents came
+    back non-finite (a NaN rebuilt inside the segment), and returns ``(c_ct, k_ct, outs)``.
     Returns the start's carry (its checkpoint) and the per-iteration outputs."""
     if rev:   # iteration order: position order reversed
         slices = _tmap(lambda a: a[::-1], slices)
     r, nseg = length % K, length // K
     c_final, c_ct, k_ct, w = carry0
+    zero = jnp.zeros((), budget_dtype())
 
-    def seg_back(c_end, c_ct, k_ct, w, B, sl, ck_start, n):
-        (c_s, c_ct_s, k_ct_s, w_s), outs = jax.lax.scan(bstep, (c_end, c_ct, k_ct, w), sl,
-                                                        length=n, reverse=True)
-        if check is None:
-            return c_ct_s, k_ct_s, w_s, B, outs
-        rho, at, B = check(c_s, ck_start, c_ct_s, c_end, c_ct, n, B)
-        if redo is not None:
+    def seg_back(c_end, c_ct, k_ct, w, BE, sl, ck_start, n, probe):
+        """One segment backwards: inverted and checked (`probe`), or, right after a miss,
+        recomputed at once. Returns its cotangents, worst, budget and whether it missed."""
+        def invert():
+            (c_s, c_ct_s, k_ct_s, w_s), outs = jax.lax.scan(
+                bstep, (c_end, c_ct, k_ct, w), sl, length=n, reverse=True)
+            rho, at, BE2 = check(c_s, ck_start, c_ct_s, c_end, c_ct, n, BE)
+            if redo is None:
+                return c_ct_s, k_ct_s, combine(w_s, (rho, at)), BE2, outs, jnp.zeros((), bool)
             bad = ~(rho <= 1.0) | ~finite([*c_ct_s, *k_ct_s])
             c_ct_s, k_ct_s, outs = jax.lax.cond(
                 bad, lambda: redo(ck_start, c_ct, k_ct, sl, n),
                 lambda: (c_ct_s, k_ct_s, outs))
             w_s = tuple(where(bad, a, b) for a, b in zip(w, w_s))
-            rho = where(bad, 0.0, rho)
-        return c_ct_s, k_ct_s, combine(w_s, (rho, at)), B, outs
+            BE2 = (BE2[0], where(bad, BE[1], BE2[1]))   # a repaired segment adds no drift
+            return c_ct_s, k_ct_s, combine(w_s, (where(bad, 0.0, rho), at)), BE2, outs, bad
 
-    B = jnp.zeros((), budget_dtype())
+        if check is None:
+            (_, c_ct_s, k_ct_s, w_s), outs = jax.lax.scan(
+                bstep, (c_end, c_ct, k_ct, w), sl, length=n, reverse=True)
+            return c_ct_s, k_ct_s, w_s, BE, outs, jnp.zeros((), bool)
+        if redo is None:
+            return invert()
+
+        def recompute():
+            c_ct_s, k_ct_s, outs = redo(ck_start, c_ct, k_ct, sl, n)
+            # the budget still counts the segment (its boundary values are the true ones)
+            _, BE2 = check(ck_start, ck_start, c_ct_s, c_end, c_ct, n, BE)[1:]
+            return c_ct_s, k_ct_s, w, (BE2[0], BE[1]), outs, jnp.ones((), bool)
+
+        return jax.lax.cond(probe, invert, recompute)
+
+    BE = (zero, zero)
+    missed = jnp.zeros((), bool)
     outs_full = None
     c_end = [jnp.asarray(f, c.dtype) for f, c in zip(c_final, ckpts)]
     if nseg:
@@ -209,18 +243,21 @@ def segmented(bstep: Any, carry0: tuple, slices: Any, length: int, K: int,
 
         def outer(carry, blk):
             # a segment ends where the next one's stored start is: carried, not copied
-            c_end, c_ct, k_ct, w, B = carry
-            sl, ck_start = blk
-            c_ct, k_ct, w, B, outs = seg_back(c_end, c_ct, k_ct, w, B, sl, ck_start, K)
-            return (list(ck_start), c_ct, k_ct, w, B), outs
+            c_end, c_ct, k_ct, w, BE, missed = carry
+            sl, ck_start, j = blk
+            probe = ~missed | (j % PROBE_EVERY == 0)
+            c_ct, k_ct, w, BE, outs, missed = seg_back(c_end, c_ct, k_ct, w, BE, sl, ck_start,
+                                                       K, probe)
+            return (list(ck_start), c_ct, k_ct, w, BE, missed), outs
 
-        (c_end, c_ct, k_ct, w, B), outs_full = jax.lax.scan(
-            outer, (c_end, c_ct, k_ct, w, B), (full, ck_full), reverse=True)
+        (c_end, c_ct, k_ct, w, BE, missed), outs_full = jax.lax.scan(
+            outer, (c_end, c_ct, k_ct, w, BE, missed), (full, ck_full, jnp.arange(nseg)),
+            reverse=True)
         outs_full = _tmap(lambda a: a.reshape((nseg * K,) + a.shape[2:]), outs_full)
     if r:
         head = _tmap(lambda a: a[:r], slices)
-        c_ct, k_ct, w, B, outs_head = seg_back(c_end, c_ct, k_ct, w, B, head,
-                                               [c[0] for c in ckpts], r)
+        c_ct, k_ct, w, _, outs_head, _ = seg_back(c_end, c_ct, k_ct, w, BE, head,
+                                                  [c[0] for c in ckpts], r, ~missed)
         outs = outs_head if outs_full is None else _tmap(
             lambda a, b: jnp.concatenate([a, b]), outs_head, outs_full)
     else:
@@ -334,14 +371,13 @@ def segment_checks(dial: Dial, log: Any, eqn: Any, carry: Sequence[Any], length:
                    body: Any, nc: int, ncar: int, consts: Sequence[Any],
                    act: Sequence[bool] | None, yct: Sequence[bool], can_redo: bool,
                    planning: bool) -> tuple[Any, Any]:
-    """A checkpointed loop's comparison `check(c, ck, c_ct, c_end, c_ct_end, n, B) ->
-    (ratio, site, B)` of each segment's rebuilt start with its checkpoint (`grad_ratio`), and
+    """A checkpointed loop's comparison `check(c, ck, c_ct, c_end, c_ct_end, n, BE) ->
+    (ratio, site, BE)` of each segment's rebuilt start with its checkpoint (`grad_ratio`), and
     (the repairing dial, where `can_redo` and the body allows it) `body_redo`'s recomputation
     of a segment that missed; (None, None) where nothing is checked (the planning walk,
     on_drift="ignore"). `log`: the backward run's drift log (its walk context's)."""
     if planning or not dial.checks:
         return None, None
-    del length
     redo = None
     if dial.repair and can_redo and act is not None and recomputable(body):
         redo = body_redo(body, nc, ncar, consts, act, yct)
@@ -352,14 +388,13 @@ def segment_checks(dial: Dial, log: Any, eqn: Any, carry: Sequence[Any], length:
               values_tol(dial, [a.dtype for a in carry]), gradient=not fixed)
     at_ = jnp.asarray(at, jnp.int32)
 
-    def check(c, ck, c_ct, c_end, c_ct_end, n, B):
-        """(ratio, site, budget) for a segment of n iterations: its rebuilt start `c` against
-        its checkpoint `ck`, given the cotangents at its start and end (`B`: the budget of
-        the segments after it). Without cotangents (`check_reversible`'s rebuild) or with a
-        relative tolerance: the relative drift against it."""
-        if fixed or all(g is None for g in c_ct):
-            return ratio(dial, c, ck), at_, B
-        r, B = grad_ratio(c, ck, c_ct, c_end, c_ct_end, n, B)
-        return r, at_, B
+    def check(c, ck, c_ct, c_end, c_ct_end, n, BE, accumulate=True):
+        """(ratio, site, BE) of a segment of n iterations: its rebuilt start `c` against its
+        checkpoint `ck` (`grad_ratio`). Without cotangents (`check_reversible`'s rebuild) or
+        with a relative tolerance: the relative drift against it."""
+        if fixed or not c_ct or all(g is None for g in c_ct):
+            return ratio(dial, c, ck), at_, BE
+        r, BE = grad_ratio(c, ck, c_ct, c_end, c_ct_end, n, BE, accumulate)
+        return r, at_, BE
 
     return check, redo
