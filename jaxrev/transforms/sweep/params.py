@@ -38,7 +38,7 @@ __all__ = ["fresh_p", "fresh", "ParamOnly"]
 def _run_time_zero(tie: Any, dtype: Any) -> Any:
     """A scalar of `dtype` that is 0 on every run, computed from one element of `tie` in a
     way XLA does not fold: (t != t) is 1 only for a NaN, and shifted right by one it is 0."""
-    t = jnp.ravel(tie)[0]
+    t = tie[(0,) * jnp.ndim(tie)]
     if jnp.iscomplexobj(t):
         t = jnp.real(t)
     t = t.astype(jnp.float32)
@@ -66,7 +66,8 @@ def _fresh_lowering(*args: Any, n: int) -> list:
 def _fresh_jvp(primals: Sequence[Any], tangents: Sequence[Any], *, n: int) -> tuple:
     # the tangents are recomputations too (forward mode over the backward run)
     outs = fresh_p.bind(*primals, n=n)
-    live = [k for k in range(n) if not is_symbolic_zero(tangents[k])]
+    live = [k for k in range(n) if not is_symbolic_zero(tangents[k])
+            and jnp.result_type(tangents[k]) != jax.dtypes.float0]
     touts = list(tangents[:n])
     if live:
         for k, t in zip(live, fresh_p.bind(*[tangents[k] for k in live], primals[n],
@@ -120,8 +121,8 @@ def tie_of(vals: Sequence[Any]) -> Any:
 
 class ParamOnly:
     """The parameter-only values of a jaxpr whose inputs `known` are the parameters (with its
-    consts): which equations compute them (`eqns`, by index), and `need`, which computes
-    them where the backward walk reads them."""
+    consts): which equations compute them (`eqns`, by index); `need` and `window` compute
+    them where the backward walk reads them, `run` where the forward run does."""
 
     def __init__(self, J: Any, known: Sequence[bool]) -> None:
         self.J = J
