@@ -159,8 +159,11 @@ def long_leapfrog(s, dt):
     return lax.fori_loop(0, 20_000, lambda i, s: _step(s, dt), s)
 
 
+# the default stores the carry every ⌈√T⌉ steps, to recompute a segment whose drift would
+# change the gradient; checkpoint_every=None is fully reversible (flat in the steps)
 print(f"XLA scratch memory for 20,000 steps: jax.grad {scratch_bytes(long_leapfrog):,} B, "
-      f"jr.reversible {scratch_bytes(jr.reversible(long_leapfrog)):,} B")
+      f"jr.reversible {scratch_bytes(jr.reversible(long_leapfrog)):,} B, fully reversible "
+      f"{scratch_bytes(jr.reversible(long_leapfrog, checkpoint_every=None)):,} B")
 
 # --------------------------------------------------------------------------------------------
 # 6. A program that loses information cannot be reversed, and the error says where and why.

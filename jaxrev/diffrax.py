@@ -37,10 +37,10 @@ _SEARCH_ROUNDS = 32
 class ReversibleAdjoint(diffrax.AbstractAdjoint):
     """Backpropagate through `diffeqsolve` by running the solver backwards (`jr.reversible`).
 
-    Memory grows as √(number of steps) by default (the checkpoints `jr.reversible` places to
-    repair drift; `checkpoint_every=None` with `on_drift="ignore"` is flat); the gradient
-    equals `DirectAdjoint`'s to the solver's reversal error, which `jr.reversible` checks and
-    repairs.
+    Memory is flat in the number of steps: the step loop is a while loop, which
+    `jr.reversible` does not checkpoint without a bound, so its drift is checked at the
+    solve's inputs (√eps of the dtype) and not repaired yet; the gradient equals
+    `DirectAdjoint`'s to the solver's reversal error.
     Needs a solver whose step jaxrev can invert (`diffrax.ReversibleHeun`; a solver that
     loses information, e.g. `Euler`, is refused naming its line, unless `checkpoint_every`
     is given), a `ConstantStepSize` or `StepTo` controller, no events, and `SaveAt` with
@@ -94,7 +94,7 @@ class ReversibleAdjoint(diffrax.AbstractAdjoint):
         run = reversible(partial(_run, template=jax.eval_shape(lambda: full0)),
                          checkpoint_every=self.checkpoint_every,
                          memory_budget=self.memory_budget, on_drift=self.on_drift,
-                         drift_rtol=self.drift_rtol, max_steps=max_steps)
+                         drift_rtol=self.drift_rtol)
         params = (terms, args, solver, grid, n_run, where[order], s_all[order], order)
         kept1, buf = run((kept0, buf0), params)
         _, y1, ss1 = carry.unpack(kept1)

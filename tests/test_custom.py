@@ -67,7 +67,7 @@ def test_reversible_gradients():
     g_ref = jax.grad(loss(program), argnums=(0, 1))(X, W)
     g = jax.grad(loss(jr.reversible(program)), argnums=(0, 1))(X, W)
     assert rel(g, g_ref) < 1e-11
-    assert jr.memory_report(program, X, W).total_bytes == 0
+    assert jr.memory_report(program, X, W, checkpoint_every=None).total_bytes == 0
 
 
 def test_inverse_jvp_is_exact():
@@ -189,8 +189,8 @@ def test_store_keeps_values_and_costs_memory():
     c = (jnp.linspace(0, 1, 512), jnp.linspace(1, 2, 512))
     plain, kept = _loop(_coupled), _loop(lambda c, th: _coupled(c, th, jr.store))
     # nothing: the fori_loop's final counter, which the output discards, is run forward
-    assert jr.memory_report(plain, c, 0.5).total_bytes == 0
-    rep = jr.memory_report(kept, c, 0.5)
+    assert jr.memory_report(plain, c, 0.5, checkpoint_every=None).total_bytes == 0
+    rep = jr.memory_report(kept, c, 0.5, checkpoint_every=None)
     entry = [e for e in rep.entries if e["what"] == "value kept by jr.store"]
     assert len(entry) == 1 and entry[0]["count"] == 50 and entry[0]["bytes"] == 512 * 8
     assert "test_custom.py" in entry[0]["where"]
@@ -209,8 +209,8 @@ def test_recompute_changes_what_is_stored():
         return x + h
 
     x, w = jnp.linspace(-1.0, 2.0, 4), 3.0
-    plain = jr.memory_report(f, x, w)
-    marked = jr.memory_report(lambda x, w: f(x, w, jr.recompute), x, w)
+    plain = jr.memory_report(f, x, w, checkpoint_every=None)
+    marked = jr.memory_report(lambda x, w: f(x, w, jr.recompute), x, w, checkpoint_every=None)
     # by default the relu's output is kept; marked with jr.recompute it is recomputed from the
     # value kept in its place (its input, the same 8 bytes)
     assert "`max`" in plain.entries[0]["made"] and plain.total_bytes == 8, str(plain)
@@ -282,8 +282,8 @@ def test_recompute_changes_measured_memory():
     # by default one number per iteration is kept; with every candidate marked, the loop's
     # carry (1000 numbers) is kept instead and the marked values are recomputed from it (the
     # final counter, which the output discards, is run forward, not stored)
-    assert jr.memory_report(plain, x, w).total_bytes == 50 * 8
-    assert jr.memory_report(marked, x, w).total_bytes == 50 * 1000 * 8
+    assert jr.memory_report(plain, x, w, checkpoint_every=None).total_bytes == 50 * 8
+    assert jr.memory_report(marked, x, w, checkpoint_every=None).total_bytes == 50 * 1000 * 8
     grad = lambda f: jax.grad(lambda x, w: jnp.sum(jr.reversible(f)(x, w) ** 2),  # noqa: E731
                               argnums=(0, 1))
     assert _temp(grad(marked), x, w) > _temp(grad(plain), x, w) + 0.9 * 50 * 1000 * 8

@@ -239,7 +239,7 @@ def test_lossy_relu_exact_gradients_and_report():
     g_ref = jax.grad(L(relu_body), argnums=(0, 1))(x, 1.1)
     g = jax.grad(L(jr.reversible(relu_body)), argnums=(0, 1))(x, 1.1)
     assert rel(g_ref, g) < 1e-13
-    rep = jr.memory_report(relu_body, x, 1.1)
+    rep = jr.memory_report(relu_body, x, 1.1, checkpoint_every=None)
     assert rep.total_bytes == 20 * 6 * 8  # one float64[6] per iteration
     [e] = rep.entries
     assert e["count"] == 20 and e["bytes"] == 48
@@ -259,12 +259,12 @@ def test_overwritten_carry_is_stored():
     g_ref = jax.grad(L, argnums=(0, 1))(C, 0.7)
     g = jax.grad(two_leaf_loss(jr.reversible(f)), argnums=(0, 1))(C, 0.7)
     assert rel(g_ref, g) < 1e-13
-    rep = jr.memory_report(f, C, 0.7)
+    rep = jr.memory_report(f, C, 0.7, checkpoint_every=None)
     assert rep.total_bytes == 10 * 7 * 8, str(rep)
 
 
 def test_invertible_program_stores_nothing():
-    rep = jr.memory_report(coupled_scan(100), C, TH)
+    rep = jr.memory_report(coupled_scan(100), C, TH, checkpoint_every=None)
     assert rep.entries == [] and rep.total_bytes == 0
     assert "stores nothing" in str(rep)
 
@@ -278,7 +278,7 @@ def test_lossy_straight_line():
     L = lambda f: lambda x, w: jnp.sum(jnp.sin(f(x, w)))
     assert rel(jax.grad(L(f), argnums=(0, 1))(x, w),
                jax.grad(L(jr.reversible(f)), argnums=(0, 1))(x, w)) < 1e-13
-    assert jr.memory_report(f, x, w).total_bytes == 4 * 8
+    assert jr.memory_report(f, x, w, checkpoint_every=None).total_bytes == 4 * 8
 
 
 # --------------------------------------------------------------------------- while and cond
@@ -307,7 +307,7 @@ def test_lax_while_loop_reverse_mode():
     g = jax.grad(L, argnums=(0, 1))(x, 0.3)
     g_ref = jax.grad(lambda x, th: jnp.sum(fori_ref(x, th)[0] ** 2), argnums=(0, 1))(x, 0.3)
     assert rel(g_ref, g) < 1e-13
-    rep = jr.memory_report(while_prog, (x, 0), 0.3)
+    rep = jr.memory_report(while_prog, (x, 0), 0.3, checkpoint_every=None)
     assert rep.total_bytes == 4 and "trip count" in str(rep)
     # under jit and vmap too
     gj = jax.jit(jax.grad(L, argnums=(0, 1)))(x, 0.3)
@@ -335,7 +335,7 @@ def test_jr_while_loop_needs_no_record():
     L = lambda x, th: jnp.sum(jr.reversible(f)((x, 0), th)[0][0] ** 2)
     g_ref = jax.grad(lambda x, th: jnp.sum(fori_ref(x, th)[0] ** 2), argnums=(0, 1))(x, 0.3)
     assert rel(g_ref, jax.grad(L, argnums=(0, 1))(x, 0.3)) < 1e-13
-    assert jr.memory_report(f, (x, 0), 0.3).total_bytes == 0
+    assert jr.memory_report(f, (x, 0), 0.3, checkpoint_every=None).total_bytes == 0
 
 
 @pytest.mark.parametrize("shift", [0.0, -3.0])
@@ -347,7 +347,7 @@ def test_lax_cond_records_branch_index(shift):
     L = lambda f: lambda x, th: jnp.sum(f(x, th) ** 2)
     assert rel(jax.grad(L(f), argnums=(0, 1))(x, 0.7),
                jax.grad(L(jr.reversible(f)), argnums=(0, 1))(x, 0.7)) < 1e-13
-    rep = jr.memory_report(f, x, 0.7)
+    rep = jr.memory_report(f, x, 0.7, checkpoint_every=None)
     assert rep.total_bytes == 4 and "branch index" in str(rep)
 
 
@@ -359,7 +359,7 @@ def test_jr_cond_needs_no_record():
     L = lambda f: lambda x: jnp.sum(f(x, 0.0) ** 2)
     assert rel(jax.grad(L(f))(x), jax.grad(L(jr.reversible(f)))(x)) < 1e-14
     assert rel(jax.grad(L(f))(-x - 1), jax.grad(L(jr.reversible(f)))(-x - 1)) < 1e-14
-    assert jr.memory_report(f, x, 0.0).total_bytes == 0
+    assert jr.memory_report(f, x, 0.0, checkpoint_every=None).total_bytes == 0
 
 
 # --------------------------------------------------------------------------- memory shape
@@ -371,12 +371,17 @@ def _temp(fn, *args):
 def test_memory_is_flat_in_depth():
     c = (jnp.linspace(0.0, 1.0, 4096), jnp.linspace(1.0, 2.0, 4096))
     mem = {}
-    for d in (50, 500):
-        mem[d] = _temp(jax.grad(two_leaf_loss(jr.reversible(coupled_scan(d))), argnums=(0, 1)),
-                       c, TH)
+    for d in (50, 500):   # fully reversible: flat
+        mem[d] = _temp(jax.grad(two_leaf_loss(jr.reversible(coupled_scan(d), checkpoint_every=None)),
+                                argnums=(0, 1)), c, TH)
     grad500 = _temp(jax.grad(two_leaf_loss(coupled_scan(500)), argnums=(0, 1)), c, TH)
     assert mem[500] <= 1.1 * mem[50]
     assert mem[500] * 100 < grad500
+    # the default: ⌈√500⌉ = 23 checkpoints and a segment's carries, 2√T in all
+    carry = 2 * 4096 * 8
+    dflt = _temp(jax.grad(two_leaf_loss(jr.reversible(coupled_scan(500))), argnums=(0, 1)), c, TH)
+    assert dflt <= mem[500] + 2 * 23 * carry * 1.25
+    assert dflt * 5 < grad500
 
 
 def test_memory_of_unrolled_blocks_below_grad():
@@ -426,7 +431,7 @@ def test_lossy_step_inside_a_cond_branch(shift):
     L = lambda f: lambda x, th: jnp.sum(jnp.sin(f(x, th)))
     assert rel(jax.grad(L(f), argnums=(0, 1))(x, 0.7),
                jax.grad(L(jr.reversible(f)), argnums=(0, 1))(x, 0.7)) < 1e-13
-    rep = jr.memory_report(f, x, 0.7)
+    rep = jr.memory_report(f, x, 0.7, checkpoint_every=None)
     # the branch index and the lossy branch's input (zeros when the other branch ran)
     assert rep.total_bytes == 4 + 4 * 8, str(rep)
     assert f"test_reversible.py:{_line_of('COND-LOSSY')}" in str(rep)
@@ -497,7 +502,7 @@ def test_loop_over_parameters_alone_runs_backwards():
     mems = []
     for length in (50, 200):
         assert rel(L(jr.reversible(h))(x), L(h)(x)) < 1e-11
-        mems.append(_temp(L(jr.reversible(h)), x))
+        mems.append(_temp(L(jr.reversible(h, checkpoint_every=None)), x))
     assert mems[0] == mems[1]
 
 

@@ -34,7 +34,8 @@ class MemoryReport:
         >>> import jax.numpy as jnp, jaxrev as jr
         >>> from jax import lax
         >>> relu_steps = lambda x: lax.fori_loop(0, 3, lambda i, x: jnp.maximum(x, 0.0) + 1.0, x)
-        >>> jr.memory_report(relu_steps, jnp.ones(4, jnp.float32)).total_bytes  # 4 floats x 3
+        >>> rep = jr.memory_report(relu_steps, jnp.ones(4, jnp.float32), checkpoint_every=None)
+        >>> rep.total_bytes   # 4 floats x 3 (the default also lists its checkpoints)
         48
     """
 
@@ -118,7 +119,7 @@ def memory_report(fun: Callable, *args: Any, argnums: int | Sequence[int] = 0,
     Example:
         >>> import jax, jax.numpy as jnp, jaxrev as jr
         >>> f = lambda x: jax.lax.fori_loop(0, 10, lambda i, x: jax.nn.relu(x) + 1.0, x)
-        >>> rep = jr.memory_report(f, jnp.ones(4))
+        >>> rep = jr.memory_report(f, jnp.ones(4), checkpoint_every=None)
         >>> [(e["count"], e["where"].split()[0]) for e in rep.entries]  # how often, what step
         [(10, '`max`')]
     """
