@@ -197,3 +197,19 @@ def test_bfloat16_runs_the_check():
     got = jax.jit(jax.grad(L(jr.reversible(f)), 1))(cb, w)
     assert got.dtype == jnp.float32
     assert abs(float(got) - float(ref)) <= 2 * e_jax + 0.02 * abs(float(ref))
+
+
+def test_hypergradients_example_runs(capsys):
+    """examples/hypergradients.py at 300 steps: the default's hypergradient is jax.grad's."""
+    import importlib.util
+    import os
+    import re
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        "examples", "hypergradients.py")
+    spec = importlib.util.spec_from_file_location("hypergradients", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    mod.main(["--steps", "300", "--dtype", "float64", "--momentum", "0.5"])
+    out = capsys.readouterr().out
+    errs = [float(e) for e in re.findall(r"jr.reversible .*error vs float64 jax.grad (\S+)", out)]
+    assert errs and errs[0] < 1e-10, out
