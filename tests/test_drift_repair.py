@@ -213,3 +213,22 @@ def test_hypergradients_example_runs(capsys):
     out = capsys.readouterr().out
     errs = [float(e) for e in re.findall(r"jr.reversible .*error vs float64 jax.grad (\S+)", out)]
     assert errs and errs[0] < 1e-10, out
+
+
+@pytest.mark.slow
+def test_unrolled_bfloat16_revnet_inputs_tolerance():
+    """64 unrolled bfloat16 coupling blocks (float32 master weights): nothing to repair from,
+    so the rebuilt inputs are held to √eps or the roundoffs of the program's steps, at most
+    1/2. Branch gain 0.75: drift 0.29, gradient 1.9x jax.grad's error against the float32
+    model: no error. Gain 1.0: drift 2.75, 3.1x: DriftError."""
+    import tests.test_mixed_precision as tm
+    f16, f32 = tm._revnet(jnp.bfloat16), tm._revnet(jnp.float32)
+    x16, x32 = tm._streams(jnp.bfloat16), tm._streams(jnp.float32)
+
+    def weights(gain):
+        return [[w * (gain / tm.GAIN) for w in blk] for blk in tm._master_weights(64)]
+    e_grad, e_rev = tm._accuracy(f16, f32, weights(0.75), x16, x32)
+    assert e_rev <= 2 * e_grad + tm.BF16_SLACK
+    g = jr.jit(jax.grad(tm._loss(jr.reversible(f16)), argnums=(0, 1)))
+    with pytest.raises(jr.DriftError):
+        g(weights(1.0), x16)

@@ -178,10 +178,21 @@ def _checked_walk(P: Plan, env: Env, ctenv: dict | None, active: set, res: Seque
     if log is None:
         return cts
     xs = [v for v, s in zip(J.invars, state) if s]
+    n = _steps(J, dial)
     at = drift.site(log, "the state rebuilt by the backward run (the inputs of the call)", None,
-                    drift.values_tol(dial, [v.aval.dtype for v in xs]), inputs=True)
-    drift.note(log, (drift.ratio(dial, [env.read(v) for v in xs], xtrue), at))
+                    drift.values_tol(dial, [v.aval.dtype for v in xs], n), inputs=True)
+    drift.note(log, (drift.ratio(dial, [env.read(v) for v in xs], xtrue, n), at))
     return log.finish(log.worst(), cts)
+
+
+def _steps(J: Any, dial: Dial) -> int:
+    """How many equations the call's inputs are rebuilt over: a scan without checkpoints
+    counts its iterations (its first checkpoint is its true start)."""
+    n = 0
+    for e in J.eqns:
+        T = e.params.get("length", 0) if e.primitive.name == "scan" else 0
+        n += T if T and dial.segment(T, 1) is None else 1
+    return n
 
 
 

@@ -104,13 +104,17 @@ class Dial:
             return self
         return dataclasses.replace(self, budget=max(1, self.budget // iterations))
 
-    def tol(self, dtype: Any) -> float:
+    def tol(self, dtype: Any, steps: int = 1) -> float:
         """The relative drift tolerated where no cotangent measures what it does to the
-        gradient (the call's rebuilt inputs, `check_reversible`): `rtol`, else √eps of the
-        dtype (a miss means the rebuilt values have lost half their digits)."""
+        gradient (the call's rebuilt inputs, rebuilt over `steps` equations;
+        `check_reversible`): `rtol`, else √eps of the dtype (a miss means the rebuilt values
+        have lost half their digits), or, where that is less, the `steps` roundoffs the
+        forward run may itself commit over them (bfloat16 and float16 programs of many
+        steps), up to 1/2 (a value off by half its size has lost even its leading bit)."""
         if self.rtol is not None:
             return float(self.rtol)
-        return float(np.sqrt(jnp.finfo(dtype).eps))
+        eps = float(jnp.finfo(dtype).eps)
+        return max(math.sqrt(eps), min(steps * eps / 2, 0.5))
 
 
 def _tmap(f: Any, *t: Any) -> Any:

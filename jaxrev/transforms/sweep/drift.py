@@ -83,17 +83,18 @@ def leaf_drift(rebuilt: Any, true: Any, atol: float = 0.0) -> Any:
     return where(jnp.isnan(d), jnp.inf, d).astype(jnp.float32)
 
 
-def values_tol(dial: Any, dtypes: Sequence[Any]) -> float:
-    """The tolerance for values compared together: the loosest of their floating dtypes'
-    (a float64 carry that reads a float32 one is rebuilt no better than float32)."""
+def values_tol(dial: Any, dtypes: Sequence[Any], steps: int = 1) -> float:
+    """The tolerance for values compared together, rebuilt over `steps` equations: the
+    loosest of their floating dtypes' (a float64 carry that reads a float32 one is rebuilt no
+    better than float32)."""
     floats = [d for d in dtypes if jnp.issubdtype(d, jnp.inexact)]
-    return max((dial.tol(d) for d in floats), default=0.0)
+    return max((dial.tol(d, steps) for d in floats), default=0.0)
 
 
-def ratio(dial: Any, rebuilt: Sequence[Any], true: Sequence[Any]) -> Any:
+def ratio(dial: Any, rebuilt: Sequence[Any], true: Sequence[Any], steps: int = 1) -> Any:
     """The largest drift / tolerance over the floating leaves (infinite where a NaN or an
     infinity appeared)."""
-    tol = values_tol(dial, [jnp.result_type(b) for b in true])
+    tol = values_tol(dial, [jnp.result_type(b) for b in true], steps)
     r = jnp.zeros((), jnp.float32)
     for a, b in zip(rebuilt, true):
         if not jnp.issubdtype(jnp.result_type(b), jnp.inexact):
