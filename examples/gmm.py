@@ -273,13 +273,14 @@ def main() -> None:
     memory = {size: run(size) for size in todo}
 
     # The same D and K with 1000 points instead of 10000 (ADBench's 1k inputs): jax.grad's
-    # memory follows n, the reversible gradient's does not.
+    # memory follows n, the reversible gradient's does not (its default checkpoints, every
+    # ⌈√T⌉ blocks, are a few parameter-sized carries).
     d, k = 10, 10
     small = temp_memory(data_dir() / "gmm" / "1k" / f"gmm_d{d}_K{k}.txt")
     large = memory.get((d, k)) or temp_memory((d, k))
     print(f"\nD={d} K={k} gradient temp memory, n = 1000 -> 10000: jax.grad {small[0]} -> "
           f"{large[0]} B, jr.reversible {small[1]} -> {large[1]} B")
-    assert large[1] == small[1] and large[0] > 5 * small[0]
+    assert large[1] < 2 * small[1] and large[0] > 5 * small[0]
     print(f"\ngmm finished in {time.perf_counter() - t0:.1f} s")
 
 

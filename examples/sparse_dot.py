@@ -206,10 +206,12 @@ def main() -> None:
 
     # ---- memory: the merge's branch decisions are all reversible stores
     state0 = (jnp.int32(0), jnp.int32(0), jnp.float64(0.0))
-    report = jr.memory_report(merge_dot, state0, a, al, b, bl)
+    # what inversion stores (the default also lists its √T checkpoints of the carry)
+    report = jr.memory_report(merge_dot, state0, a, al, b, bl, checkpoint_every=None)
     print(f"\njr.reversible of the merge stores {report.total_bytes} bytes "
           f"({report.total_bytes / (A.nse + B.nse):g} per merge step: the branch decision)")
-    pairs_report = jr.memory_report(pairs_dot, jnp.float64(0.0), a, b, ia, ib)
+    pairs_report = jr.memory_report(pairs_dot, jnp.float64(0.0), a, b, ia, ib,
+                                    checkpoint_every=None)
     print(f"jr.reversible of the matched-pairs loop stores {pairs_report.total_bytes} bytes")
     m_rev = temp_bytes(grad_merge_reversible, a, al, b, bl)
     m_ref = temp_bytes(grad_merge_plain, a, al, b, bl)

@@ -201,7 +201,10 @@ def test_gmm_script(outputs):
     assert abs(_number(out, "D=2 K=5 objective:") - want) < 1e-9 * abs(want)
     m = re.search(r"n = 1000 -> 10000: jax.grad (\d+) -> (\d+) B, jr.reversible (\d+) -> (\d+) B",
                   out)
-    assert m and m.group(3) == m.group(4) and int(m.group(2)) > 5 * int(m.group(1)), out
+    # jax.grad's memory follows n; the reversible gradient's does not (√T checkpoints of a
+    # scalar, and one segment's blocks of points when it recomputes one)
+    assert m, out
+    assert int(m.group(4)) < 2 * int(m.group(3)) and int(m.group(2)) > 5 * int(m.group(1)), out
 
 
 # ------------------------------------------------------------------ bundle adjustment
