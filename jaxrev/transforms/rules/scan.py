@@ -272,8 +272,8 @@ def _scan_sweep(P: Plan, i: int, env: Env, ctenv: dict | None, active: set,
     else:
         # the body as the walks see it (calls inlined: a custom_jvp closing over the loop's
         # counter is not re-entered under the repair's VJP)
-        check, redo = segment_checks(P.dial, env.ctx.drift, e, carry, length, bp.closed, nc,
-                                     ncar, [env.read(v) for v in consts], act, yct, all(xk),
+        check, redo = segment_checks(P.dial, env.ctx.drift, e, carry, bp.closed, nc, ncar,
+                                     [env.read(v) for v in consts], act, yct, all(xk),
                                      res.planning)
         (c_first, c_first_ct, k_ct, w), (x_rec, x_ct) = segmented(
             bstep, (c0, c_ct0, k_ct0, w0), sl, length, K, ckpts, rev, check, redo)

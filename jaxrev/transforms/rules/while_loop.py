@@ -185,8 +185,8 @@ def _stored_sweep(P: Plan, i: int, env: Env, ctenv: dict | None, active: set,
     c0 = [env.read(v) for v in e.outvars]
     c_ct0, k_ct0 = loop_cts_in(ctenv, e.outvars, body, nbc, act)
     K = lp.every
-    check, redo = (segment_checks(P.dial, env.ctx.drift, e, lp.carry, lp.max_steps, bp.closed,
-                                  nbc, ncar, bvals, act, (), True, res.planning)
+    check, redo = (segment_checks(P.dial, env.ctx.drift, e, lp.carry, bp.closed, nbc, ncar,
+                                  bvals, act, (), True, res.planning)
                    if K is not None else (None, None))
 
     def back(s):

@@ -5,8 +5,9 @@
 `max_steps` for lossy while loops. A checkpointed loop runs backwards in segments
 (`segmented`): the forward run stores the carry every K iterations (`segmented_forward`), and
 each segment is rebuilt from the stored start of the next, so drift grows over K steps, not the
-whole loop; under "auto" a segment whose rebuilt start misses is recomputed forward from its
-checkpoint (`body_redo`). The comparisons themselves are `drift`'s.
+whole loop; under on_drift="repair" (the default) a segment whose rebuilt start would move the
+gradient more than rounding does (`grad_ratio`) is recomputed forward from its checkpoint
+(`body_redo`). The bookkeeping of the comparisons is `drift`'s.
 """
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ from jaxrev._jaxpr import eval_closed, mentions, select_batched, where
 from jaxrev.transforms.knowledge.context import Settings
 from jaxrev.transforms.sweep.drift import combine, finite, ratio, site, values_tol
 
-__all__ = ["ON_DRIFT", "Dial", "grad_ratio", "weight", "budget_dtype", "recomputable", "segmented", "segmented_forward", "body_redo", "segment_checks"]
+__all__ = ["ON_DRIFT", "Dial", "grad_ratio", "weight", "budget_dtype", "recomputable",
+           "segmented", "segmented_forward", "body_redo", "segment_checks"]
 
 
 ON_DRIFT = ("repair", "raise", "nan", "warn", "ignore")
@@ -371,10 +373,9 @@ def body_redo(body: Any, nc: int, ncar: int, consts: Sequence[Any], act: Sequenc
     return redo
 
 
-def segment_checks(dial: Dial, log: Any, eqn: Any, carry: Sequence[Any], length: int,
-                   body: Any, nc: int, ncar: int, consts: Sequence[Any],
-                   act: Sequence[bool] | None, yct: Sequence[bool], can_redo: bool,
-                   planning: bool) -> tuple[Any, Any]:
+def segment_checks(dial: Dial, log: Any, eqn: Any, carry: Sequence[Any], body: Any, nc: int,
+                   ncar: int, consts: Sequence[Any], act: Sequence[bool] | None,
+                   yct: Sequence[bool], can_redo: bool, planning: bool) -> tuple[Any, Any]:
     """A checkpointed loop's comparison `check(c, ck, c_ct, c_end, c_ct_end, n, BE) ->
     (ratio, site, BE)` of each segment's rebuilt start with its checkpoint (`grad_ratio`), and
     (the repairing dial, where `can_redo` and the body allows it) `body_redo`'s recomputation
