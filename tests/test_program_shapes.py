@@ -280,7 +280,8 @@ def _spline_by_select(x, p, bound=3.0):
     return jnp.where(jnp.abs(x) < bound, jnp.select(conds, vals, x), x)
 
 
-@pytest.mark.parametrize("how", ["eager", "jit", "vmap", "vmap inside", "jit inside"])
+@pytest.mark.parametrize("how", [pytest.param("eager", marks=pytest.mark.slow), "jit", "vmap",
+                                 "vmap inside", "jit inside"])
 def test_spline_by_select_over_bins(how):
     """The bin index is an argmax over the stacked conditions: it only decides the select's
     case, so each branch inverts one bin's piece (consistency picks the bin). A candidate near
@@ -318,7 +319,8 @@ def test_masked_steps_with_a_batched_mask():
            jax.vmap(jax.grad(loss(f), argnums=(0, 1)))(S, P))
 
 
-@pytest.mark.parametrize("name", ["coupled steps", "masked coupling", "jr.cond", "spline"])
+@pytest.mark.parametrize("name", ["coupled steps", "masked coupling", "jr.cond",
+                                  pytest.param("spline", marks=pytest.mark.slow)])
 def test_reverse_is_closed_under_its_own_inverses(name):
     """reverse(reverse(f)) == f for what the walk emits with element masks, fill values and
     consistent-case choices (the inverse is one step whose inverse is f), eager and jitted."""

@@ -191,6 +191,7 @@ class TestComposition:
         Hx = jax.hessian(L)(C, TH)
         assert rel(Hx, jax.hessian(Lr)(C, TH)) < 1e-7
 
+    @pytest.mark.slow   # (about 18 s; test_hessians covers second order in the default run)
     def test_check_grads_order_2(self):
         f = jr.reversible(coupled_fori(5))
         check_grads(lambda x, y, th: two_leaf_loss(f)((x, y), th), (C[0], C[1], TH), order=2,
