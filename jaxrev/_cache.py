@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrev._compat import is_concrete, is_staged, tracing
-from jaxrev._program import Filtered, is_traced
+from jaxrev._program import Filtered, traced_mask
 from jaxrev._runtime import checked_jit, runtime_error
 
 __all__ = ["function_key", "call_key", "compiled", "cached_call", "is_eager", "alive", "Cache", "memo"]
@@ -240,10 +240,10 @@ def call_key(fun: Any, args: tuple) -> tuple[Any, list[Any]] | None:
     fk = function_key(fun)
     if fk is None:
         return None
-    leaves, tree = jax.tree_util.tree_flatten(args)
+    leaves, tree, mask = traced_mask(args)
     k = _Keyer()
     try:
-        parts = tuple(_aval(x) if is_traced(x) else k.key(x) for x in leaves)
+        parts = tuple(_aval(x) if m else k.key(x) for x, m in zip(leaves, mask))
     except (_NoKey, TypeError, RecursionError):
         return None
     return (fk[0], tree, parts), fk[1] + k.keep

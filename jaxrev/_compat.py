@@ -14,9 +14,11 @@ from jax.extend import core as jex_core
 from jax._src.interpreters import ad as _ad
 from jax._src.interpreters import batching as _batching
 from jax._src.interpreters import mlir as _mlir
+from jax._src.interpreters import partial_eval as _pe
 
 from jax._src import ad_checkpoint as _ad_checkpoint
 from jax._src import ad_util as _ad_util
+from jax._src import config as _config
 from jax._src import core as _core
 from jax._src import source_info_util as _siu
 from jax._src import custom_derivatives as _cd
@@ -141,7 +143,7 @@ class _Prims:
                      "squeeze copy real imag complex conj max min reduce_sum round split pad "
                      "abs sign floor ceil sin cos tan exp2 reduce_precision erf erf_inv "
                      "eq ne lt le gt ge and or not xor is_finite "
-                     "optimization_barrier stack").split():
+                     "optimization_barrier stack reduce_or").split():
             setattr(self, name, _prim(name + "_p"))
         self.slice = _prim("slice_p")
         self.scatter_add = _prim("scatter_add_p")
@@ -182,9 +184,24 @@ class _Prims:
             self.linear_solve = None
         from jax._src import dispatch as _dispatch
         self.device_put = getattr(_dispatch, "device_put_p", None)
+        from jax._src import callback as _callback
+        self.pure_callback = getattr(_callback, "pure_callback_p", None)
+        self.io_callback = getattr(_callback, "io_callback_p", None)
 
 
 prims = _Prims()
+
+
+def is_any_reduction(p: Any) -> bool:
+    """Whether primitive `p` is "any element holds" over a boolean array: `jnp.any`'s
+    `reduce_or`, or Equinox's `unvmap_any` (the flag of its `error_if`; known by name, as
+    Equinox is optional)."""
+    return p is not None and (p is prims.reduce_or or getattr(p, "name", None) == "unvmap_any")
+
+
+def is_host_callback(p: Any) -> bool:
+    """Whether primitive `p` calls the host (`jax.pure_callback`, `io_callback`)."""
+    return p is not None and p in (prims.pure_callback, prims.io_callback)
 
 # Call-like primitives and the parameter that holds their sub-jaxpr. One table for every
 # interpreter (docs/design.md §3.1); loops and branches have their own rules.
@@ -259,13 +276,26 @@ def make_jaxpr(fun: Callable, *args: Any) -> tuple[ClosedJaxpr, Any]:
     JAX >= 0.12 writes some library functions (`jnp.searchsorted`) as "high" primitives that
     only lower when staged out; jaxrev reads and re-emits equations, so it lowers them first,
     to the primitives its rules know (and a `custom_inverse` holding one could not be staged).
+
+    The user's code is traced as `jax.make_jaxpr` traces it outside any transform, even where
+    a walk folds constants (`jax.ensure_compile_time_eval`): there JAX would run a host
+    callback whose operands are constants while tracing the branch that holds it (Equinox's
+    `error_if` raises on good inputs). What is computed from constants alone stays known to
+    the walks all the same (`_jaxpr.Statics`).
     """
-    closed, out_shape = jax.make_jaxpr(fun, return_shape=True)(*args)
+    with _config.eager_constant_folding(False):
+        closed, out_shape = jax.make_jaxpr(fun, return_shape=True)(*args)
     if getattr(closed.jaxpr, "is_high", False):
-        from jax._src.interpreters import partial_eval as pe
-        lo = pe.lower_jaxpr2(closed.jaxpr)
+        lo = _pe.lower_jaxpr2(closed.jaxpr)
         closed = ClosedJaxpr(lo, lo.consts)
     return closed, out_shape
+
+
+def dce(jaxpr: Jaxpr) -> Jaxpr:
+    """`jaxpr` without the equations none of its outputs needs, by JAX's own rules (a `scan`'s
+    carry that no output needs, flowjax's log-det accumulator behind `transform`, is dropped
+    from the loop); every input is kept, and effectful equations (checks) stay."""
+    return _pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars), instantiate=True)[0]
 
 
 def trace_to_closed(fun: Callable, *args: Any) -> tuple[ClosedJaxpr, list[Any], Any]:
@@ -309,10 +339,9 @@ def is_staged(x: Any) -> bool:
     top of the eager one)."""
     if not isinstance(x, _core.Tracer):
         return False
-    from jax._src.interpreters import partial_eval as pe
     trace = x._trace
     while trace is not None:
-        if isinstance(trace, pe.DynamicJaxprTrace):
+        if isinstance(trace, _pe.DynamicJaxprTrace):
             return True
         trace = getattr(trace, "parent_trace", None)
     return False
@@ -384,5 +413,4 @@ def staged_constants():
     """The opposite of `jax.ensure_compile_time_eval` inside it: operations on constants are
     staged into the program again, so a large intermediate (an identity basis pushed through a
     lump) is computed when the program runs instead of becoming an embedded constant."""
-    from jax._src import config as _config
     return _config.eager_constant_folding(False)

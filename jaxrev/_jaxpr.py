@@ -2,6 +2,7 @@
 liveness, call inlining, and the batched-select helpers every control-flow rule uses."""
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any, Callable, Iterable, Sequence
 
@@ -10,8 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrev._compat import (CALL_PRIMITIVES, ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Literal, Var,
-                            as_closed, bind_eqn, call_jaxpr, has_user_frame, is_concrete, is_key,
-                            is_symbolic_zero, new_var, not_mapped, prims, trace_to_closed)
+                            as_closed, bind_eqn, call_jaxpr, dce, has_user_frame, is_concrete,
+                            is_host_callback, is_key, is_symbolic_zero, new_var, not_mapped,
+                            prims, trace_to_closed)
 
 
 class Unknown:
@@ -349,13 +351,15 @@ def size_of(avals: Iterable[Any]) -> int:
 
 def prepare(closed: ClosedJaxpr) -> ClosedJaxpr:
     """The jaxpr every walk sees: call-like equations (`jit`, `custom_jvp_call`, ...) inlined,
-    and equations that compute the same value merged.
+    equations that compute the same value merged, and what no output needs dropped (`dce`).
 
     Inversion works across call boundaries this way: a linear lump or a `select_n` case split
     may span code inside and outside `jnp.where`'s or `jnp.cumsum`'s inner `jit`. Inner equations
     with no user frame of their own take the source line of the call that contains them. JAX
     does not merge duplicates (`f(z)` written twice, `x[:1]` and `x[0]`): merged, a value known
-    once is known everywhere, and a nonlinear group sees `f(z)` as one unknown, not two.
+    once is known everywhere, and a nonlinear group sees `f(z)` as one unknown, not two. A
+    loop's carry that no output reads (a log-det accumulated beside the state but not
+    returned) is dead: carried, it would make the loop's final carry unknown to `reverse`.
     """
     jaxpr = closed.jaxpr
     consts = list(closed.consts)
@@ -417,7 +421,7 @@ def prepare(closed: ClosedJaxpr) -> ClosedJaxpr:
     for eqn in jaxpr.eqns:
         inline(eqn, None)
     new = jaxpr.replace(constvars=constvars, eqns=eqns, outvars=[s(v) for v in jaxpr.outvars])
-    return ClosedJaxpr(new, consts)
+    return ClosedJaxpr(dce(new), consts)
 
 
 def _taken_branch(eqn: JaxprEqn, s: Callable) -> tuple[ClosedJaxpr, list] | None:
@@ -593,7 +597,7 @@ def without_custom_vjp(closed: ClosedJaxpr) -> ClosedJaxpr:
     for eqn in jaxpr.eqns:
         emit(eqn, False)
     new = jaxpr.replace(constvars=constvars, eqns=eqns, outvars=[s(v) for v in jaxpr.outvars])
-    return ClosedJaxpr(new, consts)
+    return ClosedJaxpr(dce(new), consts)
 
 
 def _rewrite_param(p: Any) -> Any:
@@ -609,6 +613,17 @@ def _rewrite_param(p: Any) -> Any:
 
 def _is_custom_vjp(p: Any) -> bool:
     return p is prims.custom_vjp_call
+
+
+def fold_constants(jaxpr: Jaxpr) -> Any:
+    """The context in which jaxrev differentiates or walks `jaxpr` where what is computed
+    from constants alone should stay concrete under `jit` (a scatter's indices, which lumps
+    read for sparsity): `jax.ensure_compile_time_eval()`, except in a program that calls the
+    host, where JAX would run a callback on constants while tracing the branch that holds it
+    (Equinox's `error_if` raises on good inputs: flowjax's bisection)."""
+    if mentions(jaxpr, is_host_callback):
+        return contextlib.nullcontext()
+    return jax.ensure_compile_time_eval()
 
 
 def mentions(jaxpr: Jaxpr, match: Callable[[Any], bool]) -> bool:

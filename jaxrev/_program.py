@@ -11,26 +11,67 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrev._compat import ClosedJaxpr, Var, is_key, make_jaxpr
+from jaxrev._errors import JaxrevError
 from jaxrev._jaxpr import Env, evaluate, prepare
 
 __all__ = ["avals_of", "fun_name", "normalize_argnums", "Program", "trace_program",
-           "check_structure", "check_sizes", "is_traced", "traced_leaves", "Filtered",
-           "ravel_filtered", "eval_shape", "derived_leaves"]
+           "check_structure", "check_sizes", "is_traced", "traced_mask", "traced_leaves",
+           "Filtered", "ravel_filtered", "eval_shape", "derived_leaves", "trace_on_outputs"]
 
 
-_NUMBERS = (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct, bool, int, float, complex)
+_ARRAYS = (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)
+_NUMBERS = _ARRAYS + (bool, int, float, complex)
 
 
 def is_traced(x: Any) -> bool:
-    """Whether jaxrev traces a pytree leaf: arrays (and their stand-ins), NumPy and Python
-    numbers. Anything else (an Equinox module's activation function, a string, a Flax
-    module's settings) is static: passed through as it is, like Equinox's filters do."""
+    """Whether jaxrev traces a pytree leaf where it stands on its own or in a plain container
+    (a tuple, list or dict): arrays (and their stand-ins), NumPy and Python numbers. Anything
+    else (an Equinox module's activation function, a string, a Flax module's settings) is
+    static: passed through as it is, like Equinox's filters do. Inside a module (any other
+    pytree class) a Python number is static too (`traced_mask`)."""
     return isinstance(x, _NUMBERS)
+
+
+def _is_module(node: Any) -> bool:
+    """A pytree node that is neither a leaf nor a plain container: an Equinox module, a
+    Flax struct, a registered class."""
+    if node is None or isinstance(node, (tuple, list, dict)):
+        return False
+    return not jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(node))
+
+
+def traced_mask(tree: Any) -> tuple[list[Any], Any, list[bool]]:
+    """`tree`'s leaves, its structure, and which leaves jaxrev traces: arrays everywhere,
+    Python numbers only outside modules. A module's Python ints, floats and bools are its
+    settings (a flowjax bijection's `shape`, an exponent, a flag), static as under
+    `eqx.filter_jit`; a Python float passed as an argument, or in a tuple of parameters,
+    is traced as `jax.jit` traces it.
+
+    Example:
+        >>> import equinox as eqx, jax.numpy as jnp
+        >>> class Scale(eqx.Module):
+        ...     w: jnp.ndarray
+        ...     power: int = 2
+        >>> traced_mask((1.0, Scale(jnp.ones(2))))[2]
+        [True, True, False]
+    """
+    top, tree_def = jax.tree_util.tree_flatten(tree, is_leaf=_is_module)
+    leaves, mask = [], []
+    for t in top:
+        if _is_module(t):
+            inner = jax.tree_util.tree_leaves(t)
+            leaves.extend(inner)
+            mask.extend(isinstance(x, _ARRAYS) for x in inner)
+        else:
+            leaves.append(t)
+            mask.append(is_traced(t))
+    return leaves, jax.tree_util.tree_structure(tree), mask
 
 
 def traced_leaves(tree: Any) -> list[Any]:
     """`tree`'s leaves that jaxrev traces, in order."""
-    return [x for x in jax.tree_util.tree_leaves(tree) if is_traced(x)]
+    leaves, _, mask = traced_mask(tree)
+    return [x for x, m in zip(leaves, mask) if m]
 
 
 class Filtered:
@@ -41,8 +82,7 @@ class Filtered:
     in `flat`."""
 
     def __init__(self, tree: Any) -> None:
-        self.leaves, self.tree = jax.tree_util.tree_flatten(tree)
-        self.mask = [is_traced(x) for x in self.leaves]
+        self.leaves, self.tree, self.mask = traced_mask(tree)
         self.flat = [x for x, m in zip(self.leaves, self.mask) if m]
         idx, k = [], 0
         for m in self.mask:
@@ -64,7 +104,10 @@ def avals_of(xs: Sequence[Any]) -> list[jax.ShapeDtypeStruct]:
 
 
 def fun_name(fun: Any) -> str:
-    return getattr(fun, "__name__", repr(fun))
+    """`fun`'s name; a callable object's class name (a numpyro transform, a flowjax
+    bijection's method holder)."""
+    name = getattr(fun, "__name__", None)
+    return name if isinstance(name, str) else type(fun).__name__
 
 
 def normalize_argnums(argnums: int | Sequence[int], nargs: int,
@@ -126,6 +169,31 @@ def trace_program(fun: Callable, args: Sequence[Any], argnums: tuple[int, ...]) 
     return Program(closed, list(split.flat), state_ids, out_shape)
 
 
+def trace_on_outputs(fun: Callable, args: Sequence[Any], argnums: tuple[int, ...],
+                     who: str) -> Program:
+    """`trace_program` for an inverse that learns its state's structure from `fun`'s output
+    (the state positions of `args` hold it). A `fun` that changes structure or shapes fails
+    on it, in its own code (numpyro's `ReshapeTransform`: "cannot reshape"): that is turned
+    into a `ValueError` naming `fun` and saying to pass the state's structure (`state=`)."""
+    try:
+        return trace_program(fun, args, argnums)
+    except JaxrevError:
+        raise
+    except Exception as e:
+        name = fun_name(fun)
+        raise ValueError(
+            f"{who}: the inverse traces {name} on its output (held in the state positions) to "
+            f"learn the state's structure, and that call failed ({type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''}). Where {name} changes the state's "
+            "structure or shapes (a reshape, an unpacking), pass the state's structure and "
+            "shapes as `state=` (arrays or `jax.ShapeDtypeStruct`s): the inverse then takes "
+            "the output as it is") from e
+
+
+_STATE_HINT = (" (a bijection that changes structure or shapes: pass the state's structure as "
+               "`state=`)")
+
+
 def check_structure(fun: Callable, args: Sequence[Any], argnums: tuple[int, ...],
                     out_shape: Any, who: str = "jaxrev.reverse") -> Any:
     """Check that `fun`'s output has the state's pytree structure, shapes and dtypes; returns
@@ -136,13 +204,13 @@ def check_structure(fun: Callable, args: Sequence[Any], argnums: tuple[int, ...]
     name = fun_name(fun)
     if s_tree != o_tree:
         raise ValueError(f"{who}: {name} must return the structure of its state "
-                         f"(argnums={argnums}): expected {s_tree}, got {o_tree}")
+                         f"(argnums={argnums}): expected {s_tree}, got {o_tree}{_STATE_HINT}")
     for i, (s, o) in enumerate(zip(s_leaves, o_leaves)):
         if tuple(jnp.shape(s)) != tuple(o.shape) or jnp.result_type(s) != o.dtype:
             raise ValueError(
                 f"{who}: {name}'s output leaf {i} is {o.dtype}{list(o.shape)} but the "
                 f"state leaf is {jnp.result_type(s)}{list(jnp.shape(s))}; the output must have "
-                "the state's shapes and dtypes")
+                f"the state's shapes and dtypes{_STATE_HINT}")
     return s_tree
 
 

@@ -42,7 +42,7 @@ import numpy as np
 
 from jaxrev._cache import cached_call
 from jaxrev._compat import is_concrete, make_jaxpr, staged_constants
-from jaxrev._jaxpr import eval_closed, without_custom_vjp
+from jaxrev._jaxpr import eval_closed, fold_constants, without_custom_vjp
 from jaxrev._errors import NotInvertibleError, SingularJacobianError, fail, singular_jacobian
 from jaxrev._program import Filtered, eval_shape
 from jaxrev.transforms.knowledge.checks import raise_where
@@ -62,10 +62,12 @@ def _name(fun: Callable) -> str:
     return getattr(fun, "__name__", repr(fun))
 
 
-def _primal_computation(fun: Callable, primals: Sequence[Any]) -> Callable:
+def _primal_computation(fun: Callable, primals: Sequence[Any]
+                        ) -> tuple[Callable, Callable[[], Any]]:
     """`fun` with its `custom_vjp` functions replaced by their primal computations (at any
     depth): J⁻¹v and log|det J| differentiate forward, which a custom VJP cannot. `fun`
-    itself where it has none (decided by one trace at `primals`)."""
+    itself where it has none (decided by one trace at `primals`). Also what makes the context
+    the attempts run in (`_jaxpr.fold_constants` of that trace)."""
     def traced(*args):
         split = Filtered(args)
         closed, out_shape = make_jaxpr(lambda *leaves: fun(*split.rebuild(leaves)),
@@ -73,15 +75,16 @@ def _primal_computation(fun: Callable, primals: Sequence[Any]) -> Callable:
         return split.flat, closed, jax.tree_util.tree_structure(out_shape)
 
     _, closed, _ = traced(*primals)
+    fold = functools.partial(fold_constants, closed.jaxpr)
     if without_custom_vjp(closed) is closed:
-        return fun
+        return fun, fold
 
     @functools.wraps(fun)
     def primal_fun(*args):
         flat, closed, out_tree = traced(*args)
         return jax.tree_util.tree_unflatten(out_tree, eval_closed(without_custom_vjp(closed),
                                                                   *flat))
-    return primal_fun
+    return primal_fun, fold
 
 
 def _check_args(fun: Callable, primals: Any, method: str, who: str) -> None:
@@ -266,17 +269,17 @@ def _diagnoser(used: str, sq: _Square, fun: Callable, y_leaves: list
 
 
 def _try(methods: Sequence[str], attempt: Callable[[str], Any], who: str, on_error: str,
-         nan_shape: Callable[[], Any]):
-    """Run `attempt(method)` for the first method that applies. A vanished pivot ends the
-    search (a singular Jacobian is singular whichever way it is inverted), once the step
-    Jacobians themselves ("linearize") say so."""
+         nan_shape: Callable[[], Any], fold: Callable[[], Any]):
+    """Run `attempt(method)` for the first method that applies, in the context `fold()`. A
+    vanished pivot ends the search (a singular Jacobian is singular whichever way it is
+    inverted), once the step Jacobians themselves ("linearize") say so."""
     last: NotInvertibleError | None = None
     for m in methods:
         try:
             # values computed from constants alone (the indices of `x.at[1:]`) stay concrete
             # under jit, so lumps can see their sparsity (Newton's method is not used: the
             # attempts' walks have the settings of `_walks`)
-            with jax.ensure_compile_time_eval():
+            with fold():
                 return attempt(m), m
         except NotInvertibleError as e:
             # "reverse" inverts the program's own steps, grouped as it finds them: a group it
@@ -346,7 +349,7 @@ def inverse_jvp(fun: Callable, primals: Sequence[Any], out_tangent: Any, *,
 def _inverse_jvp(fun: Callable, method: str, on_error: str, primals: tuple,
                  out_tangent: Any) -> tuple[Any, tuple]:
     who = "jaxrev.inverse_jvp"
-    fun = _primal_computation(fun, primals)
+    fun, fold = _primal_computation(fun, primals)
     sq = _Square(fun, primals, who)
     out_leaves = jax.tree_util.tree_leaves(out_tangent)
     if jax.tree_util.tree_structure(out_tangent) != sq.out_tree:
@@ -368,7 +371,7 @@ def _inverse_jvp(fun: Callable, method: str, on_error: str, primals: tuple,
         return sq.unravel(_dense_solve(sq.dense_jacobian(), b, False, on_error, who), sq.in_sd)
 
     leaves, used = _try(_methods(method), attempt, who, on_error,
-                        lambda: _nan_like(sq.in_leaves))
+                        lambda: _nan_like(sq.in_leaves), fold)
 
     leaves = _guard(leaves, on_error, who, _diagnoser(used, sq, fun, y_leaves))
     return y, sq.tangents_of(leaves)
@@ -420,7 +423,7 @@ def _inverse_vjp(fun: Callable, method: str, on_error: str, primals: tuple, y: A
                  in_cotangents: tuple) -> Any:
     """J⁻ᵀ in_cotangents at `primals`, where `fun` gave `y` (computed once, by the caller)."""
     who = "jaxrev.inverse_vjp"
-    fun = _primal_computation(fun, primals)
+    fun, fold = _primal_computation(fun, primals)
     sq = _Square(fun, primals, who)
     y_leaves = jax.tree_util.tree_leaves(y)
     c_leaves = jax.tree_util.tree_leaves(in_cotangents)
@@ -444,7 +447,7 @@ def _inverse_vjp(fun: Callable, method: str, on_error: str, primals: tuple, y: A
                           sq.out_sd)
 
     leaves, used = _try(_methods(method), attempt, who, on_error,
-                        lambda: _nan_like(y_leaves))
+                        lambda: _nan_like(y_leaves), fold)
 
     leaves = _guard(leaves, on_error, who, _diagnoser(used, sq, fun, y_leaves))
     return sq.out_tree_of(leaves)

@@ -74,11 +74,14 @@ class ChoiceRule(NamedTuple):
     §3.5): `count(eqn)` branches; `branch(eqn, k)` is what branch k computes, as an equation
     with the same output (a copy of a case, `neg` for `abs`), or the operand (Var or Literal)
     whose value, broadcast, the output then is; `holds(eqn, invals, k)` is where branch k is
-    the one taken (a boolean of the output's shape, or a scalar for a whole-array decision)."""
+    the one taken (a boolean of the output's shape, or a scalar for a whole-array decision);
+    `fails(eqn, k)` (optional) says branch k never returns a value: it raises when it runs
+    (Equinox's `error_if`), so no output comes from it and it is no case to invert."""
 
     count: Callable[..., int]
     branch: Callable[..., Any]
     holds: Callable[..., Any]
+    fails: Callable[..., bool] | None = None
 
 
 choice_rules: dict[Primitive, ChoiceRule] = {}

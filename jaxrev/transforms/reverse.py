@@ -20,7 +20,7 @@ from jaxrev._cache import cached_call
 from jaxrev._compat import Jaxpr, JaxprEqn, Var, is_concrete
 from jaxrev._jaxpr import Env, Unknown
 from jaxrev._program import (check_sizes, check_structure, fun_name, normalize_argnums,
-                             trace_program)
+                             trace_on_outputs, trace_program)
 from jaxrev.transforms.custom import custom_inverse
 from jaxrev.transforms.knowledge.context import Settings, WalkContext, resolve_on_error
 from jaxrev.transforms.propagation.walker import propagate, raise_stuck, seed
@@ -29,8 +29,9 @@ from jaxrev.transforms.registry import (Lossy, NeedMore, element_rules,  # noqa:
                                         inverse_jvp_rules, inverse_rules, register_inverse,
                                         register_inverse_jvp)
 
-__all__ = ["reverse", "reverse_with", "invert_call", "Inverted", "register_inverse", "register_inverse_jvp",
-           "inverse_rules", "inverse_jvp_rules", "element_rules", "Lossy", "NeedMore"]
+__all__ = ["reverse", "reverse_with", "invert_call", "Inverted", "state_args", "register_inverse",
+           "register_inverse_jvp", "inverse_rules", "inverse_jvp_rules", "element_rules", "Lossy",
+           "NeedMore"]
 
 
 @dataclass
@@ -55,11 +56,11 @@ def invert_call(fun: Callable, args: Sequence[Any], argnums: int | Sequence[int]
             state = _state_of_inverse(hint, args, argnums)
     if state is None:
         argnums = normalize_argnums(argnums, len(args), fun)
-        prog = trace_program(fun, args, argnums)
-        s_tree = check_structure(fun, args, argnums, prog.out_shape)
+        prog = trace_on_outputs(fun, args, argnums, settings.who)
+        s_tree = check_structure(fun, args, argnums, prog.out_shape, who=settings.who)
         ys = [prog.flat[i] for i in prog.state_pos]  # the state positions hold the outputs
     else:
-        fun_args, argnums, y = _with_state(fun, args, argnums, state)
+        fun_args, argnums, y = state_args(fun, args, argnums, state)
         prog = trace_program(fun, fun_args, argnums)
         s_tree = jax.tree_util.tree_structure(
             fun_args[argnums[0]] if len(argnums) == 1 else tuple(fun_args[a] for a in argnums))
@@ -88,7 +89,7 @@ def invert_call(fun: Callable, args: Sequence[Any], argnums: int | Sequence[int]
     return Inverted(jax.tree_util.tree_unflatten(s_tree, vals), jaxpr, env)
 
 
-def _with_state(fun: Callable, args: Sequence[Any], argnums: int | Sequence[int], state: Any
+def state_args(fun: Callable, args: Sequence[Any], argnums: int | Sequence[int], state: Any
                 ) -> tuple[list, tuple[int, ...], Any]:
     """`fun`'s arguments (the state as shape-dtype stand-ins) and its output, from the
     inverse's arguments: `fun`'s with the output in the first state position and the other

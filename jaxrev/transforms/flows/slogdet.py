@@ -21,8 +21,9 @@ import numpy as np
 from jaxrev._compat import Primitive, is_concrete, staged_constants
 from jaxrev._errors import (NotInvertibleError, SingularJacobianError, at_eqn, fail,
                             singular_jacobian)
-from jaxrev._jaxpr import Env, Unknown, eval_closed, evaluate, prepare, without_custom_vjp
-from jaxrev._program import (check_sizes, fun_name, normalize_argnums,
+from jaxrev._jaxpr import (Env, Unknown, eval_closed, evaluate, fold_constants, prepare,
+                           without_custom_vjp)
+from jaxrev._program import (check_sizes, fun_name, normalize_argnums, trace_on_outputs,
                              trace_program, traced_leaves)
 from jaxrev.transforms.knowledge import elements, records
 from jaxrev.transforms.knowledge.checks import check_at_run_time
@@ -30,7 +31,7 @@ from jaxrev.transforms.knowledge.context import Settings, WalkContext, resolve_o
 from jaxrev.transforms.propagation.walker import propagate, raise_stuck, seed
 from jaxrev.transforms.flows.logdet import LogdetContext, evaluate_plan, plan
 from jaxrev.transforms.registry import Unsupported, check_rule, define
-from jaxrev.transforms.reverse import reverse_with
+from jaxrev.transforms.reverse import reverse_with, state_args
 
 __all__ = ["slogdet_jacobian", "forward_and_slogdet", "inverse_and_slogdet",
            "register_logdet", "logdet_strategy", "METHODS"]
@@ -52,8 +53,12 @@ class _Traced:
     who: str             # the transform, for its walks' errors
 
 
-def _trace(fun: Callable, args: Sequence[Any], argnums: tuple[int, ...], who: str) -> _Traced:
-    prog = trace_program(fun, args, argnums)
+def _trace(fun: Callable, args: Sequence[Any], argnums: tuple[int, ...], who: str,
+           on_outputs: bool = False) -> _Traced:
+    """`fun` traced and prepared (`on_outputs`: on its outputs in the state positions, to
+    learn the state's structure: `trace_on_outputs`)."""
+    prog = (trace_on_outputs(fun, args, argnums, who) if on_outputs
+            else trace_program(fun, args, argnums))
     closed = prepare(without_custom_vjp(prog.closed))
     state = [prog.flat[i] for i in prog.state_pos]
     outs = jax.tree_util.tree_leaves(prog.out_shape)
@@ -166,7 +171,7 @@ def _linearized(t: _Traced) -> _Swept:
     of_state, state = _state_fun(t)
     try:
         # values computed from constants alone (a scatter's indices) stay concrete under jit
-        with jax.ensure_compile_time_eval():
+        with fold_constants(t.closed.jaxpr):
             _, lin = jax.linearize(of_state, *state)
     except _NO_FORWARD_MODE as e:
         raise Unsupported(f"forward mode cannot differentiate the program: {e}") from None
@@ -433,14 +438,16 @@ def forward_and_slogdet(fun: Callable, argnums: int | Sequence[int] = 0, *,
 
 def inverse_and_slogdet(fun: Callable, argnums: int | Sequence[int] = 0, *,
                         method: str = "auto", on_error: str | None = None,
-                        on_singular: str | None = None) -> Callable:
+                        on_singular: str | None = None, state: Any = None) -> Callable:
     """A function returning ``(reverse(fun)(*args), log|det|)`` of the inverse's Jacobian
     (minus `fun`'s at the recovered state), from one backward pass (distrax's
     ``inverse_and_log_det``). Its arguments are `fun`'s, with `fun`'s output in the state
     positions. A vanished pivot (no inverse) raises `SingularJacobianError` naming the step,
     under `jit` when the program runs (a host check, 0.15-0.6 ms a call on CPU;
     `on_error="nan"` drops it and returns the non-finite values; "warn" warns instead;
-    `on_singular=` is its deprecated name).
+    `on_singular=` is its deprecated name). For a `fun` that changes structure or shapes (a
+    reshape, an unpacking into a dict), `state` gives the state's, as for `reverse`: the
+    function then takes `fun`'s whole output in the first state position.
 
     Example:
         >>> import jax.numpy as jnp, jaxrev as jr
@@ -455,17 +462,22 @@ def inverse_and_slogdet(fun: Callable, argnums: int | Sequence[int] = 0, *,
 
     @functools.wraps(fun)
     def inv(*args: Any) -> tuple[Any, Any]:
-        nums = normalize_argnums(argnums, len(args), fun)
-        ys_tree = [args[a] for a in nums]
-        stand = list(args)   # the state's stand-ins: the output has the state's structure
-        for a in nums:
-            stand[a] = jax.tree_util.tree_map(
-                lambda y: jax.ShapeDtypeStruct(jnp.shape(y), jnp.result_type(y)), args[a])
+        if state is None:
+            nums = normalize_argnums(argnums, len(args), fun)
+            ys_tree = [args[a] for a in nums]
+            stand = list(args)   # the state's stand-ins: the output has the state's structure
+            for a in nums:
+                stand[a] = jax.tree_util.tree_map(
+                    lambda y: jax.ShapeDtypeStruct(jnp.shape(y), jnp.result_type(y)), args[a])
+        else:
+            stand, nums, y = state_args(fun, args, argnums, state)
+            ys_tree = [y]
         why = _ASKED
         if method != "dense":
             def run():
-                t = _trace(fun, stand, nums, who)
-                t.flat = traced_leaves(tuple(args))
+                t = _trace(fun, stand, nums, who, on_outputs=state is None)
+                if state is None:
+                    t.flat = traced_leaves(tuple(args))
                 rec, env = _walk(t, jax.tree_util.tree_leaves(ys_tree), on_error)
                 pl = plan(rec, rec.seeded, rec.goals)
                 steps: list = []
@@ -478,7 +490,7 @@ def inverse_and_slogdet(fun: Callable, argnums: int | Sequence[int] = 0, *,
             if got is not None:
                 return got
         try:
-            x = reverse_with(fun, Settings(who, on_error), argnums)(*args)
+            x = reverse_with(fun, Settings(who, on_error), argnums, state=state)(*args)
         except NotInvertibleError as e:
             if not e.singular or on_error == "raise":
                 raise
@@ -489,7 +501,7 @@ def inverse_and_slogdet(fun: Callable, argnums: int | Sequence[int] = 0, *,
                                                             jnp.result_type(y)), ys_tree)
             x = nan[0] if len(nums) == 1 else tuple(nan)
             return x, jnp.asarray(jnp.inf, jnp.result_type(*jax.tree_util.tree_leaves(nan)))
-        a = list(args)
+        a = list(stand)
         xl = [x] if len(nums) == 1 else list(x)
         for i, s in zip(nums, xl):
             a[i] = s

@@ -362,8 +362,8 @@ def _solve(G: Sequence[JaxprEqn], ch: list[_Choice], inputs: list[Var], outputs:
     producer = {o: e for e in G for o in real_outvars(e)}
     for ks in itertools.product(*[range(c.n) for c in ch]):
         combo = {c.eqn: (c, k) for c, k in zip(ch, ks)}
-        if not _reachable(combo, producer, env):
-            continue   # its branches contradict each other: no element takes them all
+        if not _reachable(combo, producer, env) or any(_fails(c, k) for c, k in zip(ch, ks)):
+            continue   # its branches contradict each other, or one never returns
         window = _branch_window(G, combo, env.copy())
         if window is None:
             return None
@@ -389,6 +389,12 @@ def _solve(G: Sequence[JaxprEqn], ch: list[_Choice], inputs: list[Var], outputs:
     return out
 
 
+def _fails(c: _Choice, k: int) -> bool:
+    """Whether branch `k` of choice `c` never returns (`ChoiceRule.fails`)."""
+    rule = choice_rules.get(c.eqn.primitive) if c.value is None else None
+    return rule is not None and rule.fails is not None and rule.fails(c.eqn, k)
+
+
 def _branch(G: Sequence[JaxprEqn], combo: dict, ch: list[_Choice], ks: Sequence[int],
             inputs: list[Var], outputs: list[Var], env: Env, shape: tuple | None, start: Any,
             walk: Walk, bctx: Any) -> tuple[list[Any], Any]:
@@ -398,9 +404,13 @@ def _branch(G: Sequence[JaxprEqn], combo: dict, ch: list[_Choice], ks: Sequence[
     env_c = env.copy()
     window = _live(_branch_window(G, combo, env_c), outputs)
     env_c.ctx = bctx.replace(newton_start=start)
-    walk(window, env_c, inputs)
+    stuck = walk(window, env_c, inputs)
     if not all(env_c.known(v) for v in inputs):
         e, k = _lossy_branch(ch, ks, env)
+        inner = _lossy_step(stuck, ch) if e is None else None
+        if inner is not None:   # the branch is fine, a step inside it loses information
+            raise _Lost(not_invertible(inner.eqn, inner.reason, inner.hint, who=env.ctx.who))
+        e, k = (e, k) if e is not None else (ch[0].eqn, ks[0])
         raise _Lost(not_invertible(
             e, f"where the program takes branch {k} of it, the state cannot be recovered from "
                "the output (that branch does not depend on it, like relu's zero)",
@@ -538,16 +548,30 @@ def _reachable(combo: dict, producer: dict, env: Env) -> bool:
     return True
 
 
-def _lossy_branch(ch: list[_Choice], ks: Sequence[int], env: Env) -> tuple[JaxprEqn, int]:
+def _lossy_branch(ch: list[_Choice], ks: Sequence[int], env: Env
+                  ) -> tuple[JaxprEqn | None, int]:
     """The choice to name for a combination that cannot be inverted: one whose branch is a
-    value that does not depend on the state (relu's zero), else the first."""
+    value that does not depend on the state (relu's zero); (None, 0) where there is none."""
     for c, k in zip(ch, ks):
         if c.value is not None:
             continue
         r = choice_rules[c.eqn.primitive].branch(c.eqn, k)
         if not isinstance(r, JaxprEqn) and (isinstance(r, Literal) or env.known(r)):
             return c.eqn, k
-    return ch[0].eqn, ks[0]
+    return None, 0
+
+
+def _lossy_step(stuck: Any, ch: list[_Choice]) -> Any:
+    """Among a branch walk's stuck steps, one (not a choice) whose rule said it destroys
+    information (`x ** 2.0` behind Equinox's `error_if`): the step to name."""
+    mine = {c.eqn for c in ch}
+    todo = list(stuck or ())
+    while todo:
+        s = todo.pop(0)
+        if s.lossy and s.eqn not in mine:
+            return s
+        todo.extend(s.inner)
+    return None
 
 
 def _merge(ch: list[_Choice], inputs: list[Var], cands: list, oks: list, ctx: Any

@@ -19,8 +19,11 @@ import numpy as np
 from jax import lax
 
 from jaxrev._compat import JaxprEqn, as_closed, is_concrete, prims
+from jaxrev._errors import not_invertible
 from jaxrev._jaxpr import Env, apply, eval_closed, is_unknown
 from jaxrev.transforms.knowledge import regions as R
+from jaxrev.transforms.knowledge.checks import raise_where
+from jaxrev.transforms.knowledge.signs import nonnegative
 from jaxrev.transforms.knowledge.elements import learn, region_of, static_of, value_of
 from jaxrev.transforms.custom import custom_inverse
 from jaxrev.transforms.registry import LogdetContext
@@ -174,7 +177,12 @@ for _p, _inv, _kind in [
     define(_p, inverse=_unary(_inv), kind=(*_kind, SMOOTH))
 
 
-def _integer_pow(out, x, *, y, **_):
+_SIGN_HINT = ("Ways out: keep the sign in the state, use an odd power, or make the base "
+              "visibly non-negative (exp, abs, softplus, or a check such as Equinox's "
+              "`error_if(x, x < 0, ...)` before the power).")
+
+
+def _integer_pow(out, x, *, y, ctx, **_):
     out = jnp.asarray(out, x.aval.dtype)  # a Python scalar output (`x ** 3` of a float)
     complex_ = jnp.issubdtype(out.dtype, jnp.complexfloating)
     if y == 1:
@@ -184,27 +192,88 @@ def _integer_pow(out, x, *, y, **_):
     if y == 3 and not complex_:
         return [lax.cbrt(out)]  # one primitive, so that the inverse is invertible again
     if y % 2 == 0:
-        raise Lossy(f"x**{y} loses the sign of x",
-                    "Ways out: keep the sign in the state, or use an odd power.")
+        if not complex_ and nonnegative(ctx.eqn.invars[0], ctx.env):
+            return [lax.sqrt(out) if y == 2 else out ** (1.0 / y)]
+        raise Lossy(f"x**{y} loses the sign of x", _SIGN_HINT)
     if complex_:
         raise Lossy(f"x**{y} has {abs(y)} complex roots")
     r = jnp.abs(out) ** (1.0 / y)
     return [jnp.sign(out) * r]
 
 
-define(prims.integer_pow, inverse=_integer_pow, kind=(ELEMENTWISE, SMOOTH))
+define(prims.integer_pow, inverse=_integer_pow, kind=(ELEMENTWISE, SMOOTH), walks=True)
 
 
-def _pow(out, x, p, **_):
+def _exponent_kind(p: Any) -> tuple[Any, Any, Any]:
+    """Where the exponent `p` is zero, an even integer and an odd integer (NumPy arrays for a
+    concrete `p`, traced ones otherwise)."""
+    xp = np if is_concrete(p) else jnp
+    p = xp.asarray(p)
+    whole = (p == xp.round(p)) & xp.isfinite(p)
+    half = xp.where(whole, p, 0) / 2
+    even = whole & (half == xp.round(half))
+    return p == 0, even & (p != 0), whole & ~even
+
+
+def _pow_base(out: Any, x: Any, p: Any, ctx: Any) -> Any:
+    """x from ``out = x ** p`` (`lax.pow`, a float exponent): the real root. An odd integer
+    exponent keeps the sign (the root of |out| carries it); an even one loses it; any other
+    exponent is defined on x >= 0 only (NaN elsewhere), where ``out ** (1 / p)`` is the one
+    preimage."""
+    if jnp.issubdtype(x.aval.dtype, jnp.complexfloating):
+        if is_concrete(p) and np.all(np.abs(np.asarray(p)) == 1):
+            return out ** (1.0 / p)
+        raise Lossy("a complex base raised to a power has several roots")
+    zero, even, odd = _exponent_kind(p)
+    if nonnegative(ctx.eqn.invars[0], ctx.env):
+        even = odd = False   # the non-negative root is the one preimage
+    if is_concrete(p):
+        if np.any(zero):
+            raise Lossy("the known exponent is zero, which destroys the value", singular=True)
+        if np.any(even):
+            raise Lossy(f"x**{_show(p)} (an even integer exponent) loses the sign of x",
+                        _SIGN_HINT)
+    else:
+        eqn, who = ctx.eqn, ctx.walk.who
+        bad = jnp.any(zero | even)
+        raise_where(ctx.walk.on_error, lambda b: None if not b else not_invertible(
+            eqn, "the exponent (known only when the program runs) is zero or an even integer, "
+                 "which loses the base's sign", _SIGN_HINT, who=who), bad, bad=bad)
+    root = jnp.where(odd, jnp.sign(out) * jnp.abs(out) ** (1.0 / p), out ** (1.0 / p))
+    return root if is_concrete(p) else jnp.where(zero | even, jnp.nan, root)
+
+
+def _pow_exponent(out: Any, x: Any, ctx: Any) -> Any:
+    """p from ``out = x ** p`` with the base known: log|out| / log|x| (a negative base gives a
+    finite power only for an integer p, whose |x|**p is |out|). A base of 0 or ±1 loses it."""
+    lost = lambda b: (b == 0) | (jnp.abs(b) == 1)  # noqa: E731
+    if is_concrete(x):
+        if np.any(lost(np.asarray(x))):
+            raise Lossy("the known base is 0 or ±1, whose powers lose the exponent",
+                        singular=True)
+        return jnp.log(jnp.abs(out)) / jnp.log(jnp.abs(x))
+    eqn, who = ctx.eqn, ctx.walk.who
+    bad = jnp.any(lost(x))
+    raise_where(ctx.walk.on_error, lambda b: None if not b else not_invertible(
+        eqn, "the base (known only when the program runs) is 0 or ±1, whose powers lose the "
+             "exponent", who=who), bad, bad=bad)
+    return jnp.where(lost(x), jnp.nan, jnp.log(jnp.abs(out)) / jnp.log(jnp.abs(x)))
+
+
+def _show(p: Any) -> str:
+    a = np.asarray(p)
+    return repr(float(a)) if a.ndim == 0 else "p"
+
+
+def _pow(out, x, p, *, ctx, **_):
     if is_unknown(x) and not is_unknown(p):
-        check_nonzero(p, "the known exponent")
-        return [out ** (1.0 / p), None]
+        return [_pow_base(jnp.asarray(out, x.aval.dtype), x, p, ctx), None]
     if is_unknown(p) and not is_unknown(x):
-        return [None, jnp.log(out) / jnp.log(x)]
+        return [None, _pow_exponent(out, x, ctx)]
     return None
 
 
-define(prims.pow, inverse=_pow, kind=(ELEMENTWISE, SMOOTH))
+define(prims.pow, inverse=_pow, kind=(ELEMENTWISE, SMOOTH), walks=True)
 
 
 def _convert(out, x, *, new_dtype, **_):

@@ -18,8 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxrev._compat import (ClosedJaxpr, JaxprEqn, cond_branches, literal, prims,
-                            trace_to_closed)
+from jaxrev._compat import (ClosedJaxpr, JaxprEqn, cond_branches, is_concrete, is_host_callback,
+                            literal, prims, trace_to_closed)
 from jaxrev._jaxpr import (Env, eval_closed, instantiate_tangents, is_unknown, is_var,
                            move_batch, needed_vars, switch_batched, vmap_closed)
 from jaxrev._primitive import make_primitive
@@ -48,6 +48,10 @@ def _switch_inverse(index: Any, branches: Sequence[ClosedJaxpr], ins: Sequence[A
     """Invert `switch(index, branches, *ins) == outs` for the unknown `ins` (`ctx`: the cond
     rule's context, whose walk the branches' walks inherit)."""
     unknown = [k for k, x in enumerate(ins) if is_unknown(x)]
+    if is_concrete(index) and np.ndim(index) == 0:
+        # (the branch taken is all there is: another may drop an operand, or raise)
+        branches = [branches[min(max(int(index), 0), len(branches) - 1)]]
+        index = np.int32(0)
     unused = _unread(branches, unknown)
     if unused:   # a branch drops it (JAX forwards a leaf a branch passes through around the cond)
         raise NeedMore(f"operands {unused} of the cond do not reach every branch's output: they "
@@ -186,6 +190,18 @@ def _cond_branch(eqn: JaxprEqn, k: int) -> JaxprEqn:
                                *eqn.invars[1:]])
 
 
+def _cond_fails(eqn: JaxprEqn, k: int) -> bool:
+    """Whether branch `k` is a failure: its outputs come from host callbacks alone, reading
+    none of its operands (Equinox's `error_if` / `branched_error_if`: the branch's callback
+    raises, and its outputs are stand-ins of the right shape). The program never returns
+    through it, so an output was made by another branch; consistency still checks, from the
+    recovered operands, that the index picks the branch inverted."""
+    b = cond_branches(eqn.params)[k].jaxpr
+    if not any(is_host_callback(e.primitive) for e in b.eqns):
+        return False
+    return not (needed_vars(b, b.outvars) & set(b.invars))
+
+
 def _cond_holds(eqn: JaxprEqn, ins: list, k: int) -> Any:
     n = len(cond_branches(eqn.params))
     return jnp.clip(jnp.asarray(ins[0]), 0, n - 1) == k
@@ -193,7 +209,7 @@ def _cond_holds(eqn: JaxprEqn, ins: list, k: int) -> Any:
 
 # a cond whose index the state computes inverts by consistency (`choices`), one branch at a time
 define(prims.cond, inverse=_lax_cond_inverse, sweep=_cond_sweep, forward=_cond_forward,
-       choice=ChoiceRule(_cond_count, _cond_branch, _cond_holds), walks=True)
+       choice=ChoiceRule(_cond_count, _cond_branch, _cond_holds, _cond_fails), walks=True)
 
 
 # --------------------------------------------------------------------------- jr.cond
