@@ -197,6 +197,37 @@ def test_flowjax_power_inverse_and_logdet(p):
           jax.vmap(bij.inverse)(jnp.stack([yr, 2 * yr])))
 
 
+def test_equinox_error_if_is_a_check_not_a_step():
+    """`eqx.error_if` on a parameter or on the state: the branch that raises is no case; the
+    inverse of an output the forward map cannot make (its preimage fails the check) raises
+    jaxrev's error naming the check, never a value."""
+    f = lambda x, p: 2.0 * eqx.error_if(x, p < 0, "p must be non-negative") + p  # noqa: E731
+    x, p = jnp.array([1.0, -2.0]), jnp.asarray(0.5)
+    close(jr.reverse(f)(f(x, p), p), x)
+    close(jax.jit(jr.reverse(f))(f(x, p), p), x)
+    g = lambda x, p: jnp.exp(p) * eqx.error_if(x, jnp.any(x > 10.0), "too big")  # noqa: E731
+    close(jr.reverse(g)(g(x, p), p), x)
+    close(jax.vmap(jr.reverse(g), (0, None))(jnp.stack([g(x, p), g(-x, p)]), p),
+          jnp.stack([x, -x]))
+    with pytest.raises(jr.ReversibilityError, match="no branch"):
+        jr.reverse(g)(g(x, p) * 20.0, p)
+
+
+def test_error_if_in_a_loop_stores_nothing_under_reversible():
+    """The check's raising branch needs nothing rebuilt: `reversible` stores nothing for it
+    per iteration, and its gradient is `jax.grad`'s."""
+    def f(x, p):
+        def body(i, x):
+            x = eqx.error_if(x, p < 0, "p must be non-negative")
+            return x + jnp.tanh(p * x[::-1])
+        return jax.lax.fori_loop(0, 100, body, x)
+    x, p = jnp.linspace(-1.0, 1.0, 8), jnp.asarray(0.5)
+    assert "stores nothing" in str(jr.memory_report(f, x, p, checkpoint_every=None))
+    loss = lambda g: lambda x, p: jnp.sum(g(x, p) ** 2)  # noqa: E731
+    close(jax.jit(jax.grad(loss(jr.reversible(f)), (0, 1)))(x, p),
+          jax.grad(loss(f), (0, 1))(x, p), 1e-9)
+
+
 def test_flowjax_bnaf_logdet_without_equinox_errors():
     """Block neural autoregressive flows hold a bisection (`eqx.error_if(width, width <= 0)`
     on its own constants): the log-det's linearized sweep must not run that check's host
@@ -209,7 +240,14 @@ def test_flowjax_bnaf_logdet_without_equinox_errors():
     yr, ldr = bij.transform_and_log_det(x)
     close(y, yr, 1e-8)
     close(ld, ldr, 1e-6)
-    # the inverse transforms linearize it too
+
+
+@pytest.mark.slow
+def test_flowjax_bnaf_inverse_transforms_without_equinox_errors():
+    """The inverse transforms linearize it too (about 15 s: slow)."""
+    bij = flows.block_neural_autoregressive_flow(KEY, base_dist=Normal(jnp.zeros(3))).bijection
+    f = lambda x: bij.transform(x)  # noqa: E731
+    x = jax.random.normal(jax.random.key(3), (3,))
     J, v = jax.jacfwd(f)(x), jnp.array([1.0, -0.5, 2.0])
     close(jr.inverse_jvp(f, (x,), v)[1][0], jnp.linalg.solve(J, v), 1e-8)
     close(jr.inverse_vjp(f, x)[1]((v,)), jnp.linalg.solve(J.T, v), 1e-8)

@@ -23,8 +23,8 @@ from jaxrev._errors import (NotInvertibleError, SingularJacobianError, at_eqn, f
                             singular_jacobian)
 from jaxrev._jaxpr import (Env, Unknown, eval_closed, evaluate, fold_constants, prepare,
                            without_custom_vjp)
-from jaxrev._program import (check_sizes, fun_name, normalize_argnums, trace_on_outputs,
-                             trace_program, traced_leaves)
+from jaxrev._program import (Filtered, check_sizes, fun_name, normalize_argnums,
+                             trace_on_outputs, trace_program, traced_leaves)
 from jaxrev.transforms.knowledge import elements, records
 from jaxrev.transforms.knowledge.checks import check_at_run_time
 from jaxrev.transforms.knowledge.context import Settings, WalkContext, resolve_on_error
@@ -51,6 +51,7 @@ class _Traced:
     state_tree: Any
     dtype: Any
     who: str             # the transform, for its walks' errors
+    call: Any = None     # (fun, Filtered args): the user's function, for the dense Jacobian
 
 
 def _trace(fun: Callable, args: Sequence[Any], argnums: tuple[int, ...], who: str,
@@ -72,7 +73,26 @@ def _trace(fun: Callable, args: Sequence[Any], argnums: tuple[int, ...], who: st
     dtype = jnp.result_type(*state) if state else jnp.float32
     return _Traced(closed, prog.closed, list(prog.flat), prog.state_pos,
                    jax.tree_util.tree_structure(prog.out_shape),
-                   jax.tree_util.tree_structure(st), dtype, who)
+                   jax.tree_util.tree_structure(st), dtype, who, (fun, Filtered(tuple(args))))
+
+
+def _user_state_fun(t: _Traced) -> Callable:
+    """The user's function of the state's flat leaves, the parameters held at their values."""
+    fun, split = t.call
+
+    def of_state(*leaves: Any) -> list:
+        flat = list(t.flat)
+        for i, x in zip(t.state_pos, leaves):
+            flat[i] = x
+        return jax.tree_util.tree_leaves(fun(*split.rebuild(flat)))
+    return of_state
+
+
+def _differentiable(t: _Traced) -> Any:
+    """The program as forward mode differentiates it: `custom_vjp` calls replaced by their
+    primal computation, `custom_jvp` calls kept, so their rules give the derivative (flowjax's
+    numerical inverse: a bisection whose own derivative is zero, differentiated implicitly)."""
+    return without_custom_vjp(t.raw)
 
 
 def _state_fun(t: _Traced, closed: Any = None) -> tuple[Callable, list]:
@@ -168,7 +188,7 @@ def _linearized(t: _Traced) -> _Swept:
     invertible Jacobian whose steps the walker inverts). The partials are its constants;
     custom_vjp calls are linearized through their primal computation, as the sweep sees
     them."""
-    of_state, state = _state_fun(t)
+    of_state, state = _state_fun(t, _differentiable(t))
     try:
         # values computed from constants alone (a scatter's indices) stay concrete under jit
         with fold_constants(t.closed.jaxpr):
@@ -219,8 +239,8 @@ def _sign_elsewhere(t: _Traced, sw: _Swept, dense: bool = True) -> tuple[Any, st
 def _dense(t: _Traced) -> tuple[Any, Any]:
     """slogdet of the Jacobian of the flattened output with respect to the flattened state:
     the last resort. Forward mode through the primal computation of custom_vjp calls (the
-    sweep's view of them); reverse mode through the user's VJP rules where forward mode is
-    not available (a callback with no JVP rule)."""
+    sweep's view of them) and the rules of custom_jvp calls; reverse mode through the user's
+    VJP rules where forward mode is not available (a callback with no JVP rule)."""
     state = [t.flat[i] for i in t.state_pos]
 
     def flat(g: Callable) -> Callable:
@@ -235,7 +255,14 @@ def _dense(t: _Traced) -> tuple[Any, Any]:
     x0 = jnp.concatenate([jnp.ravel(x) for x in state])
     with staged_constants():   # the n x n identity basis must not become a constant
         try:
-            J = jax.jacfwd(flat(_state_fun(t)[0]))(x0)
+            # the user's function itself first: its custom_jvp rules as JAX applies them (JAX
+            # 0.12 re-binding flowjax's implicit JVP from a jaxpr gives a zero Jacobian)
+            J = jax.jacfwd(flat(_user_state_fun(t)))(x0)
+        except _NO_FORWARD_MODE:
+            J = None
+        try:
+            if J is None:
+                J = jax.jacfwd(flat(_state_fun(t, _differentiable(t))[0]))(x0)
         except _NO_FORWARD_MODE as e:
             # (where reverse mode fails too, its error says why, with forward mode's as cause)
             try:

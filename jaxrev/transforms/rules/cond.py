@@ -21,7 +21,7 @@ from jax import lax
 from jaxrev._compat import (ClosedJaxpr, JaxprEqn, cond_branches, is_concrete, is_host_callback,
                             literal, prims, trace_to_closed)
 from jaxrev._jaxpr import (Env, eval_closed, instantiate_tangents, is_unknown, is_var,
-                           move_batch, needed_vars, switch_batched, vmap_closed)
+                           move_batch, needed_vars, prepare, switch_batched, vmap_closed)
 from jaxrev._primitive import make_primitive
 from jaxrev._program import avals_of
 from jaxrev.transforms.sweep.backward import (LoopPlan, Plan, Residuals, acc, branch_slices,
@@ -52,7 +52,10 @@ def _switch_inverse(index: Any, branches: Sequence[ClosedJaxpr], ins: Sequence[A
         # (the branch taken is all there is: another may drop an operand, or raise)
         branches = [branches[min(max(int(index), 0), len(branches) - 1)]]
         index = np.int32(0)
-    unused = _unread(branches, unknown)
+    fails = [_never_returns(b) for b in branches]
+    if all(fails):
+        raise NeedMore("every branch of the cond raises")
+    unused = _unread([b for b, f in zip(branches, fails) if not f], unknown)
     if unused:   # a branch drops it (JAX forwards a leaf a branch passes through around the cond)
         raise NeedMore(f"operands {unused} of the cond do not reach every branch's output: they "
                        "must be known from elsewhere")
@@ -60,15 +63,20 @@ def _switch_inverse(index: Any, branches: Sequence[ClosedJaxpr], ins: Sequence[A
     off = len(ctx.eqn.invars) - len(ins)   # the branches' operands: the cond's last len(ins)
     hints = static_hints(len(ins), lambda k: ctx.static(off + k))
 
-    def inv_branch(b):
+    def inv_branch(b, fails):
         def f(outs_, known_):
+            if fails:   # the program raised there: nothing to recover (NaN, never a value)
+                return [jnp.full(ins[k].aval.shape, jnp.nan, ins[k].aval.dtype)
+                        if jnp.issubdtype(ins[k].aval.dtype, jnp.inexact)
+                        else jnp.zeros(ins[k].aval.shape, ins[k].aval.dtype) for k in unknown]
             it = iter(known_)
             ins_ = [x if is_unknown(x) else next(it) for x in ins]
             rec = invert_jaxpr(b, ins_, list(outs_), hints, ctx=ctx)
             return [rec[k] for k in unknown]
         return f
 
-    rec = switch_batched(index, [inv_branch(b) for b in branches], list(outs), known_vals)
+    rec = switch_batched(index, [inv_branch(b, f) for b, f in zip(branches, fails)], list(outs),
+                         known_vals)
     res: list[Any] = [None] * len(ins)
     for k, r in zip(unknown, rec):
         res[k] = r
@@ -97,13 +105,18 @@ def _cond_sweep(P: Plan, i: int, env: Env, ctenv: dict | None, active: set,
     branches = cond_branches(e.params)
     # an operand a branch does not read (a loop counter one branch uses) comes from the
     # equations before the cond (the counter's increment, inverted), else it is stored
-    unread = _unread(branches, [k for k, v in enumerate(ops) if is_var(v) and not env.known(v)])
+    # a branch that raises (Equinox's `error_if`) never ran where the backward run arrives:
+    # it needs nothing rebuilt or stored, and gives NaN
+    fails = [_never_returns(b) for b in branches]
+    unread = _unread([b for b, f in zip(branches, fails) if not f],
+                     [k for k, v in enumerate(ops) if is_var(v) and not env.known(v)])
     known_or_rebuilt(P, i, env, [ops[k] for k in unread], res)
     ok = tuple(env.known(v) for v in ops)
     nout = len(e.outvars)
     hints = static_hints(len(ops), lambda k: env.info.static(ops[k]))
-    bps = [plan_for(b, ok, (True,) * nout, tuple(not k for k in ok), hints, P.dial)
-           for b in branches]
+    bps = [Plan(prepare(b), dial=P.dial) if f else
+           plan_for(b, ok, (True,) * nout, tuple(not k for k in ok), hints, P.dial)
+           for b, f in zip(branches, fails)]
     lp = LoopPlan("cond", None, branches=bps)
     lres = res.loop(i, lp) if any(res_avals(bp) for bp in bps) else []
     spans = branch_slices(lp)
@@ -114,7 +127,7 @@ def _cond_sweep(P: Plan, i: int, env: Env, ctenv: dict | None, active: set,
     cts = [c if c is not None else zero_ct(v.aval) for c, v in zip(cts, e.outvars)]
     known_ops = [env.read(v) for v, k in zip(ops, ok) if k]
 
-    def branch_fn(bp, span):
+    def branch_fn(bp, span, fails):
         def f(outs, cts, known_ops, lres):
             J = bp.closed.jaxpr
             benv = seed_env(bp, ok, known_ops, (True,) * nout, outs, env.ctx)
@@ -128,13 +141,18 @@ def _cond_sweep(P: Plan, i: int, env: Env, ctenv: dict | None, active: set,
                         acc(bct, v, g)
             goals = [v for v, k in zip(J.invars, ok) if not k]
             with drift.scope(env.ctx.drift) as sc:
-                walk(bp, benv, bct, bactive, Residuals(bp, lres[span[0]:span[1]]), goals)
+                if fails:
+                    for v in goals:
+                        benv.write(v, jnp.full(v.aval.shape, jnp.nan, v.aval.dtype)
+                                   if is_float(v.aval) else jnp.zeros(v.aval.shape, v.aval.dtype))
+                else:
+                    walk(bp, benv, bct, bactive, Residuals(bp, lres[span[0]:span[1]]), goals)
             rec = [benv.read(v) for v in goals]
             g = [get_ct(bct, v) for v, a in zip(J.invars, act) if a] if want else []
             return rec, g, sc.worst()
         return f
 
-    fns = [branch_fn(bp, span) for bp, span in zip(bps, spans)]
+    fns = [branch_fn(bp, span, f) for bp, span, f in zip(bps, spans, fails)]
     idx = env.read(index)
     rec, g, w = switch_batched(idx, fns, outs, cts, known_ops, list(lres))
     if jnp.ndim(idx) == 0:  # a batched index runs every branch on every element: a branch's
@@ -196,7 +214,13 @@ def _cond_fails(eqn: JaxprEqn, k: int) -> bool:
     raises, and its outputs are stand-ins of the right shape). The program never returns
     through it, so an output was made by another branch; consistency still checks, from the
     recovered operands, that the index picks the branch inverted."""
-    b = cond_branches(eqn.params)[k].jaxpr
+    return _never_returns(cond_branches(eqn.params)[k])
+
+
+def _never_returns(branch: ClosedJaxpr) -> bool:
+    """A branch whose outputs come from host callbacks alone, reading none of its operands
+    (see `_cond_fails`)."""
+    b = branch.jaxpr
     if not any(is_host_callback(e.primitive) for e in b.eqns):
         return False
     return not (needed_vars(b, b.outvars) & set(b.invars))
