@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import jax
+import jax.numpy  # noqa: F401  (zeros_of)
 from jax.extend import core as jex_core
 from jax._src.interpreters import ad as _ad
 from jax._src.interpreters import batching as _batching
@@ -414,3 +415,89 @@ def staged_constants():
     staged into the program again, so a large intermediate (an identity basis pushed through a
     lump) is computed when the program runs instead of becoming an embedded constant."""
     return _config.eager_constant_folding(False)
+
+
+# --------------------------------------------------------------------------- shard_map's vma
+# Inside `jax.shard_map(..., check_vma=True)` every aval says over which manual mesh axes its
+# value varies (`aval.mat.varying`; `aval.vma` on other JAX versions). A value jaxrev makes
+# from an aval (a zero, a placeholder, a stand-in for tracing) must carry that set, or a
+# primitive that mixes it with the value it stands for refuses the operands.
+
+def vma_of(x: Any) -> frozenset:
+    """The manual mesh axes over which `x` (a value, tracer or aval) varies; empty outside
+    `shard_map` or with `check_vma=False`."""
+    aval = _aval(x)
+    mat = getattr(aval, "manual_axis_type", None)
+    if mat is not None:
+        return frozenset(getattr(mat, "varying", ()) or ())
+    return frozenset(getattr(aval, "vma", ()) or ())
+
+
+def _aval(x: Any) -> Any:
+    if isinstance(x, (_core.AbstractValue, jax.ShapeDtypeStruct)):
+        return x
+    try:
+        return _core.typeof(x)
+    except (TypeError, AttributeError):
+        return None
+
+
+def sds(x: Any, shape: Sequence[int] | None = None) -> jax.ShapeDtypeStruct:
+    """A `ShapeDtypeStruct` for an aval (or a value) that keeps its vma: a trace on it types
+    its values as the originals are typed (and JAX inserts its `pvary`s). `shape`: another
+    shape of the same type (a stack of such values)."""
+    aval = _aval(x)
+    shape, dtype = tuple(aval.shape if shape is None else shape), aval.dtype
+    if not vma_of(aval):
+        return jax.ShapeDtypeStruct(shape, dtype)
+    mat = getattr(aval, "manual_axis_type", None)
+    if mat is not None:   # the type names its mesh axes: it goes with the aval's mesh
+        sharding = aval.sharding if shape == tuple(aval.shape) else (
+            jax.sharding.NamedSharding(aval.sharding.mesh, jax.sharding.PartitionSpec()))
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding, manual_axis_type=mat)
+    return jax.ShapeDtypeStruct(shape, dtype, vma=vma_of(aval))  # JAX 0.7 to 0.9
+
+
+def shaped(aval: Any) -> Any:
+    """`ShapedArray(aval.shape, aval.dtype)` keeping `aval`'s vma (an abstract-eval rule's
+    output aval for a value made like `aval`)."""
+    mat = getattr(aval, "manual_axis_type", None)
+    if mat is not None and vma_of(aval):
+        return _core.ShapedArray(tuple(aval.shape), aval.dtype, sharding=aval.sharding,
+                                 manual_axis_type=mat)
+    if vma_of(aval):
+        return _core.ShapedArray(tuple(aval.shape), aval.dtype, vma=vma_of(aval))
+    return _core.ShapedArray(tuple(aval.shape), aval.dtype)
+
+
+def match_vma(x: Any, aval: Any) -> Any:
+    """`x` cast to vary over the axes `aval` varies over (`lax.pcast(..., to="varying")`,
+    a no-op cast), where it varies over fewer; `x` itself otherwise."""
+    return _vary(x, vma_of(aval))
+
+
+def _vary(x: Any, axes: frozenset) -> Any:
+    missing = axes - vma_of(x) if axes else None
+    if not missing:
+        return x
+    return jax.lax.pcast(x, tuple(sorted(missing, key=str)), to="varying")
+
+
+def zeros_of(aval: Any) -> Any:
+    """Zeros of `aval`'s shape and dtype, typed as `aval` is (its vma)."""
+    return match_vma(jax.numpy.zeros(aval.shape, aval.dtype), aval)
+
+
+def vma_union(*trees: Any) -> frozenset:
+    """The mesh axes over which any leaf of `trees` varies (None leaves skipped)."""
+    out: frozenset = frozenset()
+    for t in trees:
+        for leaf in jax.tree_util.tree_leaves(t):
+            out = out | vma_of(leaf)
+    return out
+
+
+def vary_to(tree: Any, axes: frozenset) -> Any:
+    """Every leaf of `tree` cast to vary over `axes` (at least): the loop-carried bookkeeping
+    of a backward run (its drift, its budget) typed alike in every iteration and branch."""
+    return jax.tree_util.tree_map(lambda x: _vary(x, axes), tree) if axes else tree

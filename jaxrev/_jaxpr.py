@@ -13,7 +13,7 @@ import numpy as np
 from jaxrev._compat import (CALL_PRIMITIVES, ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Literal, Var,
                             as_closed, bind_eqn, call_jaxpr, dce, has_user_frame, is_concrete,
                             is_host_callback, is_key, is_symbolic_zero, new_var, not_mapped,
-                            prims, trace_to_closed)
+                            prims, trace_to_closed, zeros_of)
 
 
 class Unknown:
@@ -192,7 +192,7 @@ class Env:
             return True
         if isinstance(v, Var) and not isinstance(v, DropVar) and 0 in getattr(
                 v.aval, "shape", ()):   # an empty array holds nothing to recover
-            self.vals[v] = jnp.zeros(v.aval.shape, v.aval.dtype)
+            self.vals[v] = zeros_of(v.aval)
             return True
         return False
 

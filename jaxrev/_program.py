@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrev._compat import ClosedJaxpr, Var, is_key, make_jaxpr
+from jaxrev._compat import ClosedJaxpr, Var, is_key, make_jaxpr, sds
 from jaxrev._errors import JaxrevError
 from jaxrev._jaxpr import Env, evaluate, prepare
 
@@ -98,8 +98,9 @@ class Filtered:
 
 def avals_of(xs: Sequence[Any]) -> list[jax.ShapeDtypeStruct]:
     """Shape-dtype stand-ins for tracing, one per value (a `ShapeDtypeStruct` stands for
-    itself)."""
+    itself); a value inside `shard_map` keeps the mesh axes it varies over (its vma)."""
     return [x if isinstance(x, jax.ShapeDtypeStruct)
+            else sds(x) if isinstance(x, jax.Array)
             else jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for x in xs]
 
 

@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrev._compat import (ClosedJaxpr, ShapedArray, hoist_consts, is_key, is_symbolic_zero,
-                            trace_to_closed)
+from jaxrev._compat import (ClosedJaxpr, hoist_consts, is_key, is_symbolic_zero, shaped,
+                            trace_to_closed, zeros_of)
 from jaxrev._cache import call_key, compiled, is_eager, memo
 from jaxrev._jaxpr import Env, batch_front, eval_closed, instantiate_tangents
 from jaxrev._primitive import make_primitive
@@ -118,8 +118,7 @@ def _store_run(jaxpr, state, dial, *args):
 
 
 def _store_abstract(*avals, jaxpr, state, dial):
-    return [*jaxpr.out_avals, *(ShapedArray(a.shape, a.dtype)
-                                for a in res_avals(top_plan(jaxpr, state, dial)))]
+    return [*jaxpr.out_avals, *(shaped(a) for a in res_avals(top_plan(jaxpr, state, dial)))]
 
 
 def _store_jvp(primals, tangents, **params):
@@ -206,8 +205,7 @@ def _lin_impl(*args, jaxpr, state, nz, nres, dial):
     env = _top_env(P, state, params, ys)
     _checked_walk(P, env, None, set(), res, state, xtrue, list)
     J = P.closed.jaxpr
-    xs = [env.read(v) if env.known(v) else jnp.zeros(v.aval.shape, v.aval.dtype)
-          for v in J.invars]
+    xs = [env.read(v) if env.known(v) else zeros_of(v.aval) for v in J.invars]
     it = iter(tans)
     ts = [next(it) if z else None for z in nz]
     _, out_t = jax.jvp(lambda *a: eval_closed(jaxpr, *a), tuple(xs), instantiate_tangents(xs, ts))

@@ -18,7 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrev._compat import ClosedJaxpr, DropVar, JaxprEqn, Var, bind_eqn, is_symbolic_zero
+from jaxrev._compat import (ClosedJaxpr, DropVar, JaxprEqn, Var, bind_eqn, is_symbolic_zero,
+                            sds as _sds, zeros_of)
 from jaxrev._cache import memo
 from jaxrev._errors import not_invertible
 from jaxrev._jaxpr import Env, fit_to_aval, is_var, prepare
@@ -45,12 +46,13 @@ def is_float(aval: Any) -> bool:
 
 
 def sds(aval: Any) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(tuple(aval.shape), aval.dtype)
+    """A stand-in for tracing a value of `aval`, typed as it is (inside `shard_map`, its vma)."""
+    return _sds(aval)
 
 
 def zero_ct(aval: Any) -> Any:
     if is_float(aval):
-        return jnp.zeros(aval.shape, aval.dtype)
+        return zeros_of(aval)
     return np.zeros(aval.shape, jax.dtypes.float0)
 
 
@@ -119,15 +121,13 @@ def loop_avals(lp: LoopPlan) -> list[jax.ShapeDtypeStruct]:
     checkpoints."""
     if lp.kind == "cond":
         return [a for bp in lp.branches for a in res_avals(bp)]
-    ck = [jax.ShapeDtypeStruct((n_checkpoints(lp), *a.shape), a.dtype) for a in lp.carry]
+    ck = [_sds(a, (n_checkpoints(lp), *a.shape)) for a in lp.carry]
     if lp.kind == "while":
         n = [jax.ShapeDtypeStruct(lp.count_shape, jnp.int32)]
         if lp.max_steps is None:
             return n
-        return n + [jax.ShapeDtypeStruct((lp.max_steps, *a.shape), a.dtype)
-                    for a in res_avals(lp.body)] + ck
-    return [jax.ShapeDtypeStruct((lp.length, *a.shape), a.dtype)
-            for a in res_avals(lp.body)] + ck
+        return n + [_sds(a, (lp.max_steps, *a.shape)) for a in res_avals(lp.body)] + ck
+    return [_sds(a, (lp.length, *a.shape)) for a in res_avals(lp.body)] + ck
 
 
 def res_avals(P: Plan) -> list[jax.ShapeDtypeStruct]:
@@ -162,7 +162,7 @@ class Residuals:
                 self.P.why[v] = eqn
                 if label:
                     self.P.labels[v] = label
-            return jnp.zeros(v.aval.shape, v.aval.dtype)
+            return zeros_of(v.aval)
         if v not in self.vals:  # the planning walk and this one disagree: a jaxrev bug
             raise AssertionError(f"jaxrev internal error: no stored value for {v}")
         return self.vals[v]
@@ -170,7 +170,7 @@ class Residuals:
     def loop(self, i: int, lp: LoopPlan) -> list[Any]:
         if self.planning:
             self.P.loops[i] = lp
-            return [jnp.zeros(a.shape, a.dtype) for a in loop_avals(lp)]
+            return [zeros_of(a) for a in loop_avals(lp)]
         return self.loop_vals[i]
 
 
@@ -308,7 +308,7 @@ def _choose_store(eqns: Sequence[JaxprEqn], env: Env, missing: list, po: ParamOn
         if _nbytes([c]) >= _nbytes(best):
             break
         trial = env.copy()
-        trial.write(c, jnp.zeros(c.aval.shape, c.aval.dtype))
+        trial.write(c, zeros_of(c.aval))
         propagate(Window(eqns), trial, missing, soft=True)
         if all(trial.known(g) for g in missing):
             return [c]

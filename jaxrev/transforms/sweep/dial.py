@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrev._compat import vary_to, vma_union, zeros_of
 from jaxrev._jaxpr import eval_closed, mentions, select_batched, where
 from jaxrev.transforms.knowledge.context import Settings
 from jaxrev.transforms.sweep.drift import combine, finite, ratio, site, values_tol
@@ -205,7 +206,11 @@ def segmented(bstep: Any, carry0: tuple, slices: Any, length: int, K: int,
         slices = _tmap(lambda a: a[::-1], slices)
     r, nseg = length % K, length // K
     c_final, c_ct, k_ct, w = carry0
-    zero = jnp.zeros((), budget_dtype())
+    # inside shard_map the drift, the budget and the miss flag vary over every mesh axis the
+    # loop's values vary over: typed so from the start, and at every branch's end
+    U = vma_union(carry0, slices, ckpts)
+    w = vary_to(w, U)
+    zero = vary_to(jnp.zeros((), budget_dtype()), U)
 
     def seg_back(c_end, c_ct, k_ct, w, BE, sl, ck_start, n, probe):
         """One segment backwards: inverted and checked (`probe`), or, right after a miss,
@@ -215,19 +220,21 @@ def segmented(bstep: Any, carry0: tuple, slices: Any, length: int, K: int,
                 bstep, (c_end, c_ct, k_ct, w), sl, length=n, reverse=True)
             rho, at, BE2 = check(c_s, ck_start, c_ct_s, c_end, c_ct, n, BE)
             if redo is None:
-                return c_ct_s, k_ct_s, combine(w_s, (rho, at)), BE2, outs, jnp.zeros((), bool)
+                return (c_ct_s, k_ct_s, vary_to(combine(w_s, (rho, at)), U), vary_to(BE2, U),
+                        outs, vary_to(jnp.zeros((), bool), U))
             bad = ~(rho <= 1.0) | ~finite([*c_ct_s, *k_ct_s])
             c_ct_s, k_ct_s, outs = jax.lax.cond(
                 bad, lambda: redo(ck_start, c_ct, k_ct, sl, n),
                 lambda: (c_ct_s, k_ct_s, outs))
             w_s = tuple(where(bad, a, b) for a, b in zip(w, w_s))
             BE2 = (BE2[0], where(bad, BE[1], BE2[1]))   # a repaired segment adds no drift
-            return c_ct_s, k_ct_s, combine(w_s, (where(bad, 0.0, rho), at)), BE2, outs, bad
+            return (c_ct_s, k_ct_s, vary_to(combine(w_s, (where(bad, 0.0, rho), at)), U),
+                    vary_to(BE2, U), outs, vary_to(bad, U))
 
         if check is None:
             (_, c_ct_s, k_ct_s, w_s), outs = jax.lax.scan(
                 bstep, (c_end, c_ct, k_ct, w), sl, length=n, reverse=True)
-            return c_ct_s, k_ct_s, w_s, BE, outs, jnp.zeros((), bool)
+            return c_ct_s, k_ct_s, vary_to(w_s, U), BE, outs, vary_to(jnp.zeros((), bool), U)
         if redo is None:
             return invert()
 
@@ -235,12 +242,13 @@ def segmented(bstep: Any, carry0: tuple, slices: Any, length: int, K: int,
             c_ct_s, k_ct_s, outs = redo(ck_start, c_ct, k_ct, sl, n)
             # the budget still counts the segment (its boundary values are the true ones)
             _, BE2 = check(ck_start, ck_start, c_ct_s, c_end, c_ct, n, BE)[1:]
-            return c_ct_s, k_ct_s, w, (BE2[0], BE[1]), outs, jnp.ones((), bool)
+            return (c_ct_s, k_ct_s, w, vary_to((BE2[0], BE[1]), U), outs,
+                    vary_to(jnp.ones((), bool), U))
 
         return jax.lax.cond(probe, invert, recompute)
 
     BE = (zero, zero)
-    missed = jnp.zeros((), bool)
+    missed = vary_to(jnp.zeros((), bool), U)
     outs_full = None
     c_end = [jnp.asarray(f, c.dtype) for f, c in zip(c_final, ckpts)]
     if nseg:
@@ -358,7 +366,7 @@ def body_redo(body: Any, nc: int, ncar: int, consts: Sequence[Any], act: Sequenc
             cts = []
             for j, a in enumerate(out_avals):
                 g_j = (c_ct[j] if j < ncar else (next(it) if yct[j - ncar] else None))
-                g_j = jnp.zeros(a.shape, a.dtype) if g_j is None else g_j
+                g_j = zeros_of(a) if g_j is None else g_j
                 cts.append(g_j if on is None else select_batched(on, g_j, jnp.zeros_like(g_j)))
             gc, gk, gx = pull(pick(cts, fl))
             gc = iter(gc)
