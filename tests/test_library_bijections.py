@@ -65,6 +65,19 @@ def test_non_integer_power_is_the_root_on_its_domain():
     close(jr.reverse(f)(f(x)), x, 1e-10)
 
 
+def test_negative_output_of_a_non_negative_power_is_refused():
+    """`x ** 0.5` never gives a negative value: inverting one raises (eagerly at once, under
+    `jr.jit` when the program runs) instead of squaring it into a wrong base."""
+    f = lambda x: jnp.power(x, 0.5)  # noqa: E731
+    with pytest.raises(jr.ReversibilityError,
+                       match="outside the map's range at `pow` at .*test_library_bijections"):
+        jr.reverse(f)(jnp.array([-2.0, 3.0]))
+    with pytest.raises(jr.ReversibilityError, match="outside the map's range"):
+        jr.jit(jr.reverse(f))(jnp.array([-2.0, 3.0]))
+    got = jr.reverse(f, on_error="nan")(jnp.array([-2.0, 3.0]))
+    assert np.isnan(got[0]) and got[1] == 9.0
+
+
 def test_power_of_a_visibly_non_negative_base_inverts():
     for f in (lambda z: jnp.power(jnp.exp(z), 2.0), lambda z: jnp.exp(z) ** 2,
               lambda z: jnp.power(jax.nn.sigmoid(z) * 3.0, 4.0) - 1.0):

@@ -19,7 +19,7 @@ import numpy as np
 from jax import lax
 
 from jaxrev._compat import JaxprEqn, as_closed, is_concrete, prims
-from jaxrev._errors import not_invertible
+from jaxrev._errors import ReversibilityError, at_eqn, not_invertible
 from jaxrev._jaxpr import Env, apply, eval_closed, is_unknown
 from jaxrev.transforms.knowledge import regions as R
 from jaxrev.transforms.knowledge.checks import raise_where
@@ -240,6 +240,16 @@ def _pow_base(out: Any, x: Any, p: Any, ctx: Any) -> Any:
             eqn, "the exponent (known only when the program runs) is zero or an even integer, "
                  "which loses the base's sign", _SIGN_HINT, who=who), bad, bad=bad)
     root = jnp.where(odd, jnp.sign(out) * jnp.abs(out) ** (1.0 / p), out ** (1.0 / p))
+    # a power other than an odd one is never negative: a negative output is outside the map's
+    # range (`y ** 2` would turn it into a finite, wrong base for p = 0.5)
+    outside = ~np.asarray(odd) & (out < 0) if is_concrete(p) else ~odd & (out < 0)
+    eqn, who = ctx.eqn, ctx.walk.who
+    raise_where(ctx.walk.on_error, lambda o: None if not np.any(o) else at_eqn(
+        ReversibilityError, eqn, "a negative output of a power that is never negative (the "
+        "exponent is not an odd integer) is outside the map's range",
+        "Ways out: check the input, or pass on_error='nan'.", who=who, group=False),
+        outside, bad=jnp.any(outside))
+    root = jnp.where(outside, jnp.nan, root)
     return root if is_concrete(p) else jnp.where(zero | even, jnp.nan, root)
 
 
