@@ -28,7 +28,8 @@ from jaxrev.transforms.sweep.backward import (BodyWalk, LoopEnd, LoopPlan, Plan,
 from jaxrev.transforms.propagation.walker import (Hints, RuleContext, Window, invert_jaxpr,
                                                  propagate, seed, statics_for)
 from jaxrev.transforms.sweep import drift
-from jaxrev.transforms.sweep.dial import segment_checks, segmented, segmented_forward
+from jaxrev.transforms.sweep.dial import segment_checks
+from jaxrev.transforms.sweep.segments import segmented, segmented_forward
 from jaxrev.transforms.flows.logdet import LogdetContext, evaluate_plan
 from jaxrev.transforms.registry import NeedMore, Unsupported, define
 

@@ -33,6 +33,7 @@ from jaxrev.transforms.knowledge.checks import raise_where
 from jaxrev.transforms.propagation.walker import RuleContext, invert_jaxpr, static_hints
 from jaxrev.transforms.sweep import drift
 from jaxrev.transforms.sweep.dial import budget_dtype, segment_checks, weight
+from jaxrev.transforms.sweep.segments import NO_SLICES
 from jaxrev.transforms.registry import Lossy, NeedMore, define
 
 __all__ = ["while_loop", "while_p"]
@@ -212,7 +213,7 @@ def _stored_sweep(P: Plan, i: int, env: Env, ctenv: dict | None, active: set,
                 if redo is not None:
                     m = jnp.clip(n - t, 0, K)   # per element under vmap
                     c_ct2, k_ct2 = lax.cond(
-                        bad, lambda: redo(ck_j, snap[0], snap[1], ([], [], [], []), K, m)[:2],
+                        bad, lambda: redo(ck_j, snap[0], snap[1], NO_SLICES, K, None, m)[:2],
                         lambda: (c_ct2, k_ct2))
                     rho = where(bad, 0.0, rho)
                 w = drift.combine(w, (where(start, rho, 0.0), at))

@@ -31,7 +31,8 @@ from jaxrev._errors import DriftError
 from jaxrev.transforms.knowledge.checks import check_at_run_time
 
 __all__ = ["DriftWarning", "no_drift", "leaf_drift", "values_tol", "ratio", "combine", "Site",
-           "Log", "log_for", "site", "note", "scope", "describe_loops", "finite"]
+           "Log", "log_for", "site", "note", "scope", "describe_loops", "finite",
+           "budget_dtype"]
 
 
 class DriftWarning(UserWarning):
@@ -47,6 +48,12 @@ class DriftWarning(UserWarning):
         >>> [type(w.message).__name__ for w in caught]
         ['DriftWarning']
     """
+
+
+def budget_dtype() -> Any:
+    """The dtype of a segmented backward run's gradient budget (`dial.grad_ratio`): float64
+    under x64, as the budget spans many magnitudes."""
+    return jnp.result_type(float)
 
 
 def finite(values: Sequence[Any]) -> Any:
