@@ -191,6 +191,7 @@ class _Prims:
 
 
 prims = _Prims()
+prims.pvary = getattr(_core, "pvary_p", None)   # shard_map's cast to "varying" (no data)
 
 
 def is_any_reduction(p: Any) -> bool:
@@ -255,11 +256,31 @@ def cond_branches(p: dict) -> list[ClosedJaxpr]:
 
 def bind_eqn(eqn: JaxprEqn, invals: Sequence[Any]) -> list[Any]:
     """Evaluate one equation on values (or tracers), keeping the user's source info."""
+    if eqn.primitive is prims.pvary and all(is_concrete(x) for x in invals):
+        # a constant made to vary over mesh axes (`0.5 * x` inside shard_map): folded where
+        # it is known, outside shard_map's trace, where only its value means anything
+        return list(invals)
+    invals = _vary_constants(eqn, invals)
     params = eqn.primitive.get_bind_params(eqn.params)
     name_stack = _siu.current_name_stack() + eqn.source_info.name_stack
     with _siu.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
         out = eqn.primitive.bind(*invals, **params)
     return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def _vary_constants(eqn: JaxprEqn, invals: Sequence[Any]) -> Sequence[Any]:
+    """Inside shard_map, each operand typed to vary over the mesh axes the equation's own
+    operand varies over, where it varies over fewer: a constant the walk folded (its `pvary`
+    in the jaxpr folded with it), or a value computed from one, is cast as JAX casts it when
+    the user's code is traced. Values folded eagerly (no tracer) stay untyped."""
+    if not any(isinstance(x, _core.Tracer) for x in invals):
+        return invals
+    out = list(invals)
+    for i, (v, x) in enumerate(zip(eqn.invars, invals)):
+        axes = vma_of(v.aval)
+        if axes:
+            out[i] = _vary(x, axes)
+    return out
 
 
 def user_source(eqn: JaxprEqn) -> tuple[str | None, int | None, str]:
