@@ -1,0 +1,94 @@
+"""The reversible transformer of `examples/reversible_transformer.py` sharded over 4 CPU
+devices: a 2 x 2 (data x model) mesh in one process, and 2 processes x 2 devices under
+`jax.distributed` (gloo collectives). The checks run in fresh interpreters
+(`tests/transformer_worker.py`, whose `CASE` lines this module reads)."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "transformer_worker.py")
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env["JAX_PLATFORMS"] = "cpu"
+    env.pop("XLA_FLAGS", None)   # the worker sets its device count itself
+    return env
+
+
+def _cases(stdout: str) -> dict:
+    out = {}
+    for line in stdout.splitlines():
+        if line.startswith("CASE "):
+            r = json.loads(line[5:])
+            out[r["case"]] = r
+    return out
+
+
+@pytest.fixture(scope="module")
+def single():
+    proc = subprocess.run([sys.executable, WORKER, "single"], env=_env(), capture_output=True,
+                          text=True, timeout=600)
+    assert "DONE" in proc.stdout, proc.stdout + proc.stderr[-5000:]
+    return _cases(proc.stdout)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def processes():
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, WORKER, "process", str(i), "2", str(port)],
+                              env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for i in range(2)]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=600))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0 and "DONE" in out, out + err[-5000:]
+    return [_cases(out) for out, _ in outs]
+
+
+@pytest.mark.parametrize("case", ["grad64-equinox-jit", "grad64-equinox-shard_map",
+                                  "grad64-flax-jit"])
+def test_sharded_gradient_equals_jax_grad(single, case):
+    r = single[case]
+    assert r["devices"] == 4 and r["sharded_leaves"] > 0
+    assert r["rel_err"] < 1e-10, r                # jax.grad on the same mesh
+    assert r["rel_err_one_device"] < 1e-6, r      # one device, the full batch
+    assert r["loss_err"] < 1e-12, r
+
+
+def test_bfloat16_as_accurate_as_jax_grad(single):
+    r = single["bf16"]
+    # both against the float32 gradient; bfloat16 rounding makes both errors about 1e-2
+    assert r["rev_err"] <= 1.5 * r["grad_err"] + 1e-3, r
+
+
+def test_per_device_scratch_flat_in_depth(single):
+    r = single["flat"]
+    assert r["scratch32"] <= 1.3 * r["scratch8"], r
+
+
+def test_two_processes(processes):
+    for cases in processes:
+        r = cases["grad64-equinox-jit"]
+        assert r["processes"] == 2 and r["devices"] == 4, r
+        assert r["rel_err"] < 1e-10 and r["rel_err_one_device"] < 1e-6, r
+        r = cases["grad64-equinox-shard_map"]
+        assert r["rel_err"] < 1e-10 and r["rel_err_one_device"] < 1e-6, r
