@@ -10,7 +10,9 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+# JAXREV_RESULTS: another folder (benchmarks/gpu.sh writes results/gpu/)
+RESULTS = os.environ.get("JAXREV_RESULTS") or os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "results")
 
 
 def temp_bytes(fn: Callable, *args: Any) -> int:

@@ -266,12 +266,19 @@ def targets(data: dict) -> dict:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--gpu", action="store_true",
+                    help="accelerator sizes: 24 to 28 qubits, jaxrev against jax.grad")
     ap.add_argument("--time-limit-bytes", type=float, default=6e9,
                     help="execute a gradient only where its planned temp memory fits in this")
     ap.add_argument("--pennylane-cap", type=float, default=60.0,
                     help="extrapolate a PennyLane gradient estimated to take longer (s)")
     args = ap.parse_args(argv)
-    if args.quick:
+    if args.gpu:
+        qubits, depths = [24, 26, 28], [10, 100]
+        paired = [(24, 10), (24, 100)]
+        alone = [(n, 100) for n in (26, 28)]
+        pl_plan = []
+    elif args.quick:
         qubits, depths = [10, 16], [10, 50, 100]
         paired = [(n, d) for n in (10, 16) for d in (10, 100)]
         alone: list[tuple[int, int]] = []

@@ -254,6 +254,15 @@ def _tracing_slope(d: dict) -> float:
     return max(w["rules"] for fit in d["log-log slopes"].values() for w in fit.values())
 
 
+def _transformer(what: str):
+    def get(d):
+        r = _row(d["rows"], depth=max(x["depth"] for x in d["rows"]), dtype="float32")
+        if what == "memory":
+            return r["mem"]["remat"] / r["mem"]["reversible"]
+        return r["time"]["reversible"] / r["time"]["remat"]
+    return get
+
+
 EC, FL, IA, NO, RH = ("eager_cache_quick.json", "flows_quick.json", "inverse_ad_quick.json",
                       "neural_ode_quick.json", "reversible_heun_quick.json")
 NT, NW, QU, RM, RD, TR = ("nilang_tables_quick.json", "newton_quick.json", "quantum_quick.json",
@@ -363,6 +372,12 @@ BENCHMARKS: list[Bench] = [
                  _dial("memory_budget=1%", "time")),
         Headline(RD, "dial: memory_budget=1% / jax.grad temp memory", LOWER,
                  _dial("memory_budget=1%", "mem")),
+    ]),
+    Bench("transformer", "transformer.py", timeout=900, headlines=[
+        Headline("transformer_quick.json", "remat / reversible per-device memory, depth 24",
+                 HIGHER, _transformer("memory"), "2 x 2 mesh of CPU devices, float32"),
+        Headline("transformer_quick.json", "reversible / remat step time, depth 24", LOWER,
+                 _transformer("time")),
     ]),
     Bench("tracing", "tracing.py", timeout=900, headlines=[
         Headline(TR, "rule applications at the largest k, all transforms", LOWER,

@@ -149,11 +149,11 @@ def init(kind: str, key: Any, *, vocab: int, depth: int, d: int, heads: int, seq
 METHODS = ("reversible", "jax.grad", "remat", "remat (dots saveable)")
 
 
-def through(block: Callable, method: str) -> Callable:
+def through(block: Callable, method: str, **reversible_kw: Any) -> Callable:
     """The block stack, `(streams, stacked block parameters) -> streams`, one `lax.scan` over
     the blocks, as each method differentiates it: `jr.reversible` (the defaults), plain, or
     `jax.checkpoint` around each block (the usual remat) with `nothing_saveable` or
-    `dots_saveable`."""
+    `dots_saveable`. `reversible_kw`: `jr.reversible`'s settings (the time-space dial)."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if method.startswith("remat"):
@@ -163,7 +163,7 @@ def through(block: Callable, method: str) -> Callable:
 
     def stack(streams, blocks):
         return jax.lax.scan(lambda c, p: (block(c, p), None), streams, blocks)[0]
-    return jr.reversible(stack) if method == "reversible" else stack
+    return jr.reversible(stack, **reversible_kw) if method == "reversible" else stack
 
 
 def logits_fn(params: dict, tokens: jax.Array, stack: Callable, dtype: Any) -> jax.Array:
@@ -222,11 +222,11 @@ def make_mesh(devices: Any = None) -> Mesh:
 
 
 def grad_fn(block: Callable, method: str, dtype: Any, mesh: Mesh | None = None,
-            shard_map: bool = False) -> Callable:
+            shard_map: bool = False, **reversible_kw: Any) -> Callable:
     """(params, batch) -> (loss, grads). With `shard_map`, the data axis is manual: each
     device's loss on its shard of the batch, the parameters cast to vary over "data"
     (`lax.pcast`) and the gradients `psum`med, as JAX documents for data parallelism."""
-    s = through(block, method)
+    s = through(block, method, **reversible_kw)
     vg = jax.value_and_grad(lambda p, b: loss_fn(p, b, s, dtype))
     if not shard_map:
         return vg

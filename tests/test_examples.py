@@ -223,3 +223,12 @@ def test_neural_ode_example():
     m = re.search(r"first batch ([0-9.]+), whole dataset after training ([0-9.]+)", out)
     assert m, out
     assert float(m.group(2)) < 0.1 * float(m.group(1))
+
+
+@pytest.mark.slow   # about 40 s on two cores; tests/test_transformer.py checks its functions
+def test_reversible_transformer_trains():
+    out = _run("reversible_transformer.py")
+    m = re.search(r"loss: ([0-9.]+) at step 1 -> ([0-9.]+)", out)
+    assert m, out
+    assert float(m.group(2)) < 0.7 * float(m.group(1)), out
+    assert "per-device scratch" in out and "remat" in out

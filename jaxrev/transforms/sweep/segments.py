@@ -157,6 +157,34 @@ def segmented(bstep: Any, carry0: tuple, slices: Any, length: int, K: int,
             rho, at, BE2 = check(c_s, ck_start, c_ct_s, c_end, c_ct, n, BE)
             return (c_ct_s, k_ct_s, vary_to(combine(w_s, (rho, at)), U), vary_to(BE2, U),
                     bufs, false)
+        if jax.tree_util.tree_leaves(bufs):
+            return gated(c_end, c_ct, k_ct, w, BE, bufs, seg, ck_start, n, probe)
+
+        # no per-iteration outputs: nothing large goes through the conds, which skip the
+        # work not needed (a loop of small bodies pays for no per-iteration gating)
+        def invert():
+            (c_s, c_ct_i, k_ct_i, w_s), out = run((c_end, c_ct, k_ct, w), bufs, seg, n)
+            rho, at, BE_i = check(c_s, ck_start, c_ct_i, c_end, c_ct, n, BE)
+            bad = ~(rho <= 1.0) | ~finite([*c_ct_i, *k_ct_i])
+            c_ct_s, k_ct_s, out = lax.cond(bad, lambda: redo(ck_start, c_ct, k_ct, seg, n, out),
+                                         lambda: (c_ct_i, k_ct_i, out))
+            w_s = combine(tuple(where(bad, a, b) for a, b in zip(w, w_s)),
+                          (where(bad, 0.0, rho), at))
+            return (c_ct_s, k_ct_s, vary_to(w_s, U),
+                    vary_to((BE_i[0], where(bad, BE[1], BE_i[1])), U), out, vary_to(bad, U))
+
+        def recompute():
+            c_ct_s, k_ct_s, out = redo(ck_start, c_ct, k_ct, seg, n, bufs)
+            BE_r = check(ck_start, ck_start, c_ct_s, c_end, c_ct, n, BE)[2]
+            return (c_ct_s, k_ct_s, w, vary_to((BE_r[0], BE[1]), U), out,
+                    vary_to(jnp.ones((), bool), U))
+
+        return lax.cond(probe, invert, recompute)
+
+    def gated(c_end, c_ct, k_ct, w, BE, bufs, seg, ck_start, n, probe):
+        """`seg_back` for a loop with per-iteration outputs: inversion and recomputation
+        each run over the segment, each iteration doing its work or not, so that the output
+        arrays are never operands of a `cond`."""
         (c_s, c_ct_i, k_ct_i, w_s), bufs = run((c_end, c_ct, k_ct, w), bufs, seg, n, probe)
         rho, at, BE_i = check(c_s, ck_start, c_ct_i, c_end, c_ct, n, BE)
         bad = ~probe | ~(rho <= 1.0) | ~finite([*c_ct_i, *k_ct_i])
