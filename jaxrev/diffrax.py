@@ -28,7 +28,7 @@ from jax import lax
 from jaxrev._program import derived_leaves
 from jaxrev.transforms.reversible import reversible
 
-__all__ = ["ReversibleAdjoint"]
+__all__ = ["ReversibleAdjoint", "Reversible"]
 
 # int32 step counts, so 31 halvings find any step
 _SEARCH_ROUNDS = 32
@@ -131,6 +131,133 @@ class ReversibleAdjoint(diffrax.AbstractAdjoint):
             init_state, (y1, ss1, t_end, t_end, count, count, save_state, result),
             is_leaf=lambda x: x is None)
         return final, {}
+
+
+_EXPLICIT_RK = (diffrax.AbstractERK, diffrax.Euler)
+_ACCEPTED = ("Euler, Heun, Midpoint, Ralston, Bosh3, Tsit5, Dopri5, Dopri8 or another "
+             "diffrax.AbstractERK")
+
+
+class Reversible(diffrax.AbstractAdaptiveSolver):
+    """An explicit Runge–Kutta solver made algebraically reversible (McCallum & Foster 2024,
+    "Efficient, accurate and stable gradients for neural ODEs").
+
+    The solve carries two approximations of the solution, y (returned) and z (the solver
+    state). With Φ(t0, t1, u) the base solver's step from u over [t0, t1] and λ = `coupling`:
+
+        y1 = λ (y0 − z0) + Φ(t0, t1, z0)
+        z1 = y1 + z0 − Φ(t1, t0, y1)
+
+    Each line adds to one value a function of the other, so the step is a bijection of (y, z)
+    whose inverse needs two base steps and no solve; `jr.reversible` finds that inverse in the
+    step's own program (no rule is registered: the couplings are inverted like any additive
+    coupling), and `ReversibleAdjoint` runs the solve backwards with it. The order is the base
+    solver's. Each base step is taken as after a jump (its first-same-as-last stage is
+    evaluated, not read from a state), so the solver state is z alone: a pure function of the
+    step's inputs, which the backward run can rebuild (Tsit5's and Dopri5's cached stage
+    would otherwise be state that no step computes from y and z). The error estimate and the
+    interpolation are those of the base step from z0.
+
+    `solver` must be an explicit Runge–Kutta solver (`Euler`, `Heun`, `Midpoint`, `Ralston`,
+    `Bosh3`, `Tsit5`, `Dopri5`, `Dopri8`, any `diffrax.AbstractERK`); implicit solvers,
+    `SemiImplicitEuler` and SDE-only solvers are refused. `0 < coupling <= 1`.
+
+    Example:
+        >>> import diffrax, jax.numpy as jnp
+        >>> from jaxrev.diffrax import Reversible
+        >>> term = diffrax.ODETerm(lambda t, y, args: -y)
+        >>> sol = diffrax.diffeqsolve(term, Reversible(diffrax.Tsit5()), 0.0, 1.0, 0.05,
+        ...                           jnp.ones(2))
+        >>> bool(jnp.allclose(sol.ys[-1], jnp.exp(-1.0), rtol=1e-6))
+        True
+    """
+
+    solver: diffrax.AbstractSolver
+    coupling: float = eqx.field(static=True, default=0.999)
+
+    def __check_init__(self) -> None:
+        if not isinstance(self.solver, _EXPLICIT_RK) or isinstance(
+                self.solver, diffrax.AbstractImplicitSolver):
+            raise ValueError(
+                f"jaxrev.diffrax.Reversible needs an explicit Runge–Kutta solver ({_ACCEPTED}), "
+                f"not {type(self.solver).__name__}: its step is made reversible by coupling "
+                f"two explicit steps, which an implicit, split or SDE-only solver does not "
+                f"give.")
+        if not 0 < self.coupling <= 1:
+            raise ValueError(f"jaxrev.diffrax.Reversible: coupling must be in (0, 1], got "
+                             f"{self.coupling!r}")
+
+    @property
+    def term_structure(self):  # type: ignore[override]
+        return self.solver.term_structure
+
+    @property
+    def interpolation_cls(self):  # type: ignore[override]
+        return self.solver.interpolation_cls
+
+    @property
+    def term_compatible_contr_kwargs(self):  # type: ignore[override]
+        return self.solver.term_compatible_contr_kwargs
+
+    def order(self, terms: Any) -> Any:
+        return self.solver.order(terms)
+
+    def strong_order(self, terms: Any) -> Any:
+        return self.solver.strong_order(terms)
+
+    def error_order(self, terms: Any) -> Any:
+        return self.solver.error_order(terms)
+
+    def init(self, terms: Any, t0: Any, t1: Any, y0: Any, args: Any) -> Any:
+        return y0            # z0 = y0
+
+    def _base(self, terms: Any, t0: Any, t1: Any, u: Any, args: Any) -> tuple:
+        """The base solver's step from u over [t0, t1]: (u1, error, dense info, result)."""
+        if not isinstance(self.solver, diffrax.AbstractERK):   # Euler
+            state = self.solver.init(terms, t0, t1, u, args)
+            u1, err, dense, _, result = self.solver.step(terms, t0, t1, u, args, state, True)
+            return u1, err, dense, result
+        return _erk_step(self.solver.tableau, terms, t0, t1, u, args)
+
+    def step(self, terms: Any, t0: Any, t1: Any, y0: Any, args: Any, solver_state: Any,
+             made_jump: Any) -> tuple:
+        z0 = solver_state
+        phi_z, y_error, dense, r1 = self._base(terms, t0, t1, z0, args)
+        y1 = jtu.tree_map(lambda y, z, p: self.coupling * (y - z) + p, y0, z0, phi_z)
+        phi_y, _, _, r2 = self._base(terms, t1, t0, y1, args)
+        z1 = jtu.tree_map(lambda y, z, p: y + z - p, y1, z0, phi_y)
+        return y1, y_error, dense, z1, diffrax.RESULTS.where(
+            r1 == diffrax.RESULTS.successful, r2, r1)
+
+    def func(self, terms: Any, t0: Any, y0: Any, args: Any) -> Any:
+        return self.solver.func(terms, t0, y0, args)
+
+
+def _erk_step(tab: Any, terms: Any, t0: Any, t1: Any, u: Any, args: Any) -> tuple:
+    """One step of an explicit Runge–Kutta method from its Butcher tableau, its stages
+    unrolled: diffrax's own step runs them in an Equinox while loop (whose VJP only its custom
+    rule gives) and, for first-same-as-last methods, reads its first stage from a state; here
+    every stage is computed from (t0, t1, u), so the step is a plain function the backward run
+    rebuilds and differentiates stage by stage. The stages, the solution, the error estimate
+    and the dense information (``y0, y1, k``) are diffrax's."""
+    control = terms.contr(t0, t1)
+    dtype = jnp.result_type(*jtu.tree_leaves(u))
+    ks: list = []
+    for i in range(tab.num_stages):
+        if i == 0:
+            ui, ti = u, t0
+        else:
+            a_row = jnp.asarray(tab.a_lower[i - 1], dtype)
+            ui = jtu.tree_map(lambda x, *k: x + sum(a_row[j] * k[j] for j in range(i)),
+                              u, *ks)
+            ti = t0 + tab.c[i - 1] * (t1 - t0)
+        ks.append(terms.vf_prod(ti, ui, args, control))
+    b_sol = jnp.asarray(tab.b_sol, dtype)
+    b_err = jnp.asarray(tab.b_error, dtype)
+    u1 = jtu.tree_map(lambda x, *k: x + sum(b_sol[j] * k[j] for j in range(len(k))), u, *ks)
+    err = jtu.tree_map(lambda *k: sum(b_err[j] * k[j] for j in range(len(k))), *ks)
+    k_stack = jtu.tree_map(lambda *k: jnp.stack(k), *ks)
+    return u1, err, dict(y0=u, y1=u1, k=k_stack), diffrax.RESULTS.successful
 
 
 def _is_sub(x: Any) -> bool:
