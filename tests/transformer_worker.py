@@ -13,22 +13,10 @@ import os
 import sys
 
 import jax
-
-MODE = sys.argv[1] if len(sys.argv) > 1 else "single"
-if MODE == "process":
-    jax.config.update("jax_num_cpu_devices", 2)
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{sys.argv[4]}",
-                               num_processes=int(sys.argv[3]), process_id=int(sys.argv[2]),
-                               initialization_timeout=120)
-else:
-    jax.config.update("jax_num_cpu_devices", 4)
-jax.config.update("jax_enable_x64", True)
-
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.experimental import multihost_utils  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "examples"))
@@ -97,8 +85,23 @@ def scratch(kind, depth):
     return int(jax.jit(fn).lower(p, b).compile().memory_analysis().temp_size_in_bytes)
 
 
-def main() -> None:
-    multi = MODE == "process"
+def start(argv: list[str]) -> str:
+    """Set the device count (and join the other processes) before JAX starts its backend."""
+    mode = argv[1] if len(argv) > 1 else "single"
+    if mode == "process":
+        jax.config.update("jax_num_cpu_devices", 2)
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(coordinator_address=f"127.0.0.1:{argv[4]}",
+                                   num_processes=int(argv[3]), process_id=int(argv[2]),
+                                   initialization_timeout=120)
+    else:
+        jax.config.update("jax_num_cpu_devices", 4)
+    jax.config.update("jax_enable_x64", True)
+    return mode
+
+
+def main(mode: str) -> None:
+    multi = mode == "process"
     kinds = ("equinox",) if multi else ("equinox", "flax")
     for kind in kinds:
         params64 = model(kind, 4)[0]
@@ -131,4 +134,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(start(sys.argv))
