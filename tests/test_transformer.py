@@ -73,7 +73,8 @@ def test_one_process(single):
         assert r["rel_err"] < 1e-10, r                # jax.grad on the same mesh
         assert r["rel_err_one_device"] < 1e-6, r      # one device, the full batch
         assert r["loss_err"] < 1e-12, r
-    # bfloat16 activations: both against the float32 gradient (errors about 1e-2)
+    # bfloat16 activations, against the float32 gradient, with jax.grad on the same mesh
+    # (tensor parallel rounds its partial sums: one device does better than both)
     r = single["bf16"]
     assert r["rev_err"] <= 1.5 * r["grad_err"] + 1e-3, r
     # per-device scratch with the defaults, 8 and 32 blocks
