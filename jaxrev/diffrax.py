@@ -59,7 +59,7 @@ class ReversibleAdjoint(diffrax.AbstractAdjoint):
         True
     """
 
-    checkpoint_every: int | str | None = eqx.field(static=True, default="auto")
+    checkpoint_every: int | str | None = eqx.field(static=True, default=None)
     memory_budget: int | None = eqx.field(static=True, default=None)
     on_drift: str = eqx.field(static=True, default="repair")
     drift_rtol: float | None = eqx.field(static=True, default=None)
@@ -67,9 +67,13 @@ class ReversibleAdjoint(diffrax.AbstractAdjoint):
     def loop(self, *, args, terms, solver, stepsize_controller, event, saveat, t0, t1, dt0,
              max_steps, throw, init_state, passed_solver_state, passed_controller_state,
              progress_meter) -> Any:
-        del dt0, throw, passed_solver_state, passed_controller_state, progress_meter
-        _check_supported(event, saveat)
-        grid = _Grid.make(stepsize_controller, init_state, t0, t1)
+        del throw, passed_solver_state, passed_controller_state, progress_meter
+        _check_supported(event, saveat, solver)
+        if isinstance(stepsize_controller, (diffrax.ConstantStepSize, diffrax.StepTo)):
+            grid, failed = _Grid.make(stepsize_controller, init_state, t0, t1), None
+        else:
+            grid, failed = _Grid.accepted(terms, solver, stepsize_controller, t0, t1, dt0,
+                                          init_state.y, args, max_steps)
         n_run = grid.n if max_steps is None else jnp.minimum(grid.n, max_steps)
 
         subs = jtu.tree_leaves(saveat.subs, is_leaf=_is_sub)
@@ -94,7 +98,7 @@ class ReversibleAdjoint(diffrax.AbstractAdjoint):
         run = reversible(partial(_run, template=jax.eval_shape(lambda: full0)),
                          checkpoint_every=self.checkpoint_every,
                          memory_budget=self.memory_budget, on_drift=self.on_drift,
-                         drift_rtol=self.drift_rtol)
+                         drift_rtol=self.drift_rtol, max_steps=max_steps)
         params = (terms, args, solver, grid, n_run, where[order], s_all[order], order)
         kept1, buf = run((kept0, buf0), params)
         _, y1, ss1 = carry.unpack(kept1)
@@ -123,6 +127,8 @@ class ReversibleAdjoint(diffrax.AbstractAdjoint):
             jtu.tree_structure(init_state.save_state, is_leaf=_is_save_state), new_states)
         result = diffrax.RESULTS.where(n_run < grid.n, diffrax.RESULTS.max_steps_reached,
                                        diffrax.RESULTS.successful)
+        if failed is not None:
+            result = diffrax.RESULTS.where(failed == diffrax.RESULTS.successful, result, failed)
         count = jnp.asarray(n_run, jnp.result_type(init_state.num_steps))
         t_end = grid.time(n_run)
         final = eqx.tree_at(
@@ -260,6 +266,10 @@ def _erk_step(tab: Any, terms: Any, t0: Any, t1: Any, u: Any, args: Any) -> tupl
     return u1, err, dict(y0=u, y1=u1, k=k_stack), diffrax.RESULTS.successful
 
 
+def _nothing(t: Any, y: Any, args: Any) -> Any:
+    return jnp.zeros((0,), jnp.result_type(t))
+
+
 def _is_sub(x: Any) -> bool:
     return isinstance(x, diffrax.SubSaveAt)
 
@@ -287,7 +297,23 @@ def _filled(state: Any, ts: list, ys: list, n_ts: int) -> Any:
                         jnp.asarray(n_ts, jnp.result_type(state.saveat_ts_index))))
 
 
-def _check_supported(event: Any, saveat: Any) -> None:
+def _check_supported(event: Any, saveat: Any, solver: Any) -> None:
+    base = solver.solver if isinstance(solver, Reversible) else solver
+    if isinstance(solver, (diffrax.AbstractImplicitSolver, diffrax.SemiImplicitEuler)) or (
+            not isinstance(base, (*_EXPLICIT_RK, diffrax.ReversibleHeun))
+            and isinstance(base, diffrax.AbstractSolver)
+            and type(base).__module__.startswith("diffrax.")):
+        raise ValueError(
+            f"ReversibleAdjoint cannot run {type(solver).__name__} backwards: it needs a solver "
+            f"whose step is a bijection, `Reversible(s)` for an explicit Runge–Kutta solver s "
+            f"({_ACCEPTED}) or `diffrax.ReversibleHeun`. Implicit, split and SDE-only solvers "
+            f"are not accepted.")
+    if isinstance(solver, _EXPLICIT_RK):
+        raise ValueError(
+            f"ReversibleAdjoint cannot run {type(solver).__name__} backwards: its step loses "
+            f"information (two starting points can reach the same end). Wrap it: "
+            f"`jaxrev.diffrax.Reversible({type(solver).__name__}())` makes any explicit "
+            f"Runge–Kutta solver algebraically reversible with the same order.")
     if event is not None:
         raise ValueError("ReversibleAdjoint does not support events: the step at which an "
                          "event stops the solve is not known before it runs.")
@@ -318,17 +344,42 @@ class _Grid(eqx.Module):
         if isinstance(controller, diffrax.StepTo):
             ts = jnp.asarray(controller.ts)
             return cls(ts.shape[0] - 1, t0, t1, None, None, ts, None)
-        if not isinstance(controller, diffrax.ConstantStepSize):
-            raise ValueError(f"ReversibleAdjoint needs a ConstantStepSize or StepTo step-size "
-                             f"controller (the steps must be known before the solve), not "
-                             f"{type(controller).__name__}.")
         _, num_steps, t0_sim, t1_sim = init_state.controller_state
         num_steps = eqx.error_if(num_steps, num_steps < 0,
                                  "ReversibleAdjoint needs a finite t1.")
-        floor = t1
+        floor = lax.stop_gradient(t1)
         for _ in range(100):
             floor = jnp.nextafter(floor, jnp.asarray(-jnp.inf, floor.dtype))
         return cls(num_steps, t0, t1, init_state.tnext, (t0_sim, t1_sim), None, floor)
+
+    @classmethod
+    def accepted(cls, terms: Any, solver: Any, controller: Any, t0: Any, t1: Any, dt0: Any,
+                 y0: Any, args: Any, max_steps: int | None) -> tuple:
+        """The steps an adaptive controller accepts, found by a solve of diffrax's own whose
+        value is not differentiated (the controller's step sizes carry no gradient in
+        diffrax either, but for t0 and t1, which the steps are rebuilt from here); one scalar
+        per step, and the solve's result."""
+        if max_steps is None:
+            raise ValueError("ReversibleAdjoint with an adaptive step-size controller needs a "
+                             "finite max_steps: the accepted step sizes are kept, a scalar "
+                             "each.")
+        sg = lax.stop_gradient
+        sol = diffrax.diffeqsolve(
+            terms, solver, sg(t0), sg(t1), None if dt0 is None else sg(dt0), sg(y0),
+            jtu.tree_map(sg, args), saveat=diffrax.SaveAt(steps=True, fn=_nothing),
+            stepsize_controller=controller, max_steps=max_steps, throw=False,
+            adjoint=diffrax.RecursiveCheckpointAdjoint(checkpoints=1))
+        n = jnp.asarray(sol.stats["num_accepted_steps"], jnp.int32)
+        t0, t1 = jnp.asarray(t0), jnp.asarray(t1)
+        ts = jnp.concatenate([jnp.reshape(sg(t0), (1,)), sol.ts.astype(t0.dtype)])
+        # t0 and t1 as traced (the last accepted step ends at t1 when the solve got there):
+        # their gradients are diffrax's (every step time moves with t0; the last one is t1)
+        ts = ts + (t0 - sg(t0))     # the same values, bit for bit
+        ts = ts.at[n].set(jnp.where(ts[n] == sg(t1), t1, ts[n]))
+        # past the last step, zero-length steps at its end rather than diffrax's inf padding:
+        # a checkpointed loop's segments past the end are traced (and masked) with these
+        ts = jnp.where(jnp.arange(ts.shape[0]) > n, ts[n], ts)
+        return cls(n, t0, t1, None, None, ts, None), sol.result
 
     def time(self, k: Any) -> Any:
         if self.ts is not None:

@@ -59,14 +59,16 @@ class Window:
 
     `cut`: equations before the stretch are left out, so a value the stretch reads may be
     fixed by equations it cannot see; a group step then refuses a group that is singular on
-    random stand-ins (it would take such a value as free), and the window widens instead."""
+    random stand-ins (it would take such a value as free), and the window widens instead.
+    `groups=False`: no group steps (single equations only)."""
 
-    __slots__ = ("eqns", "outvars", "cut")
+    __slots__ = ("eqns", "outvars", "cut", "groups")
 
-    def __init__(self, eqns: Sequence[JaxprEqn], cut: bool = False) -> None:
+    def __init__(self, eqns: Sequence[JaxprEqn], cut: bool = False, groups: bool = True) -> None:
         self.eqns = list(eqns)
         self.outvars: list = []
         self.cut = cut
+        self.groups = groups
 
 
 @dataclass
@@ -293,7 +295,7 @@ def propagate(jaxpr: Jaxpr | Window, env: Env, goals: Sequence[Any] | None, *,
         if goals is not None and all(env.known(g) for g in goals):
             return []
         pending = [i for i in range(len(eqns)) if not done[i]]
-        if forward_only:
+        if forward_only or not getattr(jaxpr, "groups", True):
             return list(stuck.values())
         # group steps see only the allowed equations
         gp = pending if allow is None else [i for i in pending if allow(eqns[i])]

@@ -256,13 +256,21 @@ def _rebuild(P: Plan, i: int, hi: int, env: Env, goals: list, res: Residuals) ->
     tie = tie_of([env.read(o) for o in eqns[i].outvars if is_var(o) and env.known(o)]
                  if 0 <= i < len(eqns) else [])
     P.params.need(env, goals, tie)
-    while hi > 0:
-        lo = max(0, hi - n)
-        P.params.window(env, eqns[lo:hi], tie)
-        stuck = propagate(Window(eqns[lo:hi], cut=lo > 0), env, goals, soft=True)
-        if all(env.known(g) for g in goals) or lo == 0:
+    # single steps first, over ever wider windows: a group seen through a narrow window may
+    # read values that equations before it compute from known ones (a Runge–Kutta stage from
+    # the step's known end), and solving for those as unknowns would be wrong
+    for groups in (False, True):
+        n = 1
+        while hi > 0:
+            lo = max(0, hi - n)
+            P.params.window(env, eqns[lo:hi], tie)
+            stuck = propagate(Window(eqns[lo:hi], cut=lo > 0, groups=groups), env, goals,
+                              soft=True)
+            if all(env.known(g) for g in goals) or lo == 0:
+                break
+            n *= 4
+        if all(env.known(g) for g in goals):
             break
-        n *= 4
     culprit = eqns[i] if 0 <= i < len(eqns) else None
     missing = tuple(g for g in goals if not env.known(g))
     if not missing:
