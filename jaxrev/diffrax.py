@@ -217,20 +217,22 @@ class Reversible(diffrax.AbstractAdaptiveSolver):
     def init(self, terms: Any, t0: Any, t1: Any, y0: Any, args: Any) -> Any:
         return y0            # z0 = y0
 
-    def _base(self, terms: Any, t0: Any, t1: Any, u: Any, args: Any) -> tuple:
-        """The base solver's step from u over [t0, t1]: (u1, error, dense info, result)."""
+    def _base(self, terms: Any, t0: Any, t1: Any, u: Any, args: Any,
+              full: bool = True) -> tuple:
+        """The base solver's step from u over [t0, t1]: (u1, error, dense info, result);
+        without `full`, u1 alone (the error and dense information are None)."""
         if not isinstance(self.solver, diffrax.AbstractERK):   # Euler
             state = self.solver.init(terms, t0, t1, u, args)
             u1, err, dense, _, result = self.solver.step(terms, t0, t1, u, args, state, True)
             return u1, err, dense, result
-        return _erk_step(self.solver.tableau, terms, t0, t1, u, args)
+        return _erk_step(self.solver.tableau, terms, t0, t1, u, args, full)
 
     def step(self, terms: Any, t0: Any, t1: Any, y0: Any, args: Any, solver_state: Any,
              made_jump: Any) -> tuple:
         z0 = solver_state
         phi_z, y_error, dense, r1 = self._base(terms, t0, t1, z0, args)
         y1 = jtu.tree_map(lambda y, z, p: self.coupling * (y - z) + p, y0, z0, phi_z)
-        phi_y, _, _, r2 = self._base(terms, t1, t0, y1, args)
+        phi_y, _, _, r2 = self._base(terms, t1, t0, y1, args, full=False)
         z1 = jtu.tree_map(lambda y, z, p: y + z - p, y1, z0, phi_y)
         return y1, y_error, dense, z1, diffrax.RESULTS.where(
             r1 == diffrax.RESULTS.successful, r2, r1)
@@ -239,17 +241,22 @@ class Reversible(diffrax.AbstractAdaptiveSolver):
         return self.solver.func(terms, t0, y0, args)
 
 
-def _erk_step(tab: Any, terms: Any, t0: Any, t1: Any, u: Any, args: Any) -> tuple:
+def _erk_step(tab: Any, terms: Any, t0: Any, t1: Any, u: Any, args: Any,
+              full: bool = True) -> tuple:
     """One step of an explicit Runge–Kutta method from its Butcher tableau, its stages
     unrolled: diffrax's own step runs them in an Equinox while loop (whose VJP only its custom
     rule gives) and, for first-same-as-last methods, reads its first stage from a state; here
     every stage is computed from (t0, t1, u), so the step is a plain function the backward run
     rebuilds and differentiates stage by stage. The stages, the solution, the error estimate
-    and the dense information (``y0, y1, k``) are diffrax's."""
+    and the dense information (``y0, y1, k``) are diffrax's. Without `full`, the solution
+    alone: a first-same-as-last stage that only the error estimate reads is not evaluated."""
     control = terms.contr(t0, t1)
     dtype = jnp.result_type(*jtu.tree_leaves(u))
     ks: list = []
-    for i in range(tab.num_stages):
+    stages = tab.num_stages
+    if not full and tab.b_sol[-1] == 0:
+        stages -= 1
+    for i in range(stages):
         if i == 0:
             ui, ti = u, t0
         else:
@@ -261,6 +268,8 @@ def _erk_step(tab: Any, terms: Any, t0: Any, t1: Any, u: Any, args: Any) -> tupl
     b_sol = jnp.asarray(tab.b_sol, dtype)
     b_err = jnp.asarray(tab.b_error, dtype)
     u1 = jtu.tree_map(lambda x, *k: x + sum(b_sol[j] * k[j] for j in range(len(k))), u, *ks)
+    if not full:
+        return u1, None, None, diffrax.RESULTS.successful
     err = jtu.tree_map(lambda *k: sum(b_err[j] * k[j] for j in range(len(k))), *ks)
     k_stack = jtu.tree_map(lambda *k: jnp.stack(k), *ks)
     return u1, err, dict(y0=u, y1=u1, k=k_stack), diffrax.RESULTS.successful
@@ -363,10 +372,11 @@ class _Grid(eqx.Module):
             raise ValueError("ReversibleAdjoint with an adaptive step-size controller needs a "
                              "finite max_steps: the accepted step sizes are kept, a scalar "
                              "each.")
-        sg = lax.stop_gradient
+        def sg(tree: Any) -> Any:
+            return jtu.tree_map(lambda x: lax.stop_gradient(x) if eqx.is_array(x) else x, tree)
         sol = diffrax.diffeqsolve(
             terms, solver, sg(t0), sg(t1), None if dt0 is None else sg(dt0), sg(y0),
-            jtu.tree_map(sg, args), saveat=diffrax.SaveAt(steps=True, fn=_nothing),
+            sg(args), saveat=diffrax.SaveAt(steps=True, fn=_nothing),
             stepsize_controller=controller, max_steps=max_steps, throw=False,
             adjoint=diffrax.RecursiveCheckpointAdjoint(checkpoints=1))
         n = jnp.asarray(sol.stats["num_accepted_steps"], jnp.int32)
