@@ -228,9 +228,12 @@ class Reversible(diffrax.AbstractAdaptiveSolver):
         return _erk_step(self.solver.tableau, terms, t0, t1, u, args, full)
 
     def step(self, terms: Any, t0: Any, t1: Any, y0: Any, args: Any, solver_state: Any,
-             made_jump: Any) -> tuple:
+             made_jump: Any, full: bool = True) -> tuple:
+        """diffrax's step; without `full` (`ReversibleAdjoint`'s loop, which reads neither
+        the error estimate nor the dense information) those are None, and a
+        first-same-as-last stage only they read is not evaluated."""
         z0 = solver_state
-        phi_z, y_error, dense, r1 = self._base(terms, t0, t1, z0, args)
+        phi_z, y_error, dense, r1 = self._base(terms, t0, t1, z0, args, full)
         y1 = jtu.tree_map(lambda y, z, p: self.coupling * (y - z) + p, y0, z0, phi_z)
         phi_y, _, _, r2 = self._base(terms, t1, t0, y1, args, full=False)
         z1 = jtu.tree_map(lambda y, z, p: y + z - p, y1, z0, phi_y)
@@ -419,7 +422,9 @@ def _body(terms: Any, args: Any, solver: Any, grid: _Grid) -> Any:
     """One step of the solve on the carry (step counter, y, solver state)."""
     def body(c):
         k, y, ss = c
-        y, _, _, ss, _ = solver.step(terms, grid.time(k), grid.time(k + 1), y, args, ss, False)
+        kw = {"full": False} if isinstance(solver, Reversible) else {}
+        y, _, _, ss, _ = solver.step(terms, grid.time(k), grid.time(k + 1), y, args, ss, False,
+                                     **kw)
         return k + 1, y, ss
     return body
 
