@@ -13,6 +13,7 @@ Writes results/neural_ode.{json,md,png}.
 
     python benchmarks/neural_ode.py            # full run (about 10 minutes)
     python benchmarks/neural_ode.py --quick    # 10^3 steps only, a smoke test
+    python benchmarks/neural_ode.py --rk       # reversible Tsit5 / Dopri5 (neural_ode_rk.py)
 """
 from __future__ import annotations
 
@@ -63,7 +64,12 @@ def loss_grad(n: int, adjoint):
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--rk", action="store_true",
+                    help="Reversible(Tsit5/Dopri5) + ReversibleAdjoint (neural_ode_rk.py)")
     args = ap.parse_args(argv)
+    if args.rk:
+        import neural_ode_rk
+        return neural_ode_rk.main(["--quick"] if args.quick else [])
     sizes = [1000] if args.quick else [1000, 10_000, 100_000]
     key = jax.random.PRNGKey(0)
     field = eqx.nn.MLP(DIM, DIM, WIDTH, 2, activation=jnp.tanh, key=key)

@@ -151,7 +151,8 @@ def table(res: dict) -> str:
                      + " | ".join(f"{m[k] / 1e6:.3f}" for k in METHODS) + " | "
                      + " | ".join(f"{t[k]:.2f}" for k in METHODS)
                      + f" | {m[rev] / max(m[rc], 1):.3f} | {t[rev] / t[rc]:.2f} | "
-                     + " | ".join(f"{e[k]:.1e}" for k in METHODS) + " |")
+                     + " | ".join("(the reference)" if k == rc and r.get("reference")
+                                  == "RCAdjoint" else f"{e[k]:.1e}" for k in METHODS) + " |")
     lines += ["", "Gradient errors past 2 000 steps are against `RecursiveCheckpointAdjoint` on "
               "the same solver (the same discretised gradient: `DirectAdjoint` keeps every "
               "stage of every step and does not fit in memory).", "",

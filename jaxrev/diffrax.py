@@ -1,17 +1,19 @@
-"""`ReversibleAdjoint`: diffrax solves differentiated by running the solver backwards.
+"""diffrax solves differentiated by running the solver backwards: `ReversibleAdjoint`, and
+`Reversible`, which makes any explicit Runge–Kutta solver algebraically reversible.
 
 An optional module (it imports diffrax). `diffeqsolve(..., adjoint=jr.diffrax.ReversibleAdjoint())`
 runs the step loop under `jr.reversible`: the backward pass rebuilds every step's state by
-inverting the solver's step (exactly so for `diffrax.ReversibleHeun`, whose step is an
-algebraic bijection of `(y, yhat, vf)`), so memory does not grow with the number of steps and
-the gradient is the discretise-then-optimise gradient (`DirectAdjoint`'s), not an adjoint ODE's
-approximation of it (`BacksolveAdjoint`'s).
+inverting the solver's step (`Reversible(solver)`'s coupled steps, or
+`diffrax.ReversibleHeun`'s, both algebraic bijections of their state), so memory does not
+grow with the number of steps and the gradient is the discretise-then-optimise gradient
+(`DirectAdjoint`'s), not an adjoint ODE's approximation of it (`BacksolveAdjoint`'s).
 
 The loop is jaxrev's own, not diffrax's: the times come from the step counter (as
-`ConstantStepSize` and `StepTo` compute them, so the steps equal diffrax's bit for bit), and a
-value saved at `SaveAt(ts=...)` is one more step from the step it falls in, interpolated with
-the solver's interpolation and added into a zero buffer (which the backward pass subtracts).
-Nothing is stored per step; per save time, one trip count.
+`ConstantStepSize` and `StepTo` compute them, so the steps equal diffrax's bit for bit) or,
+for an adaptive controller, from the accepted steps of a first, non-differentiated diffrax
+solve (one scalar a step); a value saved at `SaveAt(ts=...)` is one more step from the step it
+falls in, interpolated with the solver's interpolation and added into a zero buffer (which the
+backward pass subtracts). Nothing is stored per step; per save time, one trip count.
 """
 from __future__ import annotations
 
@@ -37,14 +39,21 @@ _SEARCH_ROUNDS = 32
 class ReversibleAdjoint(diffrax.AbstractAdjoint):
     """Backpropagate through `diffeqsolve` by running the solver backwards (`jr.reversible`).
 
-    Memory is flat in the number of steps: the step loop is a while loop, which
-    `jr.reversible` does not checkpoint without a bound, so its drift is checked at the
-    solve's inputs (√eps of the dtype) and not repaired yet; the gradient equals
-    `DirectAdjoint`'s to the solver's reversal error.
-    Needs a solver whose step jaxrev can invert (`diffrax.ReversibleHeun`; a solver that
-    loses information, e.g. `Euler`, is refused naming its line, unless `checkpoint_every`
-    is given), a `ConstantStepSize` or `StepTo` controller, no events, and `SaveAt` with
-    `t0`, `t1` and `ts` (not `steps` or `dense`). The fields are `jr.reversible`'s.
+    Solvers: `Reversible(s)` for an explicit Runge–Kutta solver s, or
+    `diffrax.ReversibleHeun`; an explicit Runge–Kutta solver as it is (its step loses
+    information) and implicit, split or SDE-only solvers are refused with a `ValueError`
+    saying what is accepted. Controllers: `ConstantStepSize`, `StepTo`, and adaptive ones
+    (`PIDController`: the accepted steps are found by a first solve that is not
+    differentiated, as diffrax's controller stops gradients through its step sizes too, and
+    kept, one scalar a step; needs a finite `max_steps`). `SaveAt` with `t0`, `t1`, `ts` and
+    `subs` (not `steps` or `dense`); no events.
+
+    Memory: with the default `checkpoint_every=None` nothing is stored per step (flat in the
+    number of steps and in `max_steps`); the rebuilt start of the solve is checked against
+    y0 (`on_drift`: a miss raises `jr.DriftError`, never a silently wrong gradient).
+    `checkpoint_every="auto"` keeps ⌈√max_steps⌉ checkpoints of the state so that a drifting
+    segment is recomputed forward (repaired) instead, for solves saved at t1 (a solve saved
+    at `ts` stays checked, not repaired). The fields are `jr.reversible`'s.
 
     Example:
         >>> import diffrax, jax, jax.numpy as jnp, jaxrev as jr
@@ -157,7 +166,9 @@ class Reversible(diffrax.AbstractAdaptiveSolver):
     Each line adds to one value a function of the other, so the step is a bijection of (y, z)
     whose inverse needs two base steps and no solve; `jr.reversible` finds that inverse in the
     step's own program (no rule is registered: the couplings are inverted like any additive
-    coupling), and `ReversibleAdjoint` runs the solve backwards with it. The order is the base
+    coupling, at the cost a hand-written inverse would have, and the stages the inverse
+    evaluates are the ones the step's VJP reads), and `ReversibleAdjoint` runs the solve
+    backwards with it. The order is the base
     solver's. Each base step is taken as after a jump (its first-same-as-last stage is
     evaluated, not read from a state), so the solver state is z alone: a pure function of the
     step's inputs, which the backward run can rebuild (Tsit5's and Dopri5's cached stage

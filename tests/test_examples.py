@@ -232,3 +232,13 @@ def test_reversible_transformer_trains():
     assert m, out
     assert float(m.group(2)) < 0.7 * float(m.group(1)), out
     assert "per-device scratch" in out and "remat" in out
+
+
+@pytest.mark.slow   # about 50 s; tests/test_reversible_rk.py checks the adaptive solves
+def test_continuous_flow_trains():
+    out = _run("continuous_flow.py")
+    m = re.search(r"gradient vs DirectAdjoint \(float32\): largest relative difference "
+                  r"([0-9.e+-]+)", out)
+    assert m and float(m.group(1)) < 1e-3, out
+    m = re.search(r"NLL ([0-9.]+) -> ([0-9.]+)", out)
+    assert m and float(m.group(2)) < float(m.group(1)) - 0.5, out

@@ -5,7 +5,7 @@
     python tools/gen_api.py --missing-examples   # list public names whose docstring has no >>>
 
 The page covers every name in `jaxrev.__all__` (in that order), every name in
-`jaxrev.optim.__all__`, and `jaxrev.diffrax.ReversibleAdjoint`. Classes list their public
+`jaxrev.optim.__all__`, and `jaxrev.diffrax` (`ReversibleAdjoint`, `Reversible`). Classes list their public
 methods and properties that have docstrings (and name the others). The output is
 deterministic: no addresses, no timestamps; signatures are rendered from `inspect.signature`
 by this script, and default values that are objects are rendered by name.
@@ -33,7 +33,7 @@ API_MD = os.path.join(ROOT, "docs", "api.md")
 API_REL = os.path.join("docs", "api.md")
 REGENERATE = "python tools/gen_api.py"
 
-DIFFRAX_NAMES = ("ReversibleAdjoint",)
+DIFFRAX_NAMES = ("ReversibleAdjoint", "Reversible")
 DIFFRAX_BEGIN = "<!-- begin jaxrev.diffrax -->"
 DIFFRAX_END = "<!-- end jaxrev.diffrax -->"
 
@@ -338,7 +338,7 @@ HEADER = f"""# API reference
 hand. `{REGENERATE} --check` (run by tests/test_api_docs.py) fails when it is stale. -->
 
 Every public name of `jaxrev` (its `__all__`, in that order), of `jaxrev.optim` and
-`jaxrev.diffrax.ReversibleAdjoint`, with its signature and docstring. The guides
+`jaxrev.diffrax` (`ReversibleAdjoint`, `Reversible`), with its signature and docstring. The guides
 (`docs/reverse.md`, `docs/reversible.md`, `docs/inverse_ad.md`, `docs/flows.md`,
 `docs/optim.md`, `docs/primitives.md`, `docs/custom_rules.md`) explain how to use them;
 `docs/design.md` is the contract they implement.
@@ -434,7 +434,7 @@ def missing_examples(names: Sequence[str] | None = None, *,
     """Public functions and classes whose own docstring has no ``>>>`` example.
 
     By default the names of `jaxrev.__all__` (modules and constants are not counted);
-    ``everything=True`` adds `jaxrev.optim`'s and `jaxrev.diffrax.ReversibleAdjoint`."""
+    ``everything=True`` adds `jaxrev.optim`'s and `jaxrev.diffrax`'s."""
     top, opt, dfx = _entries()
     entries = list(top)
     if everything:
