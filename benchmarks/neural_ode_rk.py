@@ -41,8 +41,8 @@ from jaxrev.diffrax import Reversible, ReversibleAdjoint  # noqa: E402
 jax.config.update("jax_enable_x64", True)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import (device_info, interleaved_medians, progress, pyplot,  # noqa: E402
-                     rel_err, write_results)
+from _common import (RESULTS, device_info, interleaved_medians, progress,  # noqa: E402
+                     pyplot, rel_err, write_results)
 
 DIM, WIDTH, BATCH = 8, 64, 32
 METHODS = ("Reversible + ReversibleAdjoint", "RecursiveCheckpointAdjoint", "BacksolveAdjoint")
@@ -190,8 +190,7 @@ def plot(res: dict) -> None:
         ax.set_title(title)
     axes[0].legend(fontsize=6)
     fig.tight_layout()
-    fig.savefig(os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                             "neural_ode_rk.png"), dpi=120)
+    fig.savefig(os.path.join(RESULTS, "neural_ode_rk.png"), dpi=120)
 
 
 def main(argv=None) -> None:
