@@ -183,6 +183,8 @@ class _Prims:
             self.linear_solve = getattr(_solves, "linear_solve_p", None)
         except ImportError:  # pragma: no cover
             self.linear_solve = None
+        from jax._src.lax import linalg as _linalg
+        self.triangular_solve = getattr(_linalg, "triangular_solve_p", None)
         from jax._src import dispatch as _dispatch
         self.device_put = getattr(_dispatch, "device_put_p", None)
         from jax._src import callback as _callback

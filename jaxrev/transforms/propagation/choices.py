@@ -25,8 +25,6 @@ Derivatives differentiate the chosen candidate (the selection by consistency has
 """
 from __future__ import annotations
 
-import itertools
-from types import MappingProxyType
 from typing import Any, Callable, Sequence
 
 import jax
@@ -40,6 +38,7 @@ from jaxrev._jaxpr import Env, evaluate, is_var, real_outvars, size_of
 from jaxrev.transforms.knowledge.checks import NEWTON_STARTS, raise_where
 from jaxrev.transforms.custom import custom_inverse
 from jaxrev.transforms.knowledge import records
+from jaxrev.transforms.propagation.reach import decided_on, reachable
 from jaxrev.transforms.registry import choice_rules, elementwise_in
 
 __all__ = ["choice_step", "MAX_COMBOS"]
@@ -102,14 +101,19 @@ def _choices(G: Sequence[JaxprEqn], env: Env) -> list[_Choice]:
                and _small(_int_range(v, producer, env, {})) for v in e.invars):
             continue
         values.append(_Choice(e, int(r[1] - r[0] + 1), int(r[0])))
-    feeds = _ancestors([c.eqn for c in values], producer)
+    # what only feeds the integers is decided with them (the clip of a bin index); what also
+    # feeds the outputs otherwise is a choice of its own (a spline's clip of `x`, which the
+    # bin search reads too)
+    mine = {c.eqn for c in values}
+    outs = [v for e in G for v in real_outvars(e) if env.known(v)]
+    feeds = _ancestors(list(mine), producer) - set(_live([e for e in G if e not in mine], outs))
     # what the assumed integers decide with the known values is no choice (the index
     # normalization of `jnp.take` at an assumed bin)
     det = _determined(G, values, env)
     out = list(values)
     for e in G:
         rule = choice_rules.get(e.primitive)
-        if rule is None or e in feeds or any(c.eqn is e for c in values):
+        if rule is None or e in feeds or e in mine:
             continue
         n = rule.count(e, lambda v: env.known(v) or v in det)
         if n > 1:
@@ -232,15 +236,52 @@ def choice_step(eqns: Sequence[JaxprEqn], env: Env, pending: Sequence[int], soft
         whole = all(c.whole for c in ch)
         if not (per_element or whole):
             continue
-        if int(np.prod([c.n for c in ch])) > MAX_COMBOS:
+        combos = _combos(G, ch, outputs, env)
+        if combos is None:
             continue
         try:
-            return _split(G, ch, inputs, outputs, env, shape if per_element else None, walk)
+            return _split(G, ch, combos, inputs, outputs, env,
+                          shape if per_element else None, walk, soft)
         except _Lost as e:
             if soft:
                 return False
             raise e.error from None
     return False
+
+
+def _combos(G: Sequence[JaxprEqn], ch: list[_Choice], outputs: Sequence[Var], env: Env
+            ) -> list[dict] | None:
+    """The combinations ``{eqn: (choice, branch)}`` to try (None: more than `MAX_COMBOS`).
+    Choices are split from the outputs backwards and only while still live: a select's case
+    leaves its other case's computations dead, so the choices under a case are tried under it
+    alone (a spline's bins under the in-bounds case: linear in the bins, not a product), and
+    a prefix whose branches cannot hold together (`reach.reachable`) is dropped."""
+    producer = {o: e for e in G for o in real_outvars(e)}
+    by_eqn = {c.eqn: c for c in ch}
+    order = [e for e in reversed(G) if e in by_eqn]
+    out: list[dict] = []
+
+    def grow(combo: dict) -> bool:
+        window = _branch_window(G, combo, env.copy())
+        if window is None:   # (`_solve` reports it)
+            out.append(combo)
+            return len(out) <= MAX_COMBOS
+        undecided = {e for e in order if e not in combo and by_eqn[e].value is None}
+        live = set(map(id, _live(window, outputs, decided=undecided)))
+        nxt = next((e for e in order if e not in combo and id(e) in live), None)
+        if nxt is None:
+            out.append(combo)
+            return len(out) <= MAX_COMBOS
+        c = by_eqn[nxt]
+        for k in range(c.n):
+            more = {**combo, nxt: (c, k)}
+            if _fails(c, k) or not reachable(more, producer, env):
+                continue   # that branch never returns, or contradicts the others
+            if not grow(more):
+                return False
+        return True
+
+    return out if grow({}) else None
 
 
 def _int_out(e: JaxprEqn) -> bool:
@@ -312,8 +353,8 @@ def _live(window: list[JaxprEqn], targets: Sequence[Var],
     return [e for e, k in zip(window, keep) if k]
 
 
-def _split(G: Sequence[JaxprEqn], ch: list[_Choice], inputs: list[Var], outputs: list[Var],
-           env: Env, shape: tuple | None, walk: Walk) -> bool:
+def _split(G: Sequence[JaxprEqn], ch: list[_Choice], combos: list[dict], inputs: list[Var],
+           outputs: list[Var], env: Env, shape: tuple | None, walk: Walk, soft: bool) -> bool:
     """Invert the group branch by branch and write the consistent candidate. The inverse is
     emitted as one `custom_inverse` step whose own inverse is the group run forward, so that
     the inverse program can be inverted again (``reverse(reverse(f))``)."""
@@ -330,8 +371,8 @@ def _split(G: Sequence[JaxprEqn], ch: list[_Choice], inputs: list[Var], outputs:
         return e
 
     def solve(ys: Sequence[Any], rs: Sequence[Any]) -> tuple:
-        return tuple(_solve(G, ch, inputs, outputs, fresh([(reads, rs), (outputs, ys)]),
-                            shape, walk))
+        return tuple(_solve(G, ch, combos, inputs, outputs,
+                            fresh([(reads, rs), (outputs, ys)]), shape, walk, soft))
 
     def forward(xs: Sequence[Any], rs: Sequence[Any]) -> tuple:
         e = fresh([(reads, rs), (inputs, xs)])
@@ -356,14 +397,12 @@ def _split(G: Sequence[JaxprEqn], ch: list[_Choice], inputs: list[Var], outputs:
     return True
 
 
-def _solve(G: Sequence[JaxprEqn], ch: list[_Choice], inputs: list[Var], outputs: list[Var],
-           env: Env, shape: tuple | None, walk: Walk) -> list[Any] | None:
-    cands, oks, tried = [], [], []
+def _solve(G: Sequence[JaxprEqn], ch: list[_Choice], combos: list[dict], inputs: list[Var],
+           outputs: list[Var], env: Env, shape: tuple | None, walk: Walk, soft: bool
+           ) -> list[Any] | None:
+    cands, oks, tried, lost = [], [], [], []
     producer = {o: e for e in G for o in real_outvars(e)}
-    for ks in itertools.product(*[range(c.n) for c in ch]):
-        combo = {c.eqn: (c, k) for c, k in zip(ch, ks)}
-        if not _reachable(combo, producer, env) or any(_fails(c, k) for c, k in zip(ch, ks)):
-            continue   # its branches contradict each other, or one never returns
+    for combo in combos:
         window = _branch_window(G, combo, env.copy())
         if window is None:
             return None
@@ -372,17 +411,21 @@ def _solve(G: Sequence[JaxprEqn], ch: list[_Choice], inputs: list[Var], outputs:
         # start's preimage is a candidate, and consistency picks
         # (the branch walk's own context: whether Newton's method ran is asked of it alone)
         bctx = env.ctx.replace(on_error="nan")
-        vals, ok = jax.vmap(lambda start: _branch(G, combo, ch, ks, inputs, outputs, env, shape,
-                                                  start, walk, bctx))(
+        vals, ok, amb = jax.vmap(lambda start: _branch(
+            G, combo, inputs, outputs, env, shape, start, walk, bctx, producer, soft))(
             jnp.arange(-1, NEWTON_STARTS))
+        if amb is not None:   # a branch that loses the state, met only where it runs
+            lost.append((_lossy_branch(combo, env)[0], amb[0]))
+            continue
         starts = range(NEWTON_STARTS + 1) if bctx.newton_uses else range(1)
+        ks = tuple(combo[c.eqn][1] if c.eqn in combo else -1 for c in ch)
         for j in starts:
             cands.append([x[j] for x in vals])
             oks.append(ok[j])
             tried.append(ks)
     if not cands:
         return None
-    out, idx = _merge(ch, inputs, cands, oks, env.ctx)
+    out, idx = _merge(ch, inputs, cands, oks, lost, env.ctx)
     if shape is not None and not all(elementwise_in(e, shape) or _pointwise_gather(e, shape)
                                      for e in G):
         _recheck(G, ch, inputs, env, out, idx, tried)
@@ -395,27 +438,29 @@ def _fails(c: _Choice, k: int) -> bool:
     return rule is not None and rule.fails is not None and rule.fails(c.eqn, k)
 
 
-def _branch(G: Sequence[JaxprEqn], combo: dict, ch: list[_Choice], ks: Sequence[int],
-            inputs: list[Var], outputs: list[Var], env: Env, shape: tuple | None, start: Any,
-            walk: Walk, bctx: Any) -> tuple[list[Any], Any]:
+def _branch(G: Sequence[JaxprEqn], combo: dict, inputs: list[Var], outputs: list[Var],
+            env: Env, shape: tuple | None, start: Any, walk: Walk, bctx: Any, producer: dict,
+            soft: bool) -> tuple[list[Any], Any, Any]:
     """One combination of branches: the candidate it inverts to (Newton's method starting
-    from start `start`, -1 for the best of all) and where the group takes those branches.
+    from start `start`, -1 for the best of all), where the group takes those branches, and
+    None; or, for a combination whose output does not depend on the state (a clip's
+    saturated branch after a spline), where the output is the one it makes (`_lossy`).
     `bctx`: the branch walk's context (NaN instead of errors), derived from the group's."""
     env_c = env.copy()
     window = _live(_branch_window(G, combo, env_c), outputs)
     env_c.ctx = bctx.replace(newton_start=start)
     stuck = walk(window, env_c, inputs)
     if not all(env_c.known(v) for v in inputs):
-        e, k = _lossy_branch(ch, ks, env)
-        inner = _lossy_step(stuck, ch) if e is None else None
+        amb = None if soft else _lossy(G, combo, inputs, outputs, env, producer, shape)
+        if amb is not None:
+            return [jnp.full(v.aval.shape, jnp.nan, v.aval.dtype) for v in inputs], \
+                jnp.zeros(shape or (), bool), amb
+        e, k = _lossy_branch(combo, env)
+        inner = _lossy_step(stuck, combo) if e is None else None
         if inner is not None:   # the branch is fine, a step inside it loses information
             raise _Lost(not_invertible(inner.eqn, inner.reason, inner.hint, who=env.ctx.who))
-        e, k = (e, k) if e is not None else (ch[0].eqn, ks[0])
-        raise _Lost(not_invertible(
-            e, f"where the program takes branch {k} of it, the state cannot be recovered from "
-               "the output (that branch does not depend on it, like relu's zero)",
-            "Ways out: make every branch invertible (leaky relu instead of relu), or keep what "
-            "the branch loses in the state.", who=env.ctx.who))
+        e, k = (e, k) if e is not None else next((d, kk) for d, (_, kk) in combo.items())
+        raise _Lost(not_invertible(e, _LOST_REASON.format(k=k), _LOST_HINT, who=env.ctx.who))
     vals = [env_c.read(v) for v in inputs]
     # run the original group forward from the candidate: does it take these branches?
     env_f = env.copy()
@@ -428,7 +473,43 @@ def _branch(G: Sequence[JaxprEqn], combo: dict, ch: list[_Choice], ks: Sequence[
     for x in vals:
         fin = jnp.isfinite(x)
         ok = ok & (fin if shape is not None else jnp.all(fin))
-    return vals, (ok if shape is None else jnp.broadcast_to(ok, shape))
+    return vals, (ok if shape is None else jnp.broadcast_to(ok, shape)), None
+
+
+_LOST_REASON = ("where the program takes branch {k} of it, the state cannot be recovered from "
+                "the output (that branch does not depend on it, like relu's zero)")
+_LOST_HINT = ("Ways out: make every branch invertible (leaky relu instead of relu), or keep what "
+              "the branch loses in the state.")
+
+
+def _lossy(G: Sequence[JaxprEqn], combo: dict, inputs: list[Var], outputs: list[Var],
+           env: Env, producer: dict, shape: tuple | None) -> Any:
+    """For a combination that cannot be inverted: where the output is the one it makes, if the
+    state is not known to take it. A branch taken on an interval of the state itself (relu's
+    zero) is refused when traced (None); one taken on an intermediate value (a clip after a
+    spline, saturated only where the spline leaves its interval, which it never does) may
+    never run: it is refused where it could have made the output, when the program runs.
+    None too where the combination's output still depends on the state."""
+    e, k = _lossy_branch(combo, env)
+    if e is None or decided_on(e, k, producer, env, set(inputs), combo):
+        return None
+    made = {o for q in G for o in real_outvars(q)}
+    env_q = Env(info=env.info, ctx=env.ctx)   # what is known before the group, no output
+    for q in G:
+        for v in q.invars:
+            if is_var(v) and v not in made and env.known(v):
+                env_q.write(v, env.read(v))
+    window = _branch_window(G, combo, env_q)
+    if window is None:
+        return None
+    evaluate(window, env_q, partial=True)
+    if not all(env_q.known(o) for o in outputs):
+        return None
+    amb = jnp.asarray(True)
+    for o in outputs:
+        same = env.read(o) == env_q.read(o)
+        amb = amb & (same if shape is not None else jnp.all(same))
+    return amb if shape is None else jnp.broadcast_to(amb, shape)
 
 
 def _recheck(G: Sequence[JaxprEqn], ch: list[_Choice], inputs: list[Var], env: Env,
@@ -444,7 +525,7 @@ def _recheck(G: Sequence[JaxprEqn], ch: list[_Choice], inputs: list[Var], env: E
     ok = jnp.asarray(True)
     for j, c in enumerate(ch):
         k = jnp.asarray(table[:, j])[idx]
-        held = jnp.zeros(idx.shape, bool)
+        held = k < 0   # (a choice the combination left dead: any branch)
         for b in range(c.n):
             held = held | ((k == b) & c.holds(env_f, b))
         ok = ok & held
@@ -460,99 +541,10 @@ def _recheck(G: Sequence[JaxprEqn], ch: list[_Choice], inputs: list[Var], env: E
         "on_error='nan'.", who=who), together, bad=~together)
 
 
-# --------------------------------------------------------------------------- reachability
-# A branch of a choice between a value and a constant holds on an interval of the value
-# (relu's zero where x < 0); combinations whose intervals for one value do not meet are never
-# taken, so they are neither tried nor refused (`where(x > 20, x, log1p(exp(min(x, 20))))`).
-
-_CMP = MappingProxyType({"gt": (1, False), "ge": (1, True), "lt": (-1, False),
-                         "le": (-1, True)})
-
-
-def _interval(e: JaxprEqn, k: int, producer: dict, env: Env) -> tuple[Any, tuple] | None:
-    """(value, (lo, lo_closed, hi, hi_closed)) where choice `e` takes branch `k`, if that is
-    a comparison of one value with a static scalar; None otherwise."""
-    p = e.primitive
-    inf = np.inf
-    if p is prims.abs:
-        return e.invars[0], ((0.0, True, inf, False) if k == 0 else (-inf, False, 0.0, False))
-    if p in (prims.max, prims.min):
-        a, b = e.invars
-        c = _scalar(b, env)
-        if c is None:
-            a, b, c = b, a, _scalar(a, env)
-            if c is None:
-                return None
-        upper = (p is prims.max) == (k == 0)   # max branch 0 / min branch 1: a above c
-        return a, ((c, p is prims.max, inf, False) if upper else (-inf, False, c, p is prims.min))
-    if p is prims.select_n and len(e.invars) == 3:
-        cmp = producer.get(e.invars[0])
-        if cmp is None or cmp.primitive.name not in _CMP:
-            return None
-        a, b = cmp.invars
-        sign, closed = _CMP[cmp.primitive.name]
-        c = _scalar(b, env)
-        if c is None:
-            a, b, c, sign = b, a, _scalar(a, env), -sign
-            if c is None:
-                return None
-        if k == 0:   # the comparison is false
-            sign, closed = -sign, not closed
-        return a, ((c, closed, inf, False) if sign > 0 else (-inf, False, c, closed))
-    return None
-
-
-def _scalar(v: Any, env: Env) -> float | None:
-    s = env.info.static(v)
-    if s is None or np.size(s) != 1:
-        return None
-    return float(np.asarray(s).reshape(()))
-
-
-def _shifted(v: Any, iv: tuple, producer: dict, env: Env) -> tuple[Any, tuple]:
-    """The interval carried back through additions of static scalars and copies."""
-    lo, lc, hi, hc = iv
-    for _ in range(16):
-        e = producer.get(v)
-        if e is None:
-            break
-        if e.primitive in (prims.copy, prims.convert_element_type) and len(e.invars) == 1:
-            v = e.invars[0]
-            continue
-        if e.primitive in (prims.add, prims.sub) and len(e.invars) == 2:
-            c = _scalar(e.invars[1], env)
-            if c is not None and is_var(e.invars[0]):
-                d = c if e.primitive is prims.add else -c   # v = u + d
-                lo, hi, v = lo - d, hi - d, e.invars[0]
-                continue
-        break
-    return v, (lo, lc, hi, hc)
-
-
-def _reachable(combo: dict, producer: dict, env: Env) -> bool:
-    bounds: dict = {}
-    for e, (c, k) in combo.items():
-        got = _interval(e, k, producer, env) if c.value is None else None
-        if got is None:
-            continue
-        v, iv = _shifted(*got, producer, env)
-        lo, lc, hi, hc = bounds.get(v, (-np.inf, False, np.inf, False))
-        nlo, nlc, nhi, nhc = iv
-        if nlo > lo or (nlo == lo and not nlc):
-            lo, lc = nlo, nlc
-        if nhi < hi or (nhi == hi and not nhc):
-            hi, hc = nhi, nhc
-        if lo > hi or (lo == hi and not (lc and hc)):
-            return False
-        bounds[v] = (lo, lc, hi, hc)
-    return True
-
-
-def _lossy_branch(ch: list[_Choice], ks: Sequence[int], env: Env
-                  ) -> tuple[JaxprEqn | None, int]:
+def _lossy_branch(combo: dict, env: Env) -> tuple[JaxprEqn | None, int]:
     """The choice to name for a combination that cannot be inverted: one whose branch is a
     value that does not depend on the state (relu's zero); (None, 0) where there is none."""
-    for c, k in zip(ch, ks):
+    for c, k in combo.values():
         if c.value is not None:
             continue
         r = choice_rules[c.eqn.primitive].branch(c.eqn, k)
@@ -561,10 +553,10 @@ def _lossy_branch(ch: list[_Choice], ks: Sequence[int], env: Env
     return None, 0
 
 
-def _lossy_step(stuck: Any, ch: list[_Choice]) -> Any:
+def _lossy_step(stuck: Any, combo: dict) -> Any:
     """Among a branch walk's stuck steps, one (not a choice) whose rule said it destroys
     information (`x ** 2.0` behind Equinox's `error_if`): the step to name."""
-    mine = {c.eqn for c in ch}
+    mine = set(combo)
     todo = list(stuck or ())
     while todo:
         s = todo.pop(0)
@@ -574,10 +566,11 @@ def _lossy_step(stuck: Any, ch: list[_Choice]) -> Any:
     return None
 
 
-def _merge(ch: list[_Choice], inputs: list[Var], cands: list, oks: list, ctx: Any
-           ) -> tuple[list[Any], Any]:
+def _merge(ch: list[_Choice], inputs: list[Var], cands: list, oks: list, lost: list,
+           ctx: Any) -> tuple[list[Any], Any]:
     """Per element (or as a whole), the first consistent candidate; checks that one is
-    consistent and that the consistent ones agree (what a failure does: `ctx.on_error`)."""
+    consistent, that the consistent ones agree, and that no branch that loses the state could
+    have made the output (`lost`: ``(choice, where)``); what a failure does: `ctx.on_error`."""
     who = ctx.who
     ok = jnp.stack(oks)
     idx = jnp.argmax(ok, axis=0).astype(jnp.int32)
@@ -599,8 +592,15 @@ def _merge(ch: list[_Choice], inputs: list[Var], cands: list, oks: list, ctx: An
             far = far if idx.ndim else jnp.any(far)
             apart = apart | (o & (idx != c) & far)
     first = next((c.eqn for c in ch if has_user_frame(c.eqn)), ch[0].eqn)
+    gone = jnp.zeros(idx.shape, bool)
+    for _, where in lost:
+        gone = gone | where
 
-    def error(anyok, apart):
+    def error(anyok, apart, gone):
+        if np.any(gone):
+            return not_invertible(lost[0][0], "the output is one that a branch of it makes whatever the "
+                                     "state (a saturated clip): the state cannot be recovered "
+                                     "there", _LOST_HINT, who=who)
         if not np.all(anyok):
             return at_eqn(ReversibilityError, first,
                           "no branch of the choices in this group (a select or a max whose "
@@ -618,8 +618,9 @@ def _merge(ch: list[_Choice], inputs: list[Var], cands: list, oks: list, ctx: An
                                   who=who)
         return None
 
-    raise_where(ctx.on_error, error, anyok, apart, bad=~jnp.all(anyok) | jnp.any(apart))
-    good = anyok & ~apart
+    raise_where(ctx.on_error, error, anyok, apart, gone,
+                bad=~jnp.all(anyok) | jnp.any(apart) | jnp.any(gone))
+    good = anyok & ~apart & ~gone
     out = []
     for p in picked:
         bad = jnp.broadcast_to(~good, jnp.shape(p)) if good.ndim else ~good

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxrev._compat import JaxprEqn, as_closed, is_concrete, prims
+from jaxrev._compat import JaxprEqn, ShapedArray, as_closed, is_concrete, literal, prims
 from jaxrev._errors import ReversibilityError, at_eqn, not_invertible
 from jaxrev._jaxpr import Env, apply, eval_closed, is_unknown
 from jaxrev.transforms.knowledge import regions as R
@@ -396,79 +396,6 @@ def _complex(out, re, im, **_):
 define(prims.complex, inverse=_complex, kind=(LINEAR,))
 
 
-_SMALL_MATRIX = 64
-"""Up to this size, a known matrix applied to at least as many vectors is inverted once and
-applied by a product."""
-
-
-def _dot_general(out, lhs, rhs, *, dimension_numbers, **_):
-    (lc, rc), (lb, rb) = dimension_numbers
-    if is_unknown(lhs) == is_unknown(rhs):
-        return None
-    x_is_lhs = is_unknown(lhs)
-    x, w = (lhs, rhs) if x_is_lhs else (rhs, lhs)
-    xc, wc = (lc, rc) if x_is_lhs else (rc, lc)
-    xb, wb = (lb, rb) if x_is_lhs else (rb, lb)
-    w_free = [d for d in range(w.ndim) if d not in wc and d not in wb]
-    if len(xc) != 1 or len(w_free) != 1 or w.shape[wc[0]] != w.shape[w_free[0]]:
-        raise Lossy("multiplying by a matrix is invertible only for a known square matrix "
-                    f"contracted on one dimension (got operand shape {tuple(w.shape)})")
-    x_free = [d for d in range(x.aval.ndim) if d not in xc and d not in xb]
-    n = w.shape[wc[0]]
-    # canonical forms: W as (B..., n_contract, n_free); Y as (B..., F, n_free) or (B..., n_free, F)
-    Wc = jnp.transpose(w, list(wb) + [wc[0], w_free[0]])
-    fshape = [x.aval.shape[d] for d in x_free]
-    nf = int(np.prod(fshape, dtype=np.int64))
-    bshape = [x.aval.shape[d] for d in xb]
-    # a small matrix applied to many vectors (a 1x1 convolution over pixels): its inverse
-    # applied by a product, which XLA runs itself, rather than a LAPACK solve with that many
-    # right-hand sides (whose BLAS threads cost milliseconds a call on a busy CPU)
-    by_inverse = n <= _SMALL_MATRIX and nf >= n
-    if x_is_lhs:  # out = (B..., x_free..., w_free)
-        Y = jnp.reshape(out, bshape + [nf, n])
-        # Y = X @ Wc  =>  X = Y @ inv(Wc), or X^T = solve(Wc^T, Y^T)
-        X = (Y @ jnp.linalg.inv(Wc) if by_inverse else jnp.swapaxes(jnp.linalg.solve(
-            jnp.swapaxes(Wc, -1, -2), jnp.swapaxes(Y, -1, -2)), -1, -2))
-        X = jnp.reshape(X, bshape + fshape + [n])
-        order = list(xb) + x_free + [xc[0]]
-    else:  # out = (B..., w_free, x_free...)
-        Y = jnp.reshape(out, bshape + [n, nf])
-        # Y = Wc^T @ X
-        Wt = jnp.swapaxes(Wc, -1, -2)
-        X = jnp.linalg.inv(Wt) @ Y if by_inverse else jnp.linalg.solve(Wt, Y)
-        X = jnp.reshape(X, bshape + [n] + fshape)
-        order = list(xb) + [xc[0]] + x_free
-    X = jnp.transpose(X, np.argsort(order))
-    if is_concrete(X) and not bool(jnp.all(jnp.isfinite(X))):
-        raise Lossy("the known matrix is singular", singular=True)
-    return [X, None] if x_is_lhs else [None, X]
-
-
-def _dot_logdet(ctx: LogdetContext) -> tuple[Any, Any]:
-    """y = x @ W (or W @ x) with W known and square: det(W) once per row (column)."""
-    eqn = ctx.eqn
-    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-    if lb or rb or sum(ctx.recovered) != 1 or len(lc) != 1:
-        raise Unsupported("a dot_general other than a product by a known square matrix")
-    k = ctx.recovered.index(True)
-    x, W = ctx.invals[k], ctx.invals[1 - k]
-    if W.ndim != 2 or W.shape[0] != W.shape[1]:
-        raise Unsupported("a dot_general by a matrix that is not square")
-    # the output lays out x's free axes, then W's (x @ W), or W's first (W @ x): the same
-    # layout as x when x is contracted on its last axis, or on its first: then the map is W
-    # applied along that axis, det(W) once per line, in the order input and output share
-    xc = (lc if k == 0 else rc)[0]
-    if xc != (x.ndim - 1 if k == 0 else 0):
-        raise Unsupported("a dot_general whose output is laid out unlike its input (x @ W "
-                          "contracting x's last axis, or W @ x contracting its first)")
-    s, la = jnp.linalg.slogdet(W)
-    reps = int(np.prod(x.shape, dtype=np.int64)) // W.shape[0]
-    return s ** reps, la * reps
-
-
-define(prims.dot_general, inverse=_dot_general, logdet=_dot_logdet, kind=(BILINEAR,))
-
-
 def _conv_matrix(params: dict, kernel: Any) -> Any | None:
     """The (in, out) channel matrix of a 1x1 convolution that mixes channels only (Glow's
     invertible 1x1 convolution, Flax's `nn.Conv(kernel_size=(1, 1))`); None for any other."""
@@ -577,12 +504,14 @@ def _operand(eqn: JaxprEqn, k: int) -> Any:
     return eqn.invars[k]
 
 
+# (both branches hold at the tie, where they give the same value: a saturated branch, the
+# constant of a clip, is then never the only consistent one; propagation/reach.py)
 def _max_holds(eqn: JaxprEqn, ins: list, k: int) -> Any:
-    return ins[0] >= ins[1] if k == 0 else ins[0] < ins[1]
+    return ins[0] >= ins[1] if k == 0 else ins[0] <= ins[1]
 
 
 def _min_holds(eqn: JaxprEqn, ins: list, k: int) -> Any:
-    return ins[0] <= ins[1] if k == 0 else ins[0] > ins[1]
+    return ins[0] <= ins[1] if k == 0 else ins[0] >= ins[1]
 
 
 def _abs_branch(eqn: JaxprEqn, k: int) -> Any:
@@ -599,10 +528,25 @@ define(prims.abs, choice=ChoiceRule(lambda e, known: 0 if known(e.invars[0]) els
                                     _abs_branch, _abs_holds), kind=(ELEMENTWISE,))
 
 
+def _sign_branch(eqn: JaxprEqn, k: int) -> Any:
+    dt = eqn.outvars[0].aval.dtype
+    return literal(np.asarray(k - 1, dt), ShapedArray((), dt))
+
+
+def _sign_holds(eqn: JaxprEqn, ins: list, k: int) -> Any:
+    return (ins[0] < 0, ins[0] == 0, ins[0] > 0)[k]
+
+
+# `sign(x) * c + a * x` (flowjax's LeakyTanh tails): each branch a constant -1, 0, 1 that the
+# rest of the group then inverts around
+define(prims.sign, choice=ChoiceRule(lambda e, known: 0 if known(e.invars[0]) else 3,
+                                     _sign_branch, _sign_holds), kind=(ELEMENTWISE,))
+
+
 # --------------------------------------------------------------------------- tags only
 # Primitives with no inverse of their own that lumps may still see through.
 
-for _p in (prims.sign, prims.floor, prims.ceil, prims.round, prims.eq, prims.ne, prims.lt,
+for _p in (prims.floor, prims.ceil, prims.round, prims.eq, prims.ne, prims.lt,
            prims.le, prims.gt, prims.ge, getattr(prims, "and"), getattr(prims, "or"),
            getattr(prims, "not"), prims.xor, prims.is_finite):
     define(_p, kind=(ELEMENTWISE,))
