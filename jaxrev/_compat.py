@@ -211,6 +211,7 @@ def is_host_callback(p: Any) -> bool:
 # interpreter (docs/design.md §3.1); loops and branches have their own rules.
 prims.remat = getattr(_ad_checkpoint, "remat_p", None)
 prims.add_any = getattr(_ad_util, "add_jaxvals_p", None)  # the sum JAX's tangent programs use
+prims.stop_gradient = getattr(_ad_util, "stop_gradient_p", None)
 
 _CALL_PARAM_NAMES = ("jaxpr", "call_jaxpr", "fun_jaxpr")
 # `jax.checkpoint` (remat) is a call too: rebuilding by inversion makes its recomputation moot

@@ -5,13 +5,15 @@
     python tools/gen_api.py --missing-examples   # list public names whose docstring has no >>>
 
 The page covers every name in `jaxrev.__all__` (in that order), every name in
-`jaxrev.optim.__all__`, and `jaxrev.diffrax` (`ReversibleAdjoint`, `Reversible`). Classes list their public
+`jaxrev.optim.__all__`, and the optional modules `jaxrev.diffrax` (`ReversibleAdjoint`,
+`Reversible`), `jaxrev.flowjax` (`Bijection`) and `jaxrev.numpyro` (`Transform`). Classes list their public
 methods and properties that have docstrings (and name the others). The output is
 deterministic: no addresses, no timestamps; signatures are rendered from `inspect.signature`
 by this script, and default values that are objects are rendered by name.
 
-diffrax is optional: where `jaxrev.diffrax` cannot be imported, the section it would produce is
-copied from the existing docs/api.md (so `--check` still compares the rest), and a note says so.
+diffrax, flowjax and numpyro are optional: where such a module cannot be imported, the section
+it would produce is copied from the existing docs/api.md (so `--check` still compares the
+rest), and a note says so.
 `tests/test_api_docs.py` runs `check()` in-process.
 """
 from __future__ import annotations
@@ -33,9 +35,17 @@ API_MD = os.path.join(ROOT, "docs", "api.md")
 API_REL = os.path.join("docs", "api.md")
 REGENERATE = "python tools/gen_api.py"
 
-DIFFRAX_NAMES = ("ReversibleAdjoint", "Reversible")
-DIFFRAX_BEGIN = "<!-- begin jaxrev.diffrax -->"
-DIFFRAX_END = "<!-- end jaxrev.diffrax -->"
+OPTIONAL = {"diffrax": ("ReversibleAdjoint", "Reversible"), "flowjax": ("Bijection",),
+            "numpyro": ("Transform",)}
+"""Optional modules (`jaxrev.<name>`, importing the library of that name) and their names."""
+
+
+def _begin(mod: str) -> str:
+    return f"<!-- begin jaxrev.{mod} -->"
+
+
+def _end(mod: str) -> str:
+    return f"<!-- end jaxrev.{mod} -->"
 
 WIDTH = 92  # a signature longer than this is written one parameter a line
 
@@ -50,13 +60,14 @@ def _import_jaxrev() -> types.ModuleType:
     return importlib.import_module("jaxrev")
 
 
-def _import_diffrax() -> types.ModuleType | None:
-    """`jaxrev.diffrax`, or None where diffrax (or equinox) is not installed."""
+def _import_optional(mod: str) -> types.ModuleType | None:
+    """`jaxrev.<mod>`, or None where its library (or equinox) is not installed."""
     _import_jaxrev()
     try:
-        return importlib.import_module("jaxrev.diffrax")
+        return importlib.import_module(f"jaxrev.{mod}")
     except ImportError:
         return None
+
 
 
 # --------------------------------------------------------------------------- values and signatures
@@ -345,36 +356,40 @@ Every public name of `jaxrev` (its `__all__`, in that order), of `jaxrev.optim` 
 """
 
 
-def _entries() -> tuple[list[Entry], list[Entry], types.ModuleType | None]:
+def _entries() -> tuple[list[Entry], list[Entry], dict[str, types.ModuleType | None]]:
     jr = _import_jaxrev()
     optim = importlib.import_module("jaxrev.optim")
     top = [Entry(f"jaxrev.{n}", getattr(jr, n), jr) for n in jr.__all__]
     opt = [Entry(f"jaxrev.optim.{n}", getattr(optim, n), optim) for n in optim.__all__]
-    return top, opt, _import_diffrax()
+    return top, opt, {m: _import_optional(m) for m in OPTIONAL}
+
+
+def _optional_entries(mods: dict) -> dict[str, list[Entry]]:
+    return {m: [Entry(f"jaxrev.{m}.{n}", getattr(mod, n), mod) for n in OPTIONAL[m]]
+            for m, mod in mods.items() if mod is not None}
 
 
 def _exported(entries: Sequence[Entry]) -> dict[int, str]:
     return {id(e.obj): e.qualname for e in entries if isinstance(e.obj, type)}
 
 
-def _existing_diffrax_section() -> str | None:
+def _existing_section(mod: str) -> str | None:
     try:
         with open(API_MD, encoding="utf-8") as f:
             text = f.read()
     except OSError:
         return None
-    a, b = text.find(DIFFRAX_BEGIN), text.find(DIFFRAX_END)
+    a, b = text.find(_begin(mod)), text.find(_end(mod))
     if a < 0 or b < a:
         return None
-    return text[a:b + len(DIFFRAX_END)]
+    return text[a:b + len(_end(mod))]
 
 
 def render() -> str:
     """The text of docs/api.md."""
-    top, opt, dfx = _entries()
-    dfx_entries = ([Entry(f"jaxrev.diffrax.{n}", getattr(dfx, n), dfx) for n in DIFFRAX_NAMES]
-                   if dfx is not None else [])
-    exported = _exported(top + opt + dfx_entries)
+    top, opt, mods = _entries()
+    extra = _optional_entries(mods)
+    exported = _exported(top + opt + [e for es in extra.values() for e in es])
     optim = importlib.import_module("jaxrev.optim")
 
     parts = [HEADER, "## Contents", ""]
@@ -382,8 +397,9 @@ def render() -> str:
         f"[`{e.qualname.split('.', 1)[1]}`](#{e.anchor})" for e in top))
     parts.append("- [`jaxrev.optim`](#jaxrev.optim): " + ", ".join(
         f"[`{e.qualname.rsplit('.', 1)[1]}`](#{e.anchor})" for e in opt))
-    parts.append("- [`jaxrev.diffrax`](#jaxrev.diffrax): " + ", ".join(
-        f"[`{n}`](#jaxrev.diffrax.{n})" for n in DIFFRAX_NAMES))
+    for m, names in OPTIONAL.items():
+        parts.append(f"- [`jaxrev.{m}`](#jaxrev.{m}): " + ", ".join(
+            f"[`{n}`](#jaxrev.{m}.{n})" for n in names))
     parts.append("")
 
     parts += ['<a id="jaxrev"></a>', "", "## `jaxrev`", "",
@@ -394,18 +410,19 @@ def render() -> str:
               doc_to_markdown(own_doc(optim)), ""]
     parts += [render_entry(e, exported) for e in opt]
 
-    if dfx is not None:
-        section = [DIFFRAX_BEGIN, "", '<a id="jaxrev.diffrax"></a>', "", "## `jaxrev.diffrax`",
-                   "", doc_to_markdown(own_doc(dfx)), ""]
-        section += [render_entry(e, exported) for e in dfx_entries]
-        parts.append("\n".join(section).rstrip() + "\n\n" + DIFFRAX_END)
-    else:
-        kept = _existing_diffrax_section()
+    for m in OPTIONAL:
+        if mods[m] is not None:
+            section = [_begin(m), "", f'<a id="jaxrev.{m}"></a>', "", f"## `jaxrev.{m}`",
+                       "", doc_to_markdown(own_doc(mods[m])), ""]
+            section += [render_entry(e, exported) for e in extra[m]]
+            parts.append("\n".join(section).rstrip() + "\n\n" + _end(m))
+            continue
+        kept = _existing_section(m)
         if kept is None:
-            kept = "\n".join([DIFFRAX_BEGIN, "", '<a id="jaxrev.diffrax"></a>', "",
-                              "## `jaxrev.diffrax`", "",
-                              "*(diffrax was not installed when this page was generated: run "
-                              f"`{REGENERATE}` where it is.)*", "", DIFFRAX_END])
+            kept = "\n".join([_begin(m), "", f'<a id="jaxrev.{m}"></a>', "",
+                              f"## `jaxrev.{m}`", "",
+                              f"*({m} was not installed when this page was generated: run "
+                              f"`{REGENERATE}` where it is.)*", "", _end(m)])
         parts.append(kept)
     text = "\n".join(parts)
     text = re.sub(r"\n{3,}", "\n\n", text).rstrip() + "\n"
@@ -434,14 +451,12 @@ def missing_examples(names: Sequence[str] | None = None, *,
     """Public functions and classes whose own docstring has no ``>>>`` example.
 
     By default the names of `jaxrev.__all__` (modules and constants are not counted);
-    ``everything=True`` adds `jaxrev.optim`'s and `jaxrev.diffrax`'s."""
-    top, opt, dfx = _entries()
+    ``everything=True`` adds `jaxrev.optim`'s and the optional modules'."""
+    top, opt, mods = _entries()
     entries = list(top)
     if everything:
         entries += opt
-        if dfx is not None:
-            entries += [Entry(f"jaxrev.diffrax.{n}", getattr(dfx, n), dfx)
-                        for n in DIFFRAX_NAMES]
+        entries += [e for es in _optional_entries(mods).values() for e in es]
     if names is not None:
         entries = [e for e in entries if e.qualname in names or e.qualname.split(".")[-1] in names]
     return [e.qualname for e in entries
@@ -456,9 +471,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--missing-examples", action="store_true",
                     help="list the public functions and classes whose docstring has no >>>")
     args = ap.parse_args(argv)
-    if _import_diffrax() is None:
-        print("gen_api: jaxrev.diffrax cannot be imported (is diffrax installed?); its section "
-              "is kept as it is in docs/api.md", file=sys.stderr)
+    for m in OPTIONAL:
+        if _import_optional(m) is None:
+            print(f"gen_api: jaxrev.{m} cannot be imported (is {m} installed?); its section "
+                  "is kept as it is in docs/api.md", file=sys.stderr)
     if args.missing_examples:
         for q in missing_examples(everything=True):
             print(q)

@@ -60,7 +60,7 @@ class WalkContext:
     None elsewhere, and in a planning walk), and its counters."""
 
     __slots__ = ("settings", "newton_start", "recorder", "drift", "_parent", "_newton",
-                 "_observers")
+                 "_roots", "_observers")
 
     def __init__(self, settings: Settings = Settings(), *, recorder: Any = None,
                  drift: Any = None, newton_start: Any = None) -> None:
@@ -70,6 +70,7 @@ class WalkContext:
         self.drift = drift
         self._parent: WalkContext | None = None
         self._newton = 0
+        self._roots = 0
         self._observers: tuple[Counter, ...] = observers()
 
     @property
@@ -114,6 +115,19 @@ class WalkContext:
     def newton_uses(self) -> int:
         """How many groups Newton's method solved in this walk and the walks it started."""
         return self._newton
+
+    def used_roots(self) -> None:
+        """A group was solved by the roots of a quadratic (`rational`): two candidates, one
+        per root (a walk's `newton_start` 0 or 1 picks)."""
+        ctx: WalkContext | None = self
+        while ctx is not None:
+            ctx._roots += 1
+            ctx = ctx._parent
+        self.count("roots")
+
+    @property
+    def root_uses(self) -> int:
+        return self._roots
 
 
 def resolve_on_error(who: str, on_error: str | None, **old: str | None) -> str:

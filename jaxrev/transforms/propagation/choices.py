@@ -203,6 +203,10 @@ def choice_step(eqns: Sequence[JaxprEqn], env: Env, pending: Sequence[int], soft
     `soft` (`reversible`'s walks), a group with a branch that loses the state is left alone
     (the sweep stores what it loses) instead of raising. `walk(eqns, env, goals)` is the
     walker's recursion (a soft propagation over `eqns`), handed in by the walker."""
+    # the walk's own unknowns (what no equation of it makes): a branch that loses the state
+    # on an interval of these is surely taken, and refused when traced (`_lossy`)
+    state = _Lazy(lambda: frozenset(v for e in eqns for v in e.invars if is_var(v))
+                  - {o for e in eqns for o in e.outvars})
     cand = [i for i in pending if any(not env.known(v) for v in eqns[i].invars)]
     stuck = [i for i in cand if any(env.known(v) for v in real_outvars(eqns[i]))]
     if not stuck:
@@ -241,7 +245,7 @@ def choice_step(eqns: Sequence[JaxprEqn], env: Env, pending: Sequence[int], soft
             continue
         try:
             return _split(G, ch, combos, inputs, outputs, env,
-                          shape if per_element else None, walk, soft)
+                          shape if per_element else None, walk, None if soft else state)
         except _Lost as e:
             if soft:
                 return False
@@ -282,6 +286,18 @@ def _combos(G: Sequence[JaxprEqn], ch: list[_Choice], outputs: Sequence[Var], en
         return True
 
     return out if grow({}) else None
+
+
+class _Lazy:
+    """A value computed when first asked for."""
+
+    def __init__(self, make: Callable[[], Any]) -> None:
+        self.make, self.value, self.done = make, None, False
+
+    def __call__(self) -> Any:
+        if not self.done:
+            self.value, self.done = self.make(), True
+        return self.value
 
 
 def _int_out(e: JaxprEqn) -> bool:
@@ -354,7 +370,7 @@ def _live(window: list[JaxprEqn], targets: Sequence[Var],
 
 
 def _split(G: Sequence[JaxprEqn], ch: list[_Choice], combos: list[dict], inputs: list[Var],
-           outputs: list[Var], env: Env, shape: tuple | None, walk: Walk, soft: bool) -> bool:
+           outputs: list[Var], env: Env, shape: tuple | None, walk: Walk, state: Any) -> bool:
     """Invert the group branch by branch and write the consistent candidate. The inverse is
     emitted as one `custom_inverse` step whose own inverse is the group run forward, so that
     the inverse program can be inverted again (``reverse(reverse(f))``)."""
@@ -372,7 +388,7 @@ def _split(G: Sequence[JaxprEqn], ch: list[_Choice], combos: list[dict], inputs:
 
     def solve(ys: Sequence[Any], rs: Sequence[Any]) -> tuple:
         return tuple(_solve(G, ch, combos, inputs, outputs,
-                            fresh([(reads, rs), (outputs, ys)]), shape, walk, soft))
+                            fresh([(reads, rs), (outputs, ys)]), shape, walk, state))
 
     def forward(xs: Sequence[Any], rs: Sequence[Any]) -> tuple:
         e = fresh([(reads, rs), (inputs, xs)])
@@ -398,7 +414,7 @@ def _split(G: Sequence[JaxprEqn], ch: list[_Choice], combos: list[dict], inputs:
 
 
 def _solve(G: Sequence[JaxprEqn], ch: list[_Choice], combos: list[dict], inputs: list[Var],
-           outputs: list[Var], env: Env, shape: tuple | None, walk: Walk, soft: bool
+           outputs: list[Var], env: Env, shape: tuple | None, walk: Walk, state: Any
            ) -> list[Any] | None:
     cands, oks, tried, lost = [], [], [], []
     producer = {o: e for e in G for o in real_outvars(e)}
@@ -410,19 +426,29 @@ def _solve(G: Sequence[JaxprEqn], ch: list[_Choice], combos: list[dict], inputs:
         # continued past its bin): Newton runs from every start at once (vmapped), each
         # start's preimage is a candidate, and consistency picks
         # (the branch walk's own context: whether Newton's method ran is asked of it alone)
+        # (traced once from the best start: a branch that needed no Newton step is one
+        # candidate; one solved by a quadratic's roots, two; else every start, vmapped)
         bctx = env.ctx.replace(on_error="nan")
-        vals, ok, amb = jax.vmap(lambda start: _branch(
-            G, combo, inputs, outputs, env, shape, start, walk, bctx, producer, soft))(
-            jnp.arange(-1, NEWTON_STARTS))
+        vals, ok, amb = _branch(G, combo, inputs, outputs, env, shape, -1, walk, bctx,
+                                producer, state)
         if amb is not None:   # a branch that loses the state, met only where it runs
-            lost.append((_lossy_branch(combo, env)[0], amb[0]))
+            lost.append((_lossy_branch(combo, env)[0], amb))
             continue
-        starts = range(NEWTON_STARTS + 1) if bctx.newton_uses else range(1)
         ks = tuple(combo[c.eqn][1] if c.eqn in combo else -1 for c in ch)
-        for j in starts:
-            cands.append([x[j] for x in vals])
-            oks.append(ok[j])
-            tried.append(ks)
+        if bctx.newton_uses or bctx.root_uses:
+            starts = jnp.arange(0, 2) if not bctx.newton_uses else jnp.arange(-1, NEWTON_STARTS)
+            bctx = env.ctx.replace(on_error="nan")
+            many, oks_, _ = jax.vmap(lambda start: _branch(
+                G, combo, inputs, outputs, env, shape, start, walk, bctx, producer, state))(
+                starts)
+            for j in range(len(starts)):
+                cands.append([x[j] for x in many])
+                oks.append(oks_[j])
+                tried.append(ks)
+            continue
+        cands.append(vals)
+        oks.append(ok)
+        tried.append(ks)
     if not cands:
         return None
     out, idx = _merge(ch, inputs, cands, oks, lost, env.ctx)
@@ -440,7 +466,7 @@ def _fails(c: _Choice, k: int) -> bool:
 
 def _branch(G: Sequence[JaxprEqn], combo: dict, inputs: list[Var], outputs: list[Var],
             env: Env, shape: tuple | None, start: Any, walk: Walk, bctx: Any, producer: dict,
-            soft: bool) -> tuple[list[Any], Any, Any]:
+            state: Any) -> tuple[list[Any], Any, Any]:
     """One combination of branches: the candidate it inverts to (Newton's method starting
     from start `start`, -1 for the best of all), where the group takes those branches, and
     None; or, for a combination whose output does not depend on the state (a clip's
@@ -451,7 +477,8 @@ def _branch(G: Sequence[JaxprEqn], combo: dict, inputs: list[Var], outputs: list
     env_c.ctx = bctx.replace(newton_start=start)
     stuck = walk(window, env_c, inputs)
     if not all(env_c.known(v) for v in inputs):
-        amb = None if soft else _lossy(G, combo, inputs, outputs, env, producer, shape)
+        amb = None if state is None else _lossy(G, combo, inputs, outputs, env, producer,
+                                                shape, state())
         if amb is not None:
             return [jnp.full(v.aval.shape, jnp.nan, v.aval.dtype) for v in inputs], \
                 jnp.zeros(shape or (), bool), amb
@@ -483,15 +510,16 @@ _LOST_HINT = ("Ways out: make every branch invertible (leaky relu instead of rel
 
 
 def _lossy(G: Sequence[JaxprEqn], combo: dict, inputs: list[Var], outputs: list[Var],
-           env: Env, producer: dict, shape: tuple | None) -> Any:
+           env: Env, producer: dict, shape: tuple | None, state: frozenset) -> Any:
     """For a combination that cannot be inverted: where the output is the one it makes, if the
-    state is not known to take it. A branch taken on an interval of the state itself (relu's
-    zero) is refused when traced (None); one taken on an intermediate value (a clip after a
-    spline, saturated only where the spline leaves its interval, which it never does) may
-    never run: it is refused where it could have made the output, when the program runs.
-    None too where the combination's output still depends on the state."""
+    state is not known to take it. A branch taken on an interval of the walk's state itself
+    (relu's zero) is refused when traced (None); one taken on an intermediate value (a clip
+    after a spline, saturated only where the spline leaves its interval, which it never does;
+    numpyro's sigmoid clipped to [tiny, 1 - eps]) may never run: it is refused where it could
+    have made the output, when the program runs. None too where the combination's output
+    still depends on the state."""
     e, k = _lossy_branch(combo, env)
-    if e is None or decided_on(e, k, producer, env, set(inputs), combo):
+    if e is None or decided_on(e, k, producer, env, state, combo):
         return None
     made = {o for q in G for o in real_outvars(q)}
     env_q = Env(info=env.info, ctx=env.ctx)   # what is known before the group, no output
@@ -598,9 +626,12 @@ def _merge(ch: list[_Choice], inputs: list[Var], cands: list, oks: list, lost: l
 
     def error(anyok, apart, gone):
         if np.any(gone):
-            return not_invertible(lost[0][0], "the output is one that a branch of it makes whatever the "
-                                     "state (a saturated clip): the state cannot be recovered "
-                                     "there", _LOST_HINT, who=who)
+            return not_invertible(lost[0][0], "the output is one that a branch of it makes "
+                                  "whatever the state (a saturated clip): the state cannot be "
+                                  "recovered there",
+                                  "Ways out: the forward map was flat there (its input at or "
+                                  "past the clip's bound); keep inputs inside the range, or "
+                                  "pass on_error='nan'.", who=who)
         if not np.all(anyok):
             return at_eqn(ReversibilityError, first,
                           "no branch of the choices in this group (a select or a max whose "

@@ -43,6 +43,7 @@ from jaxrev._jaxpr import Env, real_outvars, size_of
 from jaxrev.transforms.knowledge.checks import NEWTON_STARTS, raise_where
 from jaxrev.transforms.knowledge import records
 from jaxrev.transforms.propagation.lumps import Lump, affine_eqn, singular_on_stand_ins, stand_ins
+from jaxrev.transforms.propagation.rational import quadratic_roots
 from jaxrev.transforms.registry import SMOOTH, elementwise_in, is_kind
 
 __all__ = ["eliminate_step", "newton_step"]
@@ -322,12 +323,19 @@ def _smooth(e: JaxprEqn, env: Env) -> bool:
 
 def _newton(system: "_System", env: Env) -> list[Any]:
     ctx = env.ctx
-    ctx.used_newton()
     L = system.lump
     reads = [env.read(v) for v in L.reads]
     yp = system.pack_out([env.read(o) for o in L.outputs])
     tol = _tolerance(system, yp)
-    u = _recover(system, yp, reads, ctx.newton_start)
+    # a ratio of quadratics in one unknown (a spline's piece): its two roots, each a start
+    # (`choices` keeps the one in the piece's bin), polished by one Newton step
+    roots = (quadratic_roots(L.eqns, L.inputs[0], L.outputs[0], L.reads, reads, yp[..., 0])
+             if system.blocks and len(L.inputs) == 1 and len(L.outputs) == 1 else None)
+    if roots is None:
+        ctx.used_newton()
+    else:
+        ctx.used_roots()
+    u = _recover(system, yp, reads, ctx.newton_start, roots)
     # the answer is checked where it is used: F(u) must give the known outputs back
     rn = system.norm(yp - system.F(u, reads))
     ok = jnp.isfinite(rn) & (rn <= tol)
@@ -345,12 +353,15 @@ def _tolerance(system: "_System", yp: Any) -> Any:
     return lax.stop_gradient(_TOL_ULPS * fi.eps * jnp.maximum(system.norm(yp), fi.tiny))
 
 
-def _recover(system: "_System", yp: Any, reads: list, only: Any) -> Any:
-    """u with F(u) = yp by damped Newton (from start `only`, the walk's `newton_start`); its
-    derivative by the implicit function theorem."""
+def _recover(system: "_System", yp: Any, reads: list, only: Any,
+             roots: tuple | None = None) -> Any:
+    """u with F(u) = yp by damped Newton (from start `only`, the walk's `newton_start`), or
+    from the exact `roots` polished; its derivative by the implicit function theorem."""
 
     @jax.custom_jvp
     def recover(yp, reads):
+        if roots is not None:
+            return _polish(system, yp, reads, only, roots)
         return _iterate(system, yp, reads, only)
 
     @recover.defjvp
@@ -424,6 +435,20 @@ def _iterate(system: "_System", yp: Any, reads: list, only: Any) -> Any:
 
     u, *_ = lax.while_loop(cond, body, (u0, r0, 0, r0 > 0))
     return u
+
+
+def _polish(system: "_System", yp: Any, reads: list, only: Any, roots: tuple) -> Any:
+    """The root `only` (0 or 1; None or -1: the one with the smaller residual) after one
+    Newton step, kept where it lowers the residual."""
+    def resid(u):
+        r = system.norm(yp - system.F(u, reads))
+        return jnp.where(jnp.isfinite(r), r, jnp.inf)
+    r = [x[..., None].astype(yp.dtype) for x in roots]
+    best = jnp.where(system.broadcast(resid(r[1]) < resid(r[0])), r[1], r[0])
+    u0 = best if only is None else jnp.stack([best, *r])[jnp.clip(jnp.asarray(only) + 1, 0, 2)]
+    du = system.solve(system.jacobian(u0, reads), yp - system.F(u0, reads))
+    u1 = u0 + jnp.where(jnp.isfinite(du), du, 0.0)
+    return jnp.where(system.broadcast(resid(u1) < resid(u0)), u1, u0)
 
 
 def _pick(stacked: Any, best: Any) -> Any:

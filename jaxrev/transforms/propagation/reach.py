@@ -107,8 +107,8 @@ def _scalar(v: Any, env: Env) -> float | None:
 
 def _shifted(v: Any, iv: Interval, producer: dict, env: Env, combo: dict
              ) -> tuple[Any, Interval]:
-    """The interval carried back through additions of static scalars, copies and the
-    branches `combo` assumes."""
+    """The interval carried back through additions and products of static scalars, negation,
+    copies and the branches `combo` assumes."""
     lo, lc, hi, hc = iv
     for _ in range(16):
         e = producer.get(v)
@@ -133,6 +133,21 @@ def _shifted(v: Any, iv: Interval, producer: dict, env: Env, combo: dict
                     continue
         if e.primitive in (prims.copy, prims.convert_element_type) and len(e.invars) == 1:
             v = e.invars[0]
+            continue
+        if e.primitive in (prims.mul, prims.div) and len(e.invars) == 2:
+            # v = u * c (or u / c, c * u) with a static non-zero scalar c
+            c = _scalar(e.invars[1], env)
+            u = e.invars[0]
+            if c is None and e.primitive is prims.mul:
+                c, u = _scalar(e.invars[0], env), e.invars[1]
+            if c is not None and c != 0 and is_var(u):
+                f = c if e.primitive is prims.mul else 1.0 / c
+                a, b = lo / f, hi / f
+                lo, lc, hi, hc = (a, lc, b, hc) if f > 0 else (b, hc, a, lc)
+                v = u
+                continue
+        if e.primitive is prims.neg:
+            lo, lc, hi, hc, v = -hi, hc, -lo, lc, e.invars[0]
             continue
         if e.primitive in (prims.add, prims.sub) and len(e.invars) == 2:
             c = _scalar(e.invars[1], env)

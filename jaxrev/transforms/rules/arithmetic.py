@@ -176,6 +176,10 @@ for _p, _inv, _kind in [
         (prims.copy, lambda y: y, (ELEMENTWISE, LINEAR))]:
     define(_p, inverse=_unary(_inv), kind=(*_kind, SMOOTH))
 
+# the value passes through (numpyro's `x + stop_gradient(clip(x) - x)`); no derivative, so no
+# Newton step or linear lump reads through it
+define(prims.stop_gradient, inverse=_unary(lax.stop_gradient), kind=(ELEMENTWISE,))
+
 
 _SIGN_HINT = ("Ways out: keep the sign in the state, use an odd power, or make the base "
               "visibly non-negative (exp, abs, softplus, or a check such as Equinox's "

@@ -105,14 +105,21 @@ def _dot_forward(eqn: JaxprEqn, env: Env) -> bool | None:
     k = unknown[0]
     x, w = eqn.invars[k], eqn.invars[1 - k]
     ws = static_of(env, w)
-    if ws is None or np.all(np.asarray(ws) != 0):
+    if ws is not None:
+        nz = np.asarray(ws) != 0
+    else:   # in a loop over stacked layers (flowjax's `Scan`): zeros at every iteration
+        en = env.info.enum(w)
+        if en is None:
+            return None
+        nz = np.any(np.asarray(en) != 0, axis=0)
+    if np.all(nz):
         return None
     rx = region_of(env, x)
     ux = R.static_mask(rx, tuple(x.aval.shape))
     if ux is None:
         return None
     ops = [None, None]
-    ops[k], ops[1 - k] = np.asarray(ux, np.float32), np.asarray(np.asarray(ws) != 0, np.float32)
+    ops[k], ops[1 - k] = np.asarray(ux, np.float32), np.asarray(nz, np.float32)
     with jax.ensure_compile_time_eval():   # (masks known when traced, even under jit)
         uo = np.asarray(lax.dot_general(ops[0], ops[1], eqn.params["dimension_numbers"])) > 0
     if np.all(uo):

@@ -1,0 +1,265 @@
+"""Every flowjax bijection and flow constructor of the installed version, and every numpyro
+transform, taken as they are (issue 32): the forward map alone, inverted and log-det'ed by
+jaxrev, against the library's own inverse and log-det (float64, 1e-8), or round-tripping
+where the library has none (flowjax's tanh planar layers, block neural autoregressive
+networks). What jaxrev does not invert is refused with a jaxrev error naming the primitive
+and the library's line: `REFUSED` lists them, so that a refusal that appears, or a case that
+starts to invert, shows here. Never a silent wrong value.
+
+The default run takes each case one way (eager, `jit` or `vmap`, in turn); ``-m slow`` takes
+every case every way.
+"""
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxrev as jr
+
+jax.config.update("jax_enable_x64", True)
+pytest.importorskip("flowjax")
+pytest.importorskip("numpyro")
+from programs import flowjax_cases as fc  # noqa: E402
+from programs import numpyro_cases as nc  # noqa: E402
+
+HOWS = ("eager", "jit", "vmap")
+
+# what jaxrev refuses, and the primitive its error names (issue 32's open items)
+REFUSED = {
+    # flowjax's inverse of a masked autoregressive layer: a scan that overwrites the carry's
+    # element `rank` with a function of the whole carry
+    "MaskedAutoregressive/affine@inverted": "dynamic_slice",
+    "MaskedAutoregressive/spline@inverted": "dynamic_slice",
+    "MaskedAutoregressive/conditional@inverted": "dynamic_slice",
+    "masked_autoregressive_flow/affine": "dynamic_slice",
+    "masked_autoregressive_flow/spline": "dynamic_slice",
+    # a spline whose knots the state computes, element by element (choices on partly known
+    # parameters)
+    "MaskedAutoregressive/spline": "select_n",
+    "masked_autoregressive_flow/spline@inverted": "select_n",
+    # conditioned: the condition enters the masked network through a concatenation
+    "MaskedAutoregressive/conditional": "add",
+    # block neural autoregressive networks: no closed form (Newton per dimension: not built)
+    "BlockAutoregressiveNetwork": "dot_general",
+    "block_neural_autoregressive_flow@inverted": "dot_general",
+    # its forward map is flowjax's bisection (`NumericalInverse`), a loop whose result only
+    # the network it inverts gives back
+    "block_neural_autoregressive_flow": "cond",
+    "triangular_spline_flow@inverted": "dot_general",
+    # an inverted spline inside flowjax's layer scan: the scan body's choice is not split
+    "triangular_spline_flow": "select_n",
+    # the discrete cosine transform goes through complex FFTs (`real` of a complex value)
+    "DiscreteCosine": "real",
+    "DiscreteCosine@inverted": "real",
+}
+
+
+def _names() -> list[str]:
+    return fc.all_names()
+
+
+NAMES = _names()
+
+
+def _expect(name: str, run) -> None:
+    prim = REFUSED.get(name)
+    if prim is None:
+        assert run() == "ok"
+        return
+    with pytest.raises(jr.JaxrevError) as info:
+        run()
+    msg = str(info.value)
+    assert f"`{prim}`" in msg, msg
+    assert re.search(r"\.py:\d+", msg), msg   # the library's (or Equinox's) line
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_flowjax_one_way(name):
+    how = HOWS[NAMES.index(name) % 3]
+    _expect(name, lambda: fc.check(name, how))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", HOWS)
+@pytest.mark.parametrize("name", NAMES)
+def test_flowjax_every_way(name, how):
+    _expect(name, lambda: fc.check(name, how))
+
+
+# --------------------------------------------------------------------------- numpyro
+
+NP_REFUSED = {
+    "DiscreteCosineTransform": "real",
+    # the radius scales every coordinate: a scalar root (not built)
+    "L1BallTransform": "mul",
+    "BlockNeuralAutoregressiveTransform": "dot_general",
+}
+
+
+def _numpyro_check(name: str, how: str) -> str:
+    t, x = nc.SQUARE[name]()
+    y = t(x)
+    ld_ref = jnp.sum(t.log_abs_det_jacobian(x, y))
+    fwd, inv = jr.forward_and_slogdet(t), jr.inverse_and_slogdet(t)
+    if how == "jit":
+        fwd, inv = jax.jit(fwd), jax.jit(inv)
+    if how == "vmap":
+        yv, ldv = jax.vmap(fwd)(jnp.stack([x, x]))
+        xv, ldiv = jax.vmap(inv)(jnp.stack([y, y]))
+        got_y, ld, xi, ldi = yv[1], ldv[1], xv[1], ldiv[1]
+    else:
+        got_y, ld = fwd(x)
+        xi, ldi = inv(y)
+    tol = dict(rtol=1e-8, atol=1e-8)
+    np.testing.assert_allclose(got_y, y, **tol)
+    np.testing.assert_allclose(ld, ld_ref, **tol)
+    np.testing.assert_allclose(xi, t.inv(y) if nc.has_inverse(t, y) else x, **tol)
+    np.testing.assert_allclose(ldi, -ld_ref, **tol)
+    return "ok"
+
+
+NP_NAMES = list(nc.SQUARE)
+
+
+@pytest.mark.parametrize("name", NP_NAMES)
+def test_numpyro_transform_one_way(name):
+    _numpyro_expect(name, HOWS[NP_NAMES.index(name) % 3])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", HOWS)
+@pytest.mark.parametrize("name", NP_NAMES)
+def test_numpyro_transform_every_way(name, how):
+    _numpyro_expect(name, how)
+
+
+def _numpyro_expect(name, how):
+    prim = NP_REFUSED.get(name)
+    if prim is None:
+        assert _numpyro_check(name, how) == "ok"
+        return
+    with pytest.raises(jr.JaxrevError, match=f"`{prim}` at .*py:\\d+"):
+        _numpyro_check(name, how)
+
+
+@pytest.mark.parametrize("name", list(nc.RECTANGULAR))
+def test_numpyro_rectangular_transforms_are_refused_naming_the_transform(name):
+    """A transform that changes the number of elements has no Jacobian determinant: the
+    log-det transforms refuse it naming the transform (numpyro's own log-det is in the
+    transform's coordinates), and `reverse` asks for the input's shape."""
+    t, x = nc.RECTANGULAR[name]()
+    with pytest.raises(ValueError, match=type(t).__name__):
+        jr.inverse_and_slogdet(t)(t(x))
+
+
+def test_numpyro_clipped_sigmoid_inverts_inside_and_refuses_at_the_clip():
+    """numpyro clips its sigmoid to [tiny, 1 - eps]: inside, jaxrev's inverse is numpyro's;
+    an output at the clip (an input past it, where the map is flat) is refused naming
+    numpyro's line, or NaN on request. numpyro's own `inv` returns a wrong value there."""
+    from numpyro.distributions.transforms import SigmoidTransform
+    t = SigmoidTransform()
+    x = jnp.array([0.3, -1.0, 50.0])
+    y = t(x)
+    assert abs(float(t.inv(y)[2]) - 50.0) > 10.0       # numpyro: silently wrong
+    with pytest.raises(jr.NotInvertibleError, match="`min` at .*numpyro.*transforms.py"):
+        jr.inverse_and_slogdet(t)(y)
+    with pytest.raises(Exception, match="saturated clip"):
+        jax.block_until_ready(jax.jit(jr.inverse_and_slogdet(t))(y))
+    got, _ = jr.inverse_and_slogdet(t, on_error="nan")(y)
+    np.testing.assert_allclose(got[:2], x[:2], rtol=1e-12)
+    assert np.isnan(got[2])
+
+
+def test_flowjax_spline_at_its_interval_end_is_refused_not_wrong():
+    """flowjax's spline maps the interval's end to itself, where its output clip's saturated
+    branch would make the same value: refused there when the program runs, naming flowjax's
+    clip; any other point inverts."""
+    import flowjax.bijections as fb
+    bij = fc._perturbed(fb.RationalQuadraticSpline(knots=5, interval=3.0))
+    f = lambda x: bij.transform(x)  # noqa: E731
+    xs = jnp.array([-4.0, -3.0 + 1e-9, 0.7, 2.9])
+    ys = jax.vmap(f)(xs)
+    np.testing.assert_allclose(jax.vmap(jr.reverse(f))(ys), xs, rtol=1e-9)
+    with pytest.raises(jr.NotInvertibleError, match="`(min|max)` at .*rational_quadratic_spline"):
+        jr.reverse(f)(f(jnp.asarray(3.0)))
+
+
+# --------------------------------------------------------------------------- protocols
+
+def _coupling_module():
+    """A user's invertible map as an Equinox module: an additive coupling whose shift an MLP
+    computes, then a per-dimension scale."""
+    eqx = pytest.importorskip("equinox")
+
+    class Coupling(eqx.Module):
+        mlp: eqx.nn.MLP
+        log_scale: jax.Array
+
+        def __call__(self, x, condition=None):
+            a, b = x[:2], x[2:]
+            b = b + self.mlp(a if condition is None else a + condition)
+            return jnp.concatenate([a, b]) * jnp.exp(self.log_scale)
+
+    k1, k2 = jax.random.split(jax.random.key(3))
+    return Coupling(eqx.nn.MLP(2, 2, 8, 1, key=k1), 0.3 * jax.random.normal(k2, (4,)))
+
+
+def _dense_logdet(f, x):
+    return jnp.linalg.slogdet(jax.jacfwd(f)(x))[1]
+
+
+def test_jaxrev_bijection_in_a_flowjax_distribution():
+    """`jaxrev.flowjax.Bijection` is a flowjax bijection: in a `Transformed` distribution its
+    log-density is the change of variables with the dense log-det (float64), it samples, and
+    `fit_to_data` trains the module's weights through jaxrev's inverse and log-det."""
+    from flowjax.distributions import Normal, Transformed
+    from flowjax.train import fit_to_data
+    from jaxrev.flowjax import Bijection
+    m = _coupling_module()
+    dist = Transformed(Normal(jnp.zeros(4)), Bijection(m, shape=(4,)))
+    x = jax.random.normal(jax.random.key(4), (4,))
+    y = m(x)
+    want = Normal(jnp.zeros(4)).log_prob(x) - _dense_logdet(m, x)
+    np.testing.assert_allclose(dist.log_prob(y), want, rtol=1e-10)
+    s = dist.sample(jax.random.key(5), (3,))
+    np.testing.assert_allclose(jax.vmap(dist.log_prob)(s), jax.vmap(
+        lambda v: Normal(jnp.zeros(4)).log_prob(jr.reverse(m)(v))
+        - _dense_logdet(m, jr.reverse(m)(v)))(s), rtol=1e-10)
+    data = jax.random.normal(jax.random.key(6), (256, 4)) * jnp.array([2.0, 0.5, 1.0, 3.0])
+    trained, losses = fit_to_data(jax.random.key(7), dist, data, max_epochs=20,
+                                  show_progress=False)
+    assert losses["train"][-1] < losses["train"][0] - 0.1
+
+
+def test_jaxrev_bijection_with_a_condition():
+    from jaxrev.flowjax import Bijection
+    m = _coupling_module()
+    b = Bijection(m, shape=(4,), cond_shape=(2,))
+    x, c = jax.random.normal(jax.random.key(8), (4,)), jnp.array([0.3, -0.7])
+    eqx = pytest.importorskip("equinox")
+    y, ld = eqx.filter_jit(b.transform_and_log_det)(x, c)
+    xi, ldi = b.inverse_and_log_det(y, c)
+    np.testing.assert_allclose(xi, x, rtol=1e-10)
+    np.testing.assert_allclose(ld, _dense_logdet(lambda v: m(v, c), x), rtol=1e-10)
+    np.testing.assert_allclose(ldi, -ld, rtol=1e-10)
+
+
+def test_jaxrev_transform_in_a_numpyro_distribution():
+    """`jaxrev.numpyro.Transform` in a `TransformedDistribution`: log-density by the dense
+    log-det, samples inverted back, batches of events."""
+    import numpyro.distributions as dist
+    from jaxrev.numpyro import Transform
+    m = _coupling_module()
+    base = dist.Normal(jnp.zeros(4), 1.0).to_event(1)
+    d = dist.TransformedDistribution(base, Transform(m))
+    x = jax.random.normal(jax.random.key(9), (5, 4))
+    y = jax.vmap(m)(x)
+    want = base.log_prob(x) - jax.vmap(lambda v: _dense_logdet(m, v))(x)
+    np.testing.assert_allclose(d.log_prob(y), want, rtol=1e-10)
+    s = d.sample(jax.random.key(10), (3,))
+    assert s.shape == (3, 4)
+    np.testing.assert_allclose(jax.vmap(m)(Transform(m).inv(s)), s, rtol=1e-10)
