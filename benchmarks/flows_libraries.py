@@ -51,11 +51,13 @@ def flowjax_flows(layers: int) -> dict:
     key, base = jax.random.key(0), Normal(jnp.zeros(D))
 
     def perturbed(bij, seed=1):
-        # flowjax initialises couplings to the identity: move every float parameter
+        # flowjax initialises couplings to the identity: move every float parameter (as a
+        # little training would; larger moves make float32 splines ill-conditioned, for the
+        # library's inverse as for jaxrev's)
         leaves, tree = jax.tree_util.tree_flatten(bij)
         ks = jax.random.split(jax.random.key(seed), len(leaves))
         return jax.tree_util.tree_unflatten(tree, [
-            l + 0.2 * jax.random.normal(k, l.shape, l.dtype)
+            l + 0.05 * jax.random.normal(k, l.shape, l.dtype)
             if isinstance(l, jax.Array) and jnp.issubdtype(l.dtype, jnp.floating) else l
             for l, k in zip(leaves, ks)])
 

@@ -23,7 +23,8 @@ _OBSERVERS: list[Counter] = []   # statistics only: a walk reads none of it
 @contextlib.contextmanager
 def counting() -> Iterator[Counter]:
     """Count, inside, what the walks do: "rules" (inverse rules applied), "elements"
-    (element-level steps), "newton" (groups solved by Newton's method)."""
+    (element-level steps), "newton" (groups solved by Newton's method), "roots" (groups
+    solved by a quadratic's roots)."""
     c: Counter = Counter()
     _OBSERVERS.append(c)
     try:

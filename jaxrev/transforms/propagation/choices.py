@@ -205,8 +205,9 @@ def choice_step(eqns: Sequence[JaxprEqn], env: Env, pending: Sequence[int], soft
     walker's recursion (a soft propagation over `eqns`), handed in by the walker."""
     # the walk's own unknowns (what no equation of it makes): a branch that loses the state
     # on an interval of these is surely taken, and refused when traced (`_lossy`)
-    state = _Lazy(lambda: frozenset(v for e in eqns for v in e.invars if is_var(v))
-                  - {o for e in eqns for o in e.outvars})
+    state = _Lazy(lambda: (frozenset(v for e in eqns for v in e.invars if is_var(v))
+                           - {o for e in eqns for o in e.outvars},
+                           {o: e for e in eqns for o in real_outvars(e)}))
     cand = [i for i in pending if any(not env.known(v) for v in eqns[i].invars)]
     stuck = [i for i in cand if any(env.known(v) for v in real_outvars(eqns[i]))]
     if not stuck:
@@ -510,7 +511,7 @@ _LOST_HINT = ("Ways out: make every branch invertible (leaky relu instead of rel
 
 
 def _lossy(G: Sequence[JaxprEqn], combo: dict, inputs: list[Var], outputs: list[Var],
-           env: Env, producer: dict, shape: tuple | None, state: frozenset) -> Any:
+           env: Env, producer: dict, shape: tuple | None, state: tuple) -> Any:
     """For a combination that cannot be inverted: where the output is the one it makes, if the
     state is not known to take it. A branch taken on an interval of the walk's state itself
     (relu's zero) is refused when traced (None); one taken on an intermediate value (a clip
@@ -519,7 +520,8 @@ def _lossy(G: Sequence[JaxprEqn], combo: dict, inputs: list[Var], outputs: list[
     have made the output, when the program runs. None too where the combination's output
     still depends on the state."""
     e, k = _lossy_branch(combo, env)
-    if e is None or decided_on(e, k, producer, env, state, combo):
+    own, every = state   # (the walk's unknowns, the producers of the whole walk)
+    if e is None or decided_on(e, k, {**every, **producer}, env, own, combo):
         return None
     made = {o for q in G for o in real_outvars(q)}
     env_q = Env(info=env.info, ctx=env.ctx)   # what is known before the group, no output

@@ -382,20 +382,14 @@ def _iterate(system: "_System", yp: Any, reads: list, only: Any) -> Any:
         r = system.norm(yp - F(u))
         return jnp.where(jnp.isfinite(r), r, jnp.inf)
 
-    # the best of a few starting points, per element: the outputs themselves (a residual map
-    # x + g(x) starts next to its answer), the values the group reads (a spline piece reads
-    # the knots around its answer), then constants
-    guess = system.guess(yp)
     reads_ = system.read_guesses(reads, 3)
     consts = [jnp.full_like(yp, c) for c in (0.0, 0.5, 1.0, -1.0)]
     if only is None:
-        starts = ([] if guess is None else [guess]) + reads_ + consts
-        rs = jnp.stack([resid(s) for s in starts])
-        best = jnp.argmin(rs, axis=0)
-        u0 = _pick(jnp.stack(starts), best)
-        r0 = jnp.min(rs, axis=0)
+        u0 = _best_start(system, yp, reads, resid)
+        r0 = resid(u0)
     else:   # one start (`choices` tries each, vmapped, where several preimages may exist):
         # -1 the best of all, else one of a few
+        guess = system.guess(yp)
         starts = ([] if guess is None else [guess]) + reads_ + consts
         rs = jnp.stack([resid(s) for s in starts])
         alt = ([consts[1]] + reads_ + [consts[0]])[:NEWTON_STARTS]
@@ -437,6 +431,17 @@ def _iterate(system: "_System", yp: Any, reads: list, only: Any) -> Any:
     return u
 
 
+def _best_start(system: "_System", yp: Any, reads: list, resid: Any) -> Any:
+    """The best of a few starting points, per element: the outputs themselves (a residual map
+    x + g(x) starts next to its answer), the values the group reads (a spline piece reads the
+    knots around its answer), then constants."""
+    guess = system.guess(yp)
+    consts = [jnp.full_like(yp, c) for c in (0.0, 0.5, 1.0, -1.0)]
+    starts = ([] if guess is None else [guess]) + system.read_guesses(reads, 3) + consts
+    rs = jnp.stack([resid(s) for s in starts])
+    return _pick(jnp.stack(starts), jnp.argmin(rs, axis=0))
+
+
 def _polish(system: "_System", yp: Any, reads: list, only: Any, roots: tuple) -> Any:
     """The root `only` (0 or 1; None or -1: the one with the smaller residual) after one
     Newton step, kept where it lowers the residual."""
@@ -444,7 +449,12 @@ def _polish(system: "_System", yp: Any, reads: list, only: Any, roots: tuple) ->
         r = system.norm(yp - system.F(u, reads))
         return jnp.where(jnp.isfinite(r), r, jnp.inf)
     r = [x[..., None].astype(yp.dtype) for x in roots]
-    best = jnp.where(system.broadcast(resid(r[1]) < resid(r[0])), r[1], r[0])
+    # both roots may solve it (the map is not one-to-one on the reals): as Newton's method
+    # would, keep the one nearer the best of its usual starts
+    near = _best_start(system, yp, reads, resid)
+    far = jnp.abs(r[1] - near) < jnp.abs(r[0] - near)
+    best = jnp.where(far, r[1], r[0])
+    best = jnp.where(jnp.isfinite(best), best, jnp.where(jnp.isfinite(r[0]), r[0], r[1]))
     u0 = best if only is None else jnp.stack([best, *r])[jnp.clip(jnp.asarray(only) + 1, 0, 2)]
     du = system.solve(system.jacobian(u0, reads), yp - system.F(u0, reads))
     u1 = u0 + jnp.where(jnp.isfinite(du), du, 0.0)

@@ -1,0 +1,174 @@
+"""The choice step's combinations as a tree, clips, exact quadratic roots and masked products
+(issue 32), on programs written here (the libraries' own are `test_library_flows.py`).
+
+- a spline written as flowjax writes it (clip to the interval, bin search, clip of the value,
+  `where(in_bounds, ...)`) inverts, its combinations linear in the bins (counted);
+- a clip that saturates an intermediate value is refused only where the output is the clip's
+  end (when the program runs: eagerly, under `jit`, NaN on request), while a relu of the state
+  is still refused when traced;
+- a ratio of quadratics in one unknown is solved by its roots, not by Newton's method;
+- a masked autoregressive layer inverts through the zeros of its masked weights, also with
+  its layers stacked in a `scan`; with traced masks Newton's method solves the layer whole.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxrev as jr
+from jaxrev._stats import counting
+from jaxrev.transforms.propagation import choices
+
+jax.config.update("jax_enable_x64", True)
+B = 3.0
+
+
+def _spline_params(K: int, key: int = 0):
+    k1, k2, k3 = jax.random.split(jax.random.key(key), 3)
+    w = jax.nn.softmax(jax.random.normal(k1, (K,))) * 2 * B
+    h = jax.nn.softmax(jax.random.normal(k2, (K,))) * 2 * B
+    xk = jnp.concatenate([jnp.array([-B]), -B + jnp.cumsum(w)])
+    yk = jnp.concatenate([jnp.array([-B]), -B + jnp.cumsum(h)])
+    d = jax.nn.softplus(jax.random.normal(k3, (K + 1,))) + 1e-3
+    return xk, yk, d
+
+
+def clipped_spline(x, xk, yk, d):
+    """flowjax's formulation, written out: two clips around the piece, a select on the
+    interval."""
+    inb = (x >= -B) & (x <= B)
+    xc = jnp.clip(x, -B, B)
+    k = jnp.clip(jnp.searchsorted(xk, xc) - 1, 0, len(xk) - 2)
+    xi = (xc - xk[k]) / (xk[k + 1] - xk[k])
+    s = (yk[k + 1] - yk[k]) / (xk[k + 1] - xk[k])
+    num = (yk[k + 1] - yk[k]) * (s * xi ** 2 + d[k] * xi * (1 - xi))
+    den = s + (d[k + 1] + d[k] - 2 * s) * xi * (1 - xi)
+    y = jnp.clip(yk[k] + num / den, -B, B)
+    return jnp.where(inb, y, x)
+
+
+@pytest.mark.parametrize("K", [3, 6, 10])
+def test_flowjax_style_spline_inverts_with_combinations_linear_in_the_bins(K, monkeypatch):
+    xk, yk, d = _spline_params(K)
+    f = lambda x: clipped_spline(x, xk, yk, d)  # noqa: E731
+    x = jnp.array([-4.0, -2.9, -1.0, 0.0, 0.3, 2.2, 2.99, 5.0])
+    y = jax.vmap(f)(x)
+    sizes = []
+    real = choices._combos
+
+    def spy(*a):
+        out = real(*a)
+        sizes.append(None if out is None else len(out))
+        return out
+    monkeypatch.setattr(choices, "_combos", spy)
+    with counting() as c:
+        got = jax.vmap(jr.reverse(f))(y)
+    np.testing.assert_allclose(got, x, rtol=1e-12, atol=1e-12)
+    # the out-of-bounds case once; under the in-bounds case the value clip's two saturated
+    # branches, then one combination per value of the bin search (K values)
+    assert sizes == [1 + 2 + K], sizes
+    assert c["roots"] > 0 and c["newton"] == 0, c
+    x2, ld = jax.jit(jax.vmap(jr.inverse_and_slogdet(f)))(y)
+    want = -jax.vmap(lambda v: jnp.log(jax.grad(f)(v)))(x)
+    np.testing.assert_allclose(ld, want, rtol=1e-10)
+
+
+def test_saturated_clip_of_an_intermediate_is_refused_only_at_its_end():
+    f = lambda x: jnp.clip(2.0 * jnp.tanh(x), -2.0 + 1e-12, 2.0 - 1e-12)  # noqa: E731
+    x = jnp.array([-1.0, 0.25, 3.0])
+    np.testing.assert_allclose(jr.reverse(f)(f(x)), x, rtol=1e-12)
+    far = jnp.array([0.5, 40.0])          # tanh(40) rounds to 1: the clip saturates
+    with pytest.raises(jr.NotInvertibleError, match="saturated clip") as e:
+        jr.reverse(f)(f(far))
+    assert e.value.primitive in ("max", "min")
+    with pytest.raises(Exception, match="saturated clip"):
+        jax.block_until_ready(jax.jit(jr.reverse(f))(f(far)))
+    got = jr.reverse(f, on_error="nan")(f(far))
+    assert np.isclose(got[0], 0.5) and np.isnan(got[1])
+
+
+def test_relu_of_the_state_is_still_refused_when_traced():
+    for f in (jax.nn.relu, lambda x: jax.nn.relu(2.0 * x - 1.0), lambda x: jnp.clip(x, 0, 1)):
+        with pytest.raises(jr.NotInvertibleError):
+            jax.make_jaxpr(jr.reverse(f))(jnp.ones(3))
+
+
+def test_ratio_of_quadratics_is_solved_by_its_roots():
+    a = jnp.array([2.0, 0.5, 1.5])
+
+    def f(x):   # a Moebius map and a quadratic over a quadratic, both monotone on x > 0
+        m = (a * x + 1.0) / (x + 3.0)
+        return m + (x * x) / (1.0 + x * x) * 0.1
+    x = jnp.array([0.3, 1.7, 4.0])
+    with counting() as c:
+        got = jr.reverse(f)(f(x))
+    # (m + q is a ratio of degree 4: past two, Newton's method takes it)
+    assert c["newton"] == 1 and c["roots"] == 0
+    np.testing.assert_allclose(got, x, rtol=1e-12)
+    g = lambda x: (a * x + 1.0) / (x + 3.0) + 0.25 * x  # noqa: E731
+    with counting() as c:
+        got = jr.reverse(g)(g(x))
+    assert c["roots"] == 1 and c["newton"] == 0, c
+    np.testing.assert_allclose(got, x, rtol=1e-13)
+
+
+def _made(D: int, H: int, key: int):
+    """A MADE layer pair with masks by rank (MADE, flowjax's and numpyro's construction)."""
+    k1, k2, k3 = jax.random.split(jax.random.key(key), 3)
+    rin, rh = np.arange(D), np.arange(H) % (D - 1)
+    m1 = (rin[:, None] <= rh[None, :])
+    m2 = (rh[:, None] < rin[None, :])
+    W1 = jnp.where(m1, jax.random.normal(k1, (D, H)) / np.sqrt(D), 0.0)
+    W2 = jnp.where(np.concatenate([m2, m2], 1),
+                   0.3 * jax.random.normal(k2, (H, 2 * D)) / np.sqrt(H), 0.0)
+    b = 0.1 * jax.random.normal(k3, (2 * D,))
+    return W1, W2, b
+
+
+def _maf_layer(x, W1, W2, b):
+    p = jnp.tanh(x @ W1) @ W2 + b
+    loc, log_scale = p[:x.shape[-1]], p[x.shape[-1]:]
+    return x * jnp.exp(log_scale) + loc
+
+
+def test_masked_autoregressive_layer_inverts_in_d_passes():
+    D = 6
+    W1, W2, b = _made(D, 16, 0)
+    f = lambda x: _maf_layer(x, W1, W2, b)  # noqa: E731
+    x = jax.random.normal(jax.random.key(1), (D,))
+    xi, ld = jax.jit(jr.inverse_and_slogdet(f))(f(x))
+    np.testing.assert_allclose(xi, x, rtol=1e-12)
+    np.testing.assert_allclose(ld, -jnp.linalg.slogdet(jax.jacfwd(f)(x))[1], rtol=1e-10)
+
+
+def test_masked_autoregressive_layers_stacked_in_a_scan():
+    D, L = 5, 3
+    Ws = [_made(D, 12, k) for k in range(L)]
+    W1s, W2s, bs = (jnp.stack(t) for t in zip(*Ws))
+
+    def f(x):
+        def body(x, w):
+            return _maf_layer(x, *w)[::-1], None
+        return jax.lax.scan(body, x, (W1s, W2s, bs))[0]
+    x = jax.random.normal(jax.random.key(2), (D,))
+    np.testing.assert_allclose(jax.jit(jr.reverse(f))(f(x)), x, rtol=1e-11)
+
+
+def test_masked_layer_with_traced_masks_falls_back_to_newton():
+    """Masks passed as arguments under `jit` are traced: no zeros are known when the walk
+    runs, so the layer is one nonlinear group (Newton's method on all D unknowns at once,
+    checked on its residual) instead of D passes."""
+    D = 4
+    W1, W2, b = _made(D, 8, 3)
+    f = lambda x, W1, W2, b: _maf_layer(x, W1, W2, b)  # noqa: E731
+    x = jax.random.normal(jax.random.key(4), (D,))
+    with counting() as c:
+        got = jax.jit(jr.reverse(f))(f(x, W1, W2, b), W1, W2, b)
+    np.testing.assert_allclose(got, x, rtol=1e-10)
+    assert c["newton"] >= 1
+    with counting() as c:
+        got = jax.jit(jr.reverse(lambda x: f(x, W1, W2, b)))(f(x, W1, W2, b))
+    np.testing.assert_allclose(got, x, rtol=1e-12)
+    assert c["newton"] == 0
