@@ -38,7 +38,7 @@ from jaxrev._jaxpr import Env, evaluate, is_var, real_outvars, size_of
 from jaxrev.transforms.knowledge.checks import NEWTON_STARTS, raise_where
 from jaxrev.transforms.custom import custom_inverse
 from jaxrev.transforms.knowledge import records
-from jaxrev.transforms.propagation.reach import decided_on, reachable
+from jaxrev.transforms.propagation.reach import decided_on, int_range, reachable
 from jaxrev.transforms.registry import choice_rules, elementwise_in
 
 __all__ = ["choice_step", "MAX_COMBOS"]
@@ -93,12 +93,12 @@ def _choices(G: Sequence[JaxprEqn], env: Env) -> list[_Choice]:
         if (len(outs) != 1 or not jnp.issubdtype(outs[0].aval.dtype, jnp.integer)
                 or outs[0] in decisions):
             continue
-        r = _int_range(outs[0], producer, env, {})
-        if not _small(r) or r[1] <= r[0]:
+        r = int_range(outs[0], producer, env, {})
+        if not _few(r) or r[1] <= r[0]:
             continue
         # the first such integer on its path: its integer inputs are not of a few values
         if any(is_var(v) and v in producer and jnp.issubdtype(v.aval.dtype, jnp.integer)
-               and _small(_int_range(v, producer, env, {})) for v in e.invars):
+               and _few(int_range(v, producer, env, {})) for v in e.invars):
             continue
         values.append(_Choice(e, int(r[1] - r[0] + 1), int(r[0])))
     # what only feeds the integers is decided with them (the clip of a bin index); what also
@@ -130,7 +130,7 @@ def _determined(G: Sequence[JaxprEqn], values: Sequence[_Choice], env: Env) -> s
     return det
 
 
-def _small(r: tuple | None) -> bool:
+def _few(r: tuple | None) -> bool:
     return (r is not None and bool(np.isfinite(r[0]) and np.isfinite(r[1]))
             and r[1] - r[0] + 1 <= MAX_VALUES)
 
@@ -145,56 +145,6 @@ def _ancestors(eqns: Sequence[JaxprEqn], producer: dict) -> set:
             out.add(e)
             stack.extend(v for v in e.invars if is_var(v))
     return out
-
-
-def _int_range(v: Any, producer: dict, env: Env, memo: dict) -> tuple[float, float] | None:
-    """The values an integer may take, by interval arithmetic over the group (None: any)."""
-    if v in memo:
-        return memo[v]
-    memo[v] = None
-    s = env.info.static(v)
-    if s is not None:
-        out = (float(np.min(s)), float(np.max(s))) if np.size(s) else None
-    elif v.aval.dtype == jnp.bool_:
-        out = (0.0, 1.0)
-    else:
-        out = _range_of_eqn(producer.get(v), producer, env, memo)
-    memo[v] = out
-    return out
-
-
-def _range_of_eqn(e: JaxprEqn | None, producer: dict, env: Env, memo: dict
-                  ) -> tuple[float, float] | None:
-    if e is None:
-        return None
-    p = e.primitive
-
-    def r(k: int) -> tuple[float, float]:
-        got = _int_range(e.invars[k], producer, env, memo) if is_var(e.invars[k]) else (
-            float(np.asarray(e.invars[k].val)),) * 2
-        return got if got is not None else (-np.inf, np.inf)
-
-    if p is prims.convert_element_type:
-        return r(0)
-    if p in (prims.max, prims.min):
-        (a0, a1), (b0, b1) = r(0), r(1)
-        f = max if p is prims.max else min
-        return (f(a0, b0), f(a1, b1))
-    if p in (prims.add, prims.sub):
-        (a0, a1), (b0, b1) = r(0), r(1)
-        return (a0 + b0, a1 + b1) if p is prims.add else (a0 - b1, a1 - b0)
-    if p is prims.select_n:
-        rs = [r(k) for k in range(1, len(e.invars))]
-        return (min(x[0] for x in rs), max(x[1] for x in rs))
-    if p.name == "clamp":
-        return (max(r(0)[0], r(1)[0]), min(r(2)[1], r(1)[1]))
-    if p.name in ("argmax", "argmin"):
-        return (0.0, float(e.invars[0].aval.shape[e.params["axes"][0]] - 1))
-    if p is prims.reduce_sum:
-        n = int(np.prod([e.invars[0].aval.shape[a] for a in e.params["axes"]]))
-        lo, hi = r(0)
-        return (min(n * lo, lo), max(n * hi, hi))
-    return None
 
 
 def choice_step(eqns: Sequence[JaxprEqn], env: Env, pending: Sequence[int], soft: bool,

@@ -17,12 +17,13 @@ from __future__ import annotations
 from types import MappingProxyType
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 
 from jaxrev._compat import JaxprEqn, prims
 from jaxrev._jaxpr import Env, is_var
 
-__all__ = ["constraints", "reachable", "decided_on"]
+__all__ = ["constraints", "reachable", "decided_on", "int_range"]
 
 Interval = tuple[float, bool, float, bool]
 """(lo, lo_closed, hi, hi_closed)."""
@@ -196,3 +197,56 @@ def decided_on(e: JaxprEqn, k: int, producer: dict, env: Env, values: set, combo
     """Whether branch `k` of `e` is taken on an interval of one of `values` (the group's
     unknown inputs: the state itself), so that inputs surely take it."""
     return any(v in values for v, _ in constraints(e, k, producer, env, combo))
+
+
+# --------------------------------------------------------------------------- integers
+
+def int_range(v: Any, producer: dict, env: Env, memo: dict) -> tuple[float, float] | None:
+    """The values an integer may take, by interval arithmetic over the group's equations
+    (`producer`; None: any): a bin index the state computes takes a few."""
+    if v in memo:
+        return memo[v]
+    memo[v] = None
+    s = env.info.static(v)
+    if s is not None:
+        out = (float(np.min(s)), float(np.max(s))) if np.size(s) else None
+    elif v.aval.dtype == jnp.bool_:
+        out = (0.0, 1.0)
+    else:
+        out = _range_of_eqn(producer.get(v), producer, env, memo)
+    memo[v] = out
+    return out
+
+
+def _range_of_eqn(e: JaxprEqn | None, producer: dict, env: Env, memo: dict
+                  ) -> tuple[float, float] | None:
+    if e is None:
+        return None
+    p = e.primitive
+
+    def r(k: int) -> tuple[float, float]:
+        got = int_range(e.invars[k], producer, env, memo) if is_var(e.invars[k]) else (
+            float(np.asarray(e.invars[k].val)),) * 2
+        return got if got is not None else (-np.inf, np.inf)
+
+    if p is prims.convert_element_type:
+        return r(0)
+    if p in (prims.max, prims.min):
+        (a0, a1), (b0, b1) = r(0), r(1)
+        f = max if p is prims.max else min
+        return (f(a0, b0), f(a1, b1))
+    if p in (prims.add, prims.sub):
+        (a0, a1), (b0, b1) = r(0), r(1)
+        return (a0 + b0, a1 + b1) if p is prims.add else (a0 - b1, a1 - b0)
+    if p is prims.select_n:
+        rs = [r(k) for k in range(1, len(e.invars))]
+        return (min(x[0] for x in rs), max(x[1] for x in rs))
+    if p.name == "clamp":
+        return (max(r(0)[0], r(1)[0]), min(r(2)[1], r(1)[1]))
+    if p.name in ("argmax", "argmin"):
+        return (0.0, float(e.invars[0].aval.shape[e.params["axes"][0]] - 1))
+    if p is prims.reduce_sum:
+        n = int(np.prod([e.invars[0].aval.shape[a] for a in e.params["axes"]]))
+        lo, hi = r(0)
+        return (min(n * lo, lo), max(n * hi, hi))
+    return None
