@@ -38,8 +38,9 @@ class Transform(_nt.Transform):
 
     @property
     def domain(self) -> Any:
-        return constraints.independent(constraints.real, self.event_ndims) \
-            if self.event_ndims else constraints.real
+        if self.event_ndims:
+            return constraints.independent(constraints.real, self.event_ndims)
+        return constraints.real
 
     @property
     def codomain(self) -> Any:

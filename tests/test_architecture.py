@@ -129,7 +129,8 @@ LAYERS = [
                             "jaxrev.primitives.")),
     ("public transforms", ("jaxrev.transforms.reverse", "jaxrev.transforms.reversible",
                            "jaxrev.transforms.reports", "jaxrev.transforms.inverse_ad",
-                           "jaxrev.transforms.flows.", "jaxrev.optim", "jaxrev.diffrax")),
+                           "jaxrev.transforms.flows.", "jaxrev.optim", "jaxrev.diffrax",
+                           "jaxrev.flowjax", "jaxrev.numpyro")),
 ]
 
 

@@ -157,24 +157,23 @@ def eqx_filter_vmap_affine() -> Any:
         jax.random.split(_key(6), 3))
 
 
-def _forward_exists(bij: Any) -> bool:
+def _implements(bij: Any, method: str) -> bool:
     try:
-        bij.transform_and_log_det(jnp.zeros(bij.shape),
-                                  None if bij.cond_shape is None else jnp.zeros(bij.cond_shape))
+        getattr(bij, method)(jnp.zeros(bij.shape),
+                             None if bij.cond_shape is None else jnp.zeros(bij.cond_shape))
         return True
     except NotImplementedError:
         return False
+
+
+def _forward_exists(bij: Any) -> bool:
+    return _implements(bij, "transform_and_log_det")
 
 
 def has_inverse(bij: Any) -> bool:
     """Whether flowjax implements the bijection's inverse (block neural autoregressive
     networks and planar layers with tanh raise `NotImplementedError` in it)."""
-    try:
-        bij.inverse_and_log_det(jnp.zeros(bij.shape),
-                                None if bij.cond_shape is None else jnp.zeros(bij.cond_shape))
-        return True
-    except NotImplementedError:
-        return False
+    return _implements(bij, "inverse_and_log_det")
 
 
 def case(name: str, scale: float = 1.0) -> "tuple[Any, jax.Array, jax.Array | None]":

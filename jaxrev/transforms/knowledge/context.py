@@ -103,12 +103,16 @@ class WalkContext:
         for c in self._observers:
             c[what] += 1
 
-    def used_newton(self) -> None:
-        """Newton's method solved a group in this walk (or a walk it started)."""
+    def _counted(self, slot: str) -> None:
+        """One more in this walk's counter `slot` and in every walk that started it."""
         ctx: WalkContext | None = self
         while ctx is not None:
-            ctx._newton += 1
+            setattr(ctx, slot, getattr(ctx, slot) + 1)
             ctx = ctx._parent
+
+    def used_newton(self) -> None:
+        """Newton's method solved a group in this walk (or a walk it started)."""
+        self._counted("_newton")
         self.count("newton")
 
     @property
@@ -119,10 +123,7 @@ class WalkContext:
     def used_roots(self) -> None:
         """A group was solved by the roots of a quadratic (`rational`): two candidates, one
         per root (a walk's `newton_start` 0 or 1 picks)."""
-        ctx: WalkContext | None = self
-        while ctx is not None:
-            ctx._roots += 1
-            ctx = ctx._parent
+        self._counted("_roots")
         self.count("roots")
 
     @property

@@ -431,8 +431,8 @@ def _branch(G: Sequence[JaxprEqn], combo: dict, inputs: list[Var], outputs: list
         amb = None if state is None else _lossy(G, combo, inputs, outputs, env, producer,
                                                 shape, state())
         if amb is not None:
-            return [jnp.full(v.aval.shape, jnp.nan, v.aval.dtype) for v in inputs], \
-                jnp.zeros(shape or (), bool), amb
+            nans = [jnp.full(v.aval.shape, jnp.nan, v.aval.dtype) for v in inputs]
+            return nans, jnp.zeros(shape or (), bool), amb
         e, k = _lossy_branch(combo, env)
         inner = _lossy_step(stuck, combo) if e is None else None
         if inner is not None:   # the branch is fine, a step inside it loses information

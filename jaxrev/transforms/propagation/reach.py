@@ -76,8 +76,8 @@ def _truth(v: Any, truth: bool, producer: dict, env: Env, depth: int
     if e is None or depth == 0:
         return []
     name = e.primitive.name
-    if name == "convert_element_type" and len(e.invars) == 1 and is_var(e.invars[0]) \
-            and e.invars[0].aval.dtype == np.bool_:
+    if (name == "convert_element_type" and len(e.invars) == 1 and is_var(e.invars[0])
+            and e.invars[0].aval.dtype == np.bool_):
         return _truth(e.invars[0], truth, producer, env, depth - 1)
     if name == "not":
         return _truth(e.invars[0], not truth, producer, env, depth - 1) if is_var(

@@ -172,8 +172,9 @@ def _triangular_solve_logdet(ctx: LogdetContext) -> tuple[Any, Any]:
     # every column (row, on the right) of b is solved by the same op(A): |det op(A)|^-1 each
     reps = b.shape[-1] if p["left_side"] else b.shape[-2]
     la = -jnp.sum(jnp.log(jnp.abs(d))) * reps
-    sign = jnp.prod(jnp.sign(d)) ** reps if np.isrealobj(np.empty((), d.dtype)) else \
-        jnp.prod(jnp.conj(jnp.sign(d))) ** reps
+    # (the inverse's determinant: the conjugate phase, for a complex matrix)
+    phase = jnp.sign(d) if np.isrealobj(np.empty((), d.dtype)) else jnp.conj(jnp.sign(d))
+    sign = jnp.prod(phase) ** reps
     return sign, la.astype(ctx.dtype)
 
 
