@@ -52,6 +52,7 @@ MAX_GROUP_EQNS = 256
 MAX_VALUES = 16
 """Values of an integer decided by the state (a spline's bin index) tried, at most."""
 _AGREE_ULPS = 64
+_LOST_ULPS = 4
 
 
 class _Choice:
@@ -437,7 +438,9 @@ def _branch(G: Sequence[JaxprEqn], combo: dict, inputs: list[Var], outputs: list
         inner = _lossy_step(stuck, combo) if e is None else None
         if inner is not None:   # the branch is fine, a step inside it loses information
             raise _Lost(not_invertible(inner.eqn, inner.reason, inner.hint, who=env.ctx.who))
-        e, k = (e, k) if e is not None else next((d, kk) for d, (_, kk) in combo.items())
+        if e is None:   # (no choice left live: name the group's first)
+            e, k = next(((d, kk) for d, (_, kk) in combo.items()),
+                        (next((q for q in G if q.primitive in choice_rules), G[0]), 0))
         raise _Lost(not_invertible(e, _LOST_REASON.format(k=k), _LOST_HINT, who=env.ctx.who))
     vals = [env_c.read(v) for v in inputs]
     # run the original group forward from the candidate: does it take these branches?
@@ -487,7 +490,15 @@ def _lossy(G: Sequence[JaxprEqn], combo: dict, inputs: list[Var], outputs: list[
         return None
     amb = jnp.asarray(True)
     for o in outputs:
-        same = env.read(o) == env_q.read(o)
+        # (within a few ulps: the forward run and this one may round steps after the clip
+        # differently)
+        y, made = env.read(o), env_q.read(o)
+        if jnp.issubdtype(jnp.result_type(y), jnp.inexact):
+            fi = jnp.finfo(jnp.result_type(y))
+            same = jnp.abs(y - made) <= _LOST_ULPS * fi.eps * jnp.maximum(jnp.abs(made),
+                                                                          fi.tiny)
+        else:
+            same = y == made
         amb = amb & (same if shape is not None else jnp.all(same))
     return amb if shape is None else jnp.broadcast_to(amb, shape)
 

@@ -6,10 +6,10 @@ d)``, an affine map: each element's output is P(u) / Q(u) with P and Q of degree
 in the unknown u, coefficients computed from what is known. `quadratic_roots` finds that form
 by running the group's equations on polynomial coefficients (``+ - * /``, integer powers,
 negation, casts: any other step, or a degree past two, and it declines), and returns the two
-roots of ``y Q(u) - P(u) = 0`` per element (the stable formula; the linear root where the
-quadratic term vanishes; NaN where there is none). Newton's step (`nonlinear`) takes them as
-its starts and polishes them once; the choice step's consistency picks the root inside the
-piece's bin, and the residual check stays.
+roots of ``y Q(u) - P(u) = 0`` per element: the stable formula; the linear root where the
+quadratic term vanishes; where there is no real root, the vertex, where the residual is least.
+Newton's step (`nonlinear`) takes them as its starts and polishes them once; the choice step's
+consistency picks the root inside the piece's bin, and the residual check stays.
 """
 from __future__ import annotations
 
@@ -134,10 +134,14 @@ def quadratic_roots(eqns: Sequence[Any], unknown: Any, output: Any, reads: Seque
     dt = jnp.result_type(y)
     c0, c1, c2 = (jnp.broadcast_to(jnp.asarray(c, dt), jnp.shape(y)) for c in coef)
     disc = c1 * c1 - 4 * c2 * c0
-    root = jnp.sqrt(jnp.where(disc >= 0, disc, jnp.nan))
+    root = jnp.sqrt(jnp.maximum(disc, 0))
     qq = -0.5 * (c1 + jnp.where(c1 >= 0, root, -root))
     flat = c2 == 0
     lin = -c0 / jnp.where(c1 == 0, jnp.nan, c1)
     r1 = jnp.where(flat, lin, qq / jnp.where(flat, 1, c2))
     r2 = jnp.where(flat, lin, c0 / jnp.where(qq == 0, jnp.nan, qq))
-    return r1, r2
+    # no real root (the output is outside the map's range): the vertex, where the residual
+    # is least, so that the check reports how far the output is
+    vertex = -c1 / (2 * jnp.where(flat, 1, c2))
+    none = (disc < 0) & ~flat
+    return jnp.where(none, vertex, r1), jnp.where(none, vertex, r2)
