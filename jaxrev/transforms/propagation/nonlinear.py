@@ -377,22 +377,16 @@ def _recover(system: "_System", yp: Any, reads: list, only: Any,
 
 def _iterate(system: "_System", yp: Any, reads: list, only: Any) -> Any:
     F = lambda u: system.F(u, reads)  # noqa: E731
-
-    def resid(u):
-        r = system.norm(yp - F(u))
-        return jnp.where(jnp.isfinite(r), r, jnp.inf)
-
-    reads_ = system.read_guesses(reads, 3)
-    consts = [jnp.full_like(yp, c) for c in (0.0, 0.5, 1.0, -1.0)]
+    resid = _residual(system, yp, reads)
     if only is None:
         u0 = _best_start(system, yp, reads, resid)
         r0 = resid(u0)
     else:   # one start (`choices` tries each, vmapped, where several preimages may exist):
         # -1 the best of all, else one of a few
-        guess = system.guess(yp)
-        starts = ([] if guess is None else [guess]) + reads_ + consts
+        starts = _starts(system, yp, reads)
         rs = jnp.stack([resid(s) for s in starts])
-        alt = ([consts[1]] + reads_ + [consts[0]])[:NEWTON_STARTS]
+        reads_ = system.read_guesses(reads, 3)
+        alt = ([jnp.full_like(yp, 0.5)] + reads_ + [jnp.zeros_like(yp)])[:NEWTON_STARTS]
         alt += [alt[-1]] * (NEWTON_STARTS - len(alt))
         every = jnp.stack([_pick(jnp.stack(starts), jnp.argmin(rs, axis=0)), *alt])
         u0 = every[jnp.asarray(only) + 1]
@@ -431,31 +425,43 @@ def _iterate(system: "_System", yp: Any, reads: list, only: Any) -> Any:
     return u
 
 
-def _best_start(system: "_System", yp: Any, reads: list, resid: Any) -> Any:
-    """The best of a few starting points, per element: the outputs themselves (a residual map
-    x + g(x) starts next to its answer), the values the group reads (a spline piece reads the
-    knots around its answer), then constants."""
+def _residual(system: "_System", yp: Any, reads: list) -> Any:
+    """u -> ‖F(u) − yp‖ per element (inf where not finite)."""
+    def resid(u):
+        r = system.norm(yp - system.F(u, reads))
+        return jnp.where(jnp.isfinite(r), r, jnp.inf)
+    return resid
+
+
+def _starts(system: "_System", yp: Any, reads: list) -> list[Any]:
+    """A few starting points: the outputs themselves (a residual map x + g(x) starts next to
+    its answer), the values the group reads (a spline piece reads the knots around its
+    answer), then constants."""
     guess = system.guess(yp)
     consts = [jnp.full_like(yp, c) for c in (0.0, 0.5, 1.0, -1.0)]
-    starts = ([] if guess is None else [guess]) + system.read_guesses(reads, 3) + consts
+    return ([] if guess is None else [guess]) + system.read_guesses(reads, 3) + consts
+
+
+def _best_start(system: "_System", yp: Any, reads: list, resid: Any) -> Any:
+    """The best of `_starts`, per element."""
+    starts = _starts(system, yp, reads)
     rs = jnp.stack([resid(s) for s in starts])
     return _pick(jnp.stack(starts), jnp.argmin(rs, axis=0))
 
 
 def _polish(system: "_System", yp: Any, reads: list, only: Any, roots: tuple) -> Any:
-    """The root `only` (0 or 1; None or -1: the one with the smaller residual) after one
-    Newton step, kept where it lowers the residual."""
-    def resid(u):
-        r = system.norm(yp - system.F(u, reads))
-        return jnp.where(jnp.isfinite(r), r, jnp.inf)
+    """The root `only` (0 or 1, as `choices` asks; None: the one Newton's method would reach)
+    after one Newton step, kept where it lowers the residual."""
+    resid = _residual(system, yp, reads)
     r = [x[..., None].astype(yp.dtype) for x in roots]
-    # both roots may solve it (the map is not one-to-one on the reals): as Newton's method
-    # would, keep the one nearer the best of its usual starts
-    near = _best_start(system, yp, reads, resid)
-    far = jnp.abs(r[1] - near) < jnp.abs(r[0] - near)
-    best = jnp.where(far, r[1], r[0])
-    best = jnp.where(jnp.isfinite(best), best, jnp.where(jnp.isfinite(r[0]), r[0], r[1]))
-    u0 = best if only is None else jnp.stack([best, *r])[jnp.clip(jnp.asarray(only) + 1, 0, 2)]
+    if only is None:
+        # both roots may solve it (the map is not one-to-one on the reals): as Newton's
+        # method would, keep the one nearer the best of its usual starts
+        near = _best_start(system, yp, reads, resid)
+        u0 = jnp.where(jnp.abs(r[1] - near) < jnp.abs(r[0] - near), r[1], r[0])
+        u0 = jnp.where(jnp.isfinite(u0), u0, jnp.where(jnp.isfinite(r[0]), r[0], r[1]))
+    else:   # (no other start is evaluated: each root is its own candidate)
+        u0 = jnp.stack(r)[jnp.clip(jnp.asarray(only), 0, 1)]
     du = system.solve(system.jacobian(u0, reads), yp - system.F(u0, reads))
     u1 = u0 + jnp.where(jnp.isfinite(du), du, 0.0)
     return jnp.where(system.broadcast(resid(u1) < resid(u0)), u1, u0)
