@@ -1,18 +1,21 @@
 """Shared benchmark plumbing: XLA memory plans, interleaved timing, result files."""
+
 from __future__ import annotations
 
 import json
 import os
 import statistics
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 # JAXREV_RESULTS: another folder (benchmarks/gpu.sh writes results/gpu/)
 RESULTS = os.environ.get("JAXREV_RESULTS") or os.path.join(
-    os.path.dirname(os.path.abspath(__file__)), "results")
+    os.path.dirname(os.path.abspath(__file__)), "results"
+)
 
 
 def temp_bytes(fn: Callable, *args: Any) -> int:
@@ -20,8 +23,9 @@ def temp_bytes(fn: Callable, *args: Any) -> int:
     return int(jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes)
 
 
-def interleaved_medians(fns: dict[str, Callable[[], Any]], reps: int = 5,
-                        warmup: int = 1) -> dict[str, float]:
+def interleaved_medians(
+    fns: dict[str, Callable[[], Any]], reps: int = 5, warmup: int = 1
+) -> dict[str, float]:
     """Median seconds per call; calls are interleaved so machine noise hits all alike."""
     for f in fns.values():
         for _ in range(warmup):
@@ -55,13 +59,13 @@ def rel_err(ref: Any, got: Any) -> float:
 
 def device_info() -> dict:
     d = jax.devices()[0]
-    return {"backend": jax.default_backend(), "device": str(d.device_kind),
-            "jax": jax.__version__}
+    return {"backend": jax.default_backend(), "device": str(d.device_kind), "jax": jax.__version__}
 
 
 def optional(module: str) -> Any:
     """A peer's module (from the `bench` extra), or None when it is not installed."""
     import importlib
+
     try:
         return importlib.import_module(module)
     except ImportError:  # pragma: no cover
@@ -81,6 +85,7 @@ def pyplot():
     """matplotlib's pyplot on the Agg backend, or None when matplotlib is not installed."""
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:  # pragma: no cover
@@ -88,8 +93,9 @@ def pyplot():
     return plt
 
 
-def plot_memory_and_time(name: str, steps: list, rows: list, names: list,
-                         titles: tuple[str, str] = ("memory", "time")) -> None:
+def plot_memory_and_time(
+    name: str, steps: list, rows: list, names: list, titles: tuple[str, str] = ("memory", "time")
+) -> None:
     """results/<name>.png: each method's temp memory (MB) and seconds against the number of
     steps, on log-log axes (rows hold ``mem`` and ``time`` dicts keyed by method)."""
     plt = pyplot()

@@ -20,6 +20,7 @@ Writes results/eager_cache.{json,md,png} (eager_cache_quick.* with --quick).
     python benchmarks/eager_cache.py            # about 2 minutes
     python benchmarks/eager_cache.py --quick    # N = 100, 1000 only
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,8 +31,9 @@ import time
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 # XLA:CPU on one thread too: ratios against peers are not distorted by threads spinning
 # on a busy machine (set XLA_FLAGS to change it)
-os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false "
-                      "intra_op_parallelism_threads=1")
+os.environ.setdefault(
+    "XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -42,8 +44,15 @@ import jaxrev as jr  # noqa: E402
 jax.config.update("jax_enable_x64", True)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import (device_info, interleaved_medians, progress, pyplot,  # noqa: E402
-                     rel_err, RESULTS, write_results)
+from _common import (
+    RESULTS,
+    device_info,
+    interleaved_medians,
+    progress,
+    pyplot,  # noqa: E402
+    rel_err,
+    write_results,
+)
 
 STEPS = 100
 SIZES = (100, 1000, 10000)
@@ -54,6 +63,7 @@ def run(xy, th):
         a, b = c
         a = a + jnp.tanh(th * b)
         return (a, b + 0.5 * jnp.sin(a)), None
+
     return lax.scan(body, xy, None, length=STEPS)[0]
 
 
@@ -63,8 +73,9 @@ def loss_of(fun):
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true",
-                    help="N = 100, 1000 only (results/eager_cache_quick.*)")
+    ap.add_argument(
+        "--quick", action="store_true", help="N = 100, 1000 only (results/eager_cache_quick.*)"
+    )
     args = ap.parse_args(argv)
     sizes = SIZES[:2] if args.quick else SIZES
     name = "eager_cache_quick" if args.quick else "eager_cache"
@@ -90,60 +101,82 @@ def main(argv=None) -> None:
         inv_jit = jax.jit(jr.reverse(run))
         # th is a parameter of the map whose Jacobian is inverted: a closure, which the
         # cache keys on
-        ijvp = lambda: jr.inverse_jvp(lambda s: run(s, th), (xy,), xy)      # noqa: E731
+        ijvp = lambda: jr.inverse_jvp(lambda s: run(s, th), (xy,), xy)  # noqa: E731
         ijvp_jit = jax.jit(lambda s: jr.inverse_jvp(lambda z: run(z, th), (s,), xy))
 
-        t = interleaved_medians({
-            "jit(grad(f))": lambda: g_jit(xy, th),
-            "eager grad(reversible(f))": lambda: g_rev(xy, th),
-            "jit(grad(reversible(f)))": lambda: g_rev_jit(xy, th),
-            "eager grad(jit(f))": lambda: g_eager_jit(xy, th),
-            "eager reverse(f)": lambda: inv(ys, th),
-            "jit(reverse(f))": lambda: inv_jit(ys, th),
-            "eager inverse_jvp": ijvp,
-            "jit(inverse_jvp)": lambda: ijvp_jit(xy),
-        }, reps=31, warmup=2)
-        t.update(interleaved_medians({"eager grad(f) (JAX, no jit)": lambda: g_eager(xy, th)},
-                                     reps=3, warmup=1))
+        t = interleaved_medians(
+            {
+                "jit(grad(f))": lambda: g_jit(xy, th),
+                "eager grad(reversible(f))": lambda: g_rev(xy, th),
+                "jit(grad(reversible(f)))": lambda: g_rev_jit(xy, th),
+                "eager grad(jit(f))": lambda: g_eager_jit(xy, th),
+                "eager reverse(f)": lambda: inv(ys, th),
+                "jit(reverse(f))": lambda: inv_jit(ys, th),
+                "eager inverse_jvp": ijvp,
+                "jit(inverse_jvp)": lambda: ijvp_jit(xy),
+            },
+            reps=31,
+            warmup=2,
+        )
+        t.update(
+            interleaved_medians(
+                {"eager grad(f) (JAX, no jit)": lambda: g_eager(xy, th)}, reps=3, warmup=1
+            )
+        )
         err = rel_err(g_jit(xy, th), g_rev(xy, th))
         rows.append({"n": n, "time": t, "first_call": first, "grad_rel_err": err})
 
     meta = device_info()
     names = list(rows[0]["time"])
-    lines = [f"# Eager calls, repeated ({meta['backend']}, JAX {meta['jax']})", "",
-             f"A {STEPS}-step scan on a 2 x N float64 state; median ms per call of interleaved "
-             "runs (the second and later calls; the first call of the reversible gradient "
-             "traces, plans and compiles).", "",
-             "| N | " + " | ".join(names) + " | first call of eager grad(reversible(f)) |",
-             "|---|" + "---|" * (len(names) + 1)]
+    lines = [
+        f"# Eager calls, repeated ({meta['backend']}, JAX {meta['jax']})",
+        "",
+        f"A {STEPS}-step scan on a 2 x N float64 state; median ms per call of interleaved "
+        "runs (the second and later calls; the first call of the reversible gradient "
+        "traces, plans and compiles).",
+        "",
+        "| N | " + " | ".join(names) + " | first call of eager grad(reversible(f)) |",
+        "|---|" + "---|" * (len(names) + 1),
+    ]
     for r in rows:
-        lines.append(f"| {r['n']} | " + " | ".join(f"{r['time'][k] * 1e3:.3f}" for k in names)
-                     + f" | {r['first_call'] * 1e3:.0f} |")
-    lines += ["", "Ratios:", "",
-              "| N | eager grad(reversible) / jit(grad(f)) | eager grad(reversible) / "
-              "jit(grad(reversible)) | eager grad(reversible) / eager grad(jit(f)) | "
-              "eager reverse / jit(reverse) | eager inverse_jvp / jit(inverse_jvp) | "
-              "gradient error vs jax.grad (relative to its largest entry) |",
-              "|---|---|---|---|---|---|---|"]
+        lines.append(
+            f"| {r['n']} | "
+            + " | ".join(f"{r['time'][k] * 1e3:.3f}" for k in names)
+            + f" | {r['first_call'] * 1e3:.0f} |"
+        )
+    lines += [
+        "",
+        "Ratios:",
+        "",
+        "| N | eager grad(reversible) / jit(grad(f)) | eager grad(reversible) / "
+        "jit(grad(reversible)) | eager grad(reversible) / eager grad(jit(f)) | "
+        "eager reverse / jit(reverse) | eager inverse_jvp / jit(inverse_jvp) | "
+        "gradient error vs jax.grad (relative to its largest entry) |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         t = r["time"]
         e = t["eager grad(reversible(f))"]
-        lines.append(f"| {r['n']} | {e / t['jit(grad(f))']:.2f} | "
-                     f"{e / t['jit(grad(reversible(f)))']:.2f} | "
-                     f"{e / t['eager grad(jit(f))']:.2f} | "
-                     f"{t['eager reverse(f)'] / t['jit(reverse(f))']:.2f} | "
-                     f"{t['eager inverse_jvp'] / t['jit(inverse_jvp)']:.2f} | "
-                     f"{r['grad_rel_err']:.1e} |")
+        lines.append(
+            f"| {r['n']} | {e / t['jit(grad(f))']:.2f} | "
+            f"{e / t['jit(grad(reversible(f)))']:.2f} | "
+            f"{e / t['eager grad(jit(f))']:.2f} | "
+            f"{t['eager reverse(f)'] / t['jit(reverse(f))']:.2f} | "
+            f"{t['eager inverse_jvp'] / t['jit(inverse_jvp)']:.2f} | "
+            f"{r['grad_rel_err']:.1e} |"
+        )
     table = "\n".join(lines) + "\n"
     write_results(name, {"meta": meta, "steps": STEPS, "rows": rows}, table)
     plt = pyplot()
     if plt is not None:
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for k in names:
-            ax.loglog([r["n"] for r in rows], [r["time"][k] * 1e3 for r in rows], "o-",
-                      label=k)
-        ax.set(xlabel="N (state 2 x N)", ylabel="ms per call",
-               title=f"repeated eager calls, {STEPS}-step scan")
+            ax.loglog([r["n"] for r in rows], [r["time"][k] * 1e3 for r in rows], "o-", label=k)
+        ax.set(
+            xlabel="N (state 2 x N)",
+            ylabel="ms per call",
+            title=f"repeated eager calls, {STEPS}-step scan",
+        )
         ax.legend(fontsize=7)
         fig.tight_layout()
         fig.savefig(os.path.join(RESULTS, f"{name}.png"), dpi=120)

@@ -20,6 +20,7 @@ inverse + log-det ≤ 2× the library's own inverse. Writes results/flows_librar
 
     python benchmarks/flows_libraries.py [--quick]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,9 @@ import os
 import sys
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false "
-                      "intra_op_parallelism_threads=1")
+os.environ.setdefault(
+    "XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+)
 import time  # noqa: E402
 
 import jax  # noqa: E402
@@ -36,9 +38,16 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import (
+    RESULTS,
+    device_info,
+    interleaved_medians,
+    progress,
+    pyplot,  # noqa: E402
+    write_results,
+)
+
 import jaxrev as jr  # noqa: E402
-from _common import (device_info, interleaved_medians, progress, pyplot,  # noqa: E402
-                     write_results, RESULTS)
 
 D, BATCH = 8, 256
 FWD_TARGET, INV_TARGET = 1.5, 2.0
@@ -48,6 +57,7 @@ def flowjax_flows(layers: int) -> dict:
     import flowjax.bijections as fb
     import flowjax.flows as ff
     from flowjax.distributions import Normal
+
     key, base = jax.random.key(0), Normal(jnp.zeros(D))
 
     def perturbed(bij, seed=1):
@@ -56,24 +66,39 @@ def flowjax_flows(layers: int) -> dict:
         # library's inverse as for jaxrev's)
         leaves, tree = jax.tree_util.tree_flatten(bij)
         ks = jax.random.split(jax.random.key(seed), len(leaves))
-        return jax.tree_util.tree_unflatten(tree, [
-            l + 0.05 * jax.random.normal(k, l.shape, l.dtype)
-            if isinstance(l, jax.Array) and jnp.issubdtype(l.dtype, jnp.floating) else l
-            for l, k in zip(leaves, ks)])
+        return jax.tree_util.tree_unflatten(
+            tree,
+            [
+                leaf + 0.05 * jax.random.normal(k, leaf.shape, leaf.dtype)
+                if isinstance(leaf, jax.Array) and jnp.issubdtype(leaf.dtype, jnp.floating)
+                else leaf
+                for leaf, k in zip(leaves, ks)
+            ],
+        )
 
     spline = fb.RationalQuadraticSpline(knots=8, interval=4)
     return {
-        "flowjax coupling_flow (spline)": perturbed(ff.coupling_flow(
-            key, base_dist=base, transformer=spline, flow_layers=layers, invert=False).bijection),
-        "flowjax coupling_flow (affine)": perturbed(ff.coupling_flow(
-            key, base_dist=base, flow_layers=layers, invert=False).bijection),
-        "flowjax masked_autoregressive_flow (affine)": perturbed(ff.masked_autoregressive_flow(
-            key, base_dist=base, flow_layers=layers, invert=False).bijection),
-        "flowjax planar_flow (tanh)": perturbed(ff.planar_flow(
-            key, base_dist=base, flow_layers=layers, invert=False).bijection),
+        "flowjax coupling_flow (spline)": perturbed(
+            ff.coupling_flow(
+                key, base_dist=base, transformer=spline, flow_layers=layers, invert=False
+            ).bijection
+        ),
+        "flowjax coupling_flow (affine)": perturbed(
+            ff.coupling_flow(key, base_dist=base, flow_layers=layers, invert=False).bijection
+        ),
+        "flowjax masked_autoregressive_flow (affine)": perturbed(
+            ff.masked_autoregressive_flow(
+                key, base_dist=base, flow_layers=layers, invert=False
+            ).bijection
+        ),
+        "flowjax planar_flow (tanh)": perturbed(
+            ff.planar_flow(key, base_dist=base, flow_layers=layers, invert=False).bijection
+        ),
         "flowjax block_neural_autoregressive_flow": perturbed(
-            ff.block_neural_autoregressive_flow(key, base_dist=base, flow_layers=1,
-                                                invert=False).bijection),
+            ff.block_neural_autoregressive_flow(
+                key, base_dist=base, flow_layers=1, invert=False
+            ).bijection
+        ),
     }
 
 
@@ -81,18 +106,24 @@ def numpyro_flows() -> dict:
     from numpyro.distributions import transforms as T
     from numpyro.distributions.flows import InverseAutoregressiveTransform
     from numpyro.nn import AutoregressiveNN
+
     k = jax.random.split(jax.random.key(2), 4)
     L = jnp.tril(0.3 * jax.random.normal(k[0], (D, D)), -1) + jnp.diag(
-        jnp.exp(0.2 * jax.random.normal(k[1], (D,))))
+        jnp.exp(0.2 * jax.random.normal(k[1], (D,)))
+    )
     init, apply = AutoregressiveNN(D, [32], permutation=jnp.arange(D))
     _, params = init(k[2], (D,))
-    params = jax.tree_util.tree_map(lambda p: p + 0.1 * jax.random.normal(k[3], p.shape),
-                                    params)
+    params = jax.tree_util.tree_map(lambda p: p + 0.1 * jax.random.normal(k[3], p.shape), params)
     arn = lambda x: apply(params, x)  # noqa: E731
     return {
-        "numpyro chain (affine, lower-Cholesky, permute, sigmoid)": T.ComposeTransform([
-            T.AffineTransform(0.5, 1.7), T.LowerCholeskyAffine(jnp.zeros(D), L),
-            T.PermuteTransform(jnp.arange(D)[::-1]), T.SigmoidTransform()]),
+        "numpyro chain (affine, lower-Cholesky, permute, sigmoid)": T.ComposeTransform(
+            [
+                T.AffineTransform(0.5, 1.7),
+                T.LowerCholeskyAffine(jnp.zeros(D), L),
+                T.PermuteTransform(jnp.arange(D)[::-1]),
+                T.SigmoidTransform(),
+            ]
+        ),
         "numpyro InverseAutoregressiveTransform": InverseAutoregressiveTransform(arn),
     }
 
@@ -118,6 +149,7 @@ def _library_fns(kind: str, bij):
         except NotImplementedError:
             raise
         return x, -jnp.sum(bij.log_abs_det_jacobian(x, y))
+
     try:
         jax.eval_shape(bij.inv, jnp.zeros(D))
     except NotImplementedError:
@@ -130,8 +162,10 @@ def measure(name: str, kind: str, bij, reps: int) -> dict:
     lib_f, lib_i = _library_fns(kind, bij)
     x = 0.8 * jax.random.normal(jax.random.key(7), (BATCH, D))
     y, _ = jax.vmap(lib_f)(x)
-    calls = {"library forward": jax.jit(jax.vmap(lib_f)),
-             "jaxrev forward": jax.jit(jax.vmap(jr.forward_and_slogdet(f)))}
+    calls = {
+        "library forward": jax.jit(jax.vmap(lib_f)),
+        "jaxrev forward": jax.jit(jax.vmap(jr.forward_and_slogdet(f))),
+    }
     args = {"library forward": x, "jaxrev forward": x}
     if lib_i is not None:
         calls["library inverse"] = jax.jit(jax.vmap(lib_i))
@@ -152,8 +186,13 @@ def measure(name: str, kind: str, bij, reps: int) -> dict:
     row.update({f"{k} s": v for k, v in t.items()})
 
     def err(a, b):
-        return float(max(jnp.max(jnp.abs(p - q)) / jnp.maximum(jnp.max(jnp.abs(p)), 1e-30)
-                         for p, q in zip(a, b)))
+        return float(
+            max(
+                jnp.max(jnp.abs(p - q)) / jnp.maximum(jnp.max(jnp.abs(p)), 1e-30)
+                for p, q in zip(a, b)
+            )
+        )
+
     row["forward err"] = err(out["library forward"], out["jaxrev forward"])
     row["forward ratio"] = t["jaxrev forward"] / t["library forward"]
     # inverses against the input that made y (float32: both the library's inverse and
@@ -164,18 +203,21 @@ def measure(name: str, kind: str, bij, reps: int) -> dict:
         if "library inverse" in out:
             row["library inverse err"] = err(ref, out["library inverse"])
             row["inverse ratio"] = t["jaxrev inverse"] / t["library inverse"]
-        else:   # no library inverse: timed against the library's forward
-            row["inverse ratio (vs library forward)"] = t["jaxrev inverse"] / t[
-                "library forward"]
+        else:  # no library inverse: timed against the library's forward
+            row["inverse ratio (vs library forward)"] = t["jaxrev inverse"] / t["library forward"]
     return row
 
 
 def table(rows: list[dict]) -> str:
     def fmt(v, spec=".2f"):
         return "—" if v is None else format(v, spec)
-    lines = ["| flow | library fwd ms | jaxrev fwd ms | fwd ratio | fwd err | library inv ms | "
-             "jaxrev inv ms | inv ratio | inv err (jaxrev / library) | first call s (jaxrev fwd / inv) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+
+    lines = [
+        "| flow | library fwd ms | jaxrev fwd ms | fwd ratio | fwd err | library inv ms | "
+        "jaxrev inv ms | inv ratio | inv err (jaxrev / library) | "
+        "first call s (jaxrev fwd / inv) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         inv_ratio = r.get("inverse ratio", r.get("inverse ratio (vs library forward)"))
         lib_inv = r.get("library inverse s")
@@ -191,14 +233,17 @@ def table(rows: list[dict]) -> str:
             f"{fmt(inv_ratio)}{'*' if 'inverse ratio (vs library forward)' in r else ''} | "
             f"{fmt(r.get('inverse err'), '.1e')} / {fmt(r.get('library inverse err'), '.1e')} | "
             f"{fmt(r.get('jaxrev forward first s'), '.1f')} / "
-            f"{fmt(r.get('jaxrev inverse first s'), '.1f')} |")
+            f"{fmt(r.get('jaxrev inverse first s'), '.1f')} |"
+        )
     lines.append("")
-    lines.append(f"Dimension {D}, batch {BATCH} (vmapped), float32, jitted, one thread; "
-                 "medians of interleaved calls. Targets: forward ≤ "
-                 f"{FWD_TARGET}×, inverse ≤ {INV_TARGET}× the library's. * no library "
-                 "inverse: jaxrev's inverse against the library's forward. Errors: the forward's against "
-                 "the library's; the inverses' (value and log-det) against the input that made "
-                 "y, relative to its largest entry.")
+    lines.append(
+        f"Dimension {D}, batch {BATCH} (vmapped), float32, jitted, one thread; "
+        "medians of interleaved calls. Targets: forward ≤ "
+        f"{FWD_TARGET}×, inverse ≤ {INV_TARGET}× the library's. * no library "
+        "inverse: jaxrev's inverse against the library's forward. Errors: the forward's against "
+        "the library's; the inverses' (value and log-det) against the input that made "
+        "y, relative to its largest entry."
+    )
     for r in rows:
         if "jaxrev inverse refused" in r:
             lines.append(f"- {r['flow']}: inverse refused: {r['jaxrev inverse refused']}")
@@ -212,8 +257,7 @@ def plot(rows: list[dict], path: str) -> None:
     fig, ax = plt.subplots(figsize=(9, 4))
     names = [r["flow"].replace("flowjax ", "").replace("numpyro ", "np: ") for r in rows]
     fw = [r["forward ratio"] for r in rows]
-    iv = [r.get("inverse ratio", r.get("inverse ratio (vs library forward)", np.nan))
-          for r in rows]
+    iv = [r.get("inverse ratio", r.get("inverse ratio (vs library forward)", np.nan)) for r in rows]
     xs = np.arange(len(rows))
     ax.bar(xs - 0.2, fw, 0.4, label="forward + log-det")
     ax.bar(xs + 0.2, iv, 0.4, label="inverse + log-det")

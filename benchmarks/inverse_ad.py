@@ -21,17 +21,19 @@ results/inverse_ad.{json,md,png}.
 
     python benchmarks/inverse_ad.py [--quick]
 """
+
 from __future__ import annotations
 
 import argparse
 import os
 import sys
 
-os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")   # no BLAS threads spinning on a busy CPU
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # no BLAS threads spinning on a busy CPU
 # XLA:CPU on one thread too: ratios against peers are not distorted by threads spinning
 # on a busy machine (set XLA_FLAGS to change it)
-os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false "
-                      "intra_op_parallelism_threads=1")
+os.environ.setdefault(
+    "XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -40,9 +42,17 @@ import numpy as np  # noqa: E402
 jax.config.update("jax_enable_x64", True)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import (
+    RESULTS,
+    device_info,
+    interleaved_medians,
+    optional,
+    progress,  # noqa: E402
+    pyplot,
+    write_results,
+)
+
 import jaxrev as jr  # noqa: E402
-from _common import (RESULTS, device_info, interleaved_medians, optional, progress,  # noqa: E402
-                     pyplot, write_results)
 
 lx = optional("lineax")
 
@@ -55,8 +65,10 @@ def single_slot_chain(n):
             xi, wi = xw
             xi = xi + jnp.tanh(wi * prev)
             return xi, xi
+
         _, rest = jax.lax.scan(body, x[0], (x[1:], w[1:]))
         return jnp.sinh(jnp.concatenate([x[:1], rest]))
+
     return f, jnp.asarray(np.random.default_rng(1).standard_normal(n))
 
 
@@ -66,6 +78,7 @@ def at_add_chain(n):
     def f(x):
         x = jax.lax.fori_loop(1, n, lambda i, x: x.at[i].add(jnp.tanh(w[i] * x[i - 1])), x)
         return jnp.sinh(x)
+
     return f, jnp.asarray(np.random.default_rng(1).standard_normal(n))
 
 
@@ -74,7 +87,7 @@ def klein_gordon(n, steps=200, dt=0.02):
 
     def force(q):
         lap = jnp.roll(q, 1) + jnp.roll(q, -1) - 2.0 * q
-        return lap - q - q ** 3
+        return lap - q - q**3
 
     def f(x):
         q, p = x[:sites], x[sites:]
@@ -84,22 +97,25 @@ def klein_gordon(n, steps=200, dt=0.02):
             p = p + 0.5 * dt * force(q)
             q = q + dt * p
             return q, p + 0.5 * dt * force(q)
+
         q, p = jax.lax.fori_loop(0, steps, body, (q, p))
         return jnp.concatenate([q, p])
-    x0 = jnp.concatenate([jnp.asarray(0.5 * np.sin(np.linspace(0, 6 * np.pi, sites))),
-                          jnp.zeros(sites)])
+
+    x0 = jnp.concatenate(
+        [jnp.asarray(0.5 * np.sin(np.linspace(0, 6 * np.pi, sites))), jnp.zeros(sites)]
+    )
     return f, x0
 
 
 def coupling_chain(n, layers=4):
-    ws = [jnp.asarray(np.random.default_rng(k).standard_normal(n - 1) * 0.5)
-          for k in range(layers)]
+    ws = [jnp.asarray(np.random.default_rng(k).standard_normal(n - 1) * 0.5) for k in range(layers)]
 
     def f(x):
         for w in ws:
             x = x.at[1:].add(jnp.tanh(w * x[:-1]))
             x = x * 1.1 + 0.1 * jnp.sin(x)
         return x
+
     return f, jnp.asarray(np.random.default_rng(2).standard_normal(n))
 
 
@@ -125,25 +141,35 @@ def run_workload(name, f, x, dense_ok=True, reps=5, slogdet=False):
         fns["jr.slogdet_jacobian"] = jax.jit(lambda x, v: jr.slogdet_jacobian(f, x)[1])
         fns["dense slogdet"] = jax.jit(lambda x, v: jnp.linalg.slogdet(jax.jacfwd(f)(x))[1])
     if dense_ok:
-        fns["dense jacfwd + solve"] = jax.jit(
-            lambda x, v: jnp.linalg.solve(jax.jacfwd(f)(x), v))
+        fns["dense jacfwd + solve"] = jax.jit(lambda x, v: jnp.linalg.solve(jax.jacfwd(f)(x), v))
     if lx is not None:
         if dense_ok:
-            fns["lineax LU"] = jax.jit(lambda x, v: lx.linear_solve(
-                lx.MatrixLinearOperator(jax.jacfwd(f)(x)), v, lx.LU()).value)
+            fns["lineax LU"] = jax.jit(
+                lambda x, v: (
+                    lx.linear_solve(lx.MatrixLinearOperator(jax.jacfwd(f)(x)), v, lx.LU()).value
+                )
+            )
         gm = lx.GMRES(rtol=1e-10, atol=1e-10, restart=50, max_steps=4000)
-        fns["lineax GMRES"] = jax.jit(lambda x, v: lx.linear_solve(
-            lx.JacobianLinearOperator(lambda x, _: f(x), x), v, gm, throw=False).value)
+        fns["lineax GMRES"] = jax.jit(
+            lambda x, v: (
+                lx.linear_solve(
+                    lx.JacobianLinearOperator(lambda x, _: f(x), x), v, gm, throw=False
+                ).value
+            )
+        )
     out = {}
     for k, g in fns.items():
         out[k] = g(x, v)
-    res = {k: (residual_t(f, x, o, v) if k == "jr.inverse_vjp" else residual(f, x, o, v))
-           for k, o in out.items() if k not in ("jax.jvp", "jr.slogdet_jacobian",
-                                                "dense slogdet")}
-    if slogdet:   # the log-determinant's error against the dense one
+    res = {
+        k: (residual_t(f, x, o, v) if k == "jr.inverse_vjp" else residual(f, x, o, v))
+        for k, o in out.items()
+        if k not in ("jax.jvp", "jr.slogdet_jacobian", "dense slogdet")
+    }
+    if slogdet:  # the log-determinant's error against the dense one
         ref = out["dense slogdet"]
-        res["jr.slogdet_jacobian"] = float(abs(out["jr.slogdet_jacobian"] - ref)
-                                           / max(1.0, abs(float(ref))))
+        res["jr.slogdet_jacobian"] = float(
+            abs(out["jr.slogdet_jacobian"] - ref) / max(1.0, abs(float(ref)))
+        )
     times = interleaved_medians({k: (lambda g=g: g(x, v)) for k, g in fns.items()}, reps=reps)
     method = "reverse"
     try:
@@ -158,11 +184,12 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args(argv)
     q = args.quick
-    work = [("single-slot chain", *single_slot_chain(400 if q else 4000), False),
-            ("single-slot chain, fori_loop of .at[i].add", *at_add_chain(400 if q else 4000),
-             True),
-            ("Klein-Gordon leapfrog, 200 steps", *klein_gordon(200 if q else 2000), False),
-            ("coupling chain .at[1:].add", *coupling_chain(300 if q else 2000), False)]
+    work = [
+        ("single-slot chain", *single_slot_chain(400 if q else 4000), False),
+        ("single-slot chain, fori_loop of .at[i].add", *at_add_chain(400 if q else 4000), True),
+        ("Klein-Gordon leapfrog, 200 steps", *klein_gordon(200 if q else 2000), False),
+        ("coupling chain .at[1:].add", *coupling_chain(300 if q else 2000), False),
+    ]
     rows = []
     for name, f, x, sld in progress(work, desc="inverse AD workloads"):
         rows.append(run_workload(name, f, x, slogdet=sld))
@@ -177,31 +204,43 @@ def main(argv=None):
 def make_table(d):
     rows = d["rows"]
     names = list(dict.fromkeys(k for r in rows for k in r["times"]))
-    out = [f"# Inverse accumulation ({d['device']['backend']}, JAX {d['device']['jax']})", "",
-           "Seconds (median of interleaved runs, jit-compiled); relative residual in brackets.",
-           "", "| workload | n | strategy | " + " | ".join(names) + " |",
-           "|---" * (len(names) + 3) + "|"]
+    out = [
+        f"# Inverse accumulation ({d['device']['backend']}, JAX {d['device']['jax']})",
+        "",
+        "Seconds (median of interleaved runs, jit-compiled); relative residual in brackets.",
+        "",
+        "| workload | n | strategy | " + " | ".join(names) + " |",
+        "|---" * (len(names) + 3) + "|",
+    ]
     for r in rows:
         cells = []
         for k in names:
             t = r["times"].get(k)
             res = r["residuals"].get(k)
-            cells.append("n/a" if t is None else
-                         f"{t:.4f}" + (f" ({res:.1e})" if res is not None else ""))
+            cells.append(
+                "n/a" if t is None else f"{t:.4f}" + (f" ({res:.1e})" if res is not None else "")
+            )
         out.append(f"| {r['name']} | {r['n']} | {r['strategy']} | " + " | ".join(cells) + " |")
-    out += ["", "Ratios (others / jr.inverse_jvp; inverse_vjp / jax.jvp):", "",
-            "| workload | GMRES / inverse_jvp | dense LU (lineax) / inverse_jvp | "
-            "jacfwd+solve / inverse_jvp | inverse_vjp / jvp | inverse_jvp / jvp |",
-            "|---|---|---|---|---|---|"]
+    out += [
+        "",
+        "Ratios (others / jr.inverse_jvp; inverse_vjp / jax.jvp):",
+        "",
+        "| workload | GMRES / inverse_jvp | dense LU (lineax) / inverse_jvp | "
+        "jacfwd+solve / inverse_jvp | inverse_vjp / jvp | inverse_jvp / jvp |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in rows:
         t = r["times"]
         ij = t["jr.inverse_jvp"]
 
         def ratio(k, base=ij):
             return f"{t[k] / base:.1f}" if k in t else "n/a"
-        out.append(f"| {r['name']} | {ratio('lineax GMRES')} | {ratio('lineax LU')} | "
-                   f"{ratio('dense jacfwd + solve')} | "
-                   f"{t['jr.inverse_vjp'] / t['jax.jvp']:.2f} | {ij / t['jax.jvp']:.2f} |")
+
+        out.append(
+            f"| {r['name']} | {ratio('lineax GMRES')} | {ratio('lineax LU')} | "
+            f"{ratio('dense jacfwd + solve')} | "
+            f"{t['jr.inverse_vjp'] / t['jax.jvp']:.2f} | {ij / t['jax.jvp']:.2f} |"
+        )
     return "\n".join(out) + "\n"
 
 
@@ -214,8 +253,12 @@ def plot(d, path):
     fig, ax = plt.subplots(figsize=(10, 4))
     width = 0.8 / len(names)
     for j, k in enumerate(names):
-        ax.bar([i + j * width for i in range(len(rows))],
-               [r["times"].get(k, np.nan) for r in rows], width, label=k)
+        ax.bar(
+            [i + j * width for i in range(len(rows))],
+            [r["times"].get(k, np.nan) for r in rows],
+            width,
+            label=k,
+        )
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(rows))])
     ax.set_xticklabels([f"{r['name']}\nn={r['n']}" for r in rows], fontsize=8)
     ax.set_yscale("log")

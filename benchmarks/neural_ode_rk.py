@@ -21,6 +21,7 @@ region: its forward solve grows a parasitic mode there, as the paper's analysis 
     python benchmarks/neural_ode.py --rk          # this part alone (about 15 minutes)
     python benchmarks/neural_ode_rk.py --quick    # 500 steps, a smoke test
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,8 +29,9 @@ import os
 import sys
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false "
-                      "intra_op_parallelism_threads=1")
+os.environ.setdefault(
+    "XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+)
 
 import diffrax  # noqa: E402
 import equinox as eqx  # noqa: E402
@@ -41,43 +43,74 @@ from jaxrev.diffrax import Reversible, ReversibleAdjoint  # noqa: E402
 jax.config.update("jax_enable_x64", True)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import (RESULTS, device_info, interleaved_medians, progress,  # noqa: E402
-                     pyplot, rel_err, write_results)
+from _common import (
+    RESULTS,
+    device_info,
+    interleaved_medians,
+    progress,  # noqa: E402
+    pyplot,
+    rel_err,
+    write_results,
+)
 
 DIM, WIDTH, BATCH = 8, 64, 32
 METHODS = ("Reversible + ReversibleAdjoint", "RecursiveCheckpointAdjoint", "BacksolveAdjoint")
 DIRECT_MAX = 2000
 STIFF = 20.0
-COUPLING = 0.5   # the reversible scheme's forward step is stable on the stiff problem
-STABILITY = ("Reversible + ReversibleAdjoint",
-             "Reversible + ReversibleAdjoint(checkpoint_every='auto')",
-             "RecursiveCheckpointAdjoint", "BacksolveAdjoint")
+COUPLING = 0.5  # the reversible scheme's forward step is stable on the stiff problem
+STABILITY = (
+    "Reversible + ReversibleAdjoint",
+    "Reversible + ReversibleAdjoint(checkpoint_every='auto')",
+    "RecursiveCheckpointAdjoint",
+    "BacksolveAdjoint",
+)
 
 
-def value_and_grad(base, method: str, n: int, t1: float = 1.0, stiff: float = 0.0,
-                   saves: int = 0, coupling: float = 0.999):
+def value_and_grad(
+    base,
+    method: str,
+    n: int,
+    t1: float = 1.0,
+    stiff: float = 0.0,
+    saves: int = 0,
+    coupling: float = 0.999,
+):
     """jit(value_and_grad) of the batch's loss for `method` ("Direct" and "Direct Reversible"
     are the references, "RC Reversible" the reference where DirectAdjoint does not fit).
     `stiff`: the field is f(y) - stiff (y - sin t); `saves`: the loss reads the solution at
     that many times (else the final state)."""
     solver = Reversible(base, coupling) if "Reversible" in method else base
-    adjoint = {"Reversible + ReversibleAdjoint": ReversibleAdjoint(),
-               "Reversible + ReversibleAdjoint(checkpoint_every='auto')":
-                   ReversibleAdjoint(checkpoint_every="auto"),
-               "RecursiveCheckpointAdjoint": diffrax.RecursiveCheckpointAdjoint(),
-               "RC Reversible": diffrax.RecursiveCheckpointAdjoint(),
-               "BacksolveAdjoint": diffrax.BacksolveAdjoint()}.get(method,
-                                                                   diffrax.DirectAdjoint())
-    saveat = (diffrax.SaveAt(ts=jnp.linspace(t1 / saves, t1, saves)) if saves
-              else diffrax.SaveAt(t1=True))
+    adjoint = {
+        "Reversible + ReversibleAdjoint": ReversibleAdjoint(),
+        "Reversible + ReversibleAdjoint(checkpoint_every='auto')": ReversibleAdjoint(
+            checkpoint_every="auto"
+        ),
+        "RecursiveCheckpointAdjoint": diffrax.RecursiveCheckpointAdjoint(),
+        "RC Reversible": diffrax.RecursiveCheckpointAdjoint(),
+        "BacksolveAdjoint": diffrax.BacksolveAdjoint(),
+    }.get(method, diffrax.DirectAdjoint())
+    saveat = (
+        diffrax.SaveAt(ts=jnp.linspace(t1 / saves, t1, saves)) if saves else diffrax.SaveAt(t1=True)
+    )
 
     def loss(params, static, y0, target):
         field = eqx.combine(params, static)
         term = diffrax.ODETerm(lambda t, y, f: f(y) - stiff * (y - jnp.sin(t)))
 
         def one(y):
-            return diffrax.diffeqsolve(term, solver, 0.0, t1, t1 / n, y, args=field,
-                                       saveat=saveat, adjoint=adjoint, max_steps=n).ys
+            return diffrax.diffeqsolve(
+                term,
+                solver,
+                0.0,
+                t1,
+                t1 / n,
+                y,
+                args=field,
+                saveat=saveat,
+                adjoint=adjoint,
+                max_steps=n,
+            ).ys
+
         return jnp.mean((jax.vmap(one)(y0) - target[:, None]) ** 2)
 
     return jax.jit(jax.value_and_grad(loss), static_argnums=1)
@@ -101,19 +134,23 @@ def run(sizes=(2000, 10_000), stability_steps=2000, reps=3) -> dict:
         row = {"solver": name, "steps": n, "mem": {}, "time": {}, "err": {}}
         for m, f in fns.items():
             row["mem"][m] = int(f.lower(*args).compile().memory_analysis().temp_size_in_bytes)
-        out = {m: f(*args) for m, f in fns.items()}    # also the warm-up call
+        out = {m: f(*args) for m, f in fns.items()}  # also the warm-up call
         # DirectAdjoint keeps every stage of every step: past DIRECT_MAX steps it does not fit
         # in memory, and RecursiveCheckpointAdjoint (the same gradient) is the reference
         direct = "Direct" if n <= DIRECT_MAX else "RC"
         row["reference"] = f"{direct}Adjoint"
         ref_rev = value_and_grad(base, f"{direct} Reversible", n)(*args)
-        ref_base = (value_and_grad(base, "Direct", n)(*args) if n <= DIRECT_MAX
-                    else out["RecursiveCheckpointAdjoint"])
+        ref_base = (
+            value_and_grad(base, "Direct", n)(*args)
+            if n <= DIRECT_MAX
+            else out["RecursiveCheckpointAdjoint"]
+        )
         for m in METHODS:
             ref = ref_rev if m.startswith("Reversible") else ref_base
             row["err"][m] = rel_err(ref[1], out[m][1])
-        row["time"] = interleaved_medians({m: (lambda f=f: f(*args)) for m, f in fns.items()},
-                                          reps=reps, warmup=0)
+        row["time"] = interleaved_medians(
+            {m: (lambda f=f: f(*args)) for m, f in fns.items()}, reps=reps, warmup=0
+        )
         rows.append(row)
     stab = []
     for saves in progress((0, 20), desc="stiff problem"):
@@ -127,7 +164,7 @@ def run(sizes=(2000, 10_000), stability_steps=2000, reps=3) -> dict:
                 got = value_and_grad(base, m, **kw)(*args)
                 ref = ref_rev if m.startswith("Reversible") else ref_base
                 r["err"][m] = rel_err(ref[1], got[1])
-            except Exception as e:   # a drift error is an answer too: say which
+            except Exception as e:  # a drift error is an answer too: say which
                 r["err"][m] = "DriftError raised" if "DriftError" in str(e) else type(e).__name__
         stab.append(r)
     return {"device": device_info(), "rows": rows, "stability": stab}
@@ -135,39 +172,64 @@ def run(sizes=(2000, 10_000), stability_steps=2000, reps=3) -> dict:
 
 def table(res: dict) -> str:
     rev, rc, bs = METHODS
-    lines = [f"# Reversible Runge–Kutta through diffrax ({res['device']['backend']}, "
-             f"JAX {jax.__version__}, diffrax {diffrax.__version__})", "",
-             f"`eqx.nn.MLP` {DIM} -> {WIDTH} -> {WIDTH} -> {DIM} (tanh) field, batch {BATCH} "
-             "(vmapped), constant steps on [0, 1], MSE of the final state, float64, defaults. "
-             "Time: one jitted `value_and_grad` call (median of interleaved calls). Errors: "
-             "relative to the largest entry, against `DirectAdjoint` on the same solver.", "",
-             "| solver | steps | " + " | ".join(f"{m} MB" for m in METHODS) + " | "
-             + " | ".join(f"{m} s" for m in METHODS) + " | memory / RC | time / RC | "
-             + " | ".join(f"{m} error" for m in METHODS) + " |",
-             "|---" * (2 + 3 * len(METHODS) + 2) + "|"]
+    lines = [
+        f"# Reversible Runge–Kutta through diffrax ({res['device']['backend']}, "
+        f"JAX {jax.__version__}, diffrax {diffrax.__version__})",
+        "",
+        f"`eqx.nn.MLP` {DIM} -> {WIDTH} -> {WIDTH} -> {DIM} (tanh) field, batch {BATCH} "
+        "(vmapped), constant steps on [0, 1], MSE of the final state, float64, defaults. "
+        "Time: one jitted `value_and_grad` call (median of interleaved calls). Errors: "
+        "relative to the largest entry, against `DirectAdjoint` on the same solver.",
+        "",
+        "| solver | steps | "
+        + " | ".join(f"{m} MB" for m in METHODS)
+        + " | "
+        + " | ".join(f"{m} s" for m in METHODS)
+        + " | memory / RC | time / RC | "
+        + " | ".join(f"{m} error" for m in METHODS)
+        + " |",
+        "|---" * (2 + 3 * len(METHODS) + 2) + "|",
+    ]
     for r in res["rows"]:
         m, t, e = r["mem"], r["time"], r["err"]
-        lines.append(f"| {r['solver']} | {r['steps']} | "
-                     + " | ".join(f"{m[k] / 1e6:.3f}" for k in METHODS) + " | "
-                     + " | ".join(f"{t[k]:.2f}" for k in METHODS)
-                     + f" | {m[rev] / max(m[rc], 1):.3f} | {t[rev] / t[rc]:.2f} | "
-                     + " | ".join("(the reference)" if k == rc and r.get("reference")
-                                  == "RCAdjoint" else f"{e[k]:.1e}" for k in METHODS) + " |")
-    lines += ["", "Gradient errors past 2 000 steps are against `RecursiveCheckpointAdjoint` on "
-              "the same solver (the same discretised gradient: `DirectAdjoint` keeps every "
-              "stage of every step and does not fit in memory).", "",
-              f"Stiff problem: field − {STIFF:g} (y − sin t) on [0, 5], Tsit5 (the reversible "
-              f"one with coupling {COUPLING}: at 0.999 its own forward step is unstable here, "
-              "a parasitic mode growing like e^{20 h} a step), the loss reading the final state "
-              "or 20 saved times. Integrating backwards amplifies rounding by up to "
-              f"e^{STIFF * 5 * 0.95:.0f}. Gradient error against `DirectAdjoint` on the same "
-              "solver.", "",
-              "| saved times | steps | " + " | ".join(STABILITY) + " |",
-              "|---" * (2 + len(STABILITY)) + "|"]
+        lines.append(
+            f"| {r['solver']} | {r['steps']} | "
+            + " | ".join(f"{m[k] / 1e6:.3f}" for k in METHODS)
+            + " | "
+            + " | ".join(f"{t[k]:.2f}" for k in METHODS)
+            + f" | {m[rev] / max(m[rc], 1):.3f} | {t[rev] / t[rc]:.2f} | "
+            + " | ".join(
+                "(the reference)"
+                if k == rc and r.get("reference") == "RCAdjoint"
+                else f"{e[k]:.1e}"
+                for k in METHODS
+            )
+            + " |"
+        )
+    lines += [
+        "",
+        "Gradient errors past 2 000 steps are against `RecursiveCheckpointAdjoint` on "
+        "the same solver (the same discretised gradient: `DirectAdjoint` keeps every "
+        "stage of every step and does not fit in memory).",
+        "",
+        f"Stiff problem: field − {STIFF:g} (y − sin t) on [0, 5], Tsit5 (the reversible "
+        f"one with coupling {COUPLING}: at 0.999 its own forward step is unstable here, "
+        "a parasitic mode growing like e^{20 h} a step), the loss reading the final state "
+        "or 20 saved times. Integrating backwards amplifies rounding by up to "
+        f"e^{STIFF * 5 * 0.95:.0f}. Gradient error against `DirectAdjoint` on the same "
+        "solver.",
+        "",
+        "| saved times | steps | " + " | ".join(STABILITY) + " |",
+        "|---" * (2 + len(STABILITY)) + "|",
+    ]
     for r in res["stability"]:
-        lines.append(f"| {r['saves'] or 'final'} | {r['steps']} | " + " | ".join(
-            f"{v:.1e}" if isinstance(v, float) else v for v in
-            (r["err"][k] for k in STABILITY)) + " |")
+        lines.append(
+            f"| {r['saves'] or 'final'} | {r['steps']} | "
+            + " | ".join(
+                f"{v:.1e}" if isinstance(v, float) else v for v in (r["err"][k] for k in STABILITY)
+            )
+            + " |"
+        )
     return "\n".join(lines) + "\n"
 
 

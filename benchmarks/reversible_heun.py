@@ -12,6 +12,7 @@ interleaved runs in one process. Writes results/reversible_heun.{json,md,png}.
     python benchmarks/reversible_heun.py            # full run (about 5 minutes)
     python benchmarks/reversible_heun.py --quick    # small sizes, a smoke test
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,8 +22,9 @@ import sys
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 # XLA:CPU on one thread too: ratios against peers are not distorted by threads spinning
 # on a busy machine (set XLA_FLAGS to change it)
-os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false "
-                      "intra_op_parallelism_threads=1")
+os.environ.setdefault(
+    "XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -32,10 +34,17 @@ from jax import lax  # noqa: E402
 jax.config.update("jax_enable_x64", True)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import (
+    device_info,
+    interleaved_medians,
+    plot_memory_and_time,  # noqa: E402
+    progress,
+    rel_err,
+    temp_bytes,
+    write_results,
+)
+
 import jaxrev as jr  # noqa: E402
-from _common import (device_info, interleaved_medians, plot_memory_and_time,  # noqa: E402
-                     rel_err,
-                     progress, temp_bytes, write_results)
 
 DIM, DT = 64, 0.01
 
@@ -52,12 +61,14 @@ def heun(n: int, checkpoint: bool = False):
 
     def fun(s, W):
         return lax.scan(lambda c, _: (step(c, W), None), s, None, length=n)[0]
+
     return fun
 
 
 def loss_of(fun):
-    return jax.grad(lambda s, W: jnp.sum(jnp.sin(fun(s, W)[0])) + jnp.sum(fun(s, W)[1] ** 2),
-                    argnums=(0, 1))
+    return jax.grad(
+        lambda s, W: jnp.sum(jnp.sin(fun(s, W)[0])) + jnp.sum(fun(s, W)[1] ** 2), argnums=(0, 1)
+    )
 
 
 def main(argv=None):
@@ -69,8 +80,11 @@ def main(argv=None):
     W = jnp.asarray(rng.standard_normal((DIM, DIM)) / 8.0)
     z0 = jnp.asarray(rng.standard_normal(DIM) * 0.5)
     s = (z0, z0)
-    methods = {"jax.grad": lambda n: heun(n), "jax.checkpoint": lambda n: heun(n, True),
-               "jr.reversible": lambda n: jr.reversible(heun(n))}
+    methods = {
+        "jax.grad": lambda n: heun(n),
+        "jax.checkpoint": lambda n: heun(n, True),
+        "jr.reversible": lambda n: jr.reversible(heun(n)),
+    }
     rows = []
     for n in progress(steps, desc="reversible Heun steps"):
         row = {"steps": n, "mem": {}, "time": {}}
@@ -81,39 +95,52 @@ def main(argv=None):
         row["err"] = rel_err(ref, grads["jr.reversible"](s, W))
         # float32, both against the float64 reference: the default within 2x jax.grad's own
         s32, W32 = [a.astype(jnp.float32) for a in s], W.astype(jnp.float32)
-        row["err32"] = {k: rel_err(ref, grads[k](tuple(s32), W32))
-                        for k in ("jax.grad", "jr.reversible")}
+        row["err32"] = {
+            k: rel_err(ref, grads[k](tuple(s32), W32)) for k in ("jax.grad", "jr.reversible")
+        }
         row["report_bytes"] = jr.memory_report(heun(n), s, W).total_bytes
-        row["time"] = interleaved_medians({k: (lambda g=g: g(s, W)) for k, g in grads.items()},
-                                          reps=5)
+        row["time"] = interleaved_medians(
+            {k: (lambda g=g: g(s, W)) for k, g in grads.items()}, reps=5
+        )
         rows.append(row)
 
     names = list(methods)
-    lines = [f"# Reversible Heun, {DIM}-dim, dt = {DT} ({device_info()['backend']}, "
-             f"JAX {jax.__version__})", "",
-             "Gradient of a loss of the final state w.r.t. the initial state and W; float64, "
-             "and float32 against float64 jax.grad; jr.reversible with its defaults.", "",
-             "| steps | " + " | ".join(f"{k} temp MB" for k in names)
-             + " | grad / reversible memory | checkpoint / reversible memory | "
-             "reversible time / grad time | reversible time / checkpoint time | "
-             "gradient rel. error | float32 jax.grad error | float32 reversible error | "
-             "memory_report bytes |",
-             "|---" * (len(names) + 9) + "|"]
+    lines = [
+        f"# Reversible Heun, {DIM}-dim, dt = {DT} ({device_info()['backend']}, "
+        f"JAX {jax.__version__})",
+        "",
+        "Gradient of a loss of the final state w.r.t. the initial state and W; float64, "
+        "and float32 against float64 jax.grad; jr.reversible with its defaults.",
+        "",
+        "| steps | "
+        + " | ".join(f"{k} temp MB" for k in names)
+        + " | grad / reversible memory | checkpoint / reversible memory | "
+        "reversible time / grad time | reversible time / checkpoint time | "
+        "gradient rel. error | float32 jax.grad error | float32 reversible error | "
+        "memory_report bytes |",
+        "|---" * (len(names) + 9) + "|",
+    ]
     for r in rows:
         m, t = r["mem"], r["time"]
         lines.append(
-            f"| {r['steps']} | " + " | ".join(f"{m[k] / 1e6:.3f}" for k in names)
+            f"| {r['steps']} | "
+            + " | ".join(f"{m[k] / 1e6:.3f}" for k in names)
             + f" | {m['jax.grad'] / max(m['jr.reversible'], 1):.0f}"
             + f" | {m['jax.checkpoint'] / max(m['jr.reversible'], 1):.0f}"
             + f" | {t['jr.reversible'] / t['jax.grad']:.2f}"
             + f" | {t['jr.reversible'] / t['jax.checkpoint']:.2f}"
             + f" | {r['err']:.1e} | {r['err32']['jax.grad']:.1e}"
-            + f" | {r['err32']['jr.reversible']:.1e} | {r['report_bytes']} |")
-    lines += ["", "Times (s, median of interleaved runs):", "",
-              "| steps | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+            + f" | {r['err32']['jr.reversible']:.1e} | {r['report_bytes']} |"
+        )
+    lines += [
+        "",
+        "Times (s, median of interleaved runs):",
+        "",
+        "| steps | " + " | ".join(names) + " |",
+        "|---" * (len(names) + 1) + "|",
+    ]
     for r in rows:
-        lines.append(f"| {r['steps']} | " + " | ".join(f"{r['time'][k]:.4f}" for k in names)
-                     + " |")
+        lines.append(f"| {r['steps']} | " + " | ".join(f"{r['time'][k]:.4f}" for k in names) + " |")
     table = "\n".join(lines) + "\n"
     print(table)
     if args.quick:

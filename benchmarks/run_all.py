@@ -40,6 +40,7 @@ any headline regressed or any benchmark failed.
     python benchmarks/run_all.py --no-run               # compare the quick JSONs already here
     python benchmarks/run_all.py --list                 # the benchmarks and their headlines
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,8 +53,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -69,6 +71,7 @@ class Headline:
     """One figure of a benchmark's quick JSON `file`: `get(data)` gives a number, None where
     it was not measured (an optional peer is not installed), or a dict {suffix: number} for a
     family of headlines (one per family of programs, say)."""
+
     file: str
     label: str
     better: str
@@ -81,7 +84,7 @@ class Bench:
     name: str
     script: str
     headlines: list[Headline]
-    timeout: float = 1200.0               # seconds for the quick run
+    timeout: float = 1200.0  # seconds for the quick run
     args: tuple[str, ...] = ("--quick",)
     # the quick run prints its table and writes no JSON: run_all parses stdout into this file
     parse_stdout: Callable[[str], dict] | None = None
@@ -93,6 +96,7 @@ class Bench:
 
 
 # ------------------------------------------------------------------- helpers for the extractors
+
 
 def _row(rows: list[dict], **match) -> dict:
     """The row whose fields equal `match` (compared as strings: JSON turns tuples into text)."""
@@ -138,10 +142,12 @@ def _cell(data: dict, column: str, key: str, value: Any) -> float:
 
 # ------------------------------------------------------------------------------ the benchmarks
 
+
 def _eager(num: str, den: str, n: int = 100) -> Callable[[dict], float]:
     def get(d):
         t = _row(d["rows"], n=n)["time"]
         return t[num] / t[den]
+
     return get
 
 
@@ -155,6 +161,7 @@ def _flows(what: str, n: int = 196, batch: int = 64) -> Callable[[dict], float]:
             return r["program_stats"]["inv jaxrev"]["jaxpr_eqns"]
         t = r["times"]
         return t[f"{what} jaxrev"] / t[f"{what} analytic"]
+
     return get
 
 
@@ -162,6 +169,7 @@ def _inv_ad(name: str, num: str = "jr.inverse_jvp", den: str = "jax.jvp"):
     def get(d):
         t = _row(d["rows"], name=name)["times"]
         return t[num] / t[den]
+
     return get
 
 
@@ -172,9 +180,11 @@ def _neural_ode(column: str, steps: int = 1000):
 def _heun(what: str, steps: int = 1000):
     def get(d):
         if what == "memory":
-            return (_cell(d, "jax.grad temp MB", "steps", steps)
-                    / _cell(d, "jr.reversible temp MB", "steps", steps))
+            return _cell(d, "jax.grad temp MB", "steps", steps) / _cell(
+                d, "jr.reversible temp MB", "steps", steps
+            )
         return _cell(d, what, "steps", steps)
+
     return get
 
 
@@ -186,6 +196,7 @@ def _nilang(workload: str, size: Any, what: str = "time"):
         if what == "hessian":
             return r["time"]["jaxrev_hessian"] / r["time"]["jax_hessian"]
         return r["time"]["jaxrev"] / r["time"]["jax"]
+
     return get
 
 
@@ -195,6 +206,7 @@ def _newton_b(n: int, what: str):
         if what == "optax":
             return runs["optax L-BFGS"]["seconds"] / runs["jaxrev newton"]["seconds"]
         return runs[what]["steps"]
+
     return get
 
 
@@ -202,12 +214,13 @@ def _newton_a(n: int, peer: str):
     def get(d):
         t = _row(d["part_a"], n=n)["times"]
         return t[peer] / t["jaxrev newton_direction"]
+
     return get
 
 
 def _quantum_pennylane(d: dict) -> float | None:
     if not d.get("pennylane"):
-        return None                       # PennyLane is not installed
+        return None  # PennyLane is not installed
     pl = _row(d["pennylane"], qubits=16, depth=10)
     return pl["time"] / _row(d["time"], qubits=16, depth=10)["time"]["jaxrev"]
 
@@ -221,15 +234,18 @@ def _memory(what: str):
         r = _row(rows, depth=1000)
         if what == "temp":
             return r["mem"]["jr.reversible"] / r["mem"]["jax.grad"]
-        if what == "flat":   # the fully reversible mode's (the default's grows as √depth)
-            rev = [x["mem"].get("jr.reversible fully reversible", x["mem"]["jr.reversible"])
-                   for x in rows]
+        if what == "flat":  # the fully reversible mode's (the default's grows as √depth)
+            rev = [
+                x["mem"].get("jr.reversible fully reversible", x["mem"]["jr.reversible"])
+                for x in rows
+            ]
             return rev[-1] / rev[0]
         if what == "equinox":
             if "equinox checkpointed" not in r["time"]:
-                return None               # Equinox is not installed
+                return None  # Equinox is not installed
             return r["time"]["equinox checkpointed"] / r["time"]["jr.reversible"]
         return r["time"]["jr.reversible"] / r["time"]["jax.grad"]
+
     return get
 
 
@@ -238,6 +254,7 @@ def _dial(setting: str, what: str):
         f = d["float64"]
         r = _row(f["rows"], setting=setting)
         return r["time"] / f["jax.grad_time"] if what == "time" else r["mem"] / f["jax.grad_mem"]
+
     return get
 
 
@@ -260,140 +277,354 @@ def _transformer(what: str):
         if what == "memory":
             return r["mem"]["remat"] / r["mem"]["reversible"]
         return r["time"]["reversible"] / r["time"]["remat"]
+
     return get
 
 
-EC, FL, IA, NO, RH = ("eager_cache_quick.json", "flows_quick.json", "inverse_ad_quick.json",
-                      "neural_ode_quick.json", "reversible_heun_quick.json")
-NT, NW, QU, RM, RD, TR = ("nilang_tables_quick.json", "newton_quick.json", "quantum_quick.json",
-                          "reversible_memory_quick.json", "reversible_dial_quick.json",
-                          "tracing_quick.json")
+EC, FL, IA, NO, RH = (
+    "eager_cache_quick.json",
+    "flows_quick.json",
+    "inverse_ad_quick.json",
+    "neural_ode_quick.json",
+    "reversible_heun_quick.json",
+)
+NT, NW, QU, RM, RD, TR = (
+    "nilang_tables_quick.json",
+    "newton_quick.json",
+    "quantum_quick.json",
+    "reversible_memory_quick.json",
+    "reversible_dial_quick.json",
+    "tracing_quick.json",
+)
 CHAIN, ATADD = "single-slot chain", "single-slot chain, fori_loop of .at[i].add"
 KG, COUPLING = "Klein-Gordon leapfrog, 200 steps", "coupling chain .at[1:].add"
 GR = "eager grad(reversible(f))"
 
 BENCHMARKS: list[Bench] = [
-    Bench("eager_cache", "eager_cache.py", timeout=600, headlines=[
-        Headline(EC, f"{GR} / eager grad(jit(f)), N=100", LOWER,
-                 _eager(GR, "eager grad(jit(f))"), "the cache against JAX's own eager grad"),
-        Headline(EC, f"{GR} / jit(grad(reversible(f))), N=100", LOWER,
-                 _eager(GR, "jit(grad(reversible(f)))"), "what a cached eager call adds"),
-        Headline(EC, "eager reverse / jit(reverse), N=100", LOWER,
-                 _eager("eager reverse(f)", "jit(reverse(f))")),
-        Headline(EC, "eager inverse_jvp / jit(inverse_jvp), N=100", LOWER,
-                 _eager("eager inverse_jvp", "jit(inverse_jvp)")),
-    ]),
-    Bench("flows", "flows.py", headlines=[
-        Headline(FL, "fwd jaxrev / analytic time, n=196 B=64", LOWER, _flows("fwd"),
-                 "the hand-written log-det is always measured (distrax is optional)"),
-        Headline(FL, "inv jaxrev / analytic time, n=196 B=64", LOWER, _flows("inv")),
-        Headline(FL, "inv jaxrev / analytic temp memory, n=196 B=64", LOWER,
-                 _flows("inv temp")),
-        Headline(FL, "inv jaxrev jaxpr equations (count)", LOWER, _flows("inv eqns"),
-                 "program size: deterministic"),
-    ]),
-    Bench("inverse_ad", "inverse_ad.py", headlines=[
-        Headline(IA, f"inverse_jvp / jax.jvp, {CHAIN}", LOWER, _inv_ad(CHAIN)),
-        Headline(IA, "inverse_jvp / jax.jvp, fori_loop .at[i].add chain", LOWER,
-                 _inv_ad(ATADD), "element-level inversion"),
-        Headline(IA, "inverse_jvp / jax.jvp, Klein-Gordon", LOWER, _inv_ad(KG)),
-        Headline(IA, "inverse_jvp / jax.jvp, coupling chain (linearize)", LOWER,
-                 _inv_ad(COUPLING), "the 'linearize' strategy"),
-        Headline(IA, "slogdet_jacobian / dense slogdet, fori_loop chain", LOWER,
-                 _inv_ad(ATADD, "jr.slogdet_jacobian", "dense slogdet")),
-    ]),
-    Bench("neural_ode", "neural_ode.py", parse_stdout=_parsed, headlines=[
-        Headline(NO, "ReversibleAdjoint / RecursiveCheckpoint memory, 1000 steps", LOWER,
-                 _neural_ode("memory / RecursiveCheckpoint")),
-        Headline(NO, "ReversibleAdjoint / RecursiveCheckpoint time, 1000 steps", LOWER,
-                 _neural_ode("time / RecursiveCheckpoint")),
-        Headline(NO, "ReversibleAdjoint / Backsolve time, 1000 steps", LOWER,
-                 _neural_ode("time / Backsolve")),
-    ]),
-    Bench("newton", "newton.py", headlines=[
-        Headline(NW, "GMRES / jaxrev direction time, n=4000", HIGHER,
-                 _newton_a(4000, "lineax GMRES")),
-        Headline(NW, "CG / jaxrev direction time, n=4000", HIGHER, _newton_a(4000, "lineax CG")),
-        Headline(NW, "dense / jaxrev direction time, n=1000", HIGHER,
-                 _newton_a(1000, "dense hessian + solve")),
-        Headline(NW, "optax L-BFGS / jaxrev newton minimize time, n=1000", HIGHER,
-                 _newton_b(1000, "optax")),
-        Headline(NW, "jaxrev newton steps, n=1000 (count)", LOWER,
-                 _newton_b(1000, "jaxrev newton")),
-        Headline(NW, "jaxrev trust-region steps, n=1000 (count)", LOWER,
-                 _newton_b(1000, "jaxrev trust-region")),
-    ]),
-    Bench("nilang_tables", "nilang_tables.py", timeout=900, headlines=[
-        Headline(NT, "jaxrev / JAX time, Bessel batch 4000", LOWER, _nilang("bessel", 4000)),
-        Headline(NT, "jaxrev / JAX time, sparse dot", LOWER, _nilang("sparse", 1000)),
-        Headline(NT, "jaxrev / JAX gradient time, graph k=10", LOWER, _nilang("graph", 10)),
-        Headline(NT, "jaxrev / JAX Hessian time, graph k=10", LOWER,
-                 _nilang("graph", 10, "hessian")),
-        Headline(NT, "jaxrev / JAX time, GMM (10, 5)", LOWER, _nilang("gmm", (10, 5))),
-        Headline(NT, "jaxrev / JAX temp memory, GMM (10, 5)", LOWER,
-                 _nilang("gmm", (10, 5), "temp")),
-        Headline(NT, "jaxrev / JAX time, bundle adjustment 1", LOWER, _nilang("ba", 1)),
-    ]),
-    Bench("quantum", "quantum.py", timeout=1500, headlines=[
-        Headline(QU, "jax.grad / jaxrev temp memory, 16 qubits depth 100", HIGHER,
-                 lambda d: d["targets"]["memory_ratio"]["value"]),
-        Headline(QU, "jaxrev temp memory max / min over depths, 16 qubits", LOWER,
-                 lambda d: d["targets"]["memory_flat_in_depth"]["value"]),
-        Headline(QU, "jaxrev / jax.grad time, 16 qubits depth 100", LOWER,
-                 lambda d: d["targets"]["time_ratio"]["value"]),
-        Headline(QU, "PennyLane adjoint / jaxrev time, 16 qubits depth 10", HIGHER,
-                 _quantum_pennylane, "measured (its depth 100 is extrapolated in --quick)"),
-    ]),
-    Bench("reversible_heun", "reversible_heun.py", parse_stdout=_parsed, timeout=600,
-          headlines=[
-        Headline(RH, "jax.grad / jr.reversible temp memory, 1000 steps", HIGHER,
-                 _heun("memory")),
-        Headline(RH, "jr.reversible / jax.grad time, 1000 steps", LOWER,
-                 _heun("reversible time / grad time")),
-        Headline(RH, "jr.reversible / jax.checkpoint time, 1000 steps", LOWER,
-                 _heun("reversible time / checkpoint time")),
-    ]),
-    Bench("reversible_memory", "reversible_memory.py", headlines=[
-        Headline(RM, "jr.reversible / jax.grad temp memory, depth 1000", LOWER, _memory("temp")),
-        Headline(RM, "jr.reversible fully reversible temp memory, deepest / shallowest", LOWER,
-                 _memory("flat"), "flat in depth: 1"),
-        Headline(RM, "jr.reversible / jax.grad time, depth 1000", LOWER, _memory("time")),
-        Headline(RM, "equinox checkpointed / jr.reversible time, depth 1000", HIGHER,
-                 _memory("equinox")),
-        Headline(RM, "jr.reversible / jax.grad temp memory, unrolled net", LOWER,
-                 _memory("unrolled temp")),
-        Headline(RD, "dial: default / jax.grad time", LOWER,
-                 _dial("default (repair, auto)", "time")),
-        Headline(RD, "dial: default / jax.grad temp memory", LOWER,
-                 _dial("default (repair, auto)", "mem")),
-        Headline(RD, "dial: fully reversible / jax.grad time", LOWER,
-                 _dial("fully reversible (opt-in)", "time")),
-        Headline(RD, "dial: memory_budget=1% / jax.grad time", LOWER,
-                 _dial("memory_budget=1%", "time")),
-        Headline(RD, "dial: memory_budget=1% / jax.grad temp memory", LOWER,
-                 _dial("memory_budget=1%", "mem")),
-    ]),
-    Bench("transformer", "transformer.py", timeout=900, headlines=[
-        Headline("transformer_quick.json", "remat / reversible per-device memory, depth 24",
-                 HIGHER, _transformer("memory"), "2 x 2 mesh of CPU devices, float32"),
-        Headline("transformer_quick.json", "reversible / remat step time, depth 24", LOWER,
-                 _transformer("time")),
-    ]),
-    Bench("tracing", "tracing.py", timeout=900, headlines=[
-        Headline(TR, "rule applications at the largest k, all transforms", LOWER,
-                 _tracing_rules, "operation counts: deterministic; one per family"),
-        Headline(TR, "worst log-log slope of rule applications", LOWER,
-                 _tracing_slope, "time slopes from two k are too noisy to flag"),
-    ]),
+    Bench(
+        "eager_cache",
+        "eager_cache.py",
+        timeout=600,
+        headlines=[
+            Headline(
+                EC,
+                f"{GR} / eager grad(jit(f)), N=100",
+                LOWER,
+                _eager(GR, "eager grad(jit(f))"),
+                "the cache against JAX's own eager grad",
+            ),
+            Headline(
+                EC,
+                f"{GR} / jit(grad(reversible(f))), N=100",
+                LOWER,
+                _eager(GR, "jit(grad(reversible(f)))"),
+                "what a cached eager call adds",
+            ),
+            Headline(
+                EC,
+                "eager reverse / jit(reverse), N=100",
+                LOWER,
+                _eager("eager reverse(f)", "jit(reverse(f))"),
+            ),
+            Headline(
+                EC,
+                "eager inverse_jvp / jit(inverse_jvp), N=100",
+                LOWER,
+                _eager("eager inverse_jvp", "jit(inverse_jvp)"),
+            ),
+        ],
+    ),
+    Bench(
+        "flows",
+        "flows.py",
+        headlines=[
+            Headline(
+                FL,
+                "fwd jaxrev / analytic time, n=196 B=64",
+                LOWER,
+                _flows("fwd"),
+                "the hand-written log-det is always measured (distrax is optional)",
+            ),
+            Headline(FL, "inv jaxrev / analytic time, n=196 B=64", LOWER, _flows("inv")),
+            Headline(
+                FL, "inv jaxrev / analytic temp memory, n=196 B=64", LOWER, _flows("inv temp")
+            ),
+            Headline(
+                FL,
+                "inv jaxrev jaxpr equations (count)",
+                LOWER,
+                _flows("inv eqns"),
+                "program size: deterministic",
+            ),
+        ],
+    ),
+    Bench(
+        "inverse_ad",
+        "inverse_ad.py",
+        headlines=[
+            Headline(IA, f"inverse_jvp / jax.jvp, {CHAIN}", LOWER, _inv_ad(CHAIN)),
+            Headline(
+                IA,
+                "inverse_jvp / jax.jvp, fori_loop .at[i].add chain",
+                LOWER,
+                _inv_ad(ATADD),
+                "element-level inversion",
+            ),
+            Headline(IA, "inverse_jvp / jax.jvp, Klein-Gordon", LOWER, _inv_ad(KG)),
+            Headline(
+                IA,
+                "inverse_jvp / jax.jvp, coupling chain (linearize)",
+                LOWER,
+                _inv_ad(COUPLING),
+                "the 'linearize' strategy",
+            ),
+            Headline(
+                IA,
+                "slogdet_jacobian / dense slogdet, fori_loop chain",
+                LOWER,
+                _inv_ad(ATADD, "jr.slogdet_jacobian", "dense slogdet"),
+            ),
+        ],
+    ),
+    Bench(
+        "neural_ode",
+        "neural_ode.py",
+        parse_stdout=_parsed,
+        headlines=[
+            Headline(
+                NO,
+                "ReversibleAdjoint / RecursiveCheckpoint memory, 1000 steps",
+                LOWER,
+                _neural_ode("memory / RecursiveCheckpoint"),
+            ),
+            Headline(
+                NO,
+                "ReversibleAdjoint / RecursiveCheckpoint time, 1000 steps",
+                LOWER,
+                _neural_ode("time / RecursiveCheckpoint"),
+            ),
+            Headline(
+                NO,
+                "ReversibleAdjoint / Backsolve time, 1000 steps",
+                LOWER,
+                _neural_ode("time / Backsolve"),
+            ),
+        ],
+    ),
+    Bench(
+        "newton",
+        "newton.py",
+        headlines=[
+            Headline(
+                NW, "GMRES / jaxrev direction time, n=4000", HIGHER, _newton_a(4000, "lineax GMRES")
+            ),
+            Headline(
+                NW, "CG / jaxrev direction time, n=4000", HIGHER, _newton_a(4000, "lineax CG")
+            ),
+            Headline(
+                NW,
+                "dense / jaxrev direction time, n=1000",
+                HIGHER,
+                _newton_a(1000, "dense hessian + solve"),
+            ),
+            Headline(
+                NW,
+                "optax L-BFGS / jaxrev newton minimize time, n=1000",
+                HIGHER,
+                _newton_b(1000, "optax"),
+            ),
+            Headline(
+                NW, "jaxrev newton steps, n=1000 (count)", LOWER, _newton_b(1000, "jaxrev newton")
+            ),
+            Headline(
+                NW,
+                "jaxrev trust-region steps, n=1000 (count)",
+                LOWER,
+                _newton_b(1000, "jaxrev trust-region"),
+            ),
+        ],
+    ),
+    Bench(
+        "nilang_tables",
+        "nilang_tables.py",
+        timeout=900,
+        headlines=[
+            Headline(NT, "jaxrev / JAX time, Bessel batch 4000", LOWER, _nilang("bessel", 4000)),
+            Headline(NT, "jaxrev / JAX time, sparse dot", LOWER, _nilang("sparse", 1000)),
+            Headline(NT, "jaxrev / JAX gradient time, graph k=10", LOWER, _nilang("graph", 10)),
+            Headline(
+                NT, "jaxrev / JAX Hessian time, graph k=10", LOWER, _nilang("graph", 10, "hessian")
+            ),
+            Headline(NT, "jaxrev / JAX time, GMM (10, 5)", LOWER, _nilang("gmm", (10, 5))),
+            Headline(
+                NT, "jaxrev / JAX temp memory, GMM (10, 5)", LOWER, _nilang("gmm", (10, 5), "temp")
+            ),
+            Headline(NT, "jaxrev / JAX time, bundle adjustment 1", LOWER, _nilang("ba", 1)),
+        ],
+    ),
+    Bench(
+        "quantum",
+        "quantum.py",
+        timeout=1500,
+        headlines=[
+            Headline(
+                QU,
+                "jax.grad / jaxrev temp memory, 16 qubits depth 100",
+                HIGHER,
+                lambda d: d["targets"]["memory_ratio"]["value"],
+            ),
+            Headline(
+                QU,
+                "jaxrev temp memory max / min over depths, 16 qubits",
+                LOWER,
+                lambda d: d["targets"]["memory_flat_in_depth"]["value"],
+            ),
+            Headline(
+                QU,
+                "jaxrev / jax.grad time, 16 qubits depth 100",
+                LOWER,
+                lambda d: d["targets"]["time_ratio"]["value"],
+            ),
+            Headline(
+                QU,
+                "PennyLane adjoint / jaxrev time, 16 qubits depth 10",
+                HIGHER,
+                _quantum_pennylane,
+                "measured (its depth 100 is extrapolated in --quick)",
+            ),
+        ],
+    ),
+    Bench(
+        "reversible_heun",
+        "reversible_heun.py",
+        parse_stdout=_parsed,
+        timeout=600,
+        headlines=[
+            Headline(
+                RH, "jax.grad / jr.reversible temp memory, 1000 steps", HIGHER, _heun("memory")
+            ),
+            Headline(
+                RH,
+                "jr.reversible / jax.grad time, 1000 steps",
+                LOWER,
+                _heun("reversible time / grad time"),
+            ),
+            Headline(
+                RH,
+                "jr.reversible / jax.checkpoint time, 1000 steps",
+                LOWER,
+                _heun("reversible time / checkpoint time"),
+            ),
+        ],
+    ),
+    Bench(
+        "reversible_memory",
+        "reversible_memory.py",
+        headlines=[
+            Headline(
+                RM, "jr.reversible / jax.grad temp memory, depth 1000", LOWER, _memory("temp")
+            ),
+            Headline(
+                RM,
+                "jr.reversible fully reversible temp memory, deepest / shallowest",
+                LOWER,
+                _memory("flat"),
+                "flat in depth: 1",
+            ),
+            Headline(RM, "jr.reversible / jax.grad time, depth 1000", LOWER, _memory("time")),
+            Headline(
+                RM,
+                "equinox checkpointed / jr.reversible time, depth 1000",
+                HIGHER,
+                _memory("equinox"),
+            ),
+            Headline(
+                RM,
+                "jr.reversible / jax.grad temp memory, unrolled net",
+                LOWER,
+                _memory("unrolled temp"),
+            ),
+            Headline(
+                RD, "dial: default / jax.grad time", LOWER, _dial("default (repair, auto)", "time")
+            ),
+            Headline(
+                RD,
+                "dial: default / jax.grad temp memory",
+                LOWER,
+                _dial("default (repair, auto)", "mem"),
+            ),
+            Headline(
+                RD,
+                "dial: fully reversible / jax.grad time",
+                LOWER,
+                _dial("fully reversible (opt-in)", "time"),
+            ),
+            Headline(
+                RD,
+                "dial: memory_budget=1% / jax.grad time",
+                LOWER,
+                _dial("memory_budget=1%", "time"),
+            ),
+            Headline(
+                RD,
+                "dial: memory_budget=1% / jax.grad temp memory",
+                LOWER,
+                _dial("memory_budget=1%", "mem"),
+            ),
+        ],
+    ),
+    Bench(
+        "transformer",
+        "transformer.py",
+        timeout=900,
+        headlines=[
+            Headline(
+                "transformer_quick.json",
+                "remat / reversible per-device memory, depth 24",
+                HIGHER,
+                _transformer("memory"),
+                "2 x 2 mesh of CPU devices, float32",
+            ),
+            Headline(
+                "transformer_quick.json",
+                "reversible / remat step time, depth 24",
+                LOWER,
+                _transformer("time"),
+            ),
+        ],
+    ),
+    Bench(
+        "tracing",
+        "tracing.py",
+        timeout=900,
+        headlines=[
+            Headline(
+                TR,
+                "rule applications at the largest k, all transforms",
+                LOWER,
+                _tracing_rules,
+                "operation counts: deterministic; one per family",
+            ),
+            Headline(
+                TR,
+                "worst log-log slope of rule applications",
+                LOWER,
+                _tracing_slope,
+                "time slopes from two k are too noisy to flag",
+            ),
+        ],
+    ),
 ]
 
 
 # ------------------------------------------------------------------------------ git, files
 
+
 def _git(*args: str) -> str | None:
     try:
-        p = subprocess.run(["git", *args], cwd=HERE, capture_output=True, text=True,
-                           timeout=60, check=False)
+        p = subprocess.run(
+            ["git", *args], cwd=HERE, capture_output=True, text=True, timeout=60, check=False
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     return p.stdout if p.returncode == 0 else None
@@ -432,6 +663,7 @@ def extract(h: Headline, data: dict) -> dict[str, float | None]:
 
 # ------------------------------------------------------------------------------ running
 
+
 def run_quick(b: Bench, timeout: float) -> dict:
     """Run `b`'s quick mode in its own process group (killed whole on a timeout); its output
     goes to results/<name>_quick.log. Returns {"ok", "error", "seconds"}."""
@@ -440,8 +672,15 @@ def run_quick(b: Bench, timeout: float) -> dict:
     start, wall0 = time.time(), time.monotonic()
     error = None
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen(cmd, cwd=os.path.dirname(HERE), env=env, stdout=out,
-                                stderr=err, text=True, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            cwd=os.path.dirname(HERE),
+            env=env,
+            stdout=out,
+            stderr=err,
+            text=True,
+            start_new_session=True,
+        )
         try:
             rc = proc.wait(timeout=timeout)
             if rc != 0:
@@ -450,7 +689,7 @@ def run_quick(b: Bench, timeout: float) -> dict:
             error = f"timed out after {timeout:g} s"
             for sig, grace in ((signal.SIGTERM, 10), (signal.SIGKILL, 30)):
                 try:
-                    os.killpg(proc.pid, sig)     # its process group: the script and its children
+                    os.killpg(proc.pid, sig)  # its process group: the script and its children
                 except ProcessLookupError:
                     break
                 try:
@@ -464,8 +703,10 @@ def run_quick(b: Bench, timeout: float) -> dict:
         stdout, stderr = out.read(), err.read()
     os.makedirs(RESULTS, exist_ok=True)
     with open(os.path.join(RESULTS, f"{b.name}_quick.log"), "w") as f:
-        f.write(f"$ {' '.join(cmd)}\n# {error or 'ok'}, {seconds:.0f} s\n\n{stdout}\n"
-                f"--- stderr ---\n{stderr}")
+        f.write(
+            f"$ {' '.join(cmd)}\n# {error or 'ok'}, {seconds:.0f} s\n\n{stdout}\n"
+            f"--- stderr ---\n{stderr}"
+        )
     if error is None and b.parse_stdout is not None:
         try:
             data = b.parse_stdout(stdout)
@@ -486,8 +727,10 @@ def run_quick(b: Bench, timeout: float) -> dict:
 
 # ------------------------------------------------------------------------------ comparing
 
-def verdict(better: str, base: float | None, now: float | None, threshold: float
-            ) -> tuple[float | None, str]:
+
+def verdict(
+    better: str, base: float | None, now: float | None, threshold: float
+) -> tuple[float | None, str]:
     if now is None:
         return None, "not measured (optional peer missing)"
     if base is None:
@@ -518,12 +761,13 @@ def baselines(b: Bench, rev: str, recorded: dict) -> tuple[dict[str, float], str
                     pass
     rec = recorded.get(b.name)
     if rec:
-        missing = {k: v for k, v in rec.get("values", {}).items()
-                   if k not in out and v is not None}
+        missing = {k: v for k, v in rec.get("values", {}).items() if k not in out and v is not None}
         if missing:
             out.update(missing)
-            sources.append(f"{rev}:results/{RUN_ALL}.json (recorded {rec.get('recorded', '?')}"
-                           f" at {rec.get('commit', '?')})")
+            sources.append(
+                f"{rev}:results/{RUN_ALL}.json (recorded {rec.get('recorded', '?')}"
+                f" at {rec.get('commit', '?')})"
+            )
     return out, "; ".join(sources) or "none"
 
 
@@ -538,21 +782,26 @@ def fmt_change(c: float | None) -> str:
 def measure(b: Bench, args: argparse.Namespace) -> dict:
     """One quick run of `b` (with --no-run, the files already in results/) and its headline
     values: {"ok", "error", "seconds", "values": {label: value or None}, "headline_errors"}."""
-    run = ({"ok": True, "error": None, "seconds": None} if args.no_run
-           else run_quick(b, args.timeout or b.timeout))
+    run = (
+        {"ok": True, "error": None, "seconds": None}
+        if args.no_run
+        else run_quick(b, args.timeout or b.timeout)
+    )
     run["values"], run["headline_errors"] = {}, {}
     if not run["ok"]:
         return run
     missing = [f"results/{file}" for file in b.files if working_json(file) is None]
     if missing:
         run["ok"] = False
-        run["error"] = (f"no {', '.join(missing)} (run it without --no-run)" if args.no_run
-                        else f"{', '.join(missing)} not readable JSON")
+        run["error"] = (
+            f"no {', '.join(missing)} (run it without --no-run)"
+            if args.no_run
+            else f"{', '.join(missing)} not readable JSON"
+        )
         return run
     if args.no_run:
         mtime = min(os.path.getmtime(os.path.join(RESULTS, f)) for f in b.files)
-        run["results_from"] = datetime.datetime.fromtimestamp(mtime).isoformat(
-            timespec="minutes")
+        run["results_from"] = datetime.datetime.fromtimestamp(mtime).isoformat(timespec="minutes")
     for h in b.headlines:
         try:
             run["values"].update(extract(h, working_json(h.file)))
@@ -562,8 +811,9 @@ def measure(b: Bench, args: argparse.Namespace) -> dict:
     return run
 
 
-def judge(b: Bench, attempts: list[dict], base: dict[str, float], args: argparse.Namespace
-          ) -> tuple[dict, list[dict]]:
+def judge(
+    b: Bench, attempts: list[dict], base: dict[str, float], args: argparse.Namespace
+) -> tuple[dict, list[dict]]:
     """The benchmark's record over its runs (each headline: the median over them) and its
     table rows. Any failed run fails the benchmark."""
     failure = next((a["error"] for a in attempts if not a["ok"]), None)
@@ -575,15 +825,19 @@ def judge(b: Bench, attempts: list[dict], base: dict[str, float], args: argparse
             vals = [a["values"][label] for a in attempts if a["values"].get(label) is not None]
             spread[label] = vals
             now[label] = statistics.median(vals) if vals else None
-    run = {"ok": failure is None, "error": failure,
-           "seconds": [a["seconds"] for a in attempts if a["seconds"] is not None],
-           "values": now, "runs": [a["values"] for a in attempts]}
+    run = {
+        "ok": failure is None,
+        "error": failure,
+        "seconds": [a["seconds"] for a in attempts if a["seconds"] is not None],
+        "values": now,
+        "runs": [a["values"] for a in attempts],
+    }
     if "results_from" in attempts[-1]:
         run["results_from"] = attempts[-1]["results_from"]
     if errors:
         run["headline_errors"] = errors
     labels = list(dict.fromkeys([*now, *base]))
-    if not labels:      # failed, and nothing committed: one row for the benchmark
+    if not labels:  # failed, and nothing committed: one row for the benchmark
         labels = [f"all {len(b.headlines)} headline(s)"]
     rows = []
     for label in labels:
@@ -597,11 +851,22 @@ def judge(b: Bench, attempts: list[dict], base: dict[str, float], args: argparse
         else:
             change, v = verdict(_better(b, label), base.get(label), now[label], args.threshold)
             if len(spread[label]) > 1:
-                v += (f" (median of {len(spread[label])} runs: "
-                      + ", ".join(fmt(x) for x in spread[label]) + ")")
-        rows.append({"benchmark": b.name, "headline": label, "better": _better(b, label),
-                     "committed": base.get(label), "now": now.get(label), "change": change,
-                     "verdict": v})
+                v += (
+                    f" (median of {len(spread[label])} runs: "
+                    + ", ".join(fmt(x) for x in spread[label])
+                    + ")"
+                )
+        rows.append(
+            {
+                "benchmark": b.name,
+                "headline": label,
+                "better": _better(b, label),
+                "committed": base.get(label),
+                "now": now.get(label),
+                "change": change,
+                "verdict": v,
+            }
+        )
     return run, rows
 
 
@@ -610,18 +875,37 @@ def main(argv: list[str] | None = None) -> int:
     names = [b.name for b in BENCHMARKS]
     ap.add_argument("--only", default="", help="comma-separated benchmarks: " + ",".join(names))
     ap.add_argument("--skip", default="", help="comma-separated benchmarks to leave out")
-    ap.add_argument("--timeout", type=float, default=None,
-                    help="seconds per benchmark (default: each benchmark's own, 600-1500)")
-    ap.add_argument("--no-run", action="store_true",
-                    help="do not rerun: compare the quick JSONs already in results/")
+    ap.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="seconds per benchmark (default: each benchmark's own, 600-1500)",
+    )
+    ap.add_argument(
+        "--no-run",
+        action="store_true",
+        help="do not rerun: compare the quick JSONs already in results/",
+    )
     ap.add_argument("--rev", default="HEAD", help="the git revision holding the baseline")
-    ap.add_argument("--threshold", type=float, default=THRESHOLD,
-                    help="relative change the wrong way that counts as a regression")
-    ap.add_argument("--repeat", type=int, default=1,
-                    help="quick runs per benchmark; each headline is the median over them")
-    ap.add_argument("--confirm", type=int, default=2,
-                    help="reruns of a benchmark with a regressed headline before it counts "
-                         "(the median over all its runs is compared; 0: none)")
+    ap.add_argument(
+        "--threshold",
+        type=float,
+        default=THRESHOLD,
+        help="relative change the wrong way that counts as a regression",
+    )
+    ap.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="quick runs per benchmark; each headline is the median over them",
+    )
+    ap.add_argument(
+        "--confirm",
+        type=int,
+        default=2,
+        help="reruns of a benchmark with a regressed headline before it counts "
+        "(the median over all its runs is compared; 0: none)",
+    )
     ap.add_argument("--list", action="store_true", help="list benchmarks and headlines")
     args = ap.parse_args(argv)
 
@@ -633,8 +917,10 @@ def main(argv: list[str] | None = None) -> int:
     chosen = [b for b in BENCHMARKS if (not only or b.name in only) and b.name not in skip]
     if args.list:
         for b in chosen:
-            print(f"{b.name}: python benchmarks/{b.script} {' '.join(b.args)} -> "
-                  f"{', '.join('results/' + f for f in b.files)} (timeout {b.timeout:g} s)")
+            print(
+                f"{b.name}: python benchmarks/{b.script} {' '.join(b.args)} -> "
+                f"{', '.join('results/' + f for f in b.files)} (timeout {b.timeout:g} s)"
+            )
             for h in b.headlines:
                 print(f"  [{h.better} is better] {h.label}" + (f"  ({h.why})" if h.why else ""))
         return 0
@@ -654,8 +940,11 @@ def main(argv: list[str] | None = None) -> int:
         while not args.no_run and len(attempts) < args.repeat and attempts[-1]["ok"]:
             attempts.append(measure(b, args))
         run, rows_b = judge(b, attempts, base, args)
-        if (not args.no_run and args.confirm
-                and any(r["verdict"].startswith("REGRESSED") for r in rows_b)):
+        if (
+            not args.no_run
+            and args.confirm
+            and any(r["verdict"].startswith("REGRESSED") for r in rows_b)
+        ):
             # timings on a shared machine are noisy: a regression must survive reruns
             for _ in range(args.confirm):
                 if hasattr(bar, "set_postfix_str"):
@@ -666,8 +955,10 @@ def main(argv: list[str] | None = None) -> int:
         runs[b.name] = run
         rows += rows_b
         say = bar.write if hasattr(bar, "write") else print
-        say(f"{b.name}: {run['error'] or 'ok'}" + (
-            f" ({' + '.join(f'{t:.0f}' for t in run['seconds'])} s)" if run["seconds"] else ""))
+        say(
+            f"{b.name}: {run['error'] or 'ok'}"
+            + (f" ({' + '.join(f'{t:.0f}' for t in run['seconds'])} s)" if run["seconds"] else "")
+        )
 
     regressed = [r for r in rows if r["verdict"].startswith("REGRESSED")]
     failed = sorted({r["benchmark"] for r in rows if r["verdict"].startswith("failed")})
@@ -681,12 +972,21 @@ def main(argv: list[str] | None = None) -> int:
     for name, run in runs.items():
         vals = {k: v for k, v in run["values"].items() if v is not None}
         if vals:
-            headlines[name] = {"recorded": run.get("results_from", today), "commit": commit,
-                               "values": vals}
-    record = {"generated": datetime.datetime.now().isoformat(timespec="seconds"),
-              "commit": commit, "baseline_rev": args.rev, "threshold": args.threshold,
-              "no_run": args.no_run, "runs": runs, "rows": rows,
-              "headlines": dict(sorted(headlines.items()))}
+            headlines[name] = {
+                "recorded": run.get("results_from", today),
+                "commit": commit,
+                "values": vals,
+            }
+    record = {
+        "generated": datetime.datetime.now().isoformat(timespec="seconds"),
+        "commit": commit,
+        "baseline_rev": args.rev,
+        "threshold": args.threshold,
+        "no_run": args.no_run,
+        "runs": runs,
+        "rows": rows,
+        "headlines": dict(sorted(headlines.items())),
+    }
     with open(os.path.join(RESULTS, f"{RUN_ALL}.json"), "w") as f:
         json.dump(record, f, indent=1)
     with open(os.path.join(RESULTS, f"{RUN_ALL}.md"), "w") as f:
@@ -707,30 +1007,45 @@ def _better(b: Bench, label: str) -> str:
 
 def markdown(rows, runs, args, commit, regressed, failed) -> str:
     mode = "compared without rerunning (--no-run)" if args.no_run else "quick runs"
-    out = [f"# Benchmark headlines: {mode}, against {args.rev} ({commit})", "",
-           "Each benchmark's quick mode (`python benchmarks/<name>.py --quick`), its headline "
-           "ratios (against a peer measured in the same run), counts and slopes against the "
-           f"committed ones; a change of more than {args.threshold:.0%} the wrong way is "
-           "REGRESSED. `python benchmarks/run_all.py`; see its docstring.", "",
-           "| benchmark | headline | better | committed | now | change | verdict |",
-           "|---|---|---|---|---|---|---|"]
+    out = [
+        f"# Benchmark headlines: {mode}, against {args.rev} ({commit})",
+        "",
+        "Each benchmark's quick mode (`python benchmarks/<name>.py --quick`), its headline "
+        "ratios (against a peer measured in the same run), counts and slopes against the "
+        f"committed ones; a change of more than {args.threshold:.0%} the wrong way is "
+        "REGRESSED. `python benchmarks/run_all.py`; see its docstring.",
+        "",
+        "| benchmark | headline | better | committed | now | change | verdict |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        out.append(f"| {r['benchmark']} | {r['headline']} | {r['better']} | "
-                   f"{fmt(r['committed'])} | {fmt(r['now'])} | {fmt_change(r['change'])} | "
-                   f"{r['verdict']} |")
+        out.append(
+            f"| {r['benchmark']} | {r['headline']} | {r['better']} | "
+            f"{fmt(r['committed'])} | {fmt(r['now'])} | {fmt_change(r['change'])} | "
+            f"{r['verdict']} |"
+        )
     out += ["", "| benchmark | run | seconds | baseline from |", "|---|---|---|---|"]
     for name, run in runs.items():
         secs = " + ".join(f"{t:.0f}" for t in run["seconds"]) or "–"
         if args.no_run:
-            state = (f"not rerun (results of {run.get('results_from', '?')})" if run["ok"]
-                     else f"not run: {run['error']}")
+            state = (
+                f"not rerun (results of {run.get('results_from', '?')})"
+                if run["ok"]
+                else f"not run: {run['error']}"
+            )
         else:
             state = "ok" if run["ok"] else f"failed: {run['error']}"
         out.append(f"| {name} | {state} | {secs} | {run['baseline']} |")
-    out += ["", f"Regressed: {len(regressed)} headline(s)"
-            + (" (" + ", ".join(f"{r['benchmark']}: {r['headline']}" for r in regressed) + ")"
-               if regressed else "")
-            + f"; failed: {', '.join(failed) if failed else 'none'}."]
+    out += [
+        "",
+        f"Regressed: {len(regressed)} headline(s)"
+        + (
+            " (" + ", ".join(f"{r['benchmark']}: {r['headline']}" for r in regressed) + ")"
+            if regressed
+            else ""
+        )
+        + f"; failed: {', '.join(failed) if failed else 'none'}.",
+    ]
     return "\n".join(out) + "\n"
 
 

@@ -20,6 +20,7 @@ fitted from n = 2 (1: linear). Writes results/spline_chain.{json,md,png}.
 
     python benchmarks/spline_chain.py [--quick]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,9 @@ import os
 import sys
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false "
-                      "intra_op_parallelism_threads=1")
+os.environ.setdefault(
+    "XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+)
 import time  # noqa: E402
 
 import jax  # noqa: E402
@@ -38,20 +40,22 @@ import numpy as np  # noqa: E402
 jax.config.update("jax_enable_x64", True)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import jaxrev as jr  # noqa: E402
 from _common import RESULTS, device_info, progress, pyplot, write_results  # noqa: E402
 
+import jaxrev as jr  # noqa: E402
+
 D, KNOTS, BOUND, WIDTH = 8, 8, 4.0, 32
-LIMIT_S = 10.0     # issue 33: three layers under jit in under 10 s
+LIMIT_S = 10.0  # issue 33: three layers under jit in under 10 s
 REPEATS = 2
 
 
 def searchsorted_spline(x, raw):
     """One element's spline on [-B, B] (identity outside), from its unconstrained parameters."""
     w = jax.nn.softmax(raw[:KNOTS]) * 2 * BOUND
-    h = jax.nn.softmax(raw[KNOTS:2 * KNOTS]) * 2 * BOUND
-    d = jnp.concatenate([jnp.ones(1), jax.nn.softplus(raw[2 * KNOTS:3 * KNOTS - 1]) + 1e-3,
-                         jnp.ones(1)])
+    h = jax.nn.softmax(raw[KNOTS : 2 * KNOTS]) * 2 * BOUND
+    d = jnp.concatenate(
+        [jnp.ones(1), jax.nn.softplus(raw[2 * KNOTS : 3 * KNOTS - 1]) + 1e-3, jnp.ones(1)]
+    )
     xk = jnp.concatenate([jnp.full(1, -BOUND), -BOUND + jnp.cumsum(w)])
     yk = jnp.concatenate([jnp.full(1, -BOUND), -BOUND + jnp.cumsum(h)])
     inside = (x > -BOUND) & (x < BOUND)
@@ -78,18 +82,33 @@ def searchsorted_params(n):
     out = []
     for k in jax.random.split(jax.random.key(0), n):
         k1, k2 = jax.random.split(k)
-        out.append({"W1": 0.3 * jax.random.normal(k1, (WIDTH, D // 2)), "b1": jnp.zeros(WIDTH),
-                    "W2": 0.1 * jax.random.normal(k2, (D // 2 * (3 * KNOTS - 1), WIDTH)),
-                    "b2": jnp.zeros(D // 2 * (3 * KNOTS - 1))})
+        out.append(
+            {
+                "W1": 0.3 * jax.random.normal(k1, (WIDTH, D // 2)),
+                "b1": jnp.zeros(WIDTH),
+                "W2": 0.1 * jax.random.normal(k2, (D // 2 * (3 * KNOTS - 1), WIDTH)),
+                "b2": jnp.zeros(D // 2 * (3 * KNOTS - 1)),
+            }
+        )
     return out
 
 
 def flowjax_chain(n):
     import flowjax.bijections as fb
-    return fb.Chain([fb.Coupling(k, transformer=fb.RationalQuadraticSpline(knots=KNOTS,
-                                                                           interval=BOUND),
-                                 untransformed_dim=D // 2, dim=D, nn_width=WIDTH, nn_depth=1)
-                     for k in jax.random.split(jax.random.key(1), n)])
+
+    return fb.Chain(
+        [
+            fb.Coupling(
+                k,
+                transformer=fb.RationalQuadraticSpline(knots=KNOTS, interval=BOUND),
+                untransformed_dim=D // 2,
+                dim=D,
+                nn_width=WIDTH,
+                nn_depth=1,
+            )
+            for k in jax.random.split(jax.random.key(1), n)
+        ]
+    )
 
 
 def _timed(make_call, trace):
@@ -110,25 +129,51 @@ def measure(n: int) -> list[dict]:
     ch = flowjax_chain(n)
     f = lambda x: ch.transform(x)  # noqa: E731
     # a fresh jit per call: each first call traces and compiles again
-    (_, ld), first, traced = _timed(lambda: jax.jit(jr.forward_and_slogdet(f))(x),
-                                    lambda: jax.make_jaxpr(jr.forward_and_slogdet(f))(x))
-    rows.append({"family": "flowjax", "transform": "forward_and_slogdet", "n": n,
-                 "first call s": first, "trace s": traced,
-                 "err": abs(float(ld - ch.transform_and_log_det(x)[1]))})
+    (_, ld), first, traced = _timed(
+        lambda: jax.jit(jr.forward_and_slogdet(f))(x),
+        lambda: jax.make_jaxpr(jr.forward_and_slogdet(f))(x),
+    )
+    rows.append(
+        {
+            "family": "flowjax",
+            "transform": "forward_and_slogdet",
+            "n": n,
+            "first call s": first,
+            "trace s": traced,
+            "err": abs(float(ld - ch.transform_and_log_det(x)[1])),
+        }
+    )
     ps = searchsorted_params(n)
     ref = float(jnp.linalg.slogdet(jax.jacfwd(searchsorted_chain)(x, ps))[1])
     (_, ld), first, traced = _timed(
         lambda: jax.jit(jr.forward_and_slogdet(searchsorted_chain))(x, ps),
-        lambda: jax.make_jaxpr(jr.forward_and_slogdet(searchsorted_chain))(x, ps))
-    rows.append({"family": "searchsorted", "transform": "forward_and_slogdet", "n": n,
-                 "first call s": first, "trace s": traced, "err": abs(float(ld) - ref)})
+        lambda: jax.make_jaxpr(jr.forward_and_slogdet(searchsorted_chain))(x, ps),
+    )
+    rows.append(
+        {
+            "family": "searchsorted",
+            "transform": "forward_and_slogdet",
+            "n": n,
+            "first call s": first,
+            "trace s": traced,
+            "err": abs(float(ld) - ref),
+        }
+    )
     y = searchsorted_chain(x, ps)
     (xi, ld), first, traced = _timed(
         lambda: jax.jit(jr.inverse_and_slogdet(searchsorted_chain))(y, ps),
-        lambda: jax.make_jaxpr(jr.inverse_and_slogdet(searchsorted_chain))(y, ps))
-    rows.append({"family": "searchsorted", "transform": "inverse_and_slogdet", "n": n,
-                 "first call s": first, "trace s": traced,
-                 "err": max(abs(float(ld) + ref), float(jnp.max(jnp.abs(xi - x))))})
+        lambda: jax.make_jaxpr(jr.inverse_and_slogdet(searchsorted_chain))(y, ps),
+    )
+    rows.append(
+        {
+            "family": "searchsorted",
+            "transform": "inverse_and_slogdet",
+            "n": n,
+            "first call s": first,
+            "trace s": traced,
+            "err": max(abs(float(ld) + ref), float(jnp.max(jnp.abs(xi - x)))),
+        }
+    )
     return rows
 
 
@@ -141,18 +186,30 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="n up to 3")
     args = ap.parse_args(argv)
     ns = [1, 2, 3] if args.quick else [1, 2, 3, 4, 6, 8]
-    measure(1)   # warm-up: first-time imports and compilations
+    measure(1)  # warm-up: first-time imports and compilations
     rows = [r for n in progress(ns, desc="layers") for r in measure(n)]
     keys = sorted({(r["family"], r["transform"]) for r in rows})
-    fits = {f"{f} {t}": slope([r["n"] for r in rows if (r["family"], r["transform"]) == (f, t)
-                               and r["n"] >= 2],
-                              [r["first call s"] for r in rows
-                               if (r["family"], r["transform"]) == (f, t) and r["n"] >= 2])
-            for f, t in keys}
+    fits = {
+        f"{f} {t}": slope(
+            [r["n"] for r in rows if (r["family"], r["transform"]) == (f, t) and r["n"] >= 2],
+            [
+                r["first call s"]
+                for r in rows
+                if (r["family"], r["transform"]) == (f, t) and r["n"] >= 2
+            ],
+        )
+        for f, t in keys
+    }
     three = {f"{r['family']} {r['transform']}": r["first call s"] for r in rows if r["n"] == 3}
-    data = {"device": device_info(), "ns": ns, "rows": rows, "log-log slope from n=2": fits,
-            "three layers first call s": three, "limit s": LIMIT_S,
-            "three layers within limit": all(v <= LIMIT_S for v in three.values())}
+    data = {
+        "device": device_info(),
+        "ns": ns,
+        "rows": rows,
+        "log-log slope from n=2": fits,
+        "three layers first call s": three,
+        "limit s": LIMIT_S,
+        "three layers within limit": all(v <= LIMIT_S for v in three.values()),
+    }
     table = make_table(data)
     suffix = "_quick" if args.quick else ""
     write_results("spline_chain" + suffix, data, table)
@@ -161,19 +218,29 @@ def main(argv=None):
 
 
 def make_table(d) -> str:
-    out = [f"# Spline coupling chains under jit ({d['device']['backend']}, jax "
-           f"{d['device']['jax']}, dimension {D}, {KNOTS} bins, float64)", "",
-           "Seconds of the first jitted call (trace, jaxrev's walks, XLA compile) and of tracing "
-           "alone, against the number of layers; `err` against flowjax's log-det or a dense "
-           "slogdet (inverse: also the round trip).", "",
-           "| family | transform | layers | first call (s) | trace (s) | err |",
-           "|---|---|---:|---:|---:|---:|"]
+    out = [
+        f"# Spline coupling chains under jit ({d['device']['backend']}, jax "
+        f"{d['device']['jax']}, dimension {D}, {KNOTS} bins, float64)",
+        "",
+        "Seconds of the first jitted call (trace, jaxrev's walks, XLA compile) and of tracing "
+        "alone, against the number of layers; `err` against flowjax's log-det or a dense "
+        "slogdet (inverse: also the round trip).",
+        "",
+        "| family | transform | layers | first call (s) | trace (s) | err |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
     for r in d["rows"]:
-        out.append(f"| {r['family']} | {r['transform']} | {r['n']} | {r['first call s']:.2f} | "
-                   f"{r['trace s']:.2f} | {r['err']:.1e} |")
-    out += ["", "log-log slope of the first call's seconds against layers, from 2 layers (1 is "
-            "linear): " + ", ".join(f"{k} {v:.2f}" for k, v in d["log-log slope from n=2"].items()),
-            "", f"Three layers within {d['limit s']:.0f} s: {d['three layers within limit']}"]
+        out.append(
+            f"| {r['family']} | {r['transform']} | {r['n']} | {r['first call s']:.2f} | "
+            f"{r['trace s']:.2f} | {r['err']:.1e} |"
+        )
+    out += [
+        "",
+        "log-log slope of the first call's seconds against layers, from 2 layers (1 is "
+        "linear): " + ", ".join(f"{k} {v:.2f}" for k, v in d["log-log slope from n=2"].items()),
+        "",
+        f"Three layers within {d['limit s']:.0f} s: {d['three layers within limit']}",
+    ]
     return "\n".join(out) + "\n"
 
 

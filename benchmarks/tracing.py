@@ -23,15 +23,17 @@ log-determinant against `jnp.linalg.slogdet` of the dense Jacobian, up to k = 5 
 
     python benchmarks/tracing.py [--quick] [--families per_step,roll]
 """
+
 from __future__ import annotations
 
 import argparse
 import os
 import sys
 
-os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")   # no BLAS threads spinning on a busy CPU
-os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false "
-                      "intra_op_parallelism_threads=1")
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # no BLAS threads spinning on a busy CPU
+os.environ.setdefault(
+    "XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+)
 import time  # noqa: E402
 
 import jax  # noqa: E402
@@ -42,13 +44,14 @@ jax.config.update("jax_enable_x64", True)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+from _common import RESULTS, device_info, progress, pyplot, write_results  # noqa: E402
+from programs.families import FAMILIES, family, loss  # noqa: E402
+
 import jaxrev as jr  # noqa: E402
 from jaxrev._stats import counting  # noqa: E402
-from programs.families import FAMILIES, family, loss  # noqa: E402
-from _common import RESULTS, device_info, progress, pyplot, write_results  # noqa: E402
 
 TRANSFORMS = ("reverse", "reversible grad", "inverse_jvp", "forward_and_slogdet")
-TIME_LIMIT = 5.0     # seconds to trace at k = 50 (issue 28)
+TIME_LIMIT = 5.0  # seconds to trace at k = 50 (issue 28)
 SLOPE_LIMIT = 1.2
 CHECK_UPTO = 5
 FIT_FROM = 10
@@ -69,8 +72,10 @@ def _programs(name: str, k: int) -> dict:
     J = jax.jacfwd(flat)(x)
 
     def err(got, want):
-        got, want = (jnp.concatenate([jnp.ravel(t) for t in jax.tree_util.tree_leaves(a)])
-                     for a in (got, want))
+        got, want = (
+            jnp.concatenate([jnp.ravel(t) for t in jax.tree_util.tree_leaves(a)])
+            for a in (got, want)
+        )
         return float(jnp.max(jnp.abs(got - want)) / max(1.0, float(jnp.max(jnp.abs(want)))))
 
     grad = jax.grad(loss(jr.reversible(f)), argnums=(0, 1))
@@ -79,11 +84,13 @@ def _programs(name: str, k: int) -> dict:
     v = jnp.concatenate(s)
     return {
         "reverse": (jr.reverse(f), (y, p), lambda out: err(out, s)),
-        "reversible grad": (grad, (s, p),
-                            lambda out: err(out, jax.grad(loss(f), argnums=(0, 1))(s, p))),
+        "reversible grad": (
+            grad,
+            (s, p),
+            lambda out: err(out, jax.grad(loss(f), argnums=(0, 1))(s, p)),
+        ),
         "inverse_jvp": (ijvp, (s, p), lambda out: err(out, jnp.linalg.solve(J, v))),
-        "forward_and_slogdet": (fas, (s, p),
-                                lambda out: err(out, jnp.linalg.slogdet(J)[1])),
+        "forward_and_slogdet": (fas, (s, p), lambda out: err(out, jnp.linalg.slogdet(J)[1])),
     }
 
 
@@ -100,7 +107,7 @@ def measure(name: str, k: int, repeats: int = 3) -> dict:
             times.setdefault(what, []).append(time.perf_counter() - t0)
             out[f"{what} rules"] = c["rules"] + c["elements"]
             if rep == 0:
-                out[f"{what} err"] = (check(jax.jit(fn)(*args)) if k <= CHECK_UPTO else None)
+                out[f"{what} err"] = check(jax.jit(fn)(*args)) if k <= CHECK_UPTO else None
     for what, ts in times.items():
         out[f"{what} s"] = float(np.median(ts))
     return out
@@ -117,18 +124,28 @@ def main(argv=None):
     args = ap.parse_args(argv)
     ks = [1, 2, 5, 10] if args.quick else [1, 2, 5, 10, 20, 50]
     names = args.families.split(",")
-    measure("shared", 1)   # warm-up: first-time imports and compilations
-    rows = [measure(n, k) for n, k in progress([(n, k) for n in names for k in ks],
-                                               desc="families x k")]
+    measure("shared", 1)  # warm-up: first-time imports and compilations
+    rows = [
+        measure(n, k) for n, k in progress([(n, k) for n in names for k in ks], desc="families x k")
+    ]
     fit_from = 5 if args.quick else FIT_FROM
     fits = {}
     for n in names:
         rs = [r for r in rows if r["family"] == n and r["k"] >= fit_from]
-        fits[n] = {w: {"time": slope([r["k"] for r in rs], [r[f"{w} s"] for r in rs]),
-                       "rules": slope([r["k"] for r in rs], [r[f"{w} rules"] for r in rs])}
-                   for w in TRANSFORMS}
-    data = {"device": device_info(), "ks": ks, "rows": rows, "fit from k": fit_from,
-            "log-log slopes": fits}
+        fits[n] = {
+            w: {
+                "time": slope([r["k"] for r in rs], [r[f"{w} s"] for r in rs]),
+                "rules": slope([r["k"] for r in rs], [r[f"{w} rules"] for r in rs]),
+            }
+            for w in TRANSFORMS
+        }
+    data = {
+        "device": device_info(),
+        "ks": ks,
+        "rows": rows,
+        "fit from k": fit_from,
+        "log-log slopes": fits,
+    }
     table = make_table(data)
     suffix = "_quick" if args.quick else ""
     write_results("tracing" + suffix, data, table)
@@ -138,33 +155,44 @@ def main(argv=None):
 
 def make_table(d) -> str:
     kmax = max(d["ks"])
-    out = [f"# Tracing cost of masked-step families ({d['device']['backend']}, "
-           f"JAX {d['device']['jax']})", "",
-           f"Seconds to trace (`jax.make_jaxpr`, defaults) at k = {kmax}, the log-log slopes "
-           f"of time (the median of three traces) and of the walker's rule applications "
-           f"against k (k >= {d['fit from k']}; 1 is linear), "
-           "and the largest error of the result (float64; the gradient against `jax.grad`, "
-           "the inverse JVP against a dense solve, log|det| against `slogdet`) for k <= "
-           f"{CHECK_UPTO} (compiling these programs, `jax.grad`'s included, takes XLA:CPU "
-           "time exponential in k: its fusion duplicates their elementwise chains).",
-           "", "| family | transform | s at k = %d | slope (time) | slope (rules) | "
-           "rules at k = %d | max error |" % (kmax, kmax), "|---|---|---|---|---|---|---|"]
+    out = [
+        f"# Tracing cost of masked-step families ({d['device']['backend']}, "
+        f"JAX {d['device']['jax']})",
+        "",
+        f"Seconds to trace (`jax.make_jaxpr`, defaults) at k = {kmax}, the log-log slopes "
+        f"of time (the median of three traces) and of the walker's rule applications "
+        f"against k (k >= {d['fit from k']}; 1 is linear), "
+        "and the largest error of the result (float64; the gradient against `jax.grad`, "
+        "the inverse JVP against a dense solve, log|det| against `slogdet`) for k <= "
+        f"{CHECK_UPTO} (compiling these programs, `jax.grad`'s included, takes XLA:CPU "
+        "time exponential in k: its fusion duplicates their elementwise chains).",
+        "",
+        f"| family | transform | s at k = {kmax} | slope (time) | slope (rules) | "
+        f"rules at k = {kmax} | max error |",
+        "|---|---|---|---|---|---|---|",
+    ]
     worst = {"s": 0.0, "slope": 0.0, "err": 0.0}
     for n, fit in d["log-log slopes"].items():
         rs = [r for r in d["rows"] if r["family"] == n]
         last = [r for r in rs if r["k"] == kmax][0]
         for w in TRANSFORMS:
             e = max(r[f"{w} err"] for r in rs if r[f"{w} err"] is not None)
-            out.append(f"| {n} | {w} | {last[f'{w} s']:.2f} | {fit[w]['time']:.2f} | "
-                       f"{fit[w]['rules']:.2f} | {last[f'{w} rules']} | {e:.1e} |")
+            out.append(
+                f"| {n} | {w} | {last[f'{w} s']:.2f} | {fit[w]['time']:.2f} | "
+                f"{fit[w]['rules']:.2f} | {last[f'{w} rules']} | {e:.1e} |"
+            )
             worst["s"] = max(worst["s"], last[f"{w} s"])
             worst["slope"] = max(worst["slope"], fit[w]["time"], fit[w]["rules"])
             worst["err"] = max(worst["err"], e)
-    out += ["", f"Worst: {worst['s']:.2f} s at k = {kmax} (target < {TIME_LIMIT:g} s at k = "
-            f"50), slope {worst['slope']:.2f} (target <= {SLOPE_LIMIT}), error "
-            f"{worst['err']:.1e} (target 1e-10).",
-            "", "Before issue 28, `jax.grad` through `reversible` of the reversal family with "
-            "per-step predicates took 0.08, 1.6, 6.8, 50 s for k = 1..4 (issue 28's report)."]
+    out += [
+        "",
+        f"Worst: {worst['s']:.2f} s at k = {kmax} (target < {TIME_LIMIT:g} s at k = "
+        f"50), slope {worst['slope']:.2f} (target <= {SLOPE_LIMIT}), error "
+        f"{worst['err']:.1e} (target 1e-10).",
+        "",
+        "Before issue 28, `jax.grad` through `reversible` of the reversal family with "
+        "per-step predicates took 0.08, 1.6, 6.8, 50 s for k = 1..4 (issue 28's report).",
+    ]
     return "\n".join(out) + "\n"
 
 
@@ -179,8 +207,13 @@ def plot(d, path) -> None:
             rs = [r for r in d["rows"] if r["family"] == n]
             ax.loglog([r["k"] for r in rs], [r[f"{w} s"] for r in rs], "o-", label=n)
         if w == "reversible grad":
-            ax.loglog([1, 2, 3, 4], [0.08, 1.6, 6.8, 50], "x:", color="k",
-                      label="reversal, before issue 28")
+            ax.loglog(
+                [1, 2, 3, 4],
+                [0.08, 1.6, 6.8, 50],
+                "x:",
+                color="k",
+                label="reversal, before issue 28",
+            )
         ax.axhline(TIME_LIMIT, color="gray", lw=0.5)
         ax.set_title(w)
         ax.set_xlabel("masked steps k")

@@ -15,6 +15,7 @@ interleaved, medians; the loss curves (100 float32 AdamW steps, every method fro
 start and batches) at that width and depth 12. Writes
 results/transformer{,_quick,_gpu}.{json,md,png}.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,14 +31,21 @@ if __name__ == "__main__":
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
 import reversible_transformer as rt  # noqa: E402
-from _common import (device_info, interleaved_medians, progress, pyplot,  # noqa: E402
-                     write_results, RESULTS)
+from _common import (
+    RESULTS,
+    device_info,
+    interleaved_medians,
+    progress,
+    pyplot,  # noqa: E402
+    write_results,
+)
 
 DIAL = "reversible, checkpoint_every=None"
 METHODS = (*rt.METHODS, DIAL)
@@ -46,8 +54,9 @@ the rebuilt input still checked: a miss raises)."""
 
 
 def setup(depth, d, seq, batch_per_shard, dtype, mesh, vocab=64):
-    params, block = rt.init("equinox", jax.random.key(0), vocab=vocab, depth=depth, d=d,
-                            heads=4, seq=seq)
+    params, block = rt.init(
+        "equinox", jax.random.key(0), vocab=vocab, depth=depth, d=d, heads=4, seq=seq
+    )
     params = jax.device_put(params, rt.param_shardings(params, mesh))
     rows = batch_per_shard * mesh.shape["data"]
     batch = np.random.default_rng(0).integers(0, vocab, (rows, seq + 1)).astype(np.int32)
@@ -59,14 +68,17 @@ def setup(depth, d, seq, batch_per_shard, dtype, mesh, vocab=64):
 
 def memory(depth, d, seq, bps, dtype, mesh) -> dict:
     params, batch, _, fns = setup(depth, d, seq, bps, dtype, mesh)
-    return {m: int(f.lower(params, batch).compile().memory_analysis().temp_size_in_bytes)
-            for m, f in fns.items()}
+    return {
+        m: int(f.lower(params, batch).compile().memory_analysis().temp_size_in_bytes)
+        for m, f in fns.items()
+    }
 
 
 def step_time(depth, d, seq, bps, dtype, mesh, reps) -> dict:
     params, batch, _, fns = setup(depth, d, seq, bps, dtype, mesh)
-    return interleaved_medians({m: (lambda f=f: f(params, batch)) for m, f in fns.items()},
-                               reps=reps)
+    return interleaved_medians(
+        {m: (lambda f=f: f(params, batch)) for m, f in fns.items()}, reps=reps
+    )
 
 
 def loss_curves(depth, d, seq, bps, mesh, steps) -> dict:
@@ -91,7 +103,7 @@ def loss_curves(depth, d, seq, bps, mesh, steps) -> dict:
 
         p, s, losses = params0, opt.init(params0), []
         for t in range(steps):
-            b = np.stack([data[i:i + seq + 1] % 64 for i in starts[t]])
+            b = np.stack([data[i : i + seq + 1] % 64 for i in starts[t]])
             p, s, loss = step(p, s, jax.device_put(b, sh))
             losses.append(float(loss))
         out[m] = losses
@@ -105,8 +117,12 @@ def main() -> None:
     args = ap.parse_args()
     if args.gpu:
         devs = jax.devices()
-        mesh = Mesh(np.array(devs[:4] if len(devs) >= 4 else devs[:1]).reshape(
-            (2, 2) if len(devs) >= 4 else (1, 1)), ("data", "model"))
+        mesh = Mesh(
+            np.array(devs[:4] if len(devs) >= 4 else devs[:1]).reshape(
+                (2, 2) if len(devs) >= 4 else (1, 1)
+            ),
+            ("data", "model"),
+        )
         mem_cfg = dict(d=1024, seq=512, bps=8)
         time_cfg = mem_cfg
         depths = (12, 24, 48)
@@ -124,42 +140,70 @@ def main() -> None:
     jobs = [(L, n) for L in depths for n in dtypes]
     for L, name in progress(jobs, desc="memory and time", ncols=80):
         mem = memory(L, mem_cfg["d"], mem_cfg["seq"], mem_cfg["bps"], dtypes[name], mesh)
-        t = step_time(L, time_cfg["d"], time_cfg["seq"], time_cfg["bps"], dtypes[name], mesh,
-                      reps)
+        t = step_time(L, time_cfg["d"], time_cfg["seq"], time_cfg["bps"], dtypes[name], mesh, reps)
         rows.append({"depth": L, "dtype": name, "mem": mem, "time": t})
-    curves = loss_curves(curve_cfg["depth"], curve_cfg["d"], curve_cfg["seq"],
-                         curve_cfg["bps"], mesh, curve_cfg["steps"])
+    curves = loss_curves(
+        curve_cfg["depth"],
+        curve_cfg["d"],
+        curve_cfg["seq"],
+        curve_cfg["bps"],
+        mesh,
+        curve_cfg["steps"],
+    )
     ref = np.array(curves["jax.grad"])
-    curve_err = {m: float(np.max(np.abs(np.array(v) - ref) / np.abs(ref)))
-                 for m, v in curves.items()}
+    curve_err = {
+        m: float(np.max(np.abs(np.array(v) - ref) / np.abs(ref))) for m, v in curves.items()
+    }
 
     name = "transformer" + ("_gpu" if args.gpu else "_quick" if args.quick else "")
-    lines = [f"# Reversible transformer: per-device scratch and step time ({device_info()})",
-             "", f"Mesh {dict(mesh.shape)} (data x model). Memory: d_model {mem_cfg['d']}, "
-             f"4 heads, sequence {mem_cfg['seq']}, batch {mem_cfg['bps']} per data shard. "
-             f"Time: d_model {time_cfg['d']}, sequence {time_cfg['seq']}. `reversible` runs "
-             "with its defaults (drift checked and repaired).", "",
-             "| depth | activations | " + " | ".join(f"{m} scratch" for m in METHODS)
-             + " | remat / reversible memory | remat / dial memory | "
-             + " | ".join(f"{m} step" for m in METHODS) + " | reversible / remat time |",
-             "|" + "---|" * (5 + 2 * len(METHODS))]
+    lines = [
+        f"# Reversible transformer: per-device scratch and step time ({device_info()})",
+        "",
+        f"Mesh {dict(mesh.shape)} (data x model). Memory: d_model {mem_cfg['d']}, "
+        f"4 heads, sequence {mem_cfg['seq']}, batch {mem_cfg['bps']} per data shard. "
+        f"Time: d_model {time_cfg['d']}, sequence {time_cfg['seq']}. `reversible` runs "
+        "with its defaults (drift checked and repaired).",
+        "",
+        "| depth | activations | "
+        + " | ".join(f"{m} scratch" for m in METHODS)
+        + " | remat / reversible memory | remat / dial memory | "
+        + " | ".join(f"{m} step" for m in METHODS)
+        + " | reversible / remat time |",
+        "|" + "---|" * (5 + 2 * len(METHODS)),
+    ]
     for r in rows:
         mem, t = r["mem"], r["time"]
-        lines.append(f"| {r['depth']} | {r['dtype']} | "
-                     + " | ".join(f"{mem[m] / 1e6:.1f} MB" for m in METHODS)
-                     + f" | {mem['remat'] / mem['reversible']:.2f}x"
-                     + f" | {mem['remat'] / mem[DIAL]:.2f}x | "
-                     + " | ".join(f"{1e3 * t[m]:.0f} ms" for m in METHODS)
-                     + f" | {t['reversible'] / t['remat']:.2f}x |")
-    lines += ["", f"Loss curves ({curve_cfg['steps']} float32 AdamW steps, depth "
-              f"{curve_cfg['depth']}, d_model {curve_cfg['d']}): largest relative difference "
-              "from jax.grad's curve: "
-              + ", ".join(f"{m} {e:.1e}" for m, e in curve_err.items() if m != "jax.grad"),
-              f"; loss {curves['jax.grad'][0]:.3f} -> {curves['jax.grad'][-1]:.3f}.", ""]
+        lines.append(
+            f"| {r['depth']} | {r['dtype']} | "
+            + " | ".join(f"{mem[m] / 1e6:.1f} MB" for m in METHODS)
+            + f" | {mem['remat'] / mem['reversible']:.2f}x"
+            + f" | {mem['remat'] / mem[DIAL]:.2f}x | "
+            + " | ".join(f"{1e3 * t[m]:.0f} ms" for m in METHODS)
+            + f" | {t['reversible'] / t['remat']:.2f}x |"
+        )
+    lines += [
+        "",
+        f"Loss curves ({curve_cfg['steps']} float32 AdamW steps, depth "
+        f"{curve_cfg['depth']}, d_model {curve_cfg['d']}): largest relative difference "
+        "from jax.grad's curve: "
+        + ", ".join(f"{m} {e:.1e}" for m, e in curve_err.items() if m != "jax.grad"),
+        f"; loss {curves['jax.grad'][0]:.3f} -> {curves['jax.grad'][-1]:.3f}.",
+        "",
+    ]
     table = "\n".join(lines)
-    write_results(name, {"device": device_info(), "mesh": dict(mesh.shape),
-                         "memory_config": mem_cfg, "time_config": time_cfg, "rows": rows,
-                         "loss_curves": curves, "curve_rel_err": curve_err}, table)
+    write_results(
+        name,
+        {
+            "device": device_info(),
+            "mesh": dict(mesh.shape),
+            "memory_config": mem_cfg,
+            "time_config": time_cfg,
+            "rows": rows,
+            "loss_curves": curves,
+            "curve_rel_err": curve_err,
+        },
+        table,
+    )
     print(table)
     plt = pyplot()
     if plt is not None:
@@ -167,10 +211,15 @@ def main() -> None:
         for m in METHODS:
             for dt, style in (("float32", "o-"), ("bfloat16", "s--")):
                 rs = [r for r in rows if r["dtype"] == dt]
-                ax[0].loglog([r["depth"] for r in rs], [r["mem"][m] / 1e6 for r in rs], style,
-                             label=f"{m} ({dt})")
-                ax[1].loglog([r["depth"] for r in rs], [r["time"][m] for r in rs], style,
-                             label=f"{m} ({dt})")
+                ax[0].loglog(
+                    [r["depth"] for r in rs],
+                    [r["mem"][m] / 1e6 for r in rs],
+                    style,
+                    label=f"{m} ({dt})",
+                )
+                ax[1].loglog(
+                    [r["depth"] for r in rs], [r["time"][m] for r in rs], style, label=f"{m} ({dt})"
+                )
             if m in curves:
                 ax[2].plot(curves[m], label=m)
         ax[0].set(xlabel="depth (blocks)", ylabel="per-device scratch (MB)", title="memory")

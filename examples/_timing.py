@@ -1,9 +1,11 @@
 """Timing for the examples' printed figures (the benchmarks have their own, interleaved)."""
+
 from __future__ import annotations
 
 import math
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 

@@ -12,6 +12,7 @@ environment variable `JAXREV_ADBENCH`. Formats (the folder's README.md):
   one feature (2); the instance replicates them, and observation i links camera i mod n to
   point i mod m.
 """
+
 from __future__ import annotations
 
 import os
@@ -27,12 +28,16 @@ N_CAM_PARAMS = 11
 def data_dir() -> Path:
     """The ADBench data folder: $JAXREV_ADBENCH, else ../shared/data/adbench beside the repo."""
     override = os.environ.get(ENV_VAR)
-    path = (Path(override) if override
-            else Path(__file__).resolve().parents[1].parent / "shared" / "data" / "adbench")
+    path = (
+        Path(override)
+        if override
+        else Path(__file__).resolve().parents[1].parent / "shared" / "data" / "adbench"
+    )
     if not (path / "gmm").is_dir() or not (path / "ba").is_dir():
         raise FileNotFoundError(
             f"ADBench inputs not found at {path} (expected its gmm/ and ba/ folders). Put "
-            f"ADBench's data there, or set {ENV_VAR} to the folder that holds gmm/ and ba/.")
+            f"ADBench's data there, or set {ENV_VAR} to the folder that holds gmm/ and ba/."
+        )
     return path
 
 
@@ -48,11 +53,18 @@ def read_gmm(path: str | Path) -> dict:
     icf_size = d * (d + 1) // 2
     sizes = [k, k * d, k * icf_size, n * d, 2]
     if v.size != 3 + sum(sizes):
-        raise ValueError(f"{path}: {v.size} numbers, expected {3 + sum(sizes)} for D={d} K={k} "
-                         f"n={n}")
+        raise ValueError(
+            f"{path}: {v.size} numbers, expected {3 + sum(sizes)} for D={d} K={k} n={n}"
+        )
     alphas, means, icf, x, wishart = np.split(v[3:], np.cumsum(sizes)[:-1])
-    return {"alphas": alphas, "means": means.reshape(k, d), "icf": icf.reshape(k, icf_size),
-            "x": x.reshape(n, d), "gamma": float(wishart[0]), "m": int(wishart[1])}
+    return {
+        "alphas": alphas,
+        "means": means.reshape(k, d),
+        "icf": icf.reshape(k, icf_size),
+        "x": x.reshape(n, d),
+        "gamma": float(wishart[0]),
+        "m": int(wishart[1]),
+    }
 
 
 def read_ba(path: str | Path) -> dict:
@@ -64,8 +76,13 @@ def read_ba(path: str | Path) -> dict:
         raise ValueError(f"{path}: {v.size} numbers, expected {3 + N_CAM_PARAMS + 6}")
     cam, pt, w, feat = np.split(v[3:], np.cumsum([N_CAM_PARAMS, 3, 1]))
     i = np.arange(p)
-    return {"cams": np.tile(cam, (n, 1)), "X": np.tile(pt, (m, 1)), "w": np.full(p, w[0]),
-            "feats": np.tile(feat, (p, 1)), "obs": np.stack([i % n, i % m], axis=1)}
+    return {
+        "cams": np.tile(cam, (n, 1)),
+        "X": np.tile(pt, (m, 1)),
+        "w": np.full(p, w[0]),
+        "feats": np.tile(feat, (p, 1)),
+        "obs": np.stack([i % n, i % m], axis=1),
+    }
 
 
 def _sorted_by_size(files: list[Path]) -> list[Path]:

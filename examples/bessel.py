@@ -24,36 +24,39 @@ The script shows:
 - a batch of 4000 points (the paper's GPU batch), differentiated under `vmap`;
 - timings of the objective and each gradient (jit, warm).
 """
+
 from __future__ import annotations
 
 import functools
 import math
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 
 # The series cancels terms of both signs and the gradient is checked to ~1e-12: use float64.
 jax.config.update("jax_enable_x64", True)
 
+import _timing  # noqa: E402  (beside this script)
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import scipy.special  # noqa: E402
 from jax import lax  # noqa: E402
 
 import jaxrev as jr  # noqa: E402
-import _timing  # noqa: E402  (beside this script)
 
-NU = 2            # the paper's J_2
-X0 = 1.0          # ... at x = 1 (Table 3)
-ATOL = 1e-12      # stop once a term is below this
-N_FIXED = 40      # terms of the fixed-length version: below 1e-20 of the sum for |x| <= 10
-BATCH = 4000      # the paper's GPU batch size
+NU = 2  # the paper's J_2
+X0 = 1.0  # ... at x = 1 (Table 3)
+ATOL = 1e-12  # stop once a term is below this
+N_FIXED = 40  # terms of the fixed-length version: below 1e-20 of the sum for |x| <= 10
+BATCH = 4000  # the paper's GPU batch size
 
 
 # ------------------------------------------------------------------ the series
 
-@functools.lru_cache(maxsize=None)
+
+@functools.cache
 def accumulator(nu: int, atol: float = ATOL) -> Callable[[Any, Any], Any]:
     """`accumulate_j(acc, x) = acc + J_nu(x)` for an integer nu >= 0: a program that is
     invertible in `acc` (its state), with x a parameter, so `jr.reversible` applies to it."""
@@ -73,9 +76,9 @@ def accumulator(nu: int, atol: float = ATOL) -> Callable[[Any, Any], Any]:
 
         def step(carry):
             k, term, s = carry
-            k = k + 1                                    # undone by k - 1
-            term = term * (-hz2 / (k * (k + nu)))        # non-zero factor: undone by dividing
-            return k, term, s + term                     # undone by subtracting the term
+            k = k + 1  # undone by k - 1
+            term = term * (-hz2 / (k * (k + nu)))  # non-zero factor: undone by dividing
+            return k, term, s + term  # undone by subtracting the term
 
         # The state is summed *inside* the loop (s starts at acc + term0), as NiLang does with
         # out!. A loop that reads only parameters would be differentiated by jax.vjp rather than
@@ -179,11 +182,17 @@ def problem(size: int = 1) -> dict:
         objective = jax.vmap(functools.partial(bessel_j, nu))
         rev = jax.vmap(functools.partial(grad_reversible, nu))
         ref = jax.vmap(functools.partial(grad_fixed, nu))
-    return {"label": f"Bessel J_{nu}(x) gradient, batch {size}", "args": args,
-            "objective": objective, "jaxrev": rev, "jax": ref}
+    return {
+        "label": f"Bessel J_{nu}(x) gradient, batch {size}",
+        "args": args,
+        "objective": objective,
+        "jaxrev": rev,
+        "jax": ref,
+    }
 
 
 # ------------------------------------------------------------------ the demo
+
 
 def seconds_per_call(f: Callable, *args, number: int = 20, repeat: int = 5) -> float:
     """Best of `repeat` timings of `number` calls (after a warm-up call that compiles)."""
@@ -216,10 +225,12 @@ def main() -> None:
     print(f"\ndJ_{nu}/dx at x = {X0} by jr.reversible: {float(g):.16f}")
     h = 1e-5
     fd = (bessel_j(nu, x0 + h) - bessel_j(nu, x0 - h)) / (2 * h)
-    checks = [("analytic derivative", d_analytic(nu, x0), 1e-11),
-              ("central finite differences", fd, 1e-8),
-              ("jax.grad of the fori_loop version", grad_fixed(nu, x0), 1e-12),
-              ("forward mode (jacfwd of the while loop)", grad_forward(nu, x0), 1e-12)]
+    checks = [
+        ("analytic derivative", d_analytic(nu, x0), 1e-11),
+        ("central finite differences", fd, 1e-8),
+        ("jax.grad of the fori_loop version", grad_fixed(nu, x0), 1e-12),
+        ("forward mode (jacfwd of the while loop)", grad_forward(nu, x0), 1e-12),
+    ]
     for label, ref, tol in checks:
         err = rel(g, ref)
         print(f"  gradient vs {label}, relative error: {err:.1e}")
@@ -242,27 +253,39 @@ def main() -> None:
     batch_fwd = jax.jit(jax.vmap(functools.partial(grad_forward, nu)))
     gs = batch_rev(xs)
     print(f"\nbatch of {BATCH} points in [{float(xs[0])}, {float(xs[-1])}]:")
-    for label, ref, tol in [("analytic derivative", d_analytic(nu, xs), 1e-10),
-                            ("jax.grad of the fori_loop version", batch_fixed(xs), 1e-10),
-                            ("scipy.special.jvp", scipy.special.jvp(nu, np.asarray(xs)), 1e-10)]:
+    for label, ref, tol in [
+        ("analytic derivative", d_analytic(nu, xs), 1e-10),
+        ("jax.grad of the fori_loop version", batch_fixed(xs), 1e-10),
+        ("scipy.special.jvp", scipy.special.jvp(nu, np.asarray(xs)), 1e-10),
+    ]:
         err = rel(gs, ref)
         print(f"  batch gradient vs {label}, max error / max |dJ|: {err:.1e}")
         assert err < tol, (label, err)
 
     # ---- timings (jit, warm; a single point is dominated by the call overhead of jit)
     print("\ntimings (CPU, jit, warm, best of 5):")
-    rows = [("objective (while loop)", functools.partial(bessel_j, nu),
-             jax.jit(jax.vmap(functools.partial(bessel_j, nu)))),
-            ("gradient, jr.reversible", functools.partial(grad_reversible, nu), batch_rev),
-            ("gradient, jax.grad of fori_loop", functools.partial(grad_fixed, nu), batch_fixed),
-            ("gradient, forward mode", functools.partial(grad_forward, nu), batch_fwd),
-            ("Hessian, jacfwd(grad(reversible))", functools.partial(hessian_reversible, nu),
-             jax.jit(jax.vmap(functools.partial(hessian_reversible, nu))))]
+    rows = [
+        (
+            "objective (while loop)",
+            functools.partial(bessel_j, nu),
+            jax.jit(jax.vmap(functools.partial(bessel_j, nu))),
+        ),
+        ("gradient, jr.reversible", functools.partial(grad_reversible, nu), batch_rev),
+        ("gradient, jax.grad of fori_loop", functools.partial(grad_fixed, nu), batch_fixed),
+        ("gradient, forward mode", functools.partial(grad_forward, nu), batch_fwd),
+        (
+            "Hessian, jacfwd(grad(reversible))",
+            functools.partial(hessian_reversible, nu),
+            jax.jit(jax.vmap(functools.partial(hessian_reversible, nu))),
+        ),
+    ]
     for label, one, batch in rows:
         t1 = seconds_per_call(one, x0)
         tb = seconds_per_call(batch, xs, number=5)
-        print(f"  {label:36s} one point {t1 * 1e6:7.1f} us, batch of {BATCH} {tb * 1e3:7.3f} ms"
-              f" ({tb / BATCH * 1e9:6.1f} ns per point)")
+        print(
+            f"  {label:36s} one point {t1 * 1e6:7.1f} us, batch of {BATCH} {tb * 1e3:7.3f} ms"
+            f" ({tb / BATCH * 1e9:6.1f} ns per point)"
+        )
     print(f"bessel finished in {time.perf_counter() - t0:.1f} s")
 
 

@@ -25,13 +25,14 @@ residual. The blocks are computed three ways, vectorised over the observations:
 It checks that the three agree to 1e-10, assembles the sparse matrix, and prints the objective
 time, the three Jacobian times, XLA's temporary memory and the number of non-zeros.
 """
+
 from __future__ import annotations
 
 import argparse
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import jax
 
@@ -40,10 +41,10 @@ jax.config.update("jax_enable_x64", True)
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from adbench_io import N_CAM_PARAMS, ba_files, ba_size, data_dir, read_ba  # noqa: E402
 from jax import lax  # noqa: E402
 
 import jaxrev as jr  # noqa: E402
-from adbench_io import N_CAM_PARAMS, ba_files, ba_size, data_dir, read_ba  # noqa: E402
 
 # Observations per vectorised chunk. Up to this many, one vmap over all of them; beyond it,
 # lax.map over chunks of vmaps, so that XLA's scratch memory stays bounded on the largest
@@ -54,6 +55,7 @@ BLOCK_COLS = N_CAM_PARAMS + 3 + 1
 
 
 # ------------------------------------------------------------------ ADBench's residuals
+
 
 def rodrigues_rotate_point(rot: jax.Array, pt: jax.Array) -> jax.Array:
     """Rotate pt by the angle-axis vector rot (ADBench: the first-order formula at angle 0)."""
@@ -91,6 +93,7 @@ def weight_error(w: jax.Array) -> jax.Array:
 
 def per_observation(fn: Callable) -> Callable:
     """fn(cam, X, w, feat) for every observation: f(cams, X, w, feats, obs) -> stacked results."""
+
     def mapped(cams, X, w, feats, obs):
         def one(o):
             ob, wi, feat = o
@@ -103,13 +106,15 @@ def per_observation(fn: Callable) -> Callable:
     return mapped
 
 
-def residuals(cams: jax.Array, X: jax.Array, w: jax.Array, feats: jax.Array,
-              obs: jax.Array) -> tuple[jax.Array, jax.Array]:
+def residuals(
+    cams: jax.Array, X: jax.Array, w: jax.Array, feats: jax.Array, obs: jax.Array
+) -> tuple[jax.Array, jax.Array]:
     """All residuals: reprojection (p, 2) and weight (p,)."""
     return per_observation(reprojection_error)(cams, X, w, feats, obs), weight_error(w)
 
 
 # ------------------------------------------------------------------ Jacobian blocks
+
 
 def _block(dcam: jax.Array, dx: jax.Array, dw: jax.Array) -> jax.Array:
     """Derivatives with respect to (camera, point, weight) as one (2, 15) block."""
@@ -118,16 +123,21 @@ def _block(dcam: jax.Array, dx: jax.Array, dw: jax.Array) -> jax.Array:
 
 def jax_block(jac: Callable) -> Callable:
     """One observation's (2 x 15 block, weight-residual derivative) by jax.jacfwd / jacrev."""
-    def block(cam: jax.Array, x: jax.Array, w: jax.Array,
-              feat: jax.Array) -> tuple[jax.Array, jax.Array]:
-        return (_block(*jac(reprojection_error, argnums=(0, 1, 2))(cam, x, w, feat)),
-                jax.grad(weight_error)(w))
+
+    def block(
+        cam: jax.Array, x: jax.Array, w: jax.Array, feat: jax.Array
+    ) -> tuple[jax.Array, jax.Array]:
+        return (
+            _block(*jac(reprojection_error, argnums=(0, 1, 2))(cam, x, w, feat)),
+            jax.grad(weight_error)(w),
+        )
 
     return block
 
 
-def accumulate_reprojection(acc: jax.Array, cam: jax.Array, x: jax.Array, w: jax.Array,
-                            feat: jax.Array) -> jax.Array:
+def accumulate_reprojection(
+    acc: jax.Array, cam: jax.Array, x: jax.Array, w: jax.Array, feat: jax.Array
+) -> jax.Array:
     """acc + residual: the accumulator is the state, undone by subtracting the residual."""
     return acc + reprojection_error(cam, x, w, feat)
 
@@ -136,8 +146,9 @@ def accumulate_weight(acc: jax.Array, w: jax.Array) -> jax.Array:
     return acc + weight_error(w)
 
 
-def reversible_block(cam: jax.Array, x: jax.Array, w: jax.Array,
-                     feat: jax.Array) -> tuple[jax.Array, jax.Array]:
+def reversible_block(
+    cam: jax.Array, x: jax.Array, w: jax.Array, feat: jax.Array
+) -> tuple[jax.Array, jax.Array]:
     """The block as two VJPs of the reversible accumulation at acc = 0, one per residual row."""
     rev = jr.reversible(accumulate_reprojection)
     zero = jnp.zeros(2, cam.dtype)
@@ -152,8 +163,9 @@ jacobian_jacrev = per_observation(jax_block(jax.jacrev))
 jacobian_reversible = per_observation(reversible_block)
 
 
-def sparse_jacobian(blocks: np.ndarray, dw: np.ndarray, obs: np.ndarray, n: int,
-                    m: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, tuple[int, int]]:
+def sparse_jacobian(
+    blocks: np.ndarray, dw: np.ndarray, obs: np.ndarray, n: int, m: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, tuple[int, int]]:
     """The (2p + p) x (11n + 3m + p) Jacobian in coordinate form (rows, cols, vals, shape), laid
     out as ADBench's BASparseMat: reprojection rows 2i, 2i+1, then weight rows 2p + i; camera
     columns first, then points, then weights."""
@@ -161,17 +173,25 @@ def sparse_jacobian(blocks: np.ndarray, dw: np.ndarray, obs: np.ndarray, n: int,
     # int32 indices: the largest instance has 16.5 million columns; halves the assembly's memory
     i = np.arange(p, dtype=np.int32)
     obs = obs.astype(np.int32)
-    cols = np.concatenate([N_CAM_PARAMS * obs[:, :1] + np.arange(N_CAM_PARAMS, dtype=np.int32),
-                           N_CAM_PARAMS * n + 3 * obs[:, 1:] + np.arange(3, dtype=np.int32),
-                           (N_CAM_PARAMS * n + 3 * m + i)[:, None]], axis=1)      # (p, 15)
-    rows = np.repeat(np.stack([2 * i, 2 * i + 1], axis=1), BLOCK_COLS, axis=1)   # (p, 30)
-    return (np.concatenate([rows.ravel(), 2 * p + i]),
-            np.concatenate([np.tile(cols, 2).ravel(), N_CAM_PARAMS * n + 3 * m + i]),
-            np.concatenate([np.asarray(blocks).ravel(), np.asarray(dw)]),
-            (3 * p, N_CAM_PARAMS * n + 3 * m + p))
+    cols = np.concatenate(
+        [
+            N_CAM_PARAMS * obs[:, :1] + np.arange(N_CAM_PARAMS, dtype=np.int32),
+            N_CAM_PARAMS * n + 3 * obs[:, 1:] + np.arange(3, dtype=np.int32),
+            (N_CAM_PARAMS * n + 3 * m + i)[:, None],
+        ],
+        axis=1,
+    )  # (p, 15)
+    rows = np.repeat(np.stack([2 * i, 2 * i + 1], axis=1), BLOCK_COLS, axis=1)  # (p, 30)
+    return (
+        np.concatenate([rows.ravel(), 2 * p + i]),
+        np.concatenate([np.tile(cols, 2).ravel(), N_CAM_PARAMS * n + 3 * m + i]),
+        np.concatenate([np.asarray(blocks).ravel(), np.asarray(dw)]),
+        (3 * p, N_CAM_PARAMS * n + 3 * m + p),
+    )
 
 
 # ------------------------------------------------------------------ benchmark interface
+
 
 def _resolve(size: str | Path | int) -> Path:
     if isinstance(size, int):
@@ -192,25 +212,29 @@ def problem(size: str | Path | int) -> dict:
     path = _resolve(size)
     ba = read_ba(path)
     n, m, p = ba_size(path)
-    return {"label": f"{path.stem} ({n} cameras, {m} points, {p} observations)",
-            "args": tuple(jnp.asarray(ba[k]) for k in ("cams", "X", "w", "feats", "obs")),
-            "objective": residuals,
-            "jaxrev": jacobian_reversible,
-            "jax": jacobian_jacrev,
-            "jax_jacfwd": jacobian_jacfwd,
-            "measurements": p}
+    return {
+        "label": f"{path.stem} ({n} cameras, {m} points, {p} observations)",
+        "args": tuple(jnp.asarray(ba[k]) for k in ("cams", "X", "w", "feats", "obs")),
+        "objective": residuals,
+        "jaxrev": jacobian_reversible,
+        "jax": jacobian_jacrev,
+        "jax_jacfwd": jacobian_jacfwd,
+        "measurements": p,
+    }
 
 
 def sizes(quick: bool) -> list[str]:
     """File names of the instances to benchmark: a few, or all 20 (fewest observations first)."""
     files = ba_files()
     if quick:
-        files = [f for f in files if int(re.match(r"ba(\d+)_", f.name).group(1))
-                 in DEFAULT_INSTANCES]
+        files = [
+            f for f in files if int(re.match(r"ba(\d+)_", f.name).group(1)) in DEFAULT_INSTANCES
+        ]
     return [f.name for f in files]
 
 
 # ------------------------------------------------------------------ the run
+
 
 def compiled(f: Callable, *args, reps: int = 3) -> tuple[object, float, int]:
     """Result, best time of the first call after compiling and `reps` more, and XLA's temporary
@@ -235,7 +259,7 @@ def run(size: str) -> None:
     args = prob["args"]
     name = Path(size).stem.split("_")[0]
     p = prob["measurements"]
-    reps = 3 if p < 300_000 else 0   # a large instance: its first run only, to save time
+    reps = 3 if p < 300_000 else 0  # a large instance: its first run only, to save time
     print(f"\n{prob['label']}")
     (reproj, werr), t_obj, _ = compiled(prob["objective"], *args, reps=reps)
     fwd, t_fwd, m_fwd = compiled(prob["jax_jacfwd"], *args, reps=reps)
@@ -244,13 +268,19 @@ def run(size: str) -> None:
     err = max(rel_error(jrev, fwd), rel_error(rev, fwd))
     n, m = args[0].shape[0], args[1].shape[0]
     rows, cols, vals, shape = sparse_jacobian(*jrev, np.asarray(args[4]), n, m)
-    print(f"  {name} objective time: {t_obj * 1e3:.2f} ms "
-          f"(first residuals {float(reproj[0, 0]):.6f} {float(reproj[0, 1]):.6f} "
-          f"{float(werr[0]):.6f})")
-    print(f"  {name} Jacobian time: jacfwd {t_fwd * 1e3:.2f} ms, jacrev {t_rev * 1e3:.2f} ms, "
-          f"jr.reversible {t_jrev * 1e3:.2f} ms")
-    print(f"  {name} Jacobian temp memory: jacfwd {m_fwd} B, jacrev {m_rev} B, "
-          f"jr.reversible {m_jrev} B")
+    print(
+        f"  {name} objective time: {t_obj * 1e3:.2f} ms "
+        f"(first residuals {float(reproj[0, 0]):.6f} {float(reproj[0, 1]):.6f} "
+        f"{float(werr[0]):.6f})"
+    )
+    print(
+        f"  {name} Jacobian time: jacfwd {t_fwd * 1e3:.2f} ms, jacrev {t_rev * 1e3:.2f} ms, "
+        f"jr.reversible {t_jrev * 1e3:.2f} ms"
+    )
+    print(
+        f"  {name} Jacobian temp memory: jacfwd {m_fwd} B, jacrev {m_rev} B, "
+        f"jr.reversible {m_jrev} B"
+    )
     print(f"  {name} Jacobian {shape[0]} x {shape[1]}, nnz: {vals.size} (31 per observation)")
     print(f"  {name} Jacobian blocks, max relative difference between the three: {err:.2e}")
     assert err < 1e-10, err

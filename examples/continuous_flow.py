@@ -11,6 +11,7 @@ approximation of it). Before training, the gradient is checked against diffrax's
 
     python examples/continuous_flow.py          # about a minute on a laptop CPU
 """
+
 from __future__ import annotations
 
 import time
@@ -49,6 +50,7 @@ class Field(eqx.Module):
 
         def f(p):
             return self.mlp(jnp.concatenate([jnp.reshape(t, (1,)), p]))
+
         dx = jax.vmap(f)(x)
         div = jax.vmap(lambda p: jnp.trace(jax.jacfwd(f)(p)))(x)
         return dx, -div
@@ -57,11 +59,18 @@ class Field(eqx.Module):
 def log_likelihood(field: Field, x: jax.Array, adjoint) -> jax.Array:
     """Mean log p(x): integrate the points to t = 1 and add the change of log-density."""
     sol = diffrax.diffeqsolve(
-        diffrax.ODETerm(field), Reversible(diffrax.Tsit5()), 0.0, 1.0, 0.1,
-        (x, jnp.zeros(x.shape[0], x.dtype)), adjoint=adjoint, max_steps=256,
-        stepsize_controller=diffrax.PIDController(rtol=1e-4, atol=1e-5))
+        diffrax.ODETerm(field),
+        Reversible(diffrax.Tsit5()),
+        0.0,
+        1.0,
+        0.1,
+        (x, jnp.zeros(x.shape[0], x.dtype)),
+        adjoint=adjoint,
+        max_steps=256,
+        stepsize_controller=diffrax.PIDController(rtol=1e-4, atol=1e-5),
+    )
     z, dlogp = sol.ys[0][-1], sol.ys[1][-1]
-    log_normal = -0.5 * jnp.sum(z ** 2, axis=1) - jnp.log(2 * jnp.pi)
+    log_normal = -0.5 * jnp.sum(z**2, axis=1) - jnp.log(2 * jnp.pi)
     return jnp.mean(log_normal - dlogp)
 
 
@@ -76,8 +85,10 @@ def main(steps: int = 300, batch: int = 256) -> list:
     x = jnp.asarray(data[:batch])
     ours = eqx.filter_jit(eqx.filter_grad(loss))(field, x, ReversibleAdjoint())
     ref = eqx.filter_jit(eqx.filter_grad(loss))(field, x, diffrax.DirectAdjoint())
-    err = max(float(jnp.max(jnp.abs(a - b)) / (jnp.max(jnp.abs(b)) + 1e-30))
-              for a, b in zip(jax.tree_util.tree_leaves(ours), jax.tree_util.tree_leaves(ref)))
+    err = max(
+        float(jnp.max(jnp.abs(a - b)) / (jnp.max(jnp.abs(b)) + 1e-30))
+        for a, b in zip(jax.tree_util.tree_leaves(ours), jax.tree_util.tree_leaves(ref))
+    )
     print(f"gradient vs DirectAdjoint (float32): largest relative difference {err:.1e}")
 
     opt = optax.adam(3e-3)
@@ -98,8 +109,10 @@ def main(steps: int = 300, batch: int = 256) -> list:
         losses.append(float(value))
         if i % 25 == 0 or i == steps - 1:
             print(f"step {i:4d}  negative log-likelihood {losses[-1]:.3f}")
-    print(f"{steps} steps in {time.perf_counter() - t0:.1f} s; NLL {np.mean(losses[:10]):.3f} "
-          f"-> {np.mean(losses[-10:]):.3f}")
+    print(
+        f"{steps} steps in {time.perf_counter() - t0:.1f} s; NLL {np.mean(losses[:10]):.3f} "
+        f"-> {np.mean(losses[-10:]):.3f}"
+    )
     return losses
 
 

@@ -13,6 +13,7 @@ regression target with optax.
 
     python examples/fixed_point.py     # about 20 s on a laptop CPU
 """
+
 from __future__ import annotations
 
 import jax
@@ -31,8 +32,12 @@ D, H, BATCH, TOL = 4, 16, 64, 1e-10
 def init(key):
     k1, k2, k3 = jax.random.split(key, 3)
     W = jax.random.normal(k1, (H, H))
-    return {"W": 0.6 * W / jnp.linalg.norm(W, 2), "U": jax.random.normal(k2, (H, D)),
-            "b": jnp.zeros(H), "v": jax.random.normal(k3, (H,)) / 4}
+    return {
+        "W": 0.6 * W / jnp.linalg.norm(W, 2),
+        "U": jax.random.normal(k2, (H, D)),
+        "b": jnp.zeros(H),
+        "v": jax.random.normal(k3, (H,)) / 4,
+    }
 
 
 def equilibrium(z, p, x):
@@ -50,12 +55,14 @@ def iterations(p, x):
 def model(layer):
     def predict(p, x):
         return p["v"] @ layer(jnp.zeros(H), p, x)
+
     return predict
 
 
 def loss_of(predict):
     def loss(p, xs, ys):
         return jnp.mean((jax.vmap(lambda x: predict(p, x))(xs) - ys) ** 2)
+
     return loss
 
 
@@ -79,14 +86,18 @@ def main() -> None:
     layer = jr.reversible(equilibrium, checkpoint_every="auto", max_steps=200)
     n = iterations(p, x0)
     fori = lambda z, p, x: lax.fori_loop(  # noqa: E731
-        0, n, lambda i, z: jnp.tanh(p["W"] @ z + p["U"] @ x + p["b"]), z)
+        0, n, lambda i, z: jnp.tanh(p["W"] @ z + p["U"] @ x + p["b"]), z
+    )
     g = jax.grad(lambda p: model(layer)(p, x0))(p)
     ref = jax.grad(lambda p: model(fori)(p, x0))(p)
     err = max(float(jnp.max(jnp.abs(g[k] - ref[k]))) for k in p)
-    print(f"fixed point after {n} iterations; checkpoint_every='auto' gradient vs jax.grad "
-          f"of the fori_loop form, max error: {err:.2e}")
-    print(jr.memory_report(equilibrium, jnp.zeros(H), p, x0, checkpoint_every="auto",
-                           max_steps=200))
+    print(
+        f"fixed point after {n} iterations; checkpoint_every='auto' gradient vs jax.grad "
+        f"of the fori_loop form, max error: {err:.2e}"
+    )
+    print(
+        jr.memory_report(equilibrium, jnp.zeros(H), p, x0, checkpoint_every="auto", max_steps=200)
+    )
 
     # 3. fit the equilibrium model
     loss = jax.jit(jax.value_and_grad(loss_of(model(layer))))

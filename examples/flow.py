@@ -27,6 +27,7 @@ checks: the log-det equals `slogdet(jacfwd(glow))` (float64), `jr.logdet_strateg
 "sweep" (no dense Jacobian anywhere), the inverse undoes the forward, and what the log-det costs
 next to a plain forward pass.
 """
+
 import os
 import time
 
@@ -47,14 +48,14 @@ import scipy.linalg  # noqa: E402  (a dependency of jax)
 
 import jaxrev as jr  # noqa: E402
 
-H, W, C = 8, 8, 2              # image shape: D = 128 numbers per image
+H, W, C = 8, 8, 2  # image shape: D = 128 numbers per image
 D = H * W * C
 LEVELS, HIDDEN, BATCH, STEPS, K = 6, 64, 128, 1000, 16  # K: quantisation levels of the data
 
 _i, _j, _c = np.meshgrid(np.arange(H), np.arange(W), np.arange(C), indexing="ij")
 # level k keeps one colour of a 3-D checkerboard over (row, column, channel), then the other
 MASKS = [(_i + _j + _c) % 2 == k % 2 for k in range(LEVELS)]
-FIXED = ("perm", "sign")       # the parts of W that are not trained
+FIXED = ("perm", "sign")  # the parts of W that are not trained
 
 
 def glow(z, params):
@@ -64,7 +65,7 @@ def glow(z, params):
         # affine coupling: the masked pixels pass, and give the others a scale and a shift
         h = jnp.tanh((x * mask).reshape(-1) @ p["w1"] + p["b1"])
         st = (h @ p["w2"]).reshape(H, W, C, 2)
-        s, t = jnp.tanh(st[..., 0]), st[..., 1]        # bounded log-scale
+        s, t = jnp.tanh(st[..., 0]), st[..., 1]  # bounded log-scale
         x = jnp.where(mask, x, x * jnp.exp(s) + t)
         # invertible 1x1 convolution: the same C x C matrix on every pixel's channels
         lower = jnp.tril(p["lu"], -1) + jnp.eye(C)
@@ -75,7 +76,7 @@ def glow(z, params):
     return x
 
 
-flow = jr.Bijector(glow, event_ndims=3)   # forward: latent -> image; inverse: image -> latent
+flow = jr.Bijector(glow, event_ndims=3)  # forward: latent -> image; inverse: image -> latent
 
 
 def nll(params, x):
@@ -108,11 +109,17 @@ def init(rng, data):
     def level():
         # W starts as a random rotation, stored as Glow stores it: its pivoted LU factors
         perm, lower, upper = scipy.linalg.lu(np.linalg.qr(rng.normal(size=(C, C)))[0])
-        return {"w1": rng.normal(size=(D, HIDDEN)) / np.sqrt(D / 2), "b1": np.zeros(HIDDEN),
-                "w2": 0.01 * rng.normal(size=(HIDDEN, 2 * D)),
-                "perm": perm, "sign": np.sign(np.diag(upper)),
-                "lu": np.tril(lower, -1) + np.triu(upper, 1),
-                "log_s": np.log(np.abs(np.diag(upper))), "logs": np.zeros(C), "b": np.zeros(C)}
+        return {
+            "w1": rng.normal(size=(D, HIDDEN)) / np.sqrt(D / 2),
+            "b1": np.zeros(HIDDEN),
+            "w2": 0.01 * rng.normal(size=(HIDDEN, 2 * D)),
+            "perm": perm,
+            "sign": np.sign(np.diag(upper)),
+            "lu": np.tril(lower, -1) + np.triu(upper, 1),
+            "log_s": np.log(np.abs(np.diag(upper))),
+            "logs": np.zeros(C),
+            "b": np.zeros(C),
+        }
 
     params = [level() for _ in range(LEVELS)]
     # Glow's data-dependent init, for the actnorm next to the data only: match each channel's
@@ -184,16 +191,21 @@ def main():
     _, ref = jnp.linalg.slogdet(jac.reshape(-1, D, D))
     _, fld = jax.jit(flow.forward_and_log_det)(zs, params)
     err = float(jnp.max(jnp.maximum(jnp.abs(ild + ref), jnp.abs(fld - ref))))
-    print(f"log-det vs dense slogdet, max abs error: {err:.1e} "
-          f"(log|det dx/dz| of the samples: {', '.join(f'{v:.2f}' for v in ref.tolist())})")
+    print(
+        f"log-det vs dense slogdet, max abs error: {err:.1e} "
+        f"(log|det dx/dz| of the samples: {', '.join(f'{v:.2f}' for v in ref.tolist())})"
+    )
     # (c) the inverse undoes the forward
     zs = jnp.asarray(rng.normal(size=(256, H, W, C)))
     back = jax.jit(flow.inverse)(jax.jit(flow.forward)(zs, params), params)
     print(f"round-trip max error: {float(jnp.max(jnp.abs(back - zs))):.1e}")
     # (d) what the log-det costs: informative only
     timings, batch = {}, jnp.asarray(test[:BATCH])
-    for name, f in (("forward", flow.forward), ("inverse", flow.inverse),
-                    ("inverse_and_log_det", flow.inverse_and_log_det)):
+    for name, f in (
+        ("forward", flow.forward),
+        ("inverse", flow.inverse),
+        ("inverse_and_log_det", flow.inverse_and_log_det),
+    ):
         f = jax.jit(f)
         jax.block_until_ready(f(batch, params))
         t = time.perf_counter()
@@ -201,9 +213,11 @@ def main():
             out = f(batch, params)
         jax.block_until_ready(out)
         timings[name] = (time.perf_counter() - t) / 20
-    print(f"per batch of {BATCH}: " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in
-                                               timings.items())
-          + f" ({timings['inverse_and_log_det'] / timings['forward']:.1f}x forward)")
+    print(
+        f"per batch of {BATCH}: "
+        + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in timings.items())
+        + f" ({timings['inverse_and_log_det'] / timings['forward']:.1f}x forward)"
+    )
     print(f"flow finished in {time.perf_counter() - t0:.1f} s")
 
 

@@ -23,13 +23,14 @@ ADBench's own input files. The gradient with respect to (alpha, mu, icf) is take
 It checks that the two gradients agree to 1e-10 relative and against central finite differences,
 and prints the objective, the times and XLA's temporary memory of both gradients.
 """
+
 from __future__ import annotations
 
 import argparse
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import jax
 
@@ -38,10 +39,10 @@ jax.config.update("jax_enable_x64", True)
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from adbench_io import data_dir, gmm_files, gmm_size, read_gmm  # noqa: E402
 from jax import lax  # noqa: E402
 
 import jaxrev as jr  # noqa: E402
-from adbench_io import data_dir, gmm_files, gmm_size, read_gmm  # noqa: E402
 
 # Points per scan iteration of the reversible version. One point per iteration leaves each
 # iteration a few tiny (K x D) operations, so loop and dispatch overhead dominate (measured once
@@ -54,6 +55,7 @@ DEFAULT_SIZES = [(2, 5), (2, 10), (10, 5), (10, 10)]
 
 
 # ------------------------------------------------------------------ the objective
+
 
 def logsumexp(x: jax.Array, axis: int = -1) -> jax.Array:
     """ADBench's log-sum-exp: log(sum(exp(x - max))) + max. The max's own derivative cancels
@@ -82,15 +84,16 @@ def main_terms(x: jax.Array, alphas: jax.Array, means: jax.Array, icf: jax.Array
     d = x.shape[-1]
     # Components first: Q_k (x_i - mu_k) is then one (b x D) @ (D x D) product per component,
     # a batched GEMM. (Points first, `kij,bkj->bki`, made jax.grad 2-6x slower on CPU.)
-    xc = x[None, :, :] - means[:, None, :]                                 # (K, b, D)
-    qxc = jnp.einsum("kbj,kij->kbi", xc, precision_factors(icf, d))       # Q_k (x_i - mu_k)
+    xc = x[None, :, :] - means[:, None, :]  # (K, b, D)
+    qxc = jnp.einsum("kbj,kij->kbi", xc, precision_factors(icf, d))  # Q_k (x_i - mu_k)
     return (alphas + jnp.sum(icf[:, :d], axis=1))[:, None] - 0.5 * jnp.sum(qxc**2, axis=-1)
 
 
 def log_gamma_distrib(a: float, p: int) -> float:
     """The multivariate log-gamma function log Gamma_p(a), as ADBench writes it."""
-    return 0.25 * p * (p - 1) * math.log(math.pi) + sum(math.lgamma(a + 0.5 * (1 - j))
-                                                        for j in range(1, p + 1))
+    return 0.25 * p * (p - 1) * math.log(math.pi) + sum(
+        math.lgamma(a + 0.5 * (1 - j)) for j in range(1, p + 1)
+    )
 
 
 def log_wishart_prior(icf: jax.Array, gamma: float, m: int) -> jax.Array:
@@ -117,6 +120,7 @@ def outer_terms(alphas: jax.Array, icf: jax.Array, n: int, gamma: float, m: int)
 
 def make_objective(gamma: float, m: int) -> Callable[..., jax.Array]:
     """The vectorised objective f(alphas, means, icf, x): all points against all components."""
+
     def objective(alphas, means, icf, x):
         slse = jnp.sum(logsumexp(main_terms(x, alphas, means, icf), axis=0))
         return slse + outer_terms(alphas, icf, x.shape[0], gamma, m)
@@ -126,11 +130,14 @@ def make_objective(gamma: float, m: int) -> Callable[..., jax.Array]:
 
 # ------------------------------------------------------------------ the reversible version
 
-def sum_over_points(acc: jax.Array, blocks: jax.Array, alphas: jax.Array, means: jax.Array,
-                    icf: jax.Array) -> jax.Array:
+
+def sum_over_points(
+    acc: jax.Array, blocks: jax.Array, alphas: jax.Array, means: jax.Array, icf: jax.Array
+) -> jax.Array:
     """acc + sum_i logsumexp_k(main term), as a scan over blocks (nb, BLOCK, D) of points. The
     accumulator is the state: each iteration adds to it, so the backward sweep undoes an
     iteration by subtracting, from values it has (the block and the parameters)."""
+
     def body(acc, xb):
         return acc + jnp.sum(logsumexp(main_terms(xb, alphas, means, icf), axis=0)), None
 
@@ -144,8 +151,7 @@ def make_reversible_objective(gamma: float, m: int) -> Callable[..., jax.Array]:
     def objective(alphas, means, icf, x):
         n, d = x.shape
         whole = n - n % BLOCK
-        slse = rev_sum(jnp.zeros((), x.dtype), x[:whole].reshape(-1, BLOCK, d), alphas, means,
-                       icf)
+        slse = rev_sum(jnp.zeros((), x.dtype), x[:whole].reshape(-1, BLOCK, d), alphas, means, icf)
         if whole < n:  # a last partial block (not in ADBench's inputs, whose n is 1k or 10k)
             rest = main_terms(x[whole:], alphas, means, icf)
             slse = slse + jnp.sum(logsumexp(rest, axis=0))
@@ -155,6 +161,7 @@ def make_reversible_objective(gamma: float, m: int) -> Callable[..., jax.Array]:
 
 
 # ------------------------------------------------------------------ benchmark interface
+
 
 def _resolve(size: str | Path | tuple[int, int]) -> Path:
     if isinstance(size, tuple):
@@ -179,12 +186,14 @@ def problem(size: str | Path | tuple[int, int]) -> dict:
     args = tuple(jnp.asarray(g[key]) for key in ("alphas", "means", "icf", "x"))
     objective = make_objective(g["gamma"], g["m"])
     rev_objective = make_reversible_objective(g["gamma"], g["m"])
-    return {"label": f"{path.parent.name}/{path.stem} (D={d}, K={k}, n={g['x'].shape[0]})",
-            "args": args,
-            "objective": objective,
-            "jaxrev": jax.grad(rev_objective, argnums=(0, 1, 2)),
-            "jax": jax.grad(objective, argnums=(0, 1, 2)),
-            "parameters": k + k * d + k * d * (d + 1) // 2}
+    return {
+        "label": f"{path.parent.name}/{path.stem} (D={d}, K={k}, n={g['x'].shape[0]})",
+        "args": args,
+        "objective": objective,
+        "jaxrev": jax.grad(rev_objective, argnums=(0, 1, 2)),
+        "jax": jax.grad(objective, argnums=(0, 1, 2)),
+        "parameters": k + k * d + k * d * (d + 1) // 2,
+    }
 
 
 def sizes(quick: bool) -> list[tuple[int, int]]:
@@ -195,6 +204,7 @@ def sizes(quick: bool) -> list[tuple[int, int]]:
 
 
 # ------------------------------------------------------------------ the run
+
 
 def compiled(f: Callable, *args) -> tuple[object, float, int, Callable]:
     """Result, best time of three runs after compiling, XLA's temporary memory in bytes, and
@@ -215,8 +225,9 @@ def rel_error(a, b) -> float:
     return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
 
 
-def finite_difference_error(objective: Callable, args: tuple, grad: tuple,
-                            h: float = 1e-5) -> float:
+def finite_difference_error(
+    objective: Callable, args: tuple, grad: tuple, h: float = 1e-5
+) -> float:
     """Largest error of a few gradient entries against central differences of the (compiled)
     objective, relative to the largest gradient entry of the same array."""
     worst = 0.0
@@ -237,8 +248,10 @@ def finite_difference_error(objective: Callable, args: tuple, grad: tuple,
 def temp_memory(size: str | Path | tuple[int, int]) -> tuple[int, int]:
     """XLA's temporary memory of the (jax.grad, jr.reversible) gradients, compiled, not run."""
     prob = problem(size)
-    return tuple(int(jax.jit(prob[key]).lower(*prob["args"]).compile().memory_analysis()
-                     .temp_size_in_bytes) for key in ("jax", "jaxrev"))
+    return tuple(
+        int(jax.jit(prob[key]).lower(*prob["args"]).compile().memory_analysis().temp_size_in_bytes)
+        for key in ("jax", "jaxrev")
+    )
 
 
 def run(size: tuple[int, int]) -> tuple[int, int]:
@@ -253,8 +266,9 @@ def run(size: tuple[int, int]) -> tuple[int, int]:
     err = rel_error(g_rev, g_ref)
     fd_err = finite_difference_error(objective, args, g_ref)
     print(f"  {name} objective: {float(value):.10e} ({t_obj * 1e3:.2f} ms)")
-    print(f"  {name} gradient time: jax.grad {t_ref * 1e3:.2f} ms, "
-          f"jr.reversible {t_rev * 1e3:.2f} ms")
+    print(
+        f"  {name} gradient time: jax.grad {t_ref * 1e3:.2f} ms, jr.reversible {t_rev * 1e3:.2f} ms"
+    )
     print(f"  {name} gradient temp memory: jax.grad {m_ref} B, jr.reversible {m_rev} B")
     print(f"  {name} gradient vs jax.grad, relative error: {err:.2e}")
     print(f"  {name} jax.grad vs central differences, relative error: {fd_err:.2e}")
@@ -265,8 +279,11 @@ def run(size: tuple[int, int]) -> tuple[int, int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--all", action="store_true",
-                        help="every 10k-point input with D <= 32 (minutes, and GBs for jax.grad)")
+    parser.add_argument(
+        "--all",
+        action="store_true",
+        help="every 10k-point input with D <= 32 (minutes, and GBs for jax.grad)",
+    )
     t0 = time.perf_counter()
     todo = sizes(quick=not parser.parse_args().all)
     print(f"ADBench GMM, 10k points; reversible scan over blocks of {BLOCK} points")
@@ -278,8 +295,10 @@ def main() -> None:
     d, k = 10, 10
     small = temp_memory(data_dir() / "gmm" / "1k" / f"gmm_d{d}_K{k}.txt")
     large = memory.get((d, k)) or temp_memory((d, k))
-    print(f"\nD={d} K={k} gradient temp memory, n = 1000 -> 10000: jax.grad {small[0]} -> "
-          f"{large[0]} B, jr.reversible {small[1]} -> {large[1]} B")
+    print(
+        f"\nD={d} K={k} gradient temp memory, n = 1000 -> 10000: jax.grad {small[0]} -> "
+        f"{large[0]} B, jr.reversible {small[1]} -> {large[1]} B"
+    )
     assert large[1] < 2 * small[1] and large[0] > 5 * small[0]
     print(f"\ngmm finished in {time.perf_counter() - t0:.1f} s")
 

@@ -15,6 +15,7 @@ Run: python examples/hypergradients.py [--steps 10000] [--dtype float64|float32]
 Prints the hypergradients against jax.grad's, the scratch memory of both (XLA's plan) and
 their times.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -75,7 +76,7 @@ def train(state, hyper, data, steps):
 
 def init_state(dtype, d=16):
     w = {"a": jnp.zeros(d, dtype), "s": jnp.ones((), dtype)}
-    opt = optax.sgd(learning_rate=0.1, momentum=0.9)   # (the state's structure only)
+    opt = optax.sgd(learning_rate=0.1, momentum=0.9)  # (the state's structure only)
     return w, opt.init(w)
 
 
@@ -85,6 +86,7 @@ def validation(train_fn, data):
     def val(hyper):
         w, _ = train_fn(init_state(Xv.dtype), hyper, data)
         return jnp.mean((model(w, Xv) - yv) ** 2)
+
     return val
 
 
@@ -93,8 +95,12 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=10_000)
     ap.add_argument("--dtype", choices=["float64", "float32", "both"], default="both")
     ap.add_argument("--lr", type=float, default=0.05)
-    ap.add_argument("--momentum", type=float, default=0.9,
-                    help="0.5 or 0.1 divide rounding by the momentum at every backward step")
+    ap.add_argument(
+        "--momentum",
+        type=float,
+        default=0.9,
+        help="0.5 or 0.1 divide rounding by the momentum at every backward step",
+    )
     args = ap.parse_args(argv)
     dtypes = ["float64", "float32"] if args.dtype == "both" else [args.dtype]
     ref64 = None
@@ -108,22 +114,28 @@ def main(argv=None):
         mem = {}
         for k, g in (("jax.grad", g_grad), ("jr.reversible", g_rev)):
             mem[k] = g.lower(hyper).compile().memory_analysis().temp_size_in_bytes
-        out = {k: jax.block_until_ready(g(hyper)) for k, g in (("jax.grad", g_grad),
-                                                              ("jr.reversible", g_rev))}
+        out = {
+            k: jax.block_until_ready(g(hyper))
+            for k, g in (("jax.grad", g_grad), ("jr.reversible", g_rev))
+        }
         times = {k: [] for k in out}
-        for _ in range(3):   # interleaved, median
+        for _ in range(3):  # interleaved, median
             for k, g in (("jax.grad", g_grad), ("jr.reversible", g_rev)):
                 t = time.perf_counter()
                 jax.block_until_ready(g(hyper))
                 times[k].append(time.perf_counter() - t)
         if name == "float64":
             ref64 = np.asarray(out["jax.grad"], np.float64)
-        print(f"\n{name}, {args.steps} steps of SGD with momentum (lr {args.lr}, momentum "
-              f"{args.momentum}):")
+        print(
+            f"\n{name}, {args.steps} steps of SGD with momentum (lr {args.lr}, momentum "
+            f"{args.momentum}):"
+        )
         for k in out:
             v = np.asarray(out[k], np.float64)
-            err = "" if ref64 is None else \
-                f"  error vs float64 jax.grad {np.max(np.abs(v - ref64)) / np.max(np.abs(ref64)):.2e}"
+            err = ""
+            if ref64 is not None:
+                rel = np.max(np.abs(v - ref64)) / np.max(np.abs(ref64))
+                err = f"  error vs float64 jax.grad {rel:.2e}"
             print(f"  {k:14s} d val / d(lr, momentum) = ({v[0]: .6e}, {v[1]: .6e}){err}")
             print(f"  {'':14s} scratch {mem[k] / 1e6:9.3f} MB, time {np.median(times[k]):.3f} s")
         print(f"  memory: jax.grad / jr.reversible = {mem['jax.grad'] / mem['jr.reversible']:.0f}x")

@@ -7,6 +7,7 @@ function of the *other* variable, so it is undone by subtracting it again: `jr.r
 storing every step. Plain `jax.grad` of the same loop keeps each step's pairwise arrays, so its
 memory grows with the number of steps; the reversible gradient's does not.
 """
+
 import time
 
 import jax
@@ -25,7 +26,7 @@ N, DIM, DT, SOFTENING = 32, 2, 0.01, 0.5
 def force(q):
     # Plummer-softened gravity, unit masses, G = 1/N: the softening keeps the force smooth
     # (no singular close encounters), which keeps both the dynamics and its gradient tame.
-    d = q[None, :, :] - q[:, None, :]                    # d[i, j] = q_j - q_i
+    d = q[None, :, :] - q[:, None, :]  # d[i, j] = q_j - q_i
     r2 = jnp.sum(d**2, axis=-1) + SOFTENING**2
     return jnp.sum(d * r2[..., None] ** -1.5, axis=1) / N
 

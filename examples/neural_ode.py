@@ -10,6 +10,7 @@ example does with its default adjoint.
 
     python examples/neural_ode.py     # about 30 s on a laptop CPU
 """
+
 from __future__ import annotations
 
 import diffrax
@@ -27,13 +28,20 @@ DT, STEPS, BATCH = 0.02, 300, 32
 
 def true_field(t, y, args):
     x, v = y[..., 0], y[..., 1]
-    return jnp.stack([v, -x - 0.3 * v - 0.5 * x ** 3], -1)
+    return jnp.stack([v, -x - 0.3 * v - 0.5 * x**3], -1)
 
 
 def dataset(key, n, ts):
     y0 = jax.random.uniform(key, (n, 2), minval=-1.5, maxval=1.5)
-    sol = diffrax.diffeqsolve(diffrax.ODETerm(true_field), diffrax.Tsit5(), ts[0], ts[-1],
-                              0.01, y0, saveat=diffrax.SaveAt(ts=ts))
+    sol = diffrax.diffeqsolve(
+        diffrax.ODETerm(true_field),
+        diffrax.Tsit5(),
+        ts[0],
+        ts[-1],
+        0.01,
+        y0,
+        saveat=diffrax.SaveAt(ts=ts),
+    )
     return y0, jnp.swapaxes(sol.ys, 0, 1)
 
 
@@ -45,9 +53,18 @@ class NeuralODE(eqx.Module):
 
     def __call__(self, ts, y0, adjoint):
         term = diffrax.ODETerm(lambda t, y, field: field(y))
-        sol = diffrax.diffeqsolve(term, diffrax.ReversibleHeun(), ts[0], ts[-1], DT, y0,
-                                  args=self.field, saveat=diffrax.SaveAt(ts=ts),
-                                  adjoint=adjoint, max_steps=4096)
+        sol = diffrax.diffeqsolve(
+            term,
+            diffrax.ReversibleHeun(),
+            ts[0],
+            ts[-1],
+            DT,
+            y0,
+            args=self.field,
+            saveat=diffrax.SaveAt(ts=ts),
+            adjoint=adjoint,
+            max_steps=4096,
+        )
         return sol.ys
 
 

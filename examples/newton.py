@@ -8,6 +8,7 @@ n Hessian-vector products and O(n³).
 
     python examples/newton.py
 """
+
 from __future__ import annotations
 
 import time
@@ -65,19 +66,25 @@ def pure_newton_with_optax() -> None:
 def trust_region_extended() -> None:
     print("2. trust-region Newton on the 100-dimensional extended Rosenbrock")
     x0 = jnp.tile(jnp.array([-1.2, 1.0]), 50)
-    solve = jax.jit(lambda x0: jr.optim.minimize(extended_rosenbrock, x0, method="trust-region",
-                                                 tol=1e-10))
+    solve = jax.jit(
+        lambda x0: jr.optim.minimize(extended_rosenbrock, x0, method="trust-region", tol=1e-10)
+    )
     x, info = solve(x0)
-    print(f"   loss {float(info.value):.2e} after {int(info.iterations)} iterations "
-          f"({info.message}); max |x - 1| = {float(jnp.max(jnp.abs(x - 1.0))):.1e}")
+    print(
+        f"   loss {float(info.value):.2e} after {int(info.iterations)} iterations "
+        f"({info.message}); max |x - 1| = {float(jnp.max(jnp.abs(x - 1.0))):.1e}"
+    )
 
 
 def newton_direction_chained(n: int = 4000) -> None:
     print(f"3. one Newton direction of the chained Rosenbrock, n = {n}, near its minimum")
     x = 1.0 + 0.01 * jax.random.normal(jax.random.PRNGKey(0), (n,))
     ours = jax.jit(lambda x: jr.optim.newton_direction(chained_rosenbrock, x))
-    dense = jax.jit(lambda x: jnp.linalg.solve(jax.hessian(chained_rosenbrock)(x),
-                                               jax.grad(chained_rosenbrock)(x)))
+    dense = jax.jit(
+        lambda x: jnp.linalg.solve(
+            jax.hessian(chained_rosenbrock)(x), jax.grad(chained_rosenbrock)(x)
+        )
+    )
 
     def timed(fn):
         fn(x).block_until_ready()
@@ -92,15 +99,19 @@ def newton_direction_chained(n: int = 4000) -> None:
     hd = jax.jvp(jax.grad(chained_rosenbrock), (x,), (d,))[1]
     res = float(jnp.linalg.norm(hd - g) / jnp.linalg.norm(g))
     diff = float(jnp.max(jnp.abs(d - d_ref)) / jnp.max(jnp.abs(d_ref)))
-    print(f"   jaxrev {t_ours * 1e3:.2f} ms, dense Hessian + LU {t_dense * 1e3:.1f} ms "
-          f"({t_dense / t_ours:.0f}x); relative residual {res:.1e}; vs dense {diff:.1e}")
+    print(
+        f"   jaxrev {t_ours * 1e3:.2f} ms, dense Hessian + LU {t_dense * 1e3:.1f} ms "
+        f"({t_dense / t_ours:.0f}x); relative residual {res:.1e}; vs dense {diff:.1e}"
+    )
 
 
 def broyden_root(n: int = 200) -> None:
     print(f"4. root of the Broyden tridiagonal system, n = {n}, from x = -1")
     x, info = jax.jit(lambda x0: jr.optim.root(broyden_tridiagonal, x0, atol=1e-12))(-jnp.ones(n))
-    print(f"   residual {float(jnp.max(jnp.abs(broyden_tridiagonal(x)))):.1e} after "
-          f"{int(info.iterations)} Newton steps ({info.message})")
+    print(
+        f"   residual {float(jnp.max(jnp.abs(broyden_tridiagonal(x)))):.1e} after "
+        f"{int(info.iterations)} Newton steps ({info.message})"
+    )
 
 
 if __name__ == "__main__":

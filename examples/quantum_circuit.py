@@ -12,6 +12,7 @@ own jaxpr. `jax.grad` stores a state per gate.
 
     python examples/quantum_circuit.py
 """
+
 from __future__ import annotations
 
 import jax
@@ -61,16 +62,16 @@ def ising_energy(state: jax.Array) -> jax.Array:
     zz = 0.0
     for i in range(n - 1):
         # Z_i Z_{i+1} is diagonal: +1 where the two bits agree, -1 where they differ
-        zz_diag = (z[:, None] * z[None, :]).reshape([2 if k in (i, i + 1) else 1
-                                                      for k in range(n)])
+        zz_diag = (z[:, None] * z[None, :]).reshape([2 if k in (i, i + 1) else 1 for k in range(n)])
         zz = zz + jnp.sum(probs * zz_diag)
-    xs = sum(jnp.real(jnp.vdot(state, jr.apply_gate(state, X.astype(state.dtype), i)))
-             for i in range(n))
+    xs = sum(
+        jnp.real(jnp.vdot(state, jr.apply_gate(state, X.astype(state.dtype), i))) for i in range(n)
+    )
     return zz + G_FIELD * xs
 
 
 def zero_state(n: int, dtype=jnp.complex128) -> jax.Array:
-    return jnp.zeros(2 ** n, dtype).at[0].set(1)
+    return jnp.zeros(2**n, dtype).at[0].set(1)
 
 
 def loss_fn(params: jax.Array, n: int, reversible: bool = True) -> jax.Array:
@@ -90,9 +91,12 @@ def main(n: int = 8, depth: int = 6, steps: int = 150) -> None:
         p = jnp.zeros((depth, n, 2))
         c = jax.jit(jax.grad(lambda p: loss_fn(p, n, reversible))).lower(p).compile()
         return c.memory_analysis().temp_size_in_bytes
+
     for d in (10, 40):
-        print(f"depth {d}: gradient temp memory: reversible {temp(d, True):,} B, "
-              f"jax.grad {temp(d, False):,} B")
+        print(
+            f"depth {d}: gradient temp memory: reversible {temp(d, True):,} B, "
+            f"jax.grad {temp(d, False):,} B"
+        )
 
     opt = optax.adam(0.05)
     state = opt.init(params)
@@ -102,18 +106,23 @@ def main(n: int = 8, depth: int = 6, steps: int = 150) -> None:
         loss, g = jax.value_and_grad(lambda p: loss_fn(p, n))(params)
         u, state = opt.update(g, state, params)
         return optax.apply_updates(params, u), state, loss
+
     first = None
     for _ in range(steps):
         params, state, loss = step(params, state)
         first = float(loss) if first is None else first
     e0 = exact_ground_energy(n)
-    print(f"energy went from {first:.4f} to {float(loss):.4f} in {steps} Adam steps "
-          f"(exact ground state {e0:.4f})")
+    print(
+        f"energy went from {first:.4f} to {float(loss):.4f} in {steps} Adam steps "
+        f"(exact ground state {e0:.4f})"
+    )
     # undo the trained circuit: reverse(circuit) maps its output back to |0…0>
     out = circuit(zero_state(n), params)
     back = jr.reverse(circuit)(out, params)
-    print(f"reverse(circuit) round-trip max error: "
-          f"{float(jnp.max(jnp.abs(back - zero_state(n)))):.1e}")
+    print(
+        f"reverse(circuit) round-trip max error: "
+        f"{float(jnp.max(jnp.abs(back - zero_state(n)))):.1e}"
+    )
 
 
 def exact_ground_energy(n: int) -> float:
@@ -125,8 +134,10 @@ def exact_ground_energy(n: int) -> float:
         for q in range(n):
             out = np.kron(out, single.get(q, Id))
         return out
+
     H = sum(op({i: Zm, i + 1: Zm}) for i in range(n - 1)) + G_FIELD * sum(
-        op({i: Xm}) for i in range(n))
+        op({i: Xm}) for i in range(n)
+    )
     return float(np.linalg.eigvalsh(H)[0])
 
 

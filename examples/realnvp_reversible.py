@@ -12,6 +12,7 @@ along in the state as an accumulator, logdet += sum(s(x1)): an additive update, 
 the coupling itself. The gradient then rebuilds every layer's input by inverting the layers
 instead of storing them, and `jr.reverse(flow)` turns the same code into the sampler.
 """
+
 import time
 
 import jax
@@ -33,17 +34,17 @@ def flow(state, params):
     x, logdet = state
     for k, w in enumerate(params):
         keep, move = (0, 1) if k % 2 == 0 else (1, 0)  # alternate which coordinate moves
-        x1, x2 = x[:, keep:keep + 1], x[:, move:move + 1]
+        x1, x2 = x[:, keep : keep + 1], x[:, move : move + 1]
         h = jnp.tanh(x1 @ w["a"] + w["b"])  # the conditioner only runs forward, never inverted
-        s = jnp.tanh(h @ w["s"])            # bounded log-scale: exp(s) is never 0 or huge
+        s = jnp.tanh(h @ w["s"])  # bounded log-scale: exp(s) is never 0 or huge
         x2 = x2 * jnp.exp(s) + h @ w["t"]
         x = jnp.concatenate([x1, x2] if keep == 0 else [x2, x1], axis=1)
         logdet = logdet + s[:, 0]
     return x, logdet
 
 
-rev_flow = jr.reversible(flow)   # same outputs, gradient by inverting the layers
-sample_flow = jr.reverse(flow)   # (z, logdet) -> (x, logdet - log|det|): the sampler
+rev_flow = jr.reversible(flow)  # same outputs, gradient by inverting the layers
+sample_flow = jr.reverse(flow)  # (z, logdet) -> (x, logdet - log|det|): the sampler
 
 
 def mean_nll(z, logdet):
@@ -58,9 +59,12 @@ def nll(body):
 def init(rng):
     # numpy for the set-up: it is instant, where each jax.random call would be compiled
     def layer():
-        return {"a": rng.normal(size=(1, HIDDEN)), "b": np.zeros(HIDDEN),
-                "s": 0.1 * rng.normal(size=(HIDDEN, 1)) / np.sqrt(HIDDEN),
-                "t": 0.1 * rng.normal(size=(HIDDEN, 1)) / np.sqrt(HIDDEN)}
+        return {
+            "a": rng.normal(size=(1, HIDDEN)),
+            "b": np.zeros(HIDDEN),
+            "s": 0.1 * rng.normal(size=(HIDDEN, 1)) / np.sqrt(HIDDEN),
+            "t": 0.1 * rng.normal(size=(HIDDEN, 1)) / np.sqrt(HIDDEN),
+        }
 
     return [layer() for _ in range(LAYERS)]
 
@@ -89,10 +93,13 @@ def main():
     # 1. Gradient check against plain jax.grad, and the temporary memory of both.
     g_rev, m_rev = compiled(jax.grad(loss), params, test[:BATCH])
     g_ref, m_ref = compiled(jax.grad(loss_plain), params, test[:BATCH])
-    a, b = (jnp.concatenate([v.ravel() for v in jax.tree_util.tree_leaves(g)])
-            for g in (g_rev, g_ref))
-    print(f"{LAYERS} coupling layers, gradient vs jax.grad, relative error: "
-          f"{float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b)):.2e}")
+    a, b = (
+        jnp.concatenate([v.ravel() for v in jax.tree_util.tree_leaves(g)]) for g in (g_rev, g_ref)
+    )
+    print(
+        f"{LAYERS} coupling layers, gradient vs jax.grad, relative error: "
+        f"{float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b)):.2e}"
+    )
     print(f"temp memory: reversible {m_rev / 1e6:.2f} MB, jax.grad {m_ref / 1e6:.2f} MB")
     print(f"memory ratio (reversible / jax.grad): {m_rev / m_ref:.3f}")
     # The log-det accumulator inverts like the couplings: nothing is stored for it either.
@@ -115,8 +122,9 @@ def main():
             print(f"step {step:4d}  negative log-likelihood {float(value):.4f}")
     forward, backward, zeros = jax.jit(flow), jax.jit(sample_flow), jnp.zeros(TEST)
     held_out = [float(mean_nll(*forward((test, zeros), p))) for p in (params, untrained)]
-    print(f"held-out negative log-likelihood: {held_out[0]:.4f} "
-          f"(untrained flow: {held_out[1]:.4f})")
+    print(
+        f"held-out negative log-likelihood: {held_out[0]:.4f} (untrained flow: {held_out[1]:.4f})"
+    )
 
     # 3. Sampling: run the trained flow backwards from Gaussian noise.
     z = rng.normal(size=(TEST, 2))
@@ -126,8 +134,9 @@ def main():
     err = float(jnp.max(jnp.abs(backward(forward((test, zeros), params), params)[0] - test)))
     print(f"reverse(flow)(flow(x)) round-trip max error: {err:.2e}")
     # A coarse picture of the samples: they should trace the two moons.
-    h, _, _ = np.histogram2d(np.asarray(x[:, 1]), np.asarray(x[:, 0]), bins=(12, 40),
-                             range=((-2.5, 2.5), (-2.5, 2.5)))
+    h, _, _ = np.histogram2d(
+        np.asarray(x[:, 1]), np.asarray(x[:, 0]), bins=(12, 40), range=((-2.5, 2.5), (-2.5, 2.5))
+    )
     for row in h[::-1]:
         print("  " + "".join(" .:*#"[min(4, int(c) // 6)] for c in row))
     print(f"flow finished in {time.perf_counter() - t0:.1f} s")

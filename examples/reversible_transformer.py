@@ -20,6 +20,7 @@ script trains a character-level model on the project's own documentation and pri
 the per-device scratch memory of one training step against `jax.grad` and `jax.checkpoint`
 per block, and the time per step.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,14 +28,15 @@ import functools
 import glob
 import os
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 
-if __name__ == "__main__":   # 4 CPU devices for the 2 x 2 mesh (before JAX starts its backend)
+if __name__ == "__main__":  # 4 CPU devices for the 2 x 2 mesh (before JAX starts its backend)
     try:
         jax.config.update("jax_num_cpu_devices", 4)
-    except RuntimeError:     # the backend is already up: use what it has
+    except RuntimeError:  # the backend is already up: use what it has
         pass
 
 import equinox as eqx  # noqa: E402
@@ -43,7 +45,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from jax.ad_checkpoint import checkpoint_policies  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P
 from tqdm import tqdm  # noqa: E402
 
 import jaxrev as jr  # noqa: E402
@@ -52,6 +55,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 # --------------------------------------------------------------------------- the Equinox model
+
 
 class RevBlock(eqx.Module):
     """One reversible block: attention couples stream 1 to stream 2, the MLP stream 2 to 1."""
@@ -95,10 +99,12 @@ def eqx_block(blocks: RevBlock) -> Callable:
 
     def block(streams, p):
         return jax.vmap(eqx.combine(p, static))(*streams)
+
     return block
 
 
 # --------------------------------------------------------------------------- the Flax model
+
 
 class FlaxRevBlock(nn.Module):
     """The same block in Flax linen (stacked by `jax.vmap` of its `init`)."""
@@ -112,38 +118,49 @@ class FlaxRevBlock(nn.Module):
         dt = x1.dtype
         h = nn.LayerNorm(dtype=dt)(x2)
         y1 = x1 + nn.MultiHeadDotProductAttention(self.heads, dtype=dt, name="attn")(
-            h, h, mask=nn.make_causal_mask(h[..., 0]))
+            h, h, mask=nn.make_causal_mask(h[..., 0])
+        )
         h = nn.LayerNorm(dtype=dt)(y1)
         h = nn.gelu(nn.Dense(4 * self.d, dtype=dt, name="up")(h))
-        y2 = x2 + nn.Dense(self.d, dtype=dt, name="down",
-                           kernel_init=nn.initializers.variance_scaling(0.01, "fan_in",
-                                                                        "normal"))(h)
+        y2 = x2 + nn.Dense(
+            self.d,
+            dtype=dt,
+            name="down",
+            kernel_init=nn.initializers.variance_scaling(0.01, "fan_in", "normal"),
+        )(h)
         return y1, y2
 
 
 # --------------------------------------------------------------------------- the language model
 
-def init(kind: str, key: Any, *, vocab: int, depth: int, d: int, heads: int, seq: int
-         ) -> tuple[dict, Callable]:
+
+def init(
+    kind: str, key: Any, *, vocab: int, depth: int, d: int, heads: int, seq: int
+) -> tuple[dict, Callable]:
     """Float32 parameters `{"embed", "pos", "blocks", "ln", "head"}` ("equinox" or "flax"
     blocks, stacked) and the block function `block(streams, one block's parameters)`."""
     k_emb, k_pos, k_blocks, k_head = jax.random.split(key, 4)
     if kind == "equinox":
         blocks = eqx.filter_vmap(lambda k: RevBlock(d, heads, key=k))(
-            jax.random.split(k_blocks, depth))
+            jax.random.split(k_blocks, depth)
+        )
         block, blocks = eqx_block(blocks), eqx.filter(blocks, eqx.is_array)
     elif kind == "flax":
         module = FlaxRevBlock(d, heads)
         x = jnp.zeros((1, seq, d))
         blocks = jax.vmap(lambda k: module.init(k, x, x)["params"])(
-            jax.random.split(k_blocks, depth))
+            jax.random.split(k_blocks, depth)
+        )
         block = lambda streams, p: module.apply({"params": p}, *streams)
     else:
         raise ValueError(f"kind must be 'equinox' or 'flax', got {kind!r}")
-    params = {"embed": 0.5 * jax.random.normal(k_emb, (vocab, d)),
-              "pos": 0.1 * jax.random.normal(k_pos, (seq, d)),
-              "blocks": blocks, "ln": jnp.ones(d),
-              "head": jax.random.normal(k_head, (d, vocab)) / np.sqrt(d)}
+    params = {
+        "embed": 0.5 * jax.random.normal(k_emb, (vocab, d)),
+        "pos": 0.1 * jax.random.normal(k_pos, (seq, d)),
+        "blocks": blocks,
+        "ln": jnp.ones(d),
+        "head": jax.random.normal(k_head, (d, vocab)) / np.sqrt(d),
+    }
     return params, block
 
 
@@ -158,12 +175,16 @@ def through(block: Callable, method: str, **reversible_kw: Any) -> Callable:
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if method.startswith("remat"):
-        policy = (checkpoint_policies.dots_saveable if "dots" in method
-                  else checkpoint_policies.nothing_saveable)
+        policy = (
+            checkpoint_policies.dots_saveable
+            if "dots" in method
+            else checkpoint_policies.nothing_saveable
+        )
         block = jax.checkpoint(block, policy=policy)
 
     def stack(streams, blocks):
         return jax.lax.scan(lambda c, p: (block(c, p), None), streams, blocks)[0]
+
     return jr.reversible(stack, **reversible_kw) if method == "reversible" else stack
 
 
@@ -176,8 +197,9 @@ def logits_fn(params: dict, tokens: jax.Array, stack: Callable, dtype: Any) -> j
     return h @ params["head"]
 
 
-def loss_fn(params: dict, batch: jax.Array, stack: Callable, dtype: Any = jnp.bfloat16
-            ) -> jax.Array:
+def loss_fn(
+    params: dict, batch: jax.Array, stack: Callable, dtype: Any = jnp.bfloat16
+) -> jax.Array:
     """Next-character cross-entropy of a (batch, seq + 1) array of tokens."""
     logits = logits_fn(params, batch[:, :-1], stack, dtype)
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
@@ -189,13 +211,23 @@ def loss_fn(params: dict, batch: jax.Array, stack: Callable, dtype: Any = jnp.bf
 # MLP's hidden units), by the module it sits in and its name; others are replicated
 _MODEL_AXIS = {
     # Equinox: attention projections (L, H*k, d) in, (L, d, H*v) out; Linear (L, out, in)
-    ("query_proj", "weight"): 1, ("key_proj", "weight"): 1, ("value_proj", "weight"): 1,
-    ("output_proj", "weight"): 2, ("up", "weight"): 1, ("up", "bias"): 1,
+    ("query_proj", "weight"): 1,
+    ("key_proj", "weight"): 1,
+    ("value_proj", "weight"): 1,
+    ("output_proj", "weight"): 2,
+    ("up", "weight"): 1,
+    ("up", "bias"): 1,
     ("down", "weight"): 2,
     # Flax: DenseGeneral (L, d, H, k) in, (L, H, k, d) out; Dense kernels (L, in, out)
-    ("query", "kernel"): 2, ("key", "kernel"): 2, ("value", "kernel"): 2,
-    ("query", "bias"): 1, ("key", "bias"): 1, ("value", "bias"): 1,
-    ("out", "kernel"): 1, ("up", "kernel"): 2, ("down", "kernel"): 1,
+    ("query", "kernel"): 2,
+    ("key", "kernel"): 2,
+    ("value", "kernel"): 2,
+    ("query", "bias"): 1,
+    ("key", "bias"): 1,
+    ("value", "bias"): 1,
+    ("out", "kernel"): 1,
+    ("up", "kernel"): 2,
+    ("down", "kernel"): 1,
 }
 
 
@@ -207,13 +239,18 @@ def _names(path: Any) -> tuple[str, str]:
 def param_shardings(params: dict, mesh: Mesh) -> dict:
     """NamedShardings for the parameters: block weights split over "model", the rest
     replicated."""
+
     def spec(path, leaf):
-        axis = _MODEL_AXIS.get(_names(path)) if len(path) > 2 and \
-            getattr(path[0], "key", None) == "blocks" else None
+        axis = (
+            _MODEL_AXIS.get(_names(path))
+            if len(path) > 2 and getattr(path[0], "key", None) == "blocks"
+            else None
+        )
         parts = [None] * leaf.ndim
         if axis is not None and leaf.shape[axis] % mesh.shape["model"] == 0:
             parts[axis] = "model"
         return NamedSharding(mesh, P(*parts))
+
     return jax.tree_util.tree_map_with_path(spec, params)
 
 
@@ -222,8 +259,14 @@ def make_mesh(devices: Any = None) -> Mesh:
     return Mesh(np.array(devices[:4]).reshape(2, 2), ("data", "model"))
 
 
-def grad_fn(block: Callable, method: str, dtype: Any, mesh: Mesh | None = None,
-            shard_map: bool = False, **reversible_kw: Any) -> Callable:
+def grad_fn(
+    block: Callable,
+    method: str,
+    dtype: Any,
+    mesh: Mesh | None = None,
+    shard_map: bool = False,
+    **reversible_kw: Any,
+) -> Callable:
     """(params, batch) -> (loss, grads). With `shard_map`, the data axis is manual: each
     device's loss on its shard of the batch, the parameters cast to vary over "data"
     (`lax.pcast`) and the gradients `psum`med, as JAX documents for data parallelism."""
@@ -237,19 +280,23 @@ def grad_fn(block: Callable, method: str, dtype: Any, mesh: Mesh | None = None,
         loss, g = vg(p, b)
         n = jax.lax.psum(1, "data")
         return jax.lax.psum(loss, "data") / n, jax.tree.map(
-            lambda a: jax.lax.psum(a, "data") / n, g)
+            lambda a: jax.lax.psum(a, "data") / n, g
+        )
 
-    return jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P("data")),
-                         out_specs=(P(), P()), axis_names={"data"})
+    return jax.shard_map(
+        per_device, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), P()), axis_names={"data"}
+    )
 
 
 # --------------------------------------------------------------------------- data and training
+
 
 def corpus() -> str:
     """The project's own documentation: the text the model learns to continue."""
     root = os.path.dirname(HERE)
     files = sorted(glob.glob(os.path.join(root, "docs", "*.md"))) + [
-        os.path.join(root, "README.md")]
+        os.path.join(root, "README.md")
+    ]
     return "\n".join(open(f, encoding="utf-8").read() for f in files if os.path.exists(f))
 
 
@@ -259,7 +306,7 @@ def batches(text: str, seq: int, batch: int, seed: int = 0):
     rng = np.random.default_rng(seed)
     while True:
         idx = rng.integers(0, len(data) - seq - 1, batch)
-        yield np.stack([data[i:i + seq + 1] for i in idx]), len(chars)
+        yield np.stack([data[i : i + seq + 1] for i in idx]), len(chars)
 
 
 def scratch(fn: Callable, *args: Any) -> int:
@@ -281,22 +328,27 @@ def main() -> None:
     text = corpus()
     data = batches(text, args.seq, 16)
     first, vocab = next(data)
-    params, block = init(kind, jax.random.key(0), vocab=vocab, depth=args.depth, d=args.d,
-                         heads=4, seq=args.seq)
+    params, block = init(
+        kind, jax.random.key(0), vocab=vocab, depth=args.depth, d=args.d, heads=4, seq=args.seq
+    )
     params = jax.device_put(params, param_shardings(params, mesh))
     data_sh = NamedSharding(mesh, P("data"))
-    print(f"{kind} model: {args.depth} reversible blocks, d_model {args.d}, "
-          f"{sum(a.size for a in jax.tree.leaves(params)):,} float32 parameters, "
-          f"bfloat16 activations, mesh {dict(mesh.shape)} over {mesh.devices.size} devices "
-          f"({'shard_map' if args.shard_map else 'NamedSharding + jit'})")
+    print(
+        f"{kind} model: {args.depth} reversible blocks, d_model {args.d}, "
+        f"{sum(a.size for a in jax.tree.leaves(params)):,} float32 parameters, "
+        f"bfloat16 activations, mesh {dict(mesh.shape)} over {mesh.devices.size} devices "
+        f"({'shard_map' if args.shard_map else 'NamedSharding + jit'})"
+    )
 
     opt = optax.adamw(3e-3, weight_decay=1e-4)
     opt_state = opt.init(params)
     vg = grad_fn(block, "reversible", jnp.bfloat16, mesh, args.shard_map)
 
     # the updated parameters keep their shardings (else the second step compiles again)
-    p_sh = jax.tree.map(lambda a: a.sharding if isinstance(a.sharding, NamedSharding)
-                        else NamedSharding(mesh, P()), (params, opt_state))
+    p_sh = jax.tree.map(
+        lambda a: a.sharding if isinstance(a.sharding, NamedSharding) else NamedSharding(mesh, P()),
+        (params, opt_state),
+    )
     params, opt_state = jax.device_put((params, opt_state), p_sh)
 
     @functools.partial(jax.jit, out_shardings=(*p_sh, NamedSharding(mesh, P())))
@@ -306,19 +358,23 @@ def main() -> None:
         return optax.apply_updates(params, updates), opt_state, loss
 
     batch0 = jax.device_put(first, data_sh)
-    mem = {m: scratch(grad_fn(block, m, jnp.bfloat16, mesh, args.shard_map), params, batch0)
-           for m in METHODS}
+    mem = {
+        m: scratch(grad_fn(block, m, jnp.bfloat16, mesh, args.shard_map), params, batch0)
+        for m in METHODS
+    }
     losses, t0 = [], None
     for step in (bar := tqdm(range(args.steps), desc="training", ncols=80)):
         batch = jax.device_put(next(data)[0], data_sh)
         params, opt_state, loss = train_step(params, opt_state, batch)
         losses.append(float(loss))
         if step == 0:
-            t0 = time.perf_counter()   # the first step compiles
+            t0 = time.perf_counter()  # the first step compiles
         bar.set_postfix(loss=f"{losses[-1]:.3f}")
     per_step = (time.perf_counter() - t0) / max(1, args.steps - 1)
-    print(f"loss: {losses[0]:.3f} at step 1 -> {np.mean(losses[-10:]):.3f} "
-          f"(mean of the last 10 steps); {1e3 * per_step:.0f} ms per step")
+    print(
+        f"loss: {losses[0]:.3f} at step 1 -> {np.mean(losses[-10:]):.3f} "
+        f"(mean of the last 10 steps); {1e3 * per_step:.0f} ms per step"
+    )
     print("per-device scratch of one gradient step (XLA's plan):")
     for m in METHODS:
         print(f"  {m:<24} {mem[m] / 1e6:8.2f} MB   ({mem[m] / mem['reversible']:.2f}x reversible)")

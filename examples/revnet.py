@@ -7,6 +7,7 @@ activations by running the network backwards instead of keeping them: the gradie
 memory no longer grows with depth. The script trains the network with optax (adam) on a toy
 classification task, checks one gradient against plain `jax.grad`, and compares the memory.
 """
+
 import time
 
 import jax
@@ -44,15 +45,19 @@ rev_net = jr.reversible(net, argnums=0)  # same signature, same outputs, tape-fr
 def init(rng):
     # numpy for the set-up: it is instant, where each jax.random call would be compiled
     def layer():
-        return {"a": rng.normal(size=(FEATURES, HIDDEN)) / np.sqrt(FEATURES),
-                "b": np.zeros(HIDDEN),
-                # small output weights: each block starts near the identity, so 32 of them
-                # stacked neither explode nor vanish
-                "c": 0.1 * rng.normal(size=(HIDDEN, FEATURES)) / np.sqrt(HIDDEN)}
+        return {
+            "a": rng.normal(size=(FEATURES, HIDDEN)) / np.sqrt(FEATURES),
+            "b": np.zeros(HIDDEN),
+            # small output weights: each block starts near the identity, so 32 of them
+            # stacked neither explode nor vanish
+            "c": 0.1 * rng.normal(size=(HIDDEN, FEATURES)) / np.sqrt(HIDDEN),
+        }
 
-    return {"embed": rng.normal(size=(2, 2 * FEATURES)),
-            "readout": 0.1 * rng.normal(size=(2 * FEATURES, CLASSES)),
-            "blocks": [{"f": layer(), "g": layer()} for _ in range(BLOCKS)]}
+    return {
+        "embed": rng.normal(size=(2, 2 * FEATURES)),
+        "readout": 0.1 * rng.normal(size=(2 * FEATURES, CLASSES)),
+        "blocks": [{"f": layer(), "g": layer()} for _ in range(BLOCKS)],
+    }
 
 
 def embed(params, x):
@@ -96,8 +101,9 @@ def main():
     # 1. The gradient matches plain jax.grad (which keeps all 64 hidden activations).
     g_rev, m_rev = compiled(jax.grad(loss), params, x, labels)
     g_ref, m_ref = compiled(jax.grad(loss_plain), params, x, labels)
-    flat_rev, flat_ref = (jnp.concatenate([a.ravel() for a in jax.tree_util.tree_leaves(g)])
-                          for g in (g_rev, g_ref))
+    flat_rev, flat_ref = (
+        jnp.concatenate([a.ravel() for a in jax.tree_util.tree_leaves(g)]) for g in (g_rev, g_ref)
+    )
     rel = float(jnp.linalg.norm(flat_rev - flat_ref) / jnp.linalg.norm(flat_ref))
     print(f"{BLOCKS} blocks, gradient vs jax.grad, relative error: {rel:.2e}")
 
@@ -123,8 +129,11 @@ def main():
         first = float(value) if first is None else first
         if step % 50 == 0:
             print(f"step {step:4d}  loss {float(value):.4f}")
-    predict = jax.jit(lambda p, x: jnp.argmax(
-        jnp.concatenate(rev_net(embed(p, x), p["blocks"]), 1) @ p["readout"], 1))
+    predict = jax.jit(
+        lambda p, x: jnp.argmax(
+            jnp.concatenate(rev_net(embed(p, x), p["blocks"]), 1) @ p["readout"], 1
+        )
+    )
     acc = float(jnp.mean(predict(params, x_test) == labels_test))
     print(f"loss went from {first:.4f} to {float(value):.4f}; held-out accuracy {acc:.3f}")
     print(f"revnet finished in {time.perf_counter() - t0:.1f} s")

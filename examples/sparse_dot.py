@@ -25,36 +25,42 @@ The objective is written three ways:
 tens of gigabytes of temporary memory: its matching compares every non-zero of A with every
 non-zero of B. The script prints XLA's figure for it, compiled but not run.
 """
+
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 
 # Gradients are checked for exact equality with B's values: use float64 like the paper.
 jax.config.update("jax_enable_x64", True)
 
+import _timing  # noqa: E402  (beside this script)
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax import lax  # noqa: E402
 from jax.experimental import sparse  # noqa: E402
 
 import jaxrev as jr  # noqa: E402
-import _timing  # noqa: E402  (beside this script)
 
 N, DENSITY = 1000, 0.05
 
 
 # ------------------------------------------------------------------ data
 
+
 def random_bcoo(rng: np.random.Generator, n: int, density: float = DENSITY) -> sparse.BCOO:
     """An n x n matrix with round(density n^2) normal non-zeros at distinct random positions,
     stored in row-major (CSR) order."""
     lin = np.sort(rng.choice(n * n, size=round(density * n * n), replace=False))
     idx = np.stack([lin // n, lin % n], axis=1).astype(np.int32)
-    return sparse.BCOO((jnp.asarray(rng.standard_normal(lin.size)), jnp.asarray(idx)),
-                       shape=(n, n), indices_sorted=True, unique_indices=True)
+    return sparse.BCOO(
+        (jnp.asarray(rng.standard_normal(lin.size)), jnp.asarray(idx)),
+        shape=(n, n),
+        indices_sorted=True,
+        unique_indices=True,
+    )
 
 
 def linear_index(m: sparse.BCOO) -> jnp.ndarray:
@@ -66,12 +72,14 @@ def linear_index(m: sparse.BCOO) -> jnp.ndarray:
 
 def match_pairs(a_lin, b_lin) -> tuple[np.ndarray, np.ndarray]:
     """The merge done once in NumPy: indices (ia, ib) of the positions A and B share."""
-    _, ia, ib = np.intersect1d(np.asarray(a_lin), np.asarray(b_lin), assume_unique=True,
-                               return_indices=True)
+    _, ia, ib = np.intersect1d(
+        np.asarray(a_lin), np.asarray(b_lin), assume_unique=True, return_indices=True
+    )
     return ia.astype(np.int32), ib.astype(np.int32)
 
 
 # ------------------------------------------------------------------ three objectives
+
 
 def merge_dot(state, a_data, a_lin, b_data, b_lin):
     """One merge of the sorted position lists (the paper's `dot`): `state = (ia, ib, acc)` in,
@@ -90,8 +98,8 @@ def merge_dot(state, a_data, a_lin, b_data, b_lin):
         # new pointers do not say which of them moved.
         d = jr.store((ra < rb).astype(jnp.int8) - (rb < ra).astype(jnp.int8))
         prod = a_e.at[ia].get(mode="clip") * b_e.at[ib].get(mode="clip")
-        acc = acc + jnp.where(d == 0, prod, 0.0)            # undone by subtracting
-        ia = ia + (d >= 0).astype(ia.dtype)                  # undone knowing d
+        acc = acc + jnp.where(d == 0, prod, 0.0)  # undone by subtracting
+        ia = ia + (d >= 0).astype(ia.dtype)  # undone knowing d
         ib = ib + (d <= 0).astype(ib.dtype)
         return (ia, ib, acc), None
 
@@ -113,7 +121,7 @@ def merge_value_reversible(a_data, a_lin, b_data, b_lin):
 
 def pairs_dot(acc, a_data, b_data, ia, ib):
     """acc + sum_t a[ia[t]] b[ib[t]] over the matched pairs: an accumulation loop."""
-    if ia.shape[0] == 0:        # nothing in common (and an empty index array cannot be read)
+    if ia.shape[0] == 0:  # nothing in common (and an empty index array cannot be read)
         return acc
 
     def step(t, acc):
@@ -146,12 +154,17 @@ def problem(size: int = N) -> dict:
     arrays. "jaxrev" runs the paper's merge backwards, "jax" differentiates the vectorised form."""
     rng = np.random.default_rng(0)
     A, B = random_bcoo(rng, size), random_bcoo(rng, size)
-    return {"label": f"sparse dot trace(A^T B), {size}x{size} at density {DENSITY}",
-            "args": (A.data, linear_index(A), B.data, linear_index(B)),
-            "objective": merge_value, "jaxrev": grad_merge_reversible, "jax": grad_vector}
+    return {
+        "label": f"sparse dot trace(A^T B), {size}x{size} at density {DENSITY}",
+        "args": (A.data, linear_index(A), B.data, linear_index(B)),
+        "objective": merge_value,
+        "jaxrev": grad_merge_reversible,
+        "jax": grad_vector,
+    }
 
 
 # ------------------------------------------------------------------ the demo
+
 
 def seconds_per_call(f: Callable, *args, number: int = 10, repeat: int = 5) -> float:
     """Best of `repeat` timings of `number` calls (after a warm-up call that compiles)."""
@@ -169,18 +182,21 @@ def main() -> None:
     A, B = random_bcoo(rng, N), random_bcoo(rng, N)
     a, al, b, bl = A.data, linear_index(A), B.data, linear_index(B)
     ia, ib = match_pairs(al, bl)
-    print(f"A, B: {N} x {N}, density {DENSITY}: {A.nse} and {B.nse} non-zeros, "
-          f"{ia.size} positions in common")
+    print(
+        f"A, B: {N} x {N}, density {DENSITY}: {A.nse} and {B.nse} non-zeros, "
+        f"{ia.size} positions in common"
+    )
 
     # ---- the value, four ways
     Ad, Bd = A.todense(), B.todense()
     dense = float(jnp.sum(Ad * Bd))
     print(f"trace(A^T B) = {dense:.15f} (dense)")
-    values = [("merge loop", jax.jit(merge_value)(a, al, b, bl)),
-              ("merge loop, jr.reversible", jax.jit(merge_value_reversible)(a, al, b, bl)),
-              ("matched-pairs loop, jr.reversible",
-               jax.jit(pairs_value_reversible)(a, b, ia, ib)),
-              ("vectorised", jax.jit(vector_dot)(a, al, b, bl))]
+    values = [
+        ("merge loop", jax.jit(merge_value)(a, al, b, bl)),
+        ("merge loop, jr.reversible", jax.jit(merge_value_reversible)(a, al, b, bl)),
+        ("matched-pairs loop, jr.reversible", jax.jit(pairs_value_reversible)(a, b, ia, ib)),
+        ("vectorised", jax.jit(vector_dot)(a, al, b, bl)),
+    ]
     for label, v in values:
         err = abs(float(v) - dense) / abs(dense)
         print(f"  value by {label} vs dense, relative error: {err:.1e}")
@@ -189,15 +205,17 @@ def main() -> None:
     # ---- gradients: d/dA.data is B at A's positions (0 where B has none), and vice versa
     want_a = Bd[A.indices[:, 0], A.indices[:, 1]]
     want_b = Ad[B.indices[:, 0], B.indices[:, 1]]
-    grads = [("jr.reversible of the merge", grad_merge_reversible(a, al, b, bl)),
-             ("jax.grad of the merge", grad_merge_plain(a, al, b, bl)),
-             ("jr.reversible of the matched-pairs loop", grad_pairs_reversible(a, b, ia, ib)),
-             ("jax.grad of the vectorised form", grad_vector(a, al, b, bl))]
+    grads = [
+        ("jr.reversible of the merge", grad_merge_reversible(a, al, b, bl)),
+        ("jax.grad of the merge", grad_merge_plain(a, al, b, bl)),
+        ("jr.reversible of the matched-pairs loop", grad_pairs_reversible(a, b, ia, ib)),
+        ("jax.grad of the vectorised form", grad_vector(a, al, b, bl)),
+    ]
     print(f"\ngradients ({int(jnp.sum(want_a != 0))} of A's {A.nse} entries have a partner in B):")
     for label, (ga, gb) in grads:
         err = max(float(jnp.max(jnp.abs(ga - want_a))), float(jnp.max(jnp.abs(gb - want_b))))
         print(f"  {label}: max abs error vs B at A's non-zeros (and A at B's): {err:.1e}")
-        assert err == 0.0, (label, err)     # each entry is one product: exact
+        assert err == 0.0, (label, err)  # each entry is one product: exact
     for label, (ga, gb) in grads[1:]:
         ra, rb = grads[0][1]
         same = bool(jnp.array_equal(ga, ra) and jnp.array_equal(gb, rb))
@@ -208,10 +226,13 @@ def main() -> None:
     state0 = (jnp.int32(0), jnp.int32(0), jnp.float64(0.0))
     # what inversion stores (the default also lists its √T checkpoints of the carry)
     report = jr.memory_report(merge_dot, state0, a, al, b, bl, checkpoint_every=None)
-    print(f"\njr.reversible of the merge stores {report.total_bytes} bytes "
-          f"({report.total_bytes / (A.nse + B.nse):g} per merge step: the branch decision)")
-    pairs_report = jr.memory_report(pairs_dot, jnp.float64(0.0), a, b, ia, ib,
-                                    checkpoint_every=None)
+    print(
+        f"\njr.reversible of the merge stores {report.total_bytes} bytes "
+        f"({report.total_bytes / (A.nse + B.nse):g} per merge step: the branch decision)"
+    )
+    pairs_report = jr.memory_report(
+        pairs_dot, jnp.float64(0.0), a, b, ia, ib, checkpoint_every=None
+    )
     print(f"jr.reversible of the matched-pairs loop stores {pairs_report.total_bytes} bytes")
     m_rev = temp_bytes(grad_merge_reversible, a, al, b, bl)
     m_ref = temp_bytes(grad_merge_plain, a, al, b, bl)
@@ -221,18 +242,25 @@ def main() -> None:
 
     # ---- timings
     print("\ntimings (CPU, jit, warm, best of 5), seconds:")
-    rows = [("objective, merge loop", jax.jit(merge_value), (a, al, b, bl)),
-            ("objective, matched-pairs loop",
-             jax.jit(lambda a, b, ia, ib: pairs_dot(0.0, a, b, ia, ib)), (a, b, ia, ib)),
-            ("objective, vectorised", jax.jit(vector_dot), (a, al, b, bl)),
-            ("gradient, jr.reversible of the merge", grad_merge_reversible, (a, al, b, bl)),
-            ("gradient, jax.grad of the merge", grad_merge_plain, (a, al, b, bl)),
-            ("gradient, jr.reversible of matched pairs", grad_pairs_reversible, (a, b, ia, ib)),
-            ("gradient, jax.grad of the vectorised form", grad_vector, (a, al, b, bl))]
+    rows = [
+        ("objective, merge loop", jax.jit(merge_value), (a, al, b, bl)),
+        (
+            "objective, matched-pairs loop",
+            jax.jit(lambda a, b, ia, ib: pairs_dot(0.0, a, b, ia, ib)),
+            (a, b, ia, ib),
+        ),
+        ("objective, vectorised", jax.jit(vector_dot), (a, al, b, bl)),
+        ("gradient, jr.reversible of the merge", grad_merge_reversible, (a, al, b, bl)),
+        ("gradient, jax.grad of the merge", grad_merge_plain, (a, al, b, bl)),
+        ("gradient, jr.reversible of matched pairs", grad_pairs_reversible, (a, b, ia, ib)),
+        ("gradient, jax.grad of the vectorised form", grad_vector, (a, al, b, bl)),
+    ]
     for label, f, args in rows:
         print(f"  {label:42s} {seconds_per_call(f, *args):.3e}")
-    print("  (NiLang paper, Table 2, Xeon Gold 6230: Julia dot 3.493e-04, NiLang objective "
-          "4.675e-04, NiLang backward 5.821e-04)")
+    print(
+        "  (NiLang paper, Table 2, Xeon Gold 6230: Julia dot 3.493e-04, NiLang objective "
+        "4.675e-04, NiLang backward 5.821e-04)"
+    )
     print(f"sparse_dot finished in {time.perf_counter() - t0:.1f} s")
 
 

@@ -2,6 +2,7 @@
 
 Run with `python examples/tour.py`. Each section prints a real result computed just now.
 """
+
 import jax
 
 # Round trips are judged against float64 rounding, so switch it on before any array exists.
@@ -35,18 +36,24 @@ def coupling(x, params):
 
 k1, k2, k3, k4 = jax.random.split(jax.random.PRNGKey(0), 4)
 n, hidden = 8, 16
-params = (jax.random.normal(k1, (hidden, n // 2)), jnp.zeros(hidden),
-          jax.random.normal(k2, (n // 2, hidden)) / 4, jax.random.normal(k3, (n // 2, hidden)))
+params = (
+    jax.random.normal(k1, (hidden, n // 2)),
+    jnp.zeros(hidden),
+    jax.random.normal(k2, (n // 2, hidden)) / 4,
+    jax.random.normal(k3, (n // 2, hidden)),
+)
 x = jax.random.normal(k4, (n,))
 y = coupling(x, params)
 # `params` is a read-only parameter: argnums=0 (the default) makes only `x` the state.
 x_back = jr.reverse(coupling)(y, params)
 print("coupling round-trip max error:", float(jnp.max(jnp.abs(x_back - x))))
 # Stacking layers with swapped halves still inverts: reverse sees one traced program.
-flip = lambda v: jnp.concatenate([v[n // 2:], v[: n // 2]])
+flip = lambda v: jnp.concatenate([v[n // 2 :], v[: n // 2]])
 flow = lambda v, p: coupling(flip(coupling(v, p)), p)
-print("two-layer flow round-trip max error:",
-      float(jnp.max(jnp.abs(jr.reverse(flow)(flow(x, params), params) - x))))
+print(
+    "two-layer flow round-trip max error:",
+    float(jnp.max(jnp.abs(jr.reverse(flow)(flow(x, params), params) - x))),
+)
 
 # --------------------------------------------------------------------------------------------
 # 2. A leapfrog integrator run backwards. Each leapfrog sub-step adds a function of the
@@ -85,10 +92,14 @@ p0 = jnp.zeros(N_MASSES)
 qT, pT = leapfrog((q0, p0), DT)
 q_rec, p_rec = jr.reverse(leapfrog)((qT, pT), DT)
 print("final state moved by:", float(jnp.max(jnp.abs(qT - q0))))
-print("recovered initial conditions max error:",
-      float(max(jnp.max(jnp.abs(q_rec - q0)), jnp.max(jnp.abs(p_rec - p0)))))
-print(f"energy: initial {float(energy(q0, p0)):.6f}, final {float(energy(qT, pT)):.6f}, "
-      f"recovered {float(energy(q_rec, p_rec)):.6f}")
+print(
+    "recovered initial conditions max error:",
+    float(max(jnp.max(jnp.abs(q_rec - q0)), jnp.max(jnp.abs(p_rec - p0)))),
+)
+print(
+    f"energy: initial {float(energy(q0, p0)):.6f}, final {float(energy(qT, pT)):.6f}, "
+    f"recovered {float(energy(q_rec, p_rec)):.6f}"
+)
 # reverse composes with jit: the backward program is ordinary JAX.
 q_jit, _ = jax.jit(jr.reverse(leapfrog))((qT, pT), DT)
 print("under jax.jit, max error:", float(jnp.max(jnp.abs(q_jit - q0))))
@@ -102,8 +113,9 @@ section("3. jr.while_loop with a post condition")
 
 def grow_counted(c):
     # The counter is part of the state, so the post condition `n > 0` holds after each step.
-    return jr.while_loop(lambda c: c[1] < 100.0, lambda c: (c[0] + 1, c[1] * 2.0), c,
-                         post_fun=lambda c: c[0] > 0)
+    return jr.while_loop(
+        lambda c: c[1] < 100.0, lambda c: (c[0] + 1, c[1] * 2.0), c, post_fun=lambda c: c[0] > 0
+    )
 
 
 x0 = (jnp.int32(0), jnp.float64(3.0))
@@ -130,13 +142,16 @@ def final_energy_of_first_mass(f):
     def loss(state, dt):
         q, p = f(state, dt)
         return 0.5 * p[0] ** 2 + q[0] ** 2
+
     return jax.jit(jax.grad(loss, argnums=(0, 1)))
 
 
 g_ref = final_energy_of_first_mass(leapfrog)((q0, p0), DT)
 g_rev = final_energy_of_first_mass(jr.reversible(leapfrog))((q0, p0), DT)
-err = max(float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(a)))
-          for a, b in zip(jax.tree_util.tree_leaves(g_ref), jax.tree_util.tree_leaves(g_rev)))
+err = max(
+    float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(a)))
+    for a, b in zip(jax.tree_util.tree_leaves(g_ref), jax.tree_util.tree_leaves(g_rev))
+)
 print(f"d(loss)/d(q0) = {g_rev[0][0]}")
 print(f"d(loss)/d(dt) = {float(g_rev[1]):.6f}; relative difference from jax.grad: {err:.1e}")
 
@@ -144,8 +159,11 @@ print(f"d(loss)/d(dt) = {float(g_rev[1]):.6f}; relative difference from jax.grad
 def scratch_bytes(f):
     def loss(state, dt):
         q, p = f(state, dt)
-        return jnp.sum(q ** 2)
-    return jax.jit(jax.grad(loss)).lower((q0, p0), DT).compile().memory_analysis().temp_size_in_bytes
+        return jnp.sum(q**2)
+
+    return (
+        jax.jit(jax.grad(loss)).lower((q0, p0), DT).compile().memory_analysis().temp_size_in_bytes
+    )
 
 
 def _step(s, dt):
@@ -161,9 +179,11 @@ def long_leapfrog(s, dt):
 
 # the default stores the carry every ⌈√T⌉ steps, to recompute a segment whose drift would
 # change the gradient; checkpoint_every=None is fully reversible (flat in the steps)
-print(f"XLA scratch memory for 20,000 steps: jax.grad {scratch_bytes(long_leapfrog):,} B, "
-      f"jr.reversible {scratch_bytes(jr.reversible(long_leapfrog)):,} B, fully reversible "
-      f"{scratch_bytes(jr.reversible(long_leapfrog, checkpoint_every=None)):,} B")
+print(
+    f"XLA scratch memory for 20,000 steps: jax.grad {scratch_bytes(long_leapfrog):,} B, "
+    f"jr.reversible {scratch_bytes(jr.reversible(long_leapfrog)):,} B, fully reversible "
+    f"{scratch_bytes(jr.reversible(long_leapfrog, checkpoint_every=None)):,} B"
+)
 
 # --------------------------------------------------------------------------------------------
 # 6. A program that loses information cannot be reversed, and the error says where and why.

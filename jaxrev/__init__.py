@@ -1,23 +1,38 @@
 """jaxrev: transformations JAX does not have: run programs backwards, and more.
 
-    >>> import jaxrev as jr
+>>> import jaxrev as jr
 """
-from jaxrev._errors import (DriftError, FailureWarning, JaxrevError, NotInvertibleError,
-                            ReversibilityError, SingularJacobianError)
+
+from jaxrev._errors import (
+    DriftError,
+    FailureWarning,
+    JaxrevError,
+    NotInvertibleError,
+    ReversibilityError,
+    SingularJacobianError,
+)
 from jaxrev._runtime import jit, raise_runtime_errors
 from jaxrev import optim
 from jaxrev.primitives import apply_gate, rot, swap
 from jaxrev.transforms.rules.cond import cond
 from jaxrev.transforms.sweep.drift import DriftWarning
-from jaxrev.transforms.custom import (custom_inverse, forward_mode, hook, nestlevel, recompute,
-                                     store)
+from jaxrev.transforms.custom import custom_inverse, forward_mode, hook, nestlevel, recompute, store
 from jaxrev.transforms.flows.bijector import Bijector, Chain
-from jaxrev.transforms.flows.slogdet import (forward_and_slogdet, inverse_and_slogdet, logdet_strategy,
-                                    register_logdet, slogdet_jacobian)
+from jaxrev.transforms.flows.slogdet import (
+    forward_and_slogdet,
+    inverse_and_slogdet,
+    logdet_strategy,
+    register_logdet,
+    slogdet_jacobian,
+)
 from jaxrev.transforms.inverse_ad import inverse_jvp, inverse_vjp
 from jaxrev.transforms.registry import register_inverse, register_inverse_jvp
-from jaxrev.transforms.reports import (MemoryReport, ReversibilityReport, check_reversible,
-                                      memory_report)
+from jaxrev.transforms.reports import (
+    MemoryReport,
+    ReversibilityReport,
+    check_reversible,
+    memory_report,
+)
 from jaxrev.transforms.reverse import reverse
 from jaxrev.transforms.reversible import reversible
 from jaxrev.transforms.rules.while_loop import while_loop
@@ -25,14 +40,42 @@ from jaxrev.transforms.rules.while_loop import while_loop
 __version__ = "0.1.0"
 
 __all__ = [
-    "reverse", "reversible", "memory_report", "MemoryReport", "register_inverse",
+    "reverse",
+    "reversible",
+    "memory_report",
+    "MemoryReport",
+    "register_inverse",
     "register_inverse_jvp",
-    "check_reversible", "ReversibilityReport", "while_loop", "cond",
-    "inverse_jvp", "inverse_vjp", "slogdet_jacobian", "forward_and_slogdet",
-    "inverse_and_slogdet", "logdet_strategy", "register_logdet", "Bijector", "Chain",
+    "check_reversible",
+    "ReversibilityReport",
+    "while_loop",
+    "cond",
+    "inverse_jvp",
+    "inverse_vjp",
+    "slogdet_jacobian",
+    "forward_and_slogdet",
+    "inverse_and_slogdet",
+    "logdet_strategy",
+    "register_logdet",
+    "Bijector",
+    "Chain",
     "custom_inverse",
-    "hook", "nestlevel", "forward_mode", "store", "recompute",
-    "optim", "rot", "swap", "apply_gate", "JaxrevError", "NotInvertibleError",
-    "ReversibilityError", "SingularJacobianError", "DriftError", "DriftWarning",
-    "FailureWarning", "jit", "raise_runtime_errors",
+    "hook",
+    "nestlevel",
+    "forward_mode",
+    "store",
+    "recompute",
+    "optim",
+    "rot",
+    "swap",
+    "apply_gate",
+    "JaxrevError",
+    "NotInvertibleError",
+    "ReversibilityError",
+    "SingularJacobianError",
+    "DriftError",
+    "DriftWarning",
+    "FailureWarning",
+    "jit",
+    "raise_runtime_errors",
 ]

@@ -20,6 +20,7 @@ seen, nor is NumPy's global random state (as with `jax.jit`). Objects a key name
 identity are held by weak reference: an entry whose object died is dropped, and entries
 do not keep arrays alive.
 """
+
 from __future__ import annotations
 
 import collections
@@ -29,7 +30,8 @@ import logging
 import types
 import weakref
 from collections import OrderedDict
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -39,12 +41,21 @@ from jaxrev._compat import is_concrete, is_staged, tracing
 from jaxrev._program import Filtered, traced_mask
 from jaxrev._runtime import checked_jit, runtime_error
 
-__all__ = ["function_key", "call_key", "compiled", "cached_call", "is_eager", "alive", "Cache", "memo"]
+__all__ = [
+    "function_key",
+    "call_key",
+    "compiled",
+    "cached_call",
+    "is_eager",
+    "alive",
+    "Cache",
+    "memo",
+]
 
 _MAX_ENTRIES = 256
-_MAX_NODES = 400        # values visited per key: past it, no key
+_MAX_NODES = 400  # values visited per key: past it, no key
 _MAX_DEPTH = 8
-_MAX_BYTES = 1 << 16    # NumPy arrays hashed by value up to this size
+_MAX_BYTES = 1 << 16  # NumPy arrays hashed by value up to this size
 
 
 class _NoKey(Exception):
@@ -68,7 +79,7 @@ class _Keyer:
     def ident(self, v: Any) -> tuple:
         try:
             self.keep.append(weakref.ref(v))
-        except TypeError:           # code objects, builtins: small and long-lived
+        except TypeError:  # code objects, builtins: small and long-lived
             self.keep.append(v)
         return ("id", id(v))
 
@@ -79,21 +90,25 @@ class _Keyer:
         if isinstance(v, _IMMUTABLE):
             return (type(v), v)
         if isinstance(v, (jax.core.Tracer, np.random.Generator, np.random.RandomState)):
-            raise _NoKey            # a value known only when run; a state each draw changes
+            raise _NoKey  # a value known only when run; a state each draw changes
         if isinstance(v, jax.Array):
             return self.ident(v)
         if isinstance(v, np.ndarray):
             if v.nbytes > _MAX_BYTES or v.dtype == object:
                 raise _NoKey
-            return ("np", v.shape, v.dtype.str,
-                    hashlib.sha1(np.ascontiguousarray(v).tobytes()).hexdigest())
+            return (
+                "np",
+                v.shape,
+                v.dtype.str,
+                hashlib.sha1(np.ascontiguousarray(v).tobytes()).hexdigest(),
+            )
         if isinstance(v, np.generic):
             return ("npg", v.dtype.str, v.item())
         if isinstance(v, (bytearray, memoryview)):
             return ("bytes", bytes(v))
         if isinstance(v, (types.ModuleType, types.BuiltinFunctionType, np.ufunc)):
             return self.ident(v)
-        if id(v) in self.seen:      # a cycle, or a value shared by two paths
+        if id(v) in self.seen:  # a cycle, or a value shared by two paths
             return ("seen", self.seen[id(v)][0])
         self.seen[id(v)] = (len(self.seen), v)
         if isinstance(v, type):
@@ -111,15 +126,19 @@ class _Keyer:
         if isinstance(v, types.MethodType):
             return ("method", self.key(v.__func__, depth + 1), self.key(v.__self__, depth + 1))
         if isinstance(v, functools.partial):
-            return ("partial", self.key(v.func, depth + 1), self.key(v.args, depth + 1),
-                    self.key(v.keywords, depth + 1))
+            return (
+                "partial",
+                self.key(v.func, depth + 1),
+                self.key(v.args, depth + 1),
+                self.key(v.keywords, depth + 1),
+            )
         if _library(v) and hasattr(v, "__qualname__"):
-            return self.ident(v)    # a library's function (`jnp.tanh`, `jax.nn.relu`)
+            return self.ident(v)  # a library's function (`jnp.tanh`, `jax.nn.relu`)
         attrs = _attributes(v)
         if attrs is None:
-            if _library(v):         # a library's object with no state of its own
+            if _library(v):  # a library's object with no state of its own
                 return self.ident(v)
-            raise _NoKey            # an extension type whose state cannot be seen
+            raise _NoKey  # an extension type whose state cannot be seen
         return (self.key(type(v), depth + 1), self.items(attrs, depth))
 
     def items(self, d: dict, depth: int) -> tuple:
@@ -139,17 +158,30 @@ class _Keyer:
             elif isinstance(x, (staticmethod, classmethod)):
                 x = x.__func__
             own[k] = x
-        return ("cls", self.ident(c), self.items(own, depth),
-                tuple(self.key(b, depth + 1) for b in c.__bases__))
+        return (
+            "cls",
+            self.ident(c),
+            self.items(own, depth),
+            tuple(self.key(b, depth + 1) for b in c.__bases__),
+        )
 
     def function(self, fn: types.FunctionType, depth: int) -> tuple:
-        cells = tuple(self.key(c.cell_contents, depth + 1) if _filled(c) else ("empty",)
-                      for c in fn.__closure__ or ())
+        cells = tuple(
+            self.key(c.cell_contents, depth + 1) if _filled(c) else ("empty",)
+            for c in fn.__closure__ or ()
+        )
         glob = fn.__globals__
-        names = tuple((n, self.key(glob[n], depth + 1)) for n in _global_names(fn.__code__)
-                      if n in glob)
-        return ("fn", self.ident(fn.__code__), cells, self.key(fn.__defaults__, depth + 1),
-                self.key(fn.__kwdefaults__, depth + 1), names)
+        names = tuple(
+            (n, self.key(glob[n], depth + 1)) for n in _global_names(fn.__code__) if n in glob
+        )
+        return (
+            "fn",
+            self.ident(fn.__code__),
+            cells,
+            self.key(fn.__defaults__, depth + 1),
+            self.key(fn.__kwdefaults__, depth + 1),
+            names,
+        )
 
 
 _SLOTS = (types.MemberDescriptorType, types.GetSetDescriptorType)
@@ -168,9 +200,24 @@ def _filled(cell: Any) -> bool:
     return True
 
 
-_LIBRARIES = frozenset({"jax", "jaxlib", "numpy", "jaxrev", "equinox", "flax", "diffrax",
-                        "optax", "lineax", "optimistix", "scipy", "functools", "math",
-                        "builtins"})
+_LIBRARIES = frozenset(
+    {
+        "jax",
+        "jaxlib",
+        "numpy",
+        "jaxrev",
+        "equinox",
+        "flax",
+        "diffrax",
+        "optax",
+        "lineax",
+        "optimistix",
+        "scipy",
+        "functools",
+        "math",
+        "builtins",
+    }
+)
 
 
 def _library(v: Any) -> bool:
@@ -184,8 +231,12 @@ def _library(v: Any) -> bool:
 def _attributes(v: Any) -> dict | None:
     """An object's state: its `__dict__` and slots; None where it has neither."""
     d = getattr(v, "__dict__", None)
-    slots = [s for c in type(v).__mro__ for s in getattr(c, "__slots__", ())
-             if isinstance(s, str) and s not in ("__dict__", "__weakref__")]
+    slots = [
+        s
+        for c in type(v).__mro__
+        for s in getattr(c, "__slots__", ())
+        if isinstance(s, str) and s not in ("__dict__", "__weakref__")
+    ]
     if d is None and not slots:
         return None
     out = dict(d) if isinstance(d, dict) else {}
@@ -231,7 +282,7 @@ def _aval(x: Any) -> tuple:
         return (a.shape, a.dtype, getattr(a, "weak_type", False))
     if isinstance(x, (np.ndarray, np.generic)):
         return (x.shape, x.dtype, False)
-    return (type(x),)          # a Python number: weakly typed
+    return (type(x),)  # a Python number: weakly typed
 
 
 def call_key(fun: Any, args: tuple) -> tuple[Any, list[Any]] | None:
@@ -274,7 +325,7 @@ class Cache:
 
     def __init__(self, size: int = _MAX_ENTRIES) -> None:
         self.size = size
-        self.entries: "OrderedDict[Any, tuple[list, Any]]" = OrderedDict()
+        self.entries: OrderedDict[Any, tuple[list, Any]] = OrderedDict()
 
     def get(self, key: Any) -> Any:
         hit = self.entries.get(key)
@@ -319,7 +370,7 @@ def _run_quietly(jitted: Callable, *args: Any, block: bool = False) -> tuple[boo
         out = jitted(*args)
         return True, jax.block_until_ready(out) if block else out
     except jax.errors.JaxRuntimeError as e:
-        runtime_error(e)       # the stashed error, not raised: the eager re-run raises it
+        runtime_error(e)  # the stashed error, not raised: the eager re-run raises it
         return False, None
     finally:
         _QUIET.depth -= 1
@@ -374,6 +425,7 @@ def cached_call(who: Any, fun: Any, impl: Callable[..., Any], args: tuple) -> An
             out = Filtered((impl(*split.rebuild(flat)),))
             out_split[:] = [out]
             return out.flat, _all_finite(out.flat)
+
         hit = _COMPILED.put(key, keep, (checked_jit(flat_impl, convert=False), out_split))
     jitted, out_split = hit
     ok, res = _run_quietly(jitted, *split.flat, block=True)

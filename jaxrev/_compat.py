@@ -4,31 +4,31 @@ jaxrev targets JAX 0.10.2 (Python 3.11) and the newest JAX (Python 3.12). Everyt
 differs between them (primitive names, `scan` parameters, where call-like primitives keep their
 sub-jaxprs) is resolved here, so the interpreters read one vocabulary.
 """
+
 from __future__ import annotations
 
+import os as _os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy  # noqa: F401  (zeros_of)
-from jax.extend import core as jex_core
-from jax._src.interpreters import ad as _ad
-from jax._src.interpreters import batching as _batching
-from jax._src.interpreters import mlir as _mlir
-from jax._src.interpreters import partial_eval as _pe
-
 from jax._src import ad_checkpoint as _ad_checkpoint
 from jax._src import ad_util as _ad_util
 from jax._src import config as _config
 from jax._src import core as _core
-from jax._src import source_info_util as _siu
 from jax._src import custom_derivatives as _cd
+from jax._src import source_info_util as _siu
+from jax._src.interpreters import ad as _ad
+from jax._src.interpreters import batching as _batching
+from jax._src.interpreters import mlir as _mlir
+from jax._src.interpreters import partial_eval as _pe
+from jax._src.lax import control_flow as _cf
 from jax._src.lax import lax as _lax
 from jax._src.lax import slicing as _slicing
-from jax._src.lax import control_flow as _cf
 from jax._src.lax import special as _special
-
-import os as _os
+from jax.extend import core as jex_core
 
 # jaxrev's own frames are library frames: errors must point at the user's line, not ours
 _siu.register_exclusion(_os.path.dirname(_os.path.abspath(__file__)) + _os.sep)
@@ -56,14 +56,16 @@ def _structured_residuals() -> bool:
     """Whether linearization rules return structured residuals (JAX >= 0.12: a 5-tuple, and
     the tangent function takes their binders)."""
     import inspect
+
     try:
         return "structured_res" in inspect.getsource(_ad.LinearizeTrace.process_primitive)
     except (OSError, TypeError, AttributeError):
         return False
 
 
-def register_linearization(prim: Primitive, rule: Callable,
-                           fallback_when: Callable | None = None) -> None:
+def register_linearization(
+    prim: Primitive, rule: Callable, fallback_when: Callable | None = None
+) -> None:
     """Give `prim` its own linearization: ``rule(nonzeros, *primals, **params)`` returns
     ``(primals_out, nonzeros_out, residuals, tangent_fun)`` with ``tangent_fun(residuals,
     *tangents)``; where ``fallback_when(**params)`` holds, JAX's (its JVP rule traced with
@@ -79,7 +81,10 @@ def register_linearization(prim: Primitive, rule: Callable,
         if structured:
             return outs, nzs, res, None, lambda r, _s, *t: fn(r, *t)
         return outs, nzs, res, fn
+
     _linearizations[prim] = lin
+
+
 primitive_batchers = _batching.primitive_batchers
 
 
@@ -87,13 +92,18 @@ def registered_rules(prim: Primitive) -> frozenset[str]:
     """Which JAX rules `prim` has, read from JAX's own tables (names as `_primitive.RULES`):
     what a test compares with what the factory says it registered."""
     lowered = prim in _mlir._lowerings or any(
-        prim in table for table in _mlir._platform_specific_lowerings.values())
-    have = {"impl": "impl" in vars(prim), "abstract": "abstract_eval" in vars(prim),
-            "lowering": lowered, "jvp": prim in primitive_jvps,
-            "transpose": prim in primitive_transposes,
-            # `primitive_batchers` is a write-only proxy of the table batching reads
-            "batch": prim in getattr(_batching, "fancy_primitive_batchers", primitive_batchers),
-            "linearize": _linearizations is not None and prim in _linearizations}
+        prim in table for table in _mlir._platform_specific_lowerings.values()
+    )
+    have = {
+        "impl": "impl" in vars(prim),
+        "abstract": "abstract_eval" in vars(prim),
+        "lowering": lowered,
+        "jvp": prim in primitive_jvps,
+        "transpose": prim in primitive_transposes,
+        # `primitive_batchers` is a write-only proxy of the table batching reads
+        "batch": prim in getattr(_batching, "fancy_primitive_batchers", primitive_batchers),
+        "linearize": _linearizations is not None and prim in _linearizations,
+    }
     return frozenset(k for k, v in have.items() if v)
 
 
@@ -101,7 +111,8 @@ not_mapped = None  # batching marks an unbatched operand with None
 register_lowering = _mlir.register_lowering
 lower_fun = _mlir.lower_fun
 from jax._src import debugging as _debugging  # noqa: E402
-DEBUG_CALLBACK_LOGGER = _debugging.__name__   # the logger of a failed `jax.debug.callback`
+
+DEBUG_CALLBACK_LOGGER = _debugging.__name__  # the logger of a failed `jax.debug.callback`
 from jax._src import dispatch as _dispatch  # noqa: E402
 
 
@@ -112,8 +123,10 @@ def drop_failed_runtime_tokens() -> None:
     token that raises again on every wait (on an accelerator, where the call returned before
     the failure). Called once the failure's error was raised to the caller."""
     tokens = getattr(_dispatch, "runtime_tokens", None)
-    for table in (getattr(tokens, "output_runtime_tokens", None),
-                  getattr(tokens, "current_tokens", None)):
+    for table in (
+        getattr(tokens, "output_runtime_tokens", None),
+        getattr(tokens, "current_tokens", None),
+    ):
         if not isinstance(table, dict):
             continue
         for key, token in list(table.items()):
@@ -121,11 +134,14 @@ def drop_failed_runtime_tokens() -> None:
                 token.block_until_ready()
             except Exception:
                 table.pop(key, None)
-debug_effect = _debugging.debug_effect   # what keeps an effect-only check from being removed
 
 
-def _prim(*names: str, modules: Sequence[Any] = (_lax, _slicing, _cf, _special)
-          ) -> Primitive | None:
+debug_effect = _debugging.debug_effect  # what keeps an effect-only check from being removed
+
+
+def _prim(
+    *names: str, modules: Sequence[Any] = (_lax, _slicing, _cf, _special)
+) -> Primitive | None:
     for mod in modules:
         for name in names:
             p = getattr(mod, name, None)
@@ -138,13 +154,15 @@ class _Prims:
     """Primitive objects by a stable name (a missing one is None on this JAX version)."""
 
     def __init__(self) -> None:
-        for name in ("add sub mul div neg exp exp2 log log1p expm1 tanh atanh sinh asinh "
-                     "logistic integer_pow pow sqrt rsqrt cbrt square convert_element_type "
-                     "reshape transpose rev concatenate broadcast_in_dim select_n dot_general "
-                     "squeeze copy real imag complex conj max min reduce_sum round split pad "
-                     "abs sign floor ceil sin cos tan exp2 reduce_precision erf erf_inv "
-                     "eq ne lt le gt ge and or not xor is_finite "
-                     "optimization_barrier stack reduce_or").split():
+        for name in (
+            "add sub mul div neg exp exp2 log log1p expm1 tanh atanh sinh asinh "
+            "logistic integer_pow pow sqrt rsqrt cbrt square convert_element_type "
+            "reshape transpose rev concatenate broadcast_in_dim select_n dot_general "
+            "squeeze copy real imag complex conj max min reduce_sum round split pad "
+            "abs sign floor ceil sin cos tan exp2 reduce_precision erf erf_inv "
+            "eq ne lt le gt ge and or not xor is_finite "
+            "optimization_barrier stack reduce_or"
+        ).split():
             setattr(self, name, _prim(name + "_p"))
         self.slice = _prim("slice_p")
         self.scatter_add = _prim("scatter_add_p")
@@ -159,41 +177,51 @@ class _Prims:
         self.while_ = _prim("while_p")
         self.cond = _prim("cond_p")
         from jax._src.lax import convolution as _conv
+
         self.conv = _prim("conv_general_dilated_p", modules=(_conv,))
         from jax._src import pjit as _pjit
+
         self.jit = getattr(_pjit, "jit_p", None) or getattr(_pjit, "pjit_p", None)
         self.custom_jvp_call = getattr(_cd, "custom_jvp_call_p", None)
-        self.custom_vjp_call = (getattr(_cd, "custom_vjp_call_p", None)
-                                or getattr(_cd, "custom_vjp_call_jaxpr_p", None))
+        self.custom_vjp_call = getattr(_cd, "custom_vjp_call_p", None) or getattr(
+            _cd, "custom_vjp_call_jaxpr_p", None
+        )
         # `closed_call` was renamed `eval_jaxpr` in JAX 0.12.
-        self.closed_call = (getattr(_core, "closed_call_p", None)
-                            or getattr(_core, "eval_jaxpr_p", None))
+        self.closed_call = getattr(_core, "closed_call_p", None) or getattr(
+            _core, "eval_jaxpr_p", None
+        )
         try:
             from jax._src.lax.control_flow import loops as _loops
+
             self.cumsum = self.cumsum or getattr(_loops, "cumsum_p", None)
         except ImportError:  # pragma: no cover
             pass
         try:
             from jax._src import pjit as _pjit2
+
             self.sharding_constraint = getattr(_pjit2, "sharding_constraint_p", None)
         except ImportError:  # pragma: no cover
             self.sharding_constraint = None
         try:
             from jax._src.lax.control_flow import solves as _solves
+
             self.linear_solve = getattr(_solves, "linear_solve_p", None)
         except ImportError:  # pragma: no cover
             self.linear_solve = None
         from jax._src.lax import linalg as _linalg
+
         self.triangular_solve = getattr(_linalg, "triangular_solve_p", None)
         from jax._src import dispatch as _dispatch
+
         self.device_put = getattr(_dispatch, "device_put_p", None)
         from jax._src import callback as _callback
+
         self.pure_callback = getattr(_callback, "pure_callback_p", None)
         self.io_callback = getattr(_callback, "io_callback_p", None)
 
 
 prims = _Prims()
-prims.pvary = getattr(_core, "pvary_p", None)   # shard_map's cast to "varying" (no data)
+prims.pvary = getattr(_core, "pvary_p", None)  # shard_map's cast to "varying" (no data)
 
 
 def is_any_reduction(p: Any) -> bool:
@@ -207,6 +235,7 @@ def is_host_callback(p: Any) -> bool:
     """Whether primitive `p` calls the host (`jax.pure_callback`, `io_callback`)."""
     return p is not None and p in (prims.pure_callback, prims.io_callback)
 
+
 # Call-like primitives and the parameter that holds their sub-jaxpr. One table for every
 # interpreter (docs/design.md §3.1); loops and branches have their own rules.
 prims.remat = getattr(_ad_checkpoint, "remat_p", None)
@@ -215,8 +244,17 @@ prims.stop_gradient = getattr(_ad_util, "stop_gradient_p", None)
 
 _CALL_PARAM_NAMES = ("jaxpr", "call_jaxpr", "fun_jaxpr")
 # `jax.checkpoint` (remat) is a call too: rebuilding by inversion makes its recomputation moot
-CALL_PRIMITIVES = {p for p in (prims.jit, prims.custom_jvp_call, prims.custom_vjp_call,
-                               prims.closed_call, prims.remat) if p is not None}
+CALL_PRIMITIVES = {
+    p
+    for p in (
+        prims.jit,
+        prims.custom_jvp_call,
+        prims.custom_vjp_call,
+        prims.closed_call,
+        prims.remat,
+    )
+    if p is not None
+}
 
 
 def call_jaxpr(params: dict) -> ClosedJaxpr:
@@ -348,7 +386,7 @@ def is_key(x: Any) -> bool:
     dt = getattr(x, "dtype", x)
     try:
         return jax.dtypes.issubdtype(dt, jax.dtypes.extended)
-    except TypeError:   # not a dtype at all (a Python scalar's type, None)
+    except TypeError:  # not a dtype at all (a Python scalar's type, None)
         return False
 
 
@@ -409,11 +447,15 @@ def hoist_consts(closed: ClosedJaxpr) -> tuple[ClosedJaxpr, list[Any]]:
     arg_names = jaxpr.debug_info.arg_names
     if arg_names is not None:
         arg_names = ("",) * len(lifted) + (*arg_names,)
-    new = jaxpr.replace(constvars=[v for v, k in zip(jaxpr.constvars, keep) if k],
-                        invars=[*lifted, *jaxpr.invars],
-                        debug_info=jaxpr.debug_info._replace(arg_names=arg_names))
-    return (ClosedJaxpr(new, [c for c, k in zip(closed.consts, keep) if k]),
-            [c for c, k in zip(closed.consts, keep) if not k])
+    new = jaxpr.replace(
+        constvars=[v for v, k in zip(jaxpr.constvars, keep) if k],
+        invars=[*lifted, *jaxpr.invars],
+        debug_info=jaxpr.debug_info._replace(arg_names=arg_names),
+    )
+    return (
+        ClosedJaxpr(new, [c for c, k in zip(closed.consts, keep) if k]),
+        [c for c, k in zip(closed.consts, keep) if not k],
+    )
 
 
 ShapedArray = _core.ShapedArray
@@ -421,8 +463,11 @@ ShapedArray = _core.ShapedArray
 
 def differentiation_depth() -> int:
     """How many JVP / linearize traces enclose the code being traced right now."""
-    kinds = tuple(k for k in (getattr(_ad, "JVPTrace", None), getattr(_ad, "LinearizeTrace", None))
-                  if k is not None)
+    kinds = tuple(
+        k
+        for k in (getattr(_ad, "JVPTrace", None), getattr(_ad, "LinearizeTrace", None))
+        if k is not None
+    )
     t = _core.trace_ctx.trace
     depth = 0
     seen = 0
@@ -446,6 +491,7 @@ def staged_constants():
 # value varies (`aval.mat.varying`; `aval.vma` on other JAX versions). A value jaxrev makes
 # from an aval (a zero, a placeholder, a stand-in for tracing) must carry that set, or a
 # primitive that mixes it with the value it stands for refuses the operands.
+
 
 def vma_of(x: Any) -> frozenset:
     """The manual mesh axes over which `x` (a value, tracer or aval) varies; empty outside
@@ -475,9 +521,12 @@ def sds(x: Any, shape: Sequence[int] | None = None) -> jax.ShapeDtypeStruct:
     if not vma_of(aval):
         return jax.ShapeDtypeStruct(shape, dtype)
     mat = getattr(aval, "manual_axis_type", None)
-    if mat is not None:   # the type names its mesh axes: it goes with the aval's mesh
-        sharding = aval.sharding if shape == tuple(aval.shape) else (
-            jax.sharding.NamedSharding(aval.sharding.mesh, jax.sharding.PartitionSpec()))
+    if mat is not None:  # the type names its mesh axes: it goes with the aval's mesh
+        sharding = (
+            aval.sharding
+            if shape == tuple(aval.shape)
+            else (jax.sharding.NamedSharding(aval.sharding.mesh, jax.sharding.PartitionSpec()))
+        )
         return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding, manual_axis_type=mat)
     return jax.ShapeDtypeStruct(shape, dtype, vma=vma_of(aval))  # JAX 0.7 to 0.9
 
@@ -487,8 +536,9 @@ def shaped(aval: Any) -> Any:
     output aval for a value made like `aval`)."""
     mat = getattr(aval, "manual_axis_type", None)
     if mat is not None and vma_of(aval):
-        return _core.ShapedArray(tuple(aval.shape), aval.dtype, sharding=aval.sharding,
-                                 manual_axis_type=mat)
+        return _core.ShapedArray(
+            tuple(aval.shape), aval.dtype, sharding=aval.sharding, manual_axis_type=mat
+        )
     if vma_of(aval):
         return _core.ShapedArray(tuple(aval.shape), aval.dtype, vma=vma_of(aval))
     return _core.ShapedArray(tuple(aval.shape), aval.dtype)

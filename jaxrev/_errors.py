@@ -1,4 +1,5 @@
 """Error classes and the helpers that make every message name the primitive and the user's line."""
+
 from __future__ import annotations
 
 import warnings
@@ -10,12 +11,12 @@ from jaxrev._compat import user_source
 class JaxrevError(Exception):
     """Base class of every error jaxrev raises on purpose.
 
-        >>> import jax.numpy as jnp, jaxrev as jr
-        >>> try:
-        ...     jr.reverse(lambda x: x * 0.0)(jnp.ones(2))
-        ... except jr.JaxrevError as e:
-        ...     print(type(e).__name__)
-        NotInvertibleError
+    >>> import jax.numpy as jnp, jaxrev as jr
+    >>> try:
+    ...     jr.reverse(lambda x: x * 0.0)(jnp.ones(2))
+    ... except jr.JaxrevError as e:
+    ...     print(type(e).__name__)
+    NotInvertibleError
     """
 
 
@@ -32,9 +33,14 @@ class NotInvertibleError(JaxrevError):
         max
     """
 
-    def __init__(self, message: str, primitive: str | None = None,
-                 file: str | None = None, line: int | None = None,
-                 singular: bool = False) -> None:
+    def __init__(
+        self,
+        message: str,
+        primitive: str | None = None,
+        file: str | None = None,
+        line: int | None = None,
+        singular: bool = False,
+    ) -> None:
         super().__init__(message)
         self.primitive = primitive
         self.file = file
@@ -46,8 +52,13 @@ class _AtStep(JaxrevError):
     """An error about one step of the user's program: `primitive`, `file`, `line` (None where
     no single step could be named)."""
 
-    def __init__(self, message: str, primitive: str | None = None,
-                 file: str | None = None, line: int | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        primitive: str | None = None,
+        file: str | None = None,
+        line: int | None = None,
+    ) -> None:
         super().__init__(message)
         self.primitive = primitive
         self.file = file
@@ -89,8 +100,13 @@ class DriftError(ReversibilityError):
         True
     """
 
-    def __init__(self, message: str, file: str | None = None, drift: float | None = None,
-                 tolerance: float | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        file: str | None = None,
+        drift: float | None = None,
+        tolerance: float | None = None,
+    ) -> None:
         super().__init__(message, file=file)
         self.drift = drift
         self.tolerance = tolerance
@@ -127,11 +143,13 @@ class FailureWarning(UserWarning):
 WAYS_OUT = (
     "Ways out: keep the information the step drops as part of the state (or compute the step "
     "from parameters only), or register an inverse rule for the primitive with "
-    "`jr.register_inverse(primitive, rule)`.")
+    "`jr.register_inverse(primitive, rule)`."
+)
 
 
-def at_eqn(cls: type, eqn: Any, what: str, hint: str, *, who: str,
-           group: bool = True) -> JaxrevError:
+def at_eqn(
+    cls: type, eqn: Any, what: str, hint: str, *, who: str, group: bool = True
+) -> JaxrevError:
     """An error of class `cls` (`ReversibilityError`, `SingularJacobianError`) about `eqn`,
     naming its primitive and the user's line: "<who>: <what>; the group starts with `p` at
     <line>\n<hint>", or (not `group`: a single step) "<who>: <what> at `p` at <line>\n<hint>"
@@ -140,20 +158,21 @@ def at_eqn(cls: type, eqn: Any, what: str, hint: str, *, who: str,
     summary = summary or "an equation with no user source line"
     name = eqn.primitive.name
     where = "; the group starts with" if group else " at"
-    return cls(f"{who}: {what}{where} `{name}` at {summary}\n{hint}",
-               primitive=name, file=file, line=line)
+    return cls(
+        f"{who}: {what}{where} `{name}` at {summary}\n{hint}", primitive=name, file=file, line=line
+    )
 
 
-def not_invertible(eqn: Any, reason: str, hint: str | None = None,
-                   singular: bool = False, *, who: str) -> NotInvertibleError:
+def not_invertible(
+    eqn: Any, reason: str, hint: str | None = None, singular: bool = False, *, who: str
+) -> NotInvertibleError:
     """Build the error for equation `eqn`, naming its primitive and the user's source line:
     "<who> cannot invert `p` at <line>: <reason>" (`who`: the transform's public name)."""
     file, line, summary = user_source(eqn)
     if not summary:
         summary = "an equation with no user source line (library or jaxrev-generated code)"
     name = eqn.primitive.name
-    msg = (f"{who} cannot invert `{name}` at {summary}: {reason}\n"
-           f"{hint or WAYS_OUT}")
+    msg = f"{who} cannot invert `{name}` at {summary}: {reason}\n{hint or WAYS_OUT}"
     err = NotInvertibleError(msg, primitive=name, file=file, line=line, singular=singular)
     err.parts = (name, summary, reason, hint or WAYS_OUT)
     return err

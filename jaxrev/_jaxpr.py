@@ -1,19 +1,40 @@
 """Shared jaxpr machinery: the value environment, the one forward evaluator, the Unknown marker,
 liveness, call inlining, and the batched-select helpers every control-flow rule uses."""
+
 from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrev._compat import (CALL_PRIMITIVES, ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Literal, Var,
-                            as_closed, bind_eqn, call_jaxpr, dce, has_user_frame, is_concrete,
-                            is_host_callback, is_key, is_symbolic_zero, new_var, not_mapped,
-                            prims, trace_to_closed, zeros_of)
+from jaxrev._compat import (
+    CALL_PRIMITIVES,
+    ClosedJaxpr,
+    DropVar,
+    Jaxpr,
+    JaxprEqn,
+    Literal,
+    Var,
+    as_closed,
+    bind_eqn,
+    call_jaxpr,
+    dce,
+    has_user_frame,
+    is_concrete,
+    is_host_callback,
+    is_key,
+    is_symbolic_zero,
+    new_var,
+    not_mapped,
+    prims,
+    trace_to_closed,
+    zeros_of,
+)
 
 
 class Unknown:
@@ -62,17 +83,25 @@ class Statics:
     MAX_SIZE = 1 << 20
     """Largest array (elements, times iterations for `enum`) derived at trace time."""
 
-    def __init__(self, jaxpr: Jaxpr | None = None, consts: Sequence[Any] = (),
-                 static_in: dict | None = None, enum_in: dict | None = None,
-                 length: int | None = None) -> None:
+    def __init__(
+        self,
+        jaxpr: Jaxpr | None = None,
+        consts: Sequence[Any] = (),
+        static_in: dict | None = None,
+        enum_in: dict | None = None,
+        length: int | None = None,
+    ) -> None:
         self.producer: dict[Var, JaxprEqn] = {}
         if jaxpr is not None:
             for e in jaxpr.eqns:
                 for o in e.outvars:
                     if is_var(o):
                         self.producer[o] = e
-        self._consts = {v: c for v, c in zip(jaxpr.constvars, consts) if is_concrete(c)
-                        } if jaxpr is not None else {}
+        self._consts = (
+            {v: c for v, c in zip(jaxpr.constvars, consts) if is_concrete(c)}
+            if jaxpr is not None
+            else {}
+        )
         self._static: dict[Var, Any] = dict(static_in or {})
         self._enum: dict[Var, Any] = dict(enum_in or {})
         self.length = length
@@ -103,17 +132,29 @@ class Statics:
         stack = [e]
         while stack:
             e = stack[-1]
-            missing = [u for u in e.invars if is_var(u) and u not in self._static
-                       and u not in self._consts and u in self.producer]
+            missing = [
+                u
+                for u in e.invars
+                if is_var(u)
+                and u not in self._static
+                and u not in self._consts
+                and u in self.producer
+            ]
             if missing:
                 stack.append(self.producer[missing[0]])
                 continue
             stack.pop()
             ins = [self._static_value(u) for u in e.invars]
             outs = None
-            if all(x is not None for x in ins) and not getattr(e, "effects", None) and all(
+            if (
+                all(x is not None for x in ins)
+                and not getattr(e, "effects", None)
+                and all(
                     np.prod(o.aval.shape, dtype=np.int64) <= self.MAX_SIZE
-                    for o in e.outvars if is_var(o)):
+                    for o in e.outvars
+                    if is_var(o)
+                )
+            ):
                 with jax.ensure_compile_time_eval():
                     outs = [_host(o) for o in bind_eqn(e, ins)]
             for o, val in zip(e.outvars, outs or [None] * len(e.outvars)):
@@ -131,8 +172,11 @@ class Statics:
         if e is None or getattr(e, "effects", None):
             return None
         T = self.length
-        if any(T * np.prod(o.aval.shape, dtype=np.int64) > self.MAX_SIZE
-               for o in e.outvars if is_var(o)):
+        if any(
+            T * np.prod(o.aval.shape, dtype=np.int64) > self.MAX_SIZE
+            for o in e.outvars
+            if is_var(o)
+        ):
             return None
         args, axes = [], []
         for u in e.invars:
@@ -181,8 +225,8 @@ class Env:
     def __init__(self, fit: bool = True, info: Statics | None = None, ctx: Any = None) -> None:
         self.vals: dict[Var, Any] = {}
         self.part: dict[Var, Any] = {}
-        self.losses: dict[Any, Any] = {}   # equation -> why some elements of its inputs are lost
-        self.masks: dict[Any, Any] = {}    # regions made into arrays, shared by copies
+        self.losses: dict[Any, Any] = {}  # equation -> why some elements of its inputs are lost
+        self.masks: dict[Any, Any] = {}  # regions made into arrays, shared by copies
         self.fit = fit
         self.info = info if info is not None else Statics()
         self.ctx = ctx
@@ -190,8 +234,9 @@ class Env:
     def known(self, v: Any) -> bool:
         if isinstance(v, Literal) or v in self.vals:
             return True
-        if isinstance(v, Var) and not isinstance(v, DropVar) and 0 in getattr(
-                v.aval, "shape", ()):   # an empty array holds nothing to recover
+        if (
+            isinstance(v, Var) and not isinstance(v, DropVar) and 0 in getattr(v.aval, "shape", ())
+        ):  # an empty array holds nothing to recover
             self.vals[v] = zeros_of(v.aval)
             return True
         return False
@@ -216,7 +261,7 @@ class Env:
             return True
         return self.part.get(v) if is_var(v) else None
 
-    def copy(self) -> "Env":
+    def copy(self) -> Env:
         e = Env(self.fit, self.info, self.ctx)
         e.vals = dict(self.vals)
         e.part = dict(self.part)
@@ -230,8 +275,14 @@ class Env:
 EqnRule = Callable[[int, JaxprEqn, list], "list | None"]
 
 
-def evaluate(eqns: Sequence[JaxprEqn], env: Env, *, partial: bool = False,
-             used: set | None = None, rule: EqnRule | None = None) -> bool:
+def evaluate(
+    eqns: Sequence[JaxprEqn],
+    env: Env,
+    *,
+    partial: bool = False,
+    used: set | None = None,
+    rule: EqnRule | None = None,
+) -> bool:
     """Run `eqns` forward in order, writing their outputs into `env`: the one evaluator every
     jaxrev interpreter uses.
 
@@ -285,8 +336,10 @@ def fit_to_aval(val: Any, aval: Any) -> Any:
         if len(vshape) < len(shape) or not _broadcastable(shape, vshape):
             raise ValueError(f"jaxrev internal error: value of shape {vshape} for {aval}")
         lead = len(vshape) - len(shape)
-        idx = tuple([0] * lead + [slice(None) if s == vs else slice(0, 1)
-                                  for s, vs in zip(shape, vshape[lead:])])
+        idx = tuple(
+            [0] * lead
+            + [slice(None) if s == vs else slice(0, 1) for s, vs in zip(shape, vshape[lead:])]
+        )
         val = jnp.reshape(val[idx], shape)
     if jnp.result_type(val) != aval.dtype:
         val = jax.lax.convert_element_type(val, aval.dtype)
@@ -385,8 +438,10 @@ def prepare(closed: ClosedJaxpr) -> ClosedJaxpr:
                 for o, f in zip(eqn.outvars, first.outvars):
                     if not isinstance(o, DropVar) and not isinstance(f, DropVar):
                         sub[o] = f
-                if all(isinstance(o, DropVar) or not isinstance(f, DropVar)
-                       for o, f in zip(eqn.outvars, first.outvars)):
+                if all(
+                    isinstance(o, DropVar) or not isinstance(f, DropVar)
+                    for o, f in zip(eqn.outvars, first.outvars)
+                ):
                     return
             # fresh output variables: the same inner jaxpr may be inlined more than once
             outs = []
@@ -477,8 +532,11 @@ def instantiate_tangents(primals: Sequence[Any], tangents: Sequence[Any]) -> tup
     for p, t in zip(primals, tangents):
         if t is None or is_symbolic_zero(t):
             dt = jnp.result_type(p)
-            t = (jnp.zeros(jnp.shape(p), dt) if jnp.issubdtype(dt, jnp.inexact)
-                 else np.zeros(jnp.shape(p), jax.dtypes.float0))
+            t = (
+                jnp.zeros(jnp.shape(p), dt)
+                if jnp.issubdtype(dt, jnp.inexact)
+                else np.zeros(jnp.shape(p), jax.dtypes.float0)
+            )
         out.append(t)
     return tuple(out)
 
@@ -492,18 +550,22 @@ def batch_front(args: Sequence[Any], dims: Sequence[Any]) -> tuple[int, list, li
 
 # --------------------------------------------------------------------------- batched selects
 
+
 def where(pred: Any, a: Any, b: Any) -> Any:
     """`jnp.where` as one `select_n`. jaxrev's own selects do not go through `jnp.where`:
     JAX (0.12) caches that function's traced jaxpr per argument shapes, with the traceback of
     its first caller, and a user's `jnp.where` of the same shapes would then be blamed on the
     line where jaxrev first traced one."""
     a, b = jnp.asarray(a), jnp.asarray(b)
-    if not is_key(a):   # a key array has no `astype` (two keys have one dtype anyway)
+    if not is_key(a):  # a key array has no `astype` (two keys have one dtype anyway)
         dt = jnp.result_type(a, b)
         a, b = a.astype(dt), b.astype(dt)
     shape = jnp.broadcast_shapes(jnp.shape(pred), a.shape, b.shape)
-    return jax.lax.select(jnp.broadcast_to(jnp.asarray(pred, bool), shape),
-                          jnp.broadcast_to(a, shape), jnp.broadcast_to(b, shape))
+    return jax.lax.select(
+        jnp.broadcast_to(jnp.asarray(pred, bool), shape),
+        jnp.broadcast_to(a, shape),
+        jnp.broadcast_to(b, shape),
+    )
 
 
 def select_batched(pred: Any, new: Any, old: Any) -> Any:
@@ -530,12 +592,12 @@ def switch_batched(index: Any, fns: Sequence[Callable[..., Any]], *args: Any) ->
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(per[0]), out)
 
 
-def vmap_closed(closed: ClosedJaxpr, in_axes: Sequence[Any], args: Sequence[Any]
-                ) -> ClosedJaxpr:
+def vmap_closed(closed: ClosedJaxpr, in_axes: Sequence[Any], args: Sequence[Any]) -> ClosedJaxpr:
     """`closed` vmapped over `in_axes` (for the batching rules of primitives carrying jaxprs)."""
     fn = jax.vmap(lambda *a: eval_closed(closed, *a), in_axes=tuple(in_axes))
     new, consts, _ = trace_to_closed(
-        fn, *[jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for x in args])
+        fn, *[jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for x in args]
+    )
     assert not consts
     return new
 
@@ -570,8 +632,9 @@ def without_custom_vjp(closed: ClosedJaxpr) -> ClosedJaxpr:
     def emit(eqn: JaxprEqn, inlined: bool) -> None:
         # a custom_jvp rule over a custom_vjp function would JVP it: that one goes too
         if eqn.primitive is prims.custom_vjp_call or (
-                eqn.primitive is prims.custom_jvp_call
-                and mentions(call_jaxpr(eqn.params).jaxpr, _is_custom_vjp)):
+            eqn.primitive is prims.custom_jvp_call
+            and mentions(call_jaxpr(eqn.params).jaxpr, _is_custom_vjp)
+        ):
             inner = without_custom_vjp(call_jaxpr(eqn.params))
             for v, c in zip(inner.jaxpr.constvars, inner.consts):
                 sub[v] = nv = new_var(v.aval)
@@ -633,8 +696,9 @@ def mentions(jaxpr: Jaxpr, match: Callable[[Any], bool]) -> bool:
         if match(e.primitive):
             return True
         for p in e.params.values():
-            for b in (p if isinstance(p, (tuple, list)) else (p,)):
+            for b in p if isinstance(p, (tuple, list)) else (p,):
                 if isinstance(b, (ClosedJaxpr, Jaxpr)) and mentions(
-                        b.jaxpr if isinstance(b, ClosedJaxpr) else b, match):
+                    b.jaxpr if isinstance(b, ClosedJaxpr) else b, match
+                ):
                     return True
     return False

@@ -9,13 +9,21 @@ registered separately with `transforms.registry.define`.
 Every primitive jaxrev defines is made here, so what each one has is recorded in one place
 (`rules_of`); a test checks that against JAX's own tables (`_compat.registered_rules`).
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
-from typing import Callable, Mapping
 
-from jaxrev._compat import (Primitive, lower_fun, primitive_batchers, primitive_jvps,
-                            primitive_transposes, register_linearization, register_lowering)
+from jaxrev._compat import (
+    Primitive,
+    lower_fun,
+    primitive_batchers,
+    primitive_jvps,
+    primitive_transposes,
+    register_linearization,
+    register_lowering,
+)
 
 __all__ = ["make_primitive", "rules_of", "made_primitives", "RULES"]
 
@@ -27,12 +35,19 @@ RULES = ("impl", "abstract", "lowering", "jvp", "transpose", "batch", "linearize
 _made: dict[Primitive, frozenset[str]] = {}
 
 
-def make_primitive(name: str, *, impl: Callable, abstract: Callable,
-                   effectful: bool = False, multiple_results: bool = False,
-                   lowering: Callable | Mapping[str | None, Callable] | None = None,
-                   jvp: Callable | None = None, transpose: Callable | None = None,
-                   batch: Callable | None = None, linearize: Callable | None = None
-                   ) -> Primitive:
+def make_primitive(
+    name: str,
+    *,
+    impl: Callable,
+    abstract: Callable,
+    effectful: bool = False,
+    multiple_results: bool = False,
+    lowering: Callable | Mapping[str | None, Callable] | None = None,
+    jvp: Callable | None = None,
+    transpose: Callable | None = None,
+    batch: Callable | None = None,
+    linearize: Callable | None = None,
+) -> Primitive:
     """A new primitive `name` with its JAX rules registered.
 
     - `impl(*args, **params)`: eager evaluation.
@@ -63,9 +78,11 @@ def make_primitive(name: str, *, impl: Callable, abstract: Callable,
         else:
             register_lowering(p, rule, platform=platform)
     given = {"impl", "abstract", "lowering"}
-    for table, rule, what in ((primitive_jvps, jvp, "jvp"),
-                              (primitive_transposes, transpose, "transpose"),
-                              (primitive_batchers, batch, "batch")):
+    for table, rule, what in (
+        (primitive_jvps, jvp, "jvp"),
+        (primitive_transposes, transpose, "transpose"),
+        (primitive_batchers, batch, "batch"),
+    ):
         if rule is not None:
             table[p] = rule
             given.add(what)

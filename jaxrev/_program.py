@@ -1,10 +1,12 @@
 """What every transform does with a user's function before walking it: normalise `argnums`,
 trace the function over its flattened arguments, and check that it maps its state to the
 state's structure."""
+
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -14,9 +16,23 @@ from jaxrev._compat import ClosedJaxpr, Var, is_key, make_jaxpr, sds
 from jaxrev._errors import JaxrevError
 from jaxrev._jaxpr import Env, evaluate, prepare
 
-__all__ = ["avals_of", "fun_name", "normalize_argnums", "Program", "trace_program",
-           "check_structure", "check_sizes", "is_traced", "traced_mask", "traced_leaves",
-           "Filtered", "ravel_filtered", "eval_shape", "derived_leaves", "trace_on_outputs"]
+__all__ = [
+    "avals_of",
+    "fun_name",
+    "normalize_argnums",
+    "Program",
+    "trace_program",
+    "check_structure",
+    "check_sizes",
+    "is_traced",
+    "traced_mask",
+    "traced_leaves",
+    "Filtered",
+    "ravel_filtered",
+    "eval_shape",
+    "derived_leaves",
+    "trace_on_outputs",
+]
 
 
 _ARRAYS = (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)
@@ -93,15 +109,21 @@ class Filtered:
     def rebuild(self, flat: Sequence[Any]) -> Any:
         it = iter(flat)
         return jax.tree_util.tree_unflatten(
-            self.tree, [next(it) if m else x for x, m in zip(self.leaves, self.mask)])
+            self.tree, [next(it) if m else x for x, m in zip(self.leaves, self.mask)]
+        )
 
 
 def avals_of(xs: Sequence[Any]) -> list[jax.ShapeDtypeStruct]:
     """Shape-dtype stand-ins for tracing, one per value (a `ShapeDtypeStruct` stands for
     itself); a value inside `shard_map` keeps the mesh axes it varies over (its vma)."""
-    return [x if isinstance(x, jax.ShapeDtypeStruct)
-            else sds(x) if isinstance(x, jax.Array)
-            else jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for x in xs]
+    return [
+        x
+        if isinstance(x, jax.ShapeDtypeStruct)
+        else sds(x)
+        if isinstance(x, jax.Array)
+        else jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
+        for x in xs
+    ]
 
 
 def fun_name(fun: Any) -> str:
@@ -111,16 +133,19 @@ def fun_name(fun: Any) -> str:
     return name if isinstance(name, str) else type(fun).__name__
 
 
-def normalize_argnums(argnums: int | Sequence[int], nargs: int,
-                      fun: Callable | None = None) -> tuple[int, ...]:
+def normalize_argnums(
+    argnums: int | Sequence[int], nargs: int, fun: Callable | None = None
+) -> tuple[int, ...]:
     """`argnums` as a tuple of distinct non-negative positions; a clear error otherwise."""
     nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
     name = fun_name(fun) if fun is not None else "the function"
     out = []
     for a in nums:
         if not isinstance(a, (int, np.integer)) or not -nargs <= a < nargs:
-            raise ValueError(f"argnums {argnums!r} out of range: {name} was called with "
-                             f"{nargs} positional arguments")
+            raise ValueError(
+                f"argnums {argnums!r} out of range: {name} was called with "
+                f"{nargs} positional arguments"
+            )
         out.append(int(a) % nargs)
     if len(set(out)) != len(out):
         raise ValueError(f"argnums {argnums!r} repeats an argument of {name}")
@@ -131,10 +156,10 @@ def normalize_argnums(argnums: int | Sequence[int], nargs: int,
 class Program:
     """A user's function traced over its flattened arguments."""
 
-    closed: ClosedJaxpr          # the jaxpr, one input per flat leaf
-    flat: list[Any]              # the flat argument values
-    state_ids: list[list[int]]   # per state argument, the flat positions of its leaves
-    out_shape: Any               # the output's pytree of ShapeDtypeStructs
+    closed: ClosedJaxpr  # the jaxpr, one input per flat leaf
+    flat: list[Any]  # the flat argument values
+    state_ids: list[list[int]]  # per state argument, the flat positions of its leaves
+    out_shape: Any  # the output's pytree of ShapeDtypeStructs
 
     @property
     def state_pos(self) -> list[int]:
@@ -152,6 +177,7 @@ def ravel_filtered(tree: Any) -> tuple[Any, Callable[[Any], Any]]:
     """`jax.flatten_util.ravel_pytree` of the leaves jaxrev traces; `unravel` puts the static
     leaves back (an Equinox module with its activation functions)."""
     from jax.flatten_util import ravel_pytree
+
     split = Filtered(tree)
     v, unravel = ravel_pytree(split.flat)
     return v, lambda u: split.rebuild(unravel(u))
@@ -170,8 +196,9 @@ def trace_program(fun: Callable, args: Sequence[Any], argnums: tuple[int, ...]) 
     return Program(closed, list(split.flat), state_ids, out_shape)
 
 
-def trace_on_outputs(fun: Callable, args: Sequence[Any], argnums: tuple[int, ...],
-                     who: str) -> Program:
+def trace_on_outputs(
+    fun: Callable, args: Sequence[Any], argnums: tuple[int, ...], who: str
+) -> Program:
     """`trace_program` for an inverse that learns its state's structure from `fun`'s output
     (the state positions of `args` hold it). A `fun` that changes structure or shapes fails
     on it, in its own code (numpyro's `ReshapeTransform`: "cannot reshape"): that is turned
@@ -188,15 +215,22 @@ def trace_on_outputs(fun: Callable, args: Sequence[Any], argnums: tuple[int, ...
             f"{str(e).splitlines()[0] if str(e) else ''}). Where {name} changes the state's "
             "structure or shapes (a reshape, an unpacking), pass the state's structure and "
             "shapes as `state=` (arrays or `jax.ShapeDtypeStruct`s): the inverse then takes "
-            "the output as it is") from e
+            "the output as it is"
+        ) from e
 
 
-_STATE_HINT = (" (a bijection that changes structure or shapes: pass the state's structure as "
-               "`state=`)")
+_STATE_HINT = (
+    " (a bijection that changes structure or shapes: pass the state's structure as `state=`)"
+)
 
 
-def check_structure(fun: Callable, args: Sequence[Any], argnums: tuple[int, ...],
-                    out_shape: Any, who: str = "jaxrev.reverse") -> Any:
+def check_structure(
+    fun: Callable,
+    args: Sequence[Any],
+    argnums: tuple[int, ...],
+    out_shape: Any,
+    who: str = "jaxrev.reverse",
+) -> Any:
     """Check that `fun`'s output has the state's pytree structure, shapes and dtypes; returns
     the state's tree definition."""
     state = args[argnums[0]] if len(argnums) == 1 else tuple(args[a] for a in argnums)
@@ -204,39 +238,52 @@ def check_structure(fun: Callable, args: Sequence[Any], argnums: tuple[int, ...]
     o_leaves, o_tree = jax.tree_util.tree_flatten(out_shape)
     name = fun_name(fun)
     if s_tree != o_tree:
-        raise ValueError(f"{who}: {name} must return the structure of its state "
-                         f"(argnums={argnums}): expected {s_tree}, got {o_tree}{_STATE_HINT}")
+        raise ValueError(
+            f"{who}: {name} must return the structure of its state "
+            f"(argnums={argnums}): expected {s_tree}, got {o_tree}{_STATE_HINT}"
+        )
     for i, (s, o) in enumerate(zip(s_leaves, o_leaves)):
         if tuple(jnp.shape(s)) != tuple(o.shape) or jnp.result_type(s) != o.dtype:
             raise ValueError(
                 f"{who}: {name}'s output leaf {i} is {o.dtype}{list(o.shape)} but the "
                 f"state leaf is {jnp.result_type(s)}{list(jnp.shape(s))}; the output must have "
-                f"the state's shapes and dtypes{_STATE_HINT}")
+                f"the state's shapes and dtypes{_STATE_HINT}"
+            )
     return s_tree
 
 
-def check_sizes(fun: Callable, state_leaves: Sequence[Any], out_leaves: Sequence[Any],
-                who: str = "jaxrev.reverse") -> None:
+def check_sizes(
+    fun: Callable,
+    state_leaves: Sequence[Any],
+    out_leaves: Sequence[Any],
+    who: str = "jaxrev.reverse",
+) -> None:
     """A bijection that changes structure or shapes must keep the number of elements of each
     dtype: raise `ValueError` naming `fun` otherwise."""
+
     def count(leaves):
         out: dict = {}
         for x in leaves:
             dt = x.dtype if hasattr(x, "dtype") else jnp.result_type(x)
-            dt = dt if is_key(dt) else np.dtype(dt)   # numpy has no PRNG key dtype
-            out[dt] = out.get(dt, 0) + int(np.prod(np.shape(x) if not hasattr(x, "shape")
-                                                    else x.shape, dtype=np.int64))
+            dt = dt if is_key(dt) else np.dtype(dt)  # numpy has no PRNG key dtype
+            out[dt] = out.get(dt, 0) + int(
+                np.prod(np.shape(x) if not hasattr(x, "shape") else x.shape, dtype=np.int64)
+            )
         return out
+
     s, o = count(state_leaves), count(out_leaves)
     if s != o:
         show = lambda c: ", ".join(f"{n} {dt.name}" for dt, n in c.items())  # noqa: E731
-        raise ValueError(f"{who}: {fun_name(fun)} maps a state of {show(s)} elements to an "
-                         f"output of {show(o)}: a bijection keeps the number of elements of "
-                         "each dtype")
+        raise ValueError(
+            f"{who}: {fun_name(fun)} maps a state of {show(s)} elements to an "
+            f"output of {show(o)}: a bijection keeps the number of elements of "
+            "each dtype"
+        )
 
 
-def derived_leaves(step: Callable, carry: Any) -> tuple[list[int], Callable[[Sequence[Any]],
-                                                                         list[Any]]]:
+def derived_leaves(
+    step: Callable, carry: Any
+) -> tuple[list[int], Callable[[Sequence[Any]], list[Any]]]:
     """The leaves of a loop body's carry that the body computes from its other output leaves
     alone, and a function that computes them from the other leaves of a carry.
 
@@ -251,8 +298,8 @@ def derived_leaves(step: Callable, carry: Any) -> tuple[list[int], Callable[[Seq
     """
     leaves, tree = jax.tree_util.tree_flatten(carry)
     closed, _ = make_jaxpr(
-        lambda *xs: jax.tree_util.tree_leaves(step(jax.tree_util.tree_unflatten(tree, xs))),
-        *leaves)
+        lambda *xs: jax.tree_util.tree_leaves(step(jax.tree_util.tree_unflatten(tree, xs))), *leaves
+    )
     # merged duplicates: the counter's `k + 1` read by the time and the one carried are one
     closed = prepare(closed)
     j = closed.jaxpr

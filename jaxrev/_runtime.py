@@ -18,6 +18,7 @@ function. So, as Equinox does for `eqx.filter_jit`:
 JAX logs a failed callback ("jax.debug.callback failed") with the callback's traceback; for a
 jaxrev check the log is cut to one line, and dropped while a converter is active.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -29,22 +30,34 @@ import secrets
 import threading
 import types
 from collections import OrderedDict
-from typing import Any, Callable, Iterator, NoReturn
+from collections.abc import Callable, Iterator
+from typing import Any, NoReturn
 
 import jax
 
 from jaxrev._compat import DEBUG_CALLBACK_LOGGER, drop_failed_runtime_tokens
 from jaxrev._errors import JaxrevError
 
-__all__ = ["jit", "checked_jit", "raise_runtime_errors", "raise_at_run_time", "runtime_error",
-           "note_check", "checks_noted", "block", "STASH_SIZE"]
+__all__ = [
+    "jit",
+    "checked_jit",
+    "raise_runtime_errors",
+    "raise_at_run_time",
+    "runtime_error",
+    "note_check",
+    "checks_noted",
+    "block",
+    "STASH_SIZE",
+]
 
 STASH_SIZE = 64
 """How many errors raised at run time are kept for a converter to re-raise."""
 
 _TOKEN = re.compile(r"jaxrev-check-[0-9a-f]{16}")
-_HINT = ("raised by a jaxrev check inside a compiled call; `jr.jit` or `with "
-         "jr.raise_runtime_errors():` around the call re-raises it as the error above")
+_HINT = (
+    "raised by a jaxrev check inside a compiled call; `jr.jit` or `with "
+    "jr.raise_runtime_errors():` around the call re-raises it as the error above"
+)
 
 
 class _Stash:
@@ -53,7 +66,7 @@ class _Stash:
     def __init__(self, size: int) -> None:
         self.size = size
         self.lock = threading.Lock()
-        self.errors: "OrderedDict[str, BaseException]" = OrderedDict()
+        self.errors: OrderedDict[str, BaseException] = OrderedDict()
 
     def put(self, err: BaseException) -> str:
         token = f"jaxrev-check-{secrets.token_hex(8)}"
@@ -75,7 +88,7 @@ def raise_at_run_time(err: BaseException) -> NoReturn:
     """Raise `err` from a host callback of a compiled program: stash it under a fresh token
     and raise a copy of it whose message ends with the token (the copy is what XLA wraps in
     its runtime error; a converter re-raises `err` itself)."""
-    err = err.with_traceback(None)       # no frames (and their arrays) kept alive
+    err = err.with_traceback(None)  # no frames (and their arrays) kept alive
     token = _STASH.put(err)
     raise _carrier(err, token)
 
@@ -88,7 +101,7 @@ def _carrier(err: BaseException, token: str) -> BaseException:
     try:
         dup = copy.copy(err)
         dup.args = (text,)
-    except Exception:   # an exception type that cannot be rebuilt from its args
+    except Exception:  # an exception type that cannot be rebuilt from its args
         dup = JaxrevError(text)
     dup.jaxrev_token = token
     return dup
@@ -106,7 +119,7 @@ def runtime_error(e: BaseException) -> BaseException | None:
         token = found and found.group(0)
     if not token:
         return None
-    drop_failed_runtime_tokens()   # else JAX's effects barrier (and exit) re-raises it
+    drop_failed_runtime_tokens()  # else JAX's effects barrier (and exit) re-raises it
     return _STASH.pop(token)
 
 
@@ -155,6 +168,7 @@ logging.getLogger(DEBUG_CALLBACK_LOGGER).addFilter(_ShortLog())
 class _Noted(threading.local):
     """How many checks this thread staged or lowered (traces and lowerings of a call run on
     the calling thread): a call that saw the count move compiled a program holding one."""
+
     n = 0
 
 
@@ -231,9 +245,10 @@ class _Jitted:
         @functools.wraps(fun)
         def traced(*args: Any, **kwargs: Any) -> Any:
             return fun(*args, **kwargs)
+
         functools.update_wrapper(self, fun, updated=())
         self._jitted = jax.jit(traced, **jit_kwargs)
-        self._checks = False     # whether a program of this function holds a check
+        self._checks = False  # whether a program of this function holds a check
         self._convert = convert
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -264,6 +279,7 @@ class _Jitted:
             finally:
                 if _NOTED.n != seen:
                     self._checks = True
+
         return run
 
     def __getattr__(self, name: str) -> Any:

@@ -9,15 +9,16 @@ measure every walk of one call (its nested and deferred walks included):
     >>> c["rules"] + c["elements"]
     0
 """
+
 from __future__ import annotations
 
 import contextlib
 from collections import Counter
-from typing import Iterator
+from collections.abc import Iterator
 
 __all__ = ["counting", "observers"]
 
-_OBSERVERS: list[Counter] = []   # statistics only: a walk reads none of it
+_OBSERVERS: list[Counter] = []  # statistics only: a walk reads none of it
 
 
 @contextlib.contextmanager

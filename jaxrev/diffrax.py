@@ -15,6 +15,7 @@ solve (one scalar a step); a value saved at `SaveAt(ts=...)` is one more step fr
 falls in, interpolated with the solver's interpolation and added into a zero buffer (which the
 backward pass subtracts). Nothing is stored per step; per save time, one trip count.
 """
+
 from __future__ import annotations
 
 from functools import partial
@@ -73,16 +74,33 @@ class ReversibleAdjoint(diffrax.AbstractAdjoint):
     on_drift: str = eqx.field(static=True, default="repair")
     drift_rtol: float | None = eqx.field(static=True, default=None)
 
-    def loop(self, *, args, terms, solver, stepsize_controller, event, saveat, t0, t1, dt0,
-             max_steps, throw, init_state, passed_solver_state, passed_controller_state,
-             progress_meter) -> Any:
+    def loop(
+        self,
+        *,
+        args,
+        terms,
+        solver,
+        stepsize_controller,
+        event,
+        saveat,
+        t0,
+        t1,
+        dt0,
+        max_steps,
+        throw,
+        init_state,
+        passed_solver_state,
+        passed_controller_state,
+        progress_meter,
+    ) -> Any:
         del throw, passed_solver_state, passed_controller_state, progress_meter
         _check_supported(event, saveat, solver)
         if isinstance(stepsize_controller, (diffrax.ConstantStepSize, diffrax.StepTo)):
             grid, failed = _Grid.make(stepsize_controller, init_state, t0, t1), None
         else:
-            grid, failed = _Grid.accepted(terms, solver, stepsize_controller, t0, t1, dt0,
-                                          init_state.y, args, max_steps)
+            grid, failed = _Grid.accepted(
+                terms, solver, stepsize_controller, t0, t1, dt0, init_state.y, args, max_steps
+            )
         n_run = grid.n if max_steps is None else jnp.minimum(grid.n, max_steps)
 
         subs = jtu.tree_leaves(saveat.subs, is_leaf=_is_sub)
@@ -98,16 +116,24 @@ class ReversibleAdjoint(diffrax.AbstractAdjoint):
         y0, ss0 = init_state.y, init_state.solver_state
         full0 = (jnp.zeros((), jnp.int32), y0, ss0)
         carry = _Carry(_body(terms, args, solver, grid), full0)
-        kept0 = eqx.error_if(carry.pack(full0), _off_manifold(carry, full0),
-                             "ReversibleAdjoint: the solver's initial state is not what its "
-                             "step computes from the rest of the state, so the step cannot "
-                             "be inverted from it")
-        buf0 = jtu.tree_map(lambda y: jnp.zeros((s_all.shape[0],) + jnp.shape(y),
-                                                jnp.result_type(y)), y0)
-        run = reversible(partial(_run, template=jax.eval_shape(lambda: full0)),
-                         checkpoint_every=self.checkpoint_every,
-                         memory_budget=self.memory_budget, on_drift=self.on_drift,
-                         drift_rtol=self.drift_rtol, max_steps=max_steps)
+        kept0 = eqx.error_if(
+            carry.pack(full0),
+            _off_manifold(carry, full0),
+            "ReversibleAdjoint: the solver's initial state is not what its "
+            "step computes from the rest of the state, so the step cannot "
+            "be inverted from it",
+        )
+        buf0 = jtu.tree_map(
+            lambda y: jnp.zeros((s_all.shape[0],) + jnp.shape(y), jnp.result_type(y)), y0
+        )
+        run = reversible(
+            partial(_run, template=jax.eval_shape(lambda: full0)),
+            checkpoint_every=self.checkpoint_every,
+            memory_budget=self.memory_budget,
+            on_drift=self.on_drift,
+            drift_rtol=self.drift_rtol,
+            max_steps=max_steps,
+        )
         params = (terms, args, solver, grid, n_run, where[order], s_all[order], order)
         kept1, buf = run((kept0, buf0), params)
         _, y1, ss1 = carry.unpack(kept1)
@@ -120,8 +146,8 @@ class ReversibleAdjoint(diffrax.AbstractAdjoint):
                 pieces_y.append(_lead(sub.fn(t0, y0, args)))
             if sub.ts is not None:
                 k = len(sub.ts)
-                ts = s_all[start:start + k]
-                ys = jtu.tree_map(lambda b: b[start:start + k], buf)
+                ts = s_all[start : start + k]
+                ys = jtu.tree_map(lambda b: b[start : start + k], buf)
                 pieces_t.append(ts)
                 pieces_y.append(jax.vmap(lambda t, y: sub.fn(t, y, args))(ts, ys))
                 start += k
@@ -130,27 +156,42 @@ class ReversibleAdjoint(diffrax.AbstractAdjoint):
                 pieces_y.append(_lead(sub.fn(grid.time(n_run), y1, args)))
             saved.append((pieces_t, pieces_y))
 
-        new_states = [_filled(st, ts, ys, 0 if sub.ts is None else len(sub.ts))
-                      for st, sub, (ts, ys) in zip(states, subs, saved)]
+        new_states = [
+            _filled(st, ts, ys, 0 if sub.ts is None else len(sub.ts))
+            for st, sub, (ts, ys) in zip(states, subs, saved)
+        ]
         save_state = jtu.tree_unflatten(
-            jtu.tree_structure(init_state.save_state, is_leaf=_is_save_state), new_states)
-        result = diffrax.RESULTS.where(n_run < grid.n, diffrax.RESULTS.max_steps_reached,
-                                       diffrax.RESULTS.successful)
+            jtu.tree_structure(init_state.save_state, is_leaf=_is_save_state), new_states
+        )
+        result = diffrax.RESULTS.where(
+            n_run < grid.n, diffrax.RESULTS.max_steps_reached, diffrax.RESULTS.successful
+        )
         if failed is not None:
             result = diffrax.RESULTS.where(failed == diffrax.RESULTS.successful, result, failed)
         count = jnp.asarray(n_run, jnp.result_type(init_state.num_steps))
         t_end = grid.time(n_run)
         final = eqx.tree_at(
-            lambda s: (s.y, s.solver_state, s.tprev, s.tnext, s.num_steps,
-                       s.num_accepted_steps, s.save_state, s.result),
-            init_state, (y1, ss1, t_end, t_end, count, count, save_state, result),
-            is_leaf=lambda x: x is None)
+            lambda s: (
+                s.y,
+                s.solver_state,
+                s.tprev,
+                s.tnext,
+                s.num_steps,
+                s.num_accepted_steps,
+                s.save_state,
+                s.result,
+            ),
+            init_state,
+            (y1, ss1, t_end, t_end, count, count, save_state, result),
+            is_leaf=lambda x: x is None,
+        )
         return final, {}
 
 
 _EXPLICIT_RK = (diffrax.AbstractERK, diffrax.Euler)
-_ACCEPTED = ("Euler, Heun, Midpoint, Ralston, Bosh3, Tsit5, Dopri5, Dopri8 or another "
-             "diffrax.AbstractERK")
+_ACCEPTED = (
+    "Euler, Heun, Midpoint, Ralston, Bosh3, Tsit5, Dopri5, Dopri8 or another diffrax.AbstractERK"
+)
 
 
 class Reversible(diffrax.AbstractAdaptiveSolver):
@@ -194,15 +235,18 @@ class Reversible(diffrax.AbstractAdaptiveSolver):
 
     def __check_init__(self) -> None:
         if not isinstance(self.solver, _EXPLICIT_RK) or isinstance(
-                self.solver, diffrax.AbstractImplicitSolver):
+            self.solver, diffrax.AbstractImplicitSolver
+        ):
             raise ValueError(
                 f"jaxrev.diffrax.Reversible needs an explicit Runge–Kutta solver ({_ACCEPTED}), "
                 f"not {type(self.solver).__name__}: its step is made reversible by coupling "
                 f"two explicit steps, which an implicit, split or SDE-only solver does not "
-                f"give.")
+                f"give."
+            )
         if not 0 < self.coupling <= 1:
-            raise ValueError(f"jaxrev.diffrax.Reversible: coupling must be in (0, 1], got "
-                             f"{self.coupling!r}")
+            raise ValueError(
+                f"jaxrev.diffrax.Reversible: coupling must be in (0, 1], got {self.coupling!r}"
+            )
 
     @property
     def term_structure(self):  # type: ignore[override]
@@ -226,20 +270,28 @@ class Reversible(diffrax.AbstractAdaptiveSolver):
         return self.solver.error_order(terms)
 
     def init(self, terms: Any, t0: Any, t1: Any, y0: Any, args: Any) -> Any:
-        return y0            # z0 = y0
+        return y0  # z0 = y0
 
-    def _base(self, terms: Any, t0: Any, t1: Any, u: Any, args: Any,
-              full: bool = True) -> tuple:
+    def _base(self, terms: Any, t0: Any, t1: Any, u: Any, args: Any, full: bool = True) -> tuple:
         """The base solver's step from u over [t0, t1]: (u1, error, dense info, result);
         without `full`, u1 alone (the error and dense information are None)."""
-        if not isinstance(self.solver, diffrax.AbstractERK):   # Euler
+        if not isinstance(self.solver, diffrax.AbstractERK):  # Euler
             state = self.solver.init(terms, t0, t1, u, args)
             u1, err, dense, _, result = self.solver.step(terms, t0, t1, u, args, state, True)
             return u1, err, dense, result
         return _erk_step(self.solver.tableau, terms, t0, t1, u, args, full)
 
-    def step(self, terms: Any, t0: Any, t1: Any, y0: Any, args: Any, solver_state: Any,
-             made_jump: Any, full: bool = True) -> tuple:
+    def step(
+        self,
+        terms: Any,
+        t0: Any,
+        t1: Any,
+        y0: Any,
+        args: Any,
+        solver_state: Any,
+        made_jump: Any,
+        full: bool = True,
+    ) -> tuple:
         """diffrax's step; without `full` (`ReversibleAdjoint`'s loop, which reads neither
         the error estimate nor the dense information) those are None, and a
         first-same-as-last stage only they read is not evaluated."""
@@ -248,15 +300,21 @@ class Reversible(diffrax.AbstractAdaptiveSolver):
         y1 = jtu.tree_map(lambda y, z, p: self.coupling * (y - z) + p, y0, z0, phi_z)
         phi_y, _, _, r2 = self._base(terms, t1, t0, y1, args, full=False)
         z1 = jtu.tree_map(lambda y, z, p: y + z - p, y1, z0, phi_y)
-        return y1, y_error, dense, z1, diffrax.RESULTS.where(
-            r1 == diffrax.RESULTS.successful, r2, r1)
+        return (
+            y1,
+            y_error,
+            dense,
+            z1,
+            diffrax.RESULTS.where(r1 == diffrax.RESULTS.successful, r2, r1),
+        )
 
     def func(self, terms: Any, t0: Any, y0: Any, args: Any) -> Any:
         return self.solver.func(terms, t0, y0, args)
 
 
-def _erk_step(tab: Any, terms: Any, t0: Any, t1: Any, u: Any, args: Any,
-              full: bool = True) -> tuple:
+def _erk_step(
+    tab: Any, terms: Any, t0: Any, t1: Any, u: Any, args: Any, full: bool = True
+) -> tuple:
     """One step of an explicit Runge–Kutta method from its Butcher tableau, its stages
     unrolled: diffrax's own step runs them in an Equinox while loop (whose VJP only its custom
     rule gives) and, for first-same-as-last methods, reads its first stage from a state; here
@@ -275,8 +333,7 @@ def _erk_step(tab: Any, terms: Any, t0: Any, t1: Any, u: Any, args: Any,
             ui, ti = u, t0
         else:
             a_row = jnp.asarray(tab.a_lower[i - 1], dtype)
-            ui = jtu.tree_map(lambda x, *k: x + sum(a_row[j] * k[j] for j in range(i)),
-                              u, *ks)
+            ui = jtu.tree_map(lambda x, *k: x + sum(a_row[j] * k[j] for j in range(i)), u, *ks)
             ti = t0 + tab.c[i - 1] * (t1 - t0)
         ks.append(terms.vf_prod(ti, ui, args, control))
     b_sol = jnp.asarray(tab.b_sol, dtype)
@@ -312,41 +369,58 @@ def _filled(state: Any, ts: list, ys: list, n_ts: int) -> Any:
         return state
     ts_all = jnp.concatenate(ts).astype(state.ts.dtype)
     ys_all = jtu.tree_map(lambda *leaves: jnp.concatenate(leaves), *ys)
-    ys_all = jtu.tree_map(lambda new, old: new.astype(old.dtype).reshape(old.shape),
-                          ys_all, state.ys)
+    ys_all = jtu.tree_map(
+        lambda new, old: new.astype(old.dtype).reshape(old.shape), ys_all, state.ys
+    )
     n = ts_all.shape[0]
-    return eqx.tree_at(lambda s: (s.ts, s.ys, s.save_index, s.saveat_ts_index), state,
-                       (ts_all, ys_all, jnp.asarray(n, jnp.result_type(state.save_index)),
-                        jnp.asarray(n_ts, jnp.result_type(state.saveat_ts_index))))
+    return eqx.tree_at(
+        lambda s: (s.ts, s.ys, s.save_index, s.saveat_ts_index),
+        state,
+        (
+            ts_all,
+            ys_all,
+            jnp.asarray(n, jnp.result_type(state.save_index)),
+            jnp.asarray(n_ts, jnp.result_type(state.saveat_ts_index)),
+        ),
+    )
 
 
 def _check_supported(event: Any, saveat: Any, solver: Any) -> None:
     base = solver.solver if isinstance(solver, Reversible) else solver
     if isinstance(solver, (diffrax.AbstractImplicitSolver, diffrax.SemiImplicitEuler)) or (
-            not isinstance(base, (*_EXPLICIT_RK, diffrax.ReversibleHeun))
-            and isinstance(base, diffrax.AbstractSolver)
-            and type(base).__module__.startswith("diffrax.")):
+        not isinstance(base, (*_EXPLICIT_RK, diffrax.ReversibleHeun))
+        and isinstance(base, diffrax.AbstractSolver)
+        and type(base).__module__.startswith("diffrax.")
+    ):
         raise ValueError(
             f"ReversibleAdjoint cannot run {type(solver).__name__} backwards: it needs a solver "
             f"whose step is a bijection, `Reversible(s)` for an explicit Runge–Kutta solver s "
             f"({_ACCEPTED}) or `diffrax.ReversibleHeun`. Implicit, split and SDE-only solvers "
-            f"are not accepted.")
+            f"are not accepted."
+        )
     if isinstance(solver, _EXPLICIT_RK):
         raise ValueError(
             f"ReversibleAdjoint cannot run {type(solver).__name__} backwards: its step loses "
             f"information (two starting points can reach the same end). Wrap it: "
             f"`jaxrev.diffrax.Reversible({type(solver).__name__}())` makes any explicit "
-            f"Runge–Kutta solver algebraically reversible with the same order.")
+            f"Runge–Kutta solver algebraically reversible with the same order."
+        )
     if event is not None:
-        raise ValueError("ReversibleAdjoint does not support events: the step at which an "
-                         "event stops the solve is not known before it runs.")
+        raise ValueError(
+            "ReversibleAdjoint does not support events: the step at which an "
+            "event stops the solve is not known before it runs."
+        )
     if saveat.dense:
-        raise ValueError("ReversibleAdjoint does not support SaveAt(dense=True): it would "
-                         "store every step's interpolation, which is what it avoids.")
+        raise ValueError(
+            "ReversibleAdjoint does not support SaveAt(dense=True): it would "
+            "store every step's interpolation, which is what it avoids."
+        )
     for sub in jtu.tree_leaves(saveat.subs, is_leaf=_is_sub):
         if sub.steps:
-            raise ValueError("ReversibleAdjoint does not support SaveAt(steps=True): saving "
-                             "every step is the memory it avoids; save at `ts` instead.")
+            raise ValueError(
+                "ReversibleAdjoint does not support SaveAt(steps=True): saving "
+                "every step is the memory it avoids; save at `ts` instead."
+            )
 
 
 class _Grid(eqx.Module):
@@ -362,43 +436,65 @@ class _Grid(eqx.Module):
     clip_floor: Any
 
     @classmethod
-    def make(cls, controller: Any, init_state: Any, t0: Any, t1: Any) -> "_Grid":
+    def make(cls, controller: Any, init_state: Any, t0: Any, t1: Any) -> _Grid:
         t0, t1 = jnp.asarray(t0), jnp.asarray(t1)
         if isinstance(controller, diffrax.StepTo):
             ts = jnp.asarray(controller.ts)
             return cls(ts.shape[0] - 1, t0, t1, None, None, ts, None)
         _, num_steps, t0_sim, t1_sim = init_state.controller_state
-        num_steps = eqx.error_if(num_steps, num_steps < 0,
-                                 "ReversibleAdjoint needs a finite t1.")
+        num_steps = eqx.error_if(num_steps, num_steps < 0, "ReversibleAdjoint needs a finite t1.")
         floor = lax.stop_gradient(t1)
         for _ in range(100):
             floor = jnp.nextafter(floor, jnp.asarray(-jnp.inf, floor.dtype))
         return cls(num_steps, t0, t1, init_state.tnext, (t0_sim, t1_sim), None, floor)
 
     @classmethod
-    def accepted(cls, terms: Any, solver: Any, controller: Any, t0: Any, t1: Any, dt0: Any,
-                 y0: Any, args: Any, max_steps: int | None) -> tuple:
+    def accepted(
+        cls,
+        terms: Any,
+        solver: Any,
+        controller: Any,
+        t0: Any,
+        t1: Any,
+        dt0: Any,
+        y0: Any,
+        args: Any,
+        max_steps: int | None,
+    ) -> tuple:
         """The steps an adaptive controller accepts, found by a solve of diffrax's own whose
         value is not differentiated (the controller's step sizes carry no gradient in
         diffrax either, but for t0 and t1, which the steps are rebuilt from here); one scalar
         per step, and the solve's result."""
         if max_steps is None:
-            raise ValueError("ReversibleAdjoint with an adaptive step-size controller needs a "
-                             "finite max_steps: the accepted step sizes are kept, a scalar "
-                             "each.")
+            raise ValueError(
+                "ReversibleAdjoint with an adaptive step-size controller needs a "
+                "finite max_steps: the accepted step sizes are kept, a scalar "
+                "each."
+            )
+
         def sg(tree: Any) -> Any:
             return jtu.tree_map(lambda x: lax.stop_gradient(x) if eqx.is_array(x) else x, tree)
+
         sol = diffrax.diffeqsolve(
-            terms, solver, sg(t0), sg(t1), None if dt0 is None else sg(dt0), sg(y0),
-            sg(args), saveat=diffrax.SaveAt(steps=True, fn=_nothing),
-            stepsize_controller=controller, max_steps=max_steps, throw=False,
-            adjoint=diffrax.RecursiveCheckpointAdjoint(checkpoints=1))
+            terms,
+            solver,
+            sg(t0),
+            sg(t1),
+            None if dt0 is None else sg(dt0),
+            sg(y0),
+            sg(args),
+            saveat=diffrax.SaveAt(steps=True, fn=_nothing),
+            stepsize_controller=controller,
+            max_steps=max_steps,
+            throw=False,
+            adjoint=diffrax.RecursiveCheckpointAdjoint(checkpoints=1),
+        )
         n = jnp.asarray(sol.stats["num_accepted_steps"], jnp.int32)
         t0, t1 = jnp.asarray(t0), jnp.asarray(t1)
         ts = jnp.concatenate([jnp.reshape(sg(t0), (1,)), sol.ts.astype(t0.dtype)])
         # t0 and t1 as traced (the last accepted step ends at t1 when the solve got there):
         # their gradients are diffrax's (every step time moves with t0; the last one is t1)
-        ts = ts + (t0 - sg(t0))     # the same values, bit for bit
+        ts = ts + (t0 - sg(t0))  # the same values, bit for bit
         ts = ts.at[n].set(jnp.where(ts[n] == sg(t1), t1, ts[n]))
         # past the last step, zero-length steps at its end rather than diffrax's inf padding:
         # a checkpointed loop's segments past the end are traced (and masked) with these
@@ -418,6 +514,7 @@ class _Grid(eqx.Module):
 
     def step_of(self, s: Any) -> Any:
         """The first step k whose end reaches `s`: diffrax saves `s` while taking it."""
+
         def halve(_, lohi):
             lo, hi = lohi
             mid = (lo + hi) // 2
@@ -431,12 +528,15 @@ class _Grid(eqx.Module):
 
 def _body(terms: Any, args: Any, solver: Any, grid: _Grid) -> Any:
     """One step of the solve on the carry (step counter, y, solver state)."""
+
     def body(c):
         k, y, ss = c
         kw = {"full": False} if isinstance(solver, Reversible) else {}
-        y, _, _, ss, _ = solver.step(terms, grid.time(k), grid.time(k + 1), y, args, ss, False,
-                                     **kw)
+        y, _, _, ss, _ = solver.step(
+            terms, grid.time(k), grid.time(k + 1), y, args, ss, False, **kw
+        )
         return k + 1, y, ss
+
     return body
 
 
@@ -470,10 +570,14 @@ def _off_manifold(carry: _Carry, full: Any) -> Any:
     bad = jnp.zeros((), bool)
     for i in carry.derived:
         a, b = rebuilt[i], leaves[i]
-        tol = jnp.sqrt(jnp.finfo(jnp.result_type(b)).eps) if jnp.issubdtype(
-            jnp.result_type(b), jnp.inexact) else 0
-        bad = bad | (jnp.max(jnp.abs(a - b), initial=0) > tol * (
-            jnp.max(jnp.abs(b), initial=0) + 1e-30))
+        tol = (
+            jnp.sqrt(jnp.finfo(jnp.result_type(b)).eps)
+            if jnp.issubdtype(jnp.result_type(b), jnp.inexact)
+            else 0
+        )
+        bad = bad | (
+            jnp.max(jnp.abs(a - b), initial=0) > tol * (jnp.max(jnp.abs(b), initial=0) + 1e-30)
+        )
     return bad
 
 
@@ -485,18 +589,17 @@ def _run(state: Any, params: Any, template: Any) -> Any:
     carry = _Carry(body, template)
 
     def advance(kept, stop):
-        return lax.while_loop(lambda c: c[0] < stop,
-                              lambda c: carry.pack(body(carry.unpack(c))), kept)
+        return lax.while_loop(
+            lambda c: c[0] < stop, lambda c: carry.pack(body(carry.unpack(c))), kept
+        )
 
     def save(c, x):
         kept, buf = c
         m, t, slot = x
         kept = advance(kept, jnp.minimum(m, n_run))
         k, y, ss = carry.unpack(kept)
-        _, _, dense, _, _ = solver.step(terms, grid.time(k), grid.time(k + 1), y, args, ss,
-                                        False)
-        value = solver.interpolation_cls(t0=grid.time(k), t1=grid.time(k + 1),
-                                         **dense).evaluate(t)
+        _, _, dense, _, _ = solver.step(terms, grid.time(k), grid.time(k + 1), y, args, ss, False)
+        value = solver.interpolation_cls(t0=grid.time(k), t1=grid.time(k + 1), **dense).evaluate(t)
         buf = jtu.tree_map(lambda b, v: b.at[slot].add(v.astype(b.dtype)), buf, value)
         return (kept, buf), None
 

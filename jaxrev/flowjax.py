@@ -7,9 +7,11 @@ a `Chain` as any flowjax bijection; flowjax's `fit_to_data` trains the arrays `f
 `jr.reverse` / `jr.inverse_and_slogdet` of a function that calls a flowjax bijection's
 `transform`, needs nothing from here (`tests/test_library_flows.py`).
 """
+
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax.numpy as jnp
 from flowjax.bijections import AbstractBijection

@@ -5,9 +5,11 @@ An optional module (it imports numpyro). Use it in `dist.TransformedDistribution
 Transform(fun))`, or wherever numpyro takes a transform. The other direction, `jr.reverse` /
 `jr.inverse_and_slogdet` of a numpyro transform itself (a callable), needs nothing from here.
 """
+
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from numpyro.distributions import constraints
 from numpyro.distributions import transforms as _nt
@@ -54,10 +56,11 @@ class Transform(_nt.Transform):
 
     def log_abs_det_jacobian(self, x: Any, y: Any, intermediates: Any = None) -> Any:
         if x is None:
-            raise ValueError("jaxrev.numpyro.Transform: log_abs_det_jacobian needs x (the "
-                             "input)")
+            raise ValueError("jaxrev.numpyro.Transform: log_abs_det_jacobian needs x (the input)")
         return self._bijector.forward_and_log_det(x)[1]
 
     def tree_flatten(self) -> tuple:
-        return (), ((), {"fun": self.fun, "event_ndims": self.event_ndims,
-                         "_bijector": self._bijector})
+        return (), (
+            (),
+            {"fun": self.fun, "event_ndims": self.event_ndims, "_bijector": self._bijector},
+        )

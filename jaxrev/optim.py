@@ -16,11 +16,13 @@ Hessian is never materialised unless it is dense anyway.
 Called eagerly, `minimize` and `root` run as one compiled call per function, argument shapes
 and settings, cached like `jax.jit`'s: a repeated call does not trace again.
 """
+
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from functools import partial
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -35,8 +37,7 @@ from jaxrev._program import Filtered, ravel_filtered, traced_leaves
 from jaxrev._runtime import checked_jit
 from jaxrev.transforms.inverse_ad import inverse_jvp, inverse_vjp
 
-__all__ = ["scale_by_newton", "newton", "minimize", "root", "Info", "STATUS",
-           "newton_direction"]
+__all__ = ["scale_by_newton", "newton", "minimize", "root", "Info", "STATUS", "newton_direction"]
 
 STATUS = ("converged", "max_iterations", "stalled", "non_finite")
 """What `Info.status` counts: 0 converged (to `minimize`'s `tol`, to `root`'s `rtol` / `atol`);
@@ -56,6 +57,7 @@ class Info(NamedTuple):
         >>> round(float(x[0]), 6), jr.optim.STATUS[int(info.status)]
         (2.0, 'converged')
     """
+
     iterations: jax.Array
     residual: jax.Array
     value: jax.Array
@@ -70,8 +72,14 @@ def _tree_axpy(a, x, y):
     return jax.tree_util.tree_map(lambda u, v: a * u + v, x, y)
 
 
-def newton_direction(value_fn: Callable[[Any], Any], params: Any, grad: Any | None = None, *,
-                     damping: Any = 0.0, method: str = "auto") -> Any:
+def newton_direction(
+    value_fn: Callable[[Any], Any],
+    params: Any,
+    grad: Any | None = None,
+    *,
+    damping: Any = 0.0,
+    method: str = "auto",
+) -> Any:
     """``(H + damping·I)⁻¹ grad`` for the Hessian `H` of `value_fn` at `params` (a pytree), by
     inverse accumulation over ``jax.grad(value_fn)``; `grad` defaults to the gradient there.
     A singular system gives NaN (the caller decides what to do).
@@ -86,19 +94,24 @@ def newton_direction(value_fn: Callable[[Any], Any], params: Any, grad: Any | No
     # eager calls are compiled from the second on, keyed like jax.jit's (`_cache`); a Python
     # zero `damping` is part of the key (it skips the damping term), other values are traced
     static = damping if _is_zero(damping) else None
-    return cached_call(("newton_direction", method, static), value_fn,
-                       partial(_newton_direction, value_fn, method, static),
-                       (params, grad, None if static is not None else damping))
+    return cached_call(
+        ("newton_direction", method, static),
+        value_fn,
+        partial(_newton_direction, value_fn, method, static),
+        (params, grad, None if static is not None else damping),
+    )
 
 
-def _newton_direction(value_fn: Callable[[Any], Any], method: str, static: Any, params: Any,
-                      grad: Any, damping: Any) -> Any:
+def _newton_direction(
+    value_fn: Callable[[Any], Any], method: str, static: Any, params: Any, grad: Any, damping: Any
+) -> Any:
     damping = static if static is not None else damping
     g_fn = jax.grad(value_fn)
 
     def damped(p):
         g = g_fn(p)
         return g if _is_zero(damping) else _tree_axpy(damping, p, g)
+
     if grad is None:
         grad = g_fn(params)
     if method == "dense" or (method == "auto" and _dense_hessian(g_fn, params)):
@@ -132,8 +145,11 @@ def _dense_hessian(g_fn: Callable[[Any], Any], params: Any) -> bool:
             basis = np.zeros((cols.size, n), dtype)
             basis[np.arange(cols.size), cols] = 1.0
             H = np.asarray(jax.vmap(lin)(jnp.asarray(basis)))
-    except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError,
-            jax.errors.TracerBoolConversionError):
+    except (
+        jax.errors.ConcretizationTypeError,
+        jax.errors.TracerArrayConversionError,
+        jax.errors.TracerBoolConversionError,
+    ):
         return False
     filled = (H != 0) | ~np.isfinite(H)
     return bool(filled.sum(axis=1).min() >= n // 2)
@@ -149,13 +165,16 @@ def _dense_direction(g_fn: Callable[[Any], Any], params: Any, grad: Any, damping
 
     def flat_g(u):
         return ravel_pytree(traced_leaves(g_fn(unravel(u))))[0]
+
     _, lin = jax.linearize(flat_g, v)
     H = jax.vmap(lin)(jnp.eye(n, dtype=v.dtype))
     H = 0.5 * (H + H.T) + damping * jnp.eye(n, dtype=v.dtype)
     L = jnp.linalg.cholesky(H)
-    d = lax.cond(jnp.all(jnp.isfinite(L)),
-                 lambda: jax.scipy.linalg.cho_solve((L, True), gv),
-                 lambda: jnp.linalg.solve(H, gv))
+    d = lax.cond(
+        jnp.all(jnp.isfinite(L)),
+        lambda: jax.scipy.linalg.cho_solve((L, True), gv),
+        lambda: jnp.linalg.solve(H, gv),
+    )
     return unravel(d)
 
 
@@ -168,11 +187,13 @@ def _is_zero(x) -> bool:
 
 class ScaleByNewtonState(NamedTuple):
     """`scale_by_newton` keeps no state besides a step count."""
+
     count: jax.Array
 
 
-def scale_by_newton(damping: float = 0.0, *, method: str = "auto"
-                    ) -> optax.GradientTransformationExtraArgs:
+def scale_by_newton(
+    damping: float = 0.0, *, method: str = "auto"
+) -> optax.GradientTransformationExtraArgs:
     """Turn the incoming updates `g` into the Newton direction ``(H + damping·I)⁻¹ g``, `H`
     the Hessian of `value_fn` (a keyword-only extra argument of `update`) at `params`.
 
@@ -200,18 +221,22 @@ def scale_by_newton(damping: float = 0.0, *, method: str = "auto"
             raise ValueError(
                 "scale_by_newton: update() needs the objective as a keyword argument, "
                 "update(grads, state, params, value_fn=f): the Newton direction is computed "
-                "from the Hessian of value_fn at params")
+                "from the Hessian of value_fn at params"
+            )
         if params is None:
-            raise ValueError("scale_by_newton: update() needs params (the Hessian is taken "
-                             "there): update(grads, state, params, value_fn=f)")
+            raise ValueError(
+                "scale_by_newton: update() needs params (the Hessian is taken "
+                "there): update(grads, state, params, value_fn=f)"
+            )
         d = newton_direction(value_fn, params, updates, damping=damping, method=method)
         return d, ScaleByNewtonState(count=optax.safe_increment(state.count))
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def newton(learning_rate: float = 1.0, damping: float = 0.0
-           ) -> optax.GradientTransformationExtraArgs:
+def newton(
+    learning_rate: float = 1.0, damping: float = 0.0
+) -> optax.GradientTransformationExtraArgs:
     """Newton's method as an Optax optimizer: ``x ← x − learning_rate (H + damping·I)⁻¹ g``.
 
     Example:
@@ -241,8 +266,9 @@ def _inf_norm(v) -> jax.Array:
 def _status(finite, converged, out_of_iterations) -> jax.Array:
     """An index into STATUS, or -1 to go on."""
     i = lambda c: jnp.asarray(c, jnp.int32)  # noqa: E731
-    return jnp.where(~finite, i(3), jnp.where(converged, i(0),
-                                              jnp.where(out_of_iterations, i(1), i(-1))))
+    return jnp.where(
+        ~finite, i(3), jnp.where(converged, i(0), jnp.where(out_of_iterations, i(1), i(-1)))
+    )
 
 
 def _check_common(who, tol, maxiter):
@@ -256,8 +282,7 @@ def _check_maxiter(who, maxiter):
         raise ValueError(f"{who}: maxiter must be a non-negative int, got {maxiter!r}")
 
 
-def _eager_compiled(settings: tuple, fun: Callable, impl: Callable[..., Any],
-                    args: tuple) -> Any:
+def _eager_compiled(settings: tuple, fun: Callable, impl: Callable[..., Any], args: tuple) -> Any:
     """``impl(*args)``, a solve of `fun`. Called eagerly (concrete arguments, nothing
     tracing), it runs as one compiled call cached on `settings` and on `call_key(fun, args)`
     (the arguments' structure, avals and static leaves, and what `fun` reads besides its
@@ -283,16 +308,19 @@ def _eager_compiled(settings: tuple, fun: Callable, impl: Callable[..., Any],
             out = Filtered((impl(*split.rebuild(flat)),))
             out_split[:] = [out]
             return out.flat
+
         hit = cache.put(key, ck[1], (checked_jit(flat_impl), out_split))
     jitted, out_split = hit
     flat_out = jitted(*Filtered(tuple(args)).flat)
     return out_split[0].rebuild(flat_out)[0]
 
 
-def _backtrack(merit: Callable[[Any], Any], x: Any, d: Any, m0: Any, slope: Any,
-               max_halvings: int = 40) -> Any:
+def _backtrack(
+    merit: Callable[[Any], Any], x: Any, d: Any, m0: Any, slope: Any, max_halvings: int = 40
+) -> Any:
     """Largest t in 1, 1/2, 1/4, ... with ``merit(x - t d) <= m0 - 1e-4 t slope``; returns
     (t, merit there, found)."""
+
     def cond(c):
         t, m, k = c
         ok = jnp.isfinite(m) & (m <= m0 - 1e-4 * t * slope)
@@ -302,6 +330,7 @@ def _backtrack(merit: Callable[[Any], Any], x: Any, d: Any, m0: Any, slope: Any,
         t, _, k = c
         t = t / 2
         return t, merit(x - t * d), k + 1
+
     t0 = jnp.ones([], x.dtype)
     t, m, k = lax.while_loop(cond, body, (t0, merit(x - d), jnp.zeros([], jnp.int32)))
     found = jnp.isfinite(m) & (m <= m0 - 1e-4 * t * slope)
@@ -317,8 +346,14 @@ class _State(NamedTuple):
     status: jax.Array  # -1 while running
 
 
-def minimize(fun: Callable[[Any], Any], x0: Any, *, method: str = "trust-region",
-             tol: float = 1e-8, maxiter: int = 100) -> tuple[Any, Info]:
+def minimize(
+    fun: Callable[[Any], Any],
+    x0: Any,
+    *,
+    method: str = "trust-region",
+    tol: float = 1e-8,
+    maxiter: int = 100,
+) -> tuple[Any, Info]:
     """Minimize a scalar `fun` from `x0` (a pytree) with Newton steps by inverse accumulation;
     returns ``(x, info)``. Stops when the gradient's largest entry is at most `tol`.
 
@@ -340,12 +375,17 @@ def minimize(fun: Callable[[Any], Any], x0: Any, *, method: str = "trust-region"
     if method not in ("newton", "trust-region"):
         raise ValueError(f"{who}: method must be 'newton' or 'trust-region', got {method!r}")
     _check_common(who, tol, maxiter)
-    return _eager_compiled((who, method, float(tol), maxiter), fun,
-                           partial(_minimize, fun, method, float(tol), maxiter), (x0,))
+    return _eager_compiled(
+        (who, method, float(tol), maxiter),
+        fun,
+        partial(_minimize, fun, method, float(tol), maxiter),
+        (x0,),
+    )
 
 
-def _minimize(fun: Callable[[Any], Any], method: str, tol: float, maxiter: int,
-              x0: Any) -> tuple[Any, Info]:
+def _minimize(
+    fun: Callable[[Any], Any], method: str, tol: float, maxiter: int, x0: Any
+) -> tuple[Any, Info]:
     who = "jaxrev.optim.minimize"
     v0, unravel = ravel_filtered(x0)
     if not jnp.issubdtype(v0.dtype, jnp.floating):
@@ -356,6 +396,7 @@ def _minimize(fun: Callable[[Any], Any], method: str, tol: float, maxiter: int,
         if jnp.shape(out) != ():
             raise TypeError(f"{who}: fun must return a scalar, got shape {jnp.shape(out)}")
         return jnp.asarray(out, v.dtype)
+
     value_and_grad = jax.value_and_grad(f)
     f0, g0 = value_and_grad(v0)
     dtype = v0.dtype
@@ -365,8 +406,9 @@ def _minimize(fun: Callable[[Any], Any], method: str, tol: float, maxiter: int,
 
     def finish(s: _State, x: Any, fx: Any, gx: Any, lam: Any, k: Any) -> Any:
         """Status after an iteration: converged, non-finite, out of iterations, or running."""
-        return _State(x, fx, gx, lam, k, _status(_finite(fx, gx), _inf_norm(gx) <= tol,
-                                                 k >= maxiter))
+        return _State(
+            x, fx, gx, lam, k, _status(_finite(fx, gx), _inf_norm(gx) <= tol, k >= maxiter)
+        )
 
     def newton_step(s: _State) -> _State:
         d = newton_direction(f, s.x, s.g)
@@ -379,8 +421,7 @@ def _minimize(fun: Callable[[Any], Any], method: str, tol: float, maxiter: int,
         x = jnp.where(found, s.x - t * d, s.x)
         fx, gx = value_and_grad(x)
         nxt = finish(s, x, fx, gx, s.lam, s.k + 1)
-        return nxt._replace(status=jnp.where(found | (nxt.status == 0), nxt.status,
-                                             jnp.int32(2)))
+        return nxt._replace(status=jnp.where(found | (nxt.status == 0), nxt.status, jnp.int32(2)))
 
     def trust_step(s: _State) -> _State:
         p = -newton_direction(f, s.x, s.g, damping=s.lam)
@@ -404,8 +445,7 @@ def _minimize(fun: Callable[[Any], Any], method: str, tol: float, maxiter: int,
         # a rejected step below rounding: λ has grown past any use, nothing changes any more
         eps = jnp.finfo(dtype).eps
         stalled = ~accept & ok & (_inf_norm(p) <= 4 * eps * (1.0 + _inf_norm(s.x)))
-        return nxt._replace(status=jnp.where(stalled & (nxt.status < 0), jnp.int32(2),
-                                            nxt.status))
+        return nxt._replace(status=jnp.where(stalled & (nxt.status < 0), jnp.int32(2), nxt.status))
 
     step = newton_step if method == "newton" else trust_step
     s0 = finish(None, v0, f0, g0, jnp.zeros([], dtype), jnp.zeros([], jnp.int32))
@@ -422,8 +462,15 @@ ATOL = 1e-10
 """`root`'s default absolute tolerance on the Newton step and on F."""
 
 
-def root(fun: Callable[[Any], Any], x0: Any, *, rtol: float = RTOL, atol: float = ATOL,
-         maxiter: int = 50, tol: float | None = None) -> tuple[Any, Info]:
+def root(
+    fun: Callable[[Any], Any],
+    x0: Any,
+    *,
+    rtol: float = RTOL,
+    atol: float = ATOL,
+    maxiter: int = 50,
+    tol: float | None = None,
+) -> tuple[Any, Info]:
     """Solve ``fun(x) = 0`` (a square system; `x0` a pytree) by Newton's method: the step
     ``d = J⁻¹F(x)`` comes from `inverse_jvp` of `fun` itself, and a backtracking line search
     on ``‖F‖²`` keeps it from diverging. Returns ``(x, info)`` with ``info.value = ‖F(x)‖²/2``.
@@ -446,8 +493,12 @@ def root(fun: Callable[[Any], Any], x0: Any, *, rtol: float = RTOL, atol: float 
     if tol is not None:
         if (rtol, atol) != (RTOL, ATOL):
             raise ValueError(f"{who}: pass rtol and atol, not tol (its deprecated name)")
-        warnings.warn(f"{who}: tol= is deprecated; pass atol={tol!r} (and rtol, relative to "
-                      "|x|, on the Newton step) instead", DeprecationWarning, stacklevel=2)
+        warnings.warn(
+            f"{who}: tol= is deprecated; pass atol={tol!r} (and rtol, relative to "
+            "|x|, on the Newton step) instead",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         if not tol > 0:
             raise ValueError(f"{who}: tol must be > 0, got {tol}")
         rtol, atol = 0.0, tol
@@ -458,8 +509,9 @@ def root(fun: Callable[[Any], Any], x0: Any, *, rtol: float = RTOL, atol: float 
     return _eager_compiled((who, *settings), fun, partial(_root, fun, *settings), (x0,))
 
 
-def _root(fun: Callable[[Any], Any], rtol: float, atol: float, maxiter: int,
-          x0: Any) -> tuple[Any, Info]:
+def _root(
+    fun: Callable[[Any], Any], rtol: float, atol: float, maxiter: int, x0: Any
+) -> tuple[Any, Info]:
     who = "jaxrev.optim.root"
     v0, unravel = ravel_filtered(x0)
     if not jnp.issubdtype(v0.dtype, jnp.inexact):
@@ -467,8 +519,9 @@ def _root(fun: Callable[[Any], Any], rtol: float, atol: float, maxiter: int,
     out_shape = jax.eval_shape(fun, x0)
     n_out = sum(int(o.size) for o in jax.tree_util.tree_leaves(out_shape))
     if n_out != v0.size:
-        raise ValueError(f"{who}: fun maps {v0.size} numbers to {n_out}; root needs a square "
-                         "system")
+        raise ValueError(
+            f"{who}: fun maps {v0.size} numbers to {n_out}; root needs a square system"
+        )
 
     def F(v):
         return ravel_pytree(fun(unravel(v)))[0].astype(v.dtype)

@@ -1,1 +1,3 @@
-import jax; jax.config.update("jax_enable_x64", True)
+import jax
+
+jax.config.update("jax_enable_x64", True)

@@ -10,6 +10,7 @@
 - a masked autoregressive layer inverts through the zeros of its masked weights, also with
   its layers stacked in a `scan`; with traced masks Newton's method solves the layer whole.
 """
+
 from __future__ import annotations
 
 import jax
@@ -43,7 +44,7 @@ def clipped_spline(x, xk, yk, d):
     k = jnp.clip(jnp.searchsorted(xk, xc) - 1, 0, len(xk) - 2)
     xi = (xc - xk[k]) / (xk[k + 1] - xk[k])
     s = (yk[k + 1] - yk[k]) / (xk[k + 1] - xk[k])
-    num = (yk[k + 1] - yk[k]) * (s * xi ** 2 + d[k] * xi * (1 - xi))
+    num = (yk[k + 1] - yk[k]) * (s * xi**2 + d[k] * xi * (1 - xi))
     den = s + (d[k + 1] + d[k] - 2 * s) * xi * (1 - xi)
     y = jnp.clip(yk[k] + num / den, -B, B)
     return jnp.where(inb, y, x)
@@ -62,6 +63,7 @@ def test_flowjax_style_spline_inverts_with_combinations_linear_in_the_bins(K, mo
         out = real(*a)
         sizes.append(None if out is None else len(out))
         return out
+
     monkeypatch.setattr(choices, "_combos", spy)
     with counting() as c:
         got = jax.vmap(jr.reverse(f))(y)
@@ -79,7 +81,7 @@ def test_saturated_clip_of_an_intermediate_is_refused_only_at_its_end():
     f = lambda x: jnp.clip(2.0 * jnp.tanh(x), -2.0 + 1e-12, 2.0 - 1e-12)  # noqa: E731
     x = jnp.array([-1.0, 0.25, 3.0])
     np.testing.assert_allclose(jr.reverse(f)(f(x)), x, rtol=1e-12)
-    far = jnp.array([0.5, 40.0])          # tanh(40) rounds to 1: the clip saturates
+    far = jnp.array([0.5, 40.0])  # tanh(40) rounds to 1: the clip saturates
     with pytest.raises(jr.NotInvertibleError, match="saturated clip") as e:
         jr.reverse(f)(f(far))
     assert e.value.primitive in ("max", "min")
@@ -98,9 +100,10 @@ def test_relu_of_the_state_is_still_refused_when_traced():
 def test_ratio_of_quadratics_is_solved_by_its_roots():
     a = jnp.array([2.0, 0.5, 1.5])
 
-    def f(x):   # a Moebius map and a quadratic over a quadratic, both monotone on x > 0
+    def f(x):  # a Moebius map and a quadratic over a quadratic, both monotone on x > 0
         m = (a * x + 1.0) / (x + 3.0)
         return m + (x * x) / (1.0 + x * x) * 0.1
+
     x = jnp.array([0.3, 1.7, 4.0])
     with counting() as c:
         got = jr.reverse(f)(f(x))
@@ -118,18 +121,19 @@ def _made(D: int, H: int, key: int):
     """A MADE layer pair with masks by rank (MADE, flowjax's and numpyro's construction)."""
     k1, k2, k3 = jax.random.split(jax.random.key(key), 3)
     rin, rh = np.arange(D), np.arange(H) % (D - 1)
-    m1 = (rin[:, None] <= rh[None, :])
-    m2 = (rh[:, None] < rin[None, :])
+    m1 = rin[:, None] <= rh[None, :]
+    m2 = rh[:, None] < rin[None, :]
     W1 = jnp.where(m1, jax.random.normal(k1, (D, H)) / np.sqrt(D), 0.0)
-    W2 = jnp.where(np.concatenate([m2, m2], 1),
-                   0.3 * jax.random.normal(k2, (H, 2 * D)) / np.sqrt(H), 0.0)
+    W2 = jnp.where(
+        np.concatenate([m2, m2], 1), 0.3 * jax.random.normal(k2, (H, 2 * D)) / np.sqrt(H), 0.0
+    )
     b = 0.1 * jax.random.normal(k3, (2 * D,))
     return W1, W2, b
 
 
 def _maf_layer(x, W1, W2, b):
     p = jnp.tanh(x @ W1) @ W2 + b
-    loc, log_scale = p[:x.shape[-1]], p[x.shape[-1]:]
+    loc, log_scale = p[: x.shape[-1]], p[x.shape[-1] :]
     return x * jnp.exp(log_scale) + loc
 
 
@@ -151,7 +155,9 @@ def test_masked_autoregressive_layers_stacked_in_a_scan():
     def f(x):
         def body(x, w):
             return _maf_layer(x, *w)[::-1], None
+
         return jax.lax.scan(body, x, (W1s, W2s, bs))[0]
+
     x = jax.random.normal(jax.random.key(2), (D,))
     np.testing.assert_allclose(jax.jit(jr.reverse(f))(f(x)), x, rtol=1e-11)
 

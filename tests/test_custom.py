@@ -1,4 +1,5 @@
 """`jr.custom_inverse`: a user-supplied inverse honoured by reverse, reversible, inverse AD."""
+
 from __future__ import annotations
 
 import jax
@@ -19,16 +20,19 @@ def kepler(x):
 def kepler_inv(y):
     def newton(_, x):
         return x - (x + 0.5 * jnp.sin(x) - y) / (1.0 + 0.5 * jnp.cos(x))
+
     return jax.lax.fori_loop(0, 40, newton, y)
 
 
 def program(x, w):
     """kepler inside a larger invertible program, with parameters."""
+
     def body(c, _):
         a, b = c
         a = a + jnp.tanh(w * b)
         b = kepler(b * 1.3) + 0.1 * a
         return (a, b), None
+
     return jax.lax.scan(body, x, None, length=5)[0]
 
 
@@ -37,16 +41,23 @@ W = jnp.array([0.3, -0.7, 1.1, 0.2])
 
 
 def rel(a, b):
-    return max(float(jnp.max(jnp.abs(u - v)) / jnp.max(jnp.abs(v)))
-               for u, v in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)))
+    return max(
+        float(jnp.max(jnp.abs(u - v)) / jnp.max(jnp.abs(v)))
+        for u, v in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b))
+    )
 
 
 def test_function_itself_is_unchanged():
     x = jnp.linspace(-2, 2, 5)
     plain = lambda x: x + 0.5 * jnp.sin(x)  # noqa: E731
     assert rel(kepler(x), plain(x)) == 0
-    assert rel(jax.grad(lambda x: jnp.sum(kepler(x) ** 2))(x),
-               jax.grad(lambda x: jnp.sum(plain(x) ** 2))(x)) < 1e-15
+    assert (
+        rel(
+            jax.grad(lambda x: jnp.sum(kepler(x) ** 2))(x),
+            jax.grad(lambda x: jnp.sum(plain(x) ** 2))(x),
+        )
+        < 1e-15
+    )
     assert rel(jax.jit(jax.vmap(kepler))(x[:, None]), plain(x[:, None])) < 1e-15
     assert rel(jax.jvp(kepler, (x,), (x,))[1], jax.jvp(plain, (x,), (x,))[1]) < 1e-15
 
@@ -112,12 +123,15 @@ def test_errors_name_the_function():
 
 # --------------------------------------------------------------------------- hook, nestlevel
 
+
 def test_hook_flips_the_gradient():
     assert float(jax.grad(lambda x: jr.hook(lambda g: -g, x) ** 2)(3.0)) == -6.0
+
     # pytrees, and clipping inside a larger gradient
     def loss(p):
         p = jr.hook(lambda g: jax.tree_util.tree_map(lambda a: jnp.clip(a, -1.0, 1.0), g), p)
         return jnp.sum(p["w"] ** 3) + p["b"] * 10.0
+
     g = jax.jit(jax.grad(loss))({"w": jnp.array([0.1, 2.0]), "b": 1.0})
     assert np.allclose(g["w"], [0.03, 1.0]) and float(g["b"]) == 1.0
     # forward values untouched
@@ -130,6 +144,7 @@ def test_hook_errors_name_the_hook():
 
     def bad(g):
         return (g, g)
+
     with pytest.raises(ValueError, match="jr.hook: bad must return a cotangent"):
         jax.grad(lambda x: jr.hook(bad, x) ** 2)(1.0)
 
@@ -139,7 +154,7 @@ def test_nestlevel():
 
     def f(x):
         seen.append(jr.nestlevel())
-        return x ** 3
+        return x**3
 
     f(2.0)
     jax.grad(f)(2.0)
@@ -150,6 +165,7 @@ def test_nestlevel():
 
 
 # --------------------------------------------------------------------------- forward_mode
+
 
 def test_forward_mode_gradients_and_no_reevaluation():
     def f(a, b):
@@ -170,6 +186,7 @@ def test_forward_mode_gradients_and_no_reevaluation():
 
 
 # --------------------------------------------------------------------------- store / recompute
+
 
 def _temp(fn, *args):
     return jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
@@ -194,13 +211,20 @@ def test_store_keeps_values_and_costs_memory():
     entry = [e for e in rep.entries if e["what"] == "value kept by jr.store"]
     assert len(entry) == 1 and entry[0]["count"] == 50 and entry[0]["bytes"] == 512 * 8
     assert "test_custom.py" in entry[0]["where"]
-    loss = lambda f: jax.grad(lambda c, th: jnp.sum(jr.reversible(f)(c, th)[0]),  # noqa: E731
-                              argnums=(0, 1))
+    loss = lambda f: jax.grad(
+        lambda c, th: jnp.sum(jr.reversible(f)(c, th)[0]),  # noqa: E731
+        argnums=(0, 1),
+    )
     m_plain, m_kept = _temp(loss(plain), c, 0.5), _temp(loss(kept), c, 0.5)
     assert m_kept > m_plain + 0.9 * 50 * 512 * 8
     # and the gradient is still jax.grad's
-    assert rel(loss(kept)(c, 0.5), jax.grad(lambda c, th: jnp.sum(plain(c, th)[0]),
-                                            argnums=(0, 1))(c, 0.5)) < 1e-10
+    assert (
+        rel(
+            loss(kept)(c, 0.5),
+            jax.grad(lambda c, th: jnp.sum(plain(c, th)[0]), argnums=(0, 1))(c, 0.5),
+        )
+        < 1e-10
+    )
 
 
 def test_recompute_changes_what_is_stored():
@@ -222,17 +246,20 @@ def test_recompute_changes_what_is_stored():
 
 # --------------------------------------------------------------------------- register_inverse_jvp
 
+
 def _cube_primitive(with_jvp_rule):
     from jax.extend.core import Primitive
+
     p = Primitive("test_cube")
-    p.def_impl(lambda x: x ** 3)
+    p.def_impl(lambda x: x**3)
     p.def_abstract_eval(lambda a: a)
     from jaxrev._compat import primitive_jvps
+
     primitive_jvps[p] = lambda xs, ts: (p.bind(xs[0]), 3 * xs[0] ** 2 * ts[0])
     # the inverse is computed where JAX cannot differentiate it
     jr.register_inverse(p, lambda out, x: [jax.lax.stop_gradient(jnp.cbrt(out))])
     if with_jvp_rule:
-        jr.register_inverse_jvp(p, lambda t, out, x: [t / (3 * x ** 2)])
+        jr.register_inverse_jvp(p, lambda t, out, x: [t / (3 * x**2)])
     return p
 
 
@@ -263,6 +290,7 @@ def test_register_inverse_jvp_errors():
 
     def bad_rule(t, out, x):
         return t
+
     jr.register_inverse_jvp(p, bad_rule)
     with pytest.raises(TypeError, match="inverse-JVP rule .*bad_rule for `test_cube`"):
         jax.jvp(jr.reverse(p.bind), (jnp.ones(2),), (jnp.ones(2),))
@@ -284,8 +312,10 @@ def test_recompute_changes_measured_memory():
     # final counter, which the output discards, is run forward, not stored)
     assert jr.memory_report(plain, x, w, checkpoint_every=None).total_bytes == 50 * 8
     assert jr.memory_report(marked, x, w, checkpoint_every=None).total_bytes == 50 * 1000 * 8
-    grad = lambda f: jax.grad(lambda x, w: jnp.sum(jr.reversible(f)(x, w) ** 2),  # noqa: E731
-                              argnums=(0, 1))
+    grad = lambda f: jax.grad(
+        lambda x, w: jnp.sum(jr.reversible(f)(x, w) ** 2),  # noqa: E731
+        argnums=(0, 1),
+    )
     assert _temp(grad(marked), x, w) > _temp(grad(plain), x, w) + 0.9 * 50 * 1000 * 8
     ref = jax.grad(lambda x, w: jnp.sum(plain(x, w) ** 2), argnums=(0, 1))(x, w)
     assert rel(grad(marked)(x, w), ref) < 1e-12 and rel(grad(plain)(x, w), ref) < 1e-12
@@ -293,11 +323,13 @@ def test_recompute_changes_measured_memory():
 
 def test_hook_and_forward_mode_compose_with_jvp():
     x, y = jnp.array([0.3, 0.7]), jnp.array([1.1, -0.4])
-    f = lambda x, y: (jnp.sin(x) * y, x * y ** 2)  # noqa: E731
-    assert rel(jax.jvp(jr.forward_mode(f), (x, y), (x, y))[1], jax.jvp(f, (x, y), (x, y))[1]) \
-        < 1e-14
+    f = lambda x, y: (jnp.sin(x) * y, x * y**2)  # noqa: E731
+    assert (
+        rel(jax.jvp(jr.forward_mode(f), (x, y), (x, y))[1], jax.jvp(f, (x, y), (x, y))[1]) < 1e-14
+    )
     h = lambda x: jnp.sum(jr.hook(lambda g: 2 * g, x) ** 3)  # noqa: E731
-    assert float(jax.jvp(h, (x,), (x,))[1]) == float(jax.jvp(lambda x: jnp.sum(x ** 3), (x,),
-                                                            (x,))[1])
+    assert float(jax.jvp(h, (x,), (x,))[1]) == float(
+        jax.jvp(lambda x: jnp.sum(x**3), (x,), (x,))[1]
+    )
     assert rel(jax.hessian(h)(x), jnp.diag(12 * x)) < 1e-14  # the hook doubles the cotangent
     assert rel(jax.vmap(jax.grad(h))(jnp.stack([x, y])), 6 * jnp.stack([x, y]) ** 2) < 1e-14

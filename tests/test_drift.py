@@ -4,6 +4,7 @@ References are `jax.grad` in float64. The programs: a contracting fixed point (a
 equilibrium layer's shape: its backward run expands rounding without bound) as a `fori_loop`
 and as a `while_loop`, reversible Heun, a coupled scan with `xs` and `ys`, nested loops.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -20,26 +21,25 @@ jax.config.update("jax_enable_x64", True)
 
 N = 32
 _W = np.random.default_rng(1).standard_normal((N, N))
-W = jnp.asarray(0.5 * _W / np.linalg.norm(_W, 2))      # ||W|| = 0.5: a contraction
+W = jnp.asarray(0.5 * _W / np.linalg.norm(_W, 2))  # ||W|| = 0.5: a contraction
 TH = 0.3 + 0.1 * jnp.sin(jnp.arange(N, dtype=jnp.float64))
 X0 = jnp.zeros(N)
 TOL = 1e-10
 
 
 def fp_fori(x, th, n=40):
-    return lax.fori_loop(0, n, lambda i, x: jnp.tanh(W @ x + th), x)   # FORI-LINE
+    return lax.fori_loop(0, n, lambda i, x: jnp.tanh(W @ x + th), x)  # FORI-LINE
 
 
 def fp_while(x, th):
     cond = lambda x: jnp.max(jnp.abs(jnp.tanh(W @ x + th) - x)) > TOL  # noqa: E731
-    return lax.while_loop(cond, lambda x: jnp.tanh(W @ x + th), x)     # WHILE-LINE
+    return lax.while_loop(cond, lambda x: jnp.tanh(W @ x + th), x)  # WHILE-LINE
 
 
 def trips(x, th):
     """How many iterations `fp_while` runs."""
     cond = lambda s: jnp.max(jnp.abs(jnp.tanh(W @ s[1] + th) - s[1])) > TOL  # noqa: E731
-    return int(lax.while_loop(cond, lambda s: (s[0] + 1, jnp.tanh(W @ s[1] + th)),
-                              (0, x))[0])
+    return int(lax.while_loop(cond, lambda s: (s[0] + 1, jnp.tanh(W @ s[1] + th)), (0, x))[0])
 
 
 def loss(f):
@@ -53,11 +53,15 @@ def line_of(tag: str) -> int:
 
 def heun(n=1000, dt=0.01):
     def step(c, A):
-        y, z, = c
+        (
+            y,
+            z,
+        ) = c
         f = lambda v: jnp.tanh(A @ v)  # noqa: E731
         z1 = 2.0 * y - z + dt * f(z)
         return y + 0.5 * dt * (f(z) + f(z1)), z1
-    return lambda s, A: lax.fori_loop(0, n, lambda i, c: step(c, A), s)   # HEUN-LINE
+
+    return lambda s, A: lax.fori_loop(0, n, lambda i, c: step(c, A), s)  # HEUN-LINE
 
 
 def heun_case():
@@ -73,11 +77,14 @@ def heun_loss(f):
 
 
 def max_rel(a, b):
-    return max(float(jnp.max(jnp.abs(u - v)) / jnp.max(jnp.abs(u)))
-               for u, v in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)))
+    return max(
+        float(jnp.max(jnp.abs(u - v)) / jnp.max(jnp.abs(u)))
+        for u, v in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b))
+    )
 
 
 # --------------------------------------------------------------------------- the default repairs
+
 
 def test_contracting_loop_is_repaired_by_default():
     """The default checkpoints the loop every ⌈√T⌉ iterations and recomputes the segments
@@ -118,8 +125,9 @@ def test_heun_is_checked_and_passes():
     ref = jax.grad(heun_loss(heun()), argnums=(0, 1))(s, A)
     got = jax.jit(jax.grad(heun_loss(jr.reversible(heun())), argnums=(0, 1)))(s, A)
     assert max_rel(ref, got) < 1e-10
-    g = jax.grad(heun_loss(jr.reversible(heun(), drift_rtol=1e-17, on_drift="raise")),
-                 argnums=(0, 1))
+    g = jax.grad(
+        heun_loss(jr.reversible(heun(), drift_rtol=1e-17, on_drift="raise")), argnums=(0, 1)
+    )
     with pytest.raises(jr.DriftError) as ei:
         g(s, A)
     assert f"test_drift.py:{line_of('# HEUN-LINE')}" in str(ei.value)
@@ -127,6 +135,7 @@ def test_heun_is_checked_and_passes():
 
 
 # --------------------------------------------------------------------------- the dial fixes it
+
 
 @pytest.mark.parametrize("every", [1, "auto"])
 @pytest.mark.parametrize("form", ["fori", "while"])
@@ -144,8 +153,9 @@ def test_checkpoints_give_jax_grad(form, every):
 def test_heun_with_checkpoints(every):
     s, A = heun_case()
     ref = jax.grad(heun_loss(heun()), argnums=(0, 1))(s, A)
-    got = jax.jit(jax.grad(heun_loss(jr.reversible(heun(), checkpoint_every=every)),
-                           argnums=(0, 1)))(s, A)
+    got = jax.jit(
+        jax.grad(heun_loss(jr.reversible(heun(), checkpoint_every=every)), argnums=(0, 1))
+    )(s, A)
     assert max_rel(ref, got) < 1e-10
 
 
@@ -160,6 +170,7 @@ def test_segments_bound_the_drift():
 
 # --------------------------------------------------------------------------- on_drift
 
+
 def test_on_drift_nan_warn_ignore():
     g = jax.grad(loss(jr.reversible(fp_fori, on_drift="nan")))
     assert np.all(np.isnan(g(TH))) and np.all(np.isnan(jax.jit(g)(TH)))
@@ -167,7 +178,7 @@ def test_on_drift_nan_warn_ignore():
         jax.grad(loss(jr.reversible(fp_fori, on_drift="warn")))(TH)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        jax.grad(loss(jr.reversible(fp_fori, on_drift="ignore")))(TH)   # no check at all
+        jax.grad(loss(jr.reversible(fp_fori, on_drift="ignore")))(TH)  # no check at all
 
 
 def test_drift_check_under_vmap_and_jit():
@@ -176,7 +187,7 @@ def test_drift_check_under_vmap_and_jit():
     with pytest.raises(Exception, match="moves the gradient"):
         jax.block_until_ready(g(ths))
     ref = jax.vmap(jax.grad(loss(fp_fori)))(ths)
-    rep = jax.jit(jax.vmap(jax.grad(loss(jr.reversible(fp_fori)))))(ths)   # the default
+    rep = jax.jit(jax.vmap(jax.grad(loss(jr.reversible(fp_fori)))))(ths)  # the default
     np.testing.assert_allclose(rep, ref, atol=1e-10, rtol=0)
     ok = jax.jit(jax.vmap(jax.grad(loss(jr.reversible(fp_fori, checkpoint_every=1)))))(ths)
     np.testing.assert_allclose(ok, ref, atol=1e-10, rtol=0)
@@ -193,8 +204,10 @@ def test_bad_settings_are_named():
 
 def test_true_infinities_are_not_drift():
     """A carry that holds an infinity the program put there is rebuilt as that infinity."""
+
     def f(s, th):
         return lax.fori_loop(0, 10, lambda i, s: (s[0] + th * jnp.exp(-s[1]), s[1]), s)
+
     s = (jnp.linspace(0.0, 1.0, 4), jnp.array([1.0, 2.0, 3.0, jnp.inf]))
     g = jax.grad(lambda th: jnp.sum(jr.reversible(f, checkpoint_every=3)(s, th)[0][:3]))(0.3)
     ref = jax.grad(lambda th: jnp.sum(f(s, th)[0][:3]))(0.3)
@@ -203,33 +216,50 @@ def test_true_infinities_are_not_drift():
 
 # --------------------------------------------------------------------------- segments on scans
 
+
 def scan_xs(rev):
     """State (c, xs): the loop rebuilds its xs from its ys (ys = x * exp(a))."""
+
     def f(c, xs, th):
         def body(c, x):
             a, b = c
             a = a + jnp.tanh(th[0] * b)
             b = b + jnp.sin(th[1] * a)
             return (a, b), x * jnp.exp(0.1 * a)
+
         return lax.scan(body, c, xs, reverse=rev)
+
     return f
 
 
 def scan_ys(rev):
     """State (c, z): xs are known parameters, the ys are read by the output (ys + z)."""
+
     def f(c, z, th, xs):
         def body(c, x):
             a, b = c
             a = a + jnp.tanh(th[0] * b + x)
             b = b + jnp.sin(th[1] * a)
             return (a, b), a * x
+
         c2, ys = lax.scan(body, c, xs, reverse=rev)
         return c2, ys + z
+
     return f
 
 
-@pytest.mark.parametrize("every", [1, pytest.param(3, marks=pytest.mark.slow), 7,
-                                   pytest.param(20, marks=pytest.mark.slow), 23, "auto", None])
+@pytest.mark.parametrize(
+    "every",
+    [
+        1,
+        pytest.param(3, marks=pytest.mark.slow),
+        7,
+        pytest.param(20, marks=pytest.mark.slow),
+        23,
+        "auto",
+        None,
+    ],
+)
 @pytest.mark.parametrize("kind", ["xs", "ys", "xs-reverse", "ys-reverse"])
 def test_checkpointed_scan_with_xs_and_ys(kind, every):
     rev = kind.endswith("reverse")
@@ -244,7 +274,8 @@ def test_checkpointed_scan_with_xs_and_ys(kind, every):
     def lossf(f):
         def L(*a):
             (p, q), ys = f(*a)
-            return jnp.sum(p ** 2) + jnp.sum(q) + jnp.sum(jnp.sin(ys))
+            return jnp.sum(p**2) + jnp.sum(q) + jnp.sum(jnp.sin(ys))
+
         return jax.grad(L, argnums=tuple(range(len(args))))
 
     ref = lossf(prog)(*args)
@@ -256,20 +287,24 @@ def test_nested_loops_and_float32():
     def f(x, th):
         def outer(i, x):
             return lax.fori_loop(0, 6, lambda j, x: x + 0.1 * jnp.tanh(th * x[::-1]), x)
+
         return lax.fori_loop(0, 8, outer, x)
+
     x = jnp.linspace(-1.0, 1.0, 6)
     ref = jax.grad(lambda th: jnp.sum(f(x, th) ** 2))(0.7)
-    for kw in (dict(checkpoint_every=4), dict(checkpoint_every="auto"),
-               dict(memory_budget=200)):
+    for kw in (dict(checkpoint_every=4), dict(checkpoint_every="auto"), dict(memory_budget=200)):
         g = jax.jit(jax.grad(lambda th: jnp.sum(jr.reversible(f, **kw)(x, th) ** 2)))(0.7)
         assert abs(g - ref) < 1e-10 * abs(ref), kw
-    g32 = jax.jit(jax.grad(lambda th: jnp.sum(
-        jr.reversible(f, checkpoint_every=4)(x.astype(jnp.float32), th) ** 2)))(
-        jnp.float32(0.7))
+    g32 = jax.jit(
+        jax.grad(
+            lambda th: jnp.sum(jr.reversible(f, checkpoint_every=4)(x.astype(jnp.float32), th) ** 2)
+        )
+    )(jnp.float32(0.7))
     assert g32.dtype == jnp.float32 and abs(g32 - ref) < 1e-4 * abs(ref)
 
 
 # --------------------------------------------------------------------------- memory
+
 
 def _temp(g, *a):
     return jax.jit(g).lower(*a).compile().memory_analysis().temp_size_in_bytes
@@ -277,24 +312,29 @@ def _temp(g, *a):
 
 def test_memory_follows_the_dial():
     """Checkpoints are T / K carries; a budget bounds them; memory_report lists them."""
+
     def f(c, th):
-        return lax.scan(lambda c, _: ((c[0] + jnp.tanh(th * c[1]), c[1] + jnp.sin(c[0])),
-                                      None), c, None, length=1000)[0]
+        return lax.scan(
+            lambda c, _: ((c[0] + jnp.tanh(th * c[1]), c[1] + jnp.sin(c[0])), None),
+            c,
+            None,
+            length=1000,
+        )[0]
+
     c = (jnp.zeros(1000), jnp.ones(1000))
 
     def grad(**kw):
-        return jax.grad(lambda c, th: jnp.sum(jr.reversible(f, **kw)(c, th)[0]),
-                        argnums=(0, 1))
+        return jax.grad(lambda c, th: jnp.sum(jr.reversible(f, **kw)(c, th)[0]), argnums=(0, 1))
 
     carry = 2 * 1000 * 8
     m = {k: _temp(grad(checkpoint_every=k, on_drift="ignore"), c, 0.5) for k in (10, 100)}
     m[None] = _temp(grad(on_drift="ignore"), c, 0.5)
-    assert m[10] - m[None] >= 100 * carry * 0.9       # 100 checkpoints stored
-    assert m[100] - m[None] <= 10 * carry * 1.5       # 10
+    assert m[10] - m[None] >= 100 * carry * 0.9  # 100 checkpoints stored
+    assert m[100] - m[None] <= 10 * carry * 1.5  # 10
     budget = 25 * carry
     mb = _temp(grad(memory_budget=budget, on_drift="raise"), c, 0.5)
-    assert mb - m[None] <= budget * 1.25   # the checkpoints, and the check's temporaries
-    rbudget = 80 * carry   # repairing: the checkpoints and one segment's carries fit
+    assert mb - m[None] <= budget * 1.25  # the checkpoints, and the check's temporaries
+    rbudget = 80 * carry  # repairing: the checkpoints and one segment's carries fit
     mb = _temp(grad(memory_budget=rbudget), c, 0.5)
     assert mb - m[None] <= rbudget * 1.25
     # the default: ⌈√T⌉ checkpoints and a segment's carries, 2√T carries in all
@@ -309,17 +349,19 @@ def test_memory_follows_the_dial():
 def test_lossy_while_body_with_max_steps():
     """A while body that loses information (a relu) is stored per iteration up to max_steps;
     past the bound the forward run raises naming the loop."""
+
     def f(x, th):
         cond = lambda s: s[0] < s[2]  # noqa: E731
         body = lambda s: (s[0] + 1, jax.nn.relu(s[1] - th) + 0.5, s[2])  # noqa: E731
         return lax.while_loop(cond, body, (0, x, 7))[1]
+
     x = jnp.linspace(-1.0, 2.0, 5)
-    ref = jax.grad(lambda th: jnp.sum(
-        lax.fori_loop(0, 7, lambda i, x: jax.nn.relu(x - th) + 0.5, x) ** 2))(0.3)
+    ref = jax.grad(
+        lambda th: jnp.sum(lax.fori_loop(0, 7, lambda i, x: jax.nn.relu(x - th) + 0.5, x) ** 2)
+    )(0.3)
 
     def g(**kw):
-        return jax.grad(lambda th: jnp.sum(jr.reversible(
-            lambda x, th: f(x, th), **kw)(x, th) ** 2))
+        return jax.grad(lambda th: jnp.sum(jr.reversible(lambda x, th: f(x, th), **kw)(x, th) ** 2))
 
     with pytest.raises(jr.NotInvertibleError, match="max_steps"):
         g()(0.3)
@@ -332,13 +374,14 @@ def test_lossy_while_body_with_max_steps():
 
 # --------------------------------------------------------------------------- check_reversible
 
+
 def test_check_reversible_at_zero_and_on_while_loops():
     rep = jr.check_reversible(lambda x: jnp.expm1(x) * 3.0, jnp.zeros(4))
     assert rep.max_error < 1e-12
     rep = jr.check_reversible(lambda x: jnp.exp(x) * 3.0 - 3.0, jnp.zeros(4))
-    assert rep.max_error < 1e-12                    # was 7e294: relative at x = 0
-    rep = jr.check_reversible(fp_while, X0, TH)     # a plain while loop: trip count recorded
-    assert not rep.max_error < 1e-6                 # the contraction's drift, reported
+    assert rep.max_error < 1e-12  # was 7e294: relative at x = 0
+    rep = jr.check_reversible(fp_while, X0, TH)  # a plain while loop: trip count recorded
+    assert not rep.max_error < 1e-6  # the contraction's drift, reported
     rep = jr.check_reversible(fp_while, X0, TH, checkpoint_every=4, max_steps=200)
     assert rep.max_error == 0.0 and rep.segments
     what, d = rep.segments[0]
@@ -352,17 +395,30 @@ def test_docs_drift_examples_run():
     import re
     import subprocess
     import sys
+
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     with open(os.path.join(root, "docs", "reversible.md")) as fh:
-        blocks = [b for b in re.findall(r"```python\n(.*?)```", fh.read(), flags=re.S)
-                  if "checkpoint_every" in b or "DriftError" in b]
+        blocks = [
+            b
+            for b in re.findall(r"```python\n(.*?)```", fh.read(), flags=re.S)
+            if "checkpoint_every" in b or "DriftError" in b
+        ]
     assert len(blocks) == 2
     for code in blocks:
-        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                           timeout=300, cwd=root, check=False)
+        p = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=root,
+            check=False,
+        )
         assert p.returncode == 0, p.stderr
-        assert ("relative drift of" in p.stdout or "not finite" in p.stdout
-                or "checkpoint of the loop carry" in p.stdout)
+        assert (
+            "relative drift of" in p.stdout
+            or "not finite" in p.stdout
+            or "checkpoint of the loop carry" in p.stdout
+        )
 
 
 @pytest.mark.parametrize("every", [1, 3, "auto"])
@@ -380,19 +436,28 @@ def test_while_checkpoints_under_vmap(every):
 
 # --------------------------------------------------------------------------- review findings
 
+
 def test_nested_reversible_calls():
     """A reversible call inside another's loop: its plan is made while the outer backward run
     is live (its placeholders must not reach the outer run's comparisons)."""
-    inner = jr.reversible(lambda x, th: lax.fori_loop(
-        0, 3, lambda i, x: x + 0.1 * jnp.tanh(th * x[::-1]), x))
+    inner = jr.reversible(
+        lambda x, th: lax.fori_loop(0, 3, lambda i, x: x + 0.1 * jnp.tanh(th * x[::-1]), x)
+    )
 
     def outer(x, th):
         return lax.scan(lambda x, _: (inner(x, th), None), x, None, length=9)[0]
 
     def plain(x, th):
-        return lax.scan(lambda x, _: (lax.fori_loop(
-            0, 3, lambda i, x: x + 0.1 * jnp.tanh(th * x[::-1]), x), None), x, None,
-            length=9)[0]
+        return lax.scan(
+            lambda x, _: (
+                lax.fori_loop(0, 3, lambda i, x: x + 0.1 * jnp.tanh(th * x[::-1]), x),
+                None,
+            ),
+            x,
+            None,
+            length=9,
+        )[0]
+
     x0 = jnp.linspace(0.1, 1.0, 3)
     ref = jax.grad(lambda th: jnp.sum(plain(x0, th) ** 2))(0.5)
     for kw in (dict(), dict(checkpoint_every=3), dict(checkpoint_every="auto")):
@@ -403,12 +468,18 @@ def test_nested_reversible_calls():
 def test_auto_with_a_while_loop_in_the_body():
     """JAX cannot take the VJP of a while loop: such a body is checkpointed and checked, not
     recomputed."""
+
     def f(x, th):
         def body(x, _):
-            x, _ = lax.while_loop(lambda s: s[1] < 3, lambda s: (
-                s[0] + 0.1 * jnp.tanh(th * s[0][::-1]), s[1] + 1), (x, 0))
+            x, _ = lax.while_loop(
+                lambda s: s[1] < 3,
+                lambda s: (s[0] + 0.1 * jnp.tanh(th * s[0][::-1]), s[1] + 1),
+                (x, 0),
+            )
             return x, None
+
         return lax.scan(body, x, None, length=9)[0]
+
     x0 = jnp.linspace(0.1, 1.0, 3)
     ref = jax.grad(lambda th: jnp.sum(jr.reversible(f)(x0, th) ** 2))(0.5)
     g = jax.grad(lambda th: jnp.sum(jr.reversible(f, checkpoint_every="auto")(x0, th) ** 2))(0.5)
@@ -418,13 +489,16 @@ def test_auto_with_a_while_loop_in_the_body():
 def test_mixed_precision_carry_is_not_a_false_alarm():
     """A float64 carry that reads a float32 one is rebuilt to float32's precision: the
     tolerance is the loosest dtype's."""
+
     def f(c, th):
         def body(c, _):
             a, b = c
             a = a + jnp.tanh(th * b)
             b = b + (0.5 * jnp.sin(a)).astype(jnp.float32)
             return (a, b), None
+
         return lax.scan(body, c, None, length=13)[0]
+
     c0 = (jnp.linspace(0.1, 1.0, 3), jnp.linspace(-1.0, 1.0, 3).astype(jnp.float32))
     jax.grad(lambda th: jnp.sum(jr.reversible(f, checkpoint_every=1)(c0, th)[0] ** 2))(0.7)
 
@@ -432,6 +506,7 @@ def test_mixed_precision_carry_is_not_a_false_alarm():
 def test_eager_calls_see_changed_closures_and_attributes():
     """The eager trace cache keys on the traced program (text and constants), so a changed
     attribute, a changed closure of a helper, or an array mutated in place is seen."""
+
     class Model:
         def __init__(self):
             self.s = 1.0
@@ -443,8 +518,11 @@ def test_eager_calls_see_changed_closures_and_attributes():
     x0 = jnp.linspace(0.1, 1.0, 3)
 
     def grads(fun):
-        return (jax.grad(lambda x: jnp.sum(jr.reversible(fun)(x) ** 2))(x0),
-                jax.grad(lambda x: jnp.sum(fun(x) ** 2))(x0))
+        return (
+            jax.grad(lambda x: jnp.sum(jr.reversible(fun)(x) ** 2))(x0),
+            jax.grad(lambda x: jnp.sum(fun(x) ** 2))(x0),
+        )
+
     for s in (1.0, 4.0):
         m.s = s
         got, ref = grads(m.run)
@@ -453,7 +531,8 @@ def test_eager_calls_see_changed_closures_and_attributes():
 
     def g(x):
         return lax.fori_loop(0, 5, lambda i, x: x + 0.1 * jnp.tanh(w * x[::-1]), x)
+
     for v in (1.0, 3.0):
-        w[:] = v            # in place
+        w[:] = v  # in place
         got, ref = grads(g)
         np.testing.assert_allclose(got, ref, rtol=1e-12)

@@ -7,6 +7,7 @@
 - bfloat16 runs the check (its tolerance used NumPy's finfo, which has no bfloat16).
 References: jax.grad in float64.
 """
+
 from __future__ import annotations
 
 import jax
@@ -33,8 +34,9 @@ def cast(t, dt):
 
 # ---------------------------------------------------------------- the silent cases
 
+
 def fixed_point(x, p):
-    return lax.fori_loop(0, 20, lambda j, y: x + 0.1 * jnp.tanh(p * y), x)   # <FIXED-POINT>
+    return lax.fori_loop(0, 20, lambda j, y: x + 0.1 * jnp.tanh(p * y), x)  # <FIXED-POINT>
 
 
 def expand_contract(s, th):
@@ -45,7 +47,8 @@ def expand_contract(s, th):
     def down(i, s):
         x, y = s
         return x + 1e-3 * jnp.sin(y / 2 + th), y / 2 + th
-    return lax.fori_loop(0, 54, down, lax.fori_loop(0, 54, up, s))   # <EXPAND-CONTRACT>
+
+    return lax.fori_loop(0, 54, down, lax.fori_loop(0, 54, up, s))  # <EXPAND-CONTRACT>
 
 
 def fp_loss(f):
@@ -64,8 +67,10 @@ def test_fixed_point_iteration_is_right_by_default(dtype):
     x, p = cast(jnp.linspace(-1.0, 1.0, 16), dtype), cast(jnp.asarray(3.0), dtype)
     ref = jax.grad(fp_loss(fixed_point), (0, 1))(x, p)
     tol = 1e-12 if dtype == jnp.float64 else 1e-5
-    for g in (jax.grad(fp_loss(jr.reversible(fixed_point)), (0, 1)),
-              jax.jit(jax.grad(fp_loss(jr.reversible(fixed_point)), (0, 1)))):
+    for g in (
+        jax.grad(fp_loss(jr.reversible(fixed_point)), (0, 1)),
+        jax.jit(jax.grad(fp_loss(jr.reversible(fixed_point)), (0, 1))),
+    ):
         got = g(x, p)
         assert all(np.all(np.isfinite(a)) for a in got)
         assert rel(got, ref) < tol
@@ -82,14 +87,15 @@ def test_fixed_point_strict_mode_names_the_loop():
 def test_expand_contract_is_right_by_default():
     """A state that expands for 54 steps and contracts for 54: the drift is gone by the
     call's inputs; every segment's start is checked, and the gradient is jax.grad's."""
-    s = (jnp.linspace(0.0, 1.0, 8), 0.3 + 1e-15 * jnp.linspace(-1.0, 1.0, 8))   # y near θ
+    s = (jnp.linspace(0.0, 1.0, 8), 0.3 + 1e-15 * jnp.linspace(-1.0, 1.0, 8))  # y near θ
     th = jnp.asarray(0.3)
     ref = jax.grad(ec_loss(expand_contract), (0, 1))(s, th)
     got = jax.jit(jax.grad(ec_loss(jr.reversible(expand_contract)), (0, 1)))(s, th)
     assert rel(got, ref) < 1e-10
     # the old behaviour, fully reversible: 0.85 % off
-    full = jax.grad(ec_loss(jr.reversible(expand_contract, checkpoint_every=None,
-                                          on_drift="ignore")), (0, 1))(s, th)
+    full = jax.grad(
+        ec_loss(jr.reversible(expand_contract, checkpoint_every=None, on_drift="ignore")), (0, 1)
+    )(s, th)
     assert rel(full, ref) > 1e-6
 
 
@@ -100,9 +106,10 @@ def test_expand_contract_strict_mode_names_the_loop(every):
     compared nothing), and the error is caught as `jr.DriftError` under `jr.jit`. (y starts
     within 1e-15 of the expansion's fixed point θ: further out, y reaches 2^54 and the
     gradient itself reads rounding, jax.grad's as much as this one.)"""
-    s = (jnp.linspace(0.0, 1.0, 8), 0.3 + 1e-15 * jnp.linspace(-1.0, 1.0, 8))   # y near θ
-    g = jax.grad(ec_loss(jr.reversible(expand_contract, on_drift="raise",
-                                       checkpoint_every=every)), (0, 1))
+    s = (jnp.linspace(0.0, 1.0, 8), 0.3 + 1e-15 * jnp.linspace(-1.0, 1.0, 8))  # y near θ
+    g = jax.grad(
+        ec_loss(jr.reversible(expand_contract, on_drift="raise", checkpoint_every=every)), (0, 1)
+    )
     line = f"test_drift_repair.py:{marker_line(__file__, 'EXPAND-CONTRACT')}"
     for call in (g, jr.jit(g)):
         with pytest.raises(jr.DriftError) as ei:
@@ -120,13 +127,16 @@ def test_fixed_point_strict_mode_under_jit():
 
 # ---------------------------------------------------------------- no false alarms
 
+
 def coupled(T):
     def f(c, th):
         def body(i, c):
             x, y = c
             x = x + jnp.tanh(th[0] * y)
             return x, y + jnp.sin(th[1] * x)
+
         return lax.fori_loop(0, T, body, c)
+
     return f
 
 
@@ -138,13 +148,18 @@ def test_headline_family_default_raises_nothing():
     """The coupled scan at the headline's theta (its gradient itself sensitive: drift is
     harmless there and nothing is recomputed) and a chaotic start (drift is not: repaired)."""
     th = jnp.array([0.9, 1.1])
-    for c in [(jnp.linspace(0.0, 1.0, 64), jnp.linspace(1.0, 2.0, 64)),
-              (jax.random.normal(jax.random.PRNGKey(0), (64,)),
-               jax.random.normal(jax.random.PRNGKey(1), (64,)))]:
+    for c in [
+        (jnp.linspace(0.0, 1.0, 64), jnp.linspace(1.0, 2.0, 64)),
+        (
+            jax.random.normal(jax.random.PRNGKey(0), (64,)),
+            jax.random.normal(jax.random.PRNGKey(1), (64,)),
+        ),
+    ]:
         ref = jax.grad(c_loss(coupled(1000)), (0, 1))(c, th)
         got = jax.jit(jax.grad(c_loss(jr.reversible(coupled(1000))), (0, 1)))(c, th)
-        sens = rel(jax.grad(c_loss(coupled(1000)), (0, 1))(
-            c, th.at[0].set(jnp.nextafter(th[0], 2.0))), ref)
+        sens = rel(
+            jax.grad(c_loss(coupled(1000)), (0, 1))(c, th.at[0].set(jnp.nextafter(th[0], 2.0))), ref
+        )
         assert rel(got, ref) <= 10 * max(sens, 1e-15), (rel(got, ref), sens)
 
 
@@ -164,14 +179,17 @@ def test_float32_default_as_accurate_as_jax_grad():
 def test_momentum_hypergradient_default(beta):
     """SGD with momentum run backwards divides by the momentum each step (drift inf before):
     the default repairs every segment and returns jax.grad's hypergradient."""
+
     def train(wv, hp):
         def body(i, s):
             w, v = s
             v = beta * v + jnp.tanh(w) + 0.1 * w
             return w - hp * v, v
+
         return lax.fori_loop(0, 200, body, wv)
+
     wv = (jnp.linspace(-1.0, 1.0, 8), jnp.zeros(8))
-    L = lambda f: lambda hp: jnp.sum(f(wv, hp)[0] ** 2)   # noqa: E731
+    L = lambda f: lambda hp: jnp.sum(f(wv, hp)[0] ** 2)  # noqa: E731
     ref = jax.grad(L(train))(0.05)
     got = jax.jit(jax.grad(L(jr.reversible(train))))(0.05)
     assert abs(got - ref) <= 1e-10 * abs(ref)
@@ -179,18 +197,22 @@ def test_momentum_hypergradient_default(beta):
 
 # ---------------------------------------------------------------- bfloat16
 
+
 def test_bfloat16_runs_the_check():
     """A bfloat16 loop: the check runs (it raised inside NumPy's finfo before) and the
     gradient is as close to the float32 reference as bfloat16 jax.grad's."""
+
     def f(c, w):
         def body(i, c):
             x, y = c
             x = x + jnp.tanh(w.astype(x.dtype) * y)
             return x, y + jnp.sin(x)
+
         return lax.fori_loop(0, 16, body, c)
+
     c = (jnp.linspace(0.0, 1.0, 8), jnp.linspace(1.0, 2.0, 8))
     w = jnp.float32(0.5)
-    L = lambda f: lambda c, w: jnp.sum(f(c, w)[0].astype(jnp.float32))   # noqa: E731
+    L = lambda f: lambda c, w: jnp.sum(f(c, w)[0].astype(jnp.float32))  # noqa: E731
     ref = jax.grad(L(f), 1)(cast(c, jnp.float32), w)
     cb = cast(c, jnp.bfloat16)
     e_jax = abs(float(jax.grad(L(f), 1)(cb, w)) - float(ref))
@@ -204,8 +226,10 @@ def test_hypergradients_example_runs(capsys):
     import importlib.util
     import os
     import re
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                        "examples", "hypergradients.py")
+
+    path = os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "hypergradients.py"
+    )
     spec = importlib.util.spec_from_file_location("hypergradients", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -222,11 +246,13 @@ def test_unrolled_bfloat16_revnet_inputs_tolerance():
     1/2. Branch gain 0.75: drift 0.29, gradient 1.9x jax.grad's error against the float32
     model: no error. Gain 1.0: drift 2.75, 3.1x: DriftError."""
     import tests.test_mixed_precision as tm
+
     f16, f32 = tm._revnet(jnp.bfloat16), tm._revnet(jnp.float32)
     x16, x32 = tm._streams(jnp.bfloat16), tm._streams(jnp.float32)
 
     def weights(gain):
         return [[w * (gain / tm.GAIN) for w in blk] for blk in tm._master_weights(64)]
+
     e_grad, e_rev = tm._accuracy(f16, f32, weights(0.75), x16, x32)
     assert e_rev <= 2 * e_grad + tm.BF16_SLACK
     g = jr.jit(jax.grad(tm._loss(jr.reversible(f16)), argnums=(0, 1)))
@@ -240,6 +266,7 @@ def test_checkpointed_scan_over_stacked_weights_copies_nothing_of_their_size(rev
     slice and writes its gradient in place: scratch does not grow by copies of the stack
     (reversed, split into segments, concatenated, or passed through the repair's cond). The
     lengths leave a first segment shorter than the rest (20 % 5, 70 % 9)."""
+
     def stack(c, W):
         return lax.scan(lambda c, w: (c + jnp.tanh(c @ w), None), c, W, reverse=reverse)[0]
 
@@ -255,5 +282,10 @@ def test_checkpointed_scan_over_stacked_weights_copies_nothing_of_their_size(rev
     W = 0.3 * jnp.asarray(np.random.default_rng(0).standard_normal((20, 8, 8))) / 8
     c = jnp.asarray(np.random.default_rng(1).standard_normal((2, 8)))
     L = lambda f: lambda c, W: jnp.sum(jnp.sin(f(c, W)))
-    assert rel(jax.grad(L(stack), argnums=(0, 1))(c, W),
-               jax.grad(L(jr.reversible(stack)), argnums=(0, 1))(c, W)) < 1e-10
+    assert (
+        rel(
+            jax.grad(L(stack), argnums=(0, 1))(c, W),
+            jax.grad(L(jr.reversible(stack)), argnums=(0, 1))(c, W),
+        )
+        < 1e-10
+    )

@@ -2,6 +2,7 @@
 transform does not trace the user's function again, and what the function reads besides its
 arguments (closures, attributes, globals, arrays changed in place) is part of the key, so a
 change is never answered from a stale trace."""
+
 from __future__ import annotations
 
 import jax
@@ -22,16 +23,17 @@ class Counter:
 
     def __init__(self, monkeypatch):
         import jaxrev._program as P
+
         self.n = 0
-        for name in ("make_jaxpr", "eval_shape"):     # jaxrev's traces and shape checks
+        for name in ("make_jaxpr", "eval_shape"):  # jaxrev's traces and shape checks
             real = getattr(P, name) if name == "make_jaxpr" else P.jax.eval_shape
-            monkeypatch.setattr(P if name == "make_jaxpr" else P.jax, name,
-                                self.counting(real))
+            monkeypatch.setattr(P if name == "make_jaxpr" else P.jax, name, self.counting(real))
 
     def counting(self, real):
         def count(*a, **k):
             self.n += 1
             return real(*a, **k)
+
         return count
 
 
@@ -40,6 +42,7 @@ def run(xy, th):
         a, b = c
         a = a + jnp.tanh(th * b)
         return (a, b + jnp.sin(a)), None
+
     return lax.scan(body, xy, None, length=20)[0]
 
 
@@ -50,6 +53,7 @@ def test_reversible_gradient_is_traced_once_under_eager_grad(monkeypatch):
 
     def loss(fun):
         return lambda xy, th: jnp.vdot(*fun(xy, th))
+
     ref = jax.grad(loss(run), argnums=(0, 1))(xy, 0.3)
     count.n = 0
     for th in (0.3, 0.3, 0.7):
@@ -70,6 +74,7 @@ def test_reverse_compiles_from_the_second_eager_call(monkeypatch):
 
     def f(x, w):
         return lax.fori_loop(0, 10, lambda i, x: x + jnp.tanh(w * x[::-1]), x)
+
     x, w = jnp.linspace(0.1, 1.0, 4), 0.3
     y = f(x, w)
     inv = jr.reverse(f)
@@ -100,23 +105,24 @@ def test_changed_closures_attributes_and_arrays_are_seen():
 
     def g(x):
         return x * w + 1.0
+
     for v in (2.0, 3.0, 2.0, 5.0):
-        w[:] = v                                   # changed in place
+        w[:] = v  # changed in place
         np.testing.assert_allclose(jr.reverse(g)(g(x)), x, rtol=1e-12)
     for k in (2.0, 3.0, 2.0):
-        h = lambda x: x * k                       # noqa: E731 (a new closure each time)
+        h = lambda x: x * k  # noqa: E731 (a new closure each time)
         np.testing.assert_allclose(jr.reverse(h)(h(x)), x, rtol=1e-12)
 
 
 def test_function_key():
     a = 1.0
-    f1 = lambda x: a * x                          # noqa: E731
+    f1 = lambda x: a * x  # noqa: E731
     k1 = function_key(f1)[0]
     assert function_key(f1)[0] == k1
     a = 2.0
     assert function_key(lambda x: a * x)[0] != k1
     big = np.ones(1 << 20)
-    assert function_key(lambda x: big * x) is None     # too large to compare: no key
+    assert function_key(lambda x: big * x) is None  # too large to compare: no key
     assert call_key(jnp.sin, (jax.core.ShapedArray((2,), jnp.float32),)) is not None
 
 
@@ -125,6 +131,7 @@ def test_inverse_transforms_and_newton_direction_repeat_without_retracing(monkey
 
     def f(x):
         return jnp.cumsum(jnp.exp(x)) + x
+
     x = jnp.linspace(-1.0, 1.0, 6)
     J = jax.jacfwd(f)(x)
     count.n = 0
@@ -141,7 +148,8 @@ def test_inverse_transforms_and_newton_direction_repeat_without_retracing(monkey
     assert count.n == n
 
     def value(p):
-        return jnp.sum(p ** 4) + jnp.sum(jnp.roll(p, 1) * p) + jnp.sum(p ** 2)
+        return jnp.sum(p**4) + jnp.sum(jnp.roll(p, 1) * p) + jnp.sum(p**2)
+
     H = jax.hessian(value)(x)
     g = jax.grad(value)(x)
     count.n = 0
@@ -155,10 +163,10 @@ def test_inverse_transforms_and_newton_direction_repeat_without_retracing(monkey
 
 
 def test_a_failing_check_in_a_compiled_call_raises_its_own_error():
-    f = lambda x: x ** 3                                  # noqa: E731 (pivot 3x² = 0 at 0)
+    f = lambda x: x**3  # noqa: E731 (pivot 3x² = 0 at 0)
     x = jnp.array([0.0, 1.0, 2.0])
     msgs = set()
-    for _ in range(3):      # eager, then compiled (the check fails there, and is re-run)
+    for _ in range(3):  # eager, then compiled (the check fails there, and is re-run)
         with pytest.raises(jr.SingularJacobianError) as e:
             jr.inverse_jvp(f, (x,), jnp.ones(3))
         msgs.add(str(e.value))
@@ -166,7 +174,7 @@ def test_a_failing_check_in_a_compiled_call_raises_its_own_error():
     ok = jnp.array([1.0, 2.0, 3.0])
     for _ in range(2):
         _, (t,) = jr.inverse_jvp(f, (ok,), jnp.ones(3))
-        np.testing.assert_allclose(t, 1 / (3 * ok ** 2), rtol=1e-12)
+        np.testing.assert_allclose(t, 1 / (3 * ok**2), rtol=1e-12)
 
 
 def test_static_leaves_pass_through_the_compiled_call():
@@ -190,7 +198,7 @@ def test_static_leaves_pass_through_the_compiled_call():
 def test_a_zero_factor_is_named_on_every_eager_call():
     """Traced, a zero factor divides to an infinity; eagerly `reverse` names it. The compiled
     call's non-finite result is re-run eagerly, so every call raises."""
-    f = lambda x, a: x * a                                # noqa: E731
+    f = lambda x, a: x * a  # noqa: E731
     for _ in range(3):
         with pytest.raises(jr.NotInvertibleError, match="mul"):
             jr.reverse(f)(jnp.ones(3), 0.0)
@@ -205,10 +213,12 @@ def test_state_read_through_classes_objects_and_library_wrappers_is_seen():
     """Found by review: class attributes, dataclasses with slots, library objects holding the
     user's code (an `eqx.nn.Lambda`), sets, randomness drawn when traced."""
     import dataclasses
+
     x = jnp.array([1.0, 2.0])
 
     def f(x):
         return x * Config.scale + 1.0
+
     for s in (2.0, 2.0, 4.0, 4.0, 2.0):
         Config.scale = s
         np.testing.assert_allclose(jr.reverse(f)(f(x)), x, rtol=1e-12)
@@ -223,6 +233,7 @@ def test_state_read_through_classes_objects_and_library_wrappers_is_seen():
         for layer in layers:
             x = x * layer.w
         return x
+
     for w in (2.0, 2.0, 4.0, 4.0):
         layers[1].w = w
         np.testing.assert_allclose(jr.reverse(net)(net(x)), x, rtol=1e-12)
@@ -238,6 +249,7 @@ def test_state_read_through_classes_objects_and_library_wrappers_is_seen():
 
     def g(x):
         return x * (2.0 if "double" in flags else 1.5)
+
     for clear in (False, False, True, True):
         if clear:
             flags.clear()
@@ -247,20 +259,21 @@ def test_state_read_through_classes_objects_and_library_wrappers_is_seen():
 
     def noisy(x):
         return x + rng.normal(size=2)
-    outs = [jr.reverse(noisy)(x) for _ in range(3)]     # fresh noise each call, as eagerly
+
+    outs = [jr.reverse(noisy)(x) for _ in range(3)]  # fresh noise each call, as eagerly
     assert not np.allclose(outs[1], outs[2])
 
 
 def test_calls_inside_jit_on_concrete_arguments():
     """A transform applied to constants inside `jit` (its arguments concrete, the call
     traced) runs as it is, also once its key was seen eagerly."""
-    f = lambda x: 2.0 * x                                 # noqa: E731
+    f = lambda x: 2.0 * x  # noqa: E731
     y0 = jnp.array([2.0, 4.0])
     jr.reverse(f)(y0)
     jr.reverse(f)(y0)
     out = jax.jit(lambda th: th * jr.reverse(f)(y0))(2.0)
     np.testing.assert_allclose(out, [2.0, 4.0])
-    g = lambda p: jnp.sum(p ** 4) + jnp.sum(p ** 2)      # noqa: E731
+    g = lambda p: jnp.sum(p**4) + jnp.sum(p**2)  # noqa: E731
     p0 = jnp.array([1.0, 2.0])
     jr.optim.newton_direction(g, p0)
     jr.optim.newton_direction(g, p0)
@@ -271,12 +284,13 @@ def test_calls_inside_jit_on_concrete_arguments():
 def test_cache_entries_do_not_keep_arrays_alive():
     import gc
     import weakref
+
     x = jnp.ones(4)
     refs = []
     for step in range(5):
-        W = jnp.full(4, 2.0 + step)           # new weights every step, as in training
+        W = jnp.full(4, 2.0 + step)  # new weights every step, as in training
         refs.append(weakref.ref(W))
-        h = lambda x, W=W: x * W              # noqa: E731
+        h = lambda x, W=W: x * W  # noqa: E731
         np.testing.assert_allclose(jr.reverse(h)(h(x)), x)
         del W, h
     gc.collect()

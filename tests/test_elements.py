@@ -5,6 +5,7 @@ Every program of `programs.elements.PROGRAMS` is checked the same way: the round
 under `jit` and under `vmap` to 1e-12 (float64), `reverse(reverse(f)) == f`, `reversible`
 gradients against `jax.grad` to 1e-10 (state and parameters), and what `reversible` stores.
 """
+
 from __future__ import annotations
 
 import os
@@ -20,8 +21,15 @@ from jax import lax
 import jaxrev as jr
 
 sys.path.insert(0, os.path.dirname(__file__))
-from programs.elements import (LOOPS, add_up, masked_coupling, masked_steps,  # noqa: E402
-                              mlp_params, programs, split_coupling)
+from programs.elements import (
+    LOOPS,
+    add_up,
+    masked_coupling,
+    masked_steps,  # noqa: E402
+    mlp_params,
+    programs,
+    split_coupling,
+)
 
 HERE = os.path.basename(__file__)
 P = programs()
@@ -62,6 +70,7 @@ def test_reversible_gradient_equals_jax_grad(name):
 
     def loss(g):
         return lambda x, p: jnp.sum(jnp.sin(g(x, p)))
+
     want = jax.grad(loss(f), argnums=(0, 1))(x, p)
     got = jax.jit(jax.grad(loss(jr.reversible(f)), argnums=(0, 1)))(x, p)
     assert _err(got, want) < GRAD
@@ -90,13 +99,15 @@ def test_element_loop_inverse_is_one_update_per_iteration():
         eqns = _inverse_program(jax.make_jaxpr(jr.reverse(add_up))(jnp.ones(n), p))
         body = [e for e in eqns if e.primitive.name == "scan"][-1].params["jaxpr"]
         return len(body.jaxpr.eqns), [str(v.aval) for e in body.jaxpr.eqns for v in e.outvars]
+
     (k1, _), (k2, a2) = size(64), size(4096)
     assert k1 == k2
     assert sum("4096" in a for a in a2) <= 1  # only the carried array itself is n-sized
 
 
-@pytest.mark.parametrize("name", ["add_up", "swaps", "leaky_net", "stable_softplus",
-                                  "masked_coupling", "rq_spline"])
+@pytest.mark.parametrize(
+    "name", ["add_up", "swaps", "leaky_net", "stable_softplus", "masked_coupling", "rq_spline"]
+)
 def test_inverse_ad_matches_dense_solve(name):
     # element loops, and choices: inverse AD differentiates the chosen branch
     f, x, p = P[name]
@@ -117,12 +128,14 @@ def test_switch_on_the_state():
     def f(x):
         k = jnp.clip(jnp.floor(jnp.sum(x)).astype(jnp.int32) + 1, 0, 2)
         return lax.switch(k, [lambda v: v - 10.0, lambda v: v * 2.0, lambda v: v + 10.0], x)
+
     for x in (jnp.array([-2.0, 0.5]), jnp.array([0.2, 0.1]), jnp.array([2.0, 1.0])):
         for inv in (jr.reverse(f), jax.jit(jr.reverse(f))):
             assert _err(inv(f(x)), x) < RT
 
 
 # --------------------------------------------------------------------------- flows at scale
+
 
 @pytest.mark.parametrize("n", [64, 784])
 def test_couplings_at_scale(n):
@@ -153,23 +166,24 @@ def test_masked_coupling_runs_its_conditioner_once():
     f = lambda x, p: masked_coupling(x, p, even)  # noqa: E731
     eqns = _inverse_program(jax.make_jaxpr(jr.reverse(f))(jnp.ones(n), p))
     dots = [e for e in eqns if e.primitive.name == "dot_general"]
-    assert len(dots) == 2   # the conditioner's two layers, nothing else
+    assert len(dots) == 2  # the conditioner's two layers, nothing else
 
 
 # --------------------------------------------------------------------------- structure
+
 
 def test_reshape_concatenate_and_split_bijections():
     x = jnp.arange(6.0).reshape(2, 3)
     r = lambda x: jnp.tanh(x.reshape(6)) * 2.0  # noqa: E731
     inv = jr.reverse(r, state=x)
     assert inv(r(x)).shape == (2, 3) and _err(inv(r(x)), x) < RT
-    assert _err(jr.reverse(inv)(x), r(x)) < RT   # reverse(reverse(f)) needs no state
+    assert _err(jr.reverse(inv)(x), r(x)) < RT  # reverse(reverse(f)) needs no state
     assert _err(jax.jit(inv)(r(x)), x) < RT
 
     a, b = jnp.ones(2), jnp.arange(3.0)
     cat = lambda a, b, t: jnp.concatenate([a * t, jnp.exp(b)])  # noqa: E731
     inv = jr.reverse(cat, (0, 1), state=(a, b))
-    got = inv(cat(a, b, 2.0), 2.0)   # the output fills both state positions
+    got = inv(cat(a, b, 2.0), 2.0)  # the output fills both state positions
     assert isinstance(got, tuple) and _err(got, (a, b)) < RT
     assert _err(jr.reverse(inv)((a, b), 2.0), cat(a, b, 2.0)) < RT
 
@@ -193,11 +207,12 @@ def test_a_bijection_that_changes_the_size_is_refused():
 
 # --------------------------------------------------------------------------- rules
 
+
 def test_erf_and_powers_of_python_scalars():
     x = jnp.linspace(-0.9, 0.9, 5)
     assert _err(jr.reverse(jax.scipy.special.erf)(jax.scipy.special.erf(x)), x) < 1e-12
     assert _err(jr.reverse(lax.erf_inv)(lax.erf_inv(x)), x) < 1e-12
-    assert abs(float(jr.reverse(lambda x: x ** 3)(8.0)) - 2.0) < 1e-15
+    assert abs(float(jr.reverse(lambda x: x**3)(8.0)) - 2.0) < 1e-15
 
 
 def test_mask_known_only_when_the_program_runs():
@@ -210,6 +225,7 @@ def test_mask_known_only_when_the_program_runs():
             b2 = b + jnp.sin(a2)
             a, b = jnp.where(keep, a2, a), jnp.where(keep, b2, b)
         return a, b
+
     ab = (jnp.linspace(-1, 1, 8), jnp.linspace(2, -1, 8))
     keep = jnp.arange(8) < 3
     for inv in (jr.reverse(f), jax.jit(jr.reverse(f))):
@@ -221,6 +237,7 @@ def test_mask_known_only_when_the_program_runs():
 
 # --------------------------------------------------------------------------- tracing cost
 
+
 def test_tracing_cost_is_linear_in_masked_steps():
     """diffrax masks every step with where(keep, new, old): rule applications must grow
     linearly with the number of steps (a case split per select grew exponentially)."""
@@ -230,14 +247,17 @@ def test_tracing_cost_is_linear_in_masked_steps():
         ab = (jnp.ones(8), jnp.zeros(8))
         t = jnp.linspace(0, 1, 8)
         with counting() as c:
-            jax.make_jaxpr(jax.grad(lambda ab, t: jnp.sum(jr.reversible(masked_steps(k))(ab, t)[0])))(
-                ab, t)
+            jax.make_jaxpr(
+                jax.grad(lambda ab, t: jnp.sum(jr.reversible(masked_steps(k))(ab, t)[0]))
+            )(ab, t)
         return c["rules"] + c["elements"]
+
     a5, a20 = applications(5), applications(20)
     assert a20 <= 4.5 * a5, (a5, a20)
 
 
 # --------------------------------------------------------------------------- refusals
+
 
 def _raises(f, x, cls=jr.NotInvertibleError):
     with pytest.raises(cls) as info:
@@ -260,15 +280,17 @@ X = jnp.array([-1.5, -0.25, 0.5, 2.0])
 def test_relu_zero_case_is_refused_when_traced():
     def f(x):
         return jnp.where(x > 0, 2.0 * x, 0.0)  # <relu-where>
+
     msg = _names(_raises(f, X), "select_n", "relu-where")
     assert "relu" in msg
-    with pytest.raises(jr.NotInvertibleError):   # the same under jit: decided when traced
+    with pytest.raises(jr.NotInvertibleError):  # the same under jit: decided when traced
         jax.jit(jr.reverse(f))(f(X))
 
 
 def test_two_consistent_candidates_are_refused():
     def f(x):
         return jnp.where(x > 0, x, -x) + 1.0  # <two-candidates>
+
     msg = _names(_raises(f, X), "select_n", "two-candidates")
     assert "two different branches" in msg
 
@@ -278,6 +300,7 @@ def test_a_scatter_that_may_overwrite_is_refused():
 
     def f(x):
         return x.at[idx].set(x[jnp.array([1, 3, 0])] * 2.0)  # <overwrite>
+
     msg = _names(_raises(f, X), "scatter", "overwrite")
     assert "twice" in msg
 
@@ -286,6 +309,7 @@ def test_an_unprovable_index_is_refused_naming_it():
     # the index comes from a parameter: x[j] may be the element x.at[i] writes
     def f(x, j):
         return lax.fori_loop(0, 3, lambda i, x: x.at[i].add(jnp.sin(x[j])), x)  # <unprovable>
+
     j = jnp.asarray(3)
     with pytest.raises(jr.NotInvertibleError) as info:
         jr.reverse(f)(f(X, j), j)

@@ -5,6 +5,7 @@ match the state raise `ValueError`; `jr.check_reversible` reports and polices ro
 Every lossy operation below sits on a line ending in a `# <tag>` marker, and each test checks
 that the error points at exactly that line of this file.
 """
+
 from __future__ import annotations
 
 import os
@@ -15,9 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
+from programs import marker_line
 
 import jaxrev as jr
-from programs import marker_line
 
 HERE = os.path.basename(__file__)
 
@@ -58,6 +59,7 @@ X = jnp.array([-1.5, -0.25, 0.5, 2.0])
 
 # ----------------------------------------------------------------------------- class hierarchy
 
+
 def test_error_classes_are_jaxrev_errors():
     assert issubclass(jr.NotInvertibleError, jr.JaxrevError)
     assert issubclass(jr.ReversibilityError, jr.JaxrevError)
@@ -67,29 +69,35 @@ def test_error_classes_are_jaxrev_errors():
 
 # ----------------------------------------------------------------------------- relu / max
 
+
 def test_relu():
     def f(x):
         return jax.nn.relu(x)  # <relu>
+
     _check(_raises(f, X), "max", "relu")
 
 
 def test_maximum_with_zero():
     def f(x):
         return jnp.maximum(x, 0.0)  # <maximum>
+
     _check(_raises(f, X), "max", "maximum")
 
 
 # ----------------------------------------------------------------------------- multiply by zero
 
+
 def test_multiply_by_literal_zero():
     def f(x):
         return x * 0.0  # <mul-literal-zero>
+
     _check(_raises(f, X), "mul", "mul-literal-zero")
 
 
 def test_multiply_by_concrete_zero_parameter():
     def f(x, w):
         return x * w  # <mul-zero-param>
+
     w = jnp.array([1.0, 2.0, 0.0, 3.0])  # one zero entry is enough to lose information
     _check(_raises(f, X, w), "mul", "mul-zero-param")
 
@@ -99,40 +107,48 @@ def test_multiply_by_closed_over_zero_array():
 
     def f(x):
         return x * w  # <mul-zero-const>
+
     _check(_raises(f, X), "mul", "mul-zero-const")
 
 
 # ----------------------------------------------------------------------------- squares
 
+
 def test_square_by_self_multiplication():
     def f(x):
         return x * x  # <x-times-x>
+
     _check(_raises(f, X), "mul", "x-times-x")
 
 
 def test_square_by_integer_power():
     def f(x):
-        return x ** 2  # <x-pow-2>
+        return x**2  # <x-pow-2>
+
     _check(_raises(f, X), "integer_pow", "x-pow-2")
 
 
 def test_square_by_jnp_square():
     def f(x):
         return jnp.square(x)  # <jnp-square>
+
     _check(_raises(f, X), "square", "jnp-square")
 
 
 # ----------------------------------------------------------------------------- reductions
 
+
 def test_sum_broadcast_back():
     def f(x):
         return jnp.broadcast_to(x.sum(), x.shape)  # <sum-broadcast>
+
     _check(_raises(f, X), "reduce_sum", "sum-broadcast")
 
 
 def test_subtract_mean_raises_at_its_line():
     def f(x):
         return x - x.mean()  # <sub-mean-a>
+
     err = _raises(f, X)
     assert isinstance(err.line, int) and err.line == _line("sub-mean-a"), str(err)
     assert HERE in str(err) and err.primitive is not None and err.primitive in str(err)
@@ -141,37 +157,45 @@ def test_subtract_mean_raises_at_its_line():
 def test_subtract_mean_names_reduce_sum():
     def f(x):
         return x - x.mean()  # <sub-mean-b>
+
     _check(_raises(f, X), "reduce_sum", "sub-mean-b")
 
 
 # ----------------------------------------------------------------------------- rounding
 
+
 def test_round():
     def f(x):
         return jnp.round(x)  # <round>
+
     _check(_raises(f, X), "round", "round")
 
 
 def test_floor():
     def f(x):
         return jnp.floor(x)  # <floor>
+
     _check(_raises(f, X), "floor", "floor")
 
 
 # ----------------------------------------------------------------------------- dtype narrowing
 
+
 def test_narrowing_conversion_float64_to_float32_and_back():
     def f(x):
         return x.astype(jnp.float32).astype(jnp.float64)  # <narrow>
+
     assert X.dtype == jnp.float64
     _check(_raises(f, X), "convert_element_type", "narrow")
 
 
 # ----------------------------------------------------------------------------- control flow
 
+
 def test_plain_while_loop_suggests_jr_while_loop():
     def f(x):
         return lax.while_loop(lambda c: c.sum() < 10.0, lambda c: c + 1.0, x)  # <while>
+
     _check(_raises(f, X), "while", "while", hint="jr.while_loop")
 
 
@@ -179,6 +203,7 @@ def test_plain_cond_with_two_consistent_branches_suggests_jr_cond():
     # y = x where sum(x) > 0, else -x: for sum(y) > 0 both x = y and x = -y map to y
     def f(x):
         return lax.cond(x.sum() > 0, lambda v: v, lambda v: -v, x)  # <cond>
+
     msg = _check(_raises(f, X), "cond", "cond", hint="jr.cond")
     assert "two different branches" in msg, msg
 
@@ -186,6 +211,7 @@ def test_plain_cond_with_two_consistent_branches_suggests_jr_cond():
 def test_plain_cond_with_a_state_dependent_index_inverts():
     def f(x):
         return lax.cond(x.sum() > 0, lambda v: v * 2.0, lambda v: v * 3.0, x)
+
     for x in (X, -X):
         assert jnp.allclose(jr.reverse(f)(f(x)), x, atol=1e-15)
         assert jnp.allclose(jax.jit(jr.reverse(f))(f(x)), x, atol=1e-15)
@@ -195,6 +221,7 @@ def test_where_with_a_constant_case_is_refused_when_traced():
     # relu written with where: its zero case does not depend on x
     def f(x):
         return jnp.where(x > 0, x, 0.0)  # <where>
+
     msg = _check(_raises(f, X), "select_n", "where")
     assert "relu" in msg, msg
     with pytest.raises(jr.NotInvertibleError):  # the same when traced under jit
@@ -205,6 +232,7 @@ def test_two_consistent_cases_raise_naming_the_select():
     # |x| written with where: for y > 0 both x = y and x = -y are consistent
     def f(x):
         return jnp.where(x > 0, x, -x)  # <two-cases>
+
     _check(_raises(f, X), "select_n", "two-cases")
     with pytest.raises(Exception, match="two different branches"):  # a runtime error
         jax.block_until_ready(jax.jit(jr.reverse(f))(f(X)))
@@ -214,24 +242,27 @@ def test_two_consistent_cases_raise_naming_the_select():
 
 # ----------------------------------------------------------------------------- linear algebra
 
+
 def test_singular_known_matrix():
     def f(x, w):
         return x @ w  # <singular-matmul>
-    w = jnp.array([[1.0, 2.0, 0.0],
-                   [2.0, 4.0, 0.0],
-                   [0.0, 0.0, 1.0]])  # rank 2
+
+    w = jnp.array([[1.0, 2.0, 0.0], [2.0, 4.0, 0.0], [0.0, 0.0, 1.0]])  # rank 2
     _check(_raises(f, X[:3], w), "dot_general", "singular-matmul")
 
 
 # ----------------------------------------------------------------------------- sin
 
+
 def test_sin_is_not_globally_invertible():
     def f(x):
         return jnp.sin(x)  # <sin>
+
     _check(_raises(f, X), "sin", "sin")
 
 
 # ----------------------------------------------------------------------------- nested programs
+
 
 def test_error_inside_jitted_inner_function():
     @jax.jit
@@ -240,6 +271,7 @@ def test_error_inside_jitted_inner_function():
 
     def f(x):
         return inner(x) * 2.0
+
     _check(_raises(f, X), "max", "jit-inner")
 
 
@@ -249,6 +281,7 @@ def test_error_inside_scan_body():
 
     def f(x):
         return lax.scan(body, x, None, length=3)[0]
+
     _check(_raises(f, X), "max", "scan-body")
 
 
@@ -258,12 +291,14 @@ def test_error_inside_fori_loop_body():
 
     def f(x):
         return lax.fori_loop(0, 3, body, x)
+
     _check(_raises(f, X), "floor", "fori-body")
 
 
 def test_error_is_raised_at_trace_time():
     def f(x):
         return jnp.maximum(x, 0.0)  # <trace-time>
+
     # no concrete values at all: the error must come from tracing alone
     with pytest.raises(jr.NotInvertibleError) as info:
         jax.eval_shape(jr.reverse(f), jax.ShapeDtypeStruct(X.shape, X.dtype))
@@ -274,6 +309,7 @@ def test_error_is_raised_at_trace_time():
 
 
 # ----------------------------------------------------------------------------- structure mismatch
+
 
 def test_output_tuple_for_array_state():
     def returns_tuple(x):
@@ -327,6 +363,7 @@ def test_argnums_out_of_range_names_the_function():
 
 # ----------------------------------------------------------------------------- check_reversible
 
+
 def _tripling(x):
     # x -> 3x - 1, 30 times: invertible, but float32 rounding in the forward run is amplified
     return lax.fori_loop(0, 30, lambda i, c: 3.0 * c - 1.0, x)  # <tripling>
@@ -337,7 +374,7 @@ def _primitive_names(jaxpr) -> set[str]:
     for eqn in jaxpr.eqns:
         names.add(eqn.primitive.name)
         for p in eqn.params.values():
-            for sub in (p if isinstance(p, (tuple, list)) else (p,)):
+            for sub in p if isinstance(p, (tuple, list)) else (p,):
                 inner = getattr(sub, "jaxpr", sub)
                 if hasattr(inner, "eqns"):
                     names |= _primitive_names(inner)
@@ -387,6 +424,7 @@ def test_check_reversible_exact_in_float64():
 def test_check_reversible_propagates_not_invertible():
     def f(x):
         return jnp.floor(x)  # <check-floor>
+
     with pytest.raises(jr.NotInvertibleError) as info:
         jr.check_reversible(f, X)
     _check(info.value, "floor", "check-floor")

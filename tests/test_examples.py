@@ -1,4 +1,5 @@
 """The examples run as scripts and print real results (the README's demo command)."""
+
 import os
 import re
 import subprocess
@@ -13,8 +14,14 @@ ROOT = Path(__file__).resolve().parents[1]
 def _run(script: str) -> str:
     env = dict(os.environ)
     env.setdefault("JAX_PLATFORMS", "cpu")
-    proc = subprocess.run([sys.executable, str(ROOT / "examples" / script)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / script)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, f"{script} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
     return proc.stdout
 
@@ -31,8 +38,14 @@ def tour() -> str:
 
 
 def test_tour_runs_to_the_end(tour):
-    for title in ("1. affine coupling layer", "2. leapfrog integrator", "3. jr.while_loop",
-                  "4. jr.check_reversible", "5. jr.reversible", "6. an error on purpose"):
+    for title in (
+        "1. affine coupling layer",
+        "2. leapfrog integrator",
+        "3. jr.while_loop",
+        "4. jr.check_reversible",
+        "5. jr.reversible",
+        "6. an error on purpose",
+    ):
         assert title in tour
     assert tour.rstrip().endswith("tour finished")
 
@@ -63,11 +76,14 @@ def test_tour_check_reversible_report(tour):
 
 def test_tour_reversible_gradient(tour):
     assert _number(tour, "relative difference from jax.grad:") < 1e-12
-    m = re.search(r"20,000 steps: jax.grad ([0-9,]+) B, jr.reversible ([0-9,]+) B, fully "
-                  r"reversible ([0-9,]+) B", tour)
+    m = re.search(
+        r"20,000 steps: jax.grad ([0-9,]+) B, jr.reversible ([0-9,]+) B, fully "
+        r"reversible ([0-9,]+) B",
+        tour,
+    )
     assert m, tour
     grad, dflt, full = (int(m.group(k).replace(",", "")) for k in (1, 2, 3))
-    assert dflt * 30 < grad and full * 100 < grad   # 2√T carries by default, flat opted in
+    assert dflt * 30 < grad and full * 100 < grad  # 2√T carries by default, flat opted in
 
 
 def test_tour_error_on_purpose(tour):
@@ -79,6 +95,7 @@ def test_tour_error_on_purpose(tour):
 
 
 # ------------------------------------------------------------------ reversible gradients
+
 
 @pytest.fixture(scope="module")
 def revnet() -> str:
@@ -107,11 +124,15 @@ def test_nbody_gradient_matches_jax_grad(nbody):
 
 
 def test_nbody_memory_flat_in_steps(nbody):
-    mem = {int(s): (int(r), int(g)) for s, r, g in re.findall(
-        r"(\d+) steps temp memory: reversible (\d+) B, jax.grad (\d+) B", nbody)}
+    mem = {
+        int(s): (int(r), int(g))
+        for s, r, g in re.findall(
+            r"(\d+) steps temp memory: reversible (\d+) B, jax.grad (\d+) B", nbody
+        )
+    }
     assert set(mem) == {1000, 4000}, nbody
-    assert mem[4000][0] == mem[1000][0]          # reversible: the same at 4x the steps
-    assert mem[4000][1] > 3 * mem[1000][1]       # jax.grad: grows with the steps
+    assert mem[4000][0] == mem[1000][0]  # reversible: the same at 4x the steps
+    assert mem[4000][1] > 3 * mem[1000][1]  # jax.grad: grows with the steps
     assert _number(nbody, "4000 steps memory ratio (reversible / jax.grad):") < 1e-3
 
 
@@ -129,8 +150,7 @@ def test_realnvp_reversible_gradient_and_memory(realnvp_reversible):
 
 def test_realnvp_reversible_trains_and_samples_backwards(realnvp_reversible):
     out = realnvp_reversible
-    m = re.search(r"held-out negative log-likelihood: ([0-9.]+) \(untrained flow: ([0-9.]+)\)",
-                  out)
+    m = re.search(r"held-out negative log-likelihood: ([0-9.]+) \(untrained flow: ([0-9.]+)\)", out)
     assert m, out
     assert float(m.group(1)) < float(m.group(2)) - 1.0
     assert _number(out, "flow(reverse(flow)(z)) round-trip max error:") < 1e-10
@@ -138,6 +158,7 @@ def test_realnvp_reversible_trains_and_samples_backwards(realnvp_reversible):
 
 
 # ------------------------------------------------------------------ normalizing flows
+
 
 @pytest.fixture(scope="module")
 def flow() -> str:
@@ -156,13 +177,14 @@ def test_flow_trains(flow):
     end = _number(flow, "final held-out NLL:")
     bits = [float(b) for b in re.findall(r"= ([-0-9.]+) bits/dim", flow)]
     assert len(bits) == 2, flow
-    assert end < start - 1.0                 # nats per dimension
+    assert end < start - 1.0  # nats per dimension
     assert bits[1] < bits[0] - 1.5
     assert "data (left) and samples from the flow (right):" in flow
     assert re.search(r"flow finished in [0-9.]+ s", flow)
 
 
 # ------------------------------------------------------------------ Newton optimizers
+
 
 @pytest.fixture(scope="module")
 def newton() -> str:
@@ -176,8 +198,9 @@ def test_newton_example(newton):
     m = re.search(r"loss ([0-9.e+-]+) after \d+ iterations \(converged\)", newton)
     assert m and float(m.group(1)) < 1e-10, newton
     assert _number(newton, "relative residual") < 1e-9
-    m = re.search(r"4\. root .*\n\s+residual ([0-9.e+-]+) after \d+ Newton steps \(converged\)",
-                  newton)
+    m = re.search(
+        r"4\. root .*\n\s+residual ([0-9.e+-]+) after \d+ Newton steps \(converged\)", newton
+    )
     assert m and float(m.group(1)) < 1e-10, newton
 
 
@@ -192,16 +215,24 @@ def test_graph_embedding_example():
 
 # ------------------------------------------------------------------ quantum circuit
 
+
 @pytest.mark.slow  # the same circuit is tested in-process by test_primitives
 def test_quantum_circuit_example():
     out = _run("quantum_circuit.py")
     assert _number(out, "gradient vs jax.grad, relative error:") < 1e-9
-    mem = {int(d): (int(r.replace(",", "")), int(g.replace(",", ""))) for d, r, g in re.findall(
-        r"depth (\d+): gradient temp memory: reversible ([0-9,]+) B, jax.grad ([0-9,]+) B", out)}
+    mem = {
+        int(d): (int(r.replace(",", "")), int(g.replace(",", "")))
+        for d, r, g in re.findall(
+            r"depth (\d+): gradient temp memory: reversible ([0-9,]+) B, jax.grad ([0-9,]+) B", out
+        )
+    }
     assert set(mem) == {10, 40}, out
     assert mem[10][0] == mem[40][0] and mem[40][1] > 3 * mem[10][1]
-    m = re.search(r"energy went from ([-0-9.]+) to ([-0-9.]+) in \d+ Adam steps "
-                  r"\(exact ground state ([-0-9.]+)\)", out)
+    m = re.search(
+        r"energy went from ([-0-9.]+) to ([-0-9.]+) in \d+ Adam steps "
+        r"\(exact ground state ([-0-9.]+)\)",
+        out,
+    )
     assert m, out
     assert float(m.group(2)) < float(m.group(1)) and float(m.group(2)) < float(m.group(3)) + 0.1
     assert _number(out, "reverse(circuit) round-trip max error:") < 1e-12
@@ -225,7 +256,7 @@ def test_neural_ode_example():
     assert float(m.group(2)) < 0.1 * float(m.group(1))
 
 
-@pytest.mark.slow   # about 40 s on two cores; tests/test_transformer.py checks its functions
+@pytest.mark.slow  # about 40 s on two cores; tests/test_transformer.py checks its functions
 def test_reversible_transformer_trains():
     out = _run("reversible_transformer.py")
     m = re.search(r"loss: ([0-9.]+) at step 1 -> ([0-9.]+)", out)
@@ -234,11 +265,14 @@ def test_reversible_transformer_trains():
     assert "per-device scratch" in out and "remat" in out
 
 
-@pytest.mark.slow   # about 50 s; tests/test_reversible_rk.py checks the adaptive solves
+@pytest.mark.slow  # about 50 s; tests/test_reversible_rk.py checks the adaptive solves
 def test_continuous_flow_trains():
     out = _run("continuous_flow.py")
-    m = re.search(r"gradient vs DirectAdjoint \(float32\): largest relative difference "
-                  r"([0-9.e+-]+)", out)
+    m = re.search(
+        r"gradient vs DirectAdjoint \(float32\): largest relative difference "
+        r"([0-9.e+-]+)",
+        out,
+    )
     assert m and float(m.group(1)) < 1e-3, out
     m = re.search(r"NLL ([0-9.]+) -> ([0-9.]+)", out)
     assert m and float(m.group(2)) < float(m.group(1)) - 0.5, out

@@ -5,6 +5,7 @@ log|det| to 1e-10), eagerly, under `jit` and under `vmap`; `logdet_strategy` mus
 so a silent fall-back to the dense Jacobian fails the test. The forward and inverse entry points
 must agree with each other and round-trip.
 """
+
 from __future__ import annotations
 
 import os
@@ -32,8 +33,10 @@ def _dense(f, x):
 
 def _mlp_w(key, n, h=12, scale=0.3):
     k1, k2 = jax.random.split(key)
-    return {"a": jax.random.normal(k1, (h, n)) * scale / np.sqrt(n),
-            "b": jax.random.normal(k2, (2 * n, h)) * scale}
+    return {
+        "a": jax.random.normal(k1, (h, n)) * scale / np.sqrt(n),
+        "b": jax.random.normal(k2, (2 * n, h)) * scale,
+    }
 
 
 def _coupling(x, w, mask):
@@ -56,10 +59,10 @@ def _lu_affine(x, lu):
 def _flow(x, ws):
     n = x.shape[0]
     for k, w in enumerate(ws):
-        mask = (jnp.arange(n) % 2 == k % 2)
+        mask = jnp.arange(n) % 2 == k % 2
         x = _coupling(x, w, mask)
-        x = jnp.where(x > 0, x, 0.2 * x)          # leaky relu: a choice per element
-        x = x[jnp.array(np.random.RandomState(k).permutation(n))]   # a permutation
+        x = jnp.where(x > 0, x, 0.2 * x)  # leaky relu: a choice per element
+        x = x[jnp.array(np.random.RandomState(k).permutation(n))]  # a permutation
     return x
 
 
@@ -67,38 +70,62 @@ N = 10
 KEY = jax.random.PRNGKey(3)
 X = jax.random.normal(KEY, (N,))
 WS = [_mlp_w(k, N) for k in jax.random.split(KEY, 3)]
-LU = {"m": jax.random.normal(KEY, (4, 4)) * 0.3, "logs": jnp.array([0.1, -0.2, 0.3, 0.05]),
-      "sign": jnp.array([1.0, -1.0, 1.0, 1.0]),
-      "perm": jnp.eye(4)[jnp.array([2, 0, 3, 1])]}
+LU = {
+    "m": jax.random.normal(KEY, (4, 4)) * 0.3,
+    "logs": jnp.array([0.1, -0.2, 0.3, 0.05]),
+    "sign": jnp.array([1.0, -1.0, 1.0, 1.0]),
+    "perm": jnp.eye(4)[jnp.array([2, 0, 3, 1])],
+}
 
 _LUW = jnp.eye(4)[jnp.array([1, 0, 2, 3])] + 0.3 * jax.random.normal(jax.random.PRNGKey(5), (4, 4))
 
 CASES = {
     "flow": (lambda x: _flow(x, WS), X),
     "lu_affine": (lambda x: _lu_affine(x.reshape(3, 4), LU).reshape(-1), jnp.linspace(-1, 1, 12)),
-    "actnorm_rev": (lambda x: (x * jnp.exp(jnp.linspace(-1, 1, 9)) - 0.3)[::-1],
-                    jnp.linspace(-1, 1, 9)),
+    "actnorm_rev": (
+        lambda x: (x * jnp.exp(jnp.linspace(-1, 1, 9)) - 0.3)[::-1],
+        jnp.linspace(-1, 1, 9),
+    ),
     "roll_negate": (lambda x: -jnp.roll(x, 3) * 1.5, jnp.linspace(-1, 1, 7)),
     "swap_pair": (lambda x: x.at[0].set(x[4]).at[4].set(x[0]) * 2.0, jnp.linspace(0.5, 1, 5)),
-    "simultaneous": (lambda x: jnp.concatenate([x[:3] + 0.5 * jnp.tanh(x[3:]),
-                                                x[3:] + 0.5 * jnp.sin(x[:3])]),
-                     jnp.linspace(-1, 1, 6)),
+    "simultaneous": (
+        lambda x: jnp.concatenate([x[:3] + 0.5 * jnp.tanh(x[3:]), x[3:] + 0.5 * jnp.sin(x[:3])]),
+        jnp.linspace(-1, 1, 6),
+    ),
     "residual_newton": (lambda x: x + 0.5 * jnp.tanh(x), jnp.linspace(-2, 2, 5)),
-    "scan_flow": (lambda x: lax.scan(lambda c, _: (_coupling(c, WS[0], jnp.arange(N) < 5)[::-1],
-                                                   None), x, None, length=5)[0], X),
-    "odd_reverse_loop": (lambda x: lax.fori_loop(0, 3, lambda i, a: -a[::-1] * 1.5, x),
-                         jnp.linspace(-1, 1, 7)),
+    "scan_flow": (
+        lambda x: lax.scan(
+            lambda c, _: (_coupling(c, WS[0], jnp.arange(N) < 5)[::-1], None), x, None, length=5
+        )[0],
+        X,
+    ),
+    "odd_reverse_loop": (
+        lambda x: lax.fori_loop(0, 3, lambda i, a: -a[::-1] * 1.5, x),
+        jnp.linspace(-1, 1, 7),
+    ),
     "cumsum_exp": (lambda x: jnp.cumsum(jnp.exp(x)), jnp.linspace(-1, 1, 6)),
     # Glow's 1x1 convolution as a convolution (Flax's nn.Conv), channels last and first
-    "conv_nhwc": (lambda x: lax.conv_general_dilated(
-        x.reshape(1, 2, 3, 4), _LUW[None, None], (1, 1), "VALID",
-        dimension_numbers=("NHWC", "HWIO", "NHWC")).reshape(-1), jnp.linspace(-1, 1, 24)),
-    "conv_nchw": (lambda x: lax.conv_general_dilated(
-        x.reshape(1, 4, 2, 3), _LUW.T[:, :, None, None], (1, 1), "VALID").reshape(-1),
-        jnp.linspace(-1, 1, 24)),
+    "conv_nhwc": (
+        lambda x: lax.conv_general_dilated(
+            x.reshape(1, 2, 3, 4),
+            _LUW[None, None],
+            (1, 1),
+            "VALID",
+            dimension_numbers=("NHWC", "HWIO", "NHWC"),
+        ).reshape(-1),
+        jnp.linspace(-1, 1, 24),
+    ),
+    "conv_nchw": (
+        lambda x: lax.conv_general_dilated(
+            x.reshape(1, 4, 2, 3), _LUW.T[:, :, None, None], (1, 1), "VALID"
+        ).reshape(-1),
+        jnp.linspace(-1, 1, 24),
+    ),
     "w_at_x": (lambda x: (_LUW @ x.reshape(4, 3)).reshape(-1), jnp.linspace(-1, 1, 12)),
-    "reshape_transpose": (lambda x: (x.reshape(2, 3).T * jnp.array([1.0, -2.0])).reshape(-1),
-                          jnp.linspace(-1, 1, 6)),
+    "reshape_transpose": (
+        lambda x: (x.reshape(2, 3).T * jnp.array([1.0, -2.0])).reshape(-1),
+        jnp.linspace(-1, 1, 6),
+    ),
 }
 # the element programs of issue 15 (couplings, splines, leaky nets, element loops, scans)
 ELEMENTS = sorted(P)
@@ -150,12 +177,14 @@ def test_vmap(name):
 def test_argnums_and_parameters():
     def f(x, ws, scale):
         return _flow(x, ws) * scale
-    sign, ld = jr.slogdet_jacobian(f, X, WS, 2.0)           # argnums=0: x only
+
+    sign, ld = jr.slogdet_jacobian(f, X, WS, 2.0)  # argnums=0: x only
     ref = _dense(lambda x: f(x, WS, 2.0), X)
     assert float(sign) == float(ref[0]) and abs(float(ld - ref[1])) < TOL
 
-    def g(a, b):                                            # two state arguments
+    def g(a, b):  # two state arguments
         return b * jnp.exp(a), a + jnp.tanh(b)
+
     a, b = jnp.linspace(-1, 1, 3), jnp.linspace(0.2, 0.8, 3)
     sign, ld = jr.slogdet_jacobian(g, a, b, argnums=(0, 1))
     J = jax.jacfwd(lambda v: jnp.concatenate(g(v[:3], v[3:])))(jnp.concatenate([a, b]))
@@ -172,16 +201,18 @@ def test_grad_of_log_likelihood():
 
     def nll(ws):
         z, ld = jax.vmap(jr.inverse_and_slogdet(_flow), (0, None))(ys, ws)
-        return 0.5 * jnp.sum(z ** 2) - jnp.sum(ld)
+        return 0.5 * jnp.sum(z**2) - jnp.sum(ld)
 
     def nll_dense(ws):
         z = jax.vmap(jr.reverse(_flow), (0, None))(ys, ws)
         ld = jax.vmap(lambda x: _dense(lambda x: _flow(x, ws), x)[1])(z)
-        return 0.5 * jnp.sum(z ** 2) + jnp.sum(ld)
+        return 0.5 * jnp.sum(z**2) + jnp.sum(ld)
 
     g, g_ref = jax.jit(jax.grad(nll))(WS), jax.grad(nll_dense)(WS)
-    err = max(float(jnp.max(jnp.abs(a - b))) for a, b in
-              zip(jax.tree_util.tree_leaves(g), jax.tree_util.tree_leaves(g_ref)))
+    err = max(
+        float(jnp.max(jnp.abs(a - b)))
+        for a, b in zip(jax.tree_util.tree_leaves(g), jax.tree_util.tree_leaves(g_ref))
+    )
     assert err < 1e-9
 
 
@@ -222,7 +253,7 @@ def test_bijector_protocol():
 def test_chain_is_distrax_order():
     f = jr.Bijector(lambda x: x * 2.0)
     g = jr.Bijector(lambda x: jnp.exp(x))
-    c = jr.Chain([f, g])                     # f(g(x)), as distrax.Chain
+    c = jr.Chain([f, g])  # f(g(x)), as distrax.Chain
     x = jnp.linspace(-1, 1, 3)
     y, ld = c.forward_and_log_det(x)
     assert float(jnp.max(jnp.abs(y - 2.0 * jnp.exp(x)))) < 1e-14
@@ -238,8 +269,9 @@ def test_custom_inverse_logdet_rule_is_used():
 
     @f.definverse
     def f_inv(y):
-        return lax.fori_loop(0, 40, lambda i, x: x - (x + 0.5 * jnp.sin(x) - y)
-                             / (1 + 0.5 * jnp.cos(x)), y)
+        return lax.fori_loop(
+            0, 40, lambda i, x: x - (x + 0.5 * jnp.sin(x) - y) / (1 + 0.5 * jnp.cos(x)), y
+        )
 
     x = jnp.linspace(-1, 1, 5)
     want = jnp.sum(jnp.log1p(0.5 * jnp.cos(x)))
@@ -250,6 +282,7 @@ def test_custom_inverse_logdet_rule_is_used():
     def logdet(x):
         calls.append(1)
         return jnp.sum(jnp.log1p(0.5 * jnp.cos(x)))
+
     f.deflogdet(logdet)
     y, ld = jr.forward_and_slogdet(f)(x)
     assert calls and abs(float(ld - want)) < TOL
@@ -260,14 +293,17 @@ def test_custom_inverse_logdet_rule_is_used():
     assert abs(float(ldb - 2 * want)) < TOL
     # a rule giving log|det| only: log|det| is the rule's, the sign comes from the sweep over
     # the tangent program
-    assert jr.logdet_strategy(f, x) == ("sweep (log|det| only: a `deflogdet` rule returns no "
-                                        "sign; the sign from the linearized sweep)")
+    assert jr.logdet_strategy(f, x) == (
+        "sweep (log|det| only: a `deflogdet` rule returns no "
+        "sign; the sign from the linearized sweep)"
+    )
     sign, ld = jr.slogdet_jacobian(f, x)
     assert float(sign) == 1.0 and abs(float(ld - want)) < TOL
 
 
 def test_register_logdet_for_a_new_primitive():
     from jax.extend.core import Primitive
+
     triple_p = Primitive("jaxrev_test_triple")
     triple_p.def_impl(lambda x: 3 * x)
     triple_p.def_abstract_eval(lambda a: a)
@@ -290,7 +326,7 @@ def test_singular_step_is_named():
     sign, ld = jr.slogdet_jacobian(lambda x: x * w, jnp.ones(3), on_error="nan")
     assert float(sign) == 0.0 and float(ld) == -np.inf
     # a state-dependent pivot that vanishes when the program runs
-    f = lambda x: jnp.cumsum(x ** 3)  # noqa: E731  (the line the errors name)
+    f = lambda x: jnp.cumsum(x**3)  # noqa: E731  (the line the errors name)
     line = f"{HERE}:{f.__code__.co_firstlineno}"
     with pytest.raises(jr.SingularJacobianError, match="integer_pow") as e:
         jr.forward_and_slogdet(f)(jnp.array([1.0, 0.0, 2.0]))
@@ -302,7 +338,7 @@ def test_singular_step_is_named():
     assert np.isfinite(float(ld[0])) and float(ld[1]) == -np.inf
     # the inverse has none there: an error when the program runs, naming the step, also
     # vmapped (one check for the batch)
-    g = lambda x: x ** 3  # noqa: E731  (the line the errors name)
+    g = lambda x: x**3  # noqa: E731  (the line the errors name)
     line = f"{HERE}:{g.__code__.co_firstlineno}"
     ys = jnp.array([[1.0, 27.0, 8.0], [1.0, 0.0, 8.0]])
     with pytest.raises(Exception, match=f"singular.*`integer_pow` at .*{line}"):
@@ -321,8 +357,9 @@ def test_linearized_sweep():
     def f(x):
         for _ in range(2):
             x = x.at[1:].add(jnp.tanh(w[1:] * x[:-1]))
-            x = x * 1.1 + 0.1 * x ** 3
+            x = x * 1.1 + 0.1 * x**3
         return x
+
     x = jnp.linspace(-1, 1, 1500)
     assert jr.logdet_strategy(f, x) == "sweep (linearized)"
     sign, ld = jax.jit(lambda x: jr.slogdet_jacobian(f, x, method="sweep"))(x)
@@ -340,6 +377,7 @@ def test_run_time_checks_are_one_per_call_under_vmap():
 
     def callbacks(fn, *args):
         return jax.jit(fn).lower(*args).as_text().count("callback")
+
     one = callbacks(jr.inverse_and_slogdet(f), jnp.ones(3))
     assert one >= 1
     assert callbacks(jax.vmap(jr.inverse_and_slogdet(f)), jnp.ones((64, 3))) == one
@@ -367,14 +405,16 @@ def test_dense_nonlinear_group_is_one_sweep_step():
 def test_dense_fallback_names_the_step():
     # a 3x3 convolution: neither the program nor its tangent program inverts step by step
     K = jnp.zeros((3, 3, 2, 2)).at[1, 1].set(jnp.eye(2)) + 0.05 * jax.random.normal(
-        KEY, (3, 3, 2, 2))
+        KEY, (3, 3, 2, 2)
+    )
     f = lambda x: lax.conv_general_dilated(  # noqa: E731
-        x[None], K, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))[0]
+        x[None], K, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+    )[0]
     x = jnp.linspace(-1, 1, 32).reshape(4, 4, 2)
     s = jr.logdet_strategy(f, x)
     assert s.startswith("dense:") and "conv_general_dilated" in s and f"{HERE}:" in s
     ref = _dense(lambda v: f(v.reshape(x.shape)).reshape(-1), x.reshape(-1))
-    sign, ld = jr.slogdet_jacobian(f, x)                     # "auto": the dense Jacobian
+    sign, ld = jr.slogdet_jacobian(f, x)  # "auto": the dense Jacobian
     assert float(sign) == float(ref[0]) and abs(float(ld - ref[1])) < TOL
     _, ld2 = jax.jit(jr.forward_and_slogdet(f))(x)
     assert abs(float(ld2 - ref[1])) < TOL
@@ -398,10 +438,12 @@ def test_flax_conv_1x1():
 
 def test_shape_changing_bijection():
     """Glow's squeeze (space to depth) then a scale: a permutation with a sign to follow."""
+
     def squeeze(x):
         h, w, c = x.shape
         y = x.reshape(h // 2, 2, w // 2, 2, c).transpose(0, 2, 1, 3, 4)
         return y.reshape(h // 2, w // 2, 4 * c) * jnp.exp(jnp.linspace(-1, 2, 4 * c))
+
     x = jnp.linspace(-1, 1, 48).reshape(4, 4, 3)
     ref = _dense(lambda v: squeeze(v.reshape(x.shape)).reshape(-1), x.reshape(-1))
     sign, ld = jr.slogdet_jacobian(squeeze, x, method="sweep")
@@ -413,7 +455,8 @@ def test_shape_changing_bijection():
 def test_a_3x3_conv_is_refused_naming_it():
     K = jnp.ones((3, 3, 2, 2)) * 0.1
     f = lambda x: lax.conv_general_dilated(  # noqa: E731
-        x[None], K, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))[0]
+        x[None], K, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+    )[0]
     x = jnp.ones((4, 4, 2))
     with pytest.raises(jr.NotInvertibleError, match="conv_general_dilated") as e:
         jr.reverse(f)(f(x))

@@ -10,6 +10,7 @@
 - the dense fall-back passes `jax.custom_vjp` functions (forward mode through their primal
   computation, reverse mode through the user's rule where forward mode is not available).
 """
+
 from __future__ import annotations
 
 import os
@@ -24,7 +25,7 @@ import jaxrev as jr
 
 TOL = 1e-10
 HERE = os.path.basename(__file__)
-OFFSET = 1.25      # what the user's (deliberately different) rule adds to the true log|det|
+OFFSET = 1.25  # what the user's (deliberately different) rule adds to the true log|det|
 N = 5
 W = jnp.linspace(-0.5, 0.5, N)
 XS = jnp.stack([jnp.linspace(-1, 1, N), jnp.linspace(0.3, -0.9, N), jnp.linspace(2, 1, N)])
@@ -37,14 +38,17 @@ def _true_logdet(x):
 def _bump(rule):
     """x + sin(x)/2 (monotone, no closed-form inverse) with Newton's method as its inverse
     and `rule` as its log-determinant."""
+
     @jr.custom_inverse
     def f(x):
         return x + 0.5 * jnp.sin(x)
 
     @f.definverse
     def f_inv(y):
-        return lax.fori_loop(0, 40, lambda i, x: x - (x + 0.5 * jnp.sin(x) - y)
-                             / (1 + 0.5 * jnp.cos(x)), y)
+        return lax.fori_loop(
+            0, 40, lambda i, x: x - (x + 0.5 * jnp.sin(x) - y) / (1 + 0.5 * jnp.cos(x)), y
+        )
+
     f.deflogdet(rule)
     return f
 
@@ -94,14 +98,18 @@ def _check(got, want_logdet, want_sign=None):
                 if want_sign is not None:
                     assert float(sign) == float(want_sign[k]), (name, k)
             assert abs(float(v) - float(want_logdet[k])) < TOL * max(1.0, abs(want_logdet[k])), (
-                name, k, float(v), float(want_logdet[k]))
+                name,
+                k,
+                float(v),
+                float(want_logdet[k]),
+            )
 
 
 @pytest.mark.parametrize("signed", [False, True])
 def test_deflogdet_rule_is_used_by_every_entry_point(signed):
-    if signed:   # a stated sign (not the true one: the Jacobian's is +1) is returned as it is
+    if signed:  # a stated sign (not the true one: the Jacobian's is +1) is returned as it is
         f = _bump(lambda x: (-1.0, _true_logdet(x) + OFFSET))
-    else:        # log|det| only: the sign is the true Jacobian's
+    else:  # log|det| only: the sign is the true Jacobian's
         f = _bump(lambda x: _true_logdet(x) + OFFSET)
     sign = [-1.0 if signed else 1.0] * len(XS)
     _check(_entry_points(f), [float(_true_logdet(x)) + OFFSET for x in XS], sign)
@@ -129,36 +137,37 @@ def test_correct_rule_matches_the_dense_slogdet(signed):
 
 # --------------------------------------------------------------------------- singular steps
 
+
 def scale(x, w):
-    return jnp.cumsum(x * w)          # singular where w has a zero (a parameter's pivot)
+    return jnp.cumsum(x * w)  # singular where w has a zero (a parameter's pivot)
 
 
 def cube(x):
-    return jnp.cumsum(x ** 3)         # singular where x has a zero (the state's pivot)
+    return jnp.cumsum(x**3)  # singular where x has a zero (the state's pivot)
 
 
 def swapped(x):
     x = lax.fori_loop(0, 2, lambda i, x: x.at[i].set(x[3 - i]).at[3 - i].set(x[i]), x)
-    return x ** 3                     # singular; the swaps' sign is decided at run time
+    return x**3  # singular; the swaps' sign is decided at run time
 
 
 @jr.custom_inverse
 def _flat_spot(x):
-    return x ** 3
+    return x**3
 
 
 _flat_spot.definverse(jnp.cbrt)
-_flat_spot.deflogdet(lambda x: jnp.sum(jnp.log(3 * x ** 2)))
+_flat_spot.deflogdet(lambda x: jnp.sum(jnp.log(3 * x**2)))
 
 
 def custom(x):
-    return _flat_spot(x) + 1.0        # the rule's log|det| is -inf where x has a zero
+    return _flat_spot(x) + 1.0  # the rule's log|det| is -inf where x has a zero
 
 
 X0 = jnp.array([1.0, 0.5, -2.0, 0.7])
 WZ = jnp.array([1.0, 0.0, 2.0, 0.5])
 XZ = jnp.array([1.0, 0.0, -2.0, 0.7])
-SINGULAR = {   # name: (fun, x, params, primitive, line)
+SINGULAR = {  # name: (fun, x, params, primitive, line)
     "scale": (scale, X0, (WZ,), "mul", scale.__code__.co_firstlineno + 1),
     "cube": (cube, XZ, (), "integer_pow", cube.__code__.co_firstlineno + 1),
     "swapped": (swapped, XZ, (), "integer_pow", swapped.__code__.co_firstlineno + 2),
@@ -177,9 +186,11 @@ def _singular_calls(f, x, params):
         "Bijector.inverse_and_log_det": lambda: b.inverse_and_log_det(y, *params),
         # a batch, called eagerly: the failed sample runs again alone to name the step
         "Bijector.forward_log_det_jacobian": lambda: b.forward_log_det_jacobian(
-            jnp.stack([0.5 + jnp.abs(x), x]), *params),
+            jnp.stack([0.5 + jnp.abs(x), x]), *params
+        ),
         "Bijector.inverse_log_det_jacobian": lambda: b.inverse_log_det_jacobian(
-            jnp.stack([y, y]), *params),
+            jnp.stack([y, y]), *params
+        ),
     }
 
 
@@ -203,8 +214,8 @@ def test_singular_step_is_named_eagerly_by_every_entry_point(name):
 def test_dense_fallback_singular_says_why_it_is_dense():
     K = jnp.zeros((3, 3, 2, 2)).at[1, 1].set(jnp.array([[1.0, 0.0], [0.0, 0.0]]))
     f = lambda x: lax.conv_general_dilated(  # noqa: E731  (the step the sweep cannot take)
-        x[None], K, (1, 1), "SAME",
-        dimension_numbers=("NHWC", "HWIO", "NHWC"))[0]
+        x[None], K, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+    )[0]
     line = f"{HERE}:{f.__code__.co_firstlineno}"
     x = jnp.linspace(-1, 1, 18).reshape(3, 3, 2)
     assert jr.logdet_strategy(f, x).startswith("dense:")
@@ -218,6 +229,7 @@ def test_dense_fallback_singular_says_why_it_is_dense():
 
 # --------------------------------------------------------------------------- custom_vjp
 
+
 @jax.custom_vjp
 def softsign(x):
     return x / (1 + jnp.abs(x))
@@ -229,19 +241,22 @@ softsign.defvjp(lambda x: (softsign(x), x), lambda x, g: (g / (1 + jnp.abs(x)) *
 @jax.custom_vjp
 def host_tanh(x):
     # a callback: forward mode cannot pass it, only the user's VJP can
-    return jax.pure_callback(np.tanh, jax.ShapeDtypeStruct(x.shape, x.dtype), x,
-                             vmap_method="sequential")
+    return jax.pure_callback(
+        np.tanh, jax.ShapeDtypeStruct(x.shape, x.dtype), x, vmap_method="sequential"
+    )
 
 
 host_tanh.defvjp(lambda x: (host_tanh(x), x), lambda x, g: (g * (1 - jnp.tanh(x) ** 2),))
 
 _K = jnp.zeros((3, 3, 2, 2)).at[1, 1].set(jnp.eye(2)) + 0.05 * jax.random.normal(
-    jax.random.PRNGKey(0), (3, 3, 2, 2))
+    jax.random.PRNGKey(0), (3, 3, 2, 2)
+)
 
 
 def _conv(x):
-    return lax.conv_general_dilated(x[None], _K, (1, 1), "SAME",
-                                    dimension_numbers=("NHWC", "HWIO", "NHWC"))[0]
+    return lax.conv_general_dilated(
+        x[None], _K, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+    )[0]
 
 
 @pytest.mark.parametrize("helper", [softsign, host_tanh], ids=["softsign", "host_tanh"])
@@ -249,8 +264,10 @@ def test_dense_fallback_through_custom_vjp(helper):
     f = lambda x: _conv(helper(x)) + 0.1 * x  # noqa: E731
     xs = jnp.stack([jnp.linspace(-1, 1, 32), jnp.linspace(0.9, -0.4, 32)]).reshape(2, 4, 4, 2)
     assert jr.logdet_strategy(f, xs[0]).startswith("dense:")
-    ref = [jnp.linalg.slogdet(jax.jacrev(lambda v: f(v.reshape(x.shape)).reshape(-1))(
-        x.reshape(-1))) for x in xs]
+    ref = [
+        jnp.linalg.slogdet(jax.jacrev(lambda v: f(v.reshape(x.shape)).reshape(-1))(x.reshape(-1)))
+        for x in xs
+    ]
     sd = lambda x: jr.slogdet_jacobian(f, x)  # noqa: E731
     fw = jr.forward_and_slogdet(f)
     for k, x in enumerate(xs):
@@ -282,8 +299,9 @@ def test_linearized_sweep_through_custom_vjp():
     def f(x):
         for _ in range(2):
             x = x.at[1:].add(ctanh(w[1:] * x[:-1]))
-            x = x * 1.1 + 0.1 * x ** 3
+            x = x * 1.1 + 0.1 * x**3
         return x
+
     x = jnp.linspace(-1, 1, 12)
     assert jr.logdet_strategy(f, x) == "sweep (linearized)"
     rs, rl = jnp.linalg.slogdet(jax.jacrev(f)(x))
@@ -292,20 +310,32 @@ def test_linearized_sweep_through_custom_vjp():
     assert abs(float(jr.forward_and_slogdet(f)(x)[1] - rl)) < TOL
 
 
-@pytest.mark.parametrize("lower,trans,unit,left", [(True, 0, False, True),
-                                                   (False, 1, False, True),
-                                                   (True, 0, True, True),
-                                                   (False, 0, False, False)])
+@pytest.mark.parametrize(
+    "lower,trans,unit,left",
+    [
+        (True, 0, False, True),
+        (False, 1, False, True),
+        (True, 0, True, True),
+        (False, 0, False, False),
+    ],
+)
 def test_triangular_solve_inverts_and_logdets_by_its_own_rule(lower, trans, unit, left):
     """`solve_triangular(A, x)` (flowjax's inverted `TriangularAffine`) inverts by the product
     it undoes; its log-det is the diagonal's, once per solved column, from the rule (the sweep,
     not the dense Jacobian)."""
     A = jnp.tril(0.4 * jax.random.normal(jax.random.key(1), (4, 4)), -1) + jnp.diag(
-        jnp.array([1.5, -0.7, 2.0, 0.9]))
+        jnp.array([1.5, -0.7, 2.0, 0.9])
+    )
     A = A if lower else A.T
-    f = ((lambda x: jax.scipy.linalg.solve_triangular(A, x, lower=lower, trans=trans,
-                                                      unit_diagonal=unit)) if left else
-         (lambda x: lax.linalg.triangular_solve(A, x, left_side=False, lower=lower)))
+    f = (
+        (
+            lambda x: jax.scipy.linalg.solve_triangular(
+                A, x, lower=lower, trans=trans, unit_diagonal=unit
+            )
+        )
+        if left
+        else (lambda x: lax.linalg.triangular_solve(A, x, left_side=False, lower=lower))
+    )
     x = jax.random.normal(jax.random.key(2), (4, 3) if left else (3, 4))
     np.testing.assert_allclose(jax.jit(jr.reverse(f))(f(x)), x, rtol=1e-12, atol=1e-12)
     s, ld = jr.slogdet_jacobian(f, x)

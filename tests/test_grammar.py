@@ -14,6 +14,7 @@ The default run draws `EXAMPLES` programs; ``pytest -m slow tests/test_grammar.p
 `SLOW_EXAMPLES` (``JAXREV_GRAMMAR_EXAMPLES`` overrides both). A failure prints the program's
 source, which runs as it is.
 """
+
 from __future__ import annotations
 
 import os
@@ -35,8 +36,12 @@ jax.config.update("jax_enable_x64", True)
 
 EXAMPLES = int(os.environ.get("JAXREV_GRAMMAR_EXAMPLES", "5"))
 SLOW_EXAMPLES = int(os.environ.get("JAXREV_GRAMMAR_EXAMPLES", "500"))
-COMMON = dict(deadline=None, print_blob=True, derandomize=False,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+COMMON = dict(
+    deadline=None,
+    print_blob=True,
+    derandomize=False,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 
 # Refusals that are the documented contract, not defects (none for what the grammar draws:
 # its while loops count to a bound, which `reverse` computes from the counter).
@@ -50,8 +55,10 @@ def _leaves(t):
 
 def _err(a, b) -> float:
     a, b = _leaves(a), _leaves(b)
-    assert [x.shape for x in a] == [y.shape for y in b], ([x.shape for x in a],
-                                                          [y.shape for y in b])
+    assert [x.shape for x in a] == [y.shape for y in b], (
+        [x.shape for x in a],
+        [y.shape for y in b],
+    )
     scale = max([1.0] + [float(np.max(np.abs(y))) for y in b if y.size])
     return max([0.0] + [float(np.max(np.abs(x - y))) for x, y in zip(a, b) if x.size]) / scale
 
@@ -103,14 +110,22 @@ def check(prog: Program) -> dict:
     prop("reverse(reverse(f))", lambda: jr.reverse(inv)(s, p), y)
     s2 = jax.tree_util.tree_map(lambda v: 0.5 * v, s)
     ys = jax.tree_util.tree_map(lambda a, b: jnp.stack([a, b]), y, f(s2, p))
-    prop("vmap of the inverse", lambda: jax.vmap(inv, (0, None))(ys, p),
-         jax.tree_util.tree_map(lambda a, b: jnp.stack([a, b]), s, s2))
+    prop(
+        "vmap of the inverse",
+        lambda: jax.vmap(inv, (0, None))(ys, p),
+        jax.tree_util.tree_map(lambda a, b: jnp.stack([a, b]), s, s2),
+    )
 
     def loss(g):
         return lambda s, p: sum(jnp.sum(jnp.sin(v)) for v in g(s, p))
+
     want = jax.grad(loss(f_ref), argnums=(0, 1))(s, p)
-    prop("reversible gradient", lambda: jax.jit(jax.grad(loss(jr.reversible(f)), argnums=(0, 1)))(
-        s, p), want, gtol)
+    prop(
+        "reversible gradient",
+        lambda: jax.jit(jax.grad(loss(jr.reversible(f)), argnums=(0, 1)))(s, p),
+        want,
+        gtol,
+    )
 
     if f64:
         flat = lambda v: jnp.concatenate([jnp.ravel(t) for t in f_ref(unflat(v), p)])  # noqa: E731
@@ -119,14 +134,23 @@ def check(prog: Program) -> dict:
         def unflat(v):
             parts = jnp.split(v, np.cumsum(sizes)[:-1])
             return tuple(q.reshape(t.shape) for q, t in zip(parts, s))
+
         x = jnp.concatenate([jnp.ravel(t) for t in s])
         J = jax.jacfwd(flat)(x)
         v = jnp.cos(jnp.arange(x.size) + 1.0)
         g = lambda s_: f(s_, p)  # noqa: E731
-        prop("inverse_jvp", lambda: jr.inverse_jvp(g, (s,), unflat(v))[1][0],
-             unflat(jnp.linalg.solve(J, v)), 1e-8)
-        prop("inverse_vjp", lambda: jr.inverse_vjp(g, s)[1]((unflat(v),)),
-             unflat(jnp.linalg.solve(J.T, v)), 1e-8)
+        prop(
+            "inverse_jvp",
+            lambda: jr.inverse_jvp(g, (s,), unflat(v))[1][0],
+            unflat(jnp.linalg.solve(J, v)),
+            1e-8,
+        )
+        prop(
+            "inverse_vjp",
+            lambda: jr.inverse_vjp(g, s)[1]((unflat(v),)),
+            unflat(jnp.linalg.solve(J.T, v)),
+            1e-8,
+        )
         sign, logdet = jnp.linalg.slogdet(J)
         got = prop("slogdet", lambda: jr.slogdet_jacobian(g, s))
         if got is not None:
@@ -136,7 +160,8 @@ def check(prog: Program) -> dict:
         got = prop("inverse_and_slogdet", lambda: jax.jit(jr.inverse_and_slogdet(g))(y))
         if got is not None:
             assert abs(float(got[1]) + float(logdet)) < 1e-8 * max(1.0, abs(float(logdet))), (
-                "inverse_and_slogdet: wrong log-determinant")
+                "inverse_and_slogdet: wrong log-determinant"
+            )
     return ran
 
 

@@ -1,4 +1,5 @@
 """Inverse accumulation: `inverse_jvp`, `inverse_vjp`, `slogdet_jacobian` against dense solves."""
+
 from __future__ import annotations
 
 import jax
@@ -28,9 +29,10 @@ def dense_jac(fun, primals):
         out, k = [], 0
         for s in shapes:
             m = int(np.prod(s, dtype=np.int64))
-            out.append(jnp.reshape(v[k:k + m], s))
+            out.append(jnp.reshape(v[k : k + m], s))
             k += m
         return flat(fun(*jax.tree_util.tree_unflatten(tree, out)))
+
     return jax.jacfwd(g)(flat(primals))
 
 
@@ -44,7 +46,7 @@ rng = np.random.default_rng(0)
 
 def dense_map(n=6):
     A = jnp.asarray(rng.standard_normal((n, n)) / np.sqrt(n))
-    return (lambda x: x + 0.3 * jnp.tanh(A @ x) + 0.1 * x ** 3), jnp.asarray(rng.standard_normal(n))
+    return (lambda x: x + 0.3 * jnp.tanh(A @ x) + 0.1 * x**3), jnp.asarray(rng.standard_normal(n))
 
 
 def coupling_chain(n=300, steps=4):
@@ -55,13 +57,14 @@ def coupling_chain(n=300, steps=4):
             x = x.at[1:].add(jnp.tanh(w * x[:-1]))  # each entry pushed by its left neighbour
             x = x * 1.1 + 0.1 * jnp.sin(x)
         return x
+
     return f, jnp.asarray(rng.standard_normal(n))
 
 
 def leapfrog_chain(n=64, steps=30, dt=0.05):
     def force(q):
         lap = jnp.roll(q, 1) + jnp.roll(q, -1) - 2 * q
-        return lap - q - 0.1 * q ** 3
+        return lap - q - 0.1 * q**3
 
     def f(qp):
         q, p = qp
@@ -71,7 +74,9 @@ def leapfrog_chain(n=64, steps=30, dt=0.05):
             p = p + 0.5 * dt * force(q)
             q = q + dt * p
             return q, p + 0.5 * dt * force(q)
+
         return jax.lax.fori_loop(0, steps, body, (q, p))
+
     q0 = jnp.asarray(np.sin(np.linspace(0, 3, n)))
     return f, (q0, jnp.zeros(n))
 
@@ -83,12 +88,13 @@ def banded_scan(n=40, steps=12):
         def body(x, k):
             x = x + 0.2 * jnp.tanh(w * jnp.roll(x, 1) + k)
             return x * jnp.exp(0.05 * jnp.cos(x)), None
+
         return jax.lax.scan(body, x, jnp.arange(steps, dtype=x.dtype))[0]
+
     return f, jnp.asarray(rng.standard_normal(n))
 
 
-CASES = {"dense_map": dense_map, "coupling_chain": coupling_chain,
-         "banded_scan": banded_scan}
+CASES = {"dense_map": dense_map, "coupling_chain": coupling_chain, "banded_scan": banded_scan}
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -128,6 +134,7 @@ def test_invertible_program_uses_reverse_and_pytrees():
 def test_several_primals_with_different_output_structure():
     def f(a, b):  # two inputs of sizes 2 and 3 -> one output of size 5
         return jnp.concatenate([a * jnp.exp(b[:2]), b + jnp.sum(a)])
+
     a, b = jnp.array([1.0, -2.0]), jnp.array([0.3, 0.1, -0.4])
     v = jnp.arange(1.0, 6.0)
     _, (ta, tb) = jr.inverse_jvp(f, (a, b), v)
@@ -174,6 +181,7 @@ def test_singular_step_is_named():
     def f(x):
         x = x + jnp.tanh(x[::-1]) * 0.0
         return x * p  # SINGULAR-STEP
+
     with pytest.raises(jr.SingularJacobianError) as ei:
         jr.inverse_jvp(f, (jnp.ones(3),), jnp.ones(3))
     assert f"test_inverse_ad.py:{_line_of('SINGULAR-STEP')}" in str(ei.value)
@@ -187,6 +195,7 @@ def test_singular_step_is_named():
 def test_singular_under_jit_raises_when_run():
     def f(x, p):
         return x * p
+
     g = jax.jit(lambda p: jr.inverse_jvp(lambda x: f(x, p), (jnp.ones(2),), jnp.ones(2))[1][0])
     assert bool(jnp.all(jnp.isfinite(g(jnp.array([1.0, 2.0])))))
     with pytest.raises(Exception, match="not finite"):
@@ -196,6 +205,7 @@ def test_singular_under_jit_raises_when_run():
 def test_errors_name_the_function():
     def shrink(x):
         return x[:2]
+
     with pytest.raises(ValueError, match="shrink maps 3 input numbers to 2 outputs"):
         jr.inverse_jvp(shrink, (jnp.ones(3),), jnp.ones(2))
     with pytest.raises(ValueError, match="method must be one of"):
@@ -211,12 +221,12 @@ def test_singular_banded_lump_is_named():
     def f(x):
         x = x * d  # one vanishing pivot inside a triangular lump
         return x.at[1:].add(0.3 * x[:-1])  # BANDED-LUMP
+
     with pytest.raises(jr.SingularJacobianError) as ei:
         jr.inverse_jvp(f, (jnp.ones(n),), jnp.ones(n), method="linearize")
     assert "singular" in str(ei.value)
     assert ei.value.line is not None
-    _, (t,) = jr.inverse_jvp(f, (jnp.ones(n),), jnp.ones(n), method="linearize",
-                             on_error="nan")
+    _, (t,) = jr.inverse_jvp(f, (jnp.ones(n),), jnp.ones(n), method="linearize", on_error="nan")
     assert bool(jnp.all(jnp.isnan(t)))
 
 
@@ -225,12 +235,17 @@ def test_singular_known_matrix_and_dense_fallback():
 
     def f(x):
         return A @ x  # SINGULAR-MATRIX
+
     with pytest.raises(jr.SingularJacobianError) as ei:
         jr.inverse_jvp(f, (jnp.ones(2),), jnp.ones(2))
     assert f"test_inverse_ad.py:{_line_of('SINGULAR-MATRIX')}" in str(ei.value)
     with pytest.raises(jr.SingularJacobianError, match="dense fallback"):
-        jr.inverse_jvp(lambda x: jnp.array([x[0] * x[1], x[0] * x[1]]), (jnp.ones(2),),
-                       jnp.ones(2), method="dense")
+        jr.inverse_jvp(
+            lambda x: jnp.array([x[0] * x[1], x[0] * x[1]]),
+            (jnp.ones(2),),
+            jnp.ones(2),
+            method="dense",
+        )
 
 
 @pytest.mark.parametrize("method", ["reverse", "linearize"])
@@ -243,8 +258,10 @@ def test_single_slot_chain(method):
             xi, wi = xw
             xi = xi + jnp.tanh(wi * prev)
             return xi, xi
+
         _, rest = jax.lax.scan(body, x[0], (x[1:], w[1:]))
         return jnp.sinh(jnp.concatenate([x[:1], rest]))
+
     x = jnp.asarray(rng.standard_normal(n))
     v = jnp.asarray(rng.standard_normal(n))
     _, (t,) = jr.inverse_jvp(f, (x,), v, method=method)
@@ -258,6 +275,7 @@ def test_single_slot_chain(method):
 
 # ------------------------------------------------------------------ general banded lumps
 
+
 def chained_rosenbrock(x):
     return jnp.sum(100.0 * (x[1:] - x[:-1] ** 2) ** 2 + (1.0 - x[:-1]) ** 2)
 
@@ -270,6 +288,7 @@ def broyden_tridiagonal(x):
 
 def _uses_lu(fun, *args) -> bool:
     import re
+
     # an equation binding the `lu` primitive prints as "... = lu a"
     return re.search(r"= lu[\s\[]", str(jax.make_jaxpr(fun)(*args))) is not None
 
@@ -282,6 +301,7 @@ def test_newton_direction_of_a_banded_hessian_is_solved_in_the_band():
     def direction(x):
         _, ivjp = jr.inverse_vjp(g, x)
         return ivjp((g(x),))
+
     d = jax.jit(direction)(x)
     H = jax.hessian(chained_rosenbrock)(x)
     assert rel(d, jnp.linalg.solve(H, g(x))) < 1e-9
@@ -309,6 +329,7 @@ def test_banded_lump_needing_row_swaps():
         lower = jnp.concatenate([jnp.zeros(1), a * x[:-1]])
         upper = jnp.concatenate([b * jnp.tanh(x[1:]), jnp.zeros(1)])
         return lower + upper + jnp.concatenate([0.1 * c * x[2:], jnp.zeros(2)])
+
     x = jnp.asarray(rng.standard_normal(n))
     v = jnp.asarray(rng.standard_normal(n))
     _, (t,) = jr.inverse_jvp(f, (x,), v, method="linearize")
@@ -324,16 +345,20 @@ def test_singular_general_banded_lump_is_named():
 
     def f(x):  # the Neumann Laplacian: constants are in its null space
         return d * x - jnp.pad(x[1:], (0, 1)) - jnp.pad(x[:-1], (1, 0))  # TRIDIAGONAL
+
     with pytest.raises(jr.SingularJacobianError) as ei:
         jr.inverse_jvp(f, (jnp.ones(n),), jnp.ones(n), method="linearize")
     assert "banded system" in str(ei.value) and "zero pivot" in str(ei.value)
     assert f"test_inverse_ad.py:{_line_of('TRIDIAGONAL')}" in str(ei.value)
 
 
-@pytest.mark.parametrize("n,lo,up", [(1, 0, 0), (5, 1, 1), (50, 2, 3), (50, 3, 0), (64, 0, 2),
-                                     (7, 4, 4), (3, 2, 2), (64, 2, 1)])
+@pytest.mark.parametrize(
+    "n,lo,up",
+    [(1, 0, 0), (5, 1, 1), (50, 2, 3), (50, 3, 0), (64, 0, 2), (7, 4, 4), (3, 2, 2), (64, 2, 1)],
+)
 def test_banded_solve_against_dense(n, lo, up):
     from jaxrev.transforms.propagation import lumps
+
     A = np.zeros((n, n))
     for i in range(n):
         for j in range(max(0, i - lo), min(n, i + up + 1)):
@@ -344,7 +369,8 @@ def test_banded_solve_against_dense(n, lo, up):
         A[np.arange(n), np.arange(n)] += 3.0
     r = rng.standard_normal(n)
     Aj = jnp.asarray(A)
-    u, piv, growth = lumps.banded_solve(lambda v: Aj @ v + 1.0, n, lo, up, jnp.asarray(r),
-                                        jnp.float64)
+    u, piv, growth = lumps.banded_solve(
+        lambda v: Aj @ v + 1.0, n, lo, up, jnp.asarray(r), jnp.float64
+    )
     assert rel(u, np.linalg.solve(A, r)) < 1e-9
     assert piv.shape == (n,) and float(growth) >= 0.5

@@ -5,6 +5,7 @@ dicts (float32 parameters, float64 state) and nnx states (issue 20, filter pytre
 Non-array leaves are static: jaxrev passes them through, and gradients come back with None
 there, as `eqx.filter_grad` gives.
 """
+
 from __future__ import annotations
 
 import jax
@@ -62,14 +63,12 @@ def test_equinox_filter_grad_of_reversible(layer):
     g = eqx.filter_grad(lambda m: jnp.sum(jr.reversible(flow)(X, m) ** 2))(layer)
     ref = eqx.filter_grad(lambda m: jnp.sum(flow(X, m) ** 2))(layer)
     assert leaves_close(g, ref)
-    assert g.name is None and g.net.activation is None      # static leaves: None
-    gj = eqx.filter_jit(eqx.filter_grad(lambda m: jnp.sum(jr.reversible(flow)(X, m) ** 2)))(
-        layer)
+    assert g.name is None and g.net.activation is None  # static leaves: None
+    gj = eqx.filter_jit(eqx.filter_grad(lambda m: jnp.sum(jr.reversible(flow)(X, m) ** 2)))(layer)
     assert leaves_close(gj, ref)
     # the module as state: its arrays are rebuilt, its functions passed through
     gx = jax.grad(lambda x: jnp.sum(jr.reversible(flow)(x, layer) ** 2))(X)
-    np.testing.assert_allclose(gx, jax.grad(lambda x: jnp.sum(flow(x, layer) ** 2))(X),
-                               atol=1e-12)
+    np.testing.assert_allclose(gx, jax.grad(lambda x: jnp.sum(flow(x, layer) ** 2))(X), atol=1e-12)
 
 
 def test_equinox_inverse_transforms_and_logdet(layer):
@@ -88,12 +87,14 @@ def test_equinox_inverse_transforms_and_logdet(layer):
 def test_equinox_inverse_jvp_over_a_module_argument():
     """Every traced leaf of the primals is an input; static leaves pass through and come back
     as None in the tangents."""
+
     class Scale(eqx.Module):
         w: jax.Array
         act: object = jnp.tanh
 
     def f(x, m):
         return x * jnp.exp(m.w), m.act(m.w) + 0 * x.sum()
+
     m = Scale(jnp.array([0.3, -0.2]))
     x = jnp.array([1.0, 2.0])
     (_, _), (tx, tm) = jr.inverse_jvp(f, (x, m), (jnp.ones(2), jnp.ones(2)))
@@ -104,6 +105,7 @@ def test_equinox_inverse_jvp_over_a_module_argument():
 
 def test_equinox_module_with_optim():
     """Newton on a module holding a function: the function passes through."""
+
     class Model(eqx.Module):
         lin: eqx.nn.Linear
         squash: object = jnp.tanh
@@ -116,13 +118,16 @@ def test_equinox_module_with_optim():
     Y = 0.5 * jnp.tanh(X3[:, :2] - X3[:, 2:])
 
     def loss(m):
-        return jnp.mean((jax.vmap(m)(X3) - Y) ** 2) + 1e-3 * jnp.sum(m.lin.weight ** 2)
+        return jnp.mean((jax.vmap(m)(X3) - Y) ** 2) + 1e-3 * jnp.sum(m.lin.weight**2)
+
     m, info = jr.optim.minimize(loss, model, maxiter=50)
     assert isinstance(m, Model) and m.squash is jnp.tanh
     assert int(info.status) == 0 and loss(m) < 0.1 * loss(model)
     g = eqx.filter_grad(loss)(m)
-    assert max(float(jnp.max(jnp.abs(x))) for x in jax.tree_util.tree_leaves(g)
-               if x is not None) < 1e-6
+    assert (
+        max(float(jnp.max(jnp.abs(x))) for x in jax.tree_util.tree_leaves(g) if x is not None)
+        < 1e-6
+    )
 
 
 def test_flax_linen_float32_parameters():
@@ -141,6 +146,7 @@ def test_flax_linen_float32_parameters():
         def body(i, x):
             a, b = x[:2], x[2:]
             return jnp.concatenate([b + net.apply(params, a).astype(x.dtype), a])
+
         return jax.lax.fori_loop(0, 6, body, x)
 
     def grad(fn):
@@ -168,8 +174,7 @@ def test_flax_nnx_state():
 
     def f(x, state):
         m = nnx.merge(graphdef, state)
-        return jax.lax.fori_loop(
-            0, 6, lambda i, x: jnp.concatenate([x[2:] + m(x[:2]), x[:2]]), x)
+        return jax.lax.fori_loop(0, 6, lambda i, x: jnp.concatenate([x[2:] + m(x[:2]), x[:2]]), x)
 
     np.testing.assert_allclose(jr.reverse(f)(f(X, state), state), X, atol=1e-13)
     g = jax.grad(lambda s: jnp.sum(jr.reversible(f)(X, s) ** 2))(state)

@@ -8,13 +8,13 @@ never fire on good inputs inside jaxrev's own tracing; a whole flowjax module pa
 argument (its Python ints are static, as `eqx.filter_jit` keeps them); numpyro's reshape and
 unpack transforms are answered with `state=`, or refused naming the transform.
 """
+
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -37,14 +37,18 @@ def close(a, b, tol=1e-10):
 
 # --------------------------------------------------------------------------- float powers
 
+
 @pytest.mark.parametrize("how", ["eager", "jit", "vmap"])
 @pytest.mark.parametrize("p", [3.0, -3.0, 1.0, 5.0])
 def test_odd_float_power_inverts_on_both_signs(p, how):
     f = lambda x: jnp.power(x, p)  # noqa: E731
     x = jnp.array([-2.0, -0.5, 0.75, 3.0])
     inv = jr.reverse(f)
-    got = {"eager": lambda: inv(f(x)), "jit": lambda: jax.jit(inv)(f(x)),
-           "vmap": lambda: jax.vmap(inv)(f(x))}[how]()
+    got = {
+        "eager": lambda: inv(f(x)),
+        "jit": lambda: jax.jit(inv)(f(x)),
+        "vmap": lambda: jax.vmap(inv)(f(x)),
+    }[how]()
     close(got, x, 1e-12)
 
 
@@ -52,6 +56,7 @@ def test_odd_float_power_inverts_on_both_signs(p, how):
 def test_even_float_power_is_refused_naming_the_line(p):
     def f(x):
         return jnp.power(x, p)
+
     with pytest.raises(jr.NotInvertibleError) as e:
         jr.reverse(f)(jnp.array([4.0, 9.0]))
     msg = str(e.value)
@@ -60,7 +65,7 @@ def test_even_float_power_is_refused_naming_the_line(p):
 
 
 def test_non_integer_power_is_the_root_on_its_domain():
-    f = lambda x: jnp.power(x, 0.5) + x ** 1.5  # noqa: E731
+    f = lambda x: jnp.power(x, 0.5) + x**1.5  # noqa: E731
     x = jnp.array([0.25, 2.0, 7.0])
     close(jr.reverse(f)(f(x)), x, 1e-10)
 
@@ -69,8 +74,9 @@ def test_negative_output_of_a_non_negative_power_is_refused():
     """`x ** 0.5` never gives a negative value: inverting one raises (eagerly at once, under
     `jr.jit` when the program runs) instead of squaring it into a wrong base."""
     f = lambda x: jnp.power(x, 0.5)  # noqa: E731
-    with pytest.raises(jr.ReversibilityError,
-                       match="outside the map's range at `pow` at .*test_library_bijections"):
+    with pytest.raises(
+        jr.ReversibilityError, match="outside the map's range at `pow` at .*test_library_bijections"
+    ):
         jr.reverse(f)(jnp.array([-2.0, 3.0]))
     with pytest.raises(jr.ReversibilityError, match="outside the map's range"):
         jr.jit(jr.reverse(f))(jnp.array([-2.0, 3.0]))
@@ -79,8 +85,11 @@ def test_negative_output_of_a_non_negative_power_is_refused():
 
 
 def test_power_of_a_visibly_non_negative_base_inverts():
-    for f in (lambda z: jnp.power(jnp.exp(z), 2.0), lambda z: jnp.exp(z) ** 2,
-              lambda z: jnp.power(jax.nn.sigmoid(z) * 3.0, 4.0) - 1.0):
+    for f in (
+        lambda z: jnp.power(jnp.exp(z), 2.0),
+        lambda z: jnp.exp(z) ** 2,
+        lambda z: jnp.power(jax.nn.sigmoid(z) * 3.0, 4.0) - 1.0,
+    ):
         z = jnp.array([-1.5, 0.0, 2.0])
         close(jax.jit(jr.reverse(f))(f(z)), z, 1e-10)
 
@@ -89,8 +98,11 @@ EXPONENTS = [1.0, -1.0, 3.0, -3.0, 5.0, 0.5, 1.5, 2.5, -0.5, 2.0, -2.0, 4.0]
 
 
 @settings(max_examples=25, deadline=None)
-@given(p=st.sampled_from(EXPONENTS), scale=st.floats(0.1, 5.0),
-       x=hnp.arrays(np.float64, 4, elements=st.floats(-4.0, 4.0).filter(lambda v: abs(v) > 0.05)))
+@given(
+    p=st.sampled_from(EXPONENTS),
+    scale=st.floats(0.1, 5.0),
+    x=hnp.arrays(np.float64, 4, elements=st.floats(-4.0, 4.0).filter(lambda v: abs(v) > 0.05)),
+)
 def test_float_powers_never_invert_silently_wrong(p, scale, x):
     """Random exponents and inputs: an even integer exponent is refused when traced; any
     other inverts the inputs on which the power is defined (a non-integer exponent: the
@@ -128,6 +140,7 @@ def test_power_gradient_through_reversible_matches_jax_grad():
 
 
 # --------------------------------------------------------------------------- flowjax
+
 
 def _dim4():
     return jax.random.normal(jax.random.key(1), (4,))
@@ -176,14 +189,16 @@ def test_flowjax_module_as_an_argument():
 def test_python_numbers_inside_modules_are_static():
     """`jr.reverse` keys and traces a module's Python int as Equinox does: a flag that picks
     a Python branch works; a Python float passed on its own is still traced."""
+
     class Scale(eqx.Module):
         w: jax.Array
         times: int = 2
 
         def __call__(self, x):
-            for _ in range(self.times):   # a Python loop over a static int
+            for _ in range(self.times):  # a Python loop over a static int
                 x = x * jnp.exp(self.w)
             return x
+
     m, x = Scale(jnp.array([0.5, -0.25])), jnp.array([1.0, 2.0])
     f = lambda x, m: m(x)  # noqa: E731
     close(jr.reverse(f)(f(x, m), m), x)
@@ -206,8 +221,10 @@ def test_flowjax_power_inverse_and_logdet(p):
     xi, ldi = jax.jit(jr.inverse_and_slogdet(f))(yr)
     close(xi, x)
     close(ldi, bij.inverse_and_log_det(yr)[1])
-    close(jax.vmap(jr.reverse(f))(jnp.stack([yr, 2 * yr])),
-          jax.vmap(bij.inverse)(jnp.stack([yr, 2 * yr])))
+    close(
+        jax.vmap(jr.reverse(f))(jnp.stack([yr, 2 * yr])),
+        jax.vmap(bij.inverse)(jnp.stack([yr, 2 * yr])),
+    )
 
 
 def test_equinox_error_if_is_a_check_not_a_step():
@@ -220,8 +237,7 @@ def test_equinox_error_if_is_a_check_not_a_step():
     close(jax.jit(jr.reverse(f))(f(x, p), p), x)
     g = lambda x, p: jnp.exp(p) * eqx.error_if(x, jnp.any(x > 10.0), "too big")  # noqa: E731
     close(jr.reverse(g)(g(x, p), p), x)
-    close(jax.vmap(jr.reverse(g), (0, None))(jnp.stack([g(x, p), g(-x, p)]), p),
-          jnp.stack([x, -x]))
+    close(jax.vmap(jr.reverse(g), (0, None))(jnp.stack([g(x, p), g(-x, p)]), p), jnp.stack([x, -x]))
     with pytest.raises(jr.ReversibilityError, match="no branch"):
         jr.reverse(g)(g(x, p) * 20.0, p)
 
@@ -229,16 +245,22 @@ def test_equinox_error_if_is_a_check_not_a_step():
 def test_error_if_in_a_loop_stores_nothing_under_reversible():
     """The check's raising branch needs nothing rebuilt: `reversible` stores nothing for it
     per iteration, and its gradient is `jax.grad`'s."""
+
     def f(x, p):
         def body(i, x):
             x = eqx.error_if(x, p < 0, "p must be non-negative")
             return x + jnp.tanh(p * x[::-1])
+
         return jax.lax.fori_loop(0, 100, body, x)
+
     x, p = jnp.linspace(-1.0, 1.0, 8), jnp.asarray(0.5)
     assert "stores nothing" in str(jr.memory_report(f, x, p, checkpoint_every=None))
     loss = lambda g: lambda x, p: jnp.sum(g(x, p) ** 2)  # noqa: E731
-    close(jax.jit(jax.grad(loss(jr.reversible(f)), (0, 1)))(x, p),
-          jax.grad(loss(f), (0, 1))(x, p), 1e-9)
+    close(
+        jax.jit(jax.grad(loss(jr.reversible(f)), (0, 1)))(x, p),
+        jax.grad(loss(f), (0, 1))(x, p),
+        1e-9,
+    )
 
 
 def test_flowjax_bnaf_logdet_without_equinox_errors():
@@ -267,9 +289,17 @@ def test_flowjax_bnaf_inverse_transforms_without_equinox_errors():
 
 
 def _spline_chain(D: int, n: int, inverted: bool):
-    layers = [fb.Coupling(k, transformer=fb.RationalQuadraticSpline(knots=6, interval=3),
-                          untransformed_dim=D // 2, dim=D, nn_width=16, nn_depth=1)
-              for k in jax.random.split(KEY, n)]
+    layers = [
+        fb.Coupling(
+            k,
+            transformer=fb.RationalQuadraticSpline(knots=6, interval=3),
+            untransformed_dim=D // 2,
+            dim=D,
+            nn_width=16,
+            nn_depth=1,
+        )
+        for k in jax.random.split(KEY, n)
+    ]
     return fb.Chain([fb.Invert(c) for c in layers] if inverted else layers)
 
 
@@ -298,15 +328,17 @@ def test_flowjax_masked_autoregressive_flow_inverts_and_its_inverse_loop_is_refu
     default `invert=True` flow's `transform`) is refused naming the step and flowjax's line,
     never answered wrong."""
     x = _dim4()
-    b = flows.masked_autoregressive_flow(KEY, base_dist=Normal(jnp.zeros(4)), flow_layers=2,
-                                         invert=False).bijection
+    b = flows.masked_autoregressive_flow(
+        KEY, base_dist=Normal(jnp.zeros(4)), flow_layers=2, invert=False
+    ).bijection
     f = lambda x: b.transform(x)  # noqa: E731
     close(jr.forward_and_slogdet(f)(x)[1], b.transform_and_log_det(x)[1], 1e-8)
     xi, ldi = jax.jit(jr.inverse_and_slogdet(f))(f(x))
     close(xi, x, 1e-10)
     close(ldi, b.inverse_and_log_det(f(x))[1], 1e-8)
-    b = flows.masked_autoregressive_flow(KEY, base_dist=Normal(jnp.zeros(4)), flow_layers=2,
-                                         invert=True).bijection
+    b = flows.masked_autoregressive_flow(
+        KEY, base_dist=Normal(jnp.zeros(4)), flow_layers=2, invert=True
+    ).bijection
     g = lambda x: b.transform(x)  # noqa: E731
     close(jr.forward_and_slogdet(g)(x)[1], b.transform_and_log_det(x)[1], 1e-8)
     with pytest.raises(jr.NotInvertibleError, match="`dynamic_slice` at .*flowjax"):
@@ -314,6 +346,7 @@ def test_flowjax_masked_autoregressive_flow_inverts_and_its_inverse_loop_is_refu
 
 
 # --------------------------------------------------------------------------- numpyro
+
 
 @pytest.fixture
 def nt():
@@ -328,8 +361,10 @@ def test_numpyro_reshape_refused_clearly_then_answered_with_state(nt):
     with pytest.raises(ValueError, match="ReshapeTransform.*state="):
         jr.reverse(t)(t(x))
     s = jax.ShapeDtypeStruct((6,), x.dtype)
-    for got in (jr.inverse_and_slogdet(t, state=s)(t(x)),
-                jax.jit(jr.inverse_and_slogdet(t, state=s))(t(x))):
+    for got in (
+        jr.inverse_and_slogdet(t, state=s)(t(x)),
+        jax.jit(jr.inverse_and_slogdet(t, state=s))(t(x)),
+    ):
         close(got[0], t.inv(t(x)))
         close(got[1], -t.log_abs_det_jacobian(x, t(x)))
     close(jr.reverse(t, state=s)(t(x)), x)

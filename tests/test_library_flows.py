@@ -9,6 +9,7 @@ starts to invert, shows here. Never a silent wrong value.
 The default run takes each case one way (eager, `jit` or `vmap`, in turn); ``-m slow`` takes
 every case every way.
 """
+
 from __future__ import annotations
 
 import re
@@ -74,7 +75,7 @@ def _expect(name: str, run) -> None:
         run()
     msg = str(info.value)
     assert f"`{prim}`" in msg, msg
-    assert re.search(r"\.py:\d+", msg), msg   # the library's (or Equinox's) line
+    assert re.search(r"\.py:\d+", msg), msg  # the library's (or Equinox's) line
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -161,10 +162,11 @@ def test_numpyro_clipped_sigmoid_inverts_inside_and_refuses_at_the_clip():
     an output at the clip (an input past it, where the map is flat) is refused naming
     numpyro's line, or NaN on request. numpyro's own `inv` returns a wrong value there."""
     from numpyro.distributions.transforms import SigmoidTransform
+
     t = SigmoidTransform()
     x = jnp.array([0.3, -1.0, 50.0])
     y = t(x)
-    assert abs(float(t.inv(y)[2]) - 50.0) > 10.0       # numpyro: silently wrong
+    assert abs(float(t.inv(y)[2]) - 50.0) > 10.0  # numpyro: silently wrong
     with pytest.raises(jr.NotInvertibleError, match="`min` at .*numpyro.*transforms.py"):
         jr.inverse_and_slogdet(t)(y)
     with pytest.raises(Exception, match="saturated clip"):
@@ -179,6 +181,7 @@ def test_flowjax_spline_at_its_interval_end_is_refused_not_wrong():
     branch would make the same value: refused there when the program runs, naming flowjax's
     clip; any other point inverts."""
     import flowjax.bijections as fb
+
     bij = fc._perturbed(fb.RationalQuadraticSpline(knots=5, interval=3.0))
     f = lambda x: bij.transform(x)  # noqa: E731
     xs = jnp.array([-4.0, -3.0 + 1e-9, 0.7, 2.9])
@@ -189,6 +192,7 @@ def test_flowjax_spline_at_its_interval_end_is_refused_not_wrong():
 
 
 # --------------------------------------------------------------------------- protocols
+
 
 def _coupling_module():
     """A user's invertible map as an Equinox module: an additive coupling whose shift an MLP
@@ -218,7 +222,9 @@ def test_jaxrev_bijection_in_a_flowjax_distribution():
     `fit_to_data` trains the module's weights through jaxrev's inverse and log-det."""
     from flowjax.distributions import Normal, Transformed
     from flowjax.train import fit_to_data
+
     from jaxrev.flowjax import Bijection
+
     m = _coupling_module()
     dist = Transformed(Normal(jnp.zeros(4)), Bijection(m, shape=(4,)))
     x = jax.random.normal(jax.random.key(4), (4,))
@@ -226,17 +232,23 @@ def test_jaxrev_bijection_in_a_flowjax_distribution():
     want = Normal(jnp.zeros(4)).log_prob(x) - _dense_logdet(m, x)
     np.testing.assert_allclose(dist.log_prob(y), want, rtol=1e-10)
     s = dist.sample(jax.random.key(5), (3,))
-    np.testing.assert_allclose(jax.vmap(dist.log_prob)(s), jax.vmap(
-        lambda v: Normal(jnp.zeros(4)).log_prob(jr.reverse(m)(v))
-        - _dense_logdet(m, jr.reverse(m)(v)))(s), rtol=1e-10)
+    np.testing.assert_allclose(
+        jax.vmap(dist.log_prob)(s),
+        jax.vmap(
+            lambda v: (
+                Normal(jnp.zeros(4)).log_prob(jr.reverse(m)(v)) - _dense_logdet(m, jr.reverse(m)(v))
+            )
+        )(s),
+        rtol=1e-10,
+    )
     data = jax.random.normal(jax.random.key(6), (256, 4)) * jnp.array([2.0, 0.5, 1.0, 3.0])
-    trained, losses = fit_to_data(jax.random.key(7), dist, data, max_epochs=20,
-                                  show_progress=False)
+    trained, losses = fit_to_data(jax.random.key(7), dist, data, max_epochs=20, show_progress=False)
     assert losses["train"][-1] < losses["train"][0] - 0.1
 
 
 def test_jaxrev_bijection_with_a_condition():
     from jaxrev.flowjax import Bijection
+
     m = _coupling_module()
     b = Bijection(m, shape=(4,), cond_shape=(2,))
     x, c = jax.random.normal(jax.random.key(8), (4,)), jnp.array([0.3, -0.7])
@@ -252,7 +264,9 @@ def test_jaxrev_transform_in_a_numpyro_distribution():
     """`jaxrev.numpyro.Transform` in a `TransformedDistribution`: log-density by the dense
     log-det, samples inverted back, batches of events."""
     import numpyro.distributions as dist
+
     from jaxrev.numpyro import Transform
+
     m = _coupling_module()
     base = dist.Normal(jnp.zeros(4), 1.0).to_event(1)
     d = dist.TransformedDistribution(base, Transform(m))

@@ -8,6 +8,7 @@ are as accurate as `jax.grad`'s.
 
 Memory is XLA's buffer plan (`memory_analysis().temp_size_in_bytes`, docs/design.md §4).
 """
+
 from __future__ import annotations
 
 import jax
@@ -18,7 +19,7 @@ import pytest
 import jaxrev as jr
 from jaxrev.transforms.sweep.params import fresh_p
 
-W, B = 16, 8          # width of the streams and of the MLPs' hidden layer, batch
+W, B = 16, 8  # width of the streams and of the MLPs' hidden layer, batch
 # memory is measured at 4, 16 and 64 blocks (compiling 64 blocks takes a while: slow), and at
 # 4 and 16 in the default run
 DEPTHS = [(4, 16), pytest.param((4, 16, 64), marks=pytest.mark.slow)]
@@ -35,18 +36,20 @@ def _temp(fn, *args):
 def _rel(a, b):
     """‖a − b‖ / ‖b‖ over all leaves, in float64."""
     la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
-    num = sum(float(jnp.sum((x.astype(jnp.float64) - y.astype(jnp.float64)) ** 2))
-              for x, y in zip(la, lb))
+    num = sum(
+        float(jnp.sum((x.astype(jnp.float64) - y.astype(jnp.float64)) ** 2)) for x, y in zip(la, lb)
+    )
     den = sum(float(jnp.sum(y.astype(jnp.float64) ** 2)) for y in lb)
     return float(np.sqrt(num / den))
 
 
 def _loss(f):
     """A loss of the two streams, in float32 whatever their dtype."""
+
     def loss(p, x):
         y1, y2 = f(x, p)
-        return (jnp.sum(jnp.sin(y1.astype(jnp.float32)))
-                + jnp.sum(y2.astype(jnp.float32) ** 2) / 2)
+        return jnp.sum(jnp.sin(y1.astype(jnp.float32))) + jnp.sum(y2.astype(jnp.float32) ** 2) / 2
+
     return loss
 
 
@@ -56,6 +59,7 @@ def _flat(mem):
 
 
 # --------------------------------------------------------------------------- (a) Flax
+
 
 def _flax_stack(n):
     """Additive coupling blocks (y1 = x1 + f(x2), y2 = x2 + g(y1)) of flax.linen MLPs with
@@ -81,8 +85,7 @@ def _flax_stack(n):
 
     m = Stack(n)
     k1, k2 = jax.random.split(jax.random.PRNGKey(1))
-    x = (jax.random.normal(k1, (B, W), jnp.float64),
-         jax.random.normal(k2, (B, W), jnp.float64))
+    x = (jax.random.normal(k1, (B, W), jnp.float64), jax.random.normal(k2, (B, W), jnp.float64))
     params = m.init(jax.random.PRNGKey(0), x)
     return (lambda x, p: m.apply(p, x)), x, params
 
@@ -95,7 +98,7 @@ def test_flax_float32_parameters_float64_inputs_memory_is_flat(depths):
         mem[n] = _temp(jax.grad(_loss(jr.reversible(f)), argnums=(0, 1)), p, x)
     grad = _temp(jax.grad(_loss(f), argnums=(0, 1)), p, x)
     assert _flat(mem), mem
-    assert mem[max(mem)] * 5 < grad, (mem, grad)   # jax.grad keeps every block's casts
+    assert mem[max(mem)] * 5 < grad, (mem, grad)  # jax.grad keeps every block's casts
 
 
 def test_flax_float32_parameters_gradient_matches_jax_grad():
@@ -103,8 +106,10 @@ def test_flax_float32_parameters_gradient_matches_jax_grad():
     assert jr.memory_report(f, x, p, checkpoint_every=None).total_bytes == 0
     ref = jax.jit(jax.grad(_loss(f), argnums=(0, 1)))(p, x)
     g = jax.jit(jax.grad(_loss(jr.reversible(f)), argnums=(0, 1)))(p, x)
-    assert all(a.dtype == b.dtype for a, b in zip(jax.tree_util.tree_leaves(g),
-                                                  jax.tree_util.tree_leaves(ref)))
+    assert all(
+        a.dtype == b.dtype
+        for a, b in zip(jax.tree_util.tree_leaves(g), jax.tree_util.tree_leaves(ref))
+    )
     # float32 parameters: their gradients are float64 sums rounded to float32 once
     assert _rel(g, ref) < 1e-6
 
@@ -119,13 +124,19 @@ GAIN = 0.25
 
 def _master_weights(n, key=0):
     ks = jax.random.split(jax.random.PRNGKey(key), 4 * n)
-    return [[jax.random.normal(k, (W, W), jnp.float32) * GAIN / np.sqrt(W)
-             for k in ks[4 * i:4 * i + 4]] for i in range(n)]
+    return [
+        [
+            jax.random.normal(k, (W, W), jnp.float32) * GAIN / np.sqrt(W)
+            for k in ks[4 * i : 4 * i + 4]
+        ]
+        for i in range(n)
+    ]
 
 
 def _revnet(dtype):
     """Additive coupling blocks whose float32 master weights are cast to `dtype` in each
     block, on activations of `dtype`."""
+
     def mlp(x, w1, w2):
         return jnp.tanh(x @ w1.astype(dtype)) @ w2.astype(dtype)
 
@@ -135,21 +146,26 @@ def _revnet(dtype):
             x1 = x1 + mlp(x2, a, b)
             x2 = x2 + mlp(x1, c, d)
         return x1, x2
+
     return f
 
 
 def _streams(dtype, key=1):
     k1, k2 = jax.random.split(jax.random.PRNGKey(key))
-    return (jax.random.normal(k1, (B, W)).astype(dtype),
-            jax.random.normal(k2, (B, W)).astype(dtype))
+    return (
+        jax.random.normal(k1, (B, W)).astype(dtype),
+        jax.random.normal(k2, (B, W)).astype(dtype),
+    )
 
 
 @pytest.mark.parametrize("depths", DEPTHS)
 def test_bf16_revnet_memory_is_flat(depths):
     f = _revnet(jnp.bfloat16)
     x = _streams(jnp.bfloat16)
-    mem = {n: _temp(jax.grad(_loss(jr.reversible(f)), argnums=(0, 1)), _master_weights(n), x)
-           for n in depths}
+    mem = {
+        n: _temp(jax.grad(_loss(jr.reversible(f)), argnums=(0, 1)), _master_weights(n), x)
+        for n in depths
+    }
     grad = _temp(jax.grad(_loss(f), argnums=(0, 1)), _master_weights(max(depths)), x)
     assert _flat(mem), mem
     assert mem[max(mem)] * 5 < grad, (mem, grad)
@@ -166,15 +182,20 @@ def _accuracy(f16, f32, p, x16, x32):
 # jaxrev's gradient rebuilds 64 blocks' inputs by running them backwards in bfloat16, whose
 # rounding is lost: its error may exceed jax.grad's (the forward run's rounding alone), by up
 # to 2x, plus one bfloat16 rounding of the gradient (2**-8, relative)
-BF16_SLACK = 2.0 ** -8
+BF16_SLACK = 2.0**-8
 
 
 @pytest.mark.parametrize("n", [16, pytest.param(64, marks=pytest.mark.slow)])
 def test_bf16_revnet_gradient_as_accurate_as_jax_grad(n):
     p = _master_weights(n)
-    err_grad, err_rev = _accuracy(_revnet(jnp.bfloat16), _revnet(jnp.float32), p,
-                                  _streams(jnp.bfloat16), _streams(jnp.float32))
-    assert err_grad < 0.05   # bfloat16 itself: about 2 % here
+    err_grad, err_rev = _accuracy(
+        _revnet(jnp.bfloat16),
+        _revnet(jnp.float32),
+        p,
+        _streams(jnp.bfloat16),
+        _streams(jnp.float32),
+    )
+    assert err_grad < 0.05  # bfloat16 itself: about 2 % here
     assert err_rev <= 2 * err_grad + BF16_SLACK, (err_rev, err_grad)
 
 
@@ -189,6 +210,7 @@ def test_bf16_revnet_drift_is_within_the_default_tolerance():
 
 
 # --------------------------------------------------------------------------- (c) Equinox, scan
+
 
 def _eqx_layers(n, gain=0.5):
     """`n` coupling layers of two eqx.nn.MLPs (float32 weights) stacked by filter_vmap, their
@@ -207,7 +229,8 @@ def _eqx_layers(n, gain=0.5):
         def __call__(self, x, dtype):
             # the master weights cast per layer, inside the scan's body
             f, g = jax.tree_util.tree_map(
-                lambda a: a.astype(dtype) if eqx.is_array(a) else a, (self.f, self.g))
+                lambda a: a.astype(dtype) if eqx.is_array(a) else a, (self.f, self.g)
+            )
             x1, x2 = x
             y1 = x1 + jax.vmap(f)(x2)
             return y1, x2 + jax.vmap(g)(y1)
@@ -223,13 +246,20 @@ def _eqx_run(dtype):
         params, static = eqx.partition(layers, eqx.is_array)
         body = lambda x, p: (eqx.combine(p, static)(x, dtype), None)  # noqa: E731
         return jax.lax.scan(body, x, params)[0]
+
     return run
 
 
 def _eqx_temp(fn, layers, x):
     import equinox as eqx
-    return (eqx.filter_jit(eqx.filter_grad(_loss(fn))).lower(layers, x).compile().compiled
-            .memory_analysis().temp_size_in_bytes)
+
+    return (
+        eqx.filter_jit(eqx.filter_grad(_loss(fn)))
+        .lower(layers, x)
+        .compile()
+        .compiled.memory_analysis()
+        .temp_size_in_bytes
+    )
 
 
 @pytest.mark.parametrize("depths", DEPTHS)
@@ -240,8 +270,9 @@ def test_equinox_scan_over_stacked_layers_memory_is_flat(depths):
     §3.8), which is the dial's memory, not values of the parameters."""
     x = _streams(jnp.bfloat16)
     run = _eqx_run(jnp.bfloat16)
-    mem = {n: _eqx_temp(jr.reversible(run, checkpoint_every=None), _eqx_layers(n), x)
-           for n in depths}
+    mem = {
+        n: _eqx_temp(jr.reversible(run, checkpoint_every=None), _eqx_layers(n), x) for n in depths
+    }
     grad = _eqx_temp(run, _eqx_layers(max(depths)), x)
     assert _flat(mem), mem
     assert mem[max(mem)] * 5 < grad, (mem, grad)
@@ -249,11 +280,13 @@ def test_equinox_scan_over_stacked_layers_memory_is_flat(depths):
 
 def test_equinox_scan_gradient_as_accurate_as_jax_grad():
     import equinox as eqx
+
     layers = _eqx_layers(64)
     x16, x32 = _streams(jnp.bfloat16), _streams(jnp.float32)
 
     def grad(f, x):
         return eqx.filter_jit(eqx.filter_grad(_loss(f)))(layers, x)
+
     ref = grad(_eqx_run(jnp.float32), x32)
     err_grad = _rel(grad(_eqx_run(jnp.bfloat16), x16), ref)
     err_rev = _rel(grad(jr.reversible(_eqx_run(jnp.bfloat16)), x16), ref)
@@ -263,24 +296,29 @@ def test_equinox_scan_gradient_as_accurate_as_jax_grad():
 
 # --------------------------------------------------------------------------- any computation
 
+
 def _weights_block_net(n, shared=False):
     """Blocks whose parameter-only values are not casts: a transposed weight, a bias
     broadcast and reshaped, a product of two weights; `shared`: one float32 weight cast to
     float64 once, before the blocks, and read by all of them."""
+
     def f(x, p):
         x1, x2 = x
         w0 = p["w0"].astype(jnp.float64)
         for k in range(n):
             w, b = p["w"][k], p["b"][k]
-            m = w @ w.T * 0.1                                   # parameters only
-            bias = jnp.broadcast_to(b.reshape(1, W), (B, W))    # parameters only
+            m = w @ w.T * 0.1  # parameters only
+            bias = jnp.broadcast_to(b.reshape(1, W), (B, W))  # parameters only
             x1 = x1 + jnp.tanh(x2 @ m + bias)
             x2 = x2 + jnp.sin(x1 @ (w0 if shared else w.T))
         return x1, x2
+
     ks = jax.random.split(jax.random.PRNGKey(3), 2 * n + 1)
-    p = {"w": [jax.random.normal(k, (W, W)) * 0.2 for k in ks[:n]],
-         "b": [jax.random.normal(k, (W,)) for k in ks[n:2 * n]],
-         "w0": jax.random.normal(ks[-1], (W, W), jnp.float32) * 0.2}
+    p = {
+        "w": [jax.random.normal(k, (W, W)) * 0.2 for k in ks[:n]],
+        "b": [jax.random.normal(k, (W,)) for k in ks[n : 2 * n]],
+        "w0": jax.random.normal(ks[-1], (W, W), jnp.float32) * 0.2,
+    }
     return f, p
 
 
@@ -294,26 +332,31 @@ def test_transposes_broadcasts_and_products_of_weights_are_not_stored(shared):
     mem = {}
     for n in (4, 16):
         f, p = _weights_block_net(n, shared)
-        mem[n] = _temp(jax.grad(_loss(jr.reversible(f)), argnums=1 if shared else (0, 1)),
-                       p, x)
+        mem[n] = _temp(jax.grad(_loss(jr.reversible(f)), argnums=1 if shared else (0, 1)), p, x)
     assert _flat(mem), mem
     f, p = _weights_block_net(4, shared)
     ref = jax.grad(_loss(f), argnums=(0, 1))(p, x)
     assert _rel(jax.grad(_loss(jr.reversible(f)), argnums=(0, 1))(p, x), ref) < 1e-12
     # forward over reverse (a Hessian-vector product): the recomputations' tangents
     v = jax.tree_util.tree_map(jnp.ones_like, p)
-    hvp = lambda fn: jax.jvp(lambda p: jax.grad(_loss(fn), argnums=(0, 1))(p, x),  # noqa: E731
-                             (p,), (v,))[1]
+    hvp = lambda fn: jax.jvp(
+        lambda p: jax.grad(_loss(fn), argnums=(0, 1))(p, x),  # noqa: E731
+        (p,),
+        (v,),
+    )[1]
     assert _rel(hvp(jr.reversible(f)), hvp(f)) < 1e-12
 
 
 # --------------------------------------------------------------------------- fresh_p
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float64, jnp.int32,
-                                   jnp.uint8, jnp.bool_, jnp.complex64])
+
+@pytest.mark.parametrize(
+    "dtype",
+    [jnp.float32, jnp.bfloat16, jnp.float64, jnp.int32, jnp.uint8, jnp.bool_, jnp.complex64],
+)
 def test_fresh_is_an_identity(dtype):
     x = (jnp.arange(6) - 2).astype(dtype)
-    tie = jnp.array([jnp.nan, 1.0])     # its NaN is what the run-time zero is made of
+    tie = jnp.array([jnp.nan, 1.0])  # its NaN is what the run-time zero is made of
     f = lambda x, t: fresh_p.bind(x, t, n=1)[0]  # noqa: E731
     for out in (f(x, tie), jax.jit(f)(x, tie), jax.vmap(f, (0, None))(x[:, None], tie)[:, 0]):
         assert out.dtype == x.dtype and bool(jnp.all(out == x))

@@ -2,6 +2,7 @@
 readers on ADBench's files, the objectives against independent numpy ports of ADBench's reference
 code, the reversible gradients and Jacobian blocks against jax.grad / jax.jacfwd, and one run of
 each script."""
+
 from __future__ import annotations
 
 import math
@@ -36,11 +37,18 @@ def rel(a, b) -> float:
 
 # ------------------------------------------------------------------ the two scripts, once each
 
+
 def _start(script: str) -> subprocess.Popen:
     env = dict(os.environ)
     env.setdefault("JAX_PLATFORMS", "cpu")
-    return subprocess.Popen([sys.executable, str(ROOT / "examples" / script)], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, str(ROOT / "examples" / script)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 SCRIPTS = ("gmm.py", "bundle_adjustment.py")
@@ -50,8 +58,9 @@ SCRIPTS = ("gmm.py", "bundle_adjustment.py")
 def _scripts(request) -> dict[str, subprocess.Popen]:
     # Start both scripts before the first test of this file when the session will check them, so
     # that they run while the in-process tests do (each is mostly single-threaded compilation).
-    wanted = any(item.module is request.module and "script" in item.name
-                 for item in request.session.items)
+    wanted = any(
+        item.module is request.module and "script" in item.name for item in request.session.items
+    )
     procs = {s: _start(s) for s in SCRIPTS} if wanted else {}
     yield procs
     for proc in procs.values():
@@ -72,12 +81,14 @@ def outputs(_scripts) -> dict[str, str]:
 
 from test_examples import _number  # noqa: E402  (the examples' printed-figure reader)
 
-
 # ------------------------------------------------------------------ readers
 
+
 def test_read_gmm_shapes_and_parameter_count():
-    for path, n in ((DATA / "gmm" / "10k" / "gmm_d2_K5.txt", 10000),
-                    (DATA / "gmm" / "1k" / "gmm_d64_K5.txt", 1000)):
+    for path, n in (
+        (DATA / "gmm" / "10k" / "gmm_d2_K5.txt", 10000),
+        (DATA / "gmm" / "1k" / "gmm_d64_K5.txt", 1000),
+    ):
         g = adbench_io.read_gmm(path)
         d, k = adbench_io.gmm_size(path)
         assert g["alphas"].shape == (k,) and g["means"].shape == (k, d)
@@ -85,7 +96,7 @@ def test_read_gmm_shapes_and_parameter_count():
         assert (g["gamma"], g["m"]) == (1.0, 0)
         params = g["alphas"].size + g["means"].size + g["icf"].size
         assert params == k + k * d + k * d * (d + 1) // 2
-    assert gmm.problem((2, 5))["parameters"] == 30       # the paper's smallest column
+    assert gmm.problem((2, 5))["parameters"] == 30  # the paper's smallest column
     first = adbench_io.read_gmm(DATA / "gmm" / "10k" / "gmm_d2_K5.txt")
     assert first["alphas"][0] == -0.649014 and first["means"][0, 1] == 0.396767
     assert first["icf"][0, 2] == -1.270071 and first["x"][-1, 0] == 0.407291
@@ -108,8 +119,9 @@ def test_read_ba_replicates_as_adbench():
 def test_file_lists_and_sizes():
     files = adbench_io.ba_files()
     assert len(files) == 20
-    assert [adbench_io.ba_size(f)[2] for f in files] == sorted(adbench_io.ba_size(f)[2]
-                                                               for f in files)
+    assert [adbench_io.ba_size(f)[2] for f in files] == sorted(
+        adbench_io.ba_size(f)[2] for f in files
+    )
     assert len(ba.sizes(False)) == 20 and set(ba.sizes(True)) < set(ba.sizes(False))
     full = gmm.sizes(False)
     assert len(full) == 24 and {d for d, _ in full} == {2, 10, 20, 32}
@@ -128,6 +140,7 @@ def test_data_dir_override_and_error(monkeypatch, tmp_path):
 
 # ------------------------------------------------------------------ GMM
 
+
 def gmm_numpy(alphas, means, icf, x, gamma, m) -> float:
     """ADBench's C++ gmm_objective, ported loop by loop (vectorised over points only)."""
     k, d = means.shape
@@ -141,7 +154,7 @@ def gmm_numpy(alphas, means, icf, x, gamma, m) -> float:
     main = np.empty((n, k))
     for ik in range(k):
         xc = x - means[ik]
-        out = qdiags[ik] * xc                       # Qtimesx
+        out = qdiags[ik] * xc  # Qtimesx
         idx = d
         for i in range(d):
             for j in range(i + 1, d):
@@ -149,7 +162,7 @@ def gmm_numpy(alphas, means, icf, x, gamma, m) -> float:
                 idx += 1
         main[:, ik] = alphas[ik] + sum_qs[ik] - 0.5 * np.sum(out * out, axis=1)
     err = -n * d * 0.5 * math.log(2 * math.pi) + lse(main, axis=1).sum() - n * lse(alphas)
-    nw = d + m + 1                                  # log_wishart_prior
+    nw = d + m + 1  # log_wishart_prior
     c = nw * d * (math.log(gamma) - 0.5 * math.log(2)) - multigammaln(0.5 * nw, d)
     frob = np.sum(qdiags**2, axis=1) + np.sum(icf[:, d:] ** 2, axis=1)
     return float(err + np.sum(0.5 * gamma * gamma * frob - m * sum_qs) - k * c)
@@ -165,10 +178,10 @@ def test_gmm_objective_and_gradients():
     args = args + (jnp.asarray(g["x"][:250]),)
     np_args = [np.asarray(a) for a in args]
     want = gmm_numpy(*np_args, gamma, m)
-    value, ref = jax.jit(jax.value_and_grad(gmm.make_objective(gamma, m), argnums=(0, 1, 2)))(
-        *args)
-    value_rev, got = jax.jit(jax.value_and_grad(gmm.make_reversible_objective(gamma, m),
-                                                argnums=(0, 1, 2)))(*args)
+    value, ref = jax.jit(jax.value_and_grad(gmm.make_objective(gamma, m), argnums=(0, 1, 2)))(*args)
+    value_rev, got = jax.jit(
+        jax.value_and_grad(gmm.make_reversible_objective(gamma, m), argnums=(0, 1, 2))
+    )(*args)
     assert abs(float(value) - want) < 1e-12 * abs(want)
     assert abs(float(value_rev) - want) < 1e-12 * abs(want)
     for a, b in zip(got, ref):
@@ -189,18 +202,25 @@ def test_gmm_script(outputs):
         name = f"D={d} K={k}"
         assert _number(out, f"{name} gradient vs jax.grad, relative error:") < 1e-10
         assert _number(out, f"{name} jax.grad vs central differences, relative error:") < 1e-6
-        m = re.search(re.escape(name) + r" gradient temp memory: jax.grad (\d+) B, "
-                      r"jr.reversible (\d+) B", out)
+        m = re.search(
+            re.escape(name) + r" gradient temp memory: jax.grad (\d+) B, "
+            r"jr.reversible (\d+) B",
+            out,
+        )
         assert m and int(m.group(2)) * 20 < int(m.group(1)), out
-        t = re.search(re.escape(name) + r" gradient time: jax.grad ([0-9.]+) ms, "
-                      r"jr.reversible ([0-9.]+) ms", out)
+        t = re.search(
+            re.escape(name) + r" gradient time: jax.grad ([0-9.]+) ms, "
+            r"jr.reversible ([0-9.]+) ms",
+            out,
+        )
         assert t and float(t.group(1)) > 0 and float(t.group(2)) > 0, out
     # the printed objective is ADBench's, by the numpy port
     g = adbench_io.read_gmm(DATA / "gmm" / "10k" / "gmm_d2_K5.txt")
     want = gmm_numpy(*(g[key] for key in ("alphas", "means", "icf", "x")), g["gamma"], g["m"])
     assert abs(_number(out, "D=2 K=5 objective:") - want) < 1e-9 * abs(want)
-    m = re.search(r"n = 1000 -> 10000: jax.grad (\d+) -> (\d+) B, jr.reversible (\d+) -> (\d+) B",
-                  out)
+    m = re.search(
+        r"n = 1000 -> 10000: jax.grad (\d+) -> (\d+) B, jr.reversible (\d+) -> (\d+) B", out
+    )
     # jax.grad's memory follows n; the reversible gradient's does not (√T checkpoints of a
     # scalar, and one segment's blocks of points when it recomputes one)
     assert m, out
@@ -208,6 +228,7 @@ def test_gmm_script(outputs):
 
 
 # ------------------------------------------------------------------ bundle adjustment
+
 
 def project_numpy(cam, x):
     """ADBench's C++ project(), ported line by line."""
@@ -270,8 +291,9 @@ def test_ba_jacobian_blocks_against_dense_jacfwd(monkeypatch):
         return jnp.concatenate([reproj.ravel(), werr])
 
     dense = jax.jit(jax.jacfwd(all_residuals, argnums=(0, 1, 2)))(cams, X, w)
-    dense = np.concatenate([dense[0].reshape(3 * p, -1), dense[1].reshape(3 * p, -1), dense[2]],
-                           axis=1)
+    dense = np.concatenate(
+        [dense[0].reshape(3 * p, -1), dense[1].reshape(3 * p, -1), dense[2]], axis=1
+    )
     # Blocks by jr.reversible, mapped in chunks of 5 (lax.map, a partial last chunk): the path
     # of instances above CHUNK observations. The script checks the one-vmap path against
     # jacfwd and jacrev on the files.
@@ -285,8 +307,9 @@ def test_ba_jacobian_blocks_against_dense_jacfwd(monkeypatch):
     assert rel(sparse, dense) < 1e-10
     # observation 2 sees camera 2, whose rotation is exactly zero (ADBench's first-order branch)
     cam_cols, point_cols, weight_col = slice(22, 33), slice(33 + 6, 33 + 9), slice(48 + 2, 48 + 3)
-    want = np.concatenate([dense[4:6, cam_cols], dense[4:6, point_cols], dense[4:6, weight_col]],
-                          axis=1)
+    want = np.concatenate(
+        [dense[4:6, cam_cols], dense[4:6, point_cols], dense[4:6, weight_col]], axis=1
+    )
     assert rel(blocks[2], want) < 1e-10
 
 
@@ -295,11 +318,16 @@ def test_ba_script(outputs):
     for size in ba.sizes(quick=True):
         name = size.split("_")[0]
         p = adbench_io.ba_size(size)[2]
-        assert _number(out, f"{name} Jacobian blocks, max relative difference between the "
-                            f"three:") < 1e-10
+        assert (
+            _number(out, f"{name} Jacobian blocks, max relative difference between the three:")
+            < 1e-10
+        )
         assert re.search(re.escape(name) + rf" Jacobian {3 * p} x \d+, nnz: {31 * p} ", out), out
-        t = re.search(re.escape(name) + r" Jacobian time: jacfwd ([0-9.]+) ms, jacrev ([0-9.]+) "
-                      r"ms, jr.reversible ([0-9.]+) ms", out)
+        t = re.search(
+            re.escape(name) + r" Jacobian time: jacfwd ([0-9.]+) ms, jacrev ([0-9.]+) "
+            r"ms, jr.reversible ([0-9.]+) ms",
+            out,
+        )
         assert t and all(float(v) > 0 for v in t.groups()), out
         assert _number(out, f"{name} objective time:") > 0
     assert "ba10 Jacobian 1691202 x 955882, nnz: 17475754" in out

@@ -1,6 +1,7 @@
 """The NiLang paper's Bessel and sparse-dot workloads (examples/bessel.py, examples/sparse_dot.py):
 derivatives through `jr.reversible` against analytic, SciPy, finite-difference and plain-JAX
 references in float64, and one run of each script with its printed figures checked."""
+
 from __future__ import annotations
 
 import functools
@@ -31,6 +32,7 @@ def close(a, b, atol):
 
 # ------------------------------------------------------------------ Bessel
 
+
 @pytest.mark.parametrize("nu", [-1, 0, 1, 2, 3])
 def test_bessel_value_is_scipys(nu):
     close(bessel.bessel_j(nu, XS), scipy.special.jv(nu, XS), 1e-12)
@@ -55,7 +57,7 @@ def test_bessel_gradient(nu):
 
 def test_bessel_gradient_paper_value_and_finite_differences():
     g = float(bessel.grad_reversible(2, 1.0))
-    assert abs(g - 0.2102436) < 1e-7            # the paper's Grad(ibesselj) output
+    assert abs(g - 0.2102436) < 1e-7  # the paper's Grad(ibesselj) output
     h = 1e-5
     fd = (bessel.bessel_j(2, 1.0 + h) - bessel.bessel_j(2, 1.0 - h)) / (2 * h)
     assert abs(g - float(fd)) < 1e-9
@@ -87,16 +89,18 @@ def test_bessel_batch_vmap():
 def test_bessel_grad_of_vmap():
     # points take different trip counts: the ones that finish first must not turn NaN
     xs = jnp.array([0.5, 9.0])
-    gv = jax.grad(lambda xs: jnp.sum(
-        jax.vmap(functools.partial(bessel.bessel_j_reversible, 2))(xs)))(xs)
+    gv = jax.grad(
+        lambda xs: jnp.sum(jax.vmap(functools.partial(bessel.bessel_j_reversible, 2))(xs))
+    )(xs)
     close(gv, scipy.special.jvp(2, np.asarray(xs)), 1e-11)
 
 
 def test_bessel_stores_a_few_bytes_whatever_the_number_of_terms():
     f = bessel.accumulator(2)
-    few, many = (jr.memory_report(f, jnp.float64(0.0), jnp.float64(x),
-                                  checkpoint_every=None).total_bytes
-                 for x in (0.1, 9.0))
+    few, many = (
+        jr.memory_report(f, jnp.float64(0.0), jnp.float64(x), checkpoint_every=None).total_bytes
+        for x in (0.1, 9.0)
+    )
     assert few == many <= 32
 
 
@@ -111,19 +115,23 @@ def test_bessel_problem(size):
 
 # ------------------------------------------------------------------ sparse dot
 
+
 def _dense_grads(A, B):
     Ad, Bd = A.todense(), B.todense()
     return Bd[A.indices[:, 0], A.indices[:, 1]], Ad[B.indices[:, 0], B.indices[:, 1]]
 
 
-def _grads(A, B, which=("reversible merge", "jax.grad merge", "reversible pairs",
-                         "jax.grad vectorised")):
+def _grads(
+    A, B, which=("reversible merge", "jax.grad merge", "reversible pairs", "jax.grad vectorised")
+):
     a, al, b, bl = A.data, sparse_dot.linear_index(A), B.data, sparse_dot.linear_index(B)
     ia, ib = sparse_dot.match_pairs(al, bl)
-    run = {"reversible merge": lambda: sparse_dot.grad_merge_reversible(a, al, b, bl),
-           "jax.grad merge": lambda: sparse_dot.grad_merge_plain(a, al, b, bl),
-           "reversible pairs": lambda: sparse_dot.grad_pairs_reversible(a, b, ia, ib),
-           "jax.grad vectorised": lambda: sparse_dot.grad_vector(a, al, b, bl)}
+    run = {
+        "reversible merge": lambda: sparse_dot.grad_merge_reversible(a, al, b, bl),
+        "jax.grad merge": lambda: sparse_dot.grad_merge_plain(a, al, b, bl),
+        "reversible pairs": lambda: sparse_dot.grad_pairs_reversible(a, b, ia, ib),
+        "jax.grad vectorised": lambda: sparse_dot.grad_vector(a, al, b, bl),
+    }
     return {k: run[k]() for k in which}
 
 
@@ -132,8 +140,11 @@ def test_sparse_values_and_gradients():
     A, B = (sparse_dot.random_bcoo(rng, 120) for _ in range(2))
     a, al, b, bl = A.data, sparse_dot.linear_index(A), B.data, sparse_dot.linear_index(B)
     dense = float(jnp.sum(A.todense() * B.todense()))
-    for v in (sparse_dot.merge_value(a, al, b, bl), sparse_dot.vector_dot(a, al, b, bl),
-              sparse_dot.merge_value_reversible(a, al, b, bl)):
+    for v in (
+        sparse_dot.merge_value(a, al, b, bl),
+        sparse_dot.vector_dot(a, al, b, bl),
+        sparse_dot.merge_value_reversible(a, al, b, bl),
+    ):
         assert float(v) == pytest.approx(dense, rel=1e-13)
     want_a, want_b = _dense_grads(A, B)
     for label, (ga, gb) in _grads(A, B).items():
@@ -146,13 +157,16 @@ def _bcoo(n, cells, values):
     return sparse.BCOO((jnp.asarray(values, float), jnp.asarray(idx)), shape=(n, n))
 
 
-@pytest.mark.parametrize("a_cells, b_cells", [
-    ([0, 5, 9], [1, 2, 3]),            # no common position
-    ([1, 2, 3], [4, 7, 8]),            # A runs out first, then B walks alone
-    ([4, 7, 8], [1, 2, 3]),            # B runs out first
-    ([2, 6, 11], [2, 6, 11]),          # the same pattern: every step a match
-    ([0, 15, 16], [0, 3, 16]),         # matches at both ends
-])
+@pytest.mark.parametrize(
+    "a_cells, b_cells",
+    [
+        ([0, 5, 9], [1, 2, 3]),  # no common position
+        ([1, 2, 3], [4, 7, 8]),  # A runs out first, then B walks alone
+        ([4, 7, 8], [1, 2, 3]),  # B runs out first
+        ([2, 6, 11], [2, 6, 11]),  # the same pattern: every step a match
+        ([0, 15, 16], [0, 3, 16]),  # matches at both ends
+    ],
+)
 def test_sparse_merge_edge_cases(a_cells, b_cells):
     # three entries each: one compiled merge serves every case
     A = _bcoo(5, a_cells, np.arange(1.0, len(a_cells) + 1))
@@ -166,8 +180,15 @@ def test_sparse_merge_stores_one_byte_per_step():
     rng = np.random.default_rng(1)
     A, B = (sparse_dot.random_bcoo(rng, 60) for _ in range(2))
     state = (jnp.int32(0), jnp.int32(0), jnp.float64(0.0))
-    report = jr.memory_report(sparse_dot.merge_dot, state, A.data, sparse_dot.linear_index(A),
-                              B.data, sparse_dot.linear_index(B), checkpoint_every=None)
+    report = jr.memory_report(
+        sparse_dot.merge_dot,
+        state,
+        A.data,
+        sparse_dot.linear_index(A),
+        B.data,
+        sparse_dot.linear_index(B),
+        checkpoint_every=None,
+    )
     assert report.total_bytes == A.nse + B.nse
 
 
@@ -176,7 +197,8 @@ def test_sparse_problem():
     assert set(p) == {"label", "args", "objective", "jaxrev", "jax"}
     a, al, b, bl = p["args"]
     assert float(jax.jit(p["objective"])(*p["args"])) == pytest.approx(
-        float(sparse_dot.vector_dot(a, al, b, bl)), rel=1e-13)
+        float(sparse_dot.vector_dot(a, al, b, bl)), rel=1e-13
+    )
     ra, rb = jax.jit(p["jaxrev"])(*p["args"])
     ja, jb = jax.jit(p["jax"])(*p["args"])
     assert jnp.array_equal(ra, ja) and jnp.array_equal(rb, jb)

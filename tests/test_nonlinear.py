@@ -5,6 +5,7 @@ number of steps, derivatives by the implicit function theorem, and the errors: n
 (`ReversibilityError`), a vanished Jacobian (`SingularJacobianError`), each naming the line.
 The sharded runs are in `test_sharding.py`.
 """
+
 from __future__ import annotations
 
 import os
@@ -13,13 +14,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax import lax
 from jax import test_util as jtu
+from programs.nonlinear import cases, heun, residual, simultaneous
 
 import jaxrev as jr
 from jaxrev.transforms.knowledge.context import Settings
 from jaxrev.transforms.reverse import reverse_with
-from programs.nonlinear import cases, heun, residual, simultaneous
 
 HERE = os.path.basename(__file__)
 CASES = cases()
@@ -46,6 +46,7 @@ def _loss(f):
     def loss(s, p):
         out = jax.tree_util.tree_leaves(f(s, p))
         return sum(jnp.sum(jnp.sin(o) * (k + 1.0)) for k, o in enumerate(out))
+
     return loss
 
 
@@ -68,8 +69,9 @@ def test_reversible_gradient_equals_jax_grad_and_stores_nothing(name):
     assert rep.total_bytes == 0, str(rep)
 
 
-@pytest.mark.parametrize("name", ["simultaneous-1000", "heun-1000", "residual", "logit",
-                                  "midpoint-100"])
+@pytest.mark.parametrize(
+    "name", ["simultaneous-1000", "heun-1000", "residual", "logit", "midpoint-100"]
+)
 def test_vmap(name):
     fun, s, p = CASES[name]
     batch = jax.tree_util.tree_map(lambda x: jnp.stack([x, 0.9 * x]), s)
@@ -84,13 +86,19 @@ def _temp(f, *args):
     return jax.jit(f).lower(*args).compile().memory_analysis().temp_size_in_bytes
 
 
-@pytest.mark.parametrize("make,s,p", [
-    (lambda n: simultaneous(n, h=0.05), CASES["simultaneous-50"][1], 0.7),
-    (heun, CASES["heun-1000"][1], CASES["heun-1000"][2]),
-], ids=["simultaneous", "heun"])
+@pytest.mark.parametrize(
+    "make,s,p",
+    [
+        (lambda n: simultaneous(n, h=0.05), CASES["simultaneous-50"][1], 0.7),
+        (heun, CASES["heun-1000"][1], CASES["heun-1000"][2]),
+    ],
+    ids=["simultaneous", "heun"],
+)
 def test_temp_memory_is_flat_in_the_number_of_steps(make, s, p):
-    grad = lambda n: jax.grad(_loss(jr.reversible(make(n), checkpoint_every=None)),  # noqa: E731
-                              argnums=(0, 1))
+    grad = lambda n: jax.grad(
+        _loss(jr.reversible(make(n), checkpoint_every=None)),  # noqa: E731
+        argnums=(0, 1),
+    )
     small, large = _temp(grad(100), s, p), _temp(grad(2000), s, p)
     assert large <= small * 1.05 + 4096, (small, large)
     assert _temp(jax.grad(_loss(make(2000)), argnums=(0, 1)), s, p) > 10 * large
@@ -120,8 +128,7 @@ def test_inverse_transforms_and_check_reversible_on_nonlinear_groups():
     x = jnp.linspace(-2.0, 2.0, 5)
     v = jnp.arange(1.0, 6.0)
     _, (t,) = jr.inverse_jvp(lambda x: residual(x, 0.5), (x,), v)
-    np.testing.assert_allclose(t, jnp.linalg.solve(jax.jacfwd(residual)(x, 0.5), v),
-                               rtol=1e-12)
+    np.testing.assert_allclose(t, jnp.linalg.solve(jax.jacfwd(residual)(x, 0.5), v), rtol=1e-12)
     rep = jr.check_reversible(residual, x, 0.5)
     assert rep.max_error < 1e-13
     fun, s, p = CASES["simultaneous-1000"]
@@ -133,8 +140,9 @@ def test_inverse_transforms_and_check_reversible_on_nonlinear_groups():
 
 def test_no_preimage_raises_naming_the_line():
     def f(x):
-        return x + x ** 2  # <no-preimage>
-    y = jnp.array([2.0, -0.5])   # x + x**2 >= -1/4 has no real solution at -0.5
+        return x + x**2  # <no-preimage>
+
+    y = jnp.array([2.0, -0.5])  # x + x**2 >= -1/4 has no real solution at -0.5
     with pytest.raises(jr.ReversibilityError) as info:
         jr.reverse(f)(y)
     err = info.value
@@ -151,6 +159,7 @@ def test_no_preimage_raises_naming_the_line():
 def test_vanished_jacobian_raises_singular_naming_the_line():
     def f(x):
         return x - jnp.sin(x)  # <vanished>   (derivative 1 - cos x is 0 at x = 0)
+
     with pytest.raises(jr.SingularJacobianError) as info:
         jr.reverse(f)(jnp.array([0.0, 1.0]))
     assert info.value.line == _line("vanished") and "vanishes" in str(info.value)

@@ -1,5 +1,6 @@
 """jaxrev.optim: Newton directions against dense Hessian solves, the optax interface, minimize
 (Newton and trust region) and root on the issue's problems."""
+
 from __future__ import annotations
 
 import sys
@@ -15,8 +16,12 @@ import jaxrev as jr
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from graph_embedding import embedding_loss, solve, starts  # noqa: E402
-from newton import (broyden_tridiagonal, chained_rosenbrock, extended_rosenbrock,  # noqa: E402
-                    rosenbrock)
+from newton import (
+    broyden_tridiagonal,
+    chained_rosenbrock,
+    extended_rosenbrock,  # noqa: E402
+    rosenbrock,
+)
 
 rng = np.random.default_rng(0)
 
@@ -35,10 +40,11 @@ def dense_newton(f, x, damping=0.0):
 
 def dense_objective(x):
     A = jnp.asarray(np.random.default_rng(1).standard_normal((6, 6)) / 3)
-    return jnp.sum(jnp.cosh(A @ x)) + 0.5 * jnp.sum(x ** 2)
+    return jnp.sum(jnp.cosh(A @ x)) + 0.5 * jnp.sum(x**2)
 
 
 # ------------------------------------------------------------------ newton_direction
+
 
 @pytest.mark.parametrize("damping", [0.0, 0.5])
 def test_newton_direction_matches_dense_solve(damping):
@@ -50,6 +56,7 @@ def test_newton_direction_matches_dense_solve(damping):
 def test_newton_direction_of_a_pytree_and_float32():
     def f(p):
         return jnp.sum(p["w"] ** 4) + jnp.sum(jnp.exp(p["b"])) + jnp.sum(p["w"]) * p["b"][0]
+
     p = {"w": jnp.asarray(rng.standard_normal((2, 3))), "b": jnp.asarray(rng.standard_normal(2))}
     d = jr.optim.newton_direction(f, p)
     ref = dense_newton(f, p)
@@ -72,6 +79,7 @@ def test_newton_direction_under_jit_and_vmap():
 
 # ------------------------------------------------------------------ optax
 
+
 def test_pure_newton_solves_rosenbrock_through_optax():
     # the issue's figure: from (-1.2, 1) to 1e-8 within 30 steps
     opt = jr.optim.newton()
@@ -88,8 +96,9 @@ def test_pure_newton_solves_rosenbrock_through_optax():
 
 
 def test_newton_with_an_optax_line_search():
-    opt = optax.chain(jr.optim.newton(),
-                      optax.scale_by_backtracking_linesearch(max_backtracking_steps=30))
+    opt = optax.chain(
+        jr.optim.newton(), optax.scale_by_backtracking_linesearch(max_backtracking_steps=30)
+    )
     x = jnp.array([-1.2, 1.0])
     state = opt.init(x)
 
@@ -98,6 +107,7 @@ def test_newton_with_an_optax_line_search():
         value, grad = jax.value_and_grad(rosenbrock)(x)
         u, state = opt.update(grad, state, x, value=value, grad=grad, value_fn=rosenbrock)
         return optax.apply_updates(x, u), state, value
+
     values = []
     for _ in range(40):
         x, state, value = step(x, state)
@@ -127,10 +137,12 @@ def test_scale_by_newton_errors():
 
 # ------------------------------------------------------------------ minimize
 
+
 @pytest.mark.parametrize("method", ["newton", "trust-region"])
 def test_minimize_rosenbrock(method):
     x, info = jax.jit(lambda x0: jr.optim.minimize(rosenbrock, x0, method=method))(
-        jnp.array([-1.2, 1.0]))
+        jnp.array([-1.2, 1.0])
+    )
     assert info.message == "converged" and float(info.residual) <= 1e-8
     assert rel(x, jnp.ones(2)) < 1e-8
 
@@ -165,6 +177,7 @@ def test_trust_region_escapes_a_saddle_where_newton_would_not():
 def test_minimize_pytree_vmap_and_status():
     def f(p):
         return jnp.sum((p["a"] - 2.0) ** 4 + (p["a"] - 2.0) ** 2) + jnp.cosh(p["b"] - 1.0)
+
     p0 = {"a": jnp.zeros(3), "b": jnp.asarray(0.0)}
     p, info = jr.optim.minimize(f, p0, method="newton")
     assert rel(p["a"], 2.0 * jnp.ones(3)) < 1e-9 and abs(float(p["b"]) - 1.0) < 1e-9
@@ -181,12 +194,13 @@ def test_minimize_errors():
     with pytest.raises(ValueError, match="tol must be"):
         jr.optim.minimize(rosenbrock, jnp.zeros(2), tol=0.0)
     with pytest.raises(TypeError, match="scalar"):
-        jr.optim.minimize(lambda x: x ** 2, jnp.zeros(2))
+        jr.optim.minimize(lambda x: x**2, jnp.zeros(2))
     with pytest.raises(TypeError, match="floating"):
         jr.optim.minimize(rosenbrock, jnp.zeros(2, jnp.int32))
 
 
 # ------------------------------------------------------------------ root
+
 
 def test_root_broyden_tridiagonal_200():
     # the issue's figure: residual < 1e-10
@@ -198,18 +212,20 @@ def test_root_broyden_tridiagonal_200():
 def test_root_pytree_float32_and_errors():
     def F(p):
         return {"u": p["u"] ** 3 - p["v"], "v": jnp.exp(p["v"]) - 2.0}
+
     p, info = jr.optim.root(F, {"u": jnp.ones(1), "v": jnp.zeros(1)})
     assert abs(float(p["v"][0]) - np.log(2.0)) < 1e-12
     assert abs(float(p["u"][0]) - np.log(2.0) ** (1 / 3)) < 1e-9 and float(info.residual) < 1e-10
-    x32, info32 = jr.optim.root(lambda x: x ** 3 - 8.0, jnp.ones(3, jnp.float32), rtol=1e-5,
-                                atol=1e-5)
+    x32, info32 = jr.optim.root(
+        lambda x: x**3 - 8.0, jnp.ones(3, jnp.float32), rtol=1e-5, atol=1e-5
+    )
     assert x32.dtype == jnp.float32 and info32.message == "converged"
     with pytest.raises(ValueError, match="square"):
         jr.optim.root(lambda x: x[:2], jnp.ones(3))
     with pytest.raises(ValueError, match="rtol and atol"):
         jr.optim.root(lambda x: x, jnp.ones(3), rtol=-1.0)
     # a singular Jacobian at the root's start: no step can be taken
-    _, info = jr.optim.root(lambda x: x ** 2 + 1.0, jnp.zeros(2))
+    _, info = jr.optim.root(lambda x: x**2 + 1.0, jnp.zeros(2))
     assert info.message in ("stalled", "non_finite")
 
 
@@ -231,7 +247,8 @@ def test_dense_hessian_is_formed_and_factored():
 
     def loss(w):
         z = X @ w
-        return jnp.mean(jnp.logaddexp(0.0, z) - y * z) + 1e-3 * jnp.sum(w ** 2)
+        return jnp.mean(jnp.logaddexp(0.0, z) - y * z) + 1e-3 * jnp.sum(w**2)
+
     w = jnp.linspace(-0.3, 0.3, 12)
     g = jax.grad(loss)(w)
     ref = jnp.linalg.solve(jax.hessian(loss)(w), g)
@@ -243,8 +260,9 @@ def test_dense_hessian_is_formed_and_factored():
     ref = jnp.linalg.solve(jax.hessian(indefinite)(w), jax.grad(indefinite)(w))
     np.testing.assert_allclose(jr.optim.newton_direction(indefinite, w), ref, rtol=1e-9)
     banded = lambda x: jnp.sum(100.0 * (x[1:] - x[:-1] ** 2) ** 2 + (1.0 - x[:-1]) ** 2)  # noqa: E731
-    assert "cholesky" not in str(jax.make_jaxpr(
-        lambda x: jr.optim.newton_direction(banded, x))(jnp.ones(40) * 1.01))
+    assert "cholesky" not in str(
+        jax.make_jaxpr(lambda x: jr.optim.newton_direction(banded, x))(jnp.ones(40) * 1.01)
+    )
 
 
 def bratu(n, lam=1.0):
@@ -255,7 +273,8 @@ def bratu(n, lam=1.0):
     def F(u):
         left = jnp.concatenate([jnp.zeros(1, u.dtype), u[:-1]])
         right = jnp.concatenate([u[1:], jnp.zeros(1, u.dtype)])
-        return (2 * u - left - right) / h ** 2 - lam * jnp.exp(u)
+        return (2 * u - left - right) / h**2 - lam * jnp.exp(u)
+
     return F
 
 
@@ -263,8 +282,9 @@ def test_root_bratu_converges_to_rounding_and_a_stall_is_still_one():
     # issue 28: F ≈ 1/h² = 4e6 stops decreasing at ~2e-10 > atol; the Newton step says the
     # solve is there, so it is reported converged, not stalled
     F = bratu(2000)
-    solve = jax.jit(lambda u0, rtol, atol: jr.optim.root(F, u0, rtol=rtol, atol=atol),
-                    static_argnums=(1, 2))
+    solve = jax.jit(
+        lambda u0, rtol, atol: jr.optim.root(F, u0, rtol=rtol, atol=atol), static_argnums=(1, 2)
+    )
     u, info = solve(jnp.zeros(2000), 1e-10, 1e-10)
     assert info.message == "converged" and int(info.iterations) < 10
     # an atol far below F's rounding: only the Newton step's test can say converged
@@ -277,12 +297,12 @@ def test_root_bratu_converges_to_rounding_and_a_stall_is_still_one():
     _, info = solve(jnp.zeros(2000), 1e-20, 1e-20)
     assert info.message == "stalled"
     # no real root: the line search walks to where J is singular and stops
-    _, info = jr.optim.root(lambda x: x ** 2 + 1.0, jnp.array([0.5, -3.0]))
+    _, info = jr.optim.root(lambda x: x**2 + 1.0, jnp.array([0.5, -3.0]))
     assert info.message == "stalled" and float(info.residual) >= 1.0
 
 
 def test_root_tol_is_deprecated_for_atol():
-    f = lambda x: x ** 3 - 8.0                              # noqa: E731
+    f = lambda x: x**3 - 8.0  # noqa: E731
     with pytest.warns(DeprecationWarning, match="atol"):
         x, info = jr.optim.root(f, jnp.ones(3), tol=1e-12)
     assert info.message == "converged" and float(info.residual) <= 1e-12
@@ -297,6 +317,7 @@ class TraceCounter:
 
     def __init__(self, monkeypatch):
         import jaxrev._program as P
+
         self.n = 0
         monkeypatch.setattr(P, "make_jaxpr", self.counting(P.make_jaxpr))
         monkeypatch.setattr(jax, "eval_shape", self.counting(jax.eval_shape))
@@ -305,6 +326,7 @@ class TraceCounter:
         def count(*a, **k):
             self.n += 1
             return real(*a, **k)
+
         return count
 
 
@@ -336,6 +358,7 @@ def test_eager_root_and_minimize_are_traced_once(monkeypatch):
     assert count.n == first and info.message == "converged"
     np.testing.assert_array_equal(x, x2)
     # a pytree with a static leaf passes through the compiled call
-    p, _ = jr.optim.minimize(lambda p: jnp.sum((p["w"] - 1.0) ** 2), {"w": jnp.zeros(3),
-                                                                       "act": jnp.tanh})
+    p, _ = jr.optim.minimize(
+        lambda p: jnp.sum((p["w"] - 1.0) ** 2), {"w": jnp.zeros(3), "act": jnp.tanh}
+    )
     assert p["act"] is jnp.tanh

@@ -2,6 +2,7 @@
 jaxrev defines is made by it and has evaluation, abstract evaluation, a lowering, JVP and
 batching registered with JAX (transpose where it is linear); the factory's own options
 (a lowering per platform, an effectful abstract evaluation) work."""
+
 from __future__ import annotations
 
 import ast
@@ -24,13 +25,33 @@ from jaxrev.transforms.reversible import reversible_p, reversible_store_p
 
 PKG = pathlib.Path(jr.__file__).parent
 
-EXPECTED = {"jaxrev_rot", "jaxrev_swap", "jaxrev_apply_gate", "jaxrev_custom_inverse",
-            "jaxrev_hook", "jaxrev_store", "jaxrev_recompute", "jaxrev_check", "jaxrev_while",
-            "jaxrev_cond", "jaxrev_reversible", "jaxrev_reversible_store",
-            "jaxrev_reversible_lin", "jaxrev_fresh"}
+EXPECTED = {
+    "jaxrev_rot",
+    "jaxrev_swap",
+    "jaxrev_apply_gate",
+    "jaxrev_custom_inverse",
+    "jaxrev_hook",
+    "jaxrev_store",
+    "jaxrev_recompute",
+    "jaxrev_check",
+    "jaxrev_while",
+    "jaxrev_cond",
+    "jaxrev_reversible",
+    "jaxrev_reversible_store",
+    "jaxrev_reversible_lin",
+    "jaxrev_fresh",
+}
 # linear in (some of) their operands: they transpose
-LINEAR = {"jaxrev_rot", "jaxrev_swap", "jaxrev_apply_gate", "jaxrev_hook", "jaxrev_store",
-          "jaxrev_recompute", "jaxrev_reversible_lin", "jaxrev_fresh"}
+LINEAR = {
+    "jaxrev_rot",
+    "jaxrev_swap",
+    "jaxrev_apply_gate",
+    "jaxrev_hook",
+    "jaxrev_store",
+    "jaxrev_recompute",
+    "jaxrev_reversible_lin",
+    "jaxrev_fresh",
+}
 
 
 def _jaxrev_primitives() -> dict[str, Primitive]:
@@ -80,9 +101,12 @@ def test_reversible_has_its_own_linearization_and_no_store_param():
     # forward mode binds both parts of the split; reverse mode transposes the linear one away
     x = jnp.ones(3)
     for program, parts in (
-            (jax.make_jaxpr(lambda x, t: jax.jvp(f, (x,), (t,)))(x, x),
-             {"jaxrev_reversible_store", "jaxrev_reversible_lin"}),
-            (jax.make_jaxpr(jax.grad(lambda x: f(x).sum()))(x), {"jaxrev_reversible_store"})):
+        (
+            jax.make_jaxpr(lambda x, t: jax.jvp(f, (x,), (t,)))(x, x),
+            {"jaxrev_reversible_store", "jaxrev_reversible_lin"},
+        ),
+        (jax.make_jaxpr(jax.grad(lambda x: f(x).sum()))(x), {"jaxrev_reversible_store"}),
+    ):
         names = {e.primitive.name: e.params for e in program.jaxpr.eqns}
         assert parts <= set(names)
         assert all("store" not in params for params in names.values())
@@ -99,11 +123,14 @@ def test_the_registry_define_is_the_only_define():
 
 def test_lowering_per_platform_and_effectful_abstract_eval():
     # one function lowered on CPU, another on the platforms not named; eager runs `impl`
-    p = make_primitive("factory_test_platforms", impl=lambda x: x * 3.0,
-                       abstract=lambda a: a, lowering={"cpu": lambda x: x * 2.0,
-                                                       None: lambda x: x * 5.0},
-                       jvp=lambda ps, ts: (p.bind(*ps), ts[0]),
-                       batch=lambda args, dims: (p.bind(*args), dims[0]))
+    p = make_primitive(
+        "factory_test_platforms",
+        impl=lambda x: x * 3.0,
+        abstract=lambda a: a,
+        lowering={"cpu": lambda x: x * 2.0, None: lambda x: x * 5.0},
+        jvp=lambda ps, ts: (p.bind(*ps), ts[0]),
+        batch=lambda args, dims: (p.bind(*args), dims[0]),
+    )
     assert rules_of(p) == frozenset({"impl", "abstract", "lowering", "jvp", "batch"})
     x = jnp.arange(3.0)
     assert np.allclose(p.bind(x), 3 * x)
@@ -118,8 +145,13 @@ def test_lowering_per_platform_and_effectful_abstract_eval():
         jax.debug.callback(lambda v: seen.append(float(v)), x)
         return []
 
-    e = make_primitive("factory_test_effect", multiple_results=True, effectful=True,
-                       impl=report, abstract=lambda a: ([], {debug_effect}))
+    e = make_primitive(
+        "factory_test_effect",
+        multiple_results=True,
+        effectful=True,
+        impl=report,
+        abstract=lambda a: ([], {debug_effect}),
+    )
     jax.jit(lambda x: (e.bind(x), x + 1)[1])(jnp.float32(4.0)).block_until_ready()
     assert seen == [4.0]
     assert registered_rules(e) == frozenset({"impl", "abstract", "lowering"})

@@ -1,5 +1,6 @@
 """jaxrev's primitives: `rot`, `swap`, `apply_gate` against dense references, their inverses,
 derivatives to order 2, transposes, batching, jit, and reversible gradients of circuits."""
+
 from __future__ import annotations
 
 import sys
@@ -31,21 +32,21 @@ def rel(a, b):
 
 
 def random_unitary(k, dtype=np.complex128):
-    z = rng.standard_normal((2 ** k, 2 ** k)) + 1j * rng.standard_normal((2 ** k, 2 ** k))
+    z = rng.standard_normal((2**k, 2**k)) + 1j * rng.standard_normal((2**k, 2**k))
     q, r = np.linalg.qr(z)
     return (q * (np.diag(r) / np.abs(np.diag(r)))).astype(dtype)
 
 
 def random_state(n, dtype=np.complex128, batch=()):
-    z = rng.standard_normal(batch + (2 ** n,)) + 1j * rng.standard_normal(batch + (2 ** n,))
+    z = rng.standard_normal(batch + (2**n,)) + 1j * rng.standard_normal(batch + (2**n,))
     return (z / np.linalg.norm(z, axis=-1, keepdims=True)).astype(dtype)
 
 
 def dense_gate(n, M, locs, ctrl_locs=(), ctrl_vals=None):
     """The 2ⁿ x 2ⁿ operator, built basis state by basis state (qubit 0 most significant)."""
     ctrl_vals = ctrl_vals if ctrl_vals is not None else (1,) * len(ctrl_locs)
-    U = np.zeros((2 ** n, 2 ** n), dtype=np.asarray(M).dtype)
-    for j in range(2 ** n):
+    U = np.zeros((2**n, 2**n), dtype=np.asarray(M).dtype)
+    for j in range(2**n):
         bits = [(j >> (n - 1 - q)) & 1 for q in range(n)]
         if any(bits[c] != v for c, v in zip(ctrl_locs, ctrl_vals)):
             U[j, j] = 1
@@ -65,12 +66,13 @@ def random_case(n):
     qubits = rng.permutation(n)
     locs = tuple(int(q) for q in qubits[:k])
     c = int(rng.integers(0, min(2, n - k) + 1))
-    ctrl_locs = tuple(int(q) for q in qubits[k:k + c])
+    ctrl_locs = tuple(int(q) for q in qubits[k : k + c])
     ctrl_vals = tuple(int(v) for v in rng.integers(0, 2, c))
     return locs, ctrl_locs, ctrl_vals
 
 
 # ------------------------------------------------------------------ apply_gate
+
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6])
 def test_apply_gate_matches_dense_kronecker_construction(n):
@@ -116,6 +118,7 @@ def test_reverse_with_an_unknown_matrix_names_the_primitive_and_line():
 
     def f(m):  # the state is the gate's matrix, flattened
         return jr.apply_gate(psi, m.reshape(2, 2), 0)  # UNKNOWN-MATRIX
+
     with pytest.raises(jr.NotInvertibleError) as ei:
         jr.reverse(f)(jnp.eye(2, dtype=jnp.complex128).ravel())
     msg = str(ei.value)
@@ -157,17 +160,19 @@ def test_apply_gate_vmap_over_states_and_matrices_under_jit():
     assert all(rel(o, ref(s, m)) < 1e-13 for o, s, m in zip(out, states, mats))
     # nested: a batch of batches, the matrix per outer example only
     out = jax.vmap(jax.vmap(g, (0, None)), (0, 0))(states[None].repeat(2, 0), mats[:2])
-    assert all(rel(out[i, j], ref(states[j], mats[i])) < 1e-13
-               for i in range(2) for j in range(3))
+    assert all(rel(out[i, j], ref(states[j], mats[i])) < 1e-13 for i in range(2) for j in range(3))
     # derivatives of a vmapped gate
     loss = lambda ss, ms: jnp.sum(jnp.abs(jax.vmap(g)(ss, ms)) ** 4)
     gs = jax.grad(loss, argnums=(0, 1))(states, mats)
-    gs_ref = [jax.grad(lambda s, m: jnp.sum(jnp.abs(g(s, m)) ** 4), argnums=(0, 1))(s, m)
-              for s, m in zip(states, mats)]
+    gs_ref = [
+        jax.grad(lambda s, m: jnp.sum(jnp.abs(g(s, m)) ** 4), argnums=(0, 1))(s, m)
+        for s, m in zip(states, mats)
+    ]
     assert rel(gs[1], np.stack([r[1] for r in gs_ref])) < 1e-12
 
 
 # ------------------------------------------------------------------ rot and swap
+
 
 def test_rot_round_trip_and_values():
     a, b = rng.standard_normal(5), rng.standard_normal(5)
@@ -186,8 +191,12 @@ def test_rot_round_trip_and_values():
 
 def test_rot_grads_to_order_two_complex_and_scalar_theta():
     a, b = rng.standard_normal(3), rng.standard_normal(3)
-    check_grads(lambda a, b, t: jr.rot(a, b, t), (a, b, rng.standard_normal(3)), order=2,
-                modes=("fwd", "rev"))
+    check_grads(
+        lambda a, b, t: jr.rot(a, b, t),
+        (a, b, rng.standard_normal(3)),
+        order=2,
+        modes=("fwd", "rev"),
+    )
     check_grads(lambda a, b, t: jr.rot(a, b, t), (a, b, 0.7), order=2, modes=("fwd", "rev"))
     ac = a + 1j * rng.standard_normal(3)
     bc = b + 1j * rng.standard_normal(3)
@@ -218,6 +227,7 @@ def test_rot_and_swap_vmap_jit_and_inverse_jvp():
 def test_rot_with_unknown_angle_names_the_line():
     def f(th):
         return jr.rot(jnp.ones(2), jnp.zeros(2), th)  # UNKNOWN-ANGLE
+
     with pytest.raises(jr.NotInvertibleError) as ei:
         jr.reverse(lambda th: f(th)[0])(jnp.ones(2))
     assert "jaxrev_rot" in str(ei.value)
@@ -225,6 +235,7 @@ def test_rot_with_unknown_angle_names_the_line():
 
 
 # ------------------------------------------------------------------ circuits
+
 
 def test_reversible_circuit_gradient_equals_jax_grad_and_memory_is_flat():
     n = 5
@@ -240,6 +251,7 @@ def test_reversible_circuit_gradient_equals_jax_grad_and_memory_is_flat():
         p = jnp.zeros((depth, n, 2))
         c = jax.jit(jax.grad(loss(run))).lower(p).compile()
         return c.memory_analysis().temp_size_in_bytes
-    full = jr.reversible(circuit, checkpoint_every=None)   # fully reversible: flat
+
+    full = jr.reversible(circuit, checkpoint_every=None)  # fully reversible: flat
     assert temp(8, full) == temp(32, full)
     assert temp(32, circuit) > 3 * temp(8, circuit)

@@ -9,6 +9,7 @@ the primitive and the user's line, never a `TypeError` from numpy.
 Every unsupported step below sits on a line ending in a `# <tag>` marker; the tests check that
 the error points at exactly that line.
 """
+
 from __future__ import annotations
 
 import os
@@ -18,9 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
+from programs import marker_line
 
 import jaxrev as jr
-from programs import marker_line
 
 HERE = os.path.basename(__file__)
 KINDS = {"key": jax.random.key, "raw": jax.random.PRNGKey}
@@ -40,17 +41,19 @@ def _close(a, b, tol=1e-10):
 
 
 def _bits(k):
-    return np.asarray(jax.random.key_data(k) if jax.dtypes.issubdtype(k.dtype, jax.dtypes.prng_key)
-                      else k)
+    return np.asarray(
+        jax.random.key_data(k) if jax.dtypes.issubdtype(k.dtype, jax.dtypes.prng_key) else k
+    )
 
 
 # ----------------------------------------------------------------------------- programs
+
 
 def programs(make):
     """The issue's programs for one kind of key: name -> (function, parameters after x)."""
     closed = make(7)
 
-    def made_inside(x):                      # the issue's example
+    def made_inside(x):  # the issue's example
         noise = jax.random.normal(make(0), x.shape)
         return x * 2.0 + noise
 
@@ -65,16 +68,17 @@ def programs(make):
     def closed_over(x):
         return x * 2.0 + jax.random.normal(closed, x.shape)
 
-    def dropout_mask(x):                     # a mask picking between invertible branches
+    def dropout_mask(x):  # a mask picking between invertible branches
         mask = jax.random.bernoulli(make(0), 0.5, x.shape)
         return jnp.where(mask, x * 2.0, x * 0.5) + 1.0
 
-    def nonlinear(x):                        # the noise feeds a Newton group
+    def nonlinear(x):  # the noise feeds a Newton group
         return x + 0.3 * jnp.tanh(x * jax.random.normal(make(5), x.shape))
 
     def scan_xs(x):
         def body(c, k):
             return c * 1.5 + jax.random.normal(k, c.shape), None
+
         return lax.scan(body, x, jax.random.split(make(1), 4))[0]
 
     def scan_carry(x):
@@ -82,17 +86,20 @@ def programs(make):
             y, k = c
             k, s = jax.random.split(k)
             return (y * 1.5 + jax.random.normal(s, y.shape), k), None
+
         return lax.scan(body, (x, make(1)), None, length=4)[0][0]
 
     def scan_dropout(x, key):
         def body(c, k):
             m = jax.random.bernoulli(k, 0.7, c.shape)
             return jnp.where(m, c * 1.5, c * 0.5) + 0.1, None
+
         return lax.scan(body, x, jax.random.split(key, 4))[0]
 
     def fori_fold(x):
         def body(i, c):
             return c * 1.5 + jax.random.normal(jax.random.fold_in(make(2), i), c.shape)
+
         return lax.fori_loop(0, 3, body, x)
 
     def fori_carry(x):
@@ -100,15 +107,23 @@ def programs(make):
             y, k = c
             k, s = jax.random.split(k)
             return y * 1.5 + jax.random.normal(s, y.shape), k
+
         return lax.fori_loop(0, 3, body, (x, make(2)))[0]
 
     key = make(3)
-    return {"made_inside": (made_inside, ()), "split_fold": (split_fold, ()),
-            "parameter": (parameter, (key,)), "closed_over": (closed_over, ()),
-            "dropout_mask": (dropout_mask, ()), "nonlinear": (nonlinear, ()),
-            "scan_xs": (scan_xs, ()), "scan_carry": (scan_carry, ()),
-            "scan_dropout": (scan_dropout, (key,)), "fori_fold": (fori_fold, ()),
-            "fori_carry": (fori_carry, ())}
+    return {
+        "made_inside": (made_inside, ()),
+        "split_fold": (split_fold, ()),
+        "parameter": (parameter, (key,)),
+        "closed_over": (closed_over, ()),
+        "dropout_mask": (dropout_mask, ()),
+        "nonlinear": (nonlinear, ()),
+        "scan_xs": (scan_xs, ()),
+        "scan_carry": (scan_carry, ()),
+        "scan_dropout": (scan_dropout, (key,)),
+        "fori_fold": (fori_fold, ()),
+        "fori_carry": (fori_carry, ()),
+    }
 
 
 NAMES = list(programs(jax.random.key))
@@ -144,6 +159,7 @@ def test_reversible_gradients_equal_jax(name, kind):
 
 # ----------------------------------------------------------------------------- keys as values
 
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_batched_keys(kind):
     """A batch of keys, one per example (vmapped with the state), for both transforms."""
@@ -155,9 +171,11 @@ def test_batched_keys(kind):
         yb = jax.vmap(f)(xb, keys)
         _close(jax.vmap(jr.reverse(f))(yb, keys), xb)
         _close(jax.jit(jax.vmap(jr.reverse(f)))(yb, keys), xb)
-        loss = lambda g: (lambda x, k: jnp.sum(W * g(x, k) ** 2))  # noqa: E731
-        _close(jax.vmap(jax.grad(loss(jr.reversible(f))))(xb, keys),
-               jax.vmap(jax.grad(loss(f)))(xb, keys))
+        loss = lambda g: lambda x, k: jnp.sum(W * g(x, k) ** 2)  # noqa: E731
+        _close(
+            jax.vmap(jax.grad(loss(jr.reversible(f))))(xb, keys),
+            jax.vmap(jax.grad(loss(f)))(xb, keys),
+        )
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -169,8 +187,10 @@ def test_a_keys_cotangent_is_float0(kind):
     _close(y, y0)
     _close(gx, gx0)
     assert gk.dtype == gk0.dtype == jax.dtypes.float0 and gk.shape == gk0.shape
-    _close(jax.jvp(lambda x: jr.reversible(f)(x, key), (X,), (W,))[1],
-           jax.jvp(lambda x: f(x, key), (X,), (W,))[1])
+    _close(
+        jax.jvp(lambda x: jr.reversible(f)(x, key), (X,), (W,))[1],
+        jax.jvp(lambda x: f(x, key), (X,), (W,))[1],
+    )
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -189,19 +209,23 @@ def test_key_carries_under_the_dial(kind):
             y, k, i = c
             k, s = jax.random.split(k)
             return y * 1.5 + jax.random.normal(s, y.shape), k, i + 1
+
         return lax.while_loop(lambda c: c[2] < n, body, (x, make(2), 0))[0]
 
-    def masked(x, n):   # the same loop as a scan (which JAX differentiates)
+    def masked(x, n):  # the same loop as a scan (which JAX differentiates)
         def body(c, i):
             y, k = c
             k2, s = jax.random.split(k)
             on = i < n
-            return (jnp.where(on, y * 1.5 + jax.random.normal(s, y.shape), y),
-                    jnp.where(on, k2, k)), None
+            return (
+                jnp.where(on, y * 1.5 + jax.random.normal(s, y.shape), y),
+                jnp.where(on, k2, k),
+            ), None
+
         return lax.scan(body, (x, make(2)), jnp.arange(6))[0][0]
 
     xb, ns = jnp.stack([X, X + 0.1]), jnp.array([2, 4])
-    loss = lambda g: (lambda x, n: jnp.sum(W * g(x, n) ** 2))  # noqa: E731
+    loss = lambda g: lambda x, n: jnp.sum(W * g(x, n) ** 2)  # noqa: E731
     want = jax.vmap(jax.grad(loss(masked)))(xb, ns)
     for ck in (None, 2):
         rf = jr.reversible(loop, max_steps=6, checkpoint_every=ck)
@@ -234,12 +258,14 @@ def test_hook_passes_a_key_along(kind):
 
 # ----------------------------------------------------------------------------- keys as state
 
-MOVES = {"reverse": lambda k: k[::-1],
-         "roll": lambda k: jnp.concatenate([k[1:], k[:1]]),
-         "transpose": lambda k: k.reshape((2, 2) + k.shape[1:]).swapaxes(0, 1).reshape(k.shape),
-         "permute": lambda k: k[jnp.array([2, 0, 3, 1])],
-         "scatter": lambda k: k.at[jnp.array([1, 0])].set(k[jnp.array([0, 1])]),
-         "scan": lambda k: lax.scan(lambda c, _: (c[::-1], None), k, None, length=3)[0]}
+MOVES = {
+    "reverse": lambda k: k[::-1],
+    "roll": lambda k: jnp.concatenate([k[1:], k[:1]]),
+    "transpose": lambda k: k.reshape((2, 2) + k.shape[1:]).swapaxes(0, 1).reshape(k.shape),
+    "permute": lambda k: k[jnp.array([2, 0, 3, 1])],
+    "scatter": lambda k: k.at[jnp.array([1, 0])].set(k[jnp.array([0, 1])]),
+    "scan": lambda k: lax.scan(lambda c, _: (c[::-1], None), k, None, length=3)[0],
+}
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -261,7 +287,7 @@ def test_keys_in_a_mixed_state(kind):
     def f(x, k):
         return x * 2.0 + jax.random.normal(k[0], x.shape), k[::-1]
 
-    def g(x, k):   # the state's structure changes (a list): element counts are checked
+    def g(x, k):  # the state's structure changes (a list): element counts are checked
         return [x * 2.0 + jax.random.normal(k[0], x.shape), k[::-1]]
 
     back = jr.reverse(f, argnums=(0, 1))(*f(x, keys))
@@ -275,6 +301,7 @@ def test_keys_in_a_mixed_state(kind):
 
 
 # ----------------------------------------------------------------------------- what cannot be
+
 
 def _check(err, primitives, tag):
     msg = str(err)
@@ -308,7 +335,7 @@ def test_splitting_a_key_state_is_named(kind):
 
     with pytest.raises(jr.NotInvertibleError) as ei:
         jr.reverse(f)(f(KINDS[kind](0)))
-    _check(ei.value, "slice squeeze unstack", "split-state")   # (as JAX versions spell it)
+    _check(ei.value, "slice squeeze unstack", "split-state")  # (as JAX versions spell it)
 
 
 @pytest.mark.parametrize("kind", KINDS)

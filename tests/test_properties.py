@@ -20,11 +20,13 @@ state O(1)-O(10); ``x ** 3`` is drawn only as the last step, where rounding from
 cannot be amplified by the cube root near 0), so a failure at 1e-9 is a jaxrev bug, not
 floating-point noise.
 """
+
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -55,8 +57,12 @@ RTOL32 = 1e-4
 # reusing shapes keeps the file fast.
 SHAPES = [(2,), (3,), (5,), (6,), (2, 2), (3, 3), (2, 4), (3, 4), (4, 3)]
 
-COMMON = dict(deadline=None, derandomize=False, print_blob=True,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+COMMON = dict(
+    deadline=None,
+    derandomize=False,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 
 
 def rel_err(a, b, *others) -> float:
@@ -64,12 +70,16 @@ def rel_err(a, b, *others) -> float:
     round trip): a norm-wise relative error that stays meaningful when b is (nearly) zero."""
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     assert a.shape == b.shape, (a.shape, b.shape)
-    scale = max([float(np.max(np.abs(b)))] + [float(np.max(np.abs(np.asarray(o, np.float64))))
-                                               for o in others] + [1e-300])
+    scale = max(
+        [float(np.max(np.abs(b)))]
+        + [float(np.max(np.abs(np.asarray(o, np.float64)))) for o in others]
+        + [1e-300]
+    )
     return float(np.max(np.abs(a - b))) / scale
 
 
 # ----------------------------------------------------------------------------- steps
+
 
 @dataclass
 class Step:
@@ -91,8 +101,18 @@ def _well_conditioned(rng, n, dtype):
 
 
 # kinds drawn by every property test
-BASE_KINDS = ["add", "sub", "mulexp", "cumsum", "flip", "transpose", "reshape", "softplus",
-              "sinh_asinh", "reshape_cumsum"]
+BASE_KINDS = [
+    "add",
+    "sub",
+    "mulexp",
+    "cumsum",
+    "flip",
+    "transpose",
+    "reshape",
+    "softplus",
+    "sinh_asinh",
+    "reshape_cumsum",
+]
 # kinds whose inverse goes through a join of slices, a linear solve or a cube root, which must
 # themselves be invertible for reverse(reverse(f)) (test_double_reverse_single_step)
 REV2_KINDS = ["coupling", "givens", "roll", "matmul", "lmatmul"]
@@ -110,8 +130,13 @@ def applicable(kind: str, shape: tuple[int, ...]) -> bool:
     return True
 
 
-def make_step(kind: str, shape: tuple[int, ...], rng: np.random.Generator, dtype=np.float64,
-              body: list[Step] | None = None) -> Step:
+def make_step(
+    kind: str,
+    shape: tuple[int, ...],
+    rng: np.random.Generator,
+    dtype=np.float64,
+    body: list[Step] | None = None,
+) -> Step:
     """One invertible step for a state of `shape`, with its parameters drawn from `rng`."""
     n = shape[-1]
     nrm = lambda *s, scale=1.0: _normal(rng, s, dtype, scale)  # noqa: E731
@@ -127,8 +152,9 @@ def make_step(kind: str, shape: tuple[int, ...], rng: np.random.Generator, dtype
         return Step(f"cumsum{axis}", lambda x, p: jnp.cumsum(x, axis=axis) * 0.5, (), shape)
     if kind == "flip":
         axis = [None, *range(len(shape))][int(rng.integers(len(shape) + 1))]
-        return Step(f"flip{'' if axis is None else axis}", lambda x, p: jnp.flip(x, axis), (),
-                    shape)
+        return Step(
+            f"flip{'' if axis is None else axis}", lambda x, p: jnp.flip(x, axis), (), shape
+        )
     if kind == "transpose":
         return Step(kind, lambda x, p: x.T, (), shape)
     if kind == "reshape":
@@ -137,40 +163,54 @@ def make_step(kind: str, shape: tuple[int, ...], rng: np.random.Generator, dtype
         def reshape_rt(x, p):
             y = jnp.reshape(x, (size,)) + jnp.tanh(p)
             return jnp.reshape(y, shape)
+
         return Step(kind, reshape_rt, nrm(size), shape)
     if kind == "reshape_cumsum":
         # view the state under another shape, mix along it, view it back
         size = int(np.prod(shape))
-        other = (shape[1], shape[0]) if len(shape) == 2 else ((2, size // 2) if size % 2 == 0
-                                                                else (1, size))
+        other = (
+            (shape[1], shape[0])
+            if len(shape) == 2
+            else ((2, size // 2) if size % 2 == 0 else (1, size))
+        )
 
         def reshape_cs(x, p):
             return jnp.reshape(jnp.cumsum(jnp.reshape(x, other), axis=-1) * 0.5, shape)
+
         return Step(kind, reshape_cs, (), shape)
     if kind == "softplus":
         return Step(kind, lambda x, p: jnp.log1p(jnp.exp(x)), (), shape)
     if kind == "sinh_asinh":
         # sinh(d * asinh(x) + e): a bijection of R that keeps the state's range moderate
-        return Step(kind, lambda x, p: jnp.sinh(jnp.exp(p[0]) * jnp.arcsinh(x) + p[1]),
-                    nrm(2, scale=0.3), shape)
+        return Step(
+            kind,
+            lambda x, p: jnp.sinh(jnp.exp(p[0]) * jnp.arcsinh(x) + p[1]),
+            nrm(2, scale=0.3),
+            shape,
+        )
     if kind == "coupling":
         k = n // 2
-        params = dict(w1=nrm(k, n - k, scale=1 / np.sqrt(k)), c=nrm(n - k),
-                      w2=nrm(n - k, n - k, scale=0.5 / np.sqrt(n - k)))
+        params = dict(
+            w1=nrm(k, n - k, scale=1 / np.sqrt(k)),
+            c=nrm(n - k),
+            w2=nrm(n - k, n - k, scale=0.5 / np.sqrt(n - k)),
+        )
 
         def coupling(x, p):
             a, b = x[..., :k], x[..., k:]
             h = jnp.tanh(a @ p["w1"] + p["c"])
             s, t = 0.5 * jnp.tanh(h), h @ p["w2"]
             return jnp.concatenate([a, b * jnp.exp(s) + t], axis=-1)
+
         return Step(kind, coupling, params, shape)
     if kind == "givens":
         k = n // 2
 
         def givens(x, theta):
-            a, b, rest = x[..., :k], x[..., k:2 * k], x[..., 2 * k:]
+            a, b, rest = x[..., :k], x[..., k : 2 * k], x[..., 2 * k :]
             c, s = jnp.cos(theta), jnp.sin(theta)
             return jnp.concatenate([a * c - b * s, a * s + b * c, rest], axis=-1)
+
         return Step(kind, givens, nrm(k), shape)
     if kind == "roll":
         # concatenate reordered slices: three pieces in a random order
@@ -182,14 +222,15 @@ def make_step(kind: str, shape: tuple[int, ...], rng: np.random.Generator, dtype
             order = order[::-1]
 
         def roll(x, p):
-            return jnp.concatenate([x[..., pieces[i][0]:pieces[i][1]] for i in order], axis=-1)
+            return jnp.concatenate([x[..., pieces[i][0] : pieces[i][1]] for i in order], axis=-1)
+
         return Step(f"roll{order}", roll, (), shape)
     if kind == "matmul":
         return Step(kind, lambda x, w: x @ w, _well_conditioned(rng, n, dtype), shape)
     if kind == "lmatmul":
         return Step(kind, lambda x, w: w @ x, _well_conditioned(rng, shape[0], dtype), shape)
     if kind == "cube":
-        return Step(kind, lambda x, p: x ** 3, (), shape)
+        return Step(kind, lambda x, p: x**3, (), shape)
     if kind == "fori":
         body = body or []
         lo, hi = 0, int(rng.integers(1, 4))
@@ -199,9 +240,12 @@ def make_step(kind: str, shape: tuple[int, ...], rng: np.random.Generator, dtype
                 for s, q in zip(body, p[1]):
                     y = s.fn(y, q)
                 return y + jnp.tanh(p[0] * i)  # the loop index enters the body
+
             return lax.fori_loop(lo, hi, b, x)
-        return Step(f"fori({hi}){body}", fori, (nrm(*shape, scale=0.3), [s.params for s in body]),
-                    shape)
+
+        return Step(
+            f"fori({hi}){body}", fori, (nrm(*shape, scale=0.3), [s.params for s in body]), shape
+        )
     if kind == "scan":
         body = body or []
         length = int(rng.integers(1, 4))
@@ -211,9 +255,12 @@ def make_step(kind: str, shape: tuple[int, ...], rng: np.random.Generator, dtype
                 for s, q in zip(body, p[1]):
                     c = s.fn(c, q)
                 return c * jnp.exp(0.1 * jnp.tanh(xt)) + jnp.tanh(xt), None
+
             return lax.scan(b, x, p[0])[0]
-        return Step(f"scan({length}){body}", scan, (nrm(length, *shape), [s.params for s in body]),
-                    shape)
+
+        return Step(
+            f"scan({length}){body}", scan, (nrm(length, *shape), [s.params for s in body]), shape
+        )
     raise KeyError(kind)
 
 
@@ -222,6 +269,7 @@ def compose(steps: list[Step]) -> Callable[[Any, Any], Any]:
         for s, p in zip(steps, params):
             x = s.fn(x, p)
         return x
+
     return f
 
 
@@ -231,9 +279,11 @@ def jitted(step: Step) -> Step:
 
 # ----------------------------------------------------------------------------- strategies
 
+
 @st.composite
-def programs(draw, kinds, *, dtype=np.float64, max_steps=4, loops=True, allow_last=True,
-             allow_jit=True):
+def programs(
+    draw, kinds, *, dtype=np.float64, max_steps=4, loops=True, allow_last=True, allow_jit=True
+):
     """(f, x, params, steps) for a random composition of invertible steps."""
     shape = draw(st.sampled_from(SHAPES))
     seed = draw(st.integers(0, 2**32 - 1))
@@ -245,8 +295,10 @@ def programs(draw, kinds, *, dtype=np.float64, max_steps=4, loops=True, allow_la
         kind = draw(st.sampled_from(ok + (LOOP_KINDS if loops else [])))
         body = None
         if kind in LOOP_KINDS:
-            body = [make_step(draw(st.sampled_from(ok)), shape, rng, dtype)
-                    for _ in range(draw(st.integers(0, 2)))]
+            body = [
+                make_step(draw(st.sampled_from(ok)), shape, rng, dtype)
+                for _ in range(draw(st.integers(0, 2)))
+            ]
         step = make_step(kind, shape, rng, dtype, body)
         if allow_jit and draw(st.integers(0, 2)) == 0:
             step = jitted(step)
@@ -255,9 +307,20 @@ def programs(draw, kinds, *, dtype=np.float64, max_steps=4, loops=True, allow_la
         steps.append(make_step("cube", shape, rng, dtype))
     # magnitudes below 1e-6 become exact zeros: the cube of a value like 1e-257 underflows to 0,
     # a loss of information no inverse can undo
-    x = draw(hnp.arrays(dtype, shape, elements=st.floats(
-        -2, 2, allow_nan=False, allow_infinity=False, allow_subnormal=False,
-        width=np.dtype(dtype).itemsize * 8).map(lambda v: 0.0 if abs(v) < 1e-6 else v)))
+    x = draw(
+        hnp.arrays(
+            dtype,
+            shape,
+            elements=st.floats(
+                -2,
+                2,
+                allow_nan=False,
+                allow_infinity=False,
+                allow_subnormal=False,
+                width=np.dtype(dtype).itemsize * 8,
+            ).map(lambda v: 0.0 if abs(v) < 1e-6 else v),
+        )
+    )
     params = [s.params for s in steps]
     return compose(steps), x, params, steps
 
@@ -279,6 +342,7 @@ def _maybe_jit(fun, use_jit: bool):
 
 # Each example runs eagerly or under `jax.jit` (drawn): jit exercises the interpreter's output
 # as a traced program and costs one compile per example instead of one per new op shape.
+
 
 @settings(max_examples=n_examples(30), **COMMON)
 @given(programs(ALL_KINDS), st.booleans())
@@ -304,8 +368,12 @@ F32_KINDS = ["add", "mulexp", "coupling", "cumsum", "flip", "matmul", "givens", 
 
 
 @settings(max_examples=n_examples(10), **COMMON)
-@given(programs(F32_KINDS, dtype=np.float32, max_steps=3, loops=False, allow_last=False,
-                allow_jit=False), st.booleans())
+@given(
+    programs(
+        F32_KINDS, dtype=np.float32, max_steps=3, loops=False, allow_last=False, allow_jit=False
+    ),
+    st.booleans(),
+)
 def test_round_trip_float32(prog, use_jit):
     f, x, params, steps = prog
     y = _forward(f, x, params)
@@ -353,12 +421,15 @@ def test_nested_jit_round_trip(name):
 
 # ----------------------------------------------------------------------------- reversible
 
+
 def _grad_err(ga, gb) -> float:
     la, lb = jax.tree_util.tree_leaves(ga), jax.tree_util.tree_leaves(gb)
     assert len(la) == len(lb)
     scale = max([float(np.max(np.abs(np.asarray(a)))) for a in la] + [1e-300])
-    return max([float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) / scale
-                for a, b in zip(la, lb)] + [0.0])
+    return max(
+        [float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) / scale for a, b in zip(la, lb)]
+        + [0.0]
+    )
 
 
 @settings(max_examples=n_examples(15), **COMMON)
@@ -378,6 +449,7 @@ def test_reversible_gradients_match_jax_grad(prog):
 
 
 # ----------------------------------------------------------------------------- inverse AD
+
 
 def _dense_jacobian(f, x, params):
     return jax.jacfwd(lambda z: jnp.ravel(f(jnp.reshape(z, x.shape), params)))(jnp.ravel(x))

@@ -1,5 +1,6 @@
 """jr.reverse: round trips of the issue's programs, partial inversion, lumps, loops, pytrees,
 dtypes, and composition with jit / vmap / grad."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -9,8 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax import test_util as jtu
 from jax import lax
+from jax import test_util as jtu
 
 import jaxrev as jr
 
@@ -18,8 +19,13 @@ import jaxrev as jr
 def rel(a, b):
     la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
     assert len(la) == len(lb)
-    return max(float(jnp.max(jnp.abs(jnp.asarray(x) - jnp.asarray(y))) /
-                     max(float(jnp.max(jnp.abs(jnp.asarray(y)))), 1e-300)) for x, y in zip(la, lb))
+    return max(
+        float(
+            jnp.max(jnp.abs(jnp.asarray(x) - jnp.asarray(y)))
+            / max(float(jnp.max(jnp.abs(jnp.asarray(y)))), 1e-300)
+        )
+        for x, y in zip(la, lb)
+    )
 
 
 def key(i=0):
@@ -28,9 +34,10 @@ def key(i=0):
 
 # ----------------------------------------------------------------------------- programs
 
+
 def affine_coupling(x, params):
     w1, b1, w2 = params
-    a, b = x[: x.shape[0] // 2], x[x.shape[0] // 2:]
+    a, b = x[: x.shape[0] // 2], x[x.shape[0] // 2 :]
     h = jnp.tanh(a @ w1 + b1)
     s, t = jnp.tanh(h @ w2), h @ w2.T
     b = b * jnp.exp(s) + t
@@ -49,12 +56,16 @@ def additive_coupling(x, w):
 def coupling_params(n, dtype):
     k1, k2, k3 = jax.random.split(key(1), 3)
     h = n // 2
-    return (jax.random.normal(k1, (h, h), dtype) * 0.5, jax.random.normal(k2, (h,), dtype),
-            jax.random.normal(k3, (h, h), dtype) * 0.5)
+    return (
+        jax.random.normal(k1, (h, h), dtype) * 0.5,
+        jax.random.normal(k2, (h,), dtype),
+        jax.random.normal(k3, (h, h), dtype) * 0.5,
+    )
 
 
 def leapfrog(state, dt):
     """200 steps of a nonlinear (sine-Gordon-like) chain."""
+
     def force(q):
         return -jnp.sin(q) + 0.3 * (jnp.roll(q, 1) - 2 * q + jnp.roll(q, -1))
 
@@ -87,11 +98,13 @@ def cumsum_after_matmul(x, W):
 
 
 def doubling(c):
-    return jr.while_loop(lambda c: c[1] < 1e3, lambda c: (c[0] + 1, c[1] * 2.0 + 1.0), c,
-                         lambda c: c[0] > 0)
+    return jr.while_loop(
+        lambda c: c[1] < 1e3, lambda c: (c[0] + 1, c[1] * 2.0 + 1.0), c, lambda c: c[0] > 0
+    )
 
 
 # ----------------------------------------------------------------------------- round trips
+
 
 @pytest.mark.parametrize("dtype,tol", [(jnp.float64, 1e-12), (jnp.float32, 1e-5)])
 class TestRoundTrip:
@@ -136,6 +149,7 @@ class TestRoundTrip:
 
 # ----------------------------------------------------------------------------- mechanisms
 
+
 def test_partial_inversion_uses_known_values():
     # x2 = x + tanh(y) inverts once y is known (recovered first from y2 = 2 y)
     def f(s):
@@ -150,9 +164,11 @@ def test_linear_lump_dense_mixing():
     # three vectors mixed by a matrix written elementwise: inverted as one elementwise lump
     def f(v, m):
         a, b, c = v
-        return (m[0, 0] * a + m[0, 1] * b + m[0, 2] * c,
-                m[1, 0] * a + m[1, 1] * b + m[1, 2] * c,
-                m[2, 0] * a + m[2, 1] * b + m[2, 2] * c)
+        return (
+            m[0, 0] * a + m[0, 1] * b + m[0, 2] * c,
+            m[1, 0] * a + m[1, 1] * b + m[1, 2] * c,
+            m[2, 0] * a + m[2, 1] * b + m[2, 2] * c,
+        )
 
     m = jnp.eye(3) + 0.4 * jax.random.normal(key(), (3, 3))
     v = tuple(jax.random.normal(key(i), (4,)) for i in range(3))
@@ -189,8 +205,13 @@ def test_plain_cond_with_known_predicate():
 
 def test_jaxrev_cond_uses_post_condition():
     def f(x):
-        return jr.cond(x.sum() > 0, lambda v: v * 2.0 + 1.0, lambda v: v - 100.0, x,
-                       post=lambda v: v.sum() > -50.0)
+        return jr.cond(
+            x.sum() > 0,
+            lambda v: v * 2.0 + 1.0,
+            lambda v: v - 100.0,
+            x,
+            post=lambda v: v.sum() > -50.0,
+        )
 
     for x in (jnp.ones(3), -jnp.ones(3)):
         assert rel(jr.reverse(f)(f(x)), x) < 1e-15
@@ -232,7 +253,7 @@ def test_unary_rules():
 
 def test_pow_with_known_exponent_and_base():
     def f(x, p):
-        return 2.0 ** (x ** p)
+        return 2.0 ** (x**p)
 
     x = jnp.linspace(0.5, 2.0, 5)
     assert rel(jr.reverse(f)(f(x, 1.7), 1.7), x) < 1e-13
@@ -313,14 +334,16 @@ def test_scan_recovers_xs_from_ys():
 
 def test_reverse_scan_direction_and_unroll():
     def f(x):
-        return lax.scan(lambda c, _: (jnp.sinh(c) + 0.1, None), x, None, length=7,
-                        reverse=True, unroll=3)[0]
+        return lax.scan(
+            lambda c, _: (jnp.sinh(c) + 0.1, None), x, None, length=7, reverse=True, unroll=3
+        )[0]
 
     x = jnp.linspace(-0.5, 0.5, 3)
     assert rel(jr.reverse(f)(f(x)), x) < 1e-13
 
 
 # ----------------------------------------------------------------------------- pytrees, argnums
+
 
 class State(NamedTuple):
     q: jax.Array
@@ -376,6 +399,7 @@ def test_parameter_first_argnums():
 
 
 # ----------------------------------------------------------------------------- composition
+
 
 def test_jit_of_reverse_and_reverse_of_jit():
     w = jax.random.normal(key(2), (4, 4))
@@ -457,6 +481,7 @@ def test_check_reversible_report():
 
 # ----------------------------------------------------------------------------- user rules
 
+
 def _make_scale_p():
     from jax.extend.core import Primitive
     from jax.interpreters import mlir
@@ -504,6 +529,7 @@ def test_two_selects_case_split_do_not_recurse():
     def f(x, p):
         y = jnp.where(p > 0, x * 2.0, x * 3.0)
         return jnp.where(p > 1, y + 1.0, jnp.exp(y))
+
     x = jnp.linspace(-1.0, 1.0, 5)
     p = jnp.array([-1.0, 0.5, 2.0, 0.5, 3.0])
     assert jnp.max(jnp.abs(jr.reverse(f)(f(x, p), p) - x)) < 1e-12
@@ -517,6 +543,7 @@ def test_scan_final_carry_recovered_from_its_per_iteration_output():
 
     def f(x):
         return jax.lax.scan(body, x[0], None, length=1)[1]
+
     x = jnp.array([0.75])
     assert jnp.max(jnp.abs(jr.reverse(f)(f(x)) - x)) == 0.0
 
@@ -529,8 +556,10 @@ def single_slot_chain(n=30):
             xi, wi = xw
             xi = xi + jnp.tanh(wi * prev)
             return xi, xi
+
         _, rest = jax.lax.scan(body, x[0], (x[1:], w[1:]))
         return jnp.concatenate([x[:1], rest])  # x[:1] and x[0] slice x twice
+
     return f
 
 
@@ -544,12 +573,15 @@ def test_chain_over_slots_inverts_in_parallel(use_jit):
     assert jnp.max(jnp.abs(inv(f(x)) - x)) < 1e-13
 
 
-@pytest.mark.parametrize("name,f,x", [
-    ("sqrt", lambda x: jnp.sqrt(x) * 2.0, jnp.array([0.5, 2.0, 9.0])),
-    ("rsqrt", lambda x: jax.lax.rsqrt(x) + 1.0, jnp.array([0.5, 2.0, 9.0])),
-    ("cbrt", lambda x: jnp.cbrt(x) - 0.5, jnp.array([-8.0, 0.3, 27.0])),
-    ("logistic", lambda x: jax.nn.sigmoid(x) * 0.5, jnp.array([-3.0, 0.1, 2.0])),
-])
+@pytest.mark.parametrize(
+    "name,f,x",
+    [
+        ("sqrt", lambda x: jnp.sqrt(x) * 2.0, jnp.array([0.5, 2.0, 9.0])),
+        ("rsqrt", lambda x: jax.lax.rsqrt(x) + 1.0, jnp.array([0.5, 2.0, 9.0])),
+        ("cbrt", lambda x: jnp.cbrt(x) - 0.5, jnp.array([-8.0, 0.3, 27.0])),
+        ("logistic", lambda x: jax.nn.sigmoid(x) * 0.5, jnp.array([-3.0, 0.1, 2.0])),
+    ],
+)
 def test_reverse_of_reverse_through_roots_and_logistic(name, f, x):
     """The inverses of sqrt, rsqrt, cbrt and logistic carry their own inverse, so reversing
     the reversed program computes the program again (eager, jit, and its derivative)."""
@@ -560,5 +592,4 @@ def test_reverse_of_reverse_through_roots_and_logistic(name, f, x):
     np.testing.assert_allclose(twice(x), y, rtol=1e-12)
     np.testing.assert_allclose(jax.jit(twice)(x), y, rtol=1e-12)
     np.testing.assert_allclose(jax.jacfwd(twice)(x), jax.jacfwd(f)(x), rtol=1e-10)
-    np.testing.assert_allclose(jax.jacfwd(inv)(y), np.linalg.inv(jax.jacfwd(f)(x)),
-                               rtol=1e-10)
+    np.testing.assert_allclose(jax.jacfwd(inv)(y), np.linalg.inv(jax.jacfwd(f)(x)), rtol=1e-10)

@@ -5,6 +5,7 @@ explicit Runge–Kutta solver algebraically reversible (McCallum & Foster 2024) 
 Checked against `DirectAdjoint` on the same `Reversible(...)` solve (float64), the order of the
 scheme measured against a fine reference, memory against the number of steps, and the refusals.
 """
+
 from __future__ import annotations
 
 import jax
@@ -27,18 +28,29 @@ def field(t, y, th):
     return jnp.tanh(th @ y) - 0.1 * y * jnp.sin(t)
 
 
-def solve(th, y0, solver, adjoint, *, t1=1.0, dt0=1.0 / 200, saveat=None, controller=None,
-          max_steps=4096):
-    return diffrax.diffeqsolve(diffrax.ODETerm(field), solver, 0.0, t1, dt0, y0, args=th,
-                               saveat=saveat or diffrax.SaveAt(t1=True), adjoint=adjoint,
-                               stepsize_controller=controller or diffrax.ConstantStepSize(),
-                               max_steps=max_steps)
+def solve(
+    th, y0, solver, adjoint, *, t1=1.0, dt0=1.0 / 200, saveat=None, controller=None, max_steps=4096
+):
+    return diffrax.diffeqsolve(
+        diffrax.ODETerm(field),
+        solver,
+        0.0,
+        t1,
+        dt0,
+        y0,
+        args=th,
+        saveat=saveat or diffrax.SaveAt(t1=True),
+        adjoint=adjoint,
+        stepsize_controller=controller or diffrax.ConstantStepSize(),
+        max_steps=max_steps,
+    )
 
 
 def value_and_grads(adjoint, solver, **kw):
     def loss(th, y0, t1):
         ys = jax.tree_util.tree_leaves(solve(th, y0, solver, adjoint, t1=t1, **kw).ys)
         return sum(jnp.sum(jnp.sin(y) * jnp.arange(1, y.shape[-1] + 1)) for y in ys)
+
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(TH, Y0, 1.0)
 
 
@@ -63,12 +75,14 @@ def _order(name, n0=16):
     final error against a fine Dopri8 reference as the step halves."""
     term = diffrax.ODETerm(lambda t, y, a: jnp.stack([y[1], -jnp.sin(y[0]) - 0.1 * y[1]]))
     y0 = jnp.array([1.2, 0.0])
-    ref = diffrax.diffeqsolve(term, diffrax.Dopri8(), 0.0, 4.0, 4.0 / 4096, y0,
-                              max_steps=5000).ys[-1]
+    ref = diffrax.diffeqsolve(term, diffrax.Dopri8(), 0.0, 4.0, 4.0 / 4096, y0, max_steps=5000).ys[
+        -1
+    ]
     errs = []
     for n in (n0, 2 * n0, 4 * n0):
-        y = diffrax.diffeqsolve(term, Reversible(getattr(diffrax, name)()), 0.0, 4.0, 4.0 / n,
-                                y0, max_steps=n + 1).ys[-1]
+        y = diffrax.diffeqsolve(
+            term, Reversible(getattr(diffrax, name)()), 0.0, 4.0, 4.0 / n, y0, max_steps=n + 1
+        ).ys[-1]
         errs.append(float(jnp.max(jnp.abs(y - ref))))
     return np.log2(errs[0] / errs[1]), np.log2(errs[1] / errs[2])
 
@@ -83,12 +97,20 @@ def test_order_of_the_base_method_is_kept():
 ADAPTIVE = diffrax.PIDController(rtol=1e-6, atol=1e-8)
 
 
-@pytest.mark.parametrize("saveat", [
-    diffrax.SaveAt(t1=True),
-    diffrax.SaveAt(t0=True, ts=jnp.array([0.05, 0.3, 0.3, 0.8]), t1=True),
-    diffrax.SaveAt(subs=[diffrax.SubSaveAt(ts=jnp.array([0.6, 0.9])),
-                         diffrax.SubSaveAt(t1=True, fn=lambda t, y, a: y[:2] * t)]),
-], ids=["t1", "t0-ts-t1", "subs"])
+@pytest.mark.parametrize(
+    "saveat",
+    [
+        diffrax.SaveAt(t1=True),
+        diffrax.SaveAt(t0=True, ts=jnp.array([0.05, 0.3, 0.3, 0.8]), t1=True),
+        diffrax.SaveAt(
+            subs=[
+                diffrax.SubSaveAt(ts=jnp.array([0.6, 0.9])),
+                diffrax.SubSaveAt(t1=True, fn=lambda t, y, a: y[:2] * t),
+            ]
+        ),
+    ],
+    ids=["t1", "t0-ts-t1", "subs"],
+)
 def test_adaptive_steps_equal_direct_adjoint(saveat):
     """PIDController: the accepted steps are found by a solve that is not differentiated
     (diffrax's controller stops gradients through its step sizes too) and replayed
@@ -107,9 +129,18 @@ def test_adaptive_under_vmap_with_an_equinox_field_and_filter_grad():
     def loss(model, adjoint):
         def one(y0):
             return diffrax.diffeqsolve(
-                diffrax.ODETerm(lambda t, y, m: m(y)), Reversible(diffrax.Bosh3()), 0.0, 1.5,
-                0.1, y0, args=model, adjoint=adjoint, max_steps=512,
-                stepsize_controller=diffrax.PIDController(rtol=1e-5, atol=1e-7)).ys[-1]
+                diffrax.ODETerm(lambda t, y, m: m(y)),
+                Reversible(diffrax.Bosh3()),
+                0.0,
+                1.5,
+                0.1,
+                y0,
+                args=model,
+                adjoint=adjoint,
+                max_steps=512,
+                stepsize_controller=diffrax.PIDController(rtol=1e-5, atol=1e-7),
+            ).ys[-1]
+
         return jnp.sum(jax.vmap(one)(y0s) ** 2)
 
     ref = eqx.filter_jit(eqx.filter_value_and_grad(loss))(mlp, diffrax.DirectAdjoint())
@@ -124,10 +155,19 @@ def test_float32_gradients_as_accurate_as_direct_adjoint():
 
     def grads(adjoint, dtype):
         def loss(th):
-            ys = diffrax.diffeqsolve(diffrax.ODETerm(field), solver, 0.0, 4.0, 4.0 / 2000,
-                                     Y0.astype(dtype), args=th, adjoint=adjoint,
-                                     max_steps=2001).ys
-            return jnp.sum(ys ** 2)
+            ys = diffrax.diffeqsolve(
+                diffrax.ODETerm(field),
+                solver,
+                0.0,
+                4.0,
+                4.0 / 2000,
+                Y0.astype(dtype),
+                args=th,
+                adjoint=adjoint,
+                max_steps=2001,
+            ).ys
+            return jnp.sum(ys**2)
+
         return jax.jit(jax.grad(loss))(TH.astype(dtype))
 
     exact = grads(diffrax.DirectAdjoint(), jnp.float64)
@@ -144,10 +184,19 @@ def test_memory_is_flat_in_the_number_of_steps():
 
     def temp(n):
         def loss(th):
-            sol = diffrax.diffeqsolve(diffrax.ODETerm(lambda t, y, th: jnp.tanh(th * y)),
-                                      Reversible(diffrax.Tsit5()), 0.0, 1.0, 1.0 / n, y0,
-                                      args=th, adjoint=ReversibleAdjoint(), max_steps=n)
-            return jnp.sum(sol.ys ** 2)
+            sol = diffrax.diffeqsolve(
+                diffrax.ODETerm(lambda t, y, th: jnp.tanh(th * y)),
+                Reversible(diffrax.Tsit5()),
+                0.0,
+                1.0,
+                1.0 / n,
+                y0,
+                args=th,
+                adjoint=ReversibleAdjoint(),
+                max_steps=n,
+            )
+            return jnp.sum(sol.ys**2)
+
         return jax.jit(jax.grad(loss)).lower(0.5).compile().memory_analysis().temp_size_in_bytes
 
     small, large = temp(1000), temp(16000)
@@ -166,10 +215,18 @@ def test_solvers_that_cannot_be_made_reversible_are_refused():
     term = diffrax.ODETerm(lambda t, y, a: -y)
     kw = dict(adjoint=ReversibleAdjoint(), max_steps=100)
     with pytest.raises(ValueError, match=r"Kvaerno5.*Reversible\(s\)"):
-        diffrax.diffeqsolve(term, diffrax.Kvaerno5(), 0.0, 1.0, 0.1, jnp.ones(2),
-                            stepsize_controller=ADAPTIVE, **kw)
+        diffrax.diffeqsolve(
+            term, diffrax.Kvaerno5(), 0.0, 1.0, 0.1, jnp.ones(2), stepsize_controller=ADAPTIVE, **kw
+        )
     with pytest.raises(ValueError, match=r"SemiImplicitEuler.*Reversible\(s\)"):
-        diffrax.diffeqsolve((term, term), diffrax.SemiImplicitEuler(), 0.0, 1.0, 0.1,
-                            (jnp.ones(2), jnp.ones(2)), **kw)
+        diffrax.diffeqsolve(
+            (term, term),
+            diffrax.SemiImplicitEuler(),
+            0.0,
+            1.0,
+            0.1,
+            (jnp.ones(2), jnp.ones(2)),
+            **kw,
+        )
     with pytest.raises(ValueError, match=r"Dopri5.*Reversible\(Dopri5\(\)\)"):
         diffrax.diffeqsolve(term, diffrax.Dopri5(), 0.0, 1.0, 0.1, jnp.ones(2), **kw)

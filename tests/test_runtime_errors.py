@@ -6,6 +6,7 @@ on jaxrev's own compiled eager calls; message first, naming the user's line, nev
 `reversible` is always given ``on_drift="raise", checkpoint_every=None``: its default policy is
 not what these tests are about.
 """
+
 from __future__ import annotations
 
 import logging
@@ -17,10 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
+from programs import marker_line
 
 import jaxrev as jr
 from jaxrev import _runtime
-from programs import marker_line
 
 HERE = os.path.basename(__file__)
 
@@ -29,7 +30,8 @@ def _at(tag: str) -> str:
     return f"{HERE}:{marker_line(__file__, tag)}"
 
 
-# ---------------------------------------------------------------- three programs failing at run time
+# --------------------------------------------------------------- three programs failing at run time
+
 
 def _halve(y):
     # contracting: run backwards, each step doubles the rounding error
@@ -54,7 +56,7 @@ def singular(y):
 
 def _parabola(x):
     # x + x² >= -1/4: no x maps to -0.5
-    return x + x ** 2  # <no-preimage>
+    return x + x**2  # <no-preimage>
 
 
 def no_preimage(y):
@@ -63,12 +65,23 @@ def no_preimage(y):
 
 # (program, its error type, the start of its message, its tag, a failing input, a good one)
 CASES = {
-    "drift": (drift_grad, jr.DriftError, "jaxrev.reversible(_halve): ", "drift",
-              jnp.ones(2), None),
-    "singular": (singular, jr.SingularJacobianError, "jaxrev.reverse: ", "singular",
-                 jnp.array([0.0, 1.0]), jnp.array([0.5, 1.0])),
-    "no-preimage": (no_preimage, jr.ReversibilityError, "jaxrev.reverse: ", "no-preimage",
-                    jnp.array([2.0, -0.5]), jnp.array([2.0, 0.75])),
+    "drift": (drift_grad, jr.DriftError, "jaxrev.reversible(_halve): ", "drift", jnp.ones(2), None),
+    "singular": (
+        singular,
+        jr.SingularJacobianError,
+        "jaxrev.reverse: ",
+        "singular",
+        jnp.array([0.0, 1.0]),
+        jnp.array([0.5, 1.0]),
+    ),
+    "no-preimage": (
+        no_preimage,
+        jr.ReversibilityError,
+        "jaxrev.reverse: ",
+        "no-preimage",
+        jnp.array([2.0, -0.5]),
+        jnp.array([2.0, 0.75]),
+    ),
 }
 IDS = list(CASES)
 
@@ -79,19 +92,19 @@ def _check_message(err: BaseException, cls: type, start: str, tag: str) -> None:
     assert msg.startswith(start), msg
     assert _at(tag) in msg, msg
     assert "INTERNAL" not in msg and "jaxrev-check-" not in msg, msg
-    assert err.__cause__ is None and err.__suppress_context__   # the message comes first
+    assert err.__cause__ is None and err.__suppress_context__  # the message comes first
 
 
 @pytest.mark.parametrize("case", IDS)
 def test_jr_jit_raises_the_documented_error(case):
     fun, cls, start, tag, bad, good = CASES[case]
     jf = jr.jit(fun)
-    for _ in range(2):      # compiled on the first call, cached on the second
+    for _ in range(2):  # compiled on the first call, cached on the second
         with pytest.raises(cls) as info:
             jf(bad)
         _check_message(info.value, cls, start, tag)
         assert isinstance(info.value.__context__, jax.errors.JaxRuntimeError)
-        jax.effects_barrier()   # the failed computation's runtime token is not kept
+        jax.effects_barrier()  # the failed computation's runtime token is not kept
     if good is not None:
         np.testing.assert_allclose(fun(good), jf(good), rtol=1e-12)
 
@@ -111,14 +124,14 @@ def test_plain_jit_inside_raise_runtime_errors(case):
     with pytest.raises(jax.errors.JaxRuntimeError) as raw:
         jax.block_until_ready(jf(bad))
     assert start in str(raw.value) and "jr.raise_runtime_errors()" in str(raw.value)
-    assert type(_runtime.runtime_error(raw.value)) is cls    # (taken out of the stash)
+    assert type(_runtime.runtime_error(raw.value)) is cls  # (taken out of the stash)
 
 
 @pytest.mark.parametrize("case", IDS)
 def test_vmap_inside_jr_jit(case):
     fun, cls, start, tag, bad, _ = CASES[case]
     batch = jnp.stack([bad + 0.0, bad])
-    if case != "drift":     # one good sample beside the bad one
+    if case != "drift":  # one good sample beside the bad one
         batch = batch.at[0].set(CASES[case][5])
     with pytest.raises(cls) as info:
         jr.jit(jax.vmap(fun))(batch)
@@ -149,6 +162,7 @@ def test_disable_jit_raises_the_documented_error():
 def test_inverse_jvp_singular_at_run_time():
     """`inverse_jvp` under `jit` finds a vanished pivot from its non-finite result: the step is
     not named there (its message says so), but the type is the documented one."""
+
     def f(x, p):
         return x * p
 
@@ -160,6 +174,7 @@ def test_inverse_jvp_singular_at_run_time():
 
 
 # ------------------------------------------------------------------------- jr.jit is jax.jit
+
 
 def test_jr_jit_without_checks_is_jax_jit_and_never_blocks(monkeypatch):
     traces = []
@@ -250,14 +265,14 @@ def test_stash_is_bounded_and_emptied_by_the_converters():
 
 
 def test_each_thread_gets_its_own_error():
-    jf = jr.jit(lambda y, s: jr.reverse(lambda x: x + s * x ** 2)(y))
+    jf = jr.jit(lambda y, s: jr.reverse(lambda x: x + s * x**2)(y))
     results: dict = {}
     stashed = len(_runtime._STASH.errors)
 
     def run(k):
         s = float(k + 1)
         try:
-            jf(jnp.array([-1.0 / s]), s)   # x + s x² >= -1/(4s): no preimage of -1/s
+            jf(jnp.array([-1.0 / s]), s)  # x + s x² >= -1/(4s): no preimage of -1/s
         except jr.ReversibilityError as e:
             results[k] = str(e)
 

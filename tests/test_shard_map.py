@@ -8,6 +8,7 @@ and the backward sweep's `dot_general` refused its operands; the sweep's zeros, 
 loop bookkeeping now carry the vma of what they stand for. Each case runs in a fresh
 interpreter with 4 forced CPU devices, gradients against `jax.grad` of the same function.
 """
+
 from __future__ import annotations
 
 import json
@@ -18,7 +19,7 @@ import textwrap
 
 import pytest
 
-SCRIPT = textwrap.dedent(r'''
+SCRIPT = textwrap.dedent(r"""
     import json, os, sys
     import jax, jax.numpy as jnp
     import numpy as np
@@ -74,24 +75,26 @@ SCRIPT = textwrap.dedent(r'''
                   "rev": make(True).lower(*args).compile().memory_analysis().temp_size_in_bytes,
                   "grad": make(False).lower(*args).compile().memory_analysis().temp_size_in_bytes}
     print("RESULT " + json.dumps(out))
-''')
+""")
 
 
 def _run(*argv: str) -> dict:
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
-               JAX_PLATFORMS="cpu")
-    p = subprocess.run([sys.executable, "-c", SCRIPT, *argv], capture_output=True, text=True,
-                       env=env, timeout=600)
+    env = dict(
+        os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu"
+    )
+    p = subprocess.run(
+        [sys.executable, "-c", SCRIPT, *argv], capture_output=True, text=True, env=env, timeout=600
+    )
     line = next((ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")), None)
     assert line is not None, p.stdout[-2000:] + p.stderr[-4000:]
-    return {int(k): v for k, v in json.loads(line[len("RESULT "):]).items()}
+    return {int(k): v for k, v in json.loads(line[len("RESULT ") :]).items()}
 
 
 @pytest.mark.parametrize("net,ckpt,mesh", [("fori", "auto", "4"), ("scan", "none", "2x2")])
 def test_reversible_gradient_inside_shard_map_equals_jax_grad(net, ckpt, mesh):
     r = _run(net, ckpt, mesh, "8")
     for n in (8, 32):
-        assert r[n]["rel"] < 1e-5, r   # float32: the two gradients' own rounding
+        assert r[n]["rel"] < 1e-5, r  # float32: the two gradients' own rounding
 
 
 @pytest.mark.slow

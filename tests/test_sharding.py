@@ -7,6 +7,7 @@ devices), checks ``jax.jit(jr.reverse(f))(jax.jit(f)(x, p), p)`` against ``x``, 
 ``CASE {json}`` line per program (error, the shardings seen) and a final marker. The interpreter
 runs once per module; each case is its own test.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,7 +20,7 @@ import pytest
 
 MARKER = "JAXREV_SHARDING_DONE"
 
-SCRIPT = textwrap.dedent(r'''
+SCRIPT = textwrap.dedent(r"""
     import json
     import jax
     import jax.numpy as jnp
@@ -108,28 +109,29 @@ SCRIPT = textwrap.dedent(r'''
                                     "rel_err": err,
                                     "n_devices": len(leaf.sharding.device_set)}), flush=True)
     print("MARKER", flush=True)
-''').replace("MARKER", MARKER)
+""").replace("MARKER", MARKER)
 
-CASES = ["additive_coupling-rows", "elementwise-rows", "additive_coupling-cols",
-         "elementwise-cols"]
+CASES = ["additive_coupling-rows", "elementwise-rows", "additive_coupling-cols", "elementwise-cols"]
 
 
 @pytest.fixture(scope="module")
 def sharded_run():
     env = dict(os.environ)
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
-                        " --xla_force_host_platform_device_count=4").strip()
+    env["XLA_FLAGS"] = (
+        env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+    ).strip()
     env["JAX_ENABLE_X64"] = "1"
     env["JAX_PLATFORMS"] = "cpu"
     here = os.path.dirname(os.path.abspath(__file__))  # the shared nonlinear programs
     env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p)
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True,
-                          text=True, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=900
+    )
     msg = f"returncode {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     results = {}
     for line in proc.stdout.splitlines():
         if line.startswith("CASE "):
-            r = json.loads(line[len("CASE "):])
+            r = json.loads(line[len("CASE ") :])
             results[r["case"]] = r
     return proc, results, msg
 
@@ -150,8 +152,14 @@ def _case(sharded_run, case):
     return results[case], msg
 
 
-NONLINEAR = ["simultaneous-50", "simultaneous-1000", "heun-1000", "residual", "logit",
-             "midpoint-100"]
+NONLINEAR = [
+    "simultaneous-50",
+    "simultaneous-1000",
+    "heun-1000",
+    "residual",
+    "logit",
+    "midpoint-100",
+]
 
 
 @pytest.mark.parametrize("name", NONLINEAR)

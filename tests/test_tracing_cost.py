@@ -2,16 +2,16 @@
 docs/design.md §3.5): predicates known only when the program runs, one per step or shared,
 with reversals, permutations and diffrax's time arrays between the couplings, never split a
 walk. Counted in the walker's rule applications (never wall-clock time), per transform."""
+
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
+from programs.families import family, loss
 
 import jaxrev as jr
 from jaxrev._stats import counting
-from programs.families import family, loss
 
 jax.config.update("jax_enable_x64", True)
 

@@ -2,6 +2,7 @@
 devices: a 2 x 2 (data x model) mesh in one process, and 2 processes x 2 devices under
 `jax.distributed` (gloo collectives). The checks run in fresh interpreters
 (`tests/transformer_worker.py`, whose `CASE` lines this module reads)."""
+
 from __future__ import annotations
 
 import json
@@ -18,7 +19,7 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "transformer_w
 def _env() -> dict:
     env = dict(os.environ)
     env["JAX_PLATFORMS"] = "cpu"
-    env.pop("XLA_FLAGS", None)   # the worker sets its device count itself
+    env.pop("XLA_FLAGS", None)  # the worker sets its device count itself
     return env
 
 
@@ -33,8 +34,9 @@ def _cases(stdout: str) -> dict:
 
 @pytest.fixture()
 def single():
-    proc = subprocess.run([sys.executable, WORKER, "single"], env=_env(), capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, WORKER, "single"], env=_env(), capture_output=True, text=True, timeout=600
+    )
     assert "DONE" in proc.stdout, proc.stdout + proc.stderr[-5000:]
     return _cases(proc.stdout)
 
@@ -48,9 +50,16 @@ def _free_port() -> int:
 @pytest.fixture()
 def processes():
     port = _free_port()
-    procs = [subprocess.Popen([sys.executable, WORKER, "process", str(i), "2", str(port)],
-                              env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, WORKER, "process", str(i), "2", str(port)],
+            env=_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
     outs = []
     try:
         for p in procs:
@@ -70,8 +79,8 @@ def test_one_process(single):
     for case in ("grad64-equinox-jit", "grad64-equinox-shard_map", "grad64-flax-jit"):
         r = single[case]
         assert r["devices"] == 4 and r["sharded_leaves"] > 0, r
-        assert r["rel_err"] < 1e-10, r                # jax.grad on the same mesh
-        assert r["rel_err_one_device"] < 1e-6, r      # one device, the full batch
+        assert r["rel_err"] < 1e-10, r  # jax.grad on the same mesh
+        assert r["rel_err_one_device"] < 1e-6, r  # one device, the full batch
         assert r["loss_err"] < 1e-12, r
     # bfloat16 activations, against the float32 gradient, with jax.grad on the same mesh
     # (tensor parallel rounds its partial sums: one device does better than both)

@@ -6,6 +6,7 @@
 `jax.distributed` (2 CPU devices each, gloo collectives). Each prints one `CASE {json}` line
 per check and a final `DONE`.
 """
+
 from __future__ import annotations
 
 import json
@@ -16,10 +17,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                "examples"))
+sys.path.insert(
+    0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+)
 import reversible_transformer as rt  # noqa: E402
 
 VOCAB, D, HEADS, SEQ, BATCH = 11, 16, 2, 8, 4
@@ -32,13 +35,19 @@ def case(**kw) -> None:
 def rel(ref, got) -> float:
     la, lb = jax.tree.leaves(ref), jax.tree.leaves(got)
     scale = max(float(jnp.max(jnp.abs(a.astype(jnp.float64)))) for a in la)
-    return max(float(jnp.max(jnp.abs(a.astype(jnp.float64) - b.astype(jnp.float64))))
-               for a, b in zip(la, lb)) / scale
+    return (
+        max(
+            float(jnp.max(jnp.abs(a.astype(jnp.float64) - b.astype(jnp.float64))))
+            for a, b in zip(la, lb)
+        )
+        / scale
+    )
 
 
 def model(kind: str, depth: int, dtype=jnp.float64):
-    params, block = rt.init(kind, jax.random.key(1), vocab=VOCAB, depth=depth, d=D,
-                            heads=HEADS, seq=SEQ)
+    params, block = rt.init(
+        kind, jax.random.key(1), vocab=VOCAB, depth=depth, d=D, heads=HEADS, seq=SEQ
+    )
     params = jax.tree.map(lambda a: a.astype(dtype), params)
     batch = np.random.default_rng(0).integers(0, VOCAB, (BATCH, SEQ + 1)).astype(np.int32)
     return params, block, batch
@@ -46,8 +55,11 @@ def model(kind: str, depth: int, dtype=jnp.float64):
 
 def put(tree, shardings):
     """Global arrays from values every process holds (multi-process: its own shards)."""
-    return jax.tree.map(lambda a, s: jax.make_array_from_callback(
-        np.shape(a), s, lambda idx: np.asarray(a)[idx]), tree, shardings)
+    return jax.tree.map(
+        lambda a, s: jax.make_array_from_callback(np.shape(a), s, lambda idx: np.asarray(a)[idx]),
+        tree,
+        shardings,
+    )
 
 
 def gather(tree):
@@ -91,9 +103,12 @@ def start(argv: list[str]) -> str:
     if mode == "process":
         jax.config.update("jax_num_cpu_devices", 2)
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.distributed.initialize(coordinator_address=f"127.0.0.1:{argv[4]}",
-                                   num_processes=int(argv[3]), process_id=int(argv[2]),
-                                   initialization_timeout=120)
+        jax.distributed.initialize(
+            coordinator_address=f"127.0.0.1:{argv[4]}",
+            num_processes=int(argv[3]),
+            process_id=int(argv[2]),
+            initialization_timeout=120,
+        )
     else:
         jax.config.update("jax_num_cpu_devices", 4)
     jax.config.update("jax_enable_x64", True)
@@ -106,18 +121,25 @@ def main(mode: str) -> None:
     for kind in kinds:
         params64 = model(kind, 4)[0]
         loss_ref, g_ref = local_grads(kind, 4, "jax.grad", jnp.float64, params64)
-        for sm in ((False, True) if kind == "equinox" else (False,)):
-            loss, g, n_sh, _, _ = sharded_grads(kind, 4, "reversible", jnp.float64, sm,
-                                                ref_params=params64)
-            _, g_sh, _, _, _ = sharded_grads(kind, 4, "jax.grad", jnp.float64, sm,
-                                             ref_params=params64)
+        for sm in (False, True) if kind == "equinox" else (False,):
+            loss, g, n_sh, _, _ = sharded_grads(
+                kind, 4, "reversible", jnp.float64, sm, ref_params=params64
+            )
+            _, g_sh, _, _, _ = sharded_grads(
+                kind, 4, "jax.grad", jnp.float64, sm, ref_params=params64
+            )
             # against jax.grad on the same mesh, and on one device with the full batch (XLA's
             # sharded program itself differs from the one-device one by about 2e-8)
-            case(case=f"grad64-{kind}-{'shard_map' if sm else 'jit'}",
-                 rel_err=rel(g_sh, g), rel_err_one_device=rel(g_ref, g),
-                 grad_vs_one_device=rel(g_ref, g_sh), loss_err=abs(loss - float(loss_ref)),
-                 sharded_leaves=n_sh, devices=len(jax.devices()),
-                 processes=jax.process_count())
+            case(
+                case=f"grad64-{kind}-{'shard_map' if sm else 'jit'}",
+                rel_err=rel(g_sh, g),
+                rel_err_one_device=rel(g_ref, g),
+                grad_vs_one_device=rel(g_ref, g_sh),
+                loss_err=abs(loss - float(loss_ref)),
+                sharded_leaves=n_sh,
+                devices=len(jax.devices()),
+                processes=jax.process_count(),
+            )
     if multi:
         print("DONE", flush=True)
         return
@@ -126,13 +148,15 @@ def main(mode: str) -> None:
     # against a float32 reference
     params32 = model("equinox", 8, jnp.float32)[0]
     _, g32 = local_grads("equinox", 8, "jax.grad", jnp.float32, params32)
-    _, g_bf, _, _, _ = sharded_grads("equinox", 8, "jax.grad", jnp.bfloat16,
-                                     ref_params=params32)
-    _, g_rev, _, _, _ = sharded_grads("equinox", 8, "reversible", jnp.bfloat16,
-                                      ref_params=params32)
+    _, g_bf, _, _, _ = sharded_grads("equinox", 8, "jax.grad", jnp.bfloat16, ref_params=params32)
+    _, g_rev, _, _, _ = sharded_grads("equinox", 8, "reversible", jnp.bfloat16, ref_params=params32)
     _, g_bf1 = local_grads("equinox", 8, "jax.grad", jnp.bfloat16, params32)
-    case(case="bf16", rev_err=rel(g32, g_rev), grad_err=rel(g32, g_bf),
-         grad_one_device_err=rel(g32, g_bf1))
+    case(
+        case="bf16",
+        rev_err=rel(g32, g_rev),
+        grad_err=rel(g32, g_bf),
+        grad_one_device_err=rel(g32, g_bf1),
+    )
     # per-device scratch at 8 and 32 blocks, with the defaults
     case(case="flat", scratch8=scratch("equinox", 8), scratch32=scratch("equinox", 32))
     print("DONE", flush=True)

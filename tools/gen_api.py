@@ -6,7 +6,8 @@
 
 The page covers every name in `jaxrev.__all__` (in that order), every name in
 `jaxrev.optim.__all__`, and the optional modules `jaxrev.diffrax` (`ReversibleAdjoint`,
-`Reversible`), `jaxrev.flowjax` (`Bijection`) and `jaxrev.numpyro` (`Transform`). Classes list their public
+`Reversible`), `jaxrev.flowjax` (`Bijection`) and `jaxrev.numpyro` (`Transform`). Classes list their
+public
 methods and properties that have docstrings (and name the others). The output is
 deterministic: no addresses, no timestamps; signatures are rendered from `inspect.signature`
 by this script, and default values that are objects are rendered by name.
@@ -16,6 +17,7 @@ it would produce is copied from the existing docs/api.md (so `--check` still com
 rest), and a note says so.
 `tests/test_api_docs.py` runs `check()` in-process.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,15 +30,19 @@ import os
 import re
 import sys
 import types
-from typing import Any, Callable, ForwardRef, Sequence
+from collections.abc import Sequence
+from typing import Any, ForwardRef
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 API_MD = os.path.join(ROOT, "docs", "api.md")
 API_REL = os.path.join("docs", "api.md")
 REGENERATE = "python tools/gen_api.py"
 
-OPTIONAL = {"diffrax": ("ReversibleAdjoint", "Reversible"), "flowjax": ("Bijection",),
-            "numpyro": ("Transform",)}
+OPTIONAL = {
+    "diffrax": ("ReversibleAdjoint", "Reversible"),
+    "flowjax": ("Bijection",),
+    "numpyro": ("Transform",),
+}
 """Optional modules (`jaxrev.<name>`, importing the library of that name) and their names."""
 
 
@@ -47,12 +53,14 @@ def _begin(mod: str) -> str:
 def _end(mod: str) -> str:
     return f"<!-- end jaxrev.{mod} -->"
 
+
 WIDTH = 92  # a signature longer than this is written one parameter a line
 
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
 # --------------------------------------------------------------------------- import
+
 
 def _import_jaxrev() -> types.ModuleType:
     if ROOT not in sys.path:
@@ -69,14 +77,16 @@ def _import_optional(mod: str) -> types.ModuleType | None:
         return None
 
 
-
 # --------------------------------------------------------------------------- values and signatures
+
 
 def _qualname(obj: Any) -> str:
     """``module.name``, by the shortest public path: a class that its top-level package
     exports is named from there (``diffrax.AbstractAdjoint``, not its private module)."""
     mod = getattr(obj, "__module__", None)
-    name = getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None) or type(obj).__name__
+    name = (
+        getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None) or type(obj).__name__
+    )
     if mod in (None, "builtins"):
         return name
     top = sys.modules.get(mod.split(".")[0])
@@ -137,8 +147,13 @@ def _param(p: inspect.Parameter) -> str:
     return text
 
 
-def render_signature(name: str, sig: inspect.Signature | None, prefix: str = "",
-                     drop_first: bool = False, width: int = WIDTH) -> str:
+def render_signature(
+    name: str,
+    sig: inspect.Signature | None,
+    prefix: str = "",
+    drop_first: bool = False,
+    width: int = WIDTH,
+) -> str:
     """``prefix name(params) -> ret``, one parameter a line where it is long."""
     if sig is None:
         return f"{prefix}{name}"
@@ -148,14 +163,16 @@ def render_signature(name: str, sig: inspect.Signature | None, prefix: str = "",
     parts: list[str] = []
     kinds = [p.kind for p in params]
     for i, p in enumerate(params):
-        if (p.kind is inspect.Parameter.KEYWORD_ONLY
-                and inspect.Parameter.VAR_POSITIONAL not in kinds
-                and (i == 0 or params[i - 1].kind is not inspect.Parameter.KEYWORD_ONLY)):
+        if (
+            p.kind is inspect.Parameter.KEYWORD_ONLY
+            and inspect.Parameter.VAR_POSITIONAL not in kinds
+            and (i == 0 or params[i - 1].kind is not inspect.Parameter.KEYWORD_ONLY)
+        ):
             parts.append("*")
         parts.append(_param(p))
-        if (p.kind is inspect.Parameter.POSITIONAL_ONLY
-                and (i + 1 == len(params)
-                     or params[i + 1].kind is not inspect.Parameter.POSITIONAL_ONLY)):
+        if p.kind is inspect.Parameter.POSITIONAL_ONLY and (
+            i + 1 == len(params) or params[i + 1].kind is not inspect.Parameter.POSITIONAL_ONLY
+        ):
             parts.append("/")
     ret = render_annotation(sig.return_annotation)
     tail = f" -> {ret}" if ret else ""
@@ -174,6 +191,7 @@ def _signature(obj: Any) -> inspect.Signature | None:
 
 
 # --------------------------------------------------------------------------- docstrings
+
 
 def own_doc(obj: Any) -> str:
     """`obj`'s own docstring, cleaned (never one inherited from a base class)."""
@@ -200,8 +218,11 @@ def doc_to_markdown(doc: str) -> str:
         if line.lstrip().startswith(">>>"):
             indent = len(line) - len(line.lstrip())
             block = []
-            while i < len(lines) and lines[i].strip() and (
-                    len(lines[i]) - len(lines[i].lstrip()) >= indent):
+            while (
+                i < len(lines)
+                and lines[i].strip()
+                and (len(lines[i]) - len(lines[i].lstrip()) >= indent)
+            ):
                 block.append(lines[i][indent:].rstrip())
                 i += 1
             if out and out[-1].strip():
@@ -223,23 +244,32 @@ def _attribute_doc(module: types.ModuleType, name: str) -> str:
         return ""
     body = tree.body
     for k, node in enumerate(body[:-1]):
-        targets = (node.targets if isinstance(node, ast.Assign)
-                   else [node.target] if isinstance(node, ast.AnnAssign) else [])
+        targets = (
+            node.targets
+            if isinstance(node, ast.Assign)
+            else [node.target]
+            if isinstance(node, ast.AnnAssign)
+            else []
+        )
         if any(isinstance(t, ast.Name) and t.id == name for t in targets):
             nxt = body[k + 1]
-            if (isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
-                    and isinstance(nxt.value.value, str)):
+            if (
+                isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant)
+                and isinstance(nxt.value.value, str)
+            ):
                 return inspect.cleandoc(nxt.value.value)
     return ""
 
 
 # --------------------------------------------------------------------------- entries
 
+
 @dataclasses.dataclass
 class Entry:
-    qualname: str          # e.g. "jaxrev.reverse"
+    qualname: str  # e.g. "jaxrev.reverse"
     obj: Any
-    module: types.ModuleType   # where the name is exported from
+    module: types.ModuleType  # where the name is exported from
 
     @property
     def anchor(self) -> str:
@@ -266,8 +296,11 @@ def _public_ancestors(cls: type, exported: dict[int, str]) -> list[str]:
 def _foreign(cls: type, name: str) -> bool:
     """Whether `name` is also defined by a base class outside jaxrev (a protocol's method that
     `cls` implements, such as diffrax's `AbstractAdjoint.loop`)."""
-    return any(name in klass.__dict__ for klass in cls.__mro__[1:]
-               if not (getattr(klass, "__module__", "") or "").startswith("jaxrev"))
+    return any(
+        name in klass.__dict__
+        for klass in cls.__mro__[1:]
+        if not (getattr(klass, "__module__", "") or "").startswith("jaxrev")
+    )
 
 
 def _members(cls: type) -> list[tuple[str, Any]]:
@@ -291,15 +324,18 @@ def render_entry(e: Entry, exported: dict[int, str]) -> str:
     obj, q = e.obj, e.qualname
     out = [f'<a id="{e.anchor}"></a>', "", f"### `{q}`", ""]
     if isinstance(obj, types.ModuleType):
-        out += [f"Module `{obj.__name__}`; its names are listed under "
-                f"[`{obj.__name__}`](#{obj.__name__}) below.", ""]
+        out += [
+            f"Module `{obj.__name__}`; its names are listed under "
+            f"[`{obj.__name__}`](#{obj.__name__}) below.",
+            "",
+        ]
         first = own_doc(obj).split("\n\n")[0]
         if first:
             out += [first, ""]
         return "\n".join(out)
     if isinstance(obj, type):
         sig = _signature(obj)
-        if sig is not None:   # a constructor returns the instance: no "-> None"
+        if sig is not None:  # a constructor returns the instance: no "-> None"
             sig = sig.replace(return_annotation=inspect.Signature.empty)
         out += ["```python", render_signature(q, sig, prefix="class "), "```", ""]
         bases = _public_ancestors(obj, exported)
@@ -317,8 +353,12 @@ def render_entry(e: Entry, exported: dict[int, str]) -> str:
             if isinstance(member, property):
                 out += ["*property*", ""]
             else:
-                out += ["```python", render_signature(f"{q}.{name}", _signature(member),
-                                                      drop_first=True), "```", ""]
+                out += [
+                    "```python",
+                    render_signature(f"{q}.{name}", _signature(member), drop_first=True),
+                    "```",
+                    "",
+                ]
             out += [doc_to_markdown(own_doc(member)), ""]
         if others:
             names = []
@@ -326,8 +366,11 @@ def render_entry(e: Entry, exported: dict[int, str]) -> str:
                 if isinstance(member, property):
                     names.append(f"`{name}` (property)")
                 else:
-                    names.append("`" + render_signature(name, _signature(member),
-                                                        drop_first=True, width=10**6) + "`")
+                    names.append(
+                        "`"
+                        + render_signature(name, _signature(member), drop_first=True, width=10**6)
+                        + "`"
+                    )
             out += ["Other public members (no docstring yet): " + "; ".join(names) + ".", ""]
         return "\n".join(out).rstrip() + "\n"
     if callable(obj):
@@ -365,8 +408,11 @@ def _entries() -> tuple[list[Entry], list[Entry], dict[str, types.ModuleType | N
 
 
 def _optional_entries(mods: dict) -> dict[str, list[Entry]]:
-    return {m: [Entry(f"jaxrev.{m}.{n}", getattr(mod, n), mod) for n in OPTIONAL[m]]
-            for m, mod in mods.items() if mod is not None}
+    return {
+        m: [Entry(f"jaxrev.{m}.{n}", getattr(mod, n), mod) for n in OPTIONAL[m]]
+        for m, mod in mods.items()
+        if mod is not None
+    }
 
 
 def _exported(entries: Sequence[Entry]) -> dict[int, str]:
@@ -382,7 +428,7 @@ def _existing_section(mod: str) -> str | None:
     a, b = text.find(_begin(mod)), text.find(_end(mod))
     if a < 0 or b < a:
         return None
-    return text[a:b + len(_end(mod))]
+    return text[a : b + len(_end(mod))]
 
 
 def render() -> str:
@@ -393,36 +439,72 @@ def render() -> str:
     optim = importlib.import_module("jaxrev.optim")
 
     parts = [HEADER, "## Contents", ""]
-    parts.append("- [`jaxrev`](#jaxrev): " + ", ".join(
-        f"[`{e.qualname.split('.', 1)[1]}`](#{e.anchor})" for e in top))
-    parts.append("- [`jaxrev.optim`](#jaxrev.optim): " + ", ".join(
-        f"[`{e.qualname.rsplit('.', 1)[1]}`](#{e.anchor})" for e in opt))
+    parts.append(
+        "- [`jaxrev`](#jaxrev): "
+        + ", ".join(f"[`{e.qualname.split('.', 1)[1]}`](#{e.anchor})" for e in top)
+    )
+    parts.append(
+        "- [`jaxrev.optim`](#jaxrev.optim): "
+        + ", ".join(f"[`{e.qualname.rsplit('.', 1)[1]}`](#{e.anchor})" for e in opt)
+    )
     for m, names in OPTIONAL.items():
-        parts.append(f"- [`jaxrev.{m}`](#jaxrev.{m}): " + ", ".join(
-            f"[`{n}`](#jaxrev.{m}.{n})" for n in names))
+        parts.append(
+            f"- [`jaxrev.{m}`](#jaxrev.{m}): "
+            + ", ".join(f"[`{n}`](#jaxrev.{m}.{n})" for n in names)
+        )
     parts.append("")
 
-    parts += ['<a id="jaxrev"></a>', "", "## `jaxrev`", "",
-              doc_to_markdown(own_doc(sys.modules["jaxrev"])), ""]
+    parts += [
+        '<a id="jaxrev"></a>',
+        "",
+        "## `jaxrev`",
+        "",
+        doc_to_markdown(own_doc(sys.modules["jaxrev"])),
+        "",
+    ]
     parts += [render_entry(e, exported) for e in top]
 
-    parts += ['<a id="jaxrev.optim"></a>', "", "## `jaxrev.optim`", "",
-              doc_to_markdown(own_doc(optim)), ""]
+    parts += [
+        '<a id="jaxrev.optim"></a>',
+        "",
+        "## `jaxrev.optim`",
+        "",
+        doc_to_markdown(own_doc(optim)),
+        "",
+    ]
     parts += [render_entry(e, exported) for e in opt]
 
     for m in OPTIONAL:
         if mods[m] is not None:
-            section = [_begin(m), "", f'<a id="jaxrev.{m}"></a>', "", f"## `jaxrev.{m}`",
-                       "", doc_to_markdown(own_doc(mods[m])), ""]
+            section = [
+                _begin(m),
+                "",
+                f'<a id="jaxrev.{m}"></a>',
+                "",
+                f"## `jaxrev.{m}`",
+                "",
+                doc_to_markdown(own_doc(mods[m])),
+                "",
+            ]
             section += [render_entry(e, exported) for e in extra[m]]
             parts.append("\n".join(section).rstrip() + "\n\n" + _end(m))
             continue
         kept = _existing_section(m)
         if kept is None:
-            kept = "\n".join([_begin(m), "", f'<a id="jaxrev.{m}"></a>', "",
-                              f"## `jaxrev.{m}`", "",
-                              f"*({m} was not installed when this page was generated: run "
-                              f"`{REGENERATE}` where it is.)*", "", _end(m)])
+            kept = "\n".join(
+                [
+                    _begin(m),
+                    "",
+                    f'<a id="jaxrev.{m}"></a>',
+                    "",
+                    f"## `jaxrev.{m}`",
+                    "",
+                    f"*({m} was not installed when this page was generated: run "
+                    f"`{REGENERATE}` where it is.)*",
+                    "",
+                    _end(m),
+                ]
+            )
         parts.append(kept)
     text = "\n".join(parts)
     text = re.sub(r"\n{3,}", "\n\n", text).rstrip() + "\n"
@@ -446,8 +528,7 @@ def check(path: str = API_MD) -> list[str]:
     return [] if current == render() else [API_REL]
 
 
-def missing_examples(names: Sequence[str] | None = None, *,
-                     everything: bool = False) -> list[str]:
+def missing_examples(names: Sequence[str] | None = None, *, everything: bool = False) -> list[str]:
     """Public functions and classes whose own docstring has no ``>>>`` example.
 
     By default the names of `jaxrev.__all__` (modules and constants are not counted);
@@ -459,22 +540,32 @@ def missing_examples(names: Sequence[str] | None = None, *,
         entries += [e for es in _optional_entries(mods).values() for e in es]
     if names is not None:
         entries = [e for e in entries if e.qualname in names or e.qualname.split(".")[-1] in names]
-    return [e.qualname for e in entries
-            if (isinstance(e.obj, type) or inspect.isfunction(e.obj) or inspect.isroutine(e.obj))
-            and not has_example(own_doc(e.obj))]
+    return [
+        e.qualname
+        for e in entries
+        if (isinstance(e.obj, type) or inspect.isfunction(e.obj) or inspect.isroutine(e.obj))
+        and not has_example(own_doc(e.obj))
+    ]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--check", action="store_true",
-                    help="exit 1 (writing nothing) if docs/api.md is stale")
-    ap.add_argument("--missing-examples", action="store_true",
-                    help="list the public functions and classes whose docstring has no >>>")
+    ap.add_argument(
+        "--check", action="store_true", help="exit 1 (writing nothing) if docs/api.md is stale"
+    )
+    ap.add_argument(
+        "--missing-examples",
+        action="store_true",
+        help="list the public functions and classes whose docstring has no >>>",
+    )
     args = ap.parse_args(argv)
     for m in OPTIONAL:
         if _import_optional(m) is None:
-            print(f"gen_api: jaxrev.{m} cannot be imported (is {m} installed?); its section "
-                  "is kept as it is in docs/api.md", file=sys.stderr)
+            print(
+                f"gen_api: jaxrev.{m} cannot be imported (is {m} installed?); its section "
+                "is kept as it is in docs/api.md",
+                file=sys.stderr,
+            )
     if args.missing_examples:
         for q in missing_examples(everything=True):
             print(q)
@@ -483,8 +574,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         stale = check()
         if stale:
             for p in stale:
-                print(f"{p} is stale (the docstrings or signatures changed): run "
-                      f"`{REGENERATE}` to regenerate it", file=sys.stderr)
+                print(
+                    f"{p} is stale (the docstrings or signatures changed): run "
+                    f"`{REGENERATE}` to regenerate it",
+                    file=sys.stderr,
+                )
             return 1
         print(f"{API_REL} is up to date")
         return 0

@@ -11,9 +11,11 @@ matrices, an inverse rule (the adjoint for unitary gates, else the inverse matri
 inverse-JVP rule. So `jr.reversible` differentiates circuits with memory independent of their
 depth: the adjoint method of PennyLane and Yao, derived rather than hand-written.
 """
+
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -27,9 +29,16 @@ from jaxrev.transforms.registry import Lossy, define
 
 __all__ = ["apply_gate", "apply_gate_p"]
 
-def apply_gate(state: Any, matrix: Any, locs: Sequence[int] | int,
-               ctrl_locs: Sequence[int] | int = (), ctrl_vals: Sequence[int] | int = (), *,
-               unitary: bool = True) -> jax.Array:
+
+def apply_gate(
+    state: Any,
+    matrix: Any,
+    locs: Sequence[int] | int,
+    ctrl_locs: Sequence[int] | int = (),
+    ctrl_vals: Sequence[int] | int = (),
+    *,
+    unitary: bool = True,
+) -> jax.Array:
     """Apply the 2ᵏ × 2ᵏ `matrix` to qubits `locs` of `state` (shape ``(..., 2ⁿ)``), where the
     qubits `ctrl_locs` hold `ctrl_vals` (all 1 by default).
 
@@ -57,8 +66,15 @@ def apply_gate(state: Any, matrix: Any, locs: Sequence[int] | int,
         dtype = jnp.result_type(dtype, jnp.float32)
     state, matrix = state.astype(dtype), matrix.astype(dtype)
     _check(state.shape, matrix.shape, locs, ctrl_locs, ctrl_vals)
-    return apply_gate_p.bind(state, matrix, locs=locs, ctrl_locs=ctrl_locs,
-                             ctrl_vals=ctrl_vals, rest=True, unitary=bool(unitary))
+    return apply_gate_p.bind(
+        state,
+        matrix,
+        locs=locs,
+        ctrl_locs=ctrl_locs,
+        ctrl_vals=ctrl_vals,
+        rest=True,
+        unitary=bool(unitary),
+    )
 
 
 def _as_tuple(x) -> tuple[int, ...]:
@@ -74,8 +90,13 @@ def _n_qubits(dim: int) -> int:
     return n
 
 
-def _check(sshape: tuple, mshape: tuple, locs: Sequence[int], ctrl_locs: Sequence[int],
-           ctrl_vals: Sequence[int]) -> None:
+def _check(
+    sshape: tuple,
+    mshape: tuple,
+    locs: Sequence[int],
+    ctrl_locs: Sequence[int],
+    ctrl_vals: Sequence[int],
+) -> None:
     who = "jr.apply_gate"
     if len(sshape) < 1:
         raise ValueError(f"{who}: the state must be a vector of length 2**n, got a scalar")
@@ -87,24 +108,32 @@ def _check(sshape: tuple, mshape: tuple, locs: Sequence[int], ctrl_locs: Sequenc
     if len(set(every)) != len(every):
         raise ValueError(f"{who}: locs {locs} and ctrl_locs {ctrl_locs} must be distinct qubits")
     if any(not 0 <= q < n for q in every):
-        raise ValueError(f"{who}: qubits must lie in 0..{n - 1} for a {n}-qubit state, got "
-                         f"locs {locs}, ctrl_locs {ctrl_locs}")
+        raise ValueError(
+            f"{who}: qubits must lie in 0..{n - 1} for a {n}-qubit state, got "
+            f"locs {locs}, ctrl_locs {ctrl_locs}"
+        )
     if len(ctrl_vals) != len(ctrl_locs) or any(v not in (0, 1) for v in ctrl_vals):
-        raise ValueError(f"{who}: ctrl_vals must be one 0 or 1 per control qubit, got "
-                         f"{ctrl_vals} for ctrl_locs {ctrl_locs}")
-    if len(mshape) < 2 or mshape[-2:] != (2 ** k, 2 ** k):
-        raise ValueError(f"{who}: a gate on {k} qubit(s) needs a {2 ** k}x{2 ** k} matrix, got "
-                         f"shape {mshape}")
+        raise ValueError(
+            f"{who}: ctrl_vals must be one 0 or 1 per control qubit, got "
+            f"{ctrl_vals} for ctrl_locs {ctrl_locs}"
+        )
+    if len(mshape) < 2 or mshape[-2:] != (2**k, 2**k):
+        raise ValueError(
+            f"{who}: a gate on {k} qubit(s) needs a {2**k}x{2**k} matrix, got shape {mshape}"
+        )
     mb = mshape[:-2]
     if mb and mb != tuple(sshape[:-1]):
-        raise ValueError(f"{who}: the matrix's batch axes {mb} must match the state's "
-                         f"{tuple(sshape[:-1])}")
+        raise ValueError(
+            f"{who}: the matrix's batch axes {mb} must match the state's {tuple(sshape[:-1])}"
+        )
 
 
 # --------------------------------------------------------------------------- the contraction
 
-def _views(state: Any, locs: Sequence[int], ctrl_locs: Sequence[int],
-           ctrl_vals: Sequence[int]) -> Any:
+
+def _views(
+    state: Any, locs: Sequence[int], ctrl_locs: Sequence[int], ctrl_vals: Sequence[int]
+) -> Any:
     """The state as (batch..., 2, ..., 2), the index of the controlled slice, and the axes of
     `locs` inside that slice (controls are indexed away)."""
     nb = state.ndim - 1
@@ -152,13 +181,14 @@ def _bits(i: int, k: int) -> tuple[int, ...]:
 
 def _contract_slices(sub: Any, matrix: Any, axes: Sequence[int], nb: int) -> Any:
     k = len(axes)
-    K = 2 ** k
+    K = 2**k
     slices = [_slice_at(sub, axes, _bits(b, k)) for b in range(K)]
     rest = slices[0].ndim - nb
 
     def entry(a, b):  # M[.., a, b], broadcast over the slice's qubit axes
         e = matrix[..., a, b]
         return e.reshape(e.shape + (1,) * rest) if matrix.ndim > 2 else e
+
     outs = {_bits(a, k): sum(entry(a, b) * slices[b] for b in range(K)) for a in range(K)}
     # put the k axes back where they were: stack the highest axis first, each at its position
     # among the axes still missing
@@ -167,7 +197,7 @@ def _contract_slices(sub: Any, matrix: Any, axes: Sequence[int], nb: int) -> Any
         j = order[depth]
         pos = axes[j] - depth
         merged = {}
-        for key in {kk[:j] + kk[j + 1:] for kk in outs}:
+        for key in {kk[:j] + kk[j + 1 :] for kk in outs}:
             parts = [outs[key[:j] + (v,) + key[j:]] for v in (0, 1)]
             merged[key] = jnp.stack(parts, axis=pos)
         outs = merged
@@ -187,8 +217,14 @@ def _impl(state, matrix, *, locs, ctrl_locs, ctrl_vals, rest, unitary):
     return base.at[idx].set(new).reshape(state.shape)
 
 
-def _matrix_cotangent(state: Any, ct: Any, matrix_aval: Any, locs: Sequence[int],
-                      ctrl_locs: Sequence[int], ctrl_vals: Sequence[int]) -> Any:
+def _matrix_cotangent(
+    state: Any,
+    ct: Any,
+    matrix_aval: Any,
+    locs: Sequence[int],
+    ctrl_locs: Sequence[int],
+    ctrl_vals: Sequence[int],
+) -> Any:
     """Transpose of M ↦ apply(state, M) (restricted to the controlled slice):
     ct_M[a, b] = Σ ct[.., a, ..] state[.., b, ..]."""
     psi, idx, axes, nb = _views(state, locs, ctrl_locs, ctrl_vals)
@@ -197,12 +233,14 @@ def _matrix_cotangent(state: Any, ct: Any, matrix_aval: Any, locs: Sequence[int]
         psi, cpsi = psi[idx], cpsi[idx]
     k = len(axes)
     if k <= _SMALL_GATE:  # 4ᵏ fused products and sums, as in `_contract_slices`
-        K = 2 ** k
+        K = 2**k
         red = tuple(range(nb if len(matrix_aval.shape) > 2 else 0, psi.ndim - k))
         cs = [_slice_at(cpsi, axes, _bits(a, k)) for a in range(K)]
         ss = [_slice_at(psi, axes, _bits(b, k)) for b in range(K)]
-        g = jnp.stack([jnp.stack([jnp.sum(cs[a] * ss[b], axis=red) for b in range(K)], -1)
-                       for a in range(K)], -2)
+        g = jnp.stack(
+            [jnp.stack([jnp.sum(cs[a] * ss[b], axis=red) for b in range(K)], -1) for a in range(K)],
+            -2,
+        )
         return g.reshape(matrix_aval.shape).astype(matrix_aval.dtype)
     s_idx = list(range(psi.ndim))
     c_idx = list(s_idx)
@@ -217,11 +255,13 @@ def _matrix_cotangent(state: Any, ct: Any, matrix_aval: Any, locs: Sequence[int]
 
 # --------------------------------------------------------------------------- rules
 
+
 def _abstract(state, matrix, *, locs, ctrl_locs, ctrl_vals, rest, unitary):
     _check(state.shape, matrix.shape, locs, ctrl_locs, ctrl_vals)
     if state.dtype != matrix.dtype:
-        raise TypeError(f"jr.apply_gate: state and matrix dtypes differ ({state.dtype}, "
-                        f"{matrix.dtype})")
+        raise TypeError(
+            f"jr.apply_gate: state and matrix dtypes differ ({state.dtype}, {matrix.dtype})"
+        )
     return ShapedArray(state.shape, state.dtype)
 
 
@@ -248,10 +288,15 @@ def _transpose(ct, state, matrix, **params):
         # the transpose (not the adjoint) of the gate's operator: the transposed matrix
         return [apply_gate_p.bind(ct, jnp.swapaxes(matrix, -1, -2), **params), None]
     if params["rest"] and params["ctrl_locs"]:
-        raise NotImplementedError("jr.apply_gate with controls is affine, not linear, in the "
-                                  "matrix")
-    return [None, _matrix_cotangent(state, ct, matrix.aval, params["locs"],
-                                    params["ctrl_locs"], params["ctrl_vals"])]
+        raise NotImplementedError(
+            "jr.apply_gate with controls is affine, not linear, in the matrix"
+        )
+    return [
+        None,
+        _matrix_cotangent(
+            state, ct, matrix.aval, params["locs"], params["ctrl_locs"], params["ctrl_vals"]
+        ),
+    ]
 
 
 def _batch(args, dims, **params):
@@ -276,19 +321,25 @@ def _inverse(out, state, matrix, *, locs, ctrl_locs, ctrl_vals, rest, unitary):
     if isinstance(matrix, Unknown):
         raise Lossy("the gate matrix is unknown (only the state can be recovered)")
     if not rest:
-        raise Lossy("this is the part of a controlled gate's derivative that zeroes the "
-                    "uncontrolled amplitudes")
-    params = dict(locs=locs, ctrl_locs=ctrl_locs, ctrl_vals=ctrl_vals, rest=rest,
-                  unitary=unitary)
+        raise Lossy(
+            "this is the part of a controlled gate's derivative that zeroes the "
+            "uncontrolled amplitudes"
+        )
+    params = dict(locs=locs, ctrl_locs=ctrl_locs, ctrl_vals=ctrl_vals, rest=rest, unitary=unitary)
     return [apply_gate_p.bind(out, _inverse_matrix(matrix, unitary), **params), None]
 
 
 def _inverse_jvp(t_out, out, state, matrix, **params):
-    return [apply_gate_p.bind(t_out, _inverse_matrix(matrix, params["unitary"]), **params),
-            None]
+    return [apply_gate_p.bind(t_out, _inverse_matrix(matrix, params["unitary"]), **params), None]
 
 
 # JAX's rules (the lowering is `_impl`'s, the same on CPU and GPU), then jaxrev's
-apply_gate_p = make_primitive("jaxrev_apply_gate", impl=_impl, abstract=_abstract, jvp=_jvp,
-                              transpose=_transpose, batch=_batch)
+apply_gate_p = make_primitive(
+    "jaxrev_apply_gate",
+    impl=_impl,
+    abstract=_abstract,
+    jvp=_jvp,
+    transpose=_transpose,
+    batch=_batch,
+)
 define(apply_gate_p, inverse=_inverse, inverse_jvp=_inverse_jvp)

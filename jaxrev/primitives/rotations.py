@@ -4,6 +4,7 @@ Both are JAX primitives with abstract evaluation, an XLA lowering (the same on C
 JVP, transpose, batching, an inverse rule (``rot(−θ)``, ``swap``) and an inverse-JVP rule, so
 `reverse`, `reversible` and the inverse transforms see them as single invertible steps.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -17,6 +18,7 @@ from jaxrev._primitive import make_primitive
 from jaxrev.transforms.registry import Lossy, define
 
 __all__ = ["rot", "swap", "rot_p", "swap_p"]
+
 
 def rot(a: Any, b: Any, theta: Any) -> tuple[jax.Array, jax.Array]:
     """Rotate the pair (a, b) by the angle `theta`:
@@ -43,8 +45,7 @@ def rot(a: Any, b: Any, theta: Any) -> tuple[jax.Array, jax.Array]:
         raise TypeError("jr.rot: theta must be real")
     theta = theta.astype(jnp.finfo(dtype).dtype)
     if theta.shape not in ((), a.shape):
-        raise ValueError(f"jr.rot: theta must be a scalar or of shape {a.shape}, got "
-                         f"{theta.shape}")
+        raise ValueError(f"jr.rot: theta must be a scalar or of shape {a.shape}, got {theta.shape}")
     out = rot_p.bind(a, b, theta)
     return out[0], out[1]
 
@@ -59,12 +60,15 @@ def swap(a: Any, b: Any) -> tuple[jax.Array, jax.Array]:
     """
     a, b = jnp.asarray(a), jnp.asarray(b)
     if a.shape != b.shape or a.dtype != b.dtype:
-        raise ValueError(f"jr.swap: a and b must have one shape and dtype, got "
-                         f"{a.shape} {a.dtype} and {b.shape} {b.dtype}")
+        raise ValueError(
+            f"jr.swap: a and b must have one shape and dtype, got "
+            f"{a.shape} {a.dtype} and {b.shape} {b.dtype}"
+        )
     return tuple(swap_p.bind(a, b))
 
 
 # --------------------------------------------------------------------------- rot rules
+
 
 def _rot_impl(a, b, theta):
     c, s = jnp.cos(theta), jnp.sin(theta)
@@ -104,23 +108,23 @@ def _rot_transpose(cts, a, b, theta):
     cb = _zeros_like_aval(b) if is_symbolic_zero(cb) else cb
     # the rotation matrix's transpose is the rotation by −θ
     ta, tb = rot_p.bind(ca, cb, -theta)
-    return [ta if is_undefined_primal(a) else None, tb if is_undefined_primal(b) else None,
-            None]
+    return [ta if is_undefined_primal(a) else None, tb if is_undefined_primal(b) else None, None]
 
 
 def all_batched(args, dims) -> list:
     """For a batching rule: every operand with its batch axis first, unbatched ones
     broadcast along it."""
     size, moved, _ = batch_front(args, dims)
-    return [x if d is not not_mapped else jnp.broadcast_to(x, (size,) + jnp.shape(x))
-            for x, d in zip(moved, dims)]
+    return [
+        x if d is not not_mapped else jnp.broadcast_to(x, (size,) + jnp.shape(x))
+        for x, d in zip(moved, dims)
+    ]
 
 
 def _rot_batch(args, dims):
     a, b, theta = all_batched(args, dims)
     # θ is a scalar or of a's shape per example: after batching, of a's shape or (size,)
-    theta = jnp.broadcast_to(theta.reshape(theta.shape + (1,) * (a.ndim - theta.ndim)),
-                             a.shape)
+    theta = jnp.broadcast_to(theta.reshape(theta.shape + (1,) * (a.ndim - theta.ndim)), a.shape)
     return rot_p.bind(a, b, theta), [0, 0]
 
 
@@ -139,13 +143,20 @@ def _rot_inverse_jvp(t_out, outs, a, b, theta):
 
 
 # JAX's rules (the lowering is `impl`'s, the same on CPU and GPU), then jaxrev's
-rot_p = make_primitive("jaxrev_rot", multiple_results=True, impl=_rot_impl,
-                       abstract=_rot_abstract, jvp=_rot_jvp, transpose=_rot_transpose,
-                       batch=_rot_batch)
+rot_p = make_primitive(
+    "jaxrev_rot",
+    multiple_results=True,
+    impl=_rot_impl,
+    abstract=_rot_abstract,
+    jvp=_rot_jvp,
+    transpose=_rot_transpose,
+    batch=_rot_batch,
+)
 define(rot_p, inverse=_rot_inverse, inverse_jvp=_rot_inverse_jvp)
 
 
 # --------------------------------------------------------------------------- swap rules
+
 
 def _swap_impl(a, b):
     return [b, a]
@@ -171,8 +182,17 @@ def _swap_batch(args, dims):
     return swap_p.bind(*all_batched(args, dims)), [0, 0]
 
 
-swap_p = make_primitive("jaxrev_swap", multiple_results=True, impl=_swap_impl,
-                        abstract=lambda a, b: [b, a], jvp=_swap_jvp, transpose=_swap_transpose,
-                        batch=_swap_batch)
-define(swap_p, inverse=lambda outs, a, b: [outs[1], outs[0]],
-       inverse_jvp=lambda t, outs, a, b: [t[1], t[0]])
+swap_p = make_primitive(
+    "jaxrev_swap",
+    multiple_results=True,
+    impl=_swap_impl,
+    abstract=lambda a, b: [b, a],
+    jvp=_swap_jvp,
+    transpose=_swap_transpose,
+    batch=_swap_batch,
+)
+define(
+    swap_p,
+    inverse=lambda outs, a, b: [outs[1], outs[0]],
+    inverse_jvp=lambda t, outs, a, b: [t[1], t[0]],
+)

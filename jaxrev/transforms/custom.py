@@ -10,10 +10,12 @@ function binds `custom_inverse_p`, a primitive carrying both jaxprs:
 This is how a step with no closed-form inverse, such as a monotone function inverted by Newton
 iterations, joins an invertible program.
 """
+
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -26,8 +28,19 @@ from jaxrev._program import avals_of, check_structure, normalize_argnums
 from jaxrev._runtime import checked_jit
 from jaxrev.transforms.registry import DENSE_STEP, LogdetContext, NeedMore, Unsupported, define
 
-__all__ = ["custom_inverse", "custom_inverse_p", "hook", "hook_p", "nestlevel", "forward_mode",
-           "store", "recompute", "store_p", "recompute_p"]
+__all__ = [
+    "custom_inverse",
+    "custom_inverse_p",
+    "hook",
+    "hook_p",
+    "nestlevel",
+    "forward_mode",
+    "store",
+    "recompute",
+    "store_p",
+    "recompute_p",
+]
+
 
 class custom_inverse:
     """Give a function an inverse of your own, used by every jaxrev transform.
@@ -76,8 +89,7 @@ class custom_inverse:
             2.772589
         """
         if not callable(logdet_fun):
-            raise TypeError(f"deflogdet of {self.__name__} expects a callable, got "
-                            f"{logdet_fun!r}")
+            raise TypeError(f"deflogdet of {self.__name__} expects a callable, got {logdet_fun!r}")
         self.logdet_fun = logdet_fun
         return logdet_fun
 
@@ -94,8 +106,10 @@ class custom_inverse:
     def __call__(self, *args: Any) -> Any:
         name = getattr(self.fun, "__name__", "fun")
         if self.inv_fun is None:
-            raise TypeError(f"custom_inverse function {name} has no inverse: call "
-                            f"{name}.definverse(inv_fun) first")
+            raise TypeError(
+                f"custom_inverse function {name} has no inverse: call "
+                f"{name}.definverse(inv_fun) first"
+            )
         nums = normalize_argnums(self.argnums, len(args), self.fun)
         flat, in_tree = jax.tree_util.tree_flatten(tuple(args))
         flat = [jnp.asarray(x) for x in flat]
@@ -104,19 +118,22 @@ class custom_inverse:
 
         def flat_of(fn):
             return lambda *leaves: jax.tree_util.tree_leaves(
-                fn(*jax.tree_util.tree_unflatten(in_tree, list(leaves))))
+                fn(*jax.tree_util.tree_unflatten(in_tree, list(leaves)))
+            )
 
         trees: list = []
 
-        def fun_flat(*leaves):   # traced once: its output's structure is kept on the way
+        def fun_flat(*leaves):  # traced once: its output's structure is kept on the way
             out, tree = jax.tree_util.tree_flatten(
-                self.fun(*jax.tree_util.tree_unflatten(in_tree, list(leaves))))
+                self.fun(*jax.tree_util.tree_unflatten(in_tree, list(leaves)))
+            )
             trees.append(tree)
             return out
 
         fj, fconsts, _ = trace_to_closed(fun_flat, *avals_of(flat))
         out_shape = jax.tree_util.tree_unflatten(
-            trees[0], [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in fj.out_avals])
+            trees[0], [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in fj.out_avals]
+        )
         s_tree = check_structure(self.fun, args, nums, out_shape, who="jaxrev.custom_inverse")
         inv_name = getattr(self.inv_fun, "__name__", "inv_fun")
         try:
@@ -131,20 +148,28 @@ class custom_inverse:
         inv_out = ij.out_avals
         want = [fj.in_avals[len(fconsts) + i] for i in state_pos]
         if len(inv_out) != len(want) or any(
-                tuple(a.shape) != tuple(b.shape) or a.dtype != b.dtype
-                for a, b in zip(inv_out, want)):
+            tuple(a.shape) != tuple(b.shape) or a.dtype != b.dtype for a, b in zip(inv_out, want)
+        ):
             raise ValueError(
                 f"jaxrev.custom_inverse: the inverse {inv_name} of {name} must return the "
                 f"state's leaves ({[w.str_short() for w in want]}), got "
-                f"{[a.str_short() for a in inv_out]}")
+                f"{[a.str_short() for a in inv_out]}"
+            )
         logdet = None
         if self.logdet_fun is not None:
             shape = jax.eval_shape(self.logdet_fun, *args)
             logdet = _Logdet(self.logdet_fun, in_tree, isinstance(shape, (tuple, list)))
         outs = custom_inverse_p.bind(
-            *fconsts, *iconsts, *flat, fun_jaxpr=fj, inv_jaxpr=ij, n_fconsts=len(fconsts),
-            n_iconsts=len(iconsts), state=tuple(i in state_pos for i in range(len(flat))),
-            logdet=logdet)
+            *fconsts,
+            *iconsts,
+            *flat,
+            fun_jaxpr=fj,
+            inv_jaxpr=ij,
+            n_fconsts=len(fconsts),
+            n_iconsts=len(iconsts),
+            state=tuple(i in state_pos for i in range(len(flat))),
+            logdet=logdet,
+        )
         return jax.tree_util.tree_unflatten(s_tree, outs)
 
 
@@ -165,7 +190,7 @@ class _Logdet:
             return jnp.asarray(out[0]), jnp.asarray(out[1])
         return jnp.ones_like(out), jnp.asarray(out)
 
-    def batched(self, axes: Sequence[Any]) -> "_Logdet":
+    def batched(self, axes: Sequence[Any]) -> _Logdet:
         return _Logdet(self.fn, self.in_tree, self.signed, (*self.levels, tuple(axes)))
 
     def _key(self) -> tuple:
@@ -179,8 +204,11 @@ class _Logdet:
 
 
 def _split(args, n_fconsts, n_iconsts):
-    return (args[:n_fconsts], args[n_fconsts:n_fconsts + n_iconsts],
-            args[n_fconsts + n_iconsts:])
+    return (
+        args[:n_fconsts],
+        args[n_fconsts : n_fconsts + n_iconsts],
+        args[n_fconsts + n_iconsts :],
+    )
 
 
 def _impl(*args, fun_jaxpr, inv_jaxpr, n_fconsts, n_iconsts, state, logdet=None):
@@ -189,8 +217,9 @@ def _impl(*args, fun_jaxpr, inv_jaxpr, n_fconsts, n_iconsts, state, logdet=None)
 
 
 def _jvp(primals, tangents, **params):
-    return jax.jvp(functools.partial(_impl, **params), tuple(primals),
-                   instantiate_tangents(primals, tangents))
+    return jax.jvp(
+        functools.partial(_impl, **params), tuple(primals), instantiate_tangents(primals, tangents)
+    )
 
 
 def _batch(args, dims, *, fun_jaxpr, inv_jaxpr, n_fconsts, n_iconsts, state, logdet=None):
@@ -198,8 +227,10 @@ def _batch(args, dims, *, fun_jaxpr, inv_jaxpr, n_fconsts, n_iconsts, state, log
     fc, ic, xs = _split(args, n_fconsts, n_iconsts)
     fa, ia, xa = _split(axes, n_fconsts, n_iconsts)
     # the state is batched on both sides; parameters keep their own batching
-    xs = [jnp.broadcast_to(x, (size,) + jnp.shape(x)) if s and a is None else x
-          for x, a, s in zip(xs, xa, state)]
+    xs = [
+        jnp.broadcast_to(x, (size,) + jnp.shape(x)) if s and a is None else x
+        for x, a, s in zip(xs, xa, state)
+    ]
     xa = [0 if s else a for a, s in zip(xa, state)]
 
     def vm(closed, c, ca):
@@ -210,10 +241,19 @@ def _batch(args, dims, *, fun_jaxpr, inv_jaxpr, n_fconsts, n_iconsts, state, log
     fj, fk = vm(fun_jaxpr, fc, fa)
     ij, ik = vm(inv_jaxpr, ic, ia)
     # vmap's own constants (hoisted by trace_to_closed) lead each jaxpr's inputs
-    out = custom_inverse_p.bind(*fk, *fc, *ik, *ic, *xs, fun_jaxpr=fj, inv_jaxpr=ij,
-                                n_fconsts=len(fk) + len(fc), n_iconsts=len(ik) + len(ic),
-                                state=state,
-                                logdet=None if logdet is None else logdet.batched(xa))
+    out = custom_inverse_p.bind(
+        *fk,
+        *fc,
+        *ik,
+        *ic,
+        *xs,
+        fun_jaxpr=fj,
+        inv_jaxpr=ij,
+        n_fconsts=len(fk) + len(fc),
+        n_iconsts=len(ik) + len(ic),
+        state=state,
+        logdet=None if logdet is None else logdet.batched(xa),
+    )
     return out, [0] * len(out)
 
 
@@ -231,15 +271,21 @@ def _eager_impl(*args, fun_jaxpr, inv_jaxpr, n_fconsts, n_iconsts, state, logdet
 
 # evaluated eagerly as one compiled program; lowered (under `jit`) as the function itself
 custom_inverse_p = make_primitive(
-    "jaxrev_custom_inverse", multiple_results=True, impl=_eager_impl,
-    abstract=lambda *avals, fun_jaxpr, **_: list(fun_jaxpr.out_avals), lowering=_impl,
-    jvp=_jvp, batch=_batch)
+    "jaxrev_custom_inverse",
+    multiple_results=True,
+    impl=_eager_impl,
+    abstract=lambda *avals, fun_jaxpr, **_: list(fun_jaxpr.out_avals),
+    lowering=_impl,
+    jvp=_jvp,
+    batch=_batch,
+)
 
 
 def _inverse_rule(outs, *ins, fun_jaxpr, inv_jaxpr, n_fconsts, n_iconsts, state, logdet=None):
     fc, ic, xs = _split(list(ins), n_fconsts, n_iconsts)
     if any(is_unknown(c) for c in [*fc, *ic]) or any(
-            is_unknown(x) for x, s in zip(xs, state) if not s):
+        is_unknown(x) for x, s in zip(xs, state) if not s
+    ):
         raise NeedMore("the inverse's parameters are not known yet")
     if any(is_unknown(o) for o in outs):
         raise NeedMore("the outputs are not known yet")
@@ -258,32 +304,35 @@ def _logdet_rule(ctx: LogdetContext) -> tuple[Any, Any]:
     if p["logdet"] is not None:
         s, la = p["logdet"](*xs)
         return jnp.asarray(s, ctx.dtype), jnp.asarray(la, ctx.dtype)
-    fc = ctx.invals[:p["n_fconsts"]]
+    fc = ctx.invals[: p["n_fconsts"]]
     state = [x for x, s in zip(xs, p["state"]) if s]
     if sum(int(np.size(x)) for x in state) > DENSE_STEP:
-        raise Unsupported("a custom_inverse function with no log-determinant rule "
-                          "(.deflogdet)")
+        raise Unsupported("a custom_inverse function with no log-determinant rule (.deflogdet)")
 
     def f(vec):
         k, args = 0, []
         for x, s in zip(xs, p["state"]):
             if s:
                 n = int(np.size(x))
-                args.append(jnp.reshape(vec[k:k + n], jnp.shape(x)))
+                args.append(jnp.reshape(vec[k : k + n], jnp.shape(x)))
                 k += n
             else:
                 args.append(x)
         return jnp.concatenate([jnp.ravel(o) for o in eval_closed(p["fun_jaxpr"], *fc, *args)])
+
     return jnp.linalg.slogdet(jax.jacfwd(f)(jnp.concatenate([jnp.ravel(x) for x in state])))
 
 
-_logdet_rule.sign_known = lambda eqn: (eqn.params["logdet"] is None  # type: ignore[attr-defined]
-                                       or eqn.params["logdet"].signed)
+_logdet_rule.sign_known = lambda eqn: (
+    eqn.params["logdet"] is None  # type: ignore[attr-defined]
+    or eqn.params["logdet"].signed
+)
 
 define(custom_inverse_p, inverse=_inverse_rule, logdet=_logdet_rule)
 
 
 # --------------------------------------------------------------------------- hook, nestlevel
+
 
 def hook(fn: Callable[[Any], Any], x: Any) -> Any:
     """Identity on `x`; in the backward pass, `fn` is applied to `x`'s cotangent.
@@ -304,27 +353,37 @@ def hook(fn: Callable[[Any], Any], x: Any) -> Any:
 
 
 def _hook_transpose(cts, *xs, fn, tree):
-    cts = [jnp.zeros(x.aval.shape, x.aval.dtype) if is_symbolic_zero(c) else c
-           for c, x in zip(cts, xs)]
+    cts = [
+        jnp.zeros(x.aval.shape, x.aval.dtype) if is_symbolic_zero(c) else c for c, x in zip(cts, xs)
+    ]
     g = jax.tree_util.tree_unflatten(tree, cts)
     out = fn(g)
     name = getattr(fn, "__name__", repr(fn))
     leaves, out_tree = jax.tree_util.tree_flatten(out)
     if out_tree != tree or any(jnp.shape(a) != jnp.shape(b) for a, b in zip(leaves, cts)):
-        raise ValueError(f"jr.hook: {name} must return a cotangent with the structure and "
-                         f"shapes of its input ({tree}), got {out_tree}")
+        raise ValueError(
+            f"jr.hook: {name} must return a cotangent with the structure and "
+            f"shapes of its input ({tree}), got {out_tree}"
+        )
     return [jnp.asarray(o, jnp.result_type(c)) for o, c in zip(leaves, cts)]
 
 
 def _hook_jvp(primals, tangents, *, fn, tree):
-    return (hook_p.bind(*primals, fn=fn, tree=tree),
-            hook_p.bind(*instantiate_tangents(primals, tangents), fn=fn, tree=tree))
+    return (
+        hook_p.bind(*primals, fn=fn, tree=tree),
+        hook_p.bind(*instantiate_tangents(primals, tangents), fn=fn, tree=tree),
+    )
 
 
 hook_p = make_primitive(
-    "jaxrev_hook", multiple_results=True, impl=lambda *xs, fn, tree: list(xs),
-    abstract=lambda *avals, fn, tree: list(avals), jvp=_hook_jvp, transpose=_hook_transpose,
-    batch=lambda args, dims, *, fn, tree: (hook_p.bind(*args, fn=fn, tree=tree), list(dims)))
+    "jaxrev_hook",
+    multiple_results=True,
+    impl=lambda *xs, fn, tree: list(xs),
+    abstract=lambda *avals, fn, tree: list(avals),
+    jvp=_hook_jvp,
+    transpose=_hook_transpose,
+    batch=lambda args, dims, *, fn, tree: (hook_p.bind(*args, fn=fn, tree=tree), list(dims)),
+)
 # the walker asks with some outputs still unknown (a key that the hook passes along, computed
 # only once the state is): those inputs are not recovered yet
 define(hook_p, inverse=lambda outs, *xs, fn, tree: [None if is_unknown(o) else o for o in outs])
@@ -352,6 +411,7 @@ def nestlevel() -> int:
 
 # --------------------------------------------------------------------------- forward_mode
 
+
 def forward_mode(fun: Callable) -> Callable:
     """`fun` whose Jacobian is computed in forward mode during the primal run and applied in
     the backward pass (Zygote's `forwarddiff`): for functions with few inputs, one JVP per input
@@ -371,8 +431,10 @@ def forward_mode(fun: Callable) -> Callable:
         leaves, tree = jax.tree_util.tree_flatten(args)
         for x in leaves:
             if not jnp.issubdtype(jnp.result_type(x), jnp.inexact):
-                raise TypeError(f"jr.forward_mode({name}): every input must be a float array "
-                                f"(got {jnp.result_type(x)})")
+                raise TypeError(
+                    f"jr.forward_mode({name}): every input must be a float array "
+                    f"(got {jnp.result_type(x)})"
+                )
         shapes = [jnp.shape(x) for x in leaves]
         dtypes = [jnp.result_type(x) for x in leaves]
         offs = np.cumsum([0] + [int(np.prod(s, dtype=np.int64)) for s in shapes])
@@ -381,8 +443,10 @@ def forward_mode(fun: Callable) -> Callable:
             return fun(*jax.tree_util.tree_unflatten(tree, list(ls)))
 
         def split(vec):
-            return [jnp.reshape(vec[offs[k]:offs[k + 1]], s).astype(d)
-                    for k, (s, d) in enumerate(zip(shapes, dtypes))]
+            return [
+                jnp.reshape(vec[offs[k] : offs[k + 1]], s).astype(d)
+                for k, (s, d) in enumerate(zip(shapes, dtypes))
+            ]
 
         @jax.custom_jvp
         def g(*ls):
@@ -393,10 +457,12 @@ def forward_mode(fun: Callable) -> Callable:
             # the whole Jacobian by one JVP per input number, in the primal run; the tangent
             # map is a contraction with it, which reverse mode transposes without calling fun
             basis = jnp.eye(int(offs[-1]), dtype=jnp.result_type(*dtypes))
-            y, jac = jax.vmap(lambda e: jax.jvp(f_flat, primals, tuple(split(e))),
-                              out_axes=(None, 0))(basis)
-            t = jnp.concatenate([jnp.ravel(jnp.asarray(v, jnp.result_type(*dtypes)))
-                                 for v in tangents])
+            y, jac = jax.vmap(
+                lambda e: jax.jvp(f_flat, primals, tuple(split(e))), out_axes=(None, 0)
+            )(basis)
+            t = jnp.concatenate(
+                [jnp.ravel(jnp.asarray(v, jnp.result_type(*dtypes))) for v in tangents]
+            )
             return y, jax.tree_util.tree_map(lambda j: jnp.tensordot(t, j, axes=1), jac)
 
         return g(*leaves)
@@ -406,12 +472,17 @@ def forward_mode(fun: Callable) -> Callable:
 
 # --------------------------------------------------------------------------- store / recompute
 
+
 def _identity_primitive(name: str) -> Primitive:
     """An identity that marks a value in the jaxpr (and keeps marking it under JVP and vmap)."""
     p = make_primitive(
-        name, impl=lambda x: x, abstract=lambda a: a,
+        name,
+        impl=lambda x: x,
+        abstract=lambda a: a,
         jvp=lambda primals, tangents: (p.bind(primals[0]), tangents[0]),
-        transpose=lambda ct, x: [ct], batch=lambda args, dims: (p.bind(args[0]), dims[0]))
+        transpose=lambda ct, x: [ct],
+        batch=lambda args, dims: (p.bind(args[0]), dims[0]),
+    )
     define(p, inverse=lambda out, x: [out])
     return p
 

@@ -30,11 +30,13 @@ when the program runs (and "warn" into a warning). ``on_singular=`` is the depre
 ``on_error=``. The walks of both transforms run in their own name (their errors say
 `jaxrev.inverse_jvp` / `jaxrev.inverse_vjp`) and without Newton's method.
 """
+
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -42,8 +44,8 @@ import numpy as np
 
 from jaxrev._cache import cached_call
 from jaxrev._compat import is_concrete, make_jaxpr, staged_constants
-from jaxrev._jaxpr import eval_closed, fold_constants, without_custom_vjp
 from jaxrev._errors import NotInvertibleError, SingularJacobianError, fail, singular_jacobian
+from jaxrev._jaxpr import eval_closed, fold_constants, without_custom_vjp
 from jaxrev._program import Filtered, eval_shape
 from jaxrev.transforms.knowledge.checks import raise_where
 from jaxrev.transforms.knowledge.context import Settings, resolve_on_error
@@ -58,20 +60,22 @@ METHODS = ("auto", "reverse", "linearize", "dense")
 
 # --------------------------------------------------------------------------- plumbing
 
+
 def _name(fun: Callable) -> str:
     return getattr(fun, "__name__", repr(fun))
 
 
-def _primal_computation(fun: Callable, primals: Sequence[Any]
-                        ) -> tuple[Callable, Callable[[], Any]]:
+def _primal_computation(
+    fun: Callable, primals: Sequence[Any]
+) -> tuple[Callable, Callable[[], Any]]:
     """`fun` with its `custom_vjp` functions replaced by their primal computations (at any
     depth): J⁻¹v and log|det J| differentiate forward, which a custom VJP cannot. `fun`
     itself where it has none (decided by one trace at `primals`). Also what makes the context
     the attempts run in (`_jaxpr.fold_constants` of that trace)."""
+
     def traced(*args):
         split = Filtered(args)
-        closed, out_shape = make_jaxpr(lambda *leaves: fun(*split.rebuild(leaves)),
-                                       *split.flat)
+        closed, out_shape = make_jaxpr(lambda *leaves: fun(*split.rebuild(leaves)), *split.flat)
         return split.flat, closed, jax.tree_util.tree_structure(out_shape)
 
     _, closed, _ = traced(*primals)
@@ -82,15 +86,19 @@ def _primal_computation(fun: Callable, primals: Sequence[Any]
     @functools.wraps(fun)
     def primal_fun(*args):
         flat, closed, out_tree = traced(*args)
-        return jax.tree_util.tree_unflatten(out_tree, eval_closed(without_custom_vjp(closed),
-                                                                  *flat))
+        return jax.tree_util.tree_unflatten(
+            out_tree, eval_closed(without_custom_vjp(closed), *flat)
+        )
+
     return primal_fun, fold
 
 
 def _check_args(fun: Callable, primals: Any, method: str, who: str) -> None:
     if not isinstance(primals, (tuple, list)):
-        raise TypeError(f"{who}: primals must be a tuple of {_name(fun)}'s arguments, got "
-                        f"{type(primals).__name__}")
+        raise TypeError(
+            f"{who}: primals must be a tuple of {_name(fun)}'s arguments, got "
+            f"{type(primals).__name__}"
+        )
     if method not in METHODS:
         raise ValueError(f"{who}: method must be one of {METHODS}, got {method!r}")
 
@@ -119,18 +127,23 @@ class _Square:
         if n_in != n_out:
             raise ValueError(
                 f"{who}: {_name(fun)} maps {n_in} input numbers to {n_out} outputs; its "
-                "Jacobian must be square (every argument counts as an input)")
+                "Jacobian must be square (every argument counts as an input)"
+            )
         for x in self.in_leaves:
             if not jnp.issubdtype(jnp.result_type(x), jnp.inexact):
-                raise TypeError(f"{who}: every input of {_name(fun)} must be a float or complex "
-                                f"array (its Jacobian is inverted), got {jnp.result_type(x)}")
+                raise TypeError(
+                    f"{who}: every input of {_name(fun)} must be a float or complex "
+                    f"array (its Jacobian is inverted), got {jnp.result_type(x)}"
+                )
         # same pytree structure, shapes and dtypes in and out: `reverse` can work on `fun` as
         # it is; otherwise it works on the flattened map
         in_struct = jax.tree_util.tree_structure(
-            self.primals[0] if len(self.primals) == 1 else self.primals)
-        self.same = (in_struct == self.out_tree and all(
+            self.primals[0] if len(self.primals) == 1 else self.primals
+        )
+        self.same = in_struct == self.out_tree and all(
             tuple(np.shape(x)) == tuple(o.shape) and jnp.result_type(x) == o.dtype
-            for x, o in zip(self.in_leaves, self.out_leaves_shape)))
+            for x, o in zip(self.in_leaves, self.out_leaves_shape)
+        )
 
     # the state passed to / returned by `reverse`
     def state_in(self, leaves):
@@ -149,8 +162,11 @@ class _Square:
     def tangents_of(self, leaves):
         """Tangents in the primals' structure: None at static leaves (as Equinox's)."""
         it = iter(leaves)
-        return tuple(jax.tree_util.tree_unflatten(
-            self.split.tree, [next(it) if m else None for m in self.split.mask]))
+        return tuple(
+            jax.tree_util.tree_unflatten(
+                self.split.tree, [next(it) if m else None for m in self.split.mask]
+            )
+        )
 
     def ravel_in(self, leaves):
         return jnp.concatenate([jnp.ravel(x) for x in leaves]) if leaves else jnp.zeros(0)
@@ -159,7 +175,7 @@ class _Square:
         out, k = [], 0
         for shape, dtype in shapes_dtypes:
             m = int(np.prod(shape, dtype=np.int64))
-            out.append(jnp.reshape(vec[k:k + m], shape).astype(dtype))
+            out.append(jnp.reshape(vec[k : k + m], shape).astype(dtype))
             k += m
         return out
 
@@ -173,10 +189,12 @@ class _Square:
 
     def flat_fun(self) -> Callable:
         """x_vec -> y_vec."""
+
         def f(v):
             args = self.in_tree_of(self.unravel(v, self.in_sd))
             outs = jax.tree_util.tree_leaves(self.fun(*args))
             return jnp.concatenate([jnp.ravel(o) for o in outs])
+
         return f
 
     def dense_jacobian(self):
@@ -194,6 +212,7 @@ class _Square:
             args = self.in_tree_of(self.unravel(v, in_sd))
             outs = jax.tree_util.tree_leaves(fun(*args))
             return jnp.concatenate([jnp.ravel(o) for o in outs])
+
         return g
 
     def to_state_out(self, out_leaves):
@@ -224,8 +243,9 @@ def _nan_like(leaves):
     return [jnp.full(jnp.shape(x), jnp.nan, jnp.result_type(x)) for x in leaves]
 
 
-def _guard(leaves: list, on_error: str, who: str,
-           diagnose: Callable[[], Any] | None = None) -> list:
+def _guard(
+    leaves: list, on_error: str, who: str, diagnose: Callable[[], Any] | None = None
+) -> list:
     """With "raise" (or "warn"), a non-finite result is a vanished pivot. Concrete results are
     checked now (and `diagnose` re-runs the inversion on plain values, where its rules check
     their pivots and name the step); traced ones (under jit) when the program runs."""
@@ -241,35 +261,52 @@ def _guard(leaves: list, on_error: str, who: str,
                 if e.singular:
                     fail(on_error, singular_jacobian(e, who))
                     return leaves
-        fail(on_error, SingularJacobianError(
-            f"{who}: the result is not finite: a pivot of the Jacobian vanished (or overflowed); "
-            "no single step could be named. Pass on_error='nan' to get NaN instead."))
+        fail(
+            on_error,
+            SingularJacobianError(
+                f"{who}: the result is not finite: a pivot of the Jacobian vanished (or "
+                "overflowed); "
+                "no single step could be named. Pass on_error='nan' to get NaN instead."
+            ),
+        )
         return leaves
     ok = jnp.all(jnp.asarray([jnp.all(jnp.isfinite(x)) for x in leaves]))
 
     def error(ok):
-        return None if bool(ok) else SingularJacobianError(
-            f"{who}: the result is not finite: a pivot of the Jacobian vanished (or "
-            "overflowed) while the program ran. Run it without jit to name the step, or "
-            "pass on_error='nan'.")
+        return (
+            None
+            if bool(ok)
+            else SingularJacobianError(
+                f"{who}: the result is not finite: a pivot of the Jacobian vanished (or "
+                "overflowed) while the program ran. Run it without jit to name the step, or "
+                "pass on_error='nan'."
+            )
+        )
 
     raise_where(on_error, error, ok, bad=~ok)
     return leaves
 
 
-def _diagnoser(used: str, sq: _Square, fun: Callable, y_leaves: list
-               ) -> Callable[[], Any] | None:
+def _diagnoser(used: str, sq: _Square, fun: Callable, y_leaves: list) -> Callable[[], Any] | None:
     """Re-running the inverse program on plain values checks every pivot it divides by (inside
     a JVP its rules see tracers and cannot); the "linearize" strategy already ran on values."""
     if used != "reverse":
         return None
+
     def diagnose():
         return reverse_with(sq.state_fun(fun), _walks(sq.who))(sq.to_state_out(y_leaves))
+
     return diagnose
 
 
-def _try(methods: Sequence[str], attempt: Callable[[str], Any], who: str, on_error: str,
-         nan_shape: Callable[[], Any], fold: Callable[[], Any]):
+def _try(
+    methods: Sequence[str],
+    attempt: Callable[[str], Any],
+    who: str,
+    on_error: str,
+    nan_shape: Callable[[], Any],
+    fold: Callable[[], Any],
+):
     """Run `attempt(method)` for the first method that applies, in the context `fold()`. A
     vanished pivot ends the search (a singular Jacobian is singular whichever way it is
     inverted), once the step Jacobians themselves ("linearize") say so."""
@@ -303,24 +340,36 @@ def _methods(method: str) -> tuple[str, ...]:
 
 # --------------------------------------------------------------------------- dense fallback
 
+
 def _dense_solve(J: Any, b: Any, transpose: bool, on_error: str, who: str) -> Any:
     lu, piv = jax.scipy.linalg.lu_factor(J)
     diag = jnp.diagonal(lu)
     if is_concrete(diag) and bool(jnp.any(diag == 0)):
         k = int(jnp.argmax(diag == 0))
-        fail(on_error, SingularJacobianError(
-            f"{who}: the Jacobian is singular (dense fallback: pivot {k} of its LU "
-            "factorization vanished; no single step could be named because no step-by-step "
-            "inversion applied)"))
+        fail(
+            on_error,
+            SingularJacobianError(
+                f"{who}: the Jacobian is singular (dense fallback: pivot {k} of its LU "
+                "factorization vanished; no single step could be named because no step-by-step "
+                "inversion applied)"
+            ),
+        )
         return jnp.full_like(b, jnp.nan)
     return jax.scipy.linalg.lu_solve((lu, piv), b, trans=1 if transpose else 0)
 
 
 # --------------------------------------------------------------------------- inverse_jvp
 
-def inverse_jvp(fun: Callable, primals: Sequence[Any], out_tangent: Any, *,
-                method: str = "auto", on_error: str | None = None,
-                on_singular: str | None = None) -> tuple[Any, tuple]:
+
+def inverse_jvp(
+    fun: Callable,
+    primals: Sequence[Any],
+    out_tangent: Any,
+    *,
+    method: str = "auto",
+    on_error: str | None = None,
+    on_singular: str | None = None,
+) -> tuple[Any, tuple]:
     """Solve ``J @ in_tangents == out_tangent`` step by step; returns ``(fun(*primals),
     in_tangents)``.
 
@@ -341,20 +390,26 @@ def inverse_jvp(fun: Callable, primals: Sequence[Any], out_tangent: Any, *,
     on_error = resolve_on_error(who, on_error, on_singular=on_singular)
     _check_args(fun, primals, method, who)
     # eager calls are compiled from the second on, keyed like jax.jit's (`_cache`)
-    return cached_call((who, method, on_error), fun,
-                       partial(_inverse_jvp, fun, method, on_error), (tuple(primals),
-                                                                      out_tangent))
+    return cached_call(
+        (who, method, on_error),
+        fun,
+        partial(_inverse_jvp, fun, method, on_error),
+        (tuple(primals), out_tangent),
+    )
 
 
-def _inverse_jvp(fun: Callable, method: str, on_error: str, primals: tuple,
-                 out_tangent: Any) -> tuple[Any, tuple]:
+def _inverse_jvp(
+    fun: Callable, method: str, on_error: str, primals: tuple, out_tangent: Any
+) -> tuple[Any, tuple]:
     who = "jaxrev.inverse_jvp"
     fun, fold = _primal_computation(fun, primals)
     sq = _Square(fun, primals, who)
     out_leaves = jax.tree_util.tree_leaves(out_tangent)
     if jax.tree_util.tree_structure(out_tangent) != sq.out_tree:
-        raise ValueError(f"{who}: out_tangent must have the structure of {_name(fun)}'s output "
-                         f"({sq.out_tree}), got {jax.tree_util.tree_structure(out_tangent)}")
+        raise ValueError(
+            f"{who}: out_tangent must have the structure of {_name(fun)}'s output "
+            f"({sq.out_tree}), got {jax.tree_util.tree_structure(out_tangent)}"
+        )
     y = fun(*primals)
     y_leaves = jax.tree_util.tree_leaves(y)
 
@@ -370,8 +425,9 @@ def _inverse_jvp(fun: Callable, method: str, on_error: str, primals: tuple,
         b = jnp.concatenate([jnp.ravel(o) for o in out_leaves])
         return sq.unravel(_dense_solve(sq.dense_jacobian(), b, False, on_error, who), sq.in_sd)
 
-    leaves, used = _try(_methods(method), attempt, who, on_error,
-                        lambda: _nan_like(sq.in_leaves), fold)
+    leaves, used = _try(
+        _methods(method), attempt, who, on_error, lambda: _nan_like(sq.in_leaves), fold
+    )
 
     leaves = _guard(leaves, on_error, who, _diagnoser(used, sq, fun, y_leaves))
     return y, sq.tangents_of(leaves)
@@ -379,9 +435,14 @@ def _inverse_jvp(fun: Callable, method: str, on_error: str, primals: tuple,
 
 # --------------------------------------------------------------------------- inverse_vjp
 
-def inverse_vjp(fun: Callable, *primals: Any, method: str = "auto",
-                on_error: str | None = None,
-                on_singular: str | None = None) -> tuple[Any, Callable]:
+
+def inverse_vjp(
+    fun: Callable,
+    *primals: Any,
+    method: str = "auto",
+    on_error: str | None = None,
+    on_singular: str | None = None,
+) -> tuple[Any, Callable]:
     """Returns ``(fun(*primals), ivjp_fn)``: ``ivjp_fn(in_cotangents)`` is the output
     cotangent `w` with ``vjp_fn(w) == in_cotangents``, that is ``J⁻ᵀ in_cotangents``.
 
@@ -404,23 +465,30 @@ def inverse_vjp(fun: Callable, *primals: Any, method: str = "auto",
     primals = tuple(primals)
 
     def primal(*args):
-        _Square(fun, args, who)     # the Jacobian is square: checked when traced, not per hit
+        _Square(fun, args, who)  # the Jacobian is square: checked when traced, not per hit
         return fun(*args)
+
     y = cached_call(("primal",), fun, primal, primals)
 
     def ivjp_fn(in_cotangents):
         if not isinstance(in_cotangents, (tuple, list)) or len(in_cotangents) != len(primals):
-            raise ValueError(f"{who}: in_cotangents must be a tuple with one entry per primal "
-                             f"({len(primals)}), got {type(in_cotangents).__name__}")
-        return cached_call((who, method, on_error), fun,
-                           partial(_inverse_vjp, fun, method, on_error),
-                           (primals, y, tuple(in_cotangents)))
+            raise ValueError(
+                f"{who}: in_cotangents must be a tuple with one entry per primal "
+                f"({len(primals)}), got {type(in_cotangents).__name__}"
+            )
+        return cached_call(
+            (who, method, on_error),
+            fun,
+            partial(_inverse_vjp, fun, method, on_error),
+            (primals, y, tuple(in_cotangents)),
+        )
 
     return y, ivjp_fn
 
 
-def _inverse_vjp(fun: Callable, method: str, on_error: str, primals: tuple, y: Any,
-                 in_cotangents: tuple) -> Any:
+def _inverse_vjp(
+    fun: Callable, method: str, on_error: str, primals: tuple, y: Any, in_cotangents: tuple
+) -> Any:
     """J⁻ᵀ in_cotangents at `primals`, where `fun` gave `y` (computed once, by the caller)."""
     who = "jaxrev.inverse_vjp"
     fun, fold = _primal_computation(fun, primals)
@@ -443,11 +511,9 @@ def _inverse_vjp(fun: Callable, method: str, on_error: str, primals: tuple, y: A
             w = reverse_with(t_state, _walks(who))(sq.to_state_in(c_leaves))
             return sq.from_state_out(w)
         c = sq.ravel_in(c_leaves)
-        return sq.unravel(_dense_solve(sq.dense_jacobian(), c, True, on_error, who),
-                          sq.out_sd)
+        return sq.unravel(_dense_solve(sq.dense_jacobian(), c, True, on_error, who), sq.out_sd)
 
-    leaves, used = _try(_methods(method), attempt, who, on_error,
-                        lambda: _nan_like(y_leaves), fold)
+    leaves, used = _try(_methods(method), attempt, who, on_error, lambda: _nan_like(y_leaves), fold)
 
     leaves = _guard(leaves, on_error, who, _diagnoser(used, sq, fun, y_leaves))
     return sq.out_tree_of(leaves)
@@ -466,6 +532,8 @@ class _TransposedState:
         try:
             cts = self.lin_t(sq.out_tree_of(sq.from_state_out(w_state)))
         except ValueError as e:  # JAX transposes no while loop: another strategy must do
-            raise NotInvertibleError(f"jax.linear_transpose cannot transpose the function's "
-                                     f"linearization: {str(e).splitlines()[0]}") from None
+            raise NotInvertibleError(
+                f"jax.linear_transpose cannot transpose the function's "
+                f"linearization: {str(e).splitlines()[0]}"
+            ) from None
         return sq.to_state_in(jax.tree_util.tree_leaves(tuple(cts)))

@@ -23,21 +23,48 @@ The registries:
   primitives whose partial knowledge the generic elementwise and structural handling does not
   capture (`select_n`, `mul` by a factor with zeros, scatters, dynamic slices).
 """
+
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 
 from jaxrev._compat import DropVar, JaxprEqn, Primitive
 
-__all__ = ["inverse_rules", "inverse_jvp_rules", "sweep_rules", "forward_rules",
-           "element_rules", "ElementRule", "choice_rules", "ChoiceRule", "index_args",
-           "logdet_rules",
-           "kinds", "ELEMENTWISE", "LINEAR", "BILINEAR", "SMOOTH", "STRUCTURAL", "WALKS", "define",
-           "is_kind", "elementwise_in", "elementwise_over", "broadcasts_to", "Lossy", "NeedMore",
-           "Unsupported", "register_inverse",
-           "register_inverse_jvp", "check_rule", "LogdetContext", "DENSE_STEP"]
+__all__ = [
+    "inverse_rules",
+    "inverse_jvp_rules",
+    "sweep_rules",
+    "forward_rules",
+    "element_rules",
+    "ElementRule",
+    "choice_rules",
+    "ChoiceRule",
+    "index_args",
+    "logdet_rules",
+    "kinds",
+    "ELEMENTWISE",
+    "LINEAR",
+    "BILINEAR",
+    "SMOOTH",
+    "STRUCTURAL",
+    "WALKS",
+    "define",
+    "is_kind",
+    "elementwise_in",
+    "elementwise_over",
+    "broadcasts_to",
+    "Lossy",
+    "NeedMore",
+    "Unsupported",
+    "register_inverse",
+    "register_inverse_jvp",
+    "check_rule",
+    "LogdetContext",
+    "DENSE_STEP",
+]
 
 inverse_rules: dict[Primitive, Callable[..., Sequence[Any]]] = {}
 """Inverse rule per primitive: ``rule(out, *invals, **params) -> recovered invals``."""
@@ -54,6 +81,7 @@ forward_rules: dict[Primitive, Callable[..., tuple[list, list]]] = {}
 """`reversible`'s forward run of an equation whose sweep needs residuals:
 ``rule(eqn, loop_plan, invals) -> (outvals, residuals)``."""
 
+
 class ElementRule(NamedTuple):
     """Element-level rules of one primitive: `forward(eqn, env)` computes outputs known on some
     elements from inputs known on some; `backward(eqn, env)` learns (some elements of) inputs
@@ -61,8 +89,8 @@ class ElementRule(NamedTuple):
     new yet) or None (declined: the walker goes on with the generic handling and the primitive's
     ordinary inverse rule)."""
 
-    forward: Callable[..., "bool | None"] | None = None
-    backward: Callable[..., "bool | None"] | None = None
+    forward: Callable[..., bool | None] | None = None
+    backward: Callable[..., bool | None] | None = None
 
 
 element_rules: dict[Primitive, ElementRule] = {}
@@ -146,21 +174,34 @@ class NeedMore(Exception):
         self.hint = hint
 
 
-def define(p: Primitive | None, *, inverse: Callable | None = None,
-           inverse_jvp: Callable | None = None,
-           sweep: Callable | None = None, forward: Callable | None = None,
-           element: ElementRule | None = None, choice: ChoiceRule | None = None,
-           logdet: Callable | None = None, kind: Sequence[str] = (),
-           index: Sequence[int] = (), walks: bool = False) -> None:
+def define(
+    p: Primitive | None,
+    *,
+    inverse: Callable | None = None,
+    inverse_jvp: Callable | None = None,
+    sweep: Callable | None = None,
+    forward: Callable | None = None,
+    element: ElementRule | None = None,
+    choice: ChoiceRule | None = None,
+    logdet: Callable | None = None,
+    kind: Sequence[str] = (),
+    index: Sequence[int] = (),
+    walks: bool = False,
+) -> None:
     """Register every jaxrev rule of `p` at once and tag it with `kind` (`walks`: its inverse
     rule takes the walk's `ctx`, see `WALKS`). A primitive missing from this JAX version (None) is
     skipped, so rule blocks need no version checks."""
     if p is None:
         return
-    for table, rule in ((inverse_rules, inverse), (inverse_jvp_rules, inverse_jvp),
-                        (sweep_rules, sweep), (forward_rules, forward),
-                        (element_rules, element), (choice_rules, choice),
-                        (logdet_rules, logdet)):
+    for table, rule in (
+        (inverse_rules, inverse),
+        (inverse_jvp_rules, inverse_jvp),
+        (sweep_rules, sweep),
+        (forward_rules, forward),
+        (element_rules, element),
+        (choice_rules, choice),
+        (logdet_rules, logdet),
+    ):
         if rule is not None:
             table[p] = rule
     if index:
@@ -179,26 +220,27 @@ def is_kind(p: Primitive, kind: str) -> bool:
 
 def elementwise_in(eqn: Any, shape: tuple[int, ...]) -> bool:
     """An elementwise equation all of whose operands have `shape` (or are scalars)."""
-    return (is_kind(eqn.primitive, ELEMENTWISE)
-            and all(tuple(o.aval.shape) == shape for o in eqn.outvars
-                    if not isinstance(o, DropVar))
-            and all(tuple(v.aval.shape) in (shape, ()) for v in eqn.invars))
+    return (
+        is_kind(eqn.primitive, ELEMENTWISE)
+        and all(tuple(o.aval.shape) == shape for o in eqn.outvars if not isinstance(o, DropVar))
+        and all(tuple(v.aval.shape) in (shape, ()) for v in eqn.invars)
+    )
 
 
 def broadcasts_to(a: tuple, shape: tuple) -> bool:
     """Whether an operand of shape `a` meets the output `shape` elementwise: the same shape,
     a scalar, or the same rank with size-1 axes (lax's binary ops broadcast those, as
     `s * w[None]` under `vmap` writes them)."""
-    return a in (shape, ()) or (len(a) == len(shape)
-                                and all(x in (1, y) for x, y in zip(a, shape)))
+    return a in (shape, ()) or (len(a) == len(shape) and all(x in (1, y) for x, y in zip(a, shape)))
 
 
 def elementwise_over(eqn: Any, shape: tuple[int, ...]) -> bool:
     """`elementwise_in`, also with operands broadcast over size-1 axes (`broadcasts_to`)."""
-    return (is_kind(eqn.primitive, ELEMENTWISE)
-            and all(tuple(o.aval.shape) == shape for o in eqn.outvars
-                    if not isinstance(o, DropVar))
-            and all(broadcasts_to(tuple(v.aval.shape), shape) for v in eqn.invars))
+    return (
+        is_kind(eqn.primitive, ELEMENTWISE)
+        and all(tuple(o.aval.shape) == shape for o in eqn.outvars if not isinstance(o, DropVar))
+        and all(broadcasts_to(tuple(v.aval.shape), shape) for v in eqn.invars)
+    )
 
 
 def check_rule(who: str, primitive: Any, rule: Any) -> None:
@@ -267,8 +309,9 @@ class LogdetContext:
     """What a `logdet_rules` entry gets: the equation, its inputs' and outputs' values, which
     inputs were recovered, and (for a loop or branch) the plan of its sub-jaxpr's walk."""
 
-    def __init__(self, eqn: JaxprEqn, read: Callable[[Any], Any], recovered: Sequence[bool],
-                 child: Any) -> None:
+    def __init__(
+        self, eqn: JaxprEqn, read: Callable[[Any], Any], recovered: Sequence[bool], child: Any
+    ) -> None:
         self.eqn, self.recovered, self.child = eqn, list(recovered), child
         self.invals = [read(v) for v in eqn.invars]
         self.outvals = [_read_or_none(read, v) for v in eqn.outvars]
@@ -276,10 +319,12 @@ class LogdetContext:
     @property
     def dtype(self) -> Any:
         """The floating-point type the log-determinant is computed in."""
-        fl = [jnp.result_type(x) for x in self.invals if x is not None
-              and jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
+        fl = [
+            jnp.result_type(x)
+            for x in self.invals
+            if x is not None and jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+        ]
         return jnp.result_type(*fl) if fl else jnp.float32
-
 
 
 def _read_or_none(read: Callable, v: Any) -> Any:

@@ -1,9 +1,11 @@
 """Reports on `reversible` and `reverse`: what `reversible` stores (`memory_report`) and how
 far a round trip drifts (`check_reversible`)."""
+
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -12,13 +14,13 @@ from jaxrev._compat import JaxprEqn, Var, is_key, prims, user_source
 from jaxrev._errors import NotInvertibleError, ReversibilityError
 from jaxrev._jaxpr import Env, is_var
 from jaxrev._program import normalize_argnums, traced_leaves
-from jaxrev.transforms.sweep.backward import Plan, n_checkpoints, top_plan
 from jaxrev.transforms.knowledge.context import Settings, WalkContext
-from jaxrev.transforms.sweep.dial import Dial
 from jaxrev.transforms.propagation.walker import propagate
 from jaxrev.transforms.reverse import invert_call
-from jaxrev.transforms.sweep.drift import leaf_drift
 from jaxrev.transforms.reversible import bind_reversible, rebuild
+from jaxrev.transforms.sweep.backward import Plan, n_checkpoints, top_plan
+from jaxrev.transforms.sweep.dial import Dial
+from jaxrev.transforms.sweep.drift import leaf_drift
 
 __all__ = ["memory_report", "MemoryReport", "check_reversible", "ReversibilityReport"]
 
@@ -53,13 +55,21 @@ class MemoryReport:
         lines = [f"reversible({self.name}) stores {self.total_bytes} bytes:"]
         for e in self.entries:
             unit = "checkpoint" if e["what"].startswith("checkpoint") else "iteration"
-            per = (f"{e['bytes']} B per {unit} x {e['count']}" if e["count"] != 1
-                   else f"{e['bytes']} B per call")
+            per = (
+                f"{e['bytes']} B per {unit} x {e['count']}"
+                if e["count"] != 1
+                else f"{e['bytes']} B per call"
+            )
             made = e.get("made") or ""
-            made = f"; {made}" if made.startswith("an input") else (
-                f"; computed by {made}" if made else "")
-            lines.append(f"  {e['what']} {e['dtype']}{list(e['shape'])}: {per}  "
-                         f"(needed by {e['where']}{made})")
+            made = (
+                f"; {made}"
+                if made.startswith("an input")
+                else (f"; computed by {made}" if made else "")
+            )
+            lines.append(
+                f"  {e['what']} {e['dtype']}{list(e['shape'])}: {per}  "
+                f"(needed by {e['where']}{made})"
+            )
         return "\n".join(lines)
 
     __repr__ = __str__
@@ -78,21 +88,41 @@ def _report_entries(P: Plan, count: int, out: list[dict]) -> None:
         nbytes = int(np.prod(v.aval.shape, dtype=np.int64)) * v.aval.dtype.itemsize
         why = P.why.get(v)
         what = P.labels.get(v) or (
-            "branch index of a cond" if why is not None and why.primitive is prims.cond
-            else "value a lossy step cannot rebuild")
-        out.append(dict(what=what, shape=tuple(v.aval.shape),
-                        dtype=str(v.aval.dtype), bytes=nbytes, count=count,
-                        where=_describe(P.why.get(v)),
-                        made=(_describe(producer[v]) if v in producer
-                              else "an input of the function or loop body")))
+            "branch index of a cond"
+            if why is not None and why.primitive is prims.cond
+            else "value a lossy step cannot rebuild"
+        )
+        out.append(
+            dict(
+                what=what,
+                shape=tuple(v.aval.shape),
+                dtype=str(v.aval.dtype),
+                bytes=nbytes,
+                count=count,
+                where=_describe(P.why.get(v)),
+                made=(
+                    _describe(producer[v])
+                    if v in producer
+                    else "an input of the function or loop body"
+                ),
+            )
+        )
     eqns = P.closed.jaxpr.eqns
     for i in sorted(P.loops):
         lp = P.loops[i]
         if lp.kind == "while":
             size = int(np.prod(lp.count_shape, dtype=np.int64))
-            out.append(dict(what="trip count of a while loop", shape=lp.count_shape,
-                            dtype="int32", bytes=4 * size, count=count,
-                            where=_describe(eqns[i]), made=_describe(eqns[i])))
+            out.append(
+                dict(
+                    what="trip count of a while loop",
+                    shape=lp.count_shape,
+                    dtype="int32",
+                    bytes=4 * size,
+                    count=count,
+                    where=_describe(eqns[i]),
+                    made=_describe(eqns[i]),
+                )
+            )
             if lp.max_steps is not None:
                 _report_entries(lp.body, count * lp.max_steps, out)
         elif lp.kind == "cond":
@@ -100,17 +130,29 @@ def _report_entries(P: Plan, count: int, out: list[dict]) -> None:
                 _report_entries(bp, count, out)
         else:
             _report_entries(lp.body, count * lp.length, out)
-        for a in lp.carry:   # the dial's checkpoints
-            out.append(dict(what=f"checkpoint of the loop carry (every {lp.every} iterations)",
-                            shape=tuple(a.shape), dtype=str(a.dtype),
-                            bytes=int(np.prod(a.shape, dtype=np.int64)) * a.dtype.itemsize,
-                            count=count * n_checkpoints(lp), where=_describe(eqns[i]),
-                            made=_describe(eqns[i])))
+        for a in lp.carry:  # the dial's checkpoints
+            out.append(
+                dict(
+                    what=f"checkpoint of the loop carry (every {lp.every} iterations)",
+                    shape=tuple(a.shape),
+                    dtype=str(a.dtype),
+                    bytes=int(np.prod(a.shape, dtype=np.int64)) * a.dtype.itemsize,
+                    count=count * n_checkpoints(lp),
+                    where=_describe(eqns[i]),
+                    made=_describe(eqns[i]),
+                )
+            )
 
 
-def memory_report(fun: Callable, *args: Any, argnums: int | Sequence[int] = 0,
-                  checkpoint_every: int | str | None = "auto", memory_budget: int | None = None,
-                  max_steps: int | None = None, on_drift: str = "repair") -> MemoryReport:
+def memory_report(
+    fun: Callable,
+    *args: Any,
+    argnums: int | Sequence[int] = 0,
+    checkpoint_every: int | str | None = "auto",
+    memory_budget: int | None = None,
+    max_steps: int | None = None,
+    on_drift: str = "repair",
+) -> MemoryReport:
     """List what `reversible(fun, argnums, ...)` stores for its gradient, beyond inputs and
     outputs: values lossy steps cannot rebuild, and the time-space dial's checkpoints (the
     keywords are `reversible`'s, with its defaults; a repair's scratch, one segment's
@@ -124,10 +166,18 @@ def memory_report(fun: Callable, *args: Any, argnums: int | Sequence[int] = 0,
         [(10, '`max`')]
     """
     b = bind_reversible(fun, args, argnums)
-    P = top_plan(b.jaxpr, b.state, Dial(checkpoint_every, memory_budget, on_drift,
-                                        max_steps=max_steps,
-                                        name=getattr(fun, "__name__", "fun"),
-                                        walk=Settings("jaxrev.memory_report")))
+    P = top_plan(
+        b.jaxpr,
+        b.state,
+        Dial(
+            checkpoint_every,
+            memory_budget,
+            on_drift,
+            max_steps=max_steps,
+            name=getattr(fun, "__name__", "fun"),
+            walk=Settings("jaxrev.memory_report"),
+        ),
+    )
     entries: list[dict] = []
     _report_entries(P, 1, entries)
     return MemoryReport(entries, getattr(fun, "__name__", "fun"))
@@ -156,8 +206,10 @@ class ReversibilityReport:
     segments: list[tuple[str, float]] = field(default_factory=list)
 
     def __str__(self) -> str:
-        lines = [f"round-trip relative error: {self.max_error:.3e} "
-                 f"(per state leaf: {', '.join(f'{e:.2e}' for e in self.leaf_errors)})"]
+        lines = [
+            f"round-trip relative error: {self.max_error:.3e} "
+            f"(per state leaf: {', '.join(f'{e:.2e}' for e in self.leaf_errors)})"
+        ]
         if self.worst is not None:
             lines.append(f"error grows most at: {self.worst}")
         for err, where in self.steps[:5]:
@@ -171,15 +223,20 @@ _WHO = Settings("jaxrev.check_reversible")
 
 
 def _rel_err(a: Any, b: Any, atol: float = 0.0) -> float:
-    if is_key(b):   # a PRNG key has no arithmetic: its bits are rebuilt exactly, or not
+    if is_key(b):  # a PRNG key has no arithmetic: its bits are rebuilt exactly, or not
         a, b = jax.random.key_data(a), jax.random.key_data(b)
     return float(leaf_drift(a, b, atol))
 
 
-def check_reversible(fun: Callable, *args: Any, argnums: int | Sequence[int] = 0,
-                     rtol: float | None = None, atol: float = 0.0,
-                     checkpoint_every: int | None = None,
-                     max_steps: int | None = None) -> ReversibilityReport:
+def check_reversible(
+    fun: Callable,
+    *args: Any,
+    argnums: int | Sequence[int] = 0,
+    rtol: float | None = None,
+    atol: float = 0.0,
+    checkpoint_every: int | None = None,
+    max_steps: int | None = None,
+) -> ReversibilityReport:
     """Run `fun` forward and `reverse(fun)` backward on `args` and report the drift.
 
     Raises `ReversibilityError` when `rtol` is given and the relative error exceeds it. Runs
@@ -198,44 +255,59 @@ def check_reversible(fun: Callable, *args: Any, argnums: int | Sequence[int] = 0
     x_true = args[nums[0]] if len(nums) == 1 else tuple(args[a] for a in nums)
     name = getattr(fun, "__name__", "fun")
     if checkpoint_every is not None or max_steps is not None:
-        rep = _by_reversible(fun, args, nums, x_true, atol,
-                             Dial(checkpoint_every, max_steps=max_steps, on_drift="nan",
-                                  name=name, walk=_WHO))
+        rep = _by_reversible(
+            fun,
+            args,
+            nums,
+            x_true,
+            atol,
+            Dial(checkpoint_every, max_steps=max_steps, on_drift="nan", name=name, walk=_WHO),
+        )
     else:
         try:
             rep = _by_reverse(fun, args, nums, x_true, atol)
         except NotInvertibleError as err:
             if err.primitive != "while":
                 raise
-            rep = _by_reversible(fun, args, nums, x_true, atol,
-                                 Dial(on_drift="nan", name=name, walk=_WHO))
+            rep = _by_reversible(
+                fun, args, nums, x_true, atol, Dial(on_drift="nan", name=name, walk=_WHO)
+            )
     if rtol is not None and rep.max_error > rtol:
         raise ReversibilityError(f"round trip exceeds rtol={rtol:g}\n{rep}")
     return rep
 
 
-def _by_reversible(fun: Callable, args: Sequence[Any], nums: Sequence[int], x_true: Any,
-                   atol: float, dial: Dial) -> ReversibilityReport:
+def _by_reversible(
+    fun: Callable, args: Sequence[Any], nums: Sequence[int], x_true: Any, atol: float, dial: Dial
+) -> ReversibilityReport:
     leaves, sites = rebuild(fun, args, nums, dial)
-    leaf_errors = [_rel_err(a, b, atol) for a, b in zip(leaves,
-                                                        jax.tree_util.tree_leaves(x_true))]
-    return ReversibilityReport(max(leaf_errors, default=0.0), leaf_errors, None, [],
-                               [s for s in sites if not s[0].startswith("the state")])
+    leaf_errors = [_rel_err(a, b, atol) for a, b in zip(leaves, jax.tree_util.tree_leaves(x_true))]
+    return ReversibilityReport(
+        max(leaf_errors, default=0.0),
+        leaf_errors,
+        None,
+        [],
+        [s for s in sites if not s[0].startswith("the state")],
+    )
 
 
-def _by_reverse(fun: Callable, args: Sequence[Any], nums: Sequence[int], x_true: Any,
-                atol: float) -> ReversibilityReport:
+def _by_reverse(
+    fun: Callable, args: Sequence[Any], nums: Sequence[int], x_true: Any, atol: float
+) -> ReversibilityReport:
     y = fun(*args)
     outs = (y,) if len(nums) == 1 else tuple(y)
     inv_args = list(args)
     for a, o in zip(nums, outs):
         inv_args[a] = o
     events: list[tuple[Any, list[Var]]] = []
-    inv = invert_call(fun, tuple(inv_args), nums, on_invert=lambda e, vs: events.append((e, vs)),
-                      settings=_WHO)
+    inv = invert_call(
+        fun, tuple(inv_args), nums, on_invert=lambda e, vs: events.append((e, vs)), settings=_WHO
+    )
     state, jaxpr, inv_env = inv.state, inv.jaxpr, inv.env
-    leaf_errors = [_rel_err(a, b, atol) for a, b in zip(jax.tree_util.tree_leaves(state),
-                                                        jax.tree_util.tree_leaves(x_true))]
+    leaf_errors = [
+        _rel_err(a, b, atol)
+        for a, b in zip(jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(x_true))
+    ]
     # forward values of every variable, to see where the backward run drifts
     fwd = Env(ctx=WalkContext(_WHO))
     flat_args = traced_leaves(tuple(args))
@@ -244,15 +316,21 @@ def _by_reverse(fun: Callable, args: Sequence[Any], nums: Sequence[int], x_true:
     inv_consts = {v: inv_env.read(v) for v in jaxpr.constvars}
     for v, c in inv_consts.items():
         fwd.write(v, c)
-    propagate(jaxpr, fwd, list(v for v in jaxpr.outvars if isinstance(v, Var)),
-              forward_only=True)
+    propagate(jaxpr, fwd, list(v for v in jaxpr.outvars if isinstance(v, Var)), forward_only=True)
     steps = []
     for eqn, wrote in events:
-        err_in = max((_rel_err(inv_env.read(v), fwd.read(v), atol) for v in wrote
-                      if fwd.known(v)), default=0.0)
-        err_out = max((_rel_err(inv_env.read(v), fwd.read(v), atol) for v in eqn.outvars
-                       if isinstance(v, Var) and inv_env.known(v) and fwd.known(v)),
-                      default=0.0)
+        err_in = max(
+            (_rel_err(inv_env.read(v), fwd.read(v), atol) for v in wrote if fwd.known(v)),
+            default=0.0,
+        )
+        err_out = max(
+            (
+                _rel_err(inv_env.read(v), fwd.read(v), atol)
+                for v in eqn.outvars
+                if isinstance(v, Var) and inv_env.known(v) and fwd.known(v)
+            ),
+            default=0.0,
+        )
         _, _, summary = user_source(eqn)
         steps.append((err_in - err_out, f"`{eqn.primitive.name}` at {summary}"))
     steps = sorted((s for s in steps if s[0] > 0), key=lambda s: -s[0])

@@ -6,11 +6,13 @@ branch rule modules, and the user's), in a walk context made from the call's own
 (`knowledge.context`). A rule raises `Lossy` where its step destroys information, which
 becomes a `NotInvertibleError` naming the primitive and the user's line.
 """
+
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -19,19 +21,43 @@ import numpy as np
 from jaxrev._cache import cached_call
 from jaxrev._compat import Jaxpr, JaxprEqn, Var, is_concrete
 from jaxrev._jaxpr import Env, Unknown
-from jaxrev._program import (check_sizes, check_structure, fun_name, normalize_argnums,
-                             trace_on_outputs, trace_program)
+from jaxrev._program import (
+    check_sizes,
+    check_structure,
+    fun_name,
+    normalize_argnums,
+    trace_on_outputs,
+    trace_program,
+)
 from jaxrev.transforms.custom import custom_inverse
 from jaxrev.transforms.knowledge.context import Settings, WalkContext, resolve_on_error
 from jaxrev.transforms.propagation.walker import propagate, raise_stuck, seed
-# the names rule authors use, importable from here as the docs say
-from jaxrev.transforms.registry import (Lossy, NeedMore, element_rules,  # noqa: F401
-                                        inverse_jvp_rules, inverse_rules, register_inverse,
-                                        register_inverse_jvp)
 
-__all__ = ["reverse", "reverse_with", "invert_call", "Inverted", "state_args", "register_inverse",
-           "register_inverse_jvp", "inverse_rules", "inverse_jvp_rules", "element_rules", "Lossy",
-           "NeedMore"]
+# the names rule authors use, importable from here as the docs say
+from jaxrev.transforms.registry import (
+    Lossy,
+    NeedMore,
+    element_rules,  # noqa: F401
+    inverse_jvp_rules,
+    inverse_rules,
+    register_inverse,
+    register_inverse_jvp,
+)
+
+__all__ = [
+    "reverse",
+    "reverse_with",
+    "invert_call",
+    "Inverted",
+    "state_args",
+    "register_inverse",
+    "register_inverse_jvp",
+    "inverse_rules",
+    "inverse_jvp_rules",
+    "element_rules",
+    "Lossy",
+    "NeedMore",
+]
 
 
 @dataclass
@@ -43,9 +69,14 @@ class Inverted:
     env: Env
 
 
-def invert_call(fun: Callable, args: Sequence[Any], argnums: int | Sequence[int],
-                on_invert: Callable[[JaxprEqn, list[Var]], None] | None = None,
-                settings: Settings = Settings(), state: Any = None) -> Inverted:
+def invert_call(
+    fun: Callable,
+    args: Sequence[Any],
+    argnums: int | Sequence[int],
+    on_invert: Callable[[JaxprEqn, list[Var]], None] | None = None,
+    settings: Settings = Settings(),
+    state: Any = None,
+) -> Inverted:
     """Recover the state of `fun` from its outputs: held in the state positions of `args`
     (`state` None: the outputs have the state's structure), or, with `state` (the state's
     structure, shapes and dtypes), as one argument in the first state position. The walk's
@@ -63,18 +94,21 @@ def invert_call(fun: Callable, args: Sequence[Any], argnums: int | Sequence[int]
         fun_args, argnums, y = state_args(fun, args, argnums, state)
         prog = trace_program(fun, fun_args, argnums)
         s_tree = jax.tree_util.tree_structure(
-            fun_args[argnums[0]] if len(argnums) == 1 else tuple(fun_args[a] for a in argnums))
+            fun_args[argnums[0]] if len(argnums) == 1 else tuple(fun_args[a] for a in argnums)
+        )
         ys = jax.tree_util.tree_leaves(y)
         want = jax.tree_util.tree_leaves(prog.out_shape)
         check_sizes(fun, [prog.flat[i] for i in prog.state_pos], want)
         if jax.tree_util.tree_structure(y) != jax.tree_util.tree_structure(prog.out_shape) or any(
-                tuple(jnp.shape(a)) != tuple(b.shape) for a, b in zip(ys, want)):
+            tuple(jnp.shape(a)) != tuple(b.shape) for a, b in zip(ys, want)
+        ):
             raise ValueError(
                 f"jaxrev.reverse: the inverse of {fun_name(fun)} takes {fun_name(fun)}'s output "
                 f"in the state position ({jax.tree_util.tree_structure(prog.out_shape)} with "
                 f"shapes {[tuple(b.shape) for b in want]}), got "
                 f"{jax.tree_util.tree_structure(y)} with shapes "
-                f"{[tuple(jnp.shape(a)) for a in ys]}")
+                f"{[tuple(jnp.shape(a)) for a in ys]}"
+            )
     state_pos = prog.state_pos
     ins = list(prog.flat)
     for i in state_pos:
@@ -89,8 +123,9 @@ def invert_call(fun: Callable, args: Sequence[Any], argnums: int | Sequence[int]
     return Inverted(jax.tree_util.tree_unflatten(s_tree, vals), jaxpr, env)
 
 
-def state_args(fun: Callable, args: Sequence[Any], argnums: int | Sequence[int], state: Any
-                ) -> tuple[list, tuple[int, ...], Any]:
+def state_args(
+    fun: Callable, args: Sequence[Any], argnums: int | Sequence[int], state: Any
+) -> tuple[list, tuple[int, ...], Any]:
     """`fun`'s arguments (the state as shape-dtype stand-ins) and its output, from the
     inverse's arguments: `fun`'s with the output in the first state position and the other
     state positions left out."""
@@ -98,18 +133,24 @@ def state_args(fun: Callable, args: Sequence[Any], argnums: int | Sequence[int],
     nums = normalize_argnums(argnums, len(args) + p - 1, fun)
     parts = [state] if isinstance(argnums, int) else list(state)
     if len(parts) != p:
-        raise ValueError(f"jaxrev.reverse: state must hold one entry per state argument "
-                         f"(argnums={argnums!r}), got {len(parts)}")
+        raise ValueError(
+            f"jaxrev.reverse: state must hold one entry per state argument "
+            f"(argnums={argnums!r}), got {len(parts)}"
+        )
     it = iter(args)
     fun_args: list[Any] = []
     y = None
     for q in range(len(args) + p - 1):
         if q in nums:
-            fun_args.append(jax.tree_util.tree_map(
-                lambda s: jax.ShapeDtypeStruct(jnp.shape(s) if not hasattr(s, "shape")
-                                               else s.shape, s.dtype if hasattr(s, "dtype")
-                                               else jnp.result_type(s)),
-                parts[nums.index(q)]))
+            fun_args.append(
+                jax.tree_util.tree_map(
+                    lambda s: jax.ShapeDtypeStruct(
+                        jnp.shape(s) if not hasattr(s, "shape") else s.shape,
+                        s.dtype if hasattr(s, "dtype") else jnp.result_type(s),
+                    ),
+                    parts[nums.index(q)],
+                )
+            )
             if q == nums[0]:
                 y = next(it)
         else:
@@ -132,9 +173,14 @@ def _state_of_inverse(hint: tuple, args: Sequence[Any], argnums: int) -> Any:
     return jax.eval_shape(fun, *fun_args)
 
 
-def reverse(fun: Callable, argnums: int | Sequence[int] = 0, *,
-            on_error: str | None = None, state: Any = None,
-            on_failure: str | None = None) -> Callable:
+def reverse(
+    fun: Callable,
+    argnums: int | Sequence[int] = 0,
+    *,
+    on_error: str | None = None,
+    state: Any = None,
+    on_failure: str | None = None,
+) -> Callable:
     """Return the inverse of `fun` in the arguments at `argnums` (the state).
 
     `fun(*args)` returns the state's pytree structure, shapes and dtypes; the other arguments
@@ -192,6 +238,7 @@ def _as_one_step(walk: Callable, fun: Callable, args: tuple, argnums: Any) -> An
         def h(*vals: Any) -> Any:
             out = tuple(jax.tree_util.tree_leaves(g(*rebuild(vals))))
             return out[0] if len(in_state) == 1 else out
+
         return h
 
     pos = [dyn.index(i) for i in in_state]
@@ -200,12 +247,18 @@ def _as_one_step(walk: Callable, fun: Callable, args: tuple, argnums: Any) -> An
     got = step(*[leaves[i] for i in dyn])
     got = [got] if len(in_state) == 1 else list(got)
     s_tree = jax.tree_util.tree_structure(
-        args[nums[0]] if len(nums) == 1 else tuple(args[a] for a in nums))
+        args[nums[0]] if len(nums) == 1 else tuple(args[a] for a in nums)
+    )
     return jax.tree_util.tree_unflatten(s_tree, got)
 
 
-def reverse_with(fun: Callable, settings: Settings, argnums: int | Sequence[int] = 0,
-                 state: Any = None, closed: bool = False) -> Callable:
+def reverse_with(
+    fun: Callable,
+    settings: Settings,
+    argnums: int | Sequence[int] = 0,
+    state: Any = None,
+    closed: bool = False,
+) -> Callable:
     """`reverse(fun)` whose walks have the caller's `settings` (the inverse transforms run
     theirs in their own name and without Newton's method). `closed`: traced, the inverse is
     one `custom_inverse` step whose inverse is `fun` (what `reverse` hands to users, who may

@@ -3,40 +3,68 @@
 `reversible(fun)` binds `reversible_p`, a primitive carrying `fun`'s jaxpr (modelled on JAX's
 `remat_p`). Its JVP rule splits it, as linearization needs, into a known part
 `reversible_store_p` that runs `fun` forward and keeps only the outputs (plus whatever a lossy
-step forces it to keep, the *residuals*), and a linear part `reversible_lin_p` whose transpose is the backward sweep
-(`sweep.backward.walk`): it walks the equations last to first, rebuilds each equation's inputs from its
+step forces it to keep, the *residuals*), and a linear part `reversible_lin_p` whose transpose is
+the backward sweep
+(`sweep.backward.walk`): it walks the equations last to first, rebuilds each equation's inputs from
+its
 outputs with the inverse rules, and pulls the cotangent through it. Loops run backwards by their
 `sweep_rules`, so memory stays at the width of the program, not its depth.
 """
+
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial, wraps
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrev._compat import (ClosedJaxpr, hoist_consts, is_key, is_symbolic_zero, shaped,
-                            trace_to_closed, zeros_of)
 from jaxrev._cache import call_key, compiled, is_eager, memo
+from jaxrev._compat import (
+    ClosedJaxpr,
+    hoist_consts,
+    is_key,
+    is_symbolic_zero,
+    shaped,
+    trace_to_closed,
+    zeros_of,
+)
 from jaxrev._jaxpr import Env, batch_front, eval_closed, instantiate_tangents
 from jaxrev._primitive import make_primitive
-from jaxrev._program import (Filtered, check_sizes, check_structure, normalize_argnums,
-                             trace_program)
+from jaxrev._program import Filtered, check_sizes, check_structure, normalize_argnums, trace_program
 from jaxrev.transforms.knowledge.context import Settings, WalkContext, resolve_on_error
 from jaxrev.transforms.sweep import drift
+from jaxrev.transforms.sweep.backward import (
+    Plan,
+    Residuals,
+    acc,
+    forward_with_residuals,
+    get_ct,
+    res_avals,
+    seed_env,
+    top_plan,
+    walk,
+)
 from jaxrev.transforms.sweep.dial import Dial
-from jaxrev.transforms.sweep.backward import (Plan, Residuals, acc, forward_with_residuals, get_ct,
-                                      res_avals, seed_env, top_plan, walk)
 
-__all__ = ["reversible", "reversible_with", "reversible_p", "reversible_store_p",
-           "reversible_lin_p", "bind_reversible", "Bound", "rebuild"]
+__all__ = [
+    "reversible",
+    "reversible_with",
+    "reversible_p",
+    "reversible_store_p",
+    "reversible_lin_p",
+    "bind_reversible",
+    "Bound",
+    "rebuild",
+]
 
 
 # --------------------------------------------------------------------------- reversible_p
+
 
 def _rev_impl(*args, jaxpr, state, dial):
     return compiled(("run", jaxpr), partial(eval_closed, jaxpr), *args)
@@ -62,8 +90,9 @@ def _rev_jvp(primals, tangents, *, jaxpr, state, dial):
     nz = tuple(not is_symbolic_zero(t) for t in tangents)
     ys, known, nres = _forward(primals, jaxpr, state, dial)
     tans = [t for t, z in zip(tangents, nz) if z]
-    out_t = reversible_lin_p.bind(*known, *tans, jaxpr=jaxpr, state=state, nz=nz, nres=nres,
-                                  dial=dial)
+    out_t = reversible_lin_p.bind(
+        *known, *tans, jaxpr=jaxpr, state=state, nz=nz, nres=nres, dial=dial
+    )
     return ys, out_t
 
 
@@ -71,14 +100,17 @@ def _rev_linearize(nonzeros, *primals, jaxpr, state, dial):
     """The JVP rule's split, given to JAX's linearization directly (so an eager `grad` does
     not trace the JVP rule on every call): the forward run now, and the linear part
     `reversible_lin_p` on the tangents."""
-    nz = tuple(bool(z) and jnp.issubdtype(a.dtype, jnp.inexact)
-               for z, a in zip(nonzeros, jaxpr.in_avals))
+    nz = tuple(
+        bool(z) and jnp.issubdtype(a.dtype, jnp.inexact) for z, a in zip(nonzeros, jaxpr.in_avals)
+    )
     ys, known, nres = _forward(primals, jaxpr, state, dial)
 
     def tangent_fun(residuals, *tangents):
         tans = [t for t, z in zip(tangents, nz) if z]
-        return reversible_lin_p.bind(*residuals, *tans, jaxpr=jaxpr, state=state, nz=nz,
-                                     nres=nres, dial=dial)
+        return reversible_lin_p.bind(
+            *residuals, *tans, jaxpr=jaxpr, state=state, nz=nz, nres=nres, dial=dial
+        )
+
     return ys, [True] * len(ys), known, tangent_fun
 
 
@@ -92,24 +124,32 @@ def _rev_batch(args, dims, *, jaxpr, state, dial):
     size, args, in_axes = batch_front(args, dims)
     avals = [jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for x in args]
     bj, consts, _ = trace_to_closed(
-        jax.vmap(lambda *a: eval_closed(jaxpr, *a), in_axes=in_axes, axis_size=size), *avals)
-    outs = reversible_p.bind(*consts, *args, jaxpr=bj, state=(False,) * len(consts) + state,
-                             dial=dial)
+        jax.vmap(lambda *a: eval_closed(jaxpr, *a), in_axes=in_axes, axis_size=size), *avals
+    )
+    outs = reversible_p.bind(
+        *consts, *args, jaxpr=bj, state=(False,) * len(consts) + state, dial=dial
+    )
     return outs, [0] * len(outs)
 
 
 reversible_p = make_primitive(
-    "jaxrev_reversible", multiple_results=True, impl=_rev_impl, abstract=_rev_abstract,
-    jvp=_rev_jvp, batch=_rev_batch, linearize=_rev_linearize)
+    "jaxrev_reversible",
+    multiple_results=True,
+    impl=_rev_impl,
+    abstract=_rev_abstract,
+    jvp=_rev_jvp,
+    batch=_rev_batch,
+    linearize=_rev_linearize,
+)
 """``reversible_p(*operands, jaxpr, state, dial)``: `jaxpr`'s outputs; its derivatives are
 split into `reversible_store_p` (the forward run) and `reversible_lin_p` (the linear part)."""
 
 
 # --------------------------------------------------------------------------- reversible_store_p
 
+
 def _store_impl(*args, jaxpr, state, dial):
-    return compiled(("store", jaxpr, state, dial), partial(_store_run, jaxpr, state, dial),
-                    *args)
+    return compiled(("store", jaxpr, state, dial), partial(_store_run, jaxpr, state, dial), *args)
 
 
 def _store_run(jaxpr, state, dial, *args):
@@ -124,8 +164,9 @@ def _store_abstract(*avals, jaxpr, state, dial):
 def _store_jvp(primals, tangents, **params):
     # forward mode of the run that also returns residuals: a plain JVP (JAX's linearization
     # of it traces this with partial evaluation)
-    return jax.jvp(partial(_store_impl, **params), tuple(primals),
-                   instantiate_tangents(primals, tangents))
+    return jax.jvp(
+        partial(_store_impl, **params), tuple(primals), instantiate_tangents(primals, tangents)
+    )
 
 
 def _store_batch(args, dims, **params):
@@ -134,8 +175,13 @@ def _store_batch(args, dims, **params):
 
 
 reversible_store_p = make_primitive(
-    "jaxrev_reversible_store", multiple_results=True, impl=_store_impl,
-    abstract=_store_abstract, jvp=_store_jvp, batch=_store_batch)
+    "jaxrev_reversible_store",
+    multiple_results=True,
+    impl=_store_impl,
+    abstract=_store_abstract,
+    jvp=_store_jvp,
+    batch=_store_batch,
+)
 """``reversible_store_p(*operands, jaxpr, state, dial)``: `reversible_p`'s forward run that
 also returns the residuals its backward sweep reads (outputs, then residuals)."""
 
@@ -143,33 +189,43 @@ also returns the residuals its backward sweep reads (outputs, then residuals).""
 # --------------------------------------------------------------------------- reversible_lin_p
 
 
-def _lin_split(args: Sequence[Any], jaxpr: ClosedJaxpr, state: Sequence[bool], nres: int,
-               dial: Dial) -> tuple[Sequence[Any], ...]:
+def _lin_split(
+    args: Sequence[Any], jaxpr: ClosedJaxpr, state: Sequence[bool], nres: int, dial: Dial
+) -> tuple[Sequence[Any], ...]:
     """`reversible_lin_p`'s operands: (outputs, residuals, parameters, true state, tangents)."""
     n = len(jaxpr.out_avals)
     npar = sum(not s for s in state)
     nx = sum(state) if dial.checks else 0
     k = n + nres + npar
-    return (args[:n], args[n:n + nres], args[n + nres:k], args[k:k + nx], args[k + nx:])
+    return (args[:n], args[n : n + nres], args[n + nres : k], args[k : k + nx], args[k + nx :])
 
 
 def _top_env(P: Plan, state: Sequence[bool], params: Sequence[Any], ys: Sequence[Any]) -> Env:
     """The env of a call's backward walk, whose context the call's dial gives (a drift log is
     added by the walk that checks)."""
-    return seed_env(P, [not s for s in state], params, [True] * len(ys), ys,
-                    WalkContext(P.dial.walk))
+    return seed_env(
+        P, [not s for s in state], params, [True] * len(ys), ys, WalkContext(P.dial.walk)
+    )
 
 
-def _checked_walk(P: Plan, env: Env, ctenv: dict | None, active: set, res: Sequence[Any],
-                  state: Sequence[bool], xtrue: Sequence[Any], read: Callable[[], list]
-                  ) -> list:
+def _checked_walk(
+    P: Plan,
+    env: Env,
+    ctenv: dict | None,
+    active: set,
+    res: Sequence[Any],
+    state: Sequence[bool],
+    xtrue: Sequence[Any],
+    read: Callable[[], list],
+) -> list:
     """The backward walk of a `reversible` call, its rebuilt state compared with the true one
     (and every checkpointed segment with its checkpoint): then `read()` (the cotangents), as
     the dial says."""
     dial = P.dial
     J = P.closed.jaxpr
-    loops = (drift.describe_loops(J.eqns, lambda e: e.primitive.name in _LOOPS)
-             if dial.checks else "")
+    loops = (
+        drift.describe_loops(J.eqns, lambda e: e.primitive.name in _LOOPS) if dial.checks else ""
+    )
     log = drift.log_for(dial, dial.name, loops)
     env.ctx = env.ctx.replace(drift=log)
     walk(P, env, ctenv, active, Residuals(P, res), [])
@@ -178,8 +234,13 @@ def _checked_walk(P: Plan, env: Env, ctenv: dict | None, active: set, res: Seque
         return cts
     xs = [v for v, s in zip(J.invars, state) if s]
     n = _steps(J, dial)
-    at = drift.site(log, "the state rebuilt by the backward run (the inputs of the call)", None,
-                    drift.values_tol(dial, [v.aval.dtype for v in xs], n), inputs=True)
+    at = drift.site(
+        log,
+        "the state rebuilt by the backward run (the inputs of the call)",
+        None,
+        drift.values_tol(dial, [v.aval.dtype for v in xs], n),
+        inputs=True,
+    )
     drift.note(log, (drift.ratio(dial, [env.read(v) for v in xs], xtrue, n), at))
     return log.finish(log.worst(), cts)
 
@@ -192,7 +253,6 @@ def _steps(J: Any, dial: Dial) -> int:
         T = e.params.get("length", 0) if e.primitive.name == "scan" else 0
         n += T if T and dial.segment(T, 1) is None else 1
     return n
-
 
 
 _LOOPS = ("scan", "while", "jaxrev_while")
@@ -220,9 +280,12 @@ def _lin_transpose(cts, *args, jaxpr, state, nz, nres, dial):
     ys, res, params, xtrue, tans = _lin_split(args, jaxpr, state, nres, dial)
     zero = tuple(is_symbolic_zero(c) for c in cts)
     given = [c for c, z in zip(cts, zero) if not z]
-    in_cts = compiled(("transpose", jaxpr, state, nz, nres, dial, zero),
-                      partial(_backward, jaxpr, state, nz, nres, dial, zero),
-                      given, [*ys, *res, *params, *xtrue])
+    in_cts = compiled(
+        ("transpose", jaxpr, state, nz, nres, dial, zero),
+        partial(_backward, jaxpr, state, nz, nres, dial, zero),
+        given,
+        [*ys, *res, *params, *xtrue],
+    )
     return [None] * (len(args) - len(tans)) + list(in_cts)
 
 
@@ -240,13 +303,22 @@ def _backward(jaxpr, state, nz, nres, dial, zero, given, known):
         if not z:
             acc(ctenv, v, next(it))
     active = {v for v, z in zip(J.invars, nz) if z}
-    return _checked_walk(P, env, ctenv, active, res, state, xtrue,
-                         lambda: [get_ct(ctenv, v) for v, z in zip(J.invars, nz) if z])
+    return _checked_walk(
+        P,
+        env,
+        ctenv,
+        active,
+        res,
+        state,
+        xtrue,
+        lambda: [get_ct(ctenv, v) for v, z in zip(J.invars, nz) if z],
+    )
 
 
 def _lin_jvp(primals, tangents, **params):
-    return jax.jvp(partial(_lin_impl, **params), tuple(primals),
-                   instantiate_tangents(primals, tangents))
+    return jax.jvp(
+        partial(_lin_impl, **params), tuple(primals), instantiate_tangents(primals, tangents)
+    )
 
 
 def _lin_batch(args, dims, **params):
@@ -254,22 +326,29 @@ def _lin_batch(args, dims, **params):
 
 
 reversible_lin_p = make_primitive(
-    "jaxrev_reversible_lin", multiple_results=True, impl=_lin_impl, abstract=_lin_abstract,
-    jvp=_lin_jvp, transpose=_lin_transpose, batch=_lin_batch)
+    "jaxrev_reversible_lin",
+    multiple_results=True,
+    impl=_lin_impl,
+    abstract=_lin_abstract,
+    jvp=_lin_jvp,
+    transpose=_lin_transpose,
+    batch=_lin_batch,
+)
 """``reversible_lin_p(*known, *tangents, jaxpr, state, nz, nres, dial)``: the linear part of
 `reversible_p`'s split (J·t); its transpose is the backward sweep."""
 
 
 # --------------------------------------------------------------------------- public API
 
+
 @dataclass
 class Bound:
     """A function's program as `reversible_p` binds it."""
 
-    jaxpr: ClosedJaxpr          # consts hoisted to leading inputs
-    state: tuple[bool, ...]     # per input: part of the state (rebuilt) or a parameter
-    operands: list[Any]         # the values bound: hoisted consts, then the flat arguments
-    out_tree: Any               # the output's tree definition
+    jaxpr: ClosedJaxpr  # consts hoisted to leading inputs
+    state: tuple[bool, ...]  # per input: part of the state (rebuilt) or a parameter
+    operands: list[Any]  # the values bound: hoisted consts, then the flat arguments
+    out_tree: Any  # the output's tree definition
 
 
 # traces kept for eager calls; a trace holding more than _MAX_CONST_BYTES of constants is not
@@ -278,8 +357,7 @@ _TRACES = 64
 _MAX_CONST_BYTES = 1 << 22
 
 
-def _fingerprint(fun: Callable, closed: ClosedJaxpr, state: tuple, out_tree: Any
-                 ) -> tuple | None:
+def _fingerprint(fun: Callable, closed: ClosedJaxpr, state: tuple, out_tree: Any) -> tuple | None:
     """What makes two traces of `fun` the same program: its text and its constants' values
     (so a closure or attribute that changed, even in place, gives a new program), with the
     function (whose source lines the equations carry); None where a constant is too large
@@ -293,8 +371,14 @@ def _fingerprint(fun: Callable, closed: ClosedJaxpr, state: tuple, out_tree: Any
         a = np.asarray(jax.random.key_data(c) if is_key(c) else c)
         digest.update(str((a.shape, getattr(c, "dtype", a.dtype))).encode())
         digest.update(np.ascontiguousarray(a).tobytes())
-    return (fun, str(closed.jaxpr), tuple(v.aval for v in closed.jaxpr.invars),
-            digest.hexdigest(), state, out_tree)
+    return (
+        fun,
+        str(closed.jaxpr),
+        tuple(v.aval for v in closed.jaxpr.invars),
+        digest.hexdigest(),
+        state,
+        out_tree,
+    )
 
 
 def bind_reversible(fun: Callable, args: Sequence[Any], argnums: int | Sequence[int]) -> Bound:
@@ -312,16 +396,23 @@ def bind_reversible(fun: Callable, args: Sequence[Any], argnums: int | Sequence[
         hit = memo("reversible.calls", _TRACES).get((nums, ck[0]))
         if hit is not None:
             flat = Filtered(tuple(args)).flat
-            return Bound(hit.jaxpr, hit.state,
-                         [x if isinstance(x, jax.Array) else jnp.asarray(x) for x in flat],
-                         hit.out_tree)
+            return Bound(
+                hit.jaxpr,
+                hit.state,
+                [x if isinstance(x, jax.Array) else jnp.asarray(x) for x in flat],
+                hit.out_tree,
+            )
     prog = trace_program(fun, args, nums)
     out_tree = jax.tree_util.tree_structure(prog.out_shape)
     try:
         check_structure(fun, args, nums, prog.out_shape, who="jaxrev.reversible")
-    except ValueError:   # a bijection that changes structure keeps the element counts
-        check_sizes(fun, [prog.flat[i] for i in prog.state_pos],
-                    jax.tree_util.tree_leaves(prog.out_shape), who="jaxrev.reversible")
+    except ValueError:  # a bijection that changes structure keeps the element counts
+        check_sizes(
+            fun,
+            [prog.flat[i] for i in prog.state_pos],
+            jax.tree_util.tree_leaves(prog.out_shape),
+            who="jaxrev.reversible",
+        )
     state_pos = set(prog.state_pos)
     j, consts = hoist_consts(prog.closed)
     state = (False,) * len(consts) + tuple(i in state_pos for i in range(len(prog.flat)))
@@ -333,15 +424,15 @@ def bind_reversible(fun: Callable, args: Sequence[Any], argnums: int | Sequence[
         traces = memo("reversible.traces", _TRACES)
         j = traces.get(key) or traces.put(key, [], j)
         if ck is not None:
-            memo("reversible.calls", _TRACES).put((nums, ck[0]), ck[1], Bound(j, state, [], out_tree))
+            memo("reversible.calls", _TRACES).put(
+                (nums, ck[0]), ck[1], Bound(j, state, [], out_tree)
+            )
     return Bound(j, state, operands, out_tree)
 
 
-
-
-
-def rebuild(fun: Callable, args: Sequence[Any], argnums: int | Sequence[int], dial: Dial
-            ) -> tuple[list[Any], list[tuple[str, float]]]:
+def rebuild(
+    fun: Callable, args: Sequence[Any], argnums: int | Sequence[int], dial: Dial
+) -> tuple[list[Any], list[tuple[str, float]]]:
     """Run `reversible(fun)`'s forward run and its backward walk, without cotangents: the
     state's leaves as the backward run rebuilds them, and each comparison the dial makes
     (a checkpointed loop's worst segment, the rebuilt inputs) with its measured drift. Eager
@@ -357,7 +448,7 @@ def rebuild(fun: Callable, args: Sequence[Any], argnums: int | Sequence[int], di
     walk(P, env, None, set(), Residuals(P, res), [])
     if log is not None:
         for r, k in log.scopes[0]:
-            if int(k) < 0:   # a loop with no comparison inside
+            if int(k) < 0:  # a loop with no comparison inside
                 continue
             st = log.sites[int(k)]
             where = f" at {st.where}" if st.where else ""
@@ -365,10 +456,17 @@ def rebuild(fun: Callable, args: Sequence[Any], argnums: int | Sequence[int], di
     return [env.read(v) for v, st in zip(J.invars, b.state) if st], sites
 
 
-def reversible(fun: Callable, argnums: int | Sequence[int] = 0, *,
-               checkpoint_every: int | str | None = "auto", memory_budget: int | None = None,
-               on_drift: str = "repair", drift_rtol: float | None = None,
-               max_steps: int | None = None, on_error: str = "raise") -> Callable:
+def reversible(
+    fun: Callable,
+    argnums: int | Sequence[int] = 0,
+    *,
+    checkpoint_every: int | str | None = "auto",
+    memory_budget: int | None = None,
+    on_drift: str = "repair",
+    drift_rtol: float | None = None,
+    max_steps: int | None = None,
+    on_error: str = "raise",
+) -> Callable:
     """`fun` with a reverse-mode derivative that rebuilds intermediates by running backwards.
 
     `fun(*args)` returns the structure, shapes and dtypes of the state `args[argnums]` (as
@@ -415,9 +513,15 @@ def reversible(fun: Callable, argnums: int | Sequence[int] = 0, *,
         >>> bool(jnp.isfinite(g))
         True
     """
-    dial = Dial(checkpoint_every, memory_budget, on_drift, drift_rtol, max_steps,
-                getattr(fun, "__name__", "fun"),
-                Settings("jaxrev.reversible", resolve_on_error("jaxrev.reversible", on_error)))
+    dial = Dial(
+        checkpoint_every,
+        memory_budget,
+        on_drift,
+        drift_rtol,
+        max_steps,
+        getattr(fun, "__name__", "fun"),
+        Settings("jaxrev.reversible", resolve_on_error("jaxrev.reversible", on_error)),
+    )
     return reversible_with(fun, argnums, dial)
 
 

@@ -8,6 +8,7 @@ bijection of the state. The bijectors follow distrax's and TFP's own formulation
 distrax's ``_more_stable_sigmoid`` / ``_more_stable_softplus``; the rational-quadratic spline is
 Durkan et al.'s, with a bin search, gathered knots and linear tails outside the interval.
 """
+
 from __future__ import annotations
 
 import jax
@@ -16,12 +17,14 @@ import numpy as np
 from jax import lax
 
 
-def mlp_params(key: jax.Array, n_in: int, hidden: int, n_out: int, scale: float = 0.1
-               ) -> dict:
+def mlp_params(key: jax.Array, n_in: int, hidden: int, n_out: int, scale: float = 0.1) -> dict:
     k1, k2 = jax.random.split(key)
-    return {"w1": jax.random.normal(k1, (n_in, hidden)) / np.sqrt(n_in), "b1": jnp.zeros(hidden),
-            "w2": scale * jax.random.normal(k2, (hidden, n_out)) / np.sqrt(hidden),
-            "b2": jnp.zeros(n_out)}
+    return {
+        "w1": jax.random.normal(k1, (n_in, hidden)) / np.sqrt(n_in),
+        "b1": jnp.zeros(hidden),
+        "w2": scale * jax.random.normal(k2, (hidden, n_out)) / np.sqrt(hidden),
+        "b2": jnp.zeros(n_out),
+    }
 
 
 def mlp(p: dict, x: jax.Array) -> jax.Array:
@@ -29,6 +32,7 @@ def mlp(p: dict, x: jax.Array) -> jax.Array:
 
 
 # --------------------------------------------------------------------------- couplings
+
 
 def masked_coupling(x: jax.Array, p: dict, mask: jax.Array) -> jax.Array:
     """distrax.MaskedCoupling with an affine inner bijector and an MLP conditioner."""
@@ -70,6 +74,7 @@ def realnvp(x: jax.Array, ps: list) -> jax.Array:
 
 # --------------------------------------------------------------------------- selects on the state
 
+
 def leaky_net(x: jax.Array, ws: list) -> jax.Array:
     """A leaky-relu network of square, well-conditioned layers."""
     for w in ws:
@@ -94,8 +99,9 @@ def rq_knots(key: jax.Array, bins: int = 6, bound: float = 3.0) -> dict:
     k1, k2, k3 = jax.random.split(key, 3)
     w = jax.nn.softmax(jax.random.normal(k1, (bins,))) * 2 * bound
     h = jax.nn.softmax(jax.random.normal(k2, (bins,))) * 2 * bound
-    d = jnp.concatenate([jnp.ones(1), jax.nn.softplus(jax.random.normal(k3, (bins - 1,))) + 1e-3,
-                         jnp.ones(1)])
+    d = jnp.concatenate(
+        [jnp.ones(1), jax.nn.softplus(jax.random.normal(k3, (bins - 1,))) + 1e-3, jnp.ones(1)]
+    )
     xk = jnp.concatenate([jnp.full(1, -bound), -bound + jnp.cumsum(w)])
     yk = jnp.concatenate([jnp.full(1, -bound), -bound + jnp.cumsum(h)])
     return {"xk": xk, "yk": yk, "d": d}
@@ -121,6 +127,7 @@ def rq_spline(x: jax.Array, p: dict, bound: float = 3.0) -> jax.Array:
 
 # --------------------------------------------------------------------------- element loops
 
+
 def add_up(x: jax.Array, p: dict) -> jax.Array:
     """NiLang's chain: x[i] += tanh(w[i] x[i-1]), running up."""
     n = x.shape[0]
@@ -130,8 +137,9 @@ def add_up(x: jax.Array, p: dict) -> jax.Array:
 def add_down(x: jax.Array, p: dict) -> jax.Array:
     """The same chain running down: x[n-2-k] += sin(x[n-1-k])."""
     n = x.shape[0]
-    return lax.fori_loop(0, n - 1, lambda k, x: x.at[n - 2 - k].add(
-        jnp.sin(p["w"][k] * x[n - 1 - k])), x)
+    return lax.fori_loop(
+        0, n - 1, lambda k, x: x.at[n - 2 - k].add(jnp.sin(p["w"][k] * x[n - 1 - k])), x
+    )
 
 
 def mul_chain(x: jax.Array, p: dict) -> jax.Array:
@@ -148,6 +156,7 @@ def swaps(x: jax.Array, p: dict) -> jax.Array:
         j = n - 1 - i
         x = x.at[i].set(x[j]).at[j].set(x[i])
         return x.at[j].add(0.5 * jnp.tanh(x[i]))
+
     return lax.fori_loop(0, n // 2, body, x)
 
 
@@ -159,6 +168,7 @@ def windows(x: jax.Array, p: dict) -> jax.Array:
         seg = lax.dynamic_slice(x, (i,), (2,))
         nxt = lax.dynamic_slice(x, (i + 2,), (1,))
         return lax.dynamic_update_slice(x, seg + p["w"][i] * jnp.sin(nxt), (i,))
+
     return lax.fori_loop(0, n - 2, body, x)
 
 
@@ -166,20 +176,23 @@ def strided(x: jax.Array, p: dict) -> jax.Array:
     """Odd slots from even ones, then even slots scaled by their odd neighbours."""
     n = x.shape[0]
     x = lax.fori_loop(0, n // 2, lambda i, x: x.at[2 * i + 1].add(jnp.tanh(x[2 * i])), x)
-    return lax.fori_loop(0, n // 2, lambda i, x: x.at[2 * i].multiply(
-        jnp.exp(0.5 * jnp.tanh(x[2 * i + 1]))), x)
+    return lax.fori_loop(
+        0, n // 2, lambda i, x: x.at[2 * i].multiply(jnp.exp(0.5 * jnp.tanh(x[2 * i + 1]))), x
+    )
 
 
 def scan_chain(x: jax.Array, p: dict) -> jax.Array:
     """A scan whose index comes as its `xs` (a static `arange`)."""
     n = x.shape[0]
-    return lax.scan(lambda x, i: (x.at[i].add(jnp.tanh(x[i - 1]) ** 3), None), x,
-                    jnp.arange(1, n))[0]
+    return lax.scan(lambda x, i: (x.at[i].add(jnp.tanh(x[i - 1]) ** 3), None), x, jnp.arange(1, n))[
+        0
+    ]
 
 
 def masked_steps(k: int):
     """diffrax's way: every step masked with ``where(keep, new, old)``, `keep` known only when
     the program runs (a function of time): issue 15's tracing-cost program."""
+
     def f(ab: tuple, t: jax.Array) -> tuple:
         a, b = ab
         keep = t > 0.5
@@ -188,10 +201,12 @@ def masked_steps(k: int):
             b2 = b + jnp.sin(a2)
             a, b = jnp.where(keep, a2, a), jnp.where(keep, b2, b)
         return a, b
+
     return f
 
 
 # --------------------------------------------------------------------------- the catalogue
+
 
 def programs(n: int = 16, seed: int = 0) -> dict:
     """name -> (fun, state, params) for the default sizes of the tests."""
@@ -203,13 +218,22 @@ def programs(n: int = 16, seed: int = 0) -> dict:
     w = {"w": 0.5 + 0.5 * jax.random.uniform(keys[4], (n,))}
     ab = {"a": jnp.asarray(4.0), "b": jnp.asarray(-2.0)}
     return {
-        "masked_coupling": (lambda x, p: masked_coupling(x, p, even), x,
-                            mlp_params(keys[5], n, 32, 2 * n)),
-        "arithmetic_masked_coupling": (lambda x, p: arithmetic_masked_coupling(x, p, ~even), x,
-                                       mlp_params(keys[6], n, 32, 2 * n)),
+        "masked_coupling": (
+            lambda x, p: masked_coupling(x, p, even),
+            x,
+            mlp_params(keys[5], n, 32, 2 * n),
+        ),
+        "arithmetic_masked_coupling": (
+            lambda x, p: arithmetic_masked_coupling(x, p, ~even),
+            x,
+            mlp_params(keys[6], n, 32, 2 * n),
+        ),
         "split_coupling": (split_coupling, x, mlp_params(keys[6], n // 2, 32, n)),
-        "realnvp": (realnvp, x, [mlp_params(k, n, 32, 2 * n) for k in
-                                 jax.random.split(keys[7], 4)]),
+        "realnvp": (
+            realnvp,
+            x,
+            [mlp_params(k, n, 32, 2 * n) for k in jax.random.split(keys[7], 4)],
+        ),
         "leaky_net": (leaky_net, x, ws),
         "stable_sigmoid": (more_stable_sigmoid, x, ab),
         "stable_softplus": (more_stable_softplus, x, ab),

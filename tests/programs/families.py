@@ -12,9 +12,10 @@ state, so no walk needs to split on them.
 
 `family(name, k, n)` returns ``(f, state, params)`` with ``f(state, params) -> state``.
 """
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -44,12 +45,16 @@ def _step(a, b, keep, P, Q):
 
 def family(name: str, k: int, n: int = 16) -> tuple[Callable, tuple, dict]:
     state = (jnp.linspace(-1.0, 1.0, n), jnp.linspace(0.3, 1.2, n))
-    moves = {"shared": "none", "per_step": "none", "time_array": "reversal",
-             "scan": "reversal"}.get(name, name)
+    moves = {
+        "shared": "none",
+        "per_step": "none",
+        "time_array": "reversal",
+        "scan": "reversal",
+    }.get(name, name)
     P, Q = _moves(moves, n)
     # a time that stops the masked steps two thirds of the way (some steps kept, some not)
     stop = 2.0 * k / 3.0 + 0.5
-    if name == "shared":          # one predicate array for every step (issue 15's program)
+    if name == "shared":  # one predicate array for every step (issue 15's program)
         params = {"t": jnp.linspace(0.0, 1.0, n)}
 
         def f(s, p):
@@ -58,7 +63,7 @@ def family(name: str, k: int, n: int = 16) -> tuple[Callable, tuple, dict]:
             for _ in range(k):
                 a, b = _step(a, b, keep, P, Q)
             return a, b
-    elif name == "time_array":    # diffrax: t_i = t0 + sum(dt), step i kept while t_i < t1
+    elif name == "time_array":  # diffrax: t_i = t0 + sum(dt), step i kept while t_i < t1
         params = {"dt": jnp.full((k,), 1.0), "t1": jnp.asarray(stop)}
 
         def f(s, p):
@@ -67,15 +72,16 @@ def family(name: str, k: int, n: int = 16) -> tuple[Callable, tuple, dict]:
             for i in range(k):
                 a, b = _step(a, b, ts[i] < p["t1"], P, Q)
             return a, b
-    elif name == "scan":          # the same, the steps run by lax.scan
+    elif name == "scan":  # the same, the steps run by lax.scan
         params = {"dt": jnp.full((k,), 1.0), "t1": jnp.asarray(stop)}
 
         def f(s, p):
             def body(c, t):
                 a, b = c
                 return _step(a, b, t < p["t1"], P, Q), None
+
             return lax.scan(body, s, jnp.cumsum(p["dt"]))[0]
-    else:                         # a predicate per step from a scalar parameter
+    else:  # a predicate per step from a scalar parameter
         params = {"t": jnp.asarray(stop)}
 
         def f(s, p):
@@ -83,10 +89,12 @@ def family(name: str, k: int, n: int = 16) -> tuple[Callable, tuple, dict]:
             for i in range(k):
                 a, b = _step(a, b, p["t"] > i + 1.0, P, Q)
             return a, b
+
     return f, state, params
 
 
 def loss(f: Callable) -> Callable:
     """A scalar of the program's output, to differentiate."""
-    return lambda s, p: sum(jnp.sum(jnp.sin(v) * (j + 1.0))
-                            for j, v in enumerate(jax.tree_util.tree_leaves(f(s, p))))
+    return lambda s, p: sum(
+        jnp.sum(jnp.sin(v) * (j + 1.0)) for j, v in enumerate(jax.tree_util.tree_leaves(f(s, p)))
+    )

@@ -6,20 +6,21 @@ input then made by the library's own forward map so it lies in the inverse's dom
 Used by `tests/test_flowjax_all.py` (forward map alone → jaxrev's inverse and log-dets against
 flowjax's own) and `benchmarks/flows_libraries.py`.
 """
+
 from __future__ import annotations
 
-from typing import Any, Callable
-
-import jax
-import jax.numpy as jnp
+from collections.abc import Callable
+from typing import Any
 
 import equinox as eqx
 import flowjax.bijections as fb
 import flowjax.flows as ff
+import jax
+import jax.numpy as jnp
 from flowjax.distributions import Normal
 
 D = 4
-C = 2   # conditioning dimension
+C = 2  # conditioning dimension
 
 
 def _key(i: int) -> jax.Array:
@@ -39,9 +40,12 @@ def _perturbed(bij: Any, i: int = 7) -> Any:
     pass on an identity initialization (flowjax initialises many layers to the identity)."""
     leaves, tree = jax.tree_util.tree_flatten(bij)
     keys = jax.random.split(_key(i), len(leaves))
-    out = [leaf + 0.3 * jax.random.normal(k, leaf.shape, leaf.dtype)
-           if isinstance(leaf, jax.Array) and jnp.issubdtype(leaf.dtype, jnp.floating) else leaf
-           for leaf, k in zip(leaves, keys)]
+    out = [
+        leaf + 0.3 * jax.random.normal(k, leaf.shape, leaf.dtype)
+        if isinstance(leaf, jax.Array) and jnp.issubdtype(leaf.dtype, jnp.floating)
+        else leaf
+        for leaf, k in zip(leaves, keys)
+    ]
     return jax.tree_util.tree_unflatten(tree, out)
 
 
@@ -61,9 +65,15 @@ CASES: dict[str, Make] = {
     "Loc": lambda: (fb.Loc(_x(1)), _x(3), None),
     "Scale": lambda: (fb.Scale(jnp.exp(_x(2))), _x(3), None),
     "TriangularAffine/lower": lambda: (
-        fb.TriangularAffine(_x(1), jnp.eye(D) + 0.3 * _x(2, (D, D))), _x(3), None),
+        fb.TriangularAffine(_x(1), jnp.eye(D) + 0.3 * _x(2, (D, D))),
+        _x(3),
+        None,
+    ),
     "TriangularAffine/upper": lambda: (
-        fb.TriangularAffine(_x(1), jnp.eye(D) + 0.3 * _x(2, (D, D)), lower=False), _x(3), None),
+        fb.TriangularAffine(_x(1), jnp.eye(D) + 0.3 * _x(2, (D, D)), lower=False),
+        _x(3),
+        None,
+    ),
     "Exp": lambda: (fb.Exp((D,)), _x(3), None),
     "Tanh": lambda: (fb.Tanh((D,)), _x(3), None),
     "LeakyTanh": lambda: (fb.LeakyTanh(1.5, (D,)), _x(3, scale=2.0), None),
@@ -77,90 +87,213 @@ CASES: dict[str, Make] = {
     "DiscreteCosine": lambda: (fb.DiscreteCosine((D,)), _x(3), None),
     "Planar/tanh": lambda: (_perturbed(fb.Planar(_key(1), dim=D)), _x(3), None),
     "Planar/leaky_relu": lambda: (
-        _perturbed(fb.Planar(_key(1), dim=D, negative_slope=0.2)), _x(3), None),
+        _perturbed(fb.Planar(_key(1), dim=D, negative_slope=0.2)),
+        _x(3),
+        None,
+    ),
     "Planar/conditional": lambda: (
-        _perturbed(fb.Planar(_key(1), dim=D, cond_dim=C, width_size=8, depth=1)), _x(3), _cond()),
-    "RationalQuadraticSpline": lambda: (
-        _perturbed(_spline()), jnp.asarray(1.3), None),
-    "RationalQuadraticSpline/tail": lambda: (
-        _perturbed(_spline()), jnp.asarray(-4.2), None),
+        _perturbed(fb.Planar(_key(1), dim=D, cond_dim=C, width_size=8, depth=1)),
+        _x(3),
+        _cond(),
+    ),
+    "RationalQuadraticSpline": lambda: (_perturbed(_spline()), jnp.asarray(1.3), None),
+    "RationalQuadraticSpline/tail": lambda: (_perturbed(_spline()), jnp.asarray(-4.2), None),
     # ------------------------------------------------------------ conditioners
-    "Coupling/affine": lambda: (_perturbed(fb.Coupling(
-        _key(1), transformer=fb.Affine(), untransformed_dim=2, dim=D, nn_width=8, nn_depth=1)),
-        _x(3), None),
-    "Coupling/spline": lambda: (_perturbed(fb.Coupling(
-        _key(1), transformer=_spline(), untransformed_dim=2, dim=D, nn_width=8, nn_depth=1)),
-        _x(3), None),
-    "Coupling/conditional": lambda: (_perturbed(fb.Coupling(
-        _key(1), transformer=fb.Affine(), untransformed_dim=1, dim=D, cond_dim=C, nn_width=8,
-        nn_depth=1)), _x(3), _cond()),
-    "MaskedAutoregressive/affine": lambda: (_perturbed(fb.MaskedAutoregressive(
-        _key(1), transformer=fb.Affine(), dim=D, nn_width=8, nn_depth=1)), _x(3), None),
-    "MaskedAutoregressive/spline": lambda: (_perturbed(fb.MaskedAutoregressive(
-        _key(1), transformer=_spline(), dim=D, nn_width=8, nn_depth=1)), _x(3), None),
-    "MaskedAutoregressive/conditional": lambda: (_perturbed(fb.MaskedAutoregressive(
-        _key(1), transformer=fb.Affine(), dim=D, cond_dim=C, nn_width=8, nn_depth=1)),
-        _x(3), _cond()),
-    "BlockAutoregressiveNetwork": lambda: (_perturbed(fb.BlockAutoregressiveNetwork(
-        _key(1), dim=D, depth=1, block_dim=3)), _x(3), None),
-    "AdditiveCondition": lambda: (fb.AdditiveCondition(
-        lambda c: jnp.concatenate([c, c]) * 0.5, (D,), (C,)), _x(3), _cond()),
+    "Coupling/affine": lambda: (
+        _perturbed(
+            fb.Coupling(
+                _key(1), transformer=fb.Affine(), untransformed_dim=2, dim=D, nn_width=8, nn_depth=1
+            )
+        ),
+        _x(3),
+        None,
+    ),
+    "Coupling/spline": lambda: (
+        _perturbed(
+            fb.Coupling(
+                _key(1), transformer=_spline(), untransformed_dim=2, dim=D, nn_width=8, nn_depth=1
+            )
+        ),
+        _x(3),
+        None,
+    ),
+    "Coupling/conditional": lambda: (
+        _perturbed(
+            fb.Coupling(
+                _key(1),
+                transformer=fb.Affine(),
+                untransformed_dim=1,
+                dim=D,
+                cond_dim=C,
+                nn_width=8,
+                nn_depth=1,
+            )
+        ),
+        _x(3),
+        _cond(),
+    ),
+    "MaskedAutoregressive/affine": lambda: (
+        _perturbed(
+            fb.MaskedAutoregressive(_key(1), transformer=fb.Affine(), dim=D, nn_width=8, nn_depth=1)
+        ),
+        _x(3),
+        None,
+    ),
+    "MaskedAutoregressive/spline": lambda: (
+        _perturbed(
+            fb.MaskedAutoregressive(_key(1), transformer=_spline(), dim=D, nn_width=8, nn_depth=1)
+        ),
+        _x(3),
+        None,
+    ),
+    "MaskedAutoregressive/conditional": lambda: (
+        _perturbed(
+            fb.MaskedAutoregressive(
+                _key(1), transformer=fb.Affine(), dim=D, cond_dim=C, nn_width=8, nn_depth=1
+            )
+        ),
+        _x(3),
+        _cond(),
+    ),
+    "BlockAutoregressiveNetwork": lambda: (
+        _perturbed(fb.BlockAutoregressiveNetwork(_key(1), dim=D, depth=1, block_dim=3)),
+        _x(3),
+        None,
+    ),
+    "AdditiveCondition": lambda: (
+        fb.AdditiveCondition(lambda c: jnp.concatenate([c, c]) * 0.5, (D,), (C,)),
+        _x(3),
+        _cond(),
+    ),
     # ------------------------------------------------------------ combinators
-    "Chain": lambda: (fb.Chain([fb.Affine(_x(1), jnp.exp(_x(2))), fb.Tanh((D,)),
-                                fb.Permute(jnp.array([3, 2, 1, 0]))]), _x(3), None),
-    "Concatenate": lambda: (fb.Concatenate([fb.Exp((2,)), fb.Affine(_x(1, (2,)), 2.0)]),
-                            _x(3), None),
-    "Stack": lambda: (fb.Stack([fb.Exp(), fb.Tanh(), fb.Affine(0.5, 2.0), fb.SoftPlus()]),
-                      _x(3), None),
-    "Vmap/spline": lambda: (_perturbed(fb.Vmap(eqx_filter_vmap_spline(),
-                                                in_axes=eqx.if_array(0))), _x(3), None),
+    "Chain": lambda: (
+        fb.Chain(
+            [fb.Affine(_x(1), jnp.exp(_x(2))), fb.Tanh((D,)), fb.Permute(jnp.array([3, 2, 1, 0]))]
+        ),
+        _x(3),
+        None,
+    ),
+    "Concatenate": lambda: (
+        fb.Concatenate([fb.Exp((2,)), fb.Affine(_x(1, (2,)), 2.0)]),
+        _x(3),
+        None,
+    ),
+    "Stack": lambda: (
+        fb.Stack([fb.Exp(), fb.Tanh(), fb.Affine(0.5, 2.0), fb.SoftPlus()]),
+        _x(3),
+        None,
+    ),
+    "Vmap/spline": lambda: (
+        _perturbed(fb.Vmap(eqx_filter_vmap_spline(), in_axes=eqx.if_array(0))),
+        _x(3),
+        None,
+    ),
     "Scan": lambda: (fb.Scan(_perturbed(eqx_filter_vmap_affine())), _x(3), None),
-    "Sandwich": lambda: (fb.Sandwich(fb.Exp((D,)), fb.Affine(_x(1), jnp.exp(_x(2)))),
-                         _x(3), None),
-    "Indexed": lambda: (fb.Indexed(fb.Affine(_x(1, (2,)), 2.0), jnp.array([0, 2]), (D,)),
-                        _x(3), None),
-    "Reshape": lambda: (fb.Reshape(fb.Affine(_x(1), jnp.exp(_x(2))), (2, 2)),
-                        _x(3, (2, 2)), None),
-    "EmbedCondition": lambda: (fb.EmbedCondition(fb.Coupling(
-        _key(1), transformer=fb.Affine(), untransformed_dim=2, dim=D, cond_dim=C, nn_width=8,
-        nn_depth=1), lambda c: jnp.tanh(c[:C]), (3,)), _x(3), jax.random.normal(_key(98), (3,))),
+    "Sandwich": lambda: (fb.Sandwich(fb.Exp((D,)), fb.Affine(_x(1), jnp.exp(_x(2)))), _x(3), None),
+    "Indexed": lambda: (
+        fb.Indexed(fb.Affine(_x(1, (2,)), 2.0), jnp.array([0, 2]), (D,)),
+        _x(3),
+        None,
+    ),
+    "Reshape": lambda: (fb.Reshape(fb.Affine(_x(1), jnp.exp(_x(2))), (2, 2)), _x(3, (2, 2)), None),
+    "EmbedCondition": lambda: (
+        fb.EmbedCondition(
+            fb.Coupling(
+                _key(1),
+                transformer=fb.Affine(),
+                untransformed_dim=2,
+                dim=D,
+                cond_dim=C,
+                nn_width=8,
+                nn_depth=1,
+            ),
+            lambda c: jnp.tanh(c[:C]),
+            (3,),
+        ),
+        _x(3),
+        jax.random.normal(_key(98), (3,)),
+    ),
     # ------------------------------------------------------------ flow constructors
-    "coupling_flow/affine": lambda: (_perturbed(ff.coupling_flow(
-        _key(1), base_dist=_base(), transformer=fb.Affine(), flow_layers=2).bijection),
-        _x(3), None),
-    "coupling_flow/spline": lambda: (_perturbed(ff.coupling_flow(
-        _key(1), base_dist=_base(), transformer=_spline(), flow_layers=2).bijection),
-        _x(3), None),
-    "coupling_flow/conditional": lambda: (_perturbed(ff.coupling_flow(
-        _key(1), base_dist=_base(), cond_dim=C, flow_layers=2).bijection), _x(3), _cond()),
-    "masked_autoregressive_flow/affine": lambda: (_perturbed(ff.masked_autoregressive_flow(
-        _key(1), base_dist=_base(), flow_layers=2).bijection), _x(3), None),
-    "masked_autoregressive_flow/spline": lambda: (_perturbed(ff.masked_autoregressive_flow(
-        _key(1), base_dist=_base(), transformer=_spline(), flow_layers=2).bijection),
-        _x(3), None),
-    "block_neural_autoregressive_flow": lambda: (_perturbed(ff.block_neural_autoregressive_flow(
-        _key(1), base_dist=_base(), flow_layers=1, nn_block_dim=3).bijection), _x(3), None),
-    "planar_flow": lambda: (_perturbed(ff.planar_flow(
-        _key(1), base_dist=_base(), flow_layers=3).bijection), _x(3), None),
-    "triangular_spline_flow": lambda: (_perturbed(ff.triangular_spline_flow(
-        _key(1), base_dist=_base(), flow_layers=2).bijection), _x(3, scale=0.5), None),
+    "coupling_flow/affine": lambda: (
+        _perturbed(
+            ff.coupling_flow(
+                _key(1), base_dist=_base(), transformer=fb.Affine(), flow_layers=2
+            ).bijection
+        ),
+        _x(3),
+        None,
+    ),
+    "coupling_flow/spline": lambda: (
+        _perturbed(
+            ff.coupling_flow(
+                _key(1), base_dist=_base(), transformer=_spline(), flow_layers=2
+            ).bijection
+        ),
+        _x(3),
+        None,
+    ),
+    "coupling_flow/conditional": lambda: (
+        _perturbed(
+            ff.coupling_flow(_key(1), base_dist=_base(), cond_dim=C, flow_layers=2).bijection
+        ),
+        _x(3),
+        _cond(),
+    ),
+    "masked_autoregressive_flow/affine": lambda: (
+        _perturbed(
+            ff.masked_autoregressive_flow(_key(1), base_dist=_base(), flow_layers=2).bijection
+        ),
+        _x(3),
+        None,
+    ),
+    "masked_autoregressive_flow/spline": lambda: (
+        _perturbed(
+            ff.masked_autoregressive_flow(
+                _key(1), base_dist=_base(), transformer=_spline(), flow_layers=2
+            ).bijection
+        ),
+        _x(3),
+        None,
+    ),
+    "block_neural_autoregressive_flow": lambda: (
+        _perturbed(
+            ff.block_neural_autoregressive_flow(
+                _key(1), base_dist=_base(), flow_layers=1, nn_block_dim=3
+            ).bijection
+        ),
+        _x(3),
+        None,
+    ),
+    "planar_flow": lambda: (
+        _perturbed(ff.planar_flow(_key(1), base_dist=_base(), flow_layers=3).bijection),
+        _x(3),
+        None,
+    ),
+    "triangular_spline_flow": lambda: (
+        _perturbed(ff.triangular_spline_flow(_key(1), base_dist=_base(), flow_layers=2).bijection),
+        _x(3, scale=0.5),
+        None,
+    ),
 }
 
 
 def eqx_filter_vmap_spline() -> Any:
-    return eqx.filter_vmap(lambda k: fb.RationalQuadraticSpline(knots=5, interval=3.0),
-                           axis_size=D)(jax.random.split(_key(5), D))
+    return eqx.filter_vmap(
+        lambda k: fb.RationalQuadraticSpline(knots=5, interval=3.0), axis_size=D
+    )(jax.random.split(_key(5), D))
 
 
 def eqx_filter_vmap_affine() -> Any:
     return eqx.filter_vmap(lambda k: fb.Affine(jax.random.normal(k, (D,)), 1.5))(
-        jax.random.split(_key(6), 3))
+        jax.random.split(_key(6), 3)
+    )
 
 
 def _implements(bij: Any, method: str) -> bool:
     try:
-        getattr(bij, method)(jnp.zeros(bij.shape),
-                             None if bij.cond_shape is None else jnp.zeros(bij.cond_shape))
+        getattr(bij, method)(
+            jnp.zeros(bij.shape), None if bij.cond_shape is None else jnp.zeros(bij.cond_shape)
+        )
         return True
     except NotImplementedError:
         return False
@@ -176,7 +309,7 @@ def has_inverse(bij: Any) -> bool:
     return _implements(bij, "inverse_and_log_det")
 
 
-def case(name: str, scale: float = 1.0) -> "tuple[Any, jax.Array, jax.Array | None]":
+def case(name: str, scale: float = 1.0) -> tuple[Any, jax.Array, jax.Array | None]:
     """``(bijection, x, condition)`` for a name of `all_names()`: ``"X@inverted"`` is
     `Invert(X)` with an input made by X's forward map (`scale` scales X's input: a second
     point of the domain)."""
@@ -206,7 +339,9 @@ def check(name: str, how: str, tol: float = 1e-8) -> str:
     inverse and inverse log-det of the forward map alone against flowjax's. Returns ``"ok"``;
     raises the jaxrev error for a refusal and `AssertionError` for a wrong value."""
     import numpy as np
+
     import jaxrev as jr
+
     bij, x, cond = case(name)
     f = lambda x, c: bij.transform(x, c)  # noqa: E731
     fwd, inv = jr.forward_and_slogdet(f), jr.inverse_and_slogdet(f)

@@ -17,6 +17,7 @@ sub-program, as library code does), elementwise functions under `jax.vmap`, `lax
 fixed trip count (plain `lax.while_loop`, or `fori_loop` when `WHILE = False`: the reference
 `jax.grad` differentiates), and `lax.cond` on a parameter with branches that pass leaves through.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -77,8 +78,9 @@ class Program:
         ns: dict = {}
         src = self.source
         if reference:
-            src = src.replace("WHILE = True", "WHILE = False").replace("CUSTOM = True",
-                                                                        "CUSTOM = False")
+            src = src.replace("WHILE = True", "WHILE = False").replace(
+                "CUSTOM = True", "CUSTOM = False"
+            )
         exec(compile(src, "<grammar program>", "exec"), ns)
         return ns
 
@@ -101,13 +103,14 @@ class _Gen:
     def param(self, shape: tuple, lo: float = -1.0, hi: float = 1.0) -> str:
         name = self.fresh("w")
         size = int(np.prod(shape, dtype=np.int64))
-        vals = self.draw(st.lists(st.floats(lo, hi, allow_nan=False, width=32),
-                                  min_size=size, max_size=size))
+        vals = self.draw(
+            st.lists(st.floats(lo, hi, allow_nan=False, width=32), min_size=size, max_size=size)
+        )
         self.params[name] = np.asarray(vals, np.float64).reshape(shape).round(4).tolist()
         return f'p["{name}"]'
 
     def leaf(self, exclude: str | None = None) -> str:
-        choices = [c for c in LEAVES[:self.k] if c != exclude]
+        choices = [c for c in LEAVES[: self.k] if c != exclude]
         return self.draw(st.sampled_from(choices))
 
     # ---------------------------------------------------------------- simple steps
@@ -131,8 +134,10 @@ class _Gen:
             return [f"{t} = {t}.at[{n - h}:].add(jnp.tanh({self.param((h,))} * {t}[:{h}]))"]
         if kind == "chain":
             w = self.param((n,))
-            return [f"{t} = lax.fori_loop(1, {n}, lambda j, x: "
-                    f"x.at[j].add(jnp.tanh({w}[j] * x[j - 1])), {t})"]
+            return [
+                f"{t} = lax.fori_loop(1, {n}, lambda j, x: "
+                f"x.at[j].add(jnp.tanh({w}[j] * x[j - 1])), {t})"
+            ]
         if kind == "roll":
             r = self.draw(st.integers(0, n))
             return [f"{t} = jnp.roll({t}, {r}, axis=-1)"]
@@ -140,32 +145,39 @@ class _Gen:
             m = self.draw(st.lists(st.booleans(), min_size=n, max_size=n))
             mask = "jnp.array(" + repr(m) + ")"
             w = self.param((n,))
-            return [f"{t} = jnp.where({mask}, {t}, {t} * jnp.exp(0.3 * jnp.tanh({w} * "
-                    f"jnp.sum({t} * {mask}))) + jnp.tanh(jnp.sum({t} * {mask})))"]
+            return [
+                f"{t} = jnp.where({mask}, {t}, {t} * jnp.exp(0.3 * jnp.tanh({w} * "
+                f"jnp.sum({t} * {mask}))) + jnp.tanh(jnp.sum({t} * {mask})))"
+            ]
         if kind == "shift":
             return [f"{t} = {t} + 0.1 * {counter}.astype({t}.dtype)"]
-        if kind == "perm":   # a gather by a fixed permutation, as flows permute between couplings
+        if kind == "perm":  # a gather by a fixed permutation, as flows permute between couplings
             perm = self.draw(st.permutations(list(range(n))))
             return [f"{t} = {t}[jnp.array({list(perm)!r})]"]
         if kind == "pmask":  # a step kept where a parameter says (known when the program runs)
-            return [f"{t} = jnp.where({self._predicate(counter)}, {t} * jnp.exp(0.3 * "
-                    f"{self.param((n,))}) + 0.25, {t})"]
+            return [
+                f"{t} = jnp.where({self._predicate(counter)}, {t} * jnp.exp(0.3 * "
+                f"{self.param((n,))}) + 0.25, {t})"
+            ]
         u = self.leaf(exclude=t)
         if kind == "add":
             return [f"{t} = {t} + jnp.tanh({self.param((n,))} * {u})"]
         if kind == "mask":
             m = self.draw(st.lists(st.booleans(), min_size=n, max_size=n))
             mask = "jnp.array(" + repr(m) + ")"
-            return [f"{t} = jnp.where({mask}, {t}, {t} * jnp.exp(0.3 * jnp.tanh({u})) "
-                    f"+ jnp.tanh({u}))"]
+            return [
+                f"{t} = jnp.where({mask}, {t}, {t} * jnp.exp(0.3 * jnp.tanh({u})) + jnp.tanh({u}))"
+            ]
         if kind == "swap":
             return [f"{t}, {u} = {u}, {t}"]
-        if kind == "pcoupling":   # diffrax's masked step: both halves kept or not, together
+        if kind == "pcoupling":  # diffrax's masked step: both halves kept or not, together
             keep = self._predicate(counter)
             t2, u2 = self.fresh("t"), self.fresh("u")
-            return [f"{t2} = {t} + jnp.tanh({u}[::-1])",
-                    f"{u2} = {u} + jnp.sin({self.param((n,))} * {t2})",
-                    f"{t}, {u} = jnp.where({keep}, {t2}, {t}), jnp.where({keep}, {u2}, {u})"]
+            return [
+                f"{t2} = {t} + jnp.tanh({u}[::-1])",
+                f"{u2} = {u} + jnp.sin({self.param((n,))} * {t2})",
+                f"{t}, {u} = jnp.where({keep}, {t2}, {t}), jnp.where({keep}, {u2}, {u})",
+            ]
         return [f"{t}, {u} = {t} + jnp.tanh({u}), {u} * 1.5"]  # simul: one simultaneous update
 
     def _predicate(self, counter: str | None) -> str:
@@ -193,7 +205,7 @@ class _Gen:
         kind = self.draw(st.sampled_from(kinds))
         if kind == "simple":
             return self.simple(counter)
-        state = ", ".join(LEAVES[:self.k]) + ","
+        state = ", ".join(LEAVES[: self.k]) + ","
         if kind == "vmap":
             t = self.leaf()
             c = self.draw(st.floats(0.125, 0.875))
@@ -203,16 +215,16 @@ class _Gen:
             # parameters are passed in (a custom rule closing over a differentiated value leaks
             # it, in JAX itself); a custom_jvp body may close over a loop counter
             body = self.block(depth + 1, counter if kind == "custom_jvp" else None)
-            lines = [f"def {name}(p, {state}):"] + ["    " + s for s in body] + [
-                f"    return {state}"]
+            lines = (
+                [f"def {name}(p, {state}):"] + ["    " + s for s in body] + [f"    return {state}"]
+            )
             wrap = {"jit": "jax.jit", "custom_jvp": "with_jvp", "custom_vjp": "with_vjp"}[kind]
             return lines + [f"{state} = {wrap}({name})(p, {state})"]
         if kind == "cond":
             t = self.leaf()
             flag = self.param((), -1.0, 1.0)
             yes = self.block(depth + 1, counter)
-            lines = [f"def {name}y({state}):"] + ["    " + s for s in yes] + [
-                f"    return {state}"]
+            lines = [f"def {name}y({state}):"] + ["    " + s for s in yes] + [f"    return {state}"]
             lines += [f"def {name}n({state}):", f"    {t} = {t} * 1.25", f"    return {state}"]
             return lines + [f"{state} = lax.cond({flag} > 0, {name}y, {name}n, {state})"]
         length = self.draw(st.integers(0, 3)) if kind != "scan" else self.draw(st.integers(1, 3))
@@ -221,11 +233,16 @@ class _Gen:
         if kind == "scan":
             t = self.leaf()
             xs = self.param((length, self.n))
-            lines = [f"def {name}(carry, {i}x):", f"    {state} = carry", f"    {i} = {i}x[0]",
-                     f"    {t} = {t} + 0.1 * {i}x[1]"]
+            lines = [
+                f"def {name}(carry, {i}x):",
+                f"    {state} = carry",
+                f"    {i} = {i}x[0]",
+                f"    {t} = {t} + 0.1 * {i}x[1]",
+            ]
             lines += ["    " + s for s in body] + [f"    return ({state}), None"]
-            return lines + [f"({state}), _ = lax.scan({name}, ({state}), "
-                            f"(jnp.arange({length}), {xs}))"]
+            return lines + [
+                f"({state}), _ = lax.scan({name}, ({state}), (jnp.arange({length}), {xs}))"
+            ]
         lines = [f"def {name}({i}, carry):", f"    {state} = carry"]
         lines += ["    " + s for s in body] + [f"    return ({state})"]
         if kind == "fori":
@@ -244,10 +261,14 @@ def programs(draw, dtypes=("float64", "float32")) -> Program:
     state = ", ".join(LEAVES[:k]) + ","
     src = [PRELUDE, "", "def f(s, p):", f"    {state} = s"]
     src += ["    " + s for s in body] + [f"    return ({state})", ""]
-    x = draw(st.lists(st.floats(-1.5, 1.5, allow_nan=False, width=32), min_size=n * k,
-                      max_size=n * k))
+    x = draw(
+        st.lists(st.floats(-1.5, 1.5, allow_nan=False, width=32), min_size=n * k, max_size=n * k)
+    )
     # off the kinks (x = 0 exactly, where `jnp.where(x > 0, ...)`'s derivative is a convention)
     x = (np.asarray(x).round(4) + 0.01 * (1 + np.arange(n * k)) / (n * k)).reshape(k, n).tolist()
-    src += [f"p = {{k: jnp.asarray(v, jnp.{dtype}) for k, v in {g.params!r}.items()}}",
-            f"s = tuple(jnp.asarray(v, jnp.{dtype}) for v in {x!r})", ""]
+    src += [
+        f"p = {{k: jnp.asarray(v, jnp.{dtype}) for k, v in {g.params!r}.items()}}",
+        f"s = tuple(jnp.asarray(v, jnp.{dtype}) for v in {x!r})",
+        "",
+    ]
     return Program("\n".join(src), k, (n,), dtype, g.params, g.has_while)

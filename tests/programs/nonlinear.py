@@ -4,6 +4,7 @@
 Each case is ``(fun, state, param)`` with ``fun(state, param)`` returning the state's
 structure: `reverse` inverts it, `reversible` differentiates it.
 """
+
 from __future__ import annotations
 
 import jax.numpy as jnp
@@ -13,16 +14,20 @@ from jax import lax
 
 def simultaneous(n: int, h: float = 1.0):
     """n steps of the simultaneous update ``(x, y) -> (x + h tanh(t y), y + h sin(x))``."""
+
     def fun(s, t):
         def step(c, _):
             x, y = c
             return (x + h * jnp.tanh(t * y), y + h * jnp.sin(x)), None
+
         return lax.scan(step, s, None, length=n)[0]
+
     return fun
 
 
 def heun(n: int, dt: float = 0.01):
     """n steps of McCallum et al.'s reversible Heun method for ``dz/dt = tanh(W z)``."""
+
     def fun(s, W):
         f = lambda v: jnp.tanh(W @ v)  # noqa: E731
 
@@ -31,7 +36,9 @@ def heun(n: int, dt: float = 0.01):
             z1 = 2.0 * y - z + dt * f(z)
             y1 = y + 0.5 * dt * (f(z) + f(z1))
             return (y1, z1), None
+
         return lax.scan(step, s, None, length=n)[0]
+
     return fun
 
 
@@ -46,12 +53,13 @@ def logit(p, scale):
 
 
 def _field(q, p):
-    return p, -jnp.sin(q) - 0.1 * q ** 3
+    return p, -jnp.sin(q) - 0.1 * q**3
 
 
 def midpoint(n: int, iterations: int = 30):
     """n implicit-midpoint steps of a nonlinear oscillator, each step's equation
     ``y1 = y + h f((y + y1) / 2)`` solved by fixed-point iterations in a fori_loop."""
+
     def fun(s, h):
         def one(s):
             q, p = s
@@ -59,8 +67,11 @@ def midpoint(n: int, iterations: int = 30):
             def fp(_, c):
                 dq, dp = _field((q + c[0]) / 2, (p + c[1]) / 2)
                 return q + h * dq, p + h * dp
+
             return lax.fori_loop(0, iterations, fp, (q, p))
+
         return lax.scan(lambda c, _: (one(c), None), s, None, length=n)[0]
+
     return fun
 
 

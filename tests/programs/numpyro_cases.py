@@ -8,16 +8,20 @@ elements (a vector to a triangular matrix, a simplex, a complex spectrum): they 
 given the input's shape (`state=`), and their log-det (numpyro's, in its own coordinates) is
 no determinant of the map's Jacobian: jaxrev's log-dets refuse them naming the transform.
 """
+
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from numpyro.distributions import transforms as T
+from numpyro.distributions.flows import (
+    BlockNeuralAutoregressiveTransform,
+    InverseAutoregressiveTransform,
+)
 from numpyro.nn import AutoregressiveNN, BlockNeuralAutoregressiveNN
-from numpyro.distributions.flows import (BlockNeuralAutoregressiveTransform,
-                                         InverseAutoregressiveTransform)
 
 D = 4
 
@@ -33,8 +37,9 @@ def _tril() -> jax.Array:
 def _iaf() -> Any:
     init, apply = AutoregressiveNN(D, [8], permutation=jnp.array([2, 0, 3, 1]))
     _, params = init(jax.random.key(5), (D,))
-    params = jax.tree_util.tree_map(lambda p: p + 0.2 * jax.random.normal(
-        jax.random.key(6), p.shape), params)
+    params = jax.tree_util.tree_map(
+        lambda p: p + 0.2 * jax.random.normal(jax.random.key(6), p.shape), params
+    )
     return InverseAutoregressiveTransform(lambda x: apply(params, x))
 
 
@@ -44,7 +49,7 @@ def _bnaf() -> Any:
     return BlockNeuralAutoregressiveTransform(lambda x: apply(params, x))
 
 
-SQUARE: dict[str, Callable[[], "tuple[Any, jax.Array]"]] = {
+SQUARE: dict[str, Callable[[], tuple[Any, jax.Array]]] = {
     "AffineTransform": lambda: (T.AffineTransform(_x(1), jnp.exp(_x(2))), _x(3)),
     "AffineTransform/scalar": lambda: (T.AffineTransform(0.5, -2.0), _x(3)),
     "ExpTransform": lambda: (T.ExpTransform(), _x(3)),
@@ -58,23 +63,27 @@ SQUARE: dict[str, Callable[[], "tuple[Any, jax.Array]"]] = {
     "OrderedTransform": lambda: (T.OrderedTransform(), _x(3)),
     "HaarTransform": lambda: (T.HaarTransform(), _x(3)),
     "DiscreteCosineTransform": lambda: (T.DiscreteCosineTransform(), _x(3)),
-    "RecursiveLinearTransform": lambda: (T.RecursiveLinearTransform(
-        0.5 * _tril()), _x(3, (5, D))),
-    "ComposeTransform": lambda: (T.ComposeTransform([
-        T.AffineTransform(0.5, 2.0), T.PermuteTransform(jnp.arange(D)[::-1]),
-        T.SigmoidTransform()]), _x(3)),
+    "RecursiveLinearTransform": lambda: (T.RecursiveLinearTransform(0.5 * _tril()), _x(3, (5, D))),
+    "ComposeTransform": lambda: (
+        T.ComposeTransform(
+            [
+                T.AffineTransform(0.5, 2.0),
+                T.PermuteTransform(jnp.arange(D)[::-1]),
+                T.SigmoidTransform(),
+            ]
+        ),
+        _x(3),
+    ),
     "InverseTransform(Exp)": lambda: (T.ExpTransform().inv, jnp.exp(_x(3))),
     "InverseAutoregressiveTransform": lambda: (_iaf(), _x(3)),
     "BlockNeuralAutoregressiveTransform": lambda: (_bnaf(), _x(3)),
     "L1BallTransform": lambda: (T.L1BallTransform(), _x(3)),
 }
 
-RECTANGULAR: dict[str, Callable[[], "tuple[Any, jax.Array]"]] = {
+RECTANGULAR: dict[str, Callable[[], tuple[Any, jax.Array]]] = {
     "LowerCholeskyTransform": lambda: (T.LowerCholeskyTransform(), _x(3, (6,))),
-    "ScaledUnitLowerCholeskyTransform": lambda: (T.ScaledUnitLowerCholeskyTransform(),
-                                                 _x(3, (6,))),
-    "SoftplusLowerCholeskyTransform": lambda: (T.SoftplusLowerCholeskyTransform(),
-                                               _x(3, (6,))),
+    "ScaledUnitLowerCholeskyTransform": lambda: (T.ScaledUnitLowerCholeskyTransform(), _x(3, (6,))),
+    "SoftplusLowerCholeskyTransform": lambda: (T.SoftplusLowerCholeskyTransform(), _x(3, (6,))),
     "CorrCholeskyTransform": lambda: (T.CorrCholeskyTransform(), _x(3, (6,))),
     "StickBreakingTransform": lambda: (T.StickBreakingTransform(), _x(3)),
     "ZeroSumTransform": lambda: (T.ZeroSumTransform(), _x(3)),

@@ -5,9 +5,11 @@ inversion sweep (`flows`), one pass each. distrax is not imported: the class has
 and attributes distrax's `Bijector` has, so code written against that protocol (and
 `jr.Chain`, distrax's `Chain`) uses it as it is.
 """
+
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -43,15 +45,25 @@ class Bijector:
         ((3,), 1.5)
     """
 
-    def __init__(self, fun: Callable, event_ndims: int = 1, *, argnums: int = 0,
-                 method: str = "auto", on_error: str | None = None, name: str | None = None,
-                 on_singular: str | None = None) -> None:
+    def __init__(
+        self,
+        fun: Callable,
+        event_ndims: int = 1,
+        *,
+        argnums: int = 0,
+        method: str = "auto",
+        on_error: str | None = None,
+        name: str | None = None,
+        on_singular: str | None = None,
+    ) -> None:
         if not isinstance(event_ndims, int) or event_ndims < 0:
-            raise ValueError(f"jaxrev.Bijector: event_ndims must be a non-negative int, got "
-                             f"{event_ndims!r}")
+            raise ValueError(
+                f"jaxrev.Bijector: event_ndims must be a non-negative int, got {event_ndims!r}"
+            )
         if not isinstance(argnums, int) or argnums < 0:
-            raise ValueError(f"jaxrev.Bijector: argnums must be a non-negative int, got "
-                             f"{argnums!r}")
+            raise ValueError(
+                f"jaxrev.Bijector: argnums must be a non-negative int, got {argnums!r}"
+            )
         self.fun, self.argnums = fun, argnums
         self.event_ndims_in = self.event_ndims_out = event_ndims
         self.name = name or fun_name(fun)
@@ -72,27 +84,32 @@ class Bijector:
         leaves = jax.tree_util.tree_leaves(x)
         nb = jnp.ndim(leaves[0]) - self.event_ndims_in
         if nb < 0:
-            raise ValueError(f"jaxrev.Bijector({self.name}): an input of {jnp.ndim(leaves[0])} "
-                             f"dimensions has fewer than event_ndims={self.event_ndims_in}")
+            raise ValueError(
+                f"jaxrev.Bijector({self.name}): an input of {jnp.ndim(leaves[0])} "
+                f"dimensions has fewer than event_ndims={self.event_ndims_in}"
+            )
         a = self.argnums
         if a > len(params):
-            raise ValueError(f"jaxrev.Bijector({self.name}): argnums={a} but only "
-                             f"{len(params)} parameters were passed")
+            raise ValueError(
+                f"jaxrev.Bijector({self.name}): argnums={a} but only "
+                f"{len(params)} parameters were passed"
+            )
 
         def h(x, *ps):
             return g(*ps[:a], x, *ps[a:])
+
         for _ in range(nb):
             h = jax.vmap(h, in_axes=(0, *([None] * len(params))))
         return h(x, *params)
 
-    def _checked(self, g: Callable, unchecked: Callable, x: Any,
-                 params: Sequence[Any]) -> tuple[Any, Any]:
+    def _checked(
+        self, g: Callable, unchecked: Callable, x: Any, params: Sequence[Any]
+    ) -> tuple[Any, Any]:
         """`g` batched; called eagerly on a batch, the first sample with a non-finite result
         runs again alone, on values, so that its error names the step."""
         leaves = jax.tree_util.tree_leaves((x, params))
         nb = jnp.ndim(jax.tree_util.tree_leaves(x)[0]) - self.event_ndims_in
-        if (nb <= 0 or self._on_error == "nan"
-                or not all(is_concrete(v) for v in leaves)):
+        if nb <= 0 or self._on_error == "nan" or not all(is_concrete(v) for v in leaves):
             return self._batched(g, x, params)
         out, ld = self._batched(unchecked, x, params)
         bad = ~jnp.isfinite(ld)

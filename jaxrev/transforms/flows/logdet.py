@@ -24,11 +24,13 @@ that move elements, flat order otherwise) and evaluates each step's det(∂O/∂
 
 Anything else is `Unsupported`: the caller then materialises J (the "dense" strategy).
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -37,27 +39,56 @@ import numpy as np
 from jaxrev._compat import DropVar, JaxprEqn, Var, is_concrete, prims, scan_info
 from jaxrev._jaxpr import Env, apply, evaluate, real_outvars, size_of
 from jaxrev.transforms.knowledge import records
-from jaxrev.transforms.propagation.lumps import slogdet_of
 from jaxrev.transforms.knowledge import regions as R
-from jaxrev.transforms.registry import (DENSE_STEP, ELEMENTWISE, STRUCTURAL, LogdetContext,
-                                        Unsupported, elementwise_in, index_args, is_kind,
-                                        logdet_rules)
+from jaxrev.transforms.propagation.lumps import slogdet_of
+from jaxrev.transforms.registry import (
+    DENSE_STEP,
+    ELEMENTWISE,
+    STRUCTURAL,
+    LogdetContext,
+    Unsupported,
+    elementwise_in,
+    index_args,
+    is_kind,
+    logdet_rules,
+)
 
-__all__ = ["Unsupported", "Plan", "plan", "evaluate_plan", "LogdetContext", "DENSE_STEP",
-           "UNSIGNED_RULE", "UNSIGNED_PERM"]
+__all__ = [
+    "Unsupported",
+    "Plan",
+    "plan",
+    "evaluate_plan",
+    "LogdetContext",
+    "DENSE_STEP",
+    "UNSIGNED_RULE",
+    "UNSIGNED_PERM",
+]
 
 """Largest step (recovered elements) whose Jacobian is materialised when it has no structure."""
 
 # operands in which these primitives are positional: output element p depends on the
 # operand's element p only (a select's cases, a scatter's or dynamic update's operand)
-_POSITIONAL = MappingProxyType({p: ks for p, ks in (
-    (prims.select_n, "cases"), (prims.scatter_add, (0,)), (prims.scatter_mul, (0,)),
-    (prims.scatter, (0,)), (prims.dynamic_update_slice, (0,)))
-    if p is not None})
+_POSITIONAL = MappingProxyType(
+    {
+        p: ks
+        for p, ks in (
+            (prims.select_n, "cases"),
+            (prims.scatter_add, (0,)),
+            (prims.scatter_mul, (0,)),
+            (prims.scatter, (0,)),
+            (prims.dynamic_update_slice, (0,)),
+        )
+        if p is not None
+    }
+)
 # inputs that these primitives copy into their output (an update's elements)
-_COPIES = MappingProxyType({p: ks for p, ks in ((prims.scatter, (2,)),
-                                                 (prims.dynamic_update_slice, (1,)))
-                            if p is not None})
+_COPIES = MappingProxyType(
+    {
+        p: ks
+        for p, ks in ((prims.scatter, (2,)), (prims.dynamic_update_slice, (1,)))
+        if p is not None
+    }
+)
 
 
 def _inexact(v: Any) -> bool:
@@ -72,10 +103,10 @@ def _shape(v: Any) -> tuple:
 class _PStep:
     """A step of the plan: how to evaluate it (`how`) and what it needs."""
 
-    how: str                      # "positional" | "structural" | "rule" | "blocks" | "dense"
+    how: str  # "positional" | "structural" | "rule" | "blocks" | "dense"
     step: records.Step
-    parts: list = field(default_factory=list)   # positional: (input index, region or None)
-    child: "Plan | None" = None
+    parts: list = field(default_factory=list)  # positional: (input index, region or None)
+    child: Plan | None = None
 
 
 @dataclass
@@ -108,9 +139,9 @@ class _Slots:
     def __init__(self) -> None:
         self.of: dict[Var, np.ndarray] = {}
         self.exact = True
-        self.pairs: set = set()     # (recovered, output) taken over at run-time elements
-        self.sign = 1               # the iterated permutations of loop bodies
-        self.unsigned = False       # a step whose rule gives log|det| only
+        self.pairs: set = set()  # (recovered, output) taken over at run-time elements
+        self.sign = 1  # the iterated permutations of loop bodies
+        self.unsigned = False  # a step whose rule gives log|det| only
 
     def get(self, v: Var) -> np.ndarray:
         s = self.of.get(v)
@@ -161,15 +192,22 @@ def _unit_pivot(eqn: JaxprEqn, k: int) -> int | None:
     """The pivot of a positional step when it is the same constant for every element (an
     addend, a select's case, a scatter's or an update's operand: 1; a negation: -1)."""
     p = eqn.primitive
-    if p in (prims.add, prims.add_any, prims.select_n, prims.copy, prims.scatter_add,
-             prims.scatter, prims.dynamic_update_slice, prims.reduce_precision):
+    if p in (
+        prims.add,
+        prims.add_any,
+        prims.select_n,
+        prims.copy,
+        prims.scatter_add,
+        prims.scatter,
+        prims.dynamic_update_slice,
+        prims.reduce_precision,
+    ):
         return 1
     if p is prims.sub:
         return 1 if k == 0 else -1
     if p is prims.neg:
         return -1
-    if p is prims.convert_element_type and jnp.issubdtype(eqn.invars[k].aval.dtype,
-                                                           jnp.floating):
+    if p is prims.convert_element_type and jnp.issubdtype(eqn.invars[k].aval.dtype, jnp.floating):
         return 1
     return None
 
@@ -186,8 +224,9 @@ def _positional_in(eqn: JaxprEqn, k: int) -> bool:
     return is_kind(eqn.primitive, ELEMENTWISE)
 
 
-def plan(rec: records.Recorder, seeded: Sequence[Var], goals: Sequence[Var],
-         pair: bool = True) -> Plan:
+def plan(
+    rec: records.Recorder, seeded: Sequence[Var], goals: Sequence[Var], pair: bool = True
+) -> Plan:
     """The plan of a walk's record: `seeded` the outputs it started from (their slots in
     order), `goals` the inputs it recovered. With `pair`, the identity check pairs goal k with
     seeded k (a loop body: carry in with carry out, x with y)."""
@@ -218,8 +257,7 @@ def plan(rec: records.Recorder, seeded: Sequence[Var], goals: Sequence[Var],
     elif np.any((final < 0) & (final != OPAQUE)):
         raise Unsupported("an element of the state was not recovered by a step it can follow")
     why = None if perm_sign is not None else UNSIGNED_RULE if slots.unsigned else UNSIGNED_PERM
-    return Plan(steps, perm_sign, identity, rec.env.info if rec.env is not None else None, rec,
-                why)
+    return Plan(steps, perm_sign, identity, rec.env.info if rec.env is not None else None, rec, why)
 
 
 def _perm_sign(p: np.ndarray) -> int:
@@ -243,7 +281,7 @@ def _plan_step(st: records.Step, rec: records.Recorder, slots: _Slots) -> _PStep
         return _plan_group(st, slots)
     (eqn,) = st.eqns
     got = [(eqn.invars.index(v), v, b, a) for v, b, a in st.recovered if _inexact(v)]
-    if not got:                       # an integer recovered (a loop counter): no Jacobian
+    if not got:  # an integer recovered (a loop counter): no Jacobian
         return _PStep("none", st)
     outs = [o for o in real_outvars(eqn) if _inexact(o)]
     p = eqn.primitive
@@ -276,9 +314,14 @@ def _plan_step(st: records.Step, rec: records.Recorder, slots: _Slots) -> _PStep
                     slots.sign *= (-1) ** reps
         _flat_slots(us, os, slots)
         return _PStep("rule", st, [(k, None) for k, _, _, _ in got], cplan)
-    how = ["pos" if _positional_in(eqn, k) else
-           "copy" if is_kind(p, STRUCTURAL) or k in _COPIES.get(p, ()) else None
-           for k, _, _, _ in got]
+    how = [
+        "pos"
+        if _positional_in(eqn, k)
+        else "copy"
+        if is_kind(p, STRUCTURAL) or k in _COPIES.get(p, ())
+        else None
+        for k, _, _, _ in got
+    ]
     if None not in how:
         parts = []
         for (k, v, b, a), h in zip(got, how):
@@ -300,16 +343,16 @@ def _plan_step(st: records.Step, rec: records.Recorder, slots: _Slots) -> _PStep
                     slots.of[o] = np.full(_shape(o), -1, np.int64)
                 continue
             slots.take(v, m, slots.consume(o, m))
-            slots.of[o] = np.where(np.ones(_shape(o), bool) if m is None else m, -1,
-                                   slots.get(o))
+            slots.of[o] = np.where(np.ones(_shape(o), bool) if m is None else m, -1, slots.get(o))
             parts.append((k, None if m is None else m))
         copies = [g for g, h in zip(got, how) if h == "copy"]
         if copies:
             _structural_slots(eqn, copies, rec, slots)
         return _PStep("positional" if parts else "structural", st, parts)
     if any(_new_mask(b, a, _shape(v)) is not None for _, v, b, a in got):
-        raise Unsupported(f"`{p}` recovered only some elements of an input, and has no "
-                          "log-determinant rule")
+        raise Unsupported(
+            f"`{p}` recovered only some elements of an input, and has no log-determinant rule"
+        )
     if size_of(v.aval for _, v, _, _ in got) > DENSE_STEP:
         raise Unsupported(f"`{p}` has no log-determinant rule (jr.register_logdet)")
     _flat_slots([v for _, v, _, _ in got], outs, slots)
@@ -329,7 +372,7 @@ def _flat_slots(us: Sequence[Var], os: Sequence[Var], slots: _Slots) -> None:
     k = 0
     for u in us:
         n = size_of([u.aval])
-        slots.take(u, None, src[k:k + n].reshape(_shape(u)))
+        slots.take(u, None, src[k : k + n].reshape(_shape(u)))
         k += n
     for o in os:
         slots.of[o] = np.full(_shape(o), -1, np.int64)
@@ -342,8 +385,7 @@ def _is_index(p: Any, k: int, n: int) -> bool:
     return False
 
 
-def _structural_slots(eqn: JaxprEqn, got: list, rec: records.Recorder,
-                      slots: _Slots) -> None:
+def _structural_slots(eqn: JaxprEqn, got: list, rec: records.Recorder, slots: _Slots) -> None:
     """Run the step on element ids to see which output element each recovered one was copied
     to; the recovered elements take those slots, which are then consumed."""
     info = rec.env.info
@@ -352,8 +394,11 @@ def _structural_slots(eqn: JaxprEqn, got: list, rec: records.Recorder,
     off = 1
     ins = []
     for k, v in enumerate(eqn.invars):
-        if (_is_index(eqn.primitive, k, n) or not isinstance(v, Var)
-                or not jnp.issubdtype(v.aval.dtype, jnp.inexact)):
+        if (
+            _is_index(eqn.primitive, k, n)
+            or not isinstance(v, Var)
+            or not jnp.issubdtype(v.aval.dtype, jnp.inexact)
+        ):
             val = info.static(v)
             if val is None:
                 # indices known only when the program runs (a swap at a loop counter): the
@@ -371,7 +416,7 @@ def _structural_slots(eqn: JaxprEqn, got: list, rec: records.Recorder,
     try:
         with jax.ensure_compile_time_eval():
             res = [np.asarray(r) for r in apply(eqn, ins)]
-    except Exception:   # a primitive that will not run on integers
+    except Exception:  # a primitive that will not run on integers
         _opaque(got, eqn, slots)
         return
     src = np.full(off, -1, np.int64)
@@ -413,10 +458,17 @@ def _plan_group(st: records.Step, slots: _Slots) -> _PStep:
     us = [u for u in st.inputs if _inexact(u)]
     os = [o for o in st.outputs if _inexact(o)]
     shapes = {_shape(v) for v in [*us, *os]}
-    if (len(shapes) == 1 and len(us) == len(os)
-            and all(elementwise_in(e, next(iter(shapes))) or not any(
-                _inexact(o) for o in real_outvars(e)) or e.primitive in _POSITIONAL
-                or e.primitive is prims.gather for e in st.eqns)):
+    if (
+        len(shapes) == 1
+        and len(us) == len(os)
+        and all(
+            elementwise_in(e, next(iter(shapes)))
+            or not any(_inexact(o) for o in real_outvars(e))
+            or e.primitive in _POSITIONAL
+            or e.primitive is prims.gather
+            for e in st.eqns
+        )
+    ):
         for u, o in zip(us, os):
             slots.take(u, None, slots.consume(o, None))
             slots.of[o] = np.full(_shape(o), -1, np.int64)
@@ -428,8 +480,10 @@ def _plan_group(st: records.Step, slots: _Slots) -> _PStep:
     cols = np.concatenate([(slots.get(u) == -1).ravel() for u in us])
     rows = np.concatenate([(slots.get(o) != -1).ravel() for o in os])
     if cols.sum() != rows.sum():
-        raise Unsupported(f"a {st.kind} group recovers {int(cols.sum())} elements from "
-                          f"{int(rows.sum())} (at `{st.eqns[0].primitive}`)")
+        raise Unsupported(
+            f"a {st.kind} group recovers {int(cols.sum())} elements from "
+            f"{int(rows.sum())} (at `{st.eqns[0].primitive}`)"
+        )
     if cols.all() and rows.all():
         _flat_slots(us, os, slots)
         return _PStep("dense", st)
@@ -437,9 +491,9 @@ def _plan_group(st: records.Step, slots: _Slots) -> _PStep:
     k = 0
     for u in us:
         n = size_of([u.aval])
-        c = cols[k:k + n].reshape(_shape(u))
+        c = cols[k : k + n].reshape(_shape(u))
         full = np.full(_shape(u), -1, np.int64)
-        full[c] = src[int(cols[:k].sum()):int(cols[:k].sum()) + int(c.sum())]
+        full[c] = src[int(cols[:k].sum()) : int(cols[:k].sum()) + int(c.sum())]
         slots.take(u, c, full)
         k += n
     for o in os:
@@ -448,6 +502,7 @@ def _plan_group(st: records.Step, slots: _Slots) -> _PStep:
 
 
 # --------------------------------------------------------------------------- evaluation
+
 
 def _try_read(read: Callable, v: Any, zeros: bool = False) -> Any:
     if isinstance(v, DropVar):
@@ -468,8 +523,13 @@ def _acc(sign: Any, logabs: Any, d: Any, mask: Any = None) -> tuple[Any, Any]:
     return sign * jnp.prod(sg), logabs + jnp.sum(la)
 
 
-def evaluate_plan(pl: Plan, read: Callable[[Any], Any], dtype: Any,
-                  permutation: bool = True, per_step: list | None = None) -> tuple[Any, Any]:
+def evaluate_plan(
+    pl: Plan,
+    read: Callable[[Any], Any],
+    dtype: Any,
+    permutation: bool = True,
+    per_step: list | None = None,
+) -> tuple[Any, Any]:
     """(sign, log|det ∂outputs/∂inputs|) of the walk's program at the values `read` gives.
     (`sign` includes σ's when the plan knows it and `permutation` asks for it; `per_step`
     collects (equation, its log|det|, whether it is a group's first) for naming a singular
@@ -484,8 +544,7 @@ def evaluate_plan(pl: Plan, read: Callable[[Any], Any], dtype: Any,
     return sign, logabs
 
 
-def _eval_step(ps: _PStep, read: Callable, sign: Any, logabs: Any, pl: Plan
-               ) -> tuple[Any, Any]:
+def _eval_step(ps: _PStep, read: Callable, sign: Any, logabs: Any, pl: Plan) -> tuple[Any, Any]:
     st = ps.step
     if ps.how in ("none", "structural"):
         return sign, logabs
@@ -496,15 +555,14 @@ def _eval_step(ps: _PStep, read: Callable, sign: Any, logabs: Any, pl: Plan
         ins = [_try_read(read, v, zeros=True) for v in eqn.invars]
         for k, m in ps.parts:
             unit = _unit_pivot(eqn, k)
-            if unit == 1:              # volume-preserving: nothing to compute
+            if unit == 1:  # volume-preserving: nothing to compute
                 continue
-            if isinstance(m, tuple):   # known at run time
+            if isinstance(m, tuple):  # known at run time
                 shape = _shape(eqn.invars[k])
-                mask = (R.materialize(m[0], shape, read)
-                        & ~R.materialize(m[1], shape, read))
+                mask = R.materialize(m[0], shape, read) & ~R.materialize(m[1], shape, read)
             else:
                 mask = None if m is None else jnp.asarray(m)
-            if unit == -1:             # each recovered element flips the sign
+            if unit == -1:  # each recovered element flips the sign
                 count = size_of([eqn.invars[k].aval]) if mask is None else jnp.sum(mask)
                 sign = sign * (1 - 2 * (count % 2))
                 continue
@@ -513,6 +571,7 @@ def _eval_step(ps: _PStep, read: Callable, sign: Any, logabs: Any, pl: Plan
                 a = list(ins)
                 a[k] = x
                 return apply(eqn, a)[0]
+
             x = ins[k]
             _, d = jax.jvp(f, (x,), (jnp.ones_like(x),))
             sign, logabs = _acc(sign, logabs, d, mask)
@@ -539,7 +598,7 @@ def _eval_step(ps: _PStep, read: Callable, sign: Any, logabs: Any, pl: Plan
         for j in range(len(us)):
             t = [jnp.ones_like(x) if i == j else jnp.zeros_like(x) for i, x in enumerate(xs)]
             cols.append(jnp.stack(jax.jvp(F, (xs,), (t,))[1], axis=-1))
-        B = jnp.stack(cols, axis=-1)          # [..., out i, in j]
+        B = jnp.stack(cols, axis=-1)  # [..., out i, in j]
         if len(us) == 1:
             return _acc(sign, logabs, B[..., 0, 0])
         s, la = jnp.linalg.slogdet(B)
@@ -555,23 +614,27 @@ def _eval_step(ps: _PStep, read: Callable, sign: Any, logabs: Any, pl: Plan
             full = v if ci is None else jnp.asarray(base).at[ci].set(v)
             parts, k = [], 0
             for u, n in zip(us, sizes):
-                parts.append(full[k:k + n].reshape(_shape(u)))
+                parts.append(full[k : k + n].reshape(_shape(u)))
                 k += n
             out = jnp.concatenate([jnp.ravel(o) for o in G(parts)])
             return out if ri is None else out[ri]
+
         return flat
+
     v0 = x0 if ci is None else x0[ci]
     probe = None
-    if st.kind == "lump":   # affine: its band is found on stand-ins at trace time
+    if st.kind == "lump":  # affine: its band is found on stand-ins at trace time
         probe = _stand_in_map(eqns, us, os, read, pl.info)
         probe = None if probe is None else restricted(probe, np.zeros(x0.shape, x0.dtype))
-    s, la = slogdet_of(restricted(F), v0, probe, DENSE_STEP,
-                       f"a {st.kind} group at `{st.eqns[0].primitive}`")
+    s, la = slogdet_of(
+        restricted(F), v0, probe, DENSE_STEP, f"a {st.kind} group at `{st.eqns[0].primitive}`"
+    )
     return sign * s, logabs + la
 
 
-def _stand_in_map(eqns: Sequence[JaxprEqn], us: Sequence[Var], os: Sequence[Var],
-                  read: Callable, info: Any) -> Callable | None:
+def _stand_in_map(
+    eqns: Sequence[JaxprEqn], us: Sequence[Var], os: Sequence[Var], read: Callable, info: Any
+) -> Callable | None:
     """`_group_map` on concrete stand-ins (random floats where a value is traced), for its
     structure; None if an integer or boolean it reads is only known at run time."""
     rng = np.random.default_rng(0)
@@ -586,19 +649,27 @@ def _stand_in_map(eqns: Sequence[JaxprEqn], us: Sequence[Var], os: Sequence[Var]
         if s is None:
             raise KeyError(v)
         return s
+
     try:
         return _group_map(eqns, us, os, stand_in, info)
     except KeyError:
         return None
 
 
-def _group_map(eqns: Sequence[JaxprEqn], us: Sequence[Var], os: Sequence[Var],
-               read: Callable, info: Any) -> Callable:
+def _group_map(
+    eqns: Sequence[JaxprEqn], us: Sequence[Var], os: Sequence[Var], read: Callable, info: Any
+) -> Callable:
     """The group's outputs `os` as a function of its inputs `us`, the rest held at their
     values."""
     produced = {o for e in eqns for o in real_outvars(e)}
-    reads = list(dict.fromkeys(v for e in eqns for v in e.invars
-                               if isinstance(v, Var) and v not in produced and v not in us))
+    reads = list(
+        dict.fromkeys(
+            v
+            for e in eqns
+            for v in e.invars
+            if isinstance(v, Var) and v not in produced and v not in us
+        )
+    )
     vals = [read(v) for v in reads]
 
     def F(xs):
@@ -609,4 +680,5 @@ def _group_map(eqns: Sequence[JaxprEqn], us: Sequence[Var], os: Sequence[Var],
             env.write(v, x)
         evaluate(eqns, env, partial=True)
         return [env.read(o) for o in os]
+
     return F

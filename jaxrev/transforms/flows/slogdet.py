@@ -8,33 +8,60 @@ log-determinant (a step with no structure and no rule, a permutation whose sign 
 followed when the sign is asked for), the "dense" strategy materialises J; `logdet_strategy`
 says which strategy a function gets and why.
 """
+
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxrev._compat import Primitive, is_concrete, staged_constants
-from jaxrev._errors import (NotInvertibleError, SingularJacobianError, at_eqn, fail,
-                            singular_jacobian)
-from jaxrev._jaxpr import (Env, Unknown, eval_closed, evaluate, fold_constants, prepare,
-                           without_custom_vjp)
-from jaxrev._program import (Filtered, check_sizes, fun_name, normalize_argnums,
-                             trace_on_outputs, trace_program, traced_leaves)
+from jaxrev._errors import (
+    NotInvertibleError,
+    SingularJacobianError,
+    at_eqn,
+    fail,
+    singular_jacobian,
+)
+from jaxrev._jaxpr import (
+    Env,
+    Unknown,
+    eval_closed,
+    evaluate,
+    fold_constants,
+    prepare,
+    without_custom_vjp,
+)
+from jaxrev._program import (
+    Filtered,
+    check_sizes,
+    fun_name,
+    normalize_argnums,
+    trace_on_outputs,
+    trace_program,
+    traced_leaves,
+)
+from jaxrev.transforms.flows.logdet import LogdetContext, evaluate_plan, plan
 from jaxrev.transforms.knowledge import elements, records
 from jaxrev.transforms.knowledge.checks import check_at_run_time
 from jaxrev.transforms.knowledge.context import Settings, WalkContext, resolve_on_error
 from jaxrev.transforms.propagation.walker import propagate, raise_stuck, seed
-from jaxrev.transforms.flows.logdet import LogdetContext, evaluate_plan, plan
 from jaxrev.transforms.registry import Unsupported, check_rule, define
 from jaxrev.transforms.reverse import reverse_with, state_args
 
-__all__ = ["slogdet_jacobian", "forward_and_slogdet", "inverse_and_slogdet",
-           "register_logdet", "logdet_strategy", "METHODS"]
+__all__ = [
+    "slogdet_jacobian",
+    "forward_and_slogdet",
+    "inverse_and_slogdet",
+    "register_logdet",
+    "logdet_strategy",
+    "METHODS",
+]
 
 METHODS = ("auto", "sweep", "dense")
 
@@ -43,37 +70,51 @@ METHODS = ("auto", "sweep", "dense")
 class _Traced:
     """A function traced over its flat arguments, prepared for walking."""
 
-    closed: Any          # the prepared closed jaxpr (custom_vjp calls: their primal computation)
-    raw: Any             # the jaxpr as traced (custom_vjp calls kept)
-    flat: list           # flat argument values
+    closed: Any  # the prepared closed jaxpr (custom_vjp calls: their primal computation)
+    raw: Any  # the jaxpr as traced (custom_vjp calls kept)
+    flat: list  # flat argument values
     state_pos: list[int]
     out_tree: Any
     state_tree: Any
     dtype: Any
-    who: str             # the transform, for its walks' errors
-    call: Any = None     # (fun, Filtered args): the user's function, for the dense Jacobian
+    who: str  # the transform, for its walks' errors
+    call: Any = None  # (fun, Filtered args): the user's function, for the dense Jacobian
 
 
-def _trace(fun: Callable, args: Sequence[Any], argnums: tuple[int, ...], who: str,
-           on_outputs: bool = False) -> _Traced:
+def _trace(
+    fun: Callable, args: Sequence[Any], argnums: tuple[int, ...], who: str, on_outputs: bool = False
+) -> _Traced:
     """`fun` traced and prepared (`on_outputs`: on its outputs in the state positions, to
     learn the state's structure: `trace_on_outputs`)."""
-    prog = (trace_on_outputs(fun, args, argnums, who) if on_outputs
-            else trace_program(fun, args, argnums))
+    prog = (
+        trace_on_outputs(fun, args, argnums, who)
+        if on_outputs
+        else trace_program(fun, args, argnums)
+    )
     closed = prepare(without_custom_vjp(prog.closed))
     state = [prog.flat[i] for i in prog.state_pos]
     outs = jax.tree_util.tree_leaves(prog.out_shape)
     check_sizes(fun, state, outs, who=who)
     for x in state:
         if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
-            raise TypeError(f"{who}: the state of {fun_name(fun)} must be real floating-point "
-                            f"arrays (its Jacobian's log-determinant is taken), got "
-                            f"{jnp.result_type(x)}")
+            raise TypeError(
+                f"{who}: the state of {fun_name(fun)} must be real floating-point "
+                f"arrays (its Jacobian's log-determinant is taken), got "
+                f"{jnp.result_type(x)}"
+            )
     st = args[argnums[0]] if len(argnums) == 1 else tuple(args[a] for a in argnums)
     dtype = jnp.result_type(*state) if state else jnp.float32
-    return _Traced(closed, prog.closed, list(prog.flat), prog.state_pos,
-                   jax.tree_util.tree_structure(prog.out_shape),
-                   jax.tree_util.tree_structure(st), dtype, who, (fun, Filtered(tuple(args))))
+    return _Traced(
+        closed,
+        prog.closed,
+        list(prog.flat),
+        prog.state_pos,
+        jax.tree_util.tree_structure(prog.out_shape),
+        jax.tree_util.tree_structure(st),
+        dtype,
+        who,
+        (fun, Filtered(tuple(args))),
+    )
 
 
 def _user_state_fun(t: _Traced) -> Callable:
@@ -85,6 +126,7 @@ def _user_state_fun(t: _Traced) -> Callable:
         for i, x in zip(t.state_pos, leaves):
             flat[i] = x
         return jax.tree_util.tree_leaves(fun(*split.rebuild(flat)))
+
     return of_state
 
 
@@ -105,11 +147,11 @@ def _state_fun(t: _Traced, closed: Any = None) -> tuple[Callable, list]:
         for i, x in zip(t.state_pos, leaves):
             flat[i] = x
         return eval_closed(closed, *flat)
+
     return of_state, [t.flat[i] for i in t.state_pos]
 
 
-def _walk(t: _Traced, ys: Sequence[Any], on_error: str = "raise"
-          ) -> tuple[records.Recorder, Env]:
+def _walk(t: _Traced, ys: Sequence[Any], on_error: str = "raise") -> tuple[records.Recorder, Env]:
     """Recover the state from the outputs `ys`, recording every step (in a walk context of
     the transform's own: its name and `on_error`)."""
     jaxpr = t.closed.jaxpr
@@ -130,8 +172,7 @@ def _walk(t: _Traced, ys: Sequence[Any], on_error: str = "raise"
 def _plan_abstract(t: _Traced):
     """The plan of the inversion, from a walk on stand-ins (no run-time cost)."""
     box: list = []
-    out_avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
-                 for v in t.closed.jaxpr.outvars]
+    out_avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in t.closed.jaxpr.outvars]
 
     def go(ys):
         # values computed from constants alone (indices, masks) stay concrete, as in the
@@ -139,6 +180,7 @@ def _plan_abstract(t: _Traced):
         with jax.ensure_compile_time_eval():
             box.append(_walk(t, ys)[0])
         return 0
+
     jax.eval_shape(go, out_avals)
     rec = box[0]
     return plan(rec, rec.seeded, rec.goals)
@@ -196,8 +238,7 @@ def _linearized(t: _Traced) -> _Swept:
     except _NO_FORWARD_MODE as e:
         raise Unsupported(f"forward mode cannot differentiate the program: {e}") from None
     zeros = [jnp.zeros_like(x) for x in state]
-    sw = _sweep_forward(_trace(lin, zeros, tuple(range(len(zeros))), t.who),
-                        "sweep (linearized)")
+    sw = _sweep_forward(_trace(lin, zeros, tuple(range(len(zeros))), t.who), "sweep (linearized)")
     sw.ys = None
     return sw
 
@@ -232,7 +273,7 @@ def _sign_elsewhere(t: _Traced, sw: _Swept, dense: bool = True) -> tuple[Any, st
             if lin.sign is not None:
                 return lin.sign, "the linearized sweep"
         except (Unsupported, NotInvertibleError):
-            pass   # (a singular tangent step: the dense Jacobian's sign is then 0)
+            pass  # (a singular tangent step: the dense Jacobian's sign is then 0)
     return (_dense(t)[0] if dense else None), "the dense Jacobian"
 
 
@@ -248,12 +289,14 @@ def _dense(t: _Traced) -> tuple[Any, Any]:
             parts, k = [], 0
             for x in state:
                 n = int(np.size(x))
-                parts.append(jnp.reshape(vec[k:k + n], jnp.shape(x)).astype(jnp.result_type(x)))
+                parts.append(jnp.reshape(vec[k : k + n], jnp.shape(x)).astype(jnp.result_type(x)))
                 k += n
             return jnp.concatenate([jnp.ravel(o) for o in g(*parts)])
+
         return f
+
     x0 = jnp.concatenate([jnp.ravel(x) for x in state])
-    with staged_constants():   # the n x n identity basis must not become a constant
+    with staged_constants():  # the n x n identity basis must not become a constant
         try:
             # the user's function itself first: its custom_jvp rules as JAX applies them (JAX
             # 0.12 re-binding flowjax's implicit JVP from a jaxpr gives a zero Jacobian)
@@ -272,9 +315,14 @@ def _dense(t: _Traced) -> tuple[Any, Any]:
         return jnp.linalg.slogdet(J)
 
 
-def _singular_check(logabs: Any, who: str, on_error: str,
-                    per_step: Sequence[tuple[Any, Any, bool]] = (), at_run_time: bool = True,
-                    dense: str | None = None) -> Any:
+def _singular_check(
+    logabs: Any,
+    who: str,
+    on_error: str,
+    per_step: Sequence[tuple[Any, Any, bool]] = (),
+    at_run_time: bool = True,
+    dense: str | None = None,
+) -> Any:
     """A vanished pivot gives log|det| = -inf: with "raise", an error naming the step, eagerly
     at once, and (`at_run_time`) under jit when the program runs ("warn": a warning).
     `dense`: why the dense Jacobian was taken (no step to name)."""
@@ -285,17 +333,25 @@ def _singular_check(logabs: Any, who: str, on_error: str,
         hit = [(e, group) for (e, _, group), b in zip(per_step, bad) if b]
         if hit:
             e, group = hit[0]
-            return at_eqn(SingularJacobianError, e, "the Jacobian is singular (a pivot "
-                          "vanished)", "Pass on_error='nan' to get -inf instead.", who=who,
-                          group=group)
+            return at_eqn(
+                SingularJacobianError,
+                e,
+                "the Jacobian is singular (a pivot vanished)",
+                "Pass on_error='nan' to get -inf instead.",
+                who=who,
+                group=group,
+            )
         if dense is not None:
             return SingularJacobianError(
                 f"{who}: the Jacobian is singular (its dense Jacobian, taken because "
                 f"{dense}, has determinant 0): no single step can be named without a "
-                "step-by-step inversion; pass on_error='nan' to get -inf instead")
+                "step-by-step inversion; pass on_error='nan' to get -inf instead"
+            )
         return SingularJacobianError(
             f"{who}: the Jacobian is singular (log|det| = -inf) and no single step could be "
-            "named; pass on_error='nan' to get -inf instead")
+            "named; pass on_error='nan' to get -inf instead"
+        )
+
     flags = [jnp.isneginf(la) for _, la, _ in per_step]
     if is_concrete(logabs) and all(is_concrete(f) for f in flags):
         if bool(jnp.any(jnp.isneginf(logabs))):
@@ -304,14 +360,21 @@ def _singular_check(logabs: Any, who: str, on_error: str,
     if not at_run_time:
         return logabs
     # one host call per batch under vmap, none when no pivot vanished
-    check_at_run_time(lambda bad: fail(on_error, error([bool(b) for b in np.atleast_1d(bad)])),
-                      jnp.stack(flags) if flags else jnp.zeros(0, bool),
-                      bad=jnp.isneginf(logabs))
+    check_at_run_time(
+        lambda bad: fail(on_error, error([bool(b) for b in np.atleast_1d(bad)])),
+        jnp.stack(flags) if flags else jnp.zeros(0, bool),
+        bad=jnp.isneginf(logabs),
+    )
     return logabs
 
 
-def _try_sweep(run: Callable[[], Any], method: str, on_error: str, who: str,
-               dense_if_not_invertible: bool = True) -> tuple[Any, str]:
+def _try_sweep(
+    run: Callable[[], Any],
+    method: str,
+    on_error: str,
+    who: str,
+    dense_if_not_invertible: bool = True,
+) -> tuple[Any, str]:
     """`run()`, the sweep, and ""; or None and why, where "auto" falls back to the dense
     Jacobian (a step the sweep cannot describe; a program it cannot invert, when the caller
     can do without its inverse). A vanished pivot found while inverting raises, naming the
@@ -320,8 +383,9 @@ def _try_sweep(run: Callable[[], Any], method: str, on_error: str, who: str,
         return run(), ""
     except Unsupported as e:
         if method == "sweep":
-            raise NotInvertibleError(f"{who}: the inversion sweep cannot give the "
-                                     f"log-determinant: {e}") from None
+            raise NotInvertibleError(
+                f"{who}: the inversion sweep cannot give the log-determinant: {e}"
+            ) from None
         return None, f"the sweep cannot give the log-determinant ({e})"
     except NotInvertibleError as e:
         if e.singular and on_error == "raise":
@@ -339,9 +403,14 @@ def _check_method(method: str, who: str) -> None:
         raise ValueError(f"{who}: method must be one of {METHODS}, got {method!r}")
 
 
-def slogdet_jacobian(fun: Callable, *primals: Any, argnums: int | Sequence[int] = 0,
-                     method: str = "auto", on_error: str | None = None,
-                     on_singular: str | None = None) -> tuple[Any, Any]:
+def slogdet_jacobian(
+    fun: Callable,
+    *primals: Any,
+    argnums: int | Sequence[int] = 0,
+    method: str = "auto",
+    on_error: str | None = None,
+    on_singular: str | None = None,
+) -> tuple[Any, Any]:
     """``(sign, log|det J|)`` of `fun`'s Jacobian with respect to the arguments at `argnums`
     (the state: `fun` maps it to as many numbers), the others held fixed.
 
@@ -368,6 +437,7 @@ def slogdet_jacobian(fun: Callable, *primals: Any, argnums: int | Sequence[int] 
     t = _trace(fun, primals, nums, who)
     why = _ASKED
     if method != "dense":
+
         def run():
             sw = _sweep(t)
             logabs = _singular_check(sw.logabs, who, on_error, sw.steps, at_run_time=False)
@@ -376,6 +446,7 @@ def slogdet_jacobian(fun: Callable, *primals: Any, argnums: int | Sequence[int] 
             # log|det| stays the sweep's (a deflogdet rule's, where one is given)
             sign = _sign_elsewhere(t, sw)[0]
             return jnp.where(jnp.isneginf(logabs), 0, sign).astype(sign.dtype), logabs
+
         got, why = _try_sweep(run, method, on_error, who)
         if got is not None:
             return got
@@ -409,6 +480,7 @@ def logdet_strategy(fun: Callable, *primals: Any, argnums: int | Sequence[int] =
 def _reader(env: Env) -> Callable[[Any], Any]:
     """Values of the walk's env; a value known on some elements only reads as a benign
     filler elsewhere (the steps that read it only use the known elements)."""
+
     def read(v: Any) -> Any:
         if env.known(v):
             return env.read(v)
@@ -416,6 +488,7 @@ def _reader(env: Env) -> Callable[[Any], Any]:
         if val is None:
             raise KeyError(v)
         return val
+
     return read
 
 
@@ -423,9 +496,14 @@ def _state_value(t: _Traced, leaves: Sequence[Any], nums: tuple[int, ...]) -> An
     return jax.tree_util.tree_unflatten(t.state_tree, list(leaves))
 
 
-def forward_and_slogdet(fun: Callable, argnums: int | Sequence[int] = 0, *,
-                        method: str = "auto", on_error: str | None = None,
-                        on_singular: str | None = None) -> Callable:
+def forward_and_slogdet(
+    fun: Callable,
+    argnums: int | Sequence[int] = 0,
+    *,
+    method: str = "auto",
+    on_error: str | None = None,
+    on_singular: str | None = None,
+) -> Callable:
     """A function returning ``(fun(*args), log|det J|)``, J the Jacobian with respect to the
     arguments at `argnums`, from one forward pass (distrax's ``forward_and_log_det``). A
     vanished pivot raises `SingularJacobianError` naming the step on concrete values; under
@@ -448,24 +526,30 @@ def forward_and_slogdet(fun: Callable, argnums: int | Sequence[int] = 0, *,
         t = _trace(fun, args, nums, who)
         why = _ASKED
         if method != "dense":
+
             def run():
                 sw = _sweep(t)
-                y = (fun(*args) if sw.ys is None
-                     else jax.tree_util.tree_unflatten(t.out_tree, sw.ys))
-                return y, _singular_check(sw.logabs, who, on_error, sw.steps,
-                                          at_run_time=False)
+                y = fun(*args) if sw.ys is None else jax.tree_util.tree_unflatten(t.out_tree, sw.ys)
+                return y, _singular_check(sw.logabs, who, on_error, sw.steps, at_run_time=False)
+
             got, why = _try_sweep(run, method, on_error, who)
             if got is not None:
                 return got
         _, logabs = _dense(t)
-        return fun(*args), _singular_check(logabs, who, on_error, at_run_time=False,
-                                           dense=why)
+        return fun(*args), _singular_check(logabs, who, on_error, at_run_time=False, dense=why)
+
     return fwd
 
 
-def inverse_and_slogdet(fun: Callable, argnums: int | Sequence[int] = 0, *,
-                        method: str = "auto", on_error: str | None = None,
-                        on_singular: str | None = None, state: Any = None) -> Callable:
+def inverse_and_slogdet(
+    fun: Callable,
+    argnums: int | Sequence[int] = 0,
+    *,
+    method: str = "auto",
+    on_error: str | None = None,
+    on_singular: str | None = None,
+    state: Any = None,
+) -> Callable:
     """A function returning ``(reverse(fun)(*args), log|det|)`` of the inverse's Jacobian
     (minus `fun`'s at the recovered state), from one backward pass (distrax's
     ``inverse_and_log_det``). Its arguments are `fun`'s, with `fun`'s output in the state
@@ -492,15 +576,17 @@ def inverse_and_slogdet(fun: Callable, argnums: int | Sequence[int] = 0, *,
         if state is None:
             nums = normalize_argnums(argnums, len(args), fun)
             ys_tree = [args[a] for a in nums]
-            stand = list(args)   # the state's stand-ins: the output has the state's structure
+            stand = list(args)  # the state's stand-ins: the output has the state's structure
             for a in nums:
                 stand[a] = jax.tree_util.tree_map(
-                    lambda y: jax.ShapeDtypeStruct(jnp.shape(y), jnp.result_type(y)), args[a])
+                    lambda y: jax.ShapeDtypeStruct(jnp.shape(y), jnp.result_type(y)), args[a]
+                )
         else:
             stand, nums, y = state_args(fun, args, argnums, state)
             ys_tree = [y]
         why = _ASKED
         if method != "dense":
+
             def run():
                 t = _trace(fun, stand, nums, who, on_outputs=state is None)
                 if state is None:
@@ -510,8 +596,8 @@ def inverse_and_slogdet(fun: Callable, argnums: int | Sequence[int] = 0, *,
                 steps: list = []
                 _, logabs = evaluate_plan(pl, _reader(env), t.dtype, per_step=steps)
                 xs = [env.read(rec.jaxpr.invars[i]) for i in t.state_pos]
-                return (_state_value(t, xs, nums),
-                        -_singular_check(logabs, who, on_error, steps))
+                return (_state_value(t, xs, nums), -_singular_check(logabs, who, on_error, steps))
+
             # (a program the walker cannot invert has no inverse to return: that raises)
             got, why = _try_sweep(run, method, on_error, who, dense_if_not_invertible=False)
             if got is not None:
@@ -524,8 +610,9 @@ def inverse_and_slogdet(fun: Callable, argnums: int | Sequence[int] = 0, *,
             # a pivot that vanished when the walk was traced: no inverse, the exact answer
             # (log|det| of the inverse's Jacobian = +inf), and under "warn" a warning
             fail(on_error, singular_jacobian(e, who))
-            nan = jax.tree_util.tree_map(lambda y: jnp.full(jnp.shape(y), jnp.nan,
-                                                            jnp.result_type(y)), ys_tree)
+            nan = jax.tree_util.tree_map(
+                lambda y: jnp.full(jnp.shape(y), jnp.nan, jnp.result_type(y)), ys_tree
+            )
             x = nan[0] if len(nums) == 1 else tuple(nan)
             return x, jnp.asarray(jnp.inf, jnp.result_type(*jax.tree_util.tree_leaves(nan)))
         a = list(stand)
@@ -534,6 +621,7 @@ def inverse_and_slogdet(fun: Callable, argnums: int | Sequence[int] = 0, *,
             a[i] = s
         _, logabs = _dense(_trace(fun, a, nums, who))
         return x, -_singular_check(logabs, who, on_error, dense=why)
+
     return inv
 
 
@@ -561,4 +649,5 @@ def register_logdet(primitive: Primitive, rule: Callable[..., tuple[Any, Any]]) 
         outs = ctx.outvals if ctx.eqn.primitive.multiple_results else ctx.outvals[0]
         s, la = rule(tuple(ctx.recovered), outs, *ctx.invals, **ctx.eqn.params)
         return jnp.asarray(s), jnp.asarray(la)
+
     define(primitive, logdet=wrapped)

@@ -1,1 +1,2 @@
-"""What one walk knows and notes: its context, run-time checks, element regions, values known on some elements, and the record of recovery steps."""
+"""What one walk knows and notes: its context, run-time checks, element regions, values known on
+some elements, and the record of recovery steps."""

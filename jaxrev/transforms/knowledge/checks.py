@@ -11,10 +11,12 @@ answer the caller asked for. A check failing in a compiled program reaches the c
 `jax.jit` as JAX's runtime error; `jr.jit` and `jr.raise_runtime_errors()` (`jaxrev._runtime`)
 raise the check's own error instead.
 """
+
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -34,8 +36,13 @@ NEWTON_STARTS = 4
 values the group reads, then 0), besides the default: the best of all, per element."""
 
 
-def raise_where(on_error: str, error: Callable[..., Exception | None], *flags: Any,
-                bad: Any = None, always: bool = False) -> None:
+def raise_where(
+    on_error: str,
+    error: Callable[..., Exception | None],
+    *flags: Any,
+    bad: Any = None,
+    always: bool = False,
+) -> None:
     """Raise `error(*flags)` (None: nothing wrong) now on concrete values, else when the program
     runs; under ``on_error="warn"`` warn with its message instead; nothing under "nan", where
     the NaN left in the result is the answer, unless `always` (a failure that leaves no NaN
@@ -70,8 +77,7 @@ class _Warning:
         return None
 
 
-def check_at_run_time(error: Callable[..., Exception | None], *flags: Any,
-                      bad: Any = None) -> None:
+def check_at_run_time(error: Callable[..., Exception | None], *flags: Any, bad: Any = None) -> None:
     """Raise `error(*flags)` when the program runs, where `bad` (default: always ask the
     host) holds: one host call per batch under `vmap`, none when nothing is bad."""
     if bad is None:
@@ -96,7 +102,7 @@ def _first_bad(bad: Any, flags: Any, levels: int) -> list | None:
     if not bad.any():
         return None
     vals = [np.asarray(f) for f in flags]
-    if levels:   # the first bad sample of the batch
+    if levels:  # the first bad sample of the batch
         at = np.unravel_index(int(np.argmax(bad.reshape(-1))), bad.shape)
         vals = [v[at] for v in vals]
     return vals
@@ -123,7 +129,7 @@ def _check_lowered(bad: Any, *flags: Any, error: Callable, levels: int) -> list:
             return
         try:
             err = error(*vals)
-        except Exception as e:   # an `error` that raises (`fail`) rather than returns
+        except Exception as e:  # an `error` that raises (`fail`) rather than returns
             err = e
         if err is not None:
             raise_at_run_time(err)
@@ -134,11 +140,13 @@ def _check_lowered(bad: Any, *flags: Any, error: Callable, levels: int) -> list:
 
 def _check_batch(args: Any, dims: Any, *, error: Callable, levels: int) -> tuple[list, list]:
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
-    moved = [jnp.moveaxis(a, d, 0) if d is not None else
-             jnp.broadcast_to(a, (size,) + jnp.shape(a)) for a, d in zip(args, dims)]
+    moved = [
+        jnp.moveaxis(a, d, 0) if d is not None else jnp.broadcast_to(a, (size,) + jnp.shape(a))
+        for a, d in zip(args, dims)
+    ]
     # (bad's own element axes beyond the batch are reduced: one flag per sample)
     bad = moved[0]
-    bad = jnp.any(bad.reshape(bad.shape[:levels + 1] + (-1,)), axis=-1)
+    bad = jnp.any(bad.reshape(bad.shape[: levels + 1] + (-1,)), axis=-1)
     check_p.bind(bad, *moved[1:], error=error, levels=levels + 1)
     return [], []
 
@@ -148,9 +156,15 @@ def _check_jvp(primals: Any, tangents: Any, **params: Any) -> tuple[list, list]:
 
 
 check_p = make_primitive(
-    "jaxrev_check", multiple_results=True, impl=_check_eager, lowering=_check_lowered,
+    "jaxrev_check",
+    multiple_results=True,
+    impl=_check_eager,
+    lowering=_check_lowered,
     effectful=True,
-    abstract=lambda *avals, **_: ([], {debug_effect}), jvp=_check_jvp, batch=_check_batch)
+    abstract=lambda *avals, **_: ([], {debug_effect}),
+    jvp=_check_jvp,
+    batch=_check_batch,
+)
 """``check_p(bad, *flags, error, levels)``: when the program runs, if any element of `bad`
 holds, raise ``error(*flags)`` on the host. `levels` leading axes of every operand are vmap's
 batch axes (the first bad sample's flags are passed). It has the debug effect, so it is never

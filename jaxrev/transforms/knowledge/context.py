@@ -12,11 +12,13 @@ walk (NaN instead of errors, one Newton start), a loop body's walk (its child re
 of Newton's use go up its chain of parents, never to siblings; statistics go to the
 observers of `jaxrev._stats` that were active when the transform created its context.
 """
+
 from __future__ import annotations
 
 import warnings
 from collections import Counter
-from dataclasses import dataclass, replace as _replace
+from dataclasses import dataclass
+from dataclasses import replace as _replace
 from typing import Any
 
 from jaxrev._stats import observers
@@ -42,10 +44,11 @@ class Settings:
 
     def __post_init__(self) -> None:
         if self.on_error not in ON_ERROR:
-            raise ValueError(f"{self.who}: on_error must be one of {ON_ERROR}, got "
-                             f"{self.on_error!r}")
+            raise ValueError(
+                f"{self.who}: on_error must be one of {ON_ERROR}, got {self.on_error!r}"
+            )
 
-    def replace(self, **changes: Any) -> "Settings":
+    def replace(self, **changes: Any) -> Settings:
         return _replace(self, **changes)
 
 
@@ -59,11 +62,25 @@ class WalkContext:
     steps are recorded (`records`), the `drift` log of `reversible`'s backward run (`drift.Log`,
     None elsewhere, and in a planning walk), and its counters."""
 
-    __slots__ = ("settings", "newton_start", "recorder", "drift", "_parent", "_newton",
-                 "_roots", "_observers")
+    __slots__ = (
+        "settings",
+        "newton_start",
+        "recorder",
+        "drift",
+        "_parent",
+        "_newton",
+        "_roots",
+        "_observers",
+    )
 
-    def __init__(self, settings: Settings = Settings(), *, recorder: Any = None,
-                 drift: Any = None, newton_start: Any = None) -> None:
+    def __init__(
+        self,
+        settings: Settings = Settings(),
+        *,
+        recorder: Any = None,
+        drift: Any = None,
+        newton_start: Any = None,
+    ) -> None:
         self.settings = settings
         self.newton_start = newton_start
         self.recorder = recorder
@@ -85,15 +102,22 @@ class WalkContext:
     def newton(self) -> bool:
         return self.settings.newton
 
-    def replace(self, *, recorder: Any = _KEEP, drift: Any = _KEEP, newton_start: Any = _KEEP,
-                **settings: Any) -> "WalkContext":
+    def replace(
+        self,
+        *,
+        recorder: Any = _KEEP,
+        drift: Any = _KEEP,
+        newton_start: Any = _KEEP,
+        **settings: Any,
+    ) -> WalkContext:
         """A derived context (the rest as here) for a walk this one starts; its counters start
         at zero."""
-        new = WalkContext(self.settings.replace(**settings) if settings else self.settings,
-                          recorder=self.recorder if recorder is _KEEP else recorder,
-                          drift=self.drift if drift is _KEEP else drift,
-                          newton_start=self.newton_start if newton_start is _KEEP
-                          else newton_start)
+        new = WalkContext(
+            self.settings.replace(**settings) if settings else self.settings,
+            recorder=self.recorder if recorder is _KEEP else recorder,
+            drift=self.drift if drift is _KEEP else drift,
+            newton_start=self.newton_start if newton_start is _KEEP else newton_start,
+        )
         new._parent = self
         new._observers = self._observers
         return new
@@ -137,11 +161,14 @@ def resolve_on_error(who: str, on_error: str | None, **old: str | None) -> str:
     given = {k: v for k, v in old.items() if v is not None}
     name = "on_error"
     if given:
-        (name, value), = given.items()
+        ((name, value),) = given.items()
         if on_error is not None:
             raise TypeError(f"{who}: pass on_error only ({name} is its old name)")
-        warnings.warn(f"{who}: {name}= is deprecated; pass on_error={value!r} instead "
-                      "(same values)", DeprecationWarning, stacklevel=3)
+        warnings.warn(
+            f"{who}: {name}= is deprecated; pass on_error={value!r} instead (same values)",
+            DeprecationWarning,
+            stacklevel=3,
+        )
         on_error = value
     on_error = "raise" if on_error is None else on_error
     if on_error not in ON_ERROR:

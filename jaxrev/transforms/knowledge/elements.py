@@ -18,10 +18,12 @@ Garbage stays where it is unknown: before an array enters a computation its unkn
 are replaced by a harmless value (`FILL`), so no NaN or infinity is made there (which would
 turn into a NaN derivative through the `select` that finally drops it).
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -32,11 +34,33 @@ from jaxrev._cache import memo
 from jaxrev._compat import DropVar, JaxprEqn, Var
 from jaxrev._jaxpr import Env, Unknown, apply, fit_to_aval, is_var, real_outvars
 from jaxrev.transforms.knowledge import regions as R
-from jaxrev.transforms.registry import (STRUCTURAL, Lossy, NeedMore, element_rules,
-                                        elementwise_over, index_args, inverse_rules, is_kind)
+from jaxrev.transforms.registry import (
+    STRUCTURAL,
+    Lossy,
+    NeedMore,
+    element_rules,
+    elementwise_over,
+    index_args,
+    inverse_rules,
+    is_kind,
+)
 
-__all__ = ["Part", "FILL", "forward", "backward", "learn", "learn_piece", "complete", "region_of",
-           "value_of", "static_of", "is_partial", "read_window", "not_case", "token"]
+__all__ = [
+    "Part",
+    "FILL",
+    "forward",
+    "backward",
+    "learn",
+    "learn_piece",
+    "complete",
+    "region_of",
+    "value_of",
+    "static_of",
+    "is_partial",
+    "read_window",
+    "not_case",
+    "token",
+]
 
 FILL = 0.5
 """What unknown elements hold when an array enters a computation: no inverse rule or primitive
@@ -56,11 +80,12 @@ class Part:
     base: R.Region
     pieces: tuple = ()
     region: R.Region = R.FULL
-    clean: Any = None      # value with garbage replaced by FILL, made when first asked for
+    clean: Any = None  # value with garbage replaced by FILL, made when first asked for
     learned: int = 0
 
 
 # --------------------------------------------------------------------------- reading
+
 
 def token(env: Env, v: Any) -> Any:
     """What is known of `v`, as something that changes whenever that does."""
@@ -124,14 +149,15 @@ def value_of(env: Env, v: Any, clean: bool = False) -> Any:
     if not clean:
         return p.value
     if p.clean is None:
-        fill = jnp.asarray(FILL if jnp.issubdtype(v.aval.dtype, jnp.inexact) else 1,
-                           v.aval.dtype)
-        p.clean = jnp.where(R.materialize(p.region, tuple(v.aval.shape), env.read, env.masks), fill,
-                            p.value)
+        fill = jnp.asarray(FILL if jnp.issubdtype(v.aval.dtype, jnp.inexact) else 1, v.aval.dtype)
+        p.clean = jnp.where(
+            R.materialize(p.region, tuple(v.aval.shape), env.read, env.masks), fill, p.value
+        )
     return p.clean
 
 
 # --------------------------------------------------------------------------- learning
+
 
 def learn(env: Env, v: Any, value: Any, region: R.Region) -> bool:
     """`v` is known outside `region`, with these values there. Returns whether that is new."""
@@ -163,8 +189,9 @@ def learn(env: Env, v: Any, value: Any, region: R.Region) -> bool:
             val = _write_window(val, w, piece, env)
         env.write(v, val)
         return True
-    pieces = tuple((w, x) for w, x in p.pieces
-                   if R.intersect(base, R.win_region(w, st), st) != R.EMPTY)
+    pieces = tuple(
+        (w, x) for w, x in p.pieces if R.intersect(base, R.win_region(w, st), st) != R.EMPTY
+    )
     env.part[v] = Part(val, base, pieces, new, None, p.learned + 1)
     return True
 
@@ -195,7 +222,7 @@ def learn_piece(env: Env, v: Any, w: R.Win, piece: Any) -> bool:
     piece = jnp.asarray(piece, v.aval.dtype).reshape(w.sizes)
     if p is None:
         rest = R.cowin_region(w, st)
-        if rest == R.EMPTY:        # the window is the whole array (a full slice)
+        if rest == R.EMPTY:  # the window is the whole array (a full slice)
             env.write(v, piece)
         else:
             env.part[v] = Part(None, R.FULL, ((w, piece),), rest)
@@ -244,16 +271,15 @@ def _tiled(pieces: Sequence[tuple[R.Win, Any]], shape: tuple) -> Any:
     return parts[0] if len(parts) == 1 else lax.concatenate(parts, axis)
 
 
-def _merge(env: Env, v: Var, old: Any, old_base: R.Region, new: Any, new_region: R.Region
-           ) -> Any:
+def _merge(env: Env, v: Var, old: Any, old_base: R.Region, new: Any, new_region: R.Region) -> Any:
     """One array right wherever `old` (outside `old_base`) or `new` (outside `new_region`) is,
     written in the cheapest form: a window copied across when one of them is wrong (or right)
     on one window only, else an elementwise select."""
     shape = tuple(v.aval.shape)
     one = _single_atom(old_base)
-    if isinstance(one, R.Win):      # old is wrong on one window: copy new's window into it
+    if isinstance(one, R.Win):  # old is wrong on one window: copy new's window into it
         return _write_window(old, one, _read_window_value(new, one, env), env)
-    if isinstance(one, R.CoWin):    # old is right on one window only
+    if isinstance(one, R.CoWin):  # old is right on one window only
         return _write_window(new, one.win, _read_window_value(old, one.win, env), env)
     two = _single_atom(new_region)
     if isinstance(two, R.Win):
@@ -272,6 +298,7 @@ def _single_atom(r: R.Region) -> Any:
 
 
 # --------------------------------------------------------------------------- windows
+
 
 def _starts(w: R.Win, env: Env) -> list[Any]:
     out = []
@@ -327,6 +354,7 @@ def read_window(env: Env, v: Any, w: R.Win) -> Any:
 
 # --------------------------------------------------------------------------- regions
 
+
 def not_case(env: Env, pred: Any, k: int, n: int, shape: tuple) -> R.Region:
     """Where the known predicate `pred` (of `n` values, broadcast to `shape`) is not `k`."""
     s = static_of(env, pred)
@@ -343,6 +371,7 @@ def is_case(env: Env, pred: Any, k: int, n: int, shape: tuple) -> R.Region:
 
 
 # --------------------------------------------------------------------------- entry points
+
 
 def forward(eqn: JaxprEqn, env: Env) -> bool:
     """Outputs known on some elements, from inputs known on some (or all)."""
@@ -383,6 +412,7 @@ def backward(eqn: JaxprEqn, env: Env) -> bool | None:
 
 # --------------------------------------------------------------------------- elementwise
 
+
 def _elementwise_forward(eqn: JaxprEqn, env: Env) -> bool:
     if not all(env.known(v) or is_partial(env, v) for v in eqn.invars):
         return False
@@ -408,12 +438,12 @@ def _elementwise_backward(eqn: JaxprEqn, env: Env) -> bool | None:
     if not (env.known(o) or is_partial(env, o)):
         return None
     if len(targets) == 1 and env.known(o) and not any(is_partial(env, v) for v in eqn.invars):
-        return None   # everything needed is known: the ordinary inverse rule
+        return None  # everything needed is known: the ordinary inverse rule
     wrote = False
     involved = False
     for k in targets:
         if tuple(eqn.invars[k].aval.shape) != tuple(o.aval.shape):
-            continue   # a scalar broadcast over the output: not element by element
+            continue  # a scalar broadcast over the output: not element by element
         others = [v for j, v in enumerate(eqn.invars) if j != k]
         if not all(env.known(v) or is_partial(env, v) for v in others):
             continue
@@ -423,8 +453,10 @@ def _elementwise_backward(eqn: JaxprEqn, env: Env) -> bool | None:
             region = R.union(region, region_on(env, v, o.aval.shape), env.info)
         if region == R.FULL or R.implies(region_of(env, eqn.invars[k]), region):
             continue
-        ins = [Unknown(v.aval) if j == k else value_of(env, v, clean=True)
-               for j, v in enumerate(eqn.invars)]
+        ins = [
+            Unknown(v.aval) if j == k else value_of(env, v, clean=True)
+            for j, v in enumerate(eqn.invars)
+        ]
         try:
             rec = inverse_rules[eqn.primitive](value_of(env, o, clean=True), *ins, **eqn.params)
         except (NeedMore, Lossy):
@@ -435,6 +467,7 @@ def _elementwise_backward(eqn: JaxprEqn, env: Env) -> bool | None:
 
 
 # --------------------------------------------------------------------------- structural
+
 
 def _index_args(eqn: JaxprEqn) -> list[int]:
     """The positions of `eqn`'s index operands (`index_args` holds ints and slices)."""
@@ -483,8 +516,9 @@ def _index_maps(eqn: JaxprEqn, key: tuple, statics: tuple) -> tuple[list, list] 
     data = _data_args(eqn)
     sizes = [int(np.prod(eqn.invars[k].aval.shape, dtype=np.int64)) for k in data]
     total = sum(sizes)
-    if total >= 2 ** 31 or any(np.prod(o.aval.shape, dtype=np.int64) > _MAX_MAP
-                               for o in eqn.outvars if is_var(o)):
+    if total >= 2**31 or any(
+        np.prod(o.aval.shape, dtype=np.int64) > _MAX_MAP for o in eqn.outvars if is_var(o)
+    ):
         return None
     args: list[Any] = [None] * len(eqn.invars)
     offsets = np.cumsum([0] + sizes)
@@ -507,11 +541,11 @@ def _index_maps(eqn: JaxprEqn, key: tuple, statics: tuple) -> tuple[list, list] 
             row.append(R.IndexMap(m, tuple(o.shape), False))
             back = np.full(n, -1, np.int64)
             ks = np.nonzero(inside)[0]
-            back[m[ks][::-1]] = ks[::-1]   # the first output position that copies each one
+            back[m[ks][::-1]] = ks[::-1]  # the first output position that copies each one
             irow.append(R.IndexMap(back, tuple(eqn.invars[k].aval.shape), True))
         fwd.append(row)
         inv.append(irow)
-    maps.put((id(eqn), key), [], (eqn, (fwd, inv)))   # (the eqn kept: its id stays its)
+    maps.put((id(eqn), key), [], (eqn, (fwd, inv)))  # (the eqn kept: its id stays its)
     return fwd, inv
 
 
@@ -521,9 +555,8 @@ def _structural_forward(eqn: JaxprEqn, env: Env) -> bool:
         return False
     fwd, _ = maps
     data = _data_args(eqn)
-    if any(is_partial(env, eqn.invars[k]) and env.part[eqn.invars[k]].value is None
-           for k in data):
-        return False   # known by windows only: read by window (assembling them costs O(n))
+    if any(is_partial(env, eqn.invars[k]) and env.part[eqn.invars[k]].value is None for k in data):
+        return False  # known by windows only: read by window (assembling them costs O(n))
     vals = list(env.read(v) if env.known(v) else None for v in eqn.invars)
     regions = {}
     for k in data:
@@ -560,9 +593,12 @@ def _structural_backward(eqn: JaxprEqn, env: Env) -> bool:
             continue
         for o, frow, irow in zip(eqn.outvars, fwd, inv):
             ro = region_of(env, o) if is_var(o) else R.FULL
-            if ro == R.FULL or 0 in o.aval.shape or (
-                    is_partial(env, o) and env.part[o].value is None):
-                continue   # (known by windows only: they are read by window, not assembled)
+            if (
+                ro == R.FULL
+                or 0 in o.aval.shape
+                or (is_partial(env, o) and env.part[o].value is None)
+            ):
+                continue  # (known by windows only: they are read by window, not assembled)
             im = _known_readers(frow[j], ro, tuple(v.aval.shape)) or irow[j]
             got = im.take(value_of(env, o))
             wrote = learn(env, v, got, R.pullback(ro, im)) or wrote

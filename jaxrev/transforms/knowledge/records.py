@@ -1,7 +1,8 @@
 """What a walk recovered, step by step: the record log-determinants are summed over (docs/design.md
 §3.7).
 
-While a walk's context holds a `Recorder` (`WalkContext.recorder`), the walker notes every step that recovers unknown values in the
+While a walk's context holds a `Recorder` (`WalkContext.recorder`), the walker notes every step that
+recovers unknown values in the
 env it was given: one equation's inverse or element rule (which inputs, and which of their
 elements, were new), a group step (a lump, a choice, a Newton group: the group's equations, its
 unknown inputs and its known outputs), and, for a loop or branch rule that inverts a sub-jaxpr,
@@ -9,10 +10,12 @@ a child record of that walk. The record holds no values, only variables and regi
 record made on one run (abstract, or inside a loop's trace) is evaluated on another run's env.
 Walks on other envs (a choice's candidate branches, probes) are not recorded.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from jaxrev._compat import JaxprEqn, Var
 
@@ -36,13 +39,19 @@ class Recorder:
     """The steps of one walk over `jaxpr` (in `env`), and the records of the sub-jaxpr walks
     of its loops and branches, by equation."""
 
-    def __init__(self, env: Any = None, jaxpr: Any = None, hints: Any = None,
-                 seeded: Sequence[int] = (), goals: Sequence[int] = ()) -> None:
+    def __init__(
+        self,
+        env: Any = None,
+        jaxpr: Any = None,
+        hints: Any = None,
+        seeded: Sequence[int] = (),
+        goals: Sequence[int] = (),
+    ) -> None:
         self.env, self.jaxpr, self.hints = env, jaxpr, hints
         # the positions of the outputs the walk started from and of the inputs it recovered
         self.seeded_pos, self.goal_pos = list(seeded), list(goals)
         self.steps: list[Step] = []
-        self.children: dict[int, Recorder] = {}   # id(eqn) -> the last walk of its sub-jaxpr
+        self.children: dict[int, Recorder] = {}  # id(eqn) -> the last walk of its sub-jaxpr
         self.unsupported: list[str] = []
 
     @property
@@ -70,8 +79,9 @@ def eqn_step(env: Any, eqn: JaxprEqn, changes: Sequence[tuple[Var, Any, Any]]) -
         rec.steps.append(Step("eqn", (eqn,), list(changes)))
 
 
-def group_step(env: Any, kind: str, eqns: Sequence[JaxprEqn], inputs: Sequence[Var],
-               outputs: Sequence[Var]) -> None:
+def group_step(
+    env: Any, kind: str, eqns: Sequence[JaxprEqn], inputs: Sequence[Var], outputs: Sequence[Var]
+) -> None:
     rec = active(env)
     if rec is not None:
         rec.steps.append(Step(kind, tuple(eqns), inputs=list(inputs), outputs=list(outputs)))
@@ -84,8 +94,15 @@ def unsupported(env: Any, why: str) -> None:
         rec.unsupported.append(why)
 
 
-def child(parent_env: Any, eqn: JaxprEqn | None, env: Any, jaxpr: Any, hints: Any,
-          seeded: Sequence[int], goals: Sequence[int]) -> tuple[Any, Callable[[], None]]:
+def child(
+    parent_env: Any,
+    eqn: JaxprEqn | None,
+    env: Any,
+    jaxpr: Any,
+    hints: Any,
+    seeded: Sequence[int],
+    goals: Sequence[int],
+) -> tuple[Any, Callable[[], None]]:
     """The context of the walk over a sub-jaxpr (`env`, `jaxpr`) that the rule of `eqn` runs
     in the walk over `parent_env`, and what to call once that walk succeeded: where the
     parent walk is recorded, the child walk gets a record of its own, filed under `eqn`."""

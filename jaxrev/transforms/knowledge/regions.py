@@ -18,24 +18,46 @@ compared by `relation`, on their corners' values at every iteration of the enclo
 relation is then unknown, and the region stays as large as it was: regions only ever
 over-approximate what is unknown, which is always safe).
 """
+
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-__all__ = ["Mask", "Pred", "Win", "CoWin", "Region", "EMPTY", "FULL", "mask_region",
-           "pred_region", "win_region", "cowin_region", "union", "intersect", "implies",
-           "pullback", "materialize", "relation", "has_windows", "window_known", "static_mask",
-           "undecided",
-           "IndexMap"]
+__all__ = [
+    "Mask",
+    "Pred",
+    "Win",
+    "CoWin",
+    "Region",
+    "EMPTY",
+    "FULL",
+    "mask_region",
+    "pred_region",
+    "win_region",
+    "cowin_region",
+    "union",
+    "intersect",
+    "implies",
+    "pullback",
+    "materialize",
+    "relation",
+    "has_windows",
+    "window_known",
+    "static_mask",
+    "undecided",
+    "IndexMap",
+]
 
 
 # --------------------------------------------------------------------------- atoms
+
 
 @dataclass(frozen=True)
 class Mask:
@@ -45,7 +67,7 @@ class Mask:
     shape: tuple
 
     @staticmethod
-    def of(m: np.ndarray) -> "Mask":
+    def of(m: np.ndarray) -> Mask:
         m = np.asarray(m, bool)
         return Mask(np.packbits(m.ravel()).tobytes(), tuple(m.shape))
 
@@ -66,7 +88,7 @@ class IndexMap:
 
     def __init__(self, index: np.ndarray, shape: tuple, fill: bool | None = None) -> None:
         index = np.asarray(index, np.int64)
-        if fill is not None:   # -1: False, -2: True
+        if fill is not None:  # -1: False, -2: True
             index = np.where(index >= 0, index, -2 if fill else -1)
         self.index = index
         self.shape = tuple(shape)
@@ -75,8 +97,7 @@ class IndexMap:
 
     def key(self) -> tuple:
         if self._key is None:
-            self._key = (self.shape, hashlib.blake2b(self.index.tobytes(),
-                                                     digest_size=16).digest())
+            self._key = (self.shape, hashlib.blake2b(self.index.tobytes(), digest_size=16).digest())
         return self._key
 
     def __hash__(self) -> int:
@@ -85,19 +106,24 @@ class IndexMap:
     def __eq__(self, other: Any) -> bool:
         return isinstance(other, IndexMap) and (other is self or self.key() == other.key())
 
-    def then(self, after: "IndexMap") -> "IndexMap":
+    def then(self, after: IndexMap) -> IndexMap:
         """This map followed by `after` (which reads this map's output)."""
         idx = after.index
         return IndexMap(np.where(idx >= 0, self.index[np.maximum(idx, 0)], idx), after.shape)
 
     def _form(self) -> str:
-        """"identity" (the source itself), "constant" (one source element everywhere), else
+        """ "identity" (the source itself), "constant" (one source element everywhere), else
         "gather": most predicates are read whole or broadcast from a scalar, and a mask made
         when the program runs should then cost no gather."""
         if self._kind is None:
             idx = self.index
-            self._kind = ("constant" if idx.size and idx[0] >= 0 and np.all(idx == idx[0]) else
-                          "identity" if np.array_equal(idx, np.arange(idx.size)) else "gather")
+            self._kind = (
+                "constant"
+                if idx.size and idx[0] >= 0 and np.all(idx == idx[0])
+                else "identity"
+                if np.array_equal(idx, np.arange(idx.size))
+                else "gather"
+            )
         return self._kind
 
     def apply(self, m: Any) -> Any:
@@ -133,10 +159,16 @@ def take_static(flat: Any, idx: np.ndarray) -> Any:
     n = idx.size
     if n and (n == 1 or bool(np.all(np.diff(idx) == 1))):
         return lax.slice(flat, (int(idx[0]),), (int(idx[0]) + n,))
-    dnums = lax.GatherDimensionNumbers(offset_dims=(), collapsed_slice_dims=(0,),
-                                       start_index_map=(0,))
-    return lax.gather(flat, idx.astype(np.int32).reshape(-1, 1), dnums, slice_sizes=(1,),
-                      mode=lax.GatherScatterMode.PROMISE_IN_BOUNDS)
+    dnums = lax.GatherDimensionNumbers(
+        offset_dims=(), collapsed_slice_dims=(0,), start_index_map=(0,)
+    )
+    return lax.gather(
+        flat,
+        idx.astype(np.int32).reshape(-1, 1),
+        dnums,
+        slice_sizes=(1,),
+        mode=lax.GatherScatterMode.PROMISE_IN_BOUNDS,
+    )
 
 
 @dataclass(frozen=True)
@@ -171,7 +203,7 @@ class Win:
     sizes: tuple
     shape: tuple
     mode: str
-    source: Any = field(default=None, compare=False, hash=False)   # the equation writing it
+    source: Any = field(default=None, compare=False, hash=False)  # the equation writing it
 
 
 @dataclass(frozen=True)
@@ -264,6 +296,7 @@ def has_windows(r: Region) -> bool:
 
 # --------------------------------------------------------------------------- window relations
 
+
 def _corner(o: Any, statics: Any) -> tuple[str, Any] | None:
     """One coordinate of a window's corner: ("static", int), ("enum", values per iteration),
     or None where it is not known at trace time."""
@@ -299,7 +332,7 @@ def _starts(w: Win, statics: Any) -> tuple[list[Any], Any] | None:
 
 
 def relation(a: Win, b: Win, statics: Any) -> str | None:
-    """"same" (the same positions at every iteration), "disjoint" (none in common at any
+    """ "same" (the same positions at every iteration), "disjoint" (none in common at any
     iteration), or None (not decided)."""
     if a == b:
         return "same"
@@ -329,8 +362,7 @@ def _window_meets_mask(w: Win, m: np.ndarray, statics: Any) -> bool | None:
         return None
     starts, valid = st
     T = max([np.size(s) for s in starts] + [np.size(valid)])
-    starts = [np.broadcast_to(np.asarray(s), (T,)) if np.ndim(s) else np.full(T, s)
-              for s in starts]
+    starts = [np.broadcast_to(np.asarray(s), (T,)) if np.ndim(s) else np.full(T, s) for s in starts]
     valid = np.broadcast_to(np.asarray(valid), (T,))
     if T > 1_000_000:
         return None
@@ -347,6 +379,7 @@ def _window_meets_mask(w: Win, m: np.ndarray, statics: Any) -> bool | None:
 
 
 # --------------------------------------------------------------------------- conjunctions
+
 
 def _simplify_conj(c: Conj, statics: Any) -> Conj | None:
     """A conjunction with its atoms merged; None when it is provably empty."""
@@ -372,7 +405,7 @@ def _simplify_conj(c: Conj, statics: Any) -> Conj | None:
             preds[a.key] = Pred(a.var, cases, a.n, a.shape0, a.maps)
     out.update(p for p in preds.values() if len(p.cases) < p.n)
     for i, w in enumerate(wins):
-        for v in wins[i + 1:]:
+        for v in wins[i + 1 :]:
             if relation(w, v, statics) == "disjoint":
                 return None
     kept_wins = []
@@ -431,8 +464,12 @@ def _reduce_by(c: Conj, by: Conj) -> Conj | None:
         if not rest <= c:
             continue
         for y in c:
-            if (isinstance(y, Pred) and y.key == x.key and y is not x
-                    and len(x.cases | y.cases) == x.n):
+            if (
+                isinstance(y, Pred)
+                and y.key == x.key
+                and y is not x
+                and len(x.cases | y.cases) == x.n
+            ):
                 return c - {y}
     return None
 
@@ -507,8 +544,10 @@ predicates comes from knowledge spread across steps first, and grows with every 
 
 def too_complex(r: Region) -> bool:
     """Whether `r` exceeds the bound that keeps tracing linear: the walk does not record it."""
-    return r not in (EMPTY, FULL) and (len(r) > MAX_CONJUNCTIONS or len(
-        {id(a.var) for c in r for a in c if isinstance(a, Pred)}) > MAX_PREDICATES)
+    return r not in (EMPTY, FULL) and (
+        len(r) > MAX_CONJUNCTIONS
+        or len({id(a.var) for c in r for a in c if isinstance(a, Pred)}) > MAX_PREDICATES
+    )
 
 
 def implies(a: Region, b: Region) -> bool:
@@ -533,8 +572,11 @@ def pullback(r: Region, m: IndexMap) -> Region:
                 for cj in conjs:
                     cj.add(Mask.of(m.apply(a.array)))
             else:
-                conjs = [cj | alt for cj in conjs
-                         for alt in _pred_pulled(a, a.maps[0].then(m) if a.maps else m)]
+                conjs = [
+                    cj | alt
+                    for cj in conjs
+                    for alt in _pred_pulled(a, a.maps[0].then(m) if a.maps else m)
+                ]
         if not c:
             conjs[0].add(Mask.of(np.where(m.index >= 0, True, m.index == -2).reshape(m.shape)))
         out.extend(frozenset(cj) for cj in conjs)
@@ -560,6 +602,7 @@ def _pred_pulled(a: Pred, im: IndexMap) -> list[set]:
 
 
 # --------------------------------------------------------------------------- run-time masks
+
 
 def _window_mask(w: Win, read: Callable[[Any], Any]) -> Any:
     inside = None
@@ -594,8 +637,9 @@ def _pred_mask(a: Pred, read: Callable[[Any], Any]) -> Any:
     return m
 
 
-def materialize(r: Region, shape: tuple, read: Callable[[Any], Any],
-                cache: dict | None = None) -> Any:
+def materialize(
+    r: Region, shape: tuple, read: Callable[[Any], Any], cache: dict | None = None
+) -> Any:
     """The region as a boolean array when the program runs (`read` gives a variable's value;
     `cache` keeps the arrays made for a walk, which every copy of its env shares)."""
     if cache is not None:

@@ -14,6 +14,7 @@ other branches never return (a check: `ChoiceRule.fails`) passing its operand th
 the branch that returns is taken only if no element is negative. "Non-negative" includes NaN
 (a comparison with NaN is false): a NaN stays NaN through the root.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -34,14 +35,31 @@ def _present(*ps: Any) -> frozenset:
     return frozenset(p for p in ps if p is not None)
 
 
-_NEVER_NEGATIVE = _present(prims.exp, prims.exp2, prims.sqrt, prims.abs, prims.logistic,
-                           prims.rsqrt, prims.square)
+_NEVER_NEGATIVE = _present(
+    prims.exp, prims.exp2, prims.sqrt, prims.abs, prims.logistic, prims.rsqrt, prims.square
+)
 # the result is non-negative where all (data) operands are
-_KEEP_ALL = _present(prims.add, prims.add_any, prims.min, prims.reduce_sum, prims.cumsum,
-                     prims.reshape, prims.broadcast_in_dim, prims.transpose, prims.squeeze,
-                     prims.rev, prims.copy, prims.concatenate, prims.slice, prims.pad,
-                     prims.reduce_precision, prims.convert_element_type, prims.mul, prims.div,
-                     prims.stack)
+_KEEP_ALL = _present(
+    prims.add,
+    prims.add_any,
+    prims.min,
+    prims.reduce_sum,
+    prims.cumsum,
+    prims.reshape,
+    prims.broadcast_in_dim,
+    prims.transpose,
+    prims.squeeze,
+    prims.rev,
+    prims.copy,
+    prims.concatenate,
+    prims.slice,
+    prims.pad,
+    prims.reduce_precision,
+    prims.convert_element_type,
+    prims.mul,
+    prims.div,
+    prims.stack,
+)
 # only the first operand carries data (the rest are indices)
 _KEEP_FIRST = _present(prims.dynamic_slice, prims.gather)
 
@@ -75,7 +93,7 @@ def nonnegative(v: Any, env: Env, depth: int = 0) -> bool:
     if p is prims.max:
         return any(nonnegative(u, env, depth + 1) for u in ins)
     if p in (prims.mul, prims.div) and ins[0] is ins[1] and is_var(ins[0]):
-        return True   # x * x
+        return True  # x * x
     if p is prims.select_n:
         return all(nonnegative(u, env, depth + 1) for u in ins[1:])
     if p in _KEEP_FIRST:
@@ -93,8 +111,10 @@ def _guarded(e: Any, v: Any, env: Env, depth: int) -> bool:
     branch only where no element of the operand is negative."""
     branches = cond_branches(e.params)
     rule = choice_rules.get(prims.cond)
-    fails = [rule is not None and rule.fails is not None and rule.fails(e, k)
-             for k in range(len(branches))]
+    fails = [
+        rule is not None and rule.fails is not None and rule.fails(e, k)
+        for k in range(len(branches))
+    ]
     live = [k for k, f in enumerate(fails) if not f]
     if len(live) != 1:
         return False
@@ -125,7 +145,7 @@ def _flags_negative(flag: Any, x: Any, env: Env, returns_if: bool, depth: int) -
         if p is getattr(prims, "not"):
             flag, returns_if = e.invars[0], not returns_if
             continue
-        if returns_if:   # the flag holds: nothing said of x
+        if returns_if:  # the flag holds: nothing said of x
             return False
         if p is getattr(prims, "or"):
             return any(_flags_negative(u, x, env, False, depth + 1) for u in e.invars)

@@ -23,9 +23,11 @@ one combination must be consistent, or several that agree:
 
 Derivatives differentiate the chosen candidate (the selection by consistency has none).
 """
+
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -35,9 +37,9 @@ from jax import lax
 from jaxrev._compat import JaxprEqn, Literal, Var, has_user_frame, is_concrete, prims
 from jaxrev._errors import ReversibilityError, at_eqn, not_invertible
 from jaxrev._jaxpr import Env, evaluate, is_var, real_outvars, size_of
-from jaxrev.transforms.knowledge.checks import NEWTON_STARTS, raise_where
 from jaxrev.transforms.custom import custom_inverse
 from jaxrev.transforms.knowledge import records
+from jaxrev.transforms.knowledge.checks import NEWTON_STARTS, raise_where
 from jaxrev.transforms.propagation.reach import decided_on, int_range, reachable
 from jaxrev.transforms.registry import choice_rules, elementwise_in
 
@@ -77,8 +79,11 @@ class _Choice:
         e = self.eqn
         if self.value is not None:
             return real_outvars(e)[0].aval.shape == ()
-        return is_var(e.invars[0]) and e.invars[0].aval.shape == () and e.primitive in (
-            prims.select_n, prims.cond)
+        return (
+            is_var(e.invars[0])
+            and e.invars[0].aval.shape == ()
+            and e.primitive in (prims.select_n, prims.cond)
+        )
 
 
 def _choices(G: Sequence[JaxprEqn], env: Env) -> list[_Choice]:
@@ -86,20 +91,31 @@ def _choices(G: Sequence[JaxprEqn], env: Env) -> list[_Choice]:
     equations with choice rules whose decision is not known and that do not only feed those."""
     producer = {o: e for e in G for o in real_outvars(e)}
     # a select's predicate or a cond's index is enumerated by the select or the cond itself
-    decisions = {e.invars[0] for e in G
-                 if e.primitive in (prims.select_n, prims.cond) and is_var(e.invars[0])}
+    decisions = {
+        e.invars[0]
+        for e in G
+        if e.primitive in (prims.select_n, prims.cond) and is_var(e.invars[0])
+    }
     values: list[_Choice] = []
     for e in G:
         outs = real_outvars(e)
-        if (len(outs) != 1 or not jnp.issubdtype(outs[0].aval.dtype, jnp.integer)
-                or outs[0] in decisions):
+        if (
+            len(outs) != 1
+            or not jnp.issubdtype(outs[0].aval.dtype, jnp.integer)
+            or outs[0] in decisions
+        ):
             continue
         r = int_range(outs[0], producer, env, {})
         if not _few(r) or r[1] <= r[0]:
             continue
         # the first such integer on its path: its integer inputs are not of a few values
-        if any(is_var(v) and v in producer and jnp.issubdtype(v.aval.dtype, jnp.integer)
-               and _few(int_range(v, producer, env, {})) for v in e.invars):
+        if any(
+            is_var(v)
+            and v in producer
+            and jnp.issubdtype(v.aval.dtype, jnp.integer)
+            and _few(int_range(v, producer, env, {}))
+            for v in e.invars
+        ):
             continue
         values.append(_Choice(e, int(r[1] - r[0] + 1), int(r[0])))
     # what only feeds the integers is decided with them (the clip of a bin index); what also
@@ -132,8 +148,11 @@ def _determined(G: Sequence[JaxprEqn], values: Sequence[_Choice], env: Env) -> s
 
 
 def _few(r: tuple | None) -> bool:
-    return (r is not None and bool(np.isfinite(r[0]) and np.isfinite(r[1]))
-            and r[1] - r[0] + 1 <= MAX_VALUES)
+    return (
+        r is not None
+        and bool(np.isfinite(r[0]) and np.isfinite(r[1]))
+        and r[1] - r[0] + 1 <= MAX_VALUES
+    )
 
 
 def _ancestors(eqns: Sequence[JaxprEqn], producer: dict) -> set:
@@ -148,17 +167,22 @@ def _ancestors(eqns: Sequence[JaxprEqn], producer: dict) -> set:
     return out
 
 
-def choice_step(eqns: Sequence[JaxprEqn], env: Env, pending: Sequence[int], soft: bool,
-                walk: Walk) -> bool:
+def choice_step(
+    eqns: Sequence[JaxprEqn], env: Env, pending: Sequence[int], soft: bool, walk: Walk
+) -> bool:
     """Invert the smallest trailing square group holding state-dependent decisions. With
     `soft` (`reversible`'s walks), a group with a branch that loses the state is left alone
     (the sweep stores what it loses) instead of raising. `walk(eqns, env, goals)` is the
     walker's recursion (a soft propagation over `eqns`), handed in by the walker."""
     # the walk's own unknowns (what no equation of it makes): a branch that loses the state
     # on an interval of these is surely taken, and refused when traced (`_lossy`)
-    state = _Lazy(lambda: (frozenset(v for e in eqns for v in e.invars if is_var(v))
-                           - {o for e in eqns for o in e.outvars},
-                           {o: e for e in eqns for o in real_outvars(e)}))
+    state = _Lazy(
+        lambda: (
+            frozenset(v for e in eqns for v in e.invars if is_var(v))
+            - {o for e in eqns for o in e.outvars},
+            {o: e for e in eqns for o in real_outvars(e)},
+        )
+    )
     cand = [i for i in pending if any(not env.known(v) for v in eqns[i].invars)]
     stuck = [i for i in cand if any(env.known(v) for v in real_outvars(eqns[i]))]
     if not stuck:
@@ -169,8 +193,14 @@ def choice_step(eqns: Sequence[JaxprEqn], env: Env, pending: Sequence[int], soft
         if not any(e.primitive in choice_rules or _int_out(e) for e in G):
             continue
         produced = {v for e in G for v in real_outvars(e)}
-        inputs = list(dict.fromkeys(v for e in G for v in e.invars
-                                    if is_var(v) and not env.known(v) and v not in produced))
+        inputs = list(
+            dict.fromkeys(
+                v
+                for e in G
+                for v in e.invars
+                if is_var(v) and not env.known(v) and v not in produced
+            )
+        )
         outputs = [v for e in G for v in real_outvars(e) if env.known(v)]
         if not inputs or size_of(v.aval for v in inputs) != size_of(v.aval for v in outputs):
             continue
@@ -184,11 +214,18 @@ def choice_step(eqns: Sequence[JaxprEqn], env: Env, pending: Sequence[int], soft
         det = _determined(G, values, env)
         # (what only decides a select's or a cond's case, an argmax over a `jnp.select`'s
         # conditions, is not inverted: each branch replaces the choice by one case)
-        core = [e for e in _live([e for e in G if not any(c.eqn is e for c in values)],
-                                 outputs, decided={c.eqn for c in ch if c.value is None})
-                if not all(o in det for o in real_outvars(e))]
+        core = [
+            e
+            for e in _live(
+                [e for e in G if not any(c.eqn is e for c in values)],
+                outputs,
+                decided={c.eqn for c in ch if c.value is None},
+            )
+            if not all(o in det for o in real_outvars(e))
+        ]
         per_element = all(tuple(v.aval.shape) == shape for v in [*inputs, *outputs]) and all(
-            elementwise_in(e, shape) or _pointwise_gather(e, shape) for e in core)
+            elementwise_in(e, shape) or _pointwise_gather(e, shape) for e in core
+        )
         whole = all(c.whole for c in ch)
         if not (per_element or whole):
             continue
@@ -196,8 +233,17 @@ def choice_step(eqns: Sequence[JaxprEqn], env: Env, pending: Sequence[int], soft
         if combos is None:
             continue
         try:
-            return _split(G, ch, combos, inputs, outputs, env,
-                          shape if per_element else None, walk, None if soft else state)
+            return _split(
+                G,
+                ch,
+                combos,
+                inputs,
+                outputs,
+                env,
+                shape if per_element else None,
+                walk,
+                None if soft else state,
+            )
         except _Lost as e:
             if soft:
                 return False
@@ -205,8 +251,9 @@ def choice_step(eqns: Sequence[JaxprEqn], env: Env, pending: Sequence[int], soft
     return False
 
 
-def _combos(G: Sequence[JaxprEqn], ch: list[_Choice], outputs: Sequence[Var], env: Env
-            ) -> list[dict] | None:
+def _combos(
+    G: Sequence[JaxprEqn], ch: list[_Choice], outputs: Sequence[Var], env: Env
+) -> list[dict] | None:
     """The combinations ``{eqn: (choice, branch)}`` to try (None: more than `MAX_COMBOS`).
     Choices are split from the outputs backwards and only while still live: a select's case
     leaves its other case's computations dead, so the choices under a case are tried under it
@@ -219,7 +266,7 @@ def _combos(G: Sequence[JaxprEqn], ch: list[_Choice], outputs: Sequence[Var], en
 
     def grow(combo: dict) -> bool:
         window = _branch_window(G, combo, env.copy())
-        if window is None:   # (`_solve` reports it)
+        if window is None:  # (`_solve` reports it)
             out.append(combo)
             return len(out) <= MAX_COMBOS
         undecided = {e for e in order if e not in combo and by_eqn[e].value is None}
@@ -232,7 +279,7 @@ def _combos(G: Sequence[JaxprEqn], ch: list[_Choice], outputs: Sequence[Var], en
         for k in range(c.n):
             more = {**combo, nxt: (c, k)}
             if _fails(c, k) or not reachable(more, producer, env):
-                continue   # that branch never returns, or contradicts the others
+                continue  # that branch never returns, or contradicts the others
             if not grow(more):
                 return False
         return True
@@ -264,9 +311,12 @@ def _pointwise_gather(e: JaxprEqn, shape: tuple) -> bool:
         return False
     idx = e.invars[1]
     outs = real_outvars(e)
-    return (len(outs) == 1 and tuple(outs[0].aval.shape) == shape
-            and tuple(idx.aval.shape[:len(shape)]) == shape
-            and int(np.prod(idx.aval.shape[len(shape):], dtype=np.int64)) == 1)
+    return (
+        len(outs) == 1
+        and tuple(outs[0].aval.shape) == shape
+        and tuple(idx.aval.shape[: len(shape)]) == shape
+        and int(np.prod(idx.aval.shape[len(shape) :], dtype=np.int64)) == 1
+    )
 
 
 class _Lost(Exception):
@@ -287,7 +337,7 @@ def _branch_window(G: Sequence[JaxprEqn], combo: dict, env_c: Env) -> list[Jaxpr
             continue
         choice, k = c
         (o,) = real_outvars(e)
-        if choice.value is not None:   # the integer's value, assumed
+        if choice.value is not None:  # the integer's value, assumed
             env_c.write(o, jnp.full(o.aval.shape, choice.value + k, o.aval.dtype))
             continue
         r = choice_rules[e.primitive].branch(e, k)
@@ -303,8 +353,9 @@ def _branch_window(G: Sequence[JaxprEqn], combo: dict, env_c: Env) -> list[Jaxpr
     return window
 
 
-def _live(window: list[JaxprEqn], targets: Sequence[Var],
-          decided: set | frozenset = frozenset()) -> list[JaxprEqn]:
+def _live(
+    window: list[JaxprEqn], targets: Sequence[Var], decided: set | frozenset = frozenset()
+) -> list[JaxprEqn]:
     """The equations of the window that lead to the group's known outputs (a choice replaced
     by one of its cases leaves the others' computations, the predicate's among them, dead).
     The selects and conds in `decided` are followed through their cases only."""
@@ -315,23 +366,38 @@ def _live(window: list[JaxprEqn], targets: Sequence[Var],
         outs = real_outvars(e)
         if any(o in need for o in outs):
             keep[i] = True
-            ins = e.invars[1:] if e in decided and e.primitive in (prims.select_n,
-                                                                    prims.cond) else e.invars
+            ins = (
+                e.invars[1:]
+                if e in decided and e.primitive in (prims.select_n, prims.cond)
+                else e.invars
+            )
             need.update(v for v in ins if is_var(v))
     return [e for e, k in zip(window, keep) if k]
 
 
-def _split(G: Sequence[JaxprEqn], ch: list[_Choice], combos: list[dict], inputs: list[Var],
-           outputs: list[Var], env: Env, shape: tuple | None, walk: Walk, state: Any) -> bool:
+def _split(
+    G: Sequence[JaxprEqn],
+    ch: list[_Choice],
+    combos: list[dict],
+    inputs: list[Var],
+    outputs: list[Var],
+    env: Env,
+    shape: tuple | None,
+    walk: Walk,
+    state: Any,
+) -> bool:
     """Invert the group branch by branch and write the consistent candidate. The inverse is
     emitted as one `custom_inverse` step whose own inverse is the group run forward, so that
     the inverse program can be inverted again (``reverse(reverse(f))``)."""
     produced = {o for e in G for o in real_outvars(e)}
-    reads = list(dict.fromkeys(v for e in G for v in e.invars if is_var(v) and env.known(v)
-                               and v not in produced))
+    reads = list(
+        dict.fromkeys(
+            v for e in G for v in e.invars if is_var(v) and env.known(v) and v not in produced
+        )
+    )
 
     def fresh(vars_vals: Sequence[tuple[Sequence[Var], Sequence[Any]]]) -> Env:
-        e = Env(info=env.info, ctx=env.ctx)   # the creating walk's context, even when
+        e = Env(info=env.info, ctx=env.ctx)  # the creating walk's context, even when
         # `solve` is traced later (the custom_inverse below, inverted again)
         for vs, xs in vars_vals:
             for v, x in zip(vs, xs):
@@ -339,8 +405,19 @@ def _split(G: Sequence[JaxprEqn], ch: list[_Choice], combos: list[dict], inputs:
         return e
 
     def solve(ys: Sequence[Any], rs: Sequence[Any]) -> tuple:
-        return tuple(_solve(G, ch, combos, inputs, outputs,
-                            fresh([(reads, rs), (outputs, ys)]), shape, walk, state))
+        return tuple(
+            _solve(
+                G,
+                ch,
+                combos,
+                inputs,
+                outputs,
+                fresh([(reads, rs), (outputs, ys)]),
+                shape,
+                walk,
+                state,
+            )
+        )
 
     def forward(xs: Sequence[Any], rs: Sequence[Any]) -> tuple:
         e = fresh([(reads, rs), (inputs, xs)])
@@ -350,12 +427,13 @@ def _split(G: Sequence[JaxprEqn], ch: list[_Choice], combos: list[dict], inputs:
     ys = tuple(env.read(o) for o in outputs)
     rs = tuple(env.read(v) for v in reads)
     same = [(tuple(a.aval.shape), a.aval.dtype) for a in outputs] == [
-        (tuple(a.aval.shape), a.aval.dtype) for a in inputs]
+        (tuple(a.aval.shape), a.aval.dtype) for a in inputs
+    ]
     if same and not all(is_concrete(x) for x in [*ys, *rs]):
         step = custom_inverse(solve)
         step.definverse(forward)
         xs = step(ys, rs)
-    else:   # (eagerly, on values: its checks raise at once, naming the choice)
+    else:  # (eagerly, on values: its checks raise at once, naming the choice)
         xs = solve(ys, rs)
     if xs is None:
         return False
@@ -365,9 +443,17 @@ def _split(G: Sequence[JaxprEqn], ch: list[_Choice], combos: list[dict], inputs:
     return True
 
 
-def _solve(G: Sequence[JaxprEqn], ch: list[_Choice], combos: list[dict], inputs: list[Var],
-           outputs: list[Var], env: Env, shape: tuple | None, walk: Walk, state: Any
-           ) -> list[Any] | None:
+def _solve(
+    G: Sequence[JaxprEqn],
+    ch: list[_Choice],
+    combos: list[dict],
+    inputs: list[Var],
+    outputs: list[Var],
+    env: Env,
+    shape: tuple | None,
+    walk: Walk,
+    state: Any,
+) -> list[Any] | None:
     cands, oks, tried, lost = [], [], [], []
     producer = {o: e for e in G for o in real_outvars(e)}
     for combo in combos:
@@ -381,18 +467,21 @@ def _solve(G: Sequence[JaxprEqn], ch: list[_Choice], combos: list[dict], inputs:
         # (traced once from the best start: a branch that needed no Newton step is one
         # candidate; one solved by a quadratic's roots, two; else every start, vmapped)
         bctx = env.ctx.replace(on_error="nan")
-        vals, ok, amb = _branch(G, combo, inputs, outputs, env, shape, -1, walk, bctx,
-                                producer, state)
-        if amb is not None:   # a branch that loses the state, met only where it runs
+        vals, ok, amb = _branch(
+            G, combo, inputs, outputs, env, shape, -1, walk, bctx, producer, state
+        )
+        if amb is not None:  # a branch that loses the state, met only where it runs
             lost.append((_lossy_branch(combo, env)[0], amb))
             continue
         ks = tuple(combo[c.eqn][1] if c.eqn in combo else -1 for c in ch)
         if bctx.newton_uses or bctx.root_uses:
             starts = jnp.arange(0, 2) if not bctx.newton_uses else jnp.arange(-1, NEWTON_STARTS)
             bctx = env.ctx.replace(on_error="nan")
-            many, oks_, _ = jax.vmap(lambda start: _branch(
-                G, combo, inputs, outputs, env, shape, start, walk, bctx, producer, state))(
-                starts)
+            many, oks_, _ = jax.vmap(
+                lambda start: _branch(
+                    G, combo, inputs, outputs, env, shape, start, walk, bctx, producer, state
+                )
+            )(starts)
             for j in range(len(starts)):
                 cands.append([x[j] for x in many])
                 oks.append(oks_[j])
@@ -404,8 +493,9 @@ def _solve(G: Sequence[JaxprEqn], ch: list[_Choice], combos: list[dict], inputs:
     if not cands:
         return None
     out, idx = _merge(ch, inputs, cands, oks, lost, env.ctx)
-    if shape is not None and not all(elementwise_in(e, shape) or _pointwise_gather(e, shape)
-                                     for e in G):
+    if shape is not None and not all(
+        elementwise_in(e, shape) or _pointwise_gather(e, shape) for e in G
+    ):
         _recheck(G, ch, inputs, env, out, idx, tried)
     return out
 
@@ -416,9 +506,19 @@ def _fails(c: _Choice, k: int) -> bool:
     return rule is not None and rule.fails is not None and rule.fails(c.eqn, k)
 
 
-def _branch(G: Sequence[JaxprEqn], combo: dict, inputs: list[Var], outputs: list[Var],
-            env: Env, shape: tuple | None, start: Any, walk: Walk, bctx: Any, producer: dict,
-            state: Any) -> tuple[list[Any], Any, Any]:
+def _branch(
+    G: Sequence[JaxprEqn],
+    combo: dict,
+    inputs: list[Var],
+    outputs: list[Var],
+    env: Env,
+    shape: tuple | None,
+    start: Any,
+    walk: Walk,
+    bctx: Any,
+    producer: dict,
+    state: Any,
+) -> tuple[list[Any], Any, Any]:
     """One combination of branches: the candidate it inverts to (Newton's method starting
     from start `start`, -1 for the best of all), where the group takes those branches, and
     None; or, for a combination whose output does not depend on the state (a clip's
@@ -429,18 +529,23 @@ def _branch(G: Sequence[JaxprEqn], combo: dict, inputs: list[Var], outputs: list
     env_c.ctx = bctx.replace(newton_start=start)
     stuck = walk(window, env_c, inputs)
     if not all(env_c.known(v) for v in inputs):
-        amb = None if state is None else _lossy(G, combo, inputs, outputs, env, producer,
-                                                shape, state())
+        amb = (
+            None
+            if state is None
+            else _lossy(G, combo, inputs, outputs, env, producer, shape, state())
+        )
         if amb is not None:
             nans = [jnp.full(v.aval.shape, jnp.nan, v.aval.dtype) for v in inputs]
             return nans, jnp.zeros(shape or (), bool), amb
         e, k = _lossy_branch(combo, env)
         inner = _lossy_step(stuck, combo) if e is None else None
-        if inner is not None:   # the branch is fine, a step inside it loses information
+        if inner is not None:  # the branch is fine, a step inside it loses information
             raise _Lost(not_invertible(inner.eqn, inner.reason, inner.hint, who=env.ctx.who))
-        if e is None:   # (no choice left live: name the group's first)
-            e, k = next(((d, kk) for d, (_, kk) in combo.items()),
-                        (next((q for q in G if q.primitive in choice_rules), G[0]), 0))
+        if e is None:  # (no choice left live: name the group's first)
+            e, k = next(
+                ((d, kk) for d, (_, kk) in combo.items()),
+                (next((q for q in G if q.primitive in choice_rules), G[0]), 0),
+            )
         raise _Lost(not_invertible(e, _LOST_REASON.format(k=k), _LOST_HINT, who=env.ctx.who))
     vals = [env_c.read(v) for v in inputs]
     # run the original group forward from the candidate: does it take these branches?
@@ -457,14 +562,26 @@ def _branch(G: Sequence[JaxprEqn], combo: dict, inputs: list[Var], outputs: list
     return vals, (ok if shape is None else jnp.broadcast_to(ok, shape)), None
 
 
-_LOST_REASON = ("where the program takes branch {k} of it, the state cannot be recovered from "
-                "the output (that branch does not depend on it, like relu's zero)")
-_LOST_HINT = ("Ways out: make every branch invertible (leaky relu instead of relu), or keep what "
-              "the branch loses in the state.")
+_LOST_REASON = (
+    "where the program takes branch {k} of it, the state cannot be recovered from "
+    "the output (that branch does not depend on it, like relu's zero)"
+)
+_LOST_HINT = (
+    "Ways out: make every branch invertible (leaky relu instead of relu), or keep what "
+    "the branch loses in the state."
+)
 
 
-def _lossy(G: Sequence[JaxprEqn], combo: dict, inputs: list[Var], outputs: list[Var],
-           env: Env, producer: dict, shape: tuple | None, state: tuple) -> Any:
+def _lossy(
+    G: Sequence[JaxprEqn],
+    combo: dict,
+    inputs: list[Var],
+    outputs: list[Var],
+    env: Env,
+    producer: dict,
+    shape: tuple | None,
+    state: tuple,
+) -> Any:
     """For a combination that cannot be inverted: where the output is the one it makes, if the
     state is not known to take it. A branch taken on an interval of the walk's state itself
     (relu's zero) is refused when traced (None); one taken on an intermediate value (a clip
@@ -473,11 +590,11 @@ def _lossy(G: Sequence[JaxprEqn], combo: dict, inputs: list[Var], outputs: list[
     have made the output, when the program runs. None too where the combination's output
     still depends on the state."""
     e, k = _lossy_branch(combo, env)
-    own, every = state   # (the walk's unknowns, the producers of the whole walk)
+    own, every = state  # (the walk's unknowns, the producers of the whole walk)
     if e is None or decided_on(e, k, {**every, **producer}, env, own, combo):
         return None
     made = {o for q in G for o in real_outvars(q)}
-    env_q = Env(info=env.info, ctx=env.ctx)   # what is known before the group, no output
+    env_q = Env(info=env.info, ctx=env.ctx)  # what is known before the group, no output
     for q in G:
         for v in q.invars:
             if is_var(v) and v not in made and env.known(v):
@@ -495,16 +612,22 @@ def _lossy(G: Sequence[JaxprEqn], combo: dict, inputs: list[Var], outputs: list[
         y, made = env.read(o), env_q.read(o)
         if jnp.issubdtype(jnp.result_type(y), jnp.inexact):
             fi = jnp.finfo(jnp.result_type(y))
-            same = jnp.abs(y - made) <= _LOST_ULPS * fi.eps * jnp.maximum(jnp.abs(made),
-                                                                          fi.tiny)
+            same = jnp.abs(y - made) <= _LOST_ULPS * fi.eps * jnp.maximum(jnp.abs(made), fi.tiny)
         else:
             same = y == made
         amb = amb & (same if shape is not None else jnp.all(same))
     return amb if shape is None else jnp.broadcast_to(amb, shape)
 
 
-def _recheck(G: Sequence[JaxprEqn], ch: list[_Choice], inputs: list[Var], env: Env,
-             out: list[Any], idx: Any, tried: list[tuple]) -> None:
+def _recheck(
+    G: Sequence[JaxprEqn],
+    ch: list[_Choice],
+    inputs: list[Var],
+    env: Env,
+    out: list[Any],
+    idx: Any,
+    tried: list[tuple],
+) -> None:
     """Where a decision is not computed element by element (a search over a table), the
     candidates picked per element are checked together: from them, does every choice take the
     branch its element assumed?"""
@@ -512,24 +635,44 @@ def _recheck(G: Sequence[JaxprEqn], ch: list[_Choice], inputs: list[Var], env: E
     for v, x in zip(inputs, out):
         env_f.write(v, x)
     evaluate(G, env_f, partial=True)
-    table = np.asarray(tried, np.int32)          # (combinations, choices)
+    table = np.asarray(tried, np.int32)  # (combinations, choices)
     ok = jnp.asarray(True)
     for j, c in enumerate(ch):
         k = jnp.asarray(table[:, j])[idx]
-        held = k < 0   # (a choice the combination left dead: any branch)
+        held = k < 0  # (a choice the combination left dead: any branch)
         for b in range(c.n):
             held = held | ((k == b) & c.holds(env_f, b))
         ok = ok & held
     first = next((c.eqn for c in ch if has_user_frame(c.eqn)), ch[0].eqn)
-    together = jnp.all(ok | jnp.any(jnp.stack([jnp.isnan(x) for x in out
-                                               if jnp.issubdtype(x.dtype, jnp.inexact)]
-                                              or [jnp.zeros(idx.shape, bool)]), axis=0))
+    together = jnp.all(
+        ok
+        | jnp.any(
+            jnp.stack(
+                [jnp.isnan(x) for x in out if jnp.issubdtype(x.dtype, jnp.inexact)]
+                or [jnp.zeros(idx.shape, bool)]
+            ),
+            axis=0,
+        )
+    )
     who = env.ctx.who
-    raise_where(env.ctx.on_error, lambda ok: None if np.all(ok) else at_eqn(
-        ReversibilityError, first, "the branches chosen element by element are not consistent "
-        "together (a decision depends on several elements)",
-        "Ways out: compute each element's decision from that element only, or pass "
-        "on_error='nan'.", who=who), together, bad=~together)
+    raise_where(
+        env.ctx.on_error,
+        lambda ok: (
+            None
+            if np.all(ok)
+            else at_eqn(
+                ReversibilityError,
+                first,
+                "the branches chosen element by element are not consistent "
+                "together (a decision depends on several elements)",
+                "Ways out: compute each element's decision from that element only, or pass "
+                "on_error='nan'.",
+                who=who,
+            )
+        ),
+        together,
+        bad=~together,
+    )
 
 
 def _lossy_branch(combo: dict, env: Env) -> tuple[JaxprEqn | None, int]:
@@ -557,8 +700,9 @@ def _lossy_step(stuck: Any, combo: dict) -> Any:
     return None
 
 
-def _merge(ch: list[_Choice], inputs: list[Var], cands: list, oks: list, lost: list,
-           ctx: Any) -> tuple[list[Any], Any]:
+def _merge(
+    ch: list[_Choice], inputs: list[Var], cands: list, oks: list, lost: list, ctx: Any
+) -> tuple[list[Any], Any]:
     """Per element (or as a whole), the first consistent candidate; checks that one is
     consistent, that the consistent ones agree, and that no branch that loses the state could
     have made the output (`lost`: ``(choice, where)``); what a failure does: `ctx.on_error`."""
@@ -566,16 +710,21 @@ def _merge(ch: list[_Choice], inputs: list[Var], cands: list, oks: list, lost: l
     ok = jnp.stack(oks)
     idx = jnp.argmax(ok, axis=0).astype(jnp.int32)
     anyok = jnp.any(ok, axis=0)
-    picked = [lax.select_n(idx, *[c[m] for c in cands]) if idx.ndim == 0 or
-              idx.shape == tuple(v.aval.shape) else
-              lax.select_n(jnp.broadcast_to(idx, v.aval.shape), *[c[m] for c in cands])
-              for m, v in enumerate(inputs)]
+    picked = [
+        lax.select_n(idx, *[c[m] for c in cands])
+        if idx.ndim == 0 or idx.shape == tuple(v.aval.shape)
+        else lax.select_n(jnp.broadcast_to(idx, v.aval.shape), *[c[m] for c in cands])
+        for m, v in enumerate(inputs)
+    ]
     apart = jnp.zeros(idx.shape, bool)
     for c, o in enumerate(oks):
         for m, p in enumerate(picked):
             x = cands[c][m]
-            eps = jnp.finfo(jnp.result_type(p)).eps if jnp.issubdtype(
-                jnp.result_type(p), jnp.inexact) else 0
+            eps = (
+                jnp.finfo(jnp.result_type(p)).eps
+                if jnp.issubdtype(jnp.result_type(p), jnp.inexact)
+                else 0
+            )
             # (floored at 1: a candidate near 0 computed through values of order 1, a knot
             # of the bin, carries their rounding, not its own)
             tol = _AGREE_ULPS * eps * jnp.maximum(jnp.maximum(jnp.abs(p), jnp.abs(x)), 1.0)
@@ -589,35 +738,57 @@ def _merge(ch: list[_Choice], inputs: list[Var], cands: list, oks: list, lost: l
 
     def error(anyok, apart, gone):
         if np.any(gone):
-            return not_invertible(lost[0][0], "the output is one that a branch of it makes "
-                                  "whatever the state (a saturated clip): the state cannot be "
-                                  "recovered there",
-                                  "Ways out: the forward map was flat there (its input at or "
-                                  "past the clip's bound); keep inputs inside the range, or "
-                                  "pass on_error='nan'.", who=who)
+            return not_invertible(
+                lost[0][0],
+                "the output is one that a branch of it makes "
+                "whatever the state (a saturated clip): the state cannot be "
+                "recovered there",
+                "Ways out: the forward map was flat there (its input at or "
+                "past the clip's bound); keep inputs inside the range, or "
+                "pass on_error='nan'.",
+                who=who,
+            )
         if not np.all(anyok):
-            return at_eqn(ReversibilityError, first,
-                          "no branch of the choices in this group (a select or a max whose "
-                          "decision depends on the state) is consistent with the output",
-                          "Ways out: the output is outside the map's range; check the input, "
-                          "or pass on_error='nan'.", who=who)
+            return at_eqn(
+                ReversibilityError,
+                first,
+                "no branch of the choices in this group (a select or a max whose "
+                "decision depends on the state) is consistent with the output",
+                "Ways out: the output is outside the map's range; check the input, "
+                "or pass on_error='nan'.",
+                who=who,
+            )
         if np.any(apart):
-            hint = ("Ways out: use `jr.cond(pred, true_fun, false_fun, *operands, post=...)`, "
-                    "whose post condition tells the backward run which branch ran, or pass "
-                    "on_error='nan'." if first.primitive is prims.cond else
-                    "Ways out: make the map one-to-one (strictly monotone pieces that meet "
-                    "where the decision switches), or pass on_error='nan'.")
-            return not_invertible(first, "two different branches of it are consistent with "
-                                         "the output, so the map is not one-to-one there", hint,
-                                  who=who)
+            hint = (
+                "Ways out: use `jr.cond(pred, true_fun, false_fun, *operands, post=...)`, "
+                "whose post condition tells the backward run which branch ran, or pass "
+                "on_error='nan'."
+                if first.primitive is prims.cond
+                else "Ways out: make the map one-to-one (strictly monotone pieces that meet "
+                "where the decision switches), or pass on_error='nan'."
+            )
+            return not_invertible(
+                first,
+                "two different branches of it are consistent with "
+                "the output, so the map is not one-to-one there",
+                hint,
+                who=who,
+            )
         return None
 
-    raise_where(ctx.on_error, error, anyok, apart, gone,
-                bad=~jnp.all(anyok) | jnp.any(apart) | jnp.any(gone))
+    raise_where(
+        ctx.on_error,
+        error,
+        anyok,
+        apart,
+        gone,
+        bad=~jnp.all(anyok) | jnp.any(apart) | jnp.any(gone),
+    )
     good = anyok & ~apart & ~gone
     out = []
     for p in picked:
         bad = jnp.broadcast_to(~good, jnp.shape(p)) if good.ndim else ~good
-        out.append(jnp.where(bad, jnp.nan, p) if jnp.issubdtype(jnp.result_type(p), jnp.inexact)
-                   else p)
+        out.append(
+            jnp.where(bad, jnp.nan, p) if jnp.issubdtype(jnp.result_type(p), jnp.inexact) else p
+        )
     return out, idx

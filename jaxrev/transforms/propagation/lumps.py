@@ -20,10 +20,12 @@ k x k block each. For the others this module:
    discretised Laplacian) by the same elimination in one LAPACK / cuSPARSE call;
 4. otherwise leaves it to the dense solve (n JVPs and a pivoted LU): one lump of size n.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -36,9 +38,20 @@ from jaxrev._jaxpr import Env, apply, evaluate, real_outvars, size_of
 from jaxrev.transforms.knowledge import records
 from jaxrev.transforms.registry import BILINEAR, LINEAR, Unsupported, elementwise_in, is_kind
 
-__all__ = ["lump_step", "Lump", "affine_eqn", "stand_ins", "singular_on_stand_ins",
-           "probe_band", "band_entries", "banded_triangular_solve", "banded_solve",
-           "tridiagonal_solve", "slogdet_of", "MIN_STRUCTURED_SIZE"]
+__all__ = [
+    "lump_step",
+    "Lump",
+    "affine_eqn",
+    "stand_ins",
+    "singular_on_stand_ins",
+    "probe_band",
+    "band_entries",
+    "banded_triangular_solve",
+    "banded_solve",
+    "tridiagonal_solve",
+    "slogdet_of",
+    "MIN_STRUCTURED_SIZE",
+]
 
 MIN_STRUCTURED_SIZE = 64
 """Below this size a dense solve is as cheap as finding structure."""
@@ -65,11 +78,12 @@ def probe_band(F_probe: Callable[[Any], Any], n: int, dtype: Any) -> tuple[int, 
     def block(start):
         basis = (jnp.arange(n)[None, :] == start + jnp.arange(cols)[:, None]).astype(dtype)
         return jax.vmap(lambda e: jax.jvp(F_probe, (zero,), (e,))[1])(basis)
+
     lo = up = 0
     try:
         with jax.ensure_compile_time_eval():
             for start in range(0, n, cols):
-                Y = np.asarray(block(start)) != 0   # Y[c, i] = A[i, start + c]
+                Y = np.asarray(block(start)) != 0  # Y[c, i] = A[i, start + c]
                 c, i = np.nonzero(Y)
                 if c.size:
                     d = i - (start + c)
@@ -95,8 +109,13 @@ def band_entries(F: Callable[[Any], Any], n: int, lo: int, up: int, dtype: Any) 
     return jnp.where(jnp.asarray(valid), Y[np.mod(js, w), cols[:, None]], 0.0)
 
 
-def slogdet_of(F: Callable[[Any], Any], x0: Any, F_probe: Callable[[Any], Any] | None,
-               dense_max: int, what: str) -> tuple[Any, Any]:
+def slogdet_of(
+    F: Callable[[Any], Any],
+    x0: Any,
+    F_probe: Callable[[Any], Any] | None,
+    dense_max: int,
+    what: str,
+) -> tuple[Any, Any]:
     """(sign, log|det|) of the Jacobian of `F` (vector to vector) at `x0`: dense up to
     `dense_max` unknowns; above, for an affine `F` whose stand-in `F_probe` shows a triangular
     band, the product of the band's diagonal (found by coloured JVPs). Raises
@@ -105,7 +124,7 @@ def slogdet_of(F: Callable[[Any], Any], x0: Any, F_probe: Callable[[Any], Any] |
     dtype = jnp.result_type(x0)
     if n <= dense_max:
         return jnp.linalg.slogdet(jax.jacfwd(F)(x0))
-    with jax.ensure_compile_time_eval():   # the probe runs on concrete stand-ins
+    with jax.ensure_compile_time_eval():  # the probe runs on concrete stand-ins
         band = None if F_probe is None else probe_band(F_probe, n, dtype)
     if band is None or min(band) != 0 or max(band) > max(8, n // 16):
         raise Unsupported(f"{what} of {n} unknowns with no triangular band structure")
@@ -131,7 +150,7 @@ def _substitute(band: Any, r: Any, lower: bool) -> Any:
         # u_i = (r_i - sum_k band[i, k] u_{i-k}) / band[i, 0] is a linear recurrence on the
         # window s_i = (u_i, ..., u_{i-b+1}): s_i = M_i s_{i-1} + c_i e_1. Affine maps compose
         # associatively, so a parallel prefix (log n depth) replaces n sequential steps.
-        top = -band[:, 1:] / piv[:, None]                      # (n, b): first row of M_i
+        top = -band[:, 1:] / piv[:, None]  # (n, b): first row of M_i
         shift = jnp.broadcast_to(jnp.eye(b, b, -1, dtype=dtype), (n, b, b))
         M = shift.at[:, 0, :].set(top)
         c = jnp.zeros((n, b), dtype).at[:, 0].set(r / piv)
@@ -146,8 +165,9 @@ def _substitute(band: Any, r: Any, lower: bool) -> Any:
     return u if lower else u[::-1]
 
 
-def banded_triangular_solve(F: Callable[[Any], Any], n: int, b: int, lower: bool, r: Any,
-                            dtype: Any) -> tuple[Any, Any]:
+def banded_triangular_solve(
+    F: Callable[[Any], Any], n: int, b: int, lower: bool, r: Any, dtype: Any
+) -> tuple[Any, Any]:
     """Solve ``A u = r`` for a triangular `A` of bandwidth `b` given as the linear part of the
     affine `F` (``A v = F(v) - F(0)``). Returns (u, diagonal of A: the pivots)."""
     band = band_entries(F, n, b if lower else 0, 0 if lower else b, dtype)
@@ -156,8 +176,9 @@ def banded_triangular_solve(F: Callable[[Any], Any], n: int, b: int, lower: bool
     return _substitute(band, r, lower), band[:, 0]
 
 
-def banded_solve(F: Callable[[Any], Any], n: int, lo: int, up: int, r: Any,
-                 dtype: Any) -> tuple[Any, Any, Any]:
+def banded_solve(
+    F: Callable[[Any], Any], n: int, lo: int, up: int, r: Any, dtype: Any
+) -> tuple[Any, Any, Any]:
     """Solve ``A u = r`` for a banded `A` (`lo` sub-, `up` superdiagonals) given as the linear
     part of the affine `F`: entries by ``lo + up + 1`` coloured JVPs, then Gaussian
     elimination with partial pivoting inside the band (LAPACK's ``gbsv`` scheme: row swaps
@@ -199,13 +220,12 @@ def _eliminate(band: Any, r: Any, lo: int) -> tuple[Any, Any]:
     # when its first band column i-lo becomes the window's first column, so band rows slot in
     # unshifted; the first lo+1 rows are placed by hand.
     rows0 = np.arange(lo + 1)[:, None]
-    cs = np.arange(w)[None, :] - rows0 + lo                 # band column of window column
+    cs = np.arange(w)[None, :] - rows0 + lo  # band column of window column
     ok = (cs >= 0) & (cs < w) & (rows0 < n)
     W0 = jnp.where(jnp.asarray(ok), band[np.minimum(rows0, n - 1), np.clip(cs, 0, w - 1)], 0.0)
-    r0 = jnp.where(jnp.asarray(np.arange(lo + 1) < n), r[np.minimum(np.arange(lo + 1), n - 1)],
-                   0.0)
-    nxt_rows = jnp.concatenate([band, jnp.zeros((lo + 1, w), dtype)])[lo + 1:lo + 1 + n]
-    nxt_r = jnp.concatenate([r, jnp.zeros(lo + 1, dtype)])[lo + 1:lo + 1 + n]
+    r0 = jnp.where(jnp.asarray(np.arange(lo + 1) < n), r[np.minimum(np.arange(lo + 1), n - 1)], 0.0)
+    nxt_rows = jnp.concatenate([band, jnp.zeros((lo + 1, w), dtype)])[lo + 1 : lo + 1 + n]
+    nxt_r = jnp.concatenate([r, jnp.zeros(lo + 1, dtype)])[lo + 1 : lo + 1 + n]
 
     def step(carry, nxt):
         W, rw = carry
@@ -238,11 +258,14 @@ def affine_eqn(eqn: JaxprEqn, act: Sequence[bool]) -> bool:
     if is_kind(p, LINEAR):
         if p is prims.select_n and act[0]:
             return False
-        if any(a and not jnp.issubdtype(v.aval.dtype, jnp.inexact)
-               for a, v in zip(act, eqn.invars)):
+        if any(
+            a and not jnp.issubdtype(v.aval.dtype, jnp.inexact) for a, v in zip(act, eqn.invars)
+        ):
             return False  # an unknown index or integer operand
-        return not (p is prims.convert_element_type
-                    and not jnp.issubdtype(eqn.params["new_dtype"], jnp.inexact))
+        return not (
+            p is prims.convert_element_type
+            and not jnp.issubdtype(eqn.params["new_dtype"], jnp.inexact)
+        )
     if is_kind(p, BILINEAR):
         return sum(act) <= 1
     if p is prims.div:
@@ -263,8 +286,9 @@ def _is_affine(eqns: Sequence[JaxprEqn], active: set[Var]) -> bool:
     return True
 
 
-def lump_step(eqns: Sequence[JaxprEqn], env: Env, pending: Sequence[int],
-              cut: bool = False) -> bool:
+def lump_step(
+    eqns: Sequence[JaxprEqn], env: Env, pending: Sequence[int], cut: bool = False
+) -> bool:
     """Solve the smallest trailing group of stuck equations that is square and affine (and,
     where equations before `eqns` are `cut` off, not singular on stand-ins)."""
     cand = [i for i in pending if any(not env.known(v) for v in eqns[i].invars)]
@@ -282,8 +306,12 @@ def lump_step(eqns: Sequence[JaxprEqn], env: Env, pending: Sequence[int],
         inputs: list[Var] = []
         for i in lump:
             for v in eqns[i].invars:
-                if (isinstance(v, Var) and not env.known(v) and v not in produced
-                        and v not in inputs):
+                if (
+                    isinstance(v, Var)
+                    and not env.known(v)
+                    and v not in produced
+                    and v not in inputs
+                ):
                     inputs.append(v)
         outputs = [v for i in lump for v in real_outvars(eqns[i]) if env.known(v)]
         if not inputs or size_of(v.aval for v in inputs) != size_of(v.aval for v in outputs):
@@ -312,7 +340,7 @@ def lump_step(eqns: Sequence[JaxprEqn], env: Env, pending: Sequence[int],
 _MAX_RANK_CHECK = 1024
 
 
-def _singular_at_trace_time(L: "Lump", env: Env) -> bool | None:
+def _singular_at_trace_time(L: Lump, env: Env) -> bool | None:
     """Whether the lump's matrix is singular, on stand-ins (None: not decided): by its rank up
     to `_MAX_RANK_CHECK` unknowns, by a zero row or column (an overwritten operand's
     elements) up to `MAX_PROBE_SIZE`."""
@@ -330,16 +358,19 @@ def _singular_at_trace_time(L: "Lump", env: Env) -> bool | None:
                 J = np.asarray(jax.jacfwd(F)(zero))
                 return bool(np.linalg.matrix_rank(J) < n)
             cols = min(n, _PROBE_BLOCK)
-            block = jax.jit(lambda start: jax.vmap(lambda e: jax.jvp(F, (zero,), (e,))[1])(
-                (jnp.arange(n)[None, :] == start + jnp.arange(cols)[:, None]).astype(dtype)))
+            block = jax.jit(
+                lambda start: jax.vmap(lambda e: jax.jvp(F, (zero,), (e,))[1])(
+                    (jnp.arange(n)[None, :] == start + jnp.arange(cols)[:, None]).astype(dtype)
+                )
+            )
             rows = np.zeros(n, bool)
             for start in range(0, n, cols):
-                Y = np.asarray(block(start)) != 0          # Y[c, i] = A[i, start + c]
+                Y = np.asarray(block(start)) != 0  # Y[c, i] = A[i, start + c]
                 live = min(cols, n - start)
                 if not Y[:live].any(axis=1).all():
-                    return True                            # a zero column
+                    return True  # a zero column
                 rows |= Y[:live].any(axis=0)
-            return not bool(rows.all())                    # a zero row
+            return not bool(rows.all())  # a zero row
     except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
         return None
 
@@ -348,14 +379,24 @@ class Lump:
     """A group of equations, its unknown inputs and its known outputs, as the map
     ``F(inputs; values read from outside) = outputs``."""
 
-    def __init__(self, eqns: Sequence[JaxprEqn], inputs: list[Var], outputs: list[Var],
-                 sources: dict | None = None) -> None:
+    def __init__(
+        self,
+        eqns: Sequence[JaxprEqn],
+        inputs: list[Var],
+        outputs: list[Var],
+        sources: dict | None = None,
+    ) -> None:
         self.eqns, self.inputs, self.outputs = list(eqns), inputs, outputs
-        self.sources = sources or {}   # var -> the equation computing it (for stand-ins)
+        self.sources = sources or {}  # var -> the equation computing it (for stand-ins)
         produced = {v for e in self.eqns for v in real_outvars(e)}
-        self.reads = list(dict.fromkeys(v for e in self.eqns for v in e.invars
-                                        if isinstance(v, Var) and v not in produced
-                                        and v not in inputs))
+        self.reads = list(
+            dict.fromkeys(
+                v
+                for e in self.eqns
+                for v in e.invars
+                if isinstance(v, Var) and v not in produced and v not in inputs
+            )
+        )
 
     def __call__(self, *xs: Any, known: Env) -> list[Any]:
         return self.apply(xs, [known.read(v) for v in self.reads])
@@ -373,11 +414,16 @@ class Lump:
 
     def flat(self, offs: Any, dtype: Any, known: Env) -> Callable[[Any], Any]:
         """F on one vector of all the inputs, returning one vector of all the outputs."""
+
         def f(u):
-            xs = [jnp.reshape(u[offs[m]:offs[m + 1]], v.aval.shape).astype(v.aval.dtype)
-                  for m, v in enumerate(self.inputs)]
-            return jnp.concatenate([jnp.ravel(jnp.asarray(y, dtype))
-                                    for y in self(*xs, known=known)])
+            xs = [
+                jnp.reshape(u[offs[m] : offs[m + 1]], v.aval.shape).astype(v.aval.dtype)
+                for m, v in enumerate(self.inputs)
+            ]
+            return jnp.concatenate(
+                [jnp.ravel(jnp.asarray(y, dtype)) for y in self(*xs, known=known)]
+            )
+
         return f
 
 
@@ -397,30 +443,41 @@ def _solve_lump(L: Lump, env: Env) -> None:
         u = _structured_solve(L, env, offs, dtype, r)
         if u is None:  # one dense lump: n JVPs and an LU
             with staged_constants():  # else the n x n identity basis is folded into constants
-                J = jax.jacfwd(Fflat, holomorphic=jnp.issubdtype(dtype, jnp.complexfloating))(
-                    u0) if jnp.issubdtype(dtype, jnp.complexfloating) else jax.jacfwd(Fflat)(u0)
+                J = (
+                    jax.jacfwd(Fflat, holomorphic=jnp.issubdtype(dtype, jnp.complexfloating))(u0)
+                    if jnp.issubdtype(dtype, jnp.complexfloating)
+                    else jax.jacfwd(Fflat)(u0)
+                )
                 u = jnp.linalg.solve(J, r)
-        sols = [jnp.reshape(u[offs[m]:offs[m + 1]], v.aval.shape) for m, v in enumerate(inputs)]
+        sols = [jnp.reshape(u[offs[m] : offs[m + 1]], v.aval.shape) for m, v in enumerate(inputs)]
     if all(is_concrete(s) for s in sols) and not all(bool(jnp.all(jnp.isfinite(s))) for s in sols):
         # blame a reduction if there is one: it is where the information goes
         culprit = next((e for e in L.eqns if e.primitive is prims.reduce_sum), L.eqns[-1])
-        raise not_invertible(culprit, "it belongs to a group of equations that are invertible "
-                             "only together, and together they form a singular linear map",
-                             singular=True, who=env.ctx.who)
+        raise not_invertible(
+            culprit,
+            "it belongs to a group of equations that are invertible "
+            "only together, and together they form a singular linear map",
+            singular=True,
+            who=env.ctx.who,
+        )
     for v, s in zip(inputs, sols):
         env.write(v, s)
 
 
 def _elementwise_shape(L: Lump) -> tuple[int, ...] | None:
     shapes = {tuple(v.aval.shape) for v in [*L.inputs, *L.outputs]}
-    if len(shapes) == 1 and len(L.inputs) == len(L.outputs) and all(
-            elementwise_in(e, next(iter(shapes))) for e in L.eqns):
+    if (
+        len(shapes) == 1
+        and len(L.inputs) == len(L.outputs)
+        and all(elementwise_in(e, next(iter(shapes))) for e in L.eqns)
+    ):
         return next(iter(shapes))
     return None
 
 
-def _blocks(L: Lump, env: Env, shape: tuple[int, ...], dtype: Any,
-            at: Sequence[Any] | None = None) -> tuple[list, Any]:
+def _blocks(
+    L: Lump, env: Env, shape: tuple[int, ...], dtype: Any, at: Sequence[Any] | None = None
+) -> tuple[list, Any]:
     """F at zero (or at `at`) and the k x k block of each element there (k JVPs give every
     block at once)."""
     F = partial(L, known=env)
@@ -428,8 +485,10 @@ def _blocks(L: Lump, env: Env, shape: tuple[int, ...], dtype: Any,
     f0 = [jnp.asarray(f, dtype) for f in F(*zeros)]
     cols = []
     for j in range(len(L.inputs)):
-        tang = [jnp.ones(shape, v.aval.dtype) if m == j else jnp.zeros(shape, v.aval.dtype)
-                for m, v in enumerate(L.inputs)]
+        tang = [
+            jnp.ones(shape, v.aval.dtype) if m == j else jnp.zeros(shape, v.aval.dtype)
+            for m, v in enumerate(L.inputs)
+        ]
         _, d = jax.jvp(F, zeros, tang)
         cols.append(jnp.stack([jnp.asarray(x, dtype) for x in d], -1))
     return f0, jnp.stack(cols, -1)
@@ -458,13 +517,18 @@ def singular_on_stand_ins(L: Lump, env: Env, nonlinear: bool = False) -> bool:
     try:
         with jax.ensure_compile_time_eval():
             if shape is not None:
-                at = [(0.5 * rng.standard_normal(shape)).astype(v.aval.dtype) if nonlinear
-                      else np.zeros(shape, v.aval.dtype) for v in L.inputs]
+                at = [
+                    (0.5 * rng.standard_normal(shape)).astype(v.aval.dtype)
+                    if nonlinear
+                    else np.zeros(shape, v.aval.dtype)
+                    for v in L.inputs
+                ]
                 A = np.asarray(_blocks(L, stand_in, shape, dtype, at)[1])
                 A = A.reshape(-1, len(L.inputs), len(L.inputs))
             else:
-                offs = np.cumsum([0] + [int(np.prod(v.aval.shape, dtype=np.int64))
-                                        for v in L.inputs])
+                offs = np.cumsum(
+                    [0] + [int(np.prod(v.aval.shape, dtype=np.int64)) for v in L.inputs]
+                )
                 u = (0.5 * rng.standard_normal(n) if nonlinear else np.zeros(n)).astype(dtype)
                 A = np.asarray(jax.jacfwd(L.flat(offs, dtype, stand_in))(jnp.asarray(u)))[None]
     except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
@@ -476,8 +540,9 @@ def singular_on_stand_ins(L: Lump, env: Env, nonlinear: bool = False) -> bool:
     return bool(np.any(sv[:, -1] <= 64 * eps * A.shape[-1] * sv[:, 0]))
 
 
-def _solve_elementwise(L: Lump, env: Env, shape: tuple[int, ...], dtype: Any,
-                       ys: list[Any]) -> list[Any]:
+def _solve_elementwise(
+    L: Lump, env: Env, shape: tuple[int, ...], dtype: Any, ys: list[Any]
+) -> list[Any]:
     """One small k x k system per element."""
     k = len(L.inputs)
     f0, A = _blocks(L, env, shape, dtype)
@@ -524,8 +589,9 @@ def stand_ins(L: Lump, env: Env) -> Env | None:
             ins = [value(u, depth + 1) for u in e.invars] if e is not None else [None]
             if all(x is not None for x in ins):
                 with jax.ensure_compile_time_eval():
-                    out = np.asarray(apply(e, [jnp.asarray(x) for x in ins])[
-                        list(e.outvars).index(v)])
+                    out = np.asarray(
+                        apply(e, [jnp.asarray(x) for x in ins])[list(e.outvars).index(v)]
+                    )
             else:
                 out = rng.standard_normal(v.aval.shape).astype(v.aval.dtype) + 1.5
         memo[v] = out
@@ -568,7 +634,12 @@ def _structured_solve(L: Lump, env: Env, offs: Any, dtype: Any, r: Any) -> Any:
         what = "triangular system"
     if pivots is not None and is_concrete(pivots) and bool(jnp.any(pivots == 0)):
         k = int(jnp.argmax(pivots == 0))
-        raise not_invertible(L.eqns[-1], "it belongs to a group of equations that are "
-                             f"invertible only together, and their {what} has a zero pivot "
-                             f"(row {k})", singular=True, who=env.ctx.who)
+        raise not_invertible(
+            L.eqns[-1],
+            "it belongs to a group of equations that are "
+            f"invertible only together, and their {what} has a zero pivot "
+            f"(row {k})",
+            singular=True,
+            who=env.ctx.who,
+        )
     return u

@@ -26,10 +26,12 @@ preimage found is the one Newton reaches from its start. `check_reversible` (and
 which rebuilds values its caller holds) confirm them. A single equation is never solved this
 way: a primitive without an inverse rule of its own stays an error that names it.
 """
+
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -38,10 +40,10 @@ from jax import lax
 
 from jaxrev._cache import memo
 from jaxrev._compat import JaxprEqn, Var, has_user_frame, prims, scan_info
-from jaxrev._errors import (ReversibilityError, SingularJacobianError, at_eqn, not_invertible)
+from jaxrev._errors import ReversibilityError, SingularJacobianError, at_eqn, not_invertible
 from jaxrev._jaxpr import Env, real_outvars, size_of
-from jaxrev.transforms.knowledge.checks import NEWTON_STARTS, raise_where
 from jaxrev.transforms.knowledge import records
+from jaxrev.transforms.knowledge.checks import NEWTON_STARTS, raise_where
 from jaxrev.transforms.propagation.lumps import Lump, affine_eqn, singular_on_stand_ins, stand_ins
 from jaxrev.transforms.propagation.rational import quadratic_roots
 from jaxrev.transforms.registry import SMOOTH, elementwise_in, is_kind
@@ -59,14 +61,20 @@ MAX_HALVINGS = 30
 _TOL_ULPS = 32
 _SAMPLES = 4
 
-def _candidates(eqns: Sequence[JaxprEqn], env: Env, pending: Sequence[int],
-                blocked: set[int]) -> tuple[list[int], list[int]]:
+
+def _candidates(
+    eqns: Sequence[JaxprEqn], env: Env, pending: Sequence[int], blocked: set[int]
+) -> tuple[list[int], list[int]]:
     """Pending equations with an unknown input, and those of them with a known output. An
     equation reading a value known on some elements only is left to element-level
     propagation (the elements it lacks were lost, or follow from elsewhere)."""
-    cand = [i for i in pending if i not in blocked
-            and any(not env.known(v) for v in eqns[i].invars)
-            and not any(isinstance(v, Var) and v in env.part for v in eqns[i].invars)]
+    cand = [
+        i
+        for i in pending
+        if i not in blocked
+        and any(not env.known(v) for v in eqns[i].invars)
+        and not any(isinstance(v, Var) and v in env.part for v in eqns[i].invars)
+    ]
     return cand, [i for i in cand if any(env.known(v) for v in real_outvars(eqns[i]))]
 
 
@@ -80,8 +88,10 @@ def _floats(vs: Sequence[Var]) -> bool:
 
 # --------------------------------------------------------------------------- elimination
 
-def eliminate_step(eqns: Sequence[JaxprEqn], env: Env, pending: Sequence[int],
-                   blocked: set[int]) -> bool:
+
+def eliminate_step(
+    eqns: Sequence[JaxprEqn], env: Env, pending: Sequence[int], blocked: set[int]
+) -> bool:
     """Solve the stuck equations' affine part for every unknown it determines."""
     cand, stuck = _candidates(eqns, env, pending, blocked)
     if not stuck:
@@ -90,10 +100,12 @@ def eliminate_step(eqns: Sequence[JaxprEqn], env: Env, pending: Sequence[int],
     first = cand[-MAX_GROUP_EQNS:][0]
     # where the known values the group reads come from, nearby: their stand-ins keep their
     # relations (the step's dt and dt / 2)
-    sources = {o: e for e in eqns[max(0, first - 4 * MAX_GROUP_EQNS):first]
-               for o in real_outvars(e)}
-    shapes = Counter(tuple(o.aval.shape) for i in stuck for o in real_outvars(eqns[i])
-                     if env.known(o))
+    sources = {
+        o: e for e in eqns[max(0, first - 4 * MAX_GROUP_EQNS) : first] for o in real_outvars(e)
+    }
+    shapes = Counter(
+        tuple(o.aval.shape) for i in stuck for o in real_outvars(eqns[i]) if env.known(o)
+    )
     shape = shapes.most_common(1)[0][0]
     tried: list = []
     for blocks in (True, False):
@@ -113,16 +125,18 @@ def eliminate_step(eqns: Sequence[JaxprEqn], env: Env, pending: Sequence[int],
         det, full_rows = _determined(system, env)
         if not det:
             continue
-        for v, val in zip([L.inputs[j] for j in det],
-                          _solve_determined(system, env, det, full_rows)):
+        for v, val in zip(
+            [L.inputs[j] for j in det], _solve_determined(system, env, det, full_rows)
+        ):
             env.write(v, val)
         records.unsupported(env, f"an exact linear elimination ({L.eqns[0].primitive})")
         return True
     return False
 
 
-def _affine_part(group: Sequence[JaxprEqn], env: Env, shape: tuple[int, ...] | None,
-                 sources: dict | None = None) -> tuple[Lump | None, set]:
+def _affine_part(
+    group: Sequence[JaxprEqn], env: Env, shape: tuple[int, ...] | None, sources: dict | None = None
+) -> tuple[Lump | None, set]:
     """The equations affine in the unknowns (elementwise of `shape`, when given), and the
     outputs of the others (cut: they become unknowns of the affine part)."""
     lin, cut = [], set()
@@ -135,15 +149,21 @@ def _affine_part(group: Sequence[JaxprEqn], env: Env, shape: tuple[int, ...] | N
     if not lin:
         return None, cut
     produced = {v for e in lin for v in real_outvars(e)}
-    inputs = list(dict.fromkeys(v for e in lin for v in e.invars if isinstance(v, Var)
-                                and not env.known(v) and v not in produced))
+    inputs = list(
+        dict.fromkeys(
+            v
+            for e in lin
+            for v in e.invars
+            if isinstance(v, Var) and not env.known(v) and v not in produced
+        )
+    )
     outputs = [v for e in lin for v in real_outvars(e) if env.known(v)]
     if not inputs or not outputs:
         return None, cut
     return Lump(lin, inputs, outputs, sources), cut
 
 
-def _determined(system: "_System", env: Env) -> tuple[list[int], bool]:
+def _determined(system: _System, env: Env) -> tuple[list[int], bool]:
     """Which unknowns the system determines, from M's structure on stand-in values: unknown j
     is determined where its unit vector lies in M's row space (in every element); and whether
     M's rows are independent there. Memoized per group: the walks of one jaxpr meet the same
@@ -157,7 +177,7 @@ def _determined(system: "_System", env: Env) -> tuple[list[int], bool]:
     return hit
 
 
-def _rank_analysis(system: "_System", env: Env) -> tuple[list[int], bool]:
+def _rank_analysis(system: _System, env: Env) -> tuple[list[int], bool]:
     probe = stand_ins(system.lump, env)
     if probe is None:
         return [], False
@@ -174,8 +194,8 @@ def _rank_analysis(system: "_System", env: Env) -> tuple[list[int], bool]:
     k = M.shape[-1]
     smax = s.max(axis=-1, keepdims=True) if s.size else np.zeros(M.shape[:-2] + (1,))
     rank = (s > 1e-10 * smax).sum(-1)
-    null = np.arange(k) >= rank[..., None]                       # (..., k) rows of vt
-    weight = np.einsum("...ij,...i->...j", vt ** 2, null.astype(M.dtype))
+    null = np.arange(k) >= rank[..., None]  # (..., k) rows of vt
+    weight = np.einsum("...ij,...i->...j", vt**2, null.astype(M.dtype))
     det_comp = np.all(weight.reshape(-1, k) < 1e-12, axis=0) if weight.size else np.zeros(k, bool)
     full_rows = bool(np.all(rank == M.shape[-2]))
     return system.whole_unknowns(det_comp), full_rows
@@ -190,17 +210,20 @@ def _small_inv(A: Any) -> Any:
     if m == 2:
         a, b, c, d = A[..., 0, 0], A[..., 0, 1], A[..., 1, 0], A[..., 1, 1]
         det = a * d - b * c
-        return jnp.stack([jnp.stack([d, -b], -1), jnp.stack([-c, a], -1)], -2) / det[
-            ..., None, None]
+        return (
+            jnp.stack([jnp.stack([d, -b], -1), jnp.stack([-c, a], -1)], -2) / det[..., None, None]
+        )
     return jnp.linalg.inv(A)
 
 
-def _solve_determined(system: "_System", env: Env, det: list[int],
-                      full_rows: bool = False) -> list[Any]:
+def _solve_determined(
+    system: _System, env: Env, det: list[int], full_rows: bool = False
+) -> list[Any]:
     reads = [env.read(v) for v in system.lump.reads]
     M = system.matrix(reads)
     r = system.pack_out([env.read(o) for o in system.lump.outputs]) - system.F(
-        system.zeros(), reads)
+        system.zeros(), reads
+    )
     MT = jnp.swapaxes(M, -1, -2)
     # independent rows: M⁺ = Mᵀ (M Mᵀ)⁻¹, an m x m inverse instead of an SVD per call
     P = MT @ _small_inv(M @ MT) if full_rows else jnp.linalg.pinv(M)
@@ -214,9 +237,14 @@ def _solve_determined(system: "_System", env: Env, det: list[int],
     def error(err):
         if np.all(np.asarray(err) < 1e-6):
             return None
-        return not_invertible(first, "it belongs to a group of equations whose affine part "
-                              "determines some unknowns only for other values of the known "
-                              "ones: here its matrix loses rank", singular=True, who=who)
+        return not_invertible(
+            first,
+            "it belongs to a group of equations whose affine part "
+            "determines some unknowns only for other values of the known "
+            "ones: here its matrix loses rank",
+            singular=True,
+            who=who,
+        )
 
     who = env.ctx.who
     raise_where(env.ctx.on_error, error, err, bad=~(err < 1e-6))
@@ -262,8 +290,10 @@ def _affine_coefficients(L: Lump, sample: Sequence[Any], n: int) -> Any | None:
 
 # --------------------------------------------------------------------------- Newton
 
-def newton_step(eqns: Sequence[JaxprEqn], env: Env, pending: Sequence[int],
-                blocked: set[int], cut: bool = False) -> bool:
+
+def newton_step(
+    eqns: Sequence[JaxprEqn], env: Env, pending: Sequence[int], blocked: set[int], cut: bool = False
+) -> bool:
     """Solve the smallest trailing square group of two or more smooth equations by Newton
     (where equations before `eqns` are `cut` off, not one singular on stand-ins)."""
     cand, stuck = _candidates(eqns, env, pending, blocked)
@@ -278,8 +308,14 @@ def newton_step(eqns: Sequence[JaxprEqn], env: Env, pending: Sequence[int],
             continue  # one primitive without an inverse rule of its own stays an error
         group = [eqns[i] for i in idx]
         produced = {v for e in group for v in real_outvars(e)}
-        inputs = list(dict.fromkeys(v for e in group for v in e.invars if isinstance(v, Var)
-                                    and not env.known(v) and v not in produced))
+        inputs = list(
+            dict.fromkeys(
+                v
+                for e in group
+                for v in e.invars
+                if isinstance(v, Var) and not env.known(v) and v not in produced
+            )
+        )
         outputs = [v for e in group for v in real_outvars(e) if env.known(v)]
         if not inputs or size_of(v.aval for v in inputs) != size_of(v.aval for v in outputs):
             continue
@@ -287,8 +323,11 @@ def newton_step(eqns: Sequence[JaxprEqn], env: Env, pending: Sequence[int],
             continue
         L = Lump(group, inputs, outputs)
         shapes = {tuple(v.aval.shape) for v in [*inputs, *outputs]}
-        blocks = (len(shapes) == 1 and len(inputs) == len(outputs)
-                  and all(elementwise_in(e, next(iter(shapes))) for e in group))
+        blocks = (
+            len(shapes) == 1
+            and len(inputs) == len(outputs)
+            and all(elementwise_in(e, next(iter(shapes))) for e in group)
+        )
         if not blocks and size_of(v.aval for v in inputs) > MAX_UNKNOWNS:
             continue
         # a Jacobian singular on stand-ins: an input the group takes as free may be fixed
@@ -321,7 +360,7 @@ def _smooth(e: JaxprEqn, env: Env) -> bool:
     return True
 
 
-def _newton(system: "_System", env: Env) -> list[Any]:
+def _newton(system: _System, env: Env) -> list[Any]:
     ctx = env.ctx
     L = system.lump
     reads = [env.read(v) for v in L.reads]
@@ -329,8 +368,11 @@ def _newton(system: "_System", env: Env) -> list[Any]:
     tol = _tolerance(system, yp)
     # a ratio of quadratics in one unknown (a spline's piece): its two roots, each a start
     # (`choices` keeps the one in the piece's bin), polished by one Newton step
-    roots = (quadratic_roots(L.eqns, L.inputs[0], L.outputs[0], L.reads, reads, yp[..., 0])
-             if system.blocks and len(L.inputs) == 1 and len(L.outputs) == 1 else None)
+    roots = (
+        quadratic_roots(L.eqns, L.inputs[0], L.outputs[0], L.reads, reads, yp[..., 0])
+        if system.blocks and len(L.inputs) == 1 and len(L.outputs) == 1
+        else None
+    )
     if roots is None:
         ctx.used_newton()
     else:
@@ -347,14 +389,13 @@ def _newton(system: "_System", env: Env) -> list[Any]:
     return system.unpack(u)
 
 
-def _tolerance(system: "_System", yp: Any) -> Any:
+def _tolerance(system: _System, yp: Any) -> Any:
     """A few ulps of the known outputs (per element for blocks)."""
     fi = jnp.finfo(yp.dtype)
     return lax.stop_gradient(_TOL_ULPS * fi.eps * jnp.maximum(system.norm(yp), fi.tiny))
 
 
-def _recover(system: "_System", yp: Any, reads: list, only: Any,
-             roots: tuple | None = None) -> Any:
+def _recover(system: _System, yp: Any, reads: list, only: Any, roots: tuple | None = None) -> Any:
     """u with F(u) = yp by damped Newton (from start `only`, the walk's `newton_start`), or
     from the exact `roots` polished; its derivative by the implicit function theorem."""
 
@@ -375,13 +416,13 @@ def _recover(system: "_System", yp: Any, reads: list, only: Any,
     return recover(yp, reads)
 
 
-def _iterate(system: "_System", yp: Any, reads: list, only: Any) -> Any:
+def _iterate(system: _System, yp: Any, reads: list, only: Any) -> Any:
     F = lambda u: system.F(u, reads)  # noqa: E731
     resid = _residual(system, yp, reads)
     if only is None:
         u0 = _best_start(system, yp, reads, resid)
         r0 = resid(u0)
-    else:   # one start (`choices` tries each, vmapped, where several preimages may exist):
+    else:  # one start (`choices` tries each, vmapped, where several preimages may exist):
         # -1 the best of all, else one of a few
         starts = _starts(system, yp, reads)
         rs = jnp.stack([resid(s) for s in starts])
@@ -411,8 +452,9 @@ def _iterate(system: "_System", yp: Any, reads: list, only: Any) -> Any:
             return lam, resid(u + system.broadcast(lam) * du), h + 1
 
         lam0 = jnp.ones_like(rn)
-        lam, rt, _ = lax.while_loop(bt_cond, bt_body,
-                                    (lam0, resid(u + system.broadcast(lam0) * du), 0))
+        lam, rt, _ = lax.while_loop(
+            bt_cond, bt_body, (lam0, resid(u + system.broadcast(lam0) * du), 0)
+        )
         better = active & (rt < rn)
         u = jnp.where(system.broadcast(better), u + system.broadcast(lam) * du, u)
         rn = jnp.where(better, rt, rn)
@@ -425,15 +467,17 @@ def _iterate(system: "_System", yp: Any, reads: list, only: Any) -> Any:
     return u
 
 
-def _residual(system: "_System", yp: Any, reads: list) -> Any:
+def _residual(system: _System, yp: Any, reads: list) -> Any:
     """u -> ‖F(u) − yp‖ per element (inf where not finite)."""
+
     def resid(u):
         r = system.norm(yp - system.F(u, reads))
         return jnp.where(jnp.isfinite(r), r, jnp.inf)
+
     return resid
 
 
-def _starts(system: "_System", yp: Any, reads: list) -> list[Any]:
+def _starts(system: _System, yp: Any, reads: list) -> list[Any]:
     """A few starting points: the outputs themselves (a residual map x + g(x) starts next to
     its answer), the values the group reads (a spline piece reads the knots around its
     answer), then constants."""
@@ -442,14 +486,14 @@ def _starts(system: "_System", yp: Any, reads: list) -> list[Any]:
     return ([] if guess is None else [guess]) + system.read_guesses(reads, 3) + consts
 
 
-def _best_start(system: "_System", yp: Any, reads: list, resid: Any) -> Any:
+def _best_start(system: _System, yp: Any, reads: list, resid: Any) -> Any:
     """The best of `_starts`, per element."""
     starts = _starts(system, yp, reads)
     rs = jnp.stack([resid(s) for s in starts])
     return _pick(jnp.stack(starts), jnp.argmin(rs, axis=0))
 
 
-def _polish(system: "_System", yp: Any, reads: list, only: Any, roots: tuple) -> Any:
+def _polish(system: _System, yp: Any, reads: list, only: Any, roots: tuple) -> Any:
     """The root `only` (0 or 1, as `choices` asks; None: the one Newton's method would reach)
     after one Newton step, kept where it lowers the residual."""
     resid = _residual(system, yp, reads)
@@ -460,7 +504,7 @@ def _polish(system: "_System", yp: Any, reads: list, only: Any, roots: tuple) ->
         near = _best_start(system, yp, reads, resid)
         u0 = jnp.where(jnp.abs(r[1] - near) < jnp.abs(r[0] - near), r[1], r[0])
         u0 = jnp.where(jnp.isfinite(u0), u0, jnp.where(jnp.isfinite(r[0]), r[0], r[1]))
-    else:   # (no other start is evaluated: each root is its own candidate)
+    else:  # (no other start is evaluated: each root is its own candidate)
         u0 = jnp.stack(r)[jnp.clip(jnp.asarray(only), 0, 1)]
     du = system.solve(system.jacobian(u0, reads), yp - system.F(u0, reads))
     u1 = u0 + jnp.where(jnp.isfinite(du), du, 0.0)
@@ -470,8 +514,7 @@ def _polish(system: "_System", yp: Any, reads: list, only: Any, roots: tuple) ->
 def _pick(stacked: Any, best: Any) -> Any:
     """Per batch element, the start with the smallest residual."""
     idx = jnp.expand_dims(best, (0, best.ndim + 1))
-    return jnp.take_along_axis(stacked, jnp.broadcast_to(idx, (1,) + stacked.shape[1:]),
-                               axis=0)[0]
+    return jnp.take_along_axis(stacked, jnp.broadcast_to(idx, (1,) + stacked.shape[1:]), axis=0)[0]
 
 
 def _check(L: Lump, ok: Any, singular: Any, rn: Any, tol: Any, ctx: Any) -> None:
@@ -482,27 +525,35 @@ def _check(L: Lump, ok: Any, singular: Any, rn: Any, tol: Any, ctx: Any) -> None
 
     def error(ok, singular, rn, tol):
         if np.any(singular):
-            return at_eqn(SingularJacobianError, first,
-                          "the Jacobian of a group of equations solved by Newton's method "
-                          "vanishes at the solution",
-                          "Ways out: the map is not invertible there; keep what it loses in the "
-                          "state, or pass on_error='nan'.", who=who)
+            return at_eqn(
+                SingularJacobianError,
+                first,
+                "the Jacobian of a group of equations solved by Newton's method "
+                "vanishes at the solution",
+                "Ways out: the map is not invertible there; keep what it loses in the "
+                "state, or pass on_error='nan'.",
+                who=who,
+            )
         if not np.all(ok):
             worst = float(np.max(np.where(np.asarray(ok), 0.0, np.asarray(rn))))
-            return at_eqn(ReversibilityError, first,
-                          "Newton's method found no preimage for a group of equations "
-                          f"invertible only together (residual {worst:.3g} > tolerance "
-                          f"{float(np.max(tol)):.3g})",
-                          "Ways out: the outputs may have no preimage (outside the map's "
-                          "range), or Newton's start is too far from it: give the group an "
-                          "inverse with `jr.custom_inverse`, or pass on_error='nan'.", who=who)
+            return at_eqn(
+                ReversibilityError,
+                first,
+                "Newton's method found no preimage for a group of equations "
+                f"invertible only together (residual {worst:.3g} > tolerance "
+                f"{float(np.max(tol)):.3g})",
+                "Ways out: the outputs may have no preimage (outside the map's "
+                "range), or Newton's start is too far from it: give the group an "
+                "inverse with `jr.custom_inverse`, or pass on_error='nan'.",
+                who=who,
+            )
         return None
 
-    raise_where(ctx.on_error, error, ok, singular, rn, tol,
-                bad=jnp.any(singular) | ~jnp.all(ok))
+    raise_where(ctx.on_error, error, ok, singular, rn, tol, bad=jnp.any(singular) | ~jnp.all(ok))
 
 
 # --------------------------------------------------------------------------- packing
+
 
 class _System:
     """A group as a map of one array: ``(*S, k)`` for k unknown arrays of shape S solved per
@@ -527,8 +578,10 @@ class _System:
         if self.blocks:
             return [u[..., j].astype(v.aval.dtype) for j, v in enumerate(ins)]
         offs = np.cumsum([0] + self.in_sizes)
-        return [jnp.reshape(u[offs[m]:offs[m + 1]], v.aval.shape).astype(v.aval.dtype)
-                for m, v in enumerate(ins)]
+        return [
+            jnp.reshape(u[offs[m] : offs[m + 1]], v.aval.shape).astype(v.aval.dtype)
+            for m, v in enumerate(ins)
+        ]
 
     def zeros(self) -> Any:
         if self.blocks:
@@ -546,13 +599,15 @@ class _System:
         """Unit vectors, one per unknown, on every element at once (elements are
         independent): ``(k, *u.shape)``."""
         k = u.shape[-1]
-        return jnp.broadcast_to(jnp.eye(k, dtype=u.dtype).reshape(
-            (k,) + (1,) * (u.ndim - 1) + (k,)), (k,) + u.shape)
+        return jnp.broadcast_to(
+            jnp.eye(k, dtype=u.dtype).reshape((k,) + (1,) * (u.ndim - 1) + (k,)), (k,) + u.shape
+        )
 
     def jacobian(self, u: Any, reads: Sequence[Any]) -> Any:
         cols = jax.vmap(lambda e: jax.jvp(lambda v: self.F(v, reads), (u,), (e,))[1])(
-            self._basis(u))
-        return jnp.moveaxis(cols, 0, -1)          # (..., m, k): column j is dF/du_j
+            self._basis(u)
+        )
+        return jnp.moveaxis(cols, 0, -1)  # (..., m, k): column j is dF/du_j
 
     def probe_matrix(self, reads: Sequence[Any]) -> Any:
         """The matrix of an affine F from its values at the unit vectors, evaluated eagerly
@@ -563,8 +618,10 @@ class _System:
             cols = jax.vmap(lambda e: self.F(e, reads))(self._basis(u0)) - self.F(u0, reads)
             return jnp.moveaxis(cols, 0, -1)
         n = min(_SAMPLES, int(np.prod(self.shape, dtype=np.int64)))
-        sample = [np.reshape(np.asarray(r), -1)[:n] if np.shape(r) == self.shape
-                  else np.asarray(r) for r in reads]
+        sample = [
+            np.reshape(np.asarray(r), -1)[:n] if np.shape(r) == self.shape else np.asarray(r)
+            for r in reads
+        ]
         M = _affine_coefficients(self.lump, sample, n)
         if M is not None:
             return M
@@ -573,12 +630,13 @@ class _System:
         ins = [v.aval.dtype for v in self.lump.inputs]
 
         def F(u):
-            outs = self.lump.apply([u[:, j].astype(d) for j, d in enumerate(ins)], sample,
-                                   fit=False)
+            outs = self.lump.apply(
+                [u[:, j].astype(d) for j, d in enumerate(ins)], sample, fit=False
+            )
             return np.stack([np.asarray(o, np.float64) for o in outs], -1)
 
         f0 = F(np.zeros((n, k)))
-        return np.stack([F(units[j]) - f0 for j in range(k)], -1)   # (n, m, k)
+        return np.stack([F(units[j]) - f0 for j in range(k)], -1)  # (n, m, k)
 
     def solve(self, J: Any, r: Any) -> Any:
         return jnp.linalg.solve(J, r[..., None])[..., 0]
@@ -593,8 +651,9 @@ class _System:
     def guess(self, yp: Any) -> Any | None:
         """The outputs as a starting point, where they line up with the inputs."""
         ins, outs = self.lump.inputs, self.lump.outputs
-        if len(ins) == len(outs) and all(tuple(a.aval.shape) == tuple(b.aval.shape)
-                                         for a, b in zip(ins, outs)):
+        if len(ins) == len(outs) and all(
+            tuple(a.aval.shape) == tuple(b.aval.shape) for a, b in zip(ins, outs)
+        ):
             return yp
         return None
 
@@ -607,8 +666,9 @@ class _System:
         out = []
         for v, r in zip(self.lump.reads, reads):
             if tuple(v.aval.shape) == self.shape and jnp.issubdtype(v.aval.dtype, jnp.inexact):
-                out.append(jnp.broadcast_to(jnp.asarray(r, self.dtype)[..., None],
-                                            self.shape + (k,)))
+                out.append(
+                    jnp.broadcast_to(jnp.asarray(r, self.dtype)[..., None], self.shape + (k,))
+                )
         return out[:most]
 
     def whole_unknowns(self, det_comp: Any) -> list[int]:
@@ -616,12 +676,14 @@ class _System:
         if self.blocks:
             return [j for j in range(len(self.lump.inputs)) if det_comp[j]]
         offs = np.cumsum([0] + self.in_sizes)
-        return [m for m in range(len(self.in_sizes))
-                if self.in_sizes[m] and bool(np.all(det_comp[offs[m]:offs[m + 1]]))]
+        return [
+            m
+            for m in range(len(self.in_sizes))
+            if self.in_sizes[m] and bool(np.all(det_comp[offs[m] : offs[m + 1]]))
+        ]
 
     def component_rows(self, det: list[int]) -> Any:
         if self.blocks:
             return np.asarray(det)
         offs = np.cumsum([0] + self.in_sizes)
         return np.concatenate([np.arange(offs[m], offs[m + 1]) for m in det])
-

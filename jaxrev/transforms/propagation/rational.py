@@ -11,9 +11,11 @@ quadratic term vanishes; where there is no real root, the vertex, where the resi
 Newton's step (`nonlinear`) takes them as its starts and polishes them once; the choice step's
 consistency picks the root inside the piece's bin, and the residual check stays.
 """
+
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax.numpy as jnp
 
@@ -73,7 +75,7 @@ def _mul(a: _Rat, b: _Rat) -> _Rat:
 
 
 def _div(a: _Rat, b: _Rat) -> _Rat:
-    if b.q is None and len(b.p) == 1:   # by a known value
+    if b.q is None and len(b.p) == 1:  # by a known value
         return _Rat(tuple(x / b.p[0] for x in a.p), a.q)
     return _Rat(_pmul(a.p, _q(b)), _pmul(_q(a), b.p))
 
@@ -98,15 +100,22 @@ def _step(e: Any, ins: list) -> _Rat:
             out = _mul(out, base)
         return _div(_Rat((1,)), out) if n < 0 else out
     if p in (prims.convert_element_type, prims.copy) and len(ins) == 1:
-        if p is prims.convert_element_type and not jnp.issubdtype(e.params["new_dtype"],
-                                                                  jnp.inexact):
+        if p is prims.convert_element_type and not jnp.issubdtype(
+            e.params["new_dtype"], jnp.inexact
+        ):
             raise _Declined
         return r[0]
     raise _Declined
 
 
-def quadratic_roots(eqns: Sequence[Any], unknown: Any, output: Any, reads: Sequence[Any],
-                    read_vals: Sequence[Any], y: Any) -> tuple[Any, Any] | None:
+def quadratic_roots(
+    eqns: Sequence[Any],
+    unknown: Any,
+    output: Any,
+    reads: Sequence[Any],
+    read_vals: Sequence[Any],
+    y: Any,
+) -> tuple[Any, Any] | None:
     """The two roots u of ``F(u) = y`` per element, where the equations `eqns` compute
     `output` from `unknown` (and the known `reads`) as P(u) / Q(u) of degree two at most;
     None where they do not."""
@@ -114,8 +123,9 @@ def quadratic_roots(eqns: Sequence[Any], unknown: Any, output: Any, reads: Seque
     vals[unknown] = _Rat((0, 1))
     try:
         for e in eqns:
-            ins = [v.val if isinstance(v, Literal) else vals[v] if is_var(v) else v
-                   for v in e.invars]
+            ins = [
+                v.val if isinstance(v, Literal) else vals[v] if is_var(v) else v for v in e.invars
+            ]
             outs = real_outvars(e)
             if len(outs) != 1:
                 raise _Declined

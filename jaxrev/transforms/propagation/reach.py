@@ -12,6 +12,7 @@ A `max`/`min` with a constant holds both branches at the tie, where they give th
 the constant's branch is given the open interval, so that a combination reachable only at the
 tie is left to the value's branch (which is invertible there).
 """
+
 from __future__ import annotations
 
 from types import MappingProxyType
@@ -28,13 +29,13 @@ __all__ = ["constraints", "reachable", "decided_on", "int_range"]
 Interval = tuple[float, bool, float, bool]
 """(lo, lo_closed, hi, hi_closed)."""
 
-_CMP = MappingProxyType({"gt": (1, False), "ge": (1, True), "lt": (-1, False),
-                         "le": (-1, True)})
+_CMP = MappingProxyType({"gt": (1, False), "ge": (1, True), "lt": (-1, False), "le": (-1, True)})
 _INF = np.inf
 
 
-def constraints(e: JaxprEqn, k: int, producer: dict, env: Env, combo: dict | None = None
-                ) -> list[tuple[Any, Interval]]:
+def constraints(
+    e: JaxprEqn, k: int, producer: dict, env: Env, combo: dict | None = None
+) -> list[tuple[Any, Interval]]:
     """``[(value, interval), ...]`` that hold where choice `e` takes branch `k`, each value
     carried back to the variable it shifts, or through the branches `combo` assumes (a clip's
     `min` of a `max`), to a static scalar (value None, the interval then holding it or
@@ -44,8 +45,12 @@ def constraints(e: JaxprEqn, k: int, producer: dict, env: Env, combo: dict | Non
     if p is prims.abs:
         raw = [(e.invars[0], (0.0, True, _INF, False) if k == 0 else (-_INF, False, 0.0, False))]
     elif p is prims.sign:
-        raw = [(e.invars[0], ((-_INF, False, 0.0, False), (0.0, True, 0.0, True),
-                              (0.0, False, _INF, False))[k])]
+        raw = [
+            (
+                e.invars[0],
+                ((-_INF, False, 0.0, False), (0.0, True, 0.0, True), (0.0, False, _INF, False))[k],
+            )
+        ]
     elif p in (prims.max, prims.min):
         got = _minmax(e, k, env)
         raw = [got] if got is not None else []
@@ -63,28 +68,33 @@ def _minmax(e: JaxprEqn, k: int, env: Env) -> tuple[Any, Interval] | None:
             return None
         a = b
     value_branch = k == (0 if first else 1)
-    above = (e.primitive is prims.max) == value_branch   # where the value lies against c
+    above = (e.primitive is prims.max) == value_branch  # where the value lies against c
     # (the value's branch holds at the tie, closed; the constant's branch is open there)
     return a, ((c, value_branch, _INF, False) if above else (-_INF, False, c, value_branch))
 
 
-def _truth(v: Any, truth: bool, producer: dict, env: Env, depth: int
-           ) -> list[tuple[Any, Interval]]:
+def _truth(v: Any, truth: bool, producer: dict, env: Env, depth: int) -> list[tuple[Any, Interval]]:
     """Intervals that hold where the boolean `v` is `truth` (comparisons with static scalars,
     through `and`/`or`/`not` and casts to bool)."""
     e = producer.get(v)
     if e is None or depth == 0:
         return []
     name = e.primitive.name
-    if (name == "convert_element_type" and len(e.invars) == 1 and is_var(e.invars[0])
-            and e.invars[0].aval.dtype == np.bool_):
+    if (
+        name == "convert_element_type"
+        and len(e.invars) == 1
+        and is_var(e.invars[0])
+        and e.invars[0].aval.dtype == np.bool_
+    ):
         return _truth(e.invars[0], truth, producer, env, depth - 1)
     if name == "not":
-        return _truth(e.invars[0], not truth, producer, env, depth - 1) if is_var(
-            e.invars[0]) else []
+        return (
+            _truth(e.invars[0], not truth, producer, env, depth - 1) if is_var(e.invars[0]) else []
+        )
     if (name == "and" and truth) or (name == "or" and not truth):
-        return [c for u in e.invars if is_var(u) for c in _truth(u, truth, producer, env,
-                                                                    depth - 1)]
+        return [
+            c for u in e.invars if is_var(u) for c in _truth(u, truth, producer, env, depth - 1)
+        ]
     if name not in _CMP:
         return []
     a, b = e.invars
@@ -94,7 +104,7 @@ def _truth(v: Any, truth: bool, producer: dict, env: Env, depth: int
         a, c, sign = b, _scalar(a, env), -sign
         if c is None or not is_var(a):
             return []
-    if not truth:   # the comparison is false
+    if not truth:  # the comparison is false
         sign, closed = -sign, not closed
     return [(a, (c, closed, _INF, False) if sign > 0 else (-_INF, False, c, closed))]
 
@@ -106,8 +116,7 @@ def _scalar(v: Any, env: Env) -> float | None:
     return float(np.asarray(s).reshape(()))
 
 
-def _shifted(v: Any, iv: Interval, producer: dict, env: Env, combo: dict
-             ) -> tuple[Any, Interval]:
+def _shifted(v: Any, iv: Interval, producer: dict, env: Env, combo: dict) -> tuple[Any, Interval]:
     """The interval carried back through additions and products of static scalars, negation,
     copies and the branches `combo` assumes."""
     lo, lc, hi, hc = iv
@@ -118,7 +127,7 @@ def _shifted(v: Any, iv: Interval, producer: dict, env: Env, combo: dict
         if e in combo and e.primitive in (prims.max, prims.min):
             u = e.invars[combo[e][1]]
             c = _scalar(u, env)
-            if c is not None:   # the branch is a constant: in the interval, or never
+            if c is not None:  # the branch is a constant: in the interval, or never
                 inside = (lo < c or (lo == c and lc)) and (c < hi or (c == hi and hc))
                 return None, ((c, True, c, True) if inside else (1.0, False, 0.0, False))
             v = u
@@ -153,7 +162,7 @@ def _shifted(v: Any, iv: Interval, producer: dict, env: Env, combo: dict
         if e.primitive in (prims.add, prims.sub) and len(e.invars) == 2:
             c = _scalar(e.invars[1], env)
             if c is not None and is_var(e.invars[0]):
-                d = c if e.primitive is prims.add else -c   # v = u + d
+                d = c if e.primitive is prims.add else -c  # v = u + d
                 lo, hi, v = lo - d, hi - d, e.invars[0]
                 continue
         break
@@ -192,14 +201,14 @@ def reachable(combo: dict, producer: dict, env: Env) -> bool:
     return True
 
 
-def decided_on(e: JaxprEqn, k: int, producer: dict, env: Env, values: set, combo: dict
-               ) -> bool:
+def decided_on(e: JaxprEqn, k: int, producer: dict, env: Env, values: set, combo: dict) -> bool:
     """Whether branch `k` of `e` is taken on an interval of one of `values` (the group's
     unknown inputs: the state itself), so that inputs surely take it."""
     return any(v in values for v, _ in constraints(e, k, producer, env, combo))
 
 
 # --------------------------------------------------------------------------- integers
+
 
 def int_range(v: Any, producer: dict, env: Env, memo: dict) -> tuple[float, float] | None:
     """The values an integer may take, by interval arithmetic over the group's equations
@@ -218,15 +227,19 @@ def int_range(v: Any, producer: dict, env: Env, memo: dict) -> tuple[float, floa
     return out
 
 
-def _range_of_eqn(e: JaxprEqn | None, producer: dict, env: Env, memo: dict
-                  ) -> tuple[float, float] | None:
+def _range_of_eqn(
+    e: JaxprEqn | None, producer: dict, env: Env, memo: dict
+) -> tuple[float, float] | None:
     if e is None:
         return None
     p = e.primitive
 
     def r(k: int) -> tuple[float, float]:
-        got = int_range(e.invars[k], producer, env, memo) if is_var(e.invars[k]) else (
-            float(np.asarray(e.invars[k].val)),) * 2
+        got = (
+            int_range(e.invars[k], producer, env, memo)
+            if is_var(e.invars[k])
+            else (float(np.asarray(e.invars[k].val)),) * 2
+        )
         return got if got is not None else (-np.inf, np.inf)
 
     if p is prims.convert_element_type:

@@ -18,27 +18,48 @@ entry point for a whole sub-jaxpr); forward evaluation is `_jaxpr.evaluate`. Wha
 walk besides its jaxpr and values is its context (`knowledge.context.WalkContext`), which the
 env carries (`env.ctx`): the transform that created it sets it in `seed`.
 """
+
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import jax
 
 from jaxrev._compat import ClosedJaxpr, Jaxpr, JaxprEqn, Var
-from jaxrev._errors import NotInvertibleError, WAYS_OUT, not_invertible
+from jaxrev._errors import WAYS_OUT, NotInvertibleError, not_invertible
 from jaxrev._jaxpr import Env, Statics, evaluate, is_unknown, prepare, real_outvars, used_vars
-from jaxrev.transforms.propagation import choices, lumps, nonlinear
 from jaxrev.transforms.knowledge import elements, records
 from jaxrev.transforms.knowledge import regions as R
 from jaxrev.transforms.knowledge.context import WalkContext
 from jaxrev.transforms.knowledge.elements import token
-from jaxrev.transforms.registry import (STRUCTURAL, WALKS, Lossy, NeedMore, element_rules,
-                                        inverse_jvp_rules, inverse_rules, is_kind)
+from jaxrev.transforms.propagation import choices, lumps, nonlinear
+from jaxrev.transforms.registry import (
+    STRUCTURAL,
+    WALKS,
+    Lossy,
+    NeedMore,
+    element_rules,
+    inverse_jvp_rules,
+    inverse_rules,
+    is_kind,
+)
 
-__all__ = ["Stuck", "Window", "Hints", "RuleContext", "propagate", "seed", "invert_jaxpr",
-           "raise_stuck", "blame", "statics_for", "static_hints"]
+__all__ = [
+    "Stuck",
+    "Window",
+    "Hints",
+    "RuleContext",
+    "propagate",
+    "seed",
+    "invert_jaxpr",
+    "raise_stuck",
+    "blame",
+    "statics_for",
+    "static_hints",
+]
 
 
 @dataclass
@@ -47,11 +68,11 @@ class Stuck:
 
     eqn: JaxprEqn
     reason: str
-    inner: list["Stuck"] = field(default_factory=list)
+    inner: list[Stuck] = field(default_factory=list)
     hint: str | None = None
     no_rule: bool = False
-    lossy: bool = False      # its rule said it destroys information (never part of a group)
-    singular: bool = False   # it divides by an exact zero (a vanished pivot)
+    lossy: bool = False  # its rule said it destroys information (never part of a group)
+    singular: bool = False  # it divides by an exact zero (a vanished pivot)
 
 
 class Window:
@@ -83,8 +104,10 @@ class Hints:
 
     def key(self) -> tuple:
         """A hashable summary (plans are cached on it)."""
+
         def k(d: dict) -> tuple:
             return tuple((i, a.shape, a.dtype.str, hash(a.tobytes())) for i, a in sorted(d.items()))
+
         return (k(self.static), k(self.enum), self.length)
 
 
@@ -102,9 +125,13 @@ def static_hints(n: int, static_of: Callable[[int], Any]) -> Hints | None:
 def statics_for(jaxpr: Jaxpr, consts: Sequence[Any], hints: Hints | None) -> Statics:
     if hints is None:
         return Statics(jaxpr, consts)
-    return Statics(jaxpr, consts,
-                   {jaxpr.invars[k]: v for k, v in hints.static.items()},
-                   {jaxpr.invars[k]: v for k, v in hints.enum.items()}, hints.length)
+    return Statics(
+        jaxpr,
+        consts,
+        {jaxpr.invars[k]: v for k, v in hints.static.items()},
+        {jaxpr.invars[k]: v for k, v in hints.enum.items()},
+        hints.length,
+    )
 
 
 class RuleContext:
@@ -127,8 +154,9 @@ class RuleContext:
 _NO_LOSS = object()
 
 
-def _call_rule(eqn: JaxprEqn, env: Env, rule: Callable, out: Any, ins: Sequence[Any],
-               params: dict) -> Any:
+def _call_rule(
+    eqn: JaxprEqn, env: Env, rule: Callable, out: Any, ins: Sequence[Any], params: dict
+) -> Any:
     """`rule(out, *ins, **params)`, with the walk's `ctx` for a `WALKS` rule."""
     if getattr(rule, WALKS, False):
         return rule(out, *ins, ctx=RuleContext(eqn, env), **params)
@@ -136,6 +164,7 @@ def _call_rule(eqn: JaxprEqn, env: Env, rule: Callable, out: Any, ins: Sequence[
 
 
 # --------------------------------------------------------------------------- applying a rule
+
 
 def _apply_rule(eqn: JaxprEqn, env: Env) -> list[Any] | None:
     env.ctx.count("rules")
@@ -150,7 +179,8 @@ def _apply_rule(eqn: JaxprEqn, env: Env) -> list[Any] | None:
         name = getattr(rule, "__qualname__", repr(rule))
         raise TypeError(
             f"inverse rule {name} for `{eqn.primitive.name}` must return a list or tuple with one "
-            f"entry per input ({len(ins)}: the recovered value or None), got {rec!r:.200}")
+            f"entry per input ({len(ins)}: the recovered value or None), got {rec!r:.200}"
+        )
     rec = list(rec)
     if eqn.primitive in inverse_jvp_rules:
         rec = _with_inverse_jvp(eqn, env, out, ins, rec)
@@ -175,8 +205,7 @@ def _with_inverse_jvp(eqn: JaxprEqn, env: Env, out: Any, ins: list, rec: list) -
 
     @jax.custom_jvp
     def recovered(out, known_vals):
-        rec2 = _call_rule(eqn, env, inverse_rules[eqn.primitive], out, filled(known_vals),
-                          params)
+        rec2 = _call_rule(eqn, env, inverse_rules[eqn.primitive], out, filled(known_vals), params)
         return [rec2[k] for k in got]
 
     @recovered.defjvp
@@ -186,16 +215,20 @@ def _with_inverse_jvp(eqn: JaxprEqn, env: Env, out: Any, ins: list, rec: list) -
         xs = recovered(out, known_vals)
         full = filled(known_vals, xs)
         if known:  # the known inputs' part of the output tangent, by the primitive's own JVP
+
             def with_known(*kv):
                 return eqn.primitive.bind(*filled(kv, xs), **params)
+
             _, from_known = jax.jvp(with_known, tuple(known_vals), tuple(d_known))
             d_out = jax.tree_util.tree_map(lambda a, b: a - b, d_out, from_known)
         t = ij(d_out, out, *full, **params)
         name = getattr(ij, "__qualname__", repr(ij))
         if not isinstance(t, (list, tuple)) or len(t) != len(ins):
-            raise TypeError(f"inverse-JVP rule {name} for `{eqn.primitive.name}` must return a "
-                            f"list or tuple with one tangent (or None) per input ({len(ins)}), "
-                            f"got {t!r:.200}")
+            raise TypeError(
+                f"inverse-JVP rule {name} for `{eqn.primitive.name}` must return a "
+                f"list or tuple with one tangent (or None) per input ({len(ins)}), "
+                f"got {t!r:.200}"
+            )
         return xs, [t[k] for k in got]
 
     vals = recovered(out, [ins[k] for k in known])
@@ -206,11 +239,17 @@ def _with_inverse_jvp(eqn: JaxprEqn, env: Env, out: Any, ins: list, rec: list) -
 
 # --------------------------------------------------------------------------- propagation
 
-def propagate(jaxpr: Jaxpr | Window, env: Env, goals: Sequence[Any] | None, *,
-              allow: Callable[[JaxprEqn], bool] | None = None,
-              forward_only: bool = False,
-              on_invert: Callable[[JaxprEqn, list[Var]], None] | None = None,
-              soft: bool = False) -> list[Stuck]:
+
+def propagate(
+    jaxpr: Jaxpr | Window,
+    env: Env,
+    goals: Sequence[Any] | None,
+    *,
+    allow: Callable[[JaxprEqn], bool] | None = None,
+    forward_only: bool = False,
+    on_invert: Callable[[JaxprEqn, list[Var]], None] | None = None,
+    soft: bool = False,
+) -> list[Stuck]:
     """Fill `env` until every goal is known (or, with `goals=None`, as far as it goes).
 
     Returns [] on success, else the equations that blocked it. With `soft`, a step that loses
@@ -221,11 +260,12 @@ def propagate(jaxpr: Jaxpr | Window, env: Env, goals: Sequence[Any] | None, *,
     A worklist: an equation is looked at again only when something known about one of its
     variables changed, so tracing stays linear in the program's length."""
     if not isinstance(env.ctx, WalkContext):
-        raise TypeError("propagate: the env carries no walk context (`seed(..., ctx=)` or "
-                        "`Env(ctx=)` sets it)")
+        raise TypeError(
+            "propagate: the env carries no walk context (`seed(..., ctx=)` or `Env(ctx=)` sets it)"
+        )
     eqns = jaxpr.eqns
     used = used_vars(jaxpr)
-    near: dict[Var, list[int]] = {}   # variable -> the equations that read or write it
+    near: dict[Var, list[int]] = {}  # variable -> the equations that read or write it
     for i, e in enumerate(eqns):
         for v in (*e.invars, *e.outvars):
             if isinstance(v, Var):
@@ -241,7 +281,7 @@ def propagate(jaxpr: Jaxpr | Window, env: Env, goals: Sequence[Any] | None, *,
     back = deque(range(len(eqns)))
     front: deque = deque()
     ready: deque = deque()
-    queued = [True] * len(eqns)       # waiting in either queue
+    queued = [True] * len(eqns)  # waiting in either queue
     in_front = [False] * len(eqns)
     stuck: dict[int, Stuck] = {}
     # what was known around an equation when its rule last failed: a rule (a loop's, say, which
@@ -273,7 +313,7 @@ def propagate(jaxpr: Jaxpr | Window, env: Env, goals: Sequence[Any] | None, *,
             else:
                 i = back.popleft()
             if not queued[i]:
-                continue   # looked at from the front queue since
+                continue  # looked at from the front queue since
             queued[i] = False
             if done[i]:
                 continue
@@ -282,16 +322,34 @@ def propagate(jaxpr: Jaxpr | Window, env: Env, goals: Sequence[Any] | None, *,
                 continue
             outs = real_outvars(eqn)
             before = tuple(token(env, v) for v in (*eqn.invars, *outs))
-            _visit(i, eqn, env, used, forward_only, soft, on_invert, stuck, tried, etried,
-                   claimed, before)
+            _visit(
+                i,
+                eqn,
+                env,
+                used,
+                forward_only,
+                soft,
+                on_invert,
+                stuck,
+                tried,
+                etried,
+                claimed,
+                before,
+            )
             if all(env.known(v) for v in eqn.invars) and all(env.known(v) for v in outs):
                 done[i] = True
                 stuck.pop(i, None)
             after = tuple(token(env, v) for v in (*eqn.invars, *outs))
             if after != before:
                 changed = [v for v, x, y in zip((*eqn.invars, *outs), before, after) if x != y]
-                wake(changed, {v for v, y in zip((*eqn.invars, *outs), after)
-                               if y is True and isinstance(v, Var)})
+                wake(
+                    changed,
+                    {
+                        v
+                        for v, y in zip((*eqn.invars, *outs), after)
+                        if y is True and isinstance(v, Var)
+                    },
+                )
         if goals is not None and all(env.known(g) for g in goals):
             return []
         pending = [i for i in range(len(eqns)) if not done[i]]
@@ -301,10 +359,12 @@ def propagate(jaxpr: Jaxpr | Window, env: Env, goals: Sequence[Any] | None, *,
         gp = pending if allow is None else [i for i in pending if allow(eqns[i])]
         lossy = {i for i, s in stuck.items() if s.lossy}
         cut = getattr(jaxpr, "cut", False)
-        if (lumps.lump_step(eqns, env, [i for i in gp if i not in lossy], cut)
-                or choices.choice_step(eqns, env, gp, soft, _subwalk)
-                or nonlinear.eliminate_step(eqns, env, gp, lossy)
-                or nonlinear.newton_step(eqns, env, gp, lossy, cut)):
+        if (
+            lumps.lump_step(eqns, env, [i for i in gp if i not in lossy], cut)
+            or choices.choice_step(eqns, env, gp, soft, _subwalk)
+            or nonlinear.eliminate_step(eqns, env, gp, lossy)
+            or nonlinear.newton_step(eqns, env, gp, lossy, cut)
+        ):
             # a group step may write anywhere: look at everything again, what can run forward
             # first (the values the group took over are recomputed, not inverted again)
             for j in gp:
@@ -319,8 +379,10 @@ def propagate(jaxpr: Jaxpr | Window, env: Env, goals: Sequence[Any] | None, *,
                     back.append(j)
             continue
         return [s for i, s in sorted(stuck.items())] or [
-            Stuck(eqns[i], "its result does not reach the output") for i in pending
-            if any(not env.known(v) for v in eqns[i].invars)][:1]
+            Stuck(eqns[i], "its result does not reach the output")
+            for i in pending
+            if any(not env.known(v) for v in eqns[i].invars)
+        ][:1]
 
 
 def _subwalk(eqns: Sequence[JaxprEqn], env: Env, goals: Sequence[Var]) -> list[Stuck]:
@@ -328,9 +390,20 @@ def _subwalk(eqns: Sequence[JaxprEqn], env: Env, goals: Sequence[Var]) -> list[S
     return propagate(Window(eqns), env, goals, soft=True)
 
 
-def _visit(i: int, eqn: JaxprEqn, env: Env, used: set, forward_only: bool, soft: bool,
-           on_invert: Callable | None, stuck: dict[int, Stuck], tried: dict, etried: dict,
-           claimed: set[int], seen: tuple) -> None:
+def _visit(
+    i: int,
+    eqn: JaxprEqn,
+    env: Env,
+    used: set,
+    forward_only: bool,
+    soft: bool,
+    on_invert: Callable | None,
+    stuck: dict[int, Stuck],
+    tried: dict,
+    etried: dict,
+    claimed: set[int],
+    seen: tuple,
+) -> None:
     """One look at equation `i`: evaluate it, or propagate what is known of some elements
     around it, or apply its inverse rule."""
     if all(env.known(v) for v in eqn.invars):
@@ -341,8 +414,9 @@ def _visit(i: int, eqn: JaxprEqn, env: Env, used: set, forward_only: bool, soft:
     if etried.get(i) != seen:
         etried[i] = seen
         claimed.discard(i)
-        if _near_elements(eqn, env) and _element_step(eqn, env, forward_only, soft, stuck,
-                                                      claimed, i):
+        if _near_elements(eqn, env) and _element_step(
+            eqn, env, forward_only, soft, stuck, claimed, i
+        ):
             if before is not None:
                 before = _note(eqn, env, before)
             stuck.pop(i, None)
@@ -354,12 +428,16 @@ def _visit(i: int, eqn: JaxprEqn, env: Env, used: set, forward_only: bool, soft:
         return
     if i in claimed:
         loss = env.losses.get(eqn, _NO_LOSS)
-        if i not in stuck and loss is not None:   # None: its output came forward
-            stuck[i] = (Stuck(eqn, "only some elements of its inputs follow from its output "
-                                   "(the others are overwritten or selected away)")
-                        if loss is _NO_LOSS else
-                        Stuck(eqn, loss.reason, hint=loss.hint, lossy=True,
-                              singular=loss.singular))
+        if i not in stuck and loss is not None:  # None: its output came forward
+            stuck[i] = (
+                Stuck(
+                    eqn,
+                    "only some elements of its inputs follow from its output "
+                    "(the others are overwritten or selected away)",
+                )
+                if loss is _NO_LOSS
+                else Stuck(eqn, loss.reason, hint=loss.hint, lossy=True, singular=loss.singular)
+            )
         return
     if eqn.primitive not in inverse_rules:
         stuck[i] = Stuck(eqn, "there is no inverse rule for it", no_rule=True)
@@ -395,8 +473,11 @@ def _visit(i: int, eqn: JaxprEqn, env: Env, used: set, forward_only: bool, soft:
         if on_invert is not None:
             on_invert(eqn, wrote)
     elif i not in stuck:
-        stuck[i] = Stuck(eqn, "its unknown inputs cannot be recovered from what is known "
-                              "(more than one of them is unknown)")
+        stuck[i] = Stuck(
+            eqn,
+            "its unknown inputs cannot be recovered from what is known "
+            "(more than one of them is unknown)",
+        )
 
 
 def _unknown_regions(eqn: JaxprEqn, env: Env) -> list:
@@ -412,13 +493,23 @@ def _note(eqn: JaxprEqn, env: Env, before: list) -> list:
     """Record the elements of `eqn`'s inputs that became known since `before` (for
     log-determinants); returns the regions now."""
     after = _unknown_regions(eqn, env)
-    records.eqn_step(env, eqn, [(v, b, a) for v, b, a in zip(eqn.invars, before, after)
-                                if b != a and b != R.EMPTY])
+    records.eqn_step(
+        env,
+        eqn,
+        [(v, b, a) for v, b, a in zip(eqn.invars, before, after) if b != a and b != R.EMPTY],
+    )
     return after
 
 
-def _element_step(eqn: JaxprEqn, env: Env, forward_only: bool, soft: bool,
-                  stuck: dict[int, Stuck], claimed: set[int], i: int) -> bool:
+def _element_step(
+    eqn: JaxprEqn,
+    env: Env,
+    forward_only: bool,
+    soft: bool,
+    stuck: dict[int, Stuck],
+    claimed: set[int],
+    i: int,
+) -> bool:
     """Element-level propagation around `eqn`; whether it learned something. Its element
     rules may claim the equation (then its ordinary inverse rule is not tried)."""
     env.ctx.count("elements")
@@ -427,7 +518,7 @@ def _element_step(eqn: JaxprEqn, env: Env, forward_only: bool, soft: bool,
         return learned
     try:
         claim = elements.backward(eqn, env)
-    except Lossy as e:   # an error only if the walk ends without what it loses
+    except Lossy as e:  # an error only if the walk ends without what it loses
         stuck[i] = Stuck(eqn, e.reason, hint=e.hint, lossy=True, singular=e.singular)
         claim = False
     if claim is not None:
@@ -441,11 +532,13 @@ def _near_elements(eqn: JaxprEqn, env: Env) -> bool:
     p = eqn.primitive
     if p in element_rules:
         return True
-    if env.part and any(isinstance(v, Var) and v in env.part
-                        for v in (*eqn.invars, *eqn.outvars)):
+    if env.part and any(isinstance(v, Var) and v in env.part for v in (*eqn.invars, *eqn.outvars)):
         return True
-    return (is_kind(p, STRUCTURAL) and p not in inverse_rules
-            and any(env.known(v) for v in real_outvars(eqn)))
+    return (
+        is_kind(p, STRUCTURAL)
+        and p not in inverse_rules
+        and any(env.known(v) for v in real_outvars(eqn))
+    )
 
 
 def _innermost(stuck: list[Stuck]) -> list[Stuck]:
@@ -486,18 +579,30 @@ def raise_stuck(stuck: list[Stuck], what: str, who: str) -> None:
     if s is None:
         raise NotInvertibleError(
             f"{who} cannot recover {what}: the program's output does not depend on it "
-            f"(the value is discarded or overwritten).\n{WAYS_OUT}")
+            f"(the value is discarded or overwritten).\n{WAYS_OUT}"
+        )
     # a step that loses information makes the Jacobian singular only if nothing else stopped
     # the walk: behind another obstacle (a loop that cannot run backwards), what it loses may
     # be known from elsewhere
     singular = s.singular and all(t.singular for t in _innermost(stuck))
-    raise not_invertible(s.eqn, s.reason if not what else f"{s.reason} (recovering {what})",
-                         s.hint, singular=singular, who=who)
+    raise not_invertible(
+        s.eqn,
+        s.reason if not what else f"{s.reason} (recovering {what})",
+        s.hint,
+        singular=singular,
+        who=who,
+    )
 
 
-def seed(closed: ClosedJaxpr, ins: Sequence[Any], outs: Sequence[Any],
-         hints: Hints | None = None, prepared: bool = False, *,
-         ctx: WalkContext | None) -> tuple[Jaxpr, Env, list[Var]]:
+def seed(
+    closed: ClosedJaxpr,
+    ins: Sequence[Any],
+    outs: Sequence[Any],
+    hints: Hints | None = None,
+    prepared: bool = False,
+    *,
+    ctx: WalkContext | None,
+) -> tuple[Jaxpr, Env, list[Var]]:
     """Inline `closed`'s calls and fill a fresh env with its consts and the known entries of
     `ins` and `outs` (`Unknown` elsewhere), for a walk with context `ctx` (None: the env is
     only evaluated forward). Returns (jaxpr, env, goals): the goals are the inputs passed as
@@ -518,24 +623,37 @@ def seed(closed: ClosedJaxpr, ins: Sequence[Any], outs: Sequence[Any],
     return jaxpr, env, [v for v, x in zip(jaxpr.invars, ins) if is_unknown(x)]
 
 
-def invert_jaxpr(closed: ClosedJaxpr, ins: Sequence[Any], outs: Sequence[Any],
-                 hints: Hints | None = None, *, ctx: RuleContext) -> list[Any]:
+def invert_jaxpr(
+    closed: ClosedJaxpr,
+    ins: Sequence[Any],
+    outs: Sequence[Any],
+    hints: Hints | None = None,
+    *,
+    ctx: RuleContext,
+) -> list[Any]:
     """Recover the `Unknown` entries of `ins` from the known `outs` (`Unknown` where not known);
     None for the inputs that were known. Raises `NotInvertibleError` where it cannot. `ctx`:
     the rule context of the loop's or branch's rule that walks its body (the walk inherits its
     walk's context; where that walk is recorded, it is recorded as the equation's child)."""
     jaxpr, env, goals = seed(closed, ins, outs, hints, ctx=None)
     env.ctx, attach = records.child(
-        ctx.env, ctx.eqn, env, jaxpr, hints,
-        [i for i, (v, y) in enumerate(zip(jaxpr.outvars, outs))
-         if not is_unknown(y) and isinstance(v, Var)],
-        [i for i, x in enumerate(ins) if is_unknown(x)])
+        ctx.env,
+        ctx.eqn,
+        env,
+        jaxpr,
+        hints,
+        [
+            i
+            for i, (v, y) in enumerate(zip(jaxpr.outvars, outs))
+            if not is_unknown(y) and isinstance(v, Var)
+        ],
+        [i for i, x in enumerate(ins) if is_unknown(x)],
+    )
     stuck = propagate(jaxpr, env, goals)
     attach()
-    missing = [i for i, (v, x) in enumerate(zip(jaxpr.invars, ins))
-               if is_unknown(x) and not env.known(v)]
+    missing = [
+        i for i, (v, x) in enumerate(zip(jaxpr.invars, ins)) if is_unknown(x) and not env.known(v)
+    ]
     if missing:
         raise_stuck(stuck, f"input(s) {missing}" if blame(stuck) is None else "", ctx.walk.who)
     return [env.read(v) if is_unknown(x) else None for v, x in zip(jaxpr.invars, ins)]
-
-

@@ -10,9 +10,11 @@ Nones) when it may succeed once more inputs are known.
 Every rule is registered by the `define` call right after it, which also tags the primitive
 (elementwise, linear, bilinear) for the walker's group steps.
 """
+
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
@@ -21,20 +23,31 @@ from jax import lax
 from jaxrev._compat import JaxprEqn, ShapedArray, as_closed, is_concrete, literal, prims
 from jaxrev._errors import ReversibilityError, at_eqn, not_invertible
 from jaxrev._jaxpr import Env, apply, eval_closed, is_unknown
+from jaxrev.transforms.custom import custom_inverse
 from jaxrev.transforms.knowledge import regions as R
 from jaxrev.transforms.knowledge.checks import raise_where
-from jaxrev.transforms.knowledge.signs import nonnegative
 from jaxrev.transforms.knowledge.elements import learn, region_of, static_of, value_of
-from jaxrev.transforms.custom import custom_inverse
-from jaxrev.transforms.registry import LogdetContext
-from jaxrev.transforms.registry import (BILINEAR, ELEMENTWISE, LINEAR, SMOOTH, STRUCTURAL,
-                                        ChoiceRule, ElementRule, Lossy, NeedMore, Unsupported,
-                                        define)
+from jaxrev.transforms.knowledge.signs import nonnegative
+from jaxrev.transforms.registry import (
+    BILINEAR,
+    ELEMENTWISE,
+    LINEAR,
+    SMOOTH,
+    STRUCTURAL,
+    ChoiceRule,
+    ElementRule,
+    LogdetContext,
+    Lossy,
+    NeedMore,
+    Unsupported,
+    define,
+)
 
 __all__ = ["check_nonzero"]
 
 
 # --------------------------------------------------------------------------- arithmetic
+
 
 def check_nonzero(v: Any, what: str) -> None:
     if is_concrete(v) and np.any(np.asarray(v) == 0):
@@ -100,8 +113,11 @@ def _mul_forward(eqn: JaxprEqn, env: Env) -> bool | None:
         ra = R.FULL if ra != R.EMPTY else R.EMPTY
     region = R.intersect(ra, R.mask_region(nonzero), env.info)
     vals = [None, None]
-    vals[k] = (jnp.zeros(a.aval.shape, a.aval.dtype) if region_of(env, a) == R.FULL
-               else value_of(env, a, clean=True))
+    vals[k] = (
+        jnp.zeros(a.aval.shape, a.aval.dtype)
+        if region_of(env, a) == R.FULL
+        else value_of(env, a, clean=True)
+    )
     vals[1 - k] = env.read(eqn.invars[1 - k])
     return learn(env, o, apply(eqn, vals)[0], region)
 
@@ -128,8 +144,12 @@ def _mul_backward(eqn: JaxprEqn, env: Env) -> bool | None:
     return learn(env, a, value_of(env, o, clean=True) / b, region)
 
 
-define(prims.mul, inverse=_mul, element=ElementRule(_mul_forward, _mul_backward),
-       kind=(ELEMENTWISE, BILINEAR))
+define(
+    prims.mul,
+    inverse=_mul,
+    element=ElementRule(_mul_forward, _mul_backward),
+    kind=(ELEMENTWISE, BILINEAR),
+)
 
 
 def _div(out, x, y, **_):
@@ -156,24 +176,35 @@ def _undone_by(inverse: Callable[[Any], Any], forward: Callable[[Any], Any]) -> 
 def _unary(inverse: Callable[[Any], Any]):
     def rule(out, x, **_):
         return [inverse(out)]
+
     return rule
 
 
 # one-to-one elementwise maps and their inverses; the linear ones also join linear lumps
 for _p, _inv, _kind in [
-        (prims.neg, lambda y: -y, (ELEMENTWISE, LINEAR)), (prims.exp, jnp.log, (ELEMENTWISE,)),
-        (prims.log, jnp.exp, (ELEMENTWISE,)), (prims.exp2, jnp.log2, (ELEMENTWISE,)),
-        (prims.log1p, jnp.expm1, (ELEMENTWISE,)), (prims.expm1, jnp.log1p, (ELEMENTWISE,)),
-        (prims.tanh, jnp.arctanh, (ELEMENTWISE,)), (prims.atanh, jnp.tanh, (ELEMENTWISE,)),
-        (prims.sinh, jnp.arcsinh, (ELEMENTWISE,)), (prims.asinh, jnp.sinh, (ELEMENTWISE,)),
-        (prims.erf, lax.erf_inv, (ELEMENTWISE,)), (prims.erf_inv, lax.erf, (ELEMENTWISE,)),
-        (prims.logistic, _undone_by(lambda y: jnp.log(y) - jnp.log1p(-y), lax.logistic),
-         (ELEMENTWISE,)),
-        (prims.sqrt, _undone_by(lambda y: y * y, lax.sqrt), (ELEMENTWISE,)),
-        (prims.rsqrt, _undone_by(lambda y: 1 / (y * y), lax.rsqrt), (ELEMENTWISE,)),
-        (prims.cbrt, _undone_by(lambda y: y * y * y, lax.cbrt), (ELEMENTWISE,)),
-        (prims.conj, jnp.conj, (ELEMENTWISE, LINEAR)),
-        (prims.copy, lambda y: y, (ELEMENTWISE, LINEAR))]:
+    (prims.neg, lambda y: -y, (ELEMENTWISE, LINEAR)),
+    (prims.exp, jnp.log, (ELEMENTWISE,)),
+    (prims.log, jnp.exp, (ELEMENTWISE,)),
+    (prims.exp2, jnp.log2, (ELEMENTWISE,)),
+    (prims.log1p, jnp.expm1, (ELEMENTWISE,)),
+    (prims.expm1, jnp.log1p, (ELEMENTWISE,)),
+    (prims.tanh, jnp.arctanh, (ELEMENTWISE,)),
+    (prims.atanh, jnp.tanh, (ELEMENTWISE,)),
+    (prims.sinh, jnp.arcsinh, (ELEMENTWISE,)),
+    (prims.asinh, jnp.sinh, (ELEMENTWISE,)),
+    (prims.erf, lax.erf_inv, (ELEMENTWISE,)),
+    (prims.erf_inv, lax.erf, (ELEMENTWISE,)),
+    (
+        prims.logistic,
+        _undone_by(lambda y: jnp.log(y) - jnp.log1p(-y), lax.logistic),
+        (ELEMENTWISE,),
+    ),
+    (prims.sqrt, _undone_by(lambda y: y * y, lax.sqrt), (ELEMENTWISE,)),
+    (prims.rsqrt, _undone_by(lambda y: 1 / (y * y), lax.rsqrt), (ELEMENTWISE,)),
+    (prims.cbrt, _undone_by(lambda y: y * y * y, lax.cbrt), (ELEMENTWISE,)),
+    (prims.conj, jnp.conj, (ELEMENTWISE, LINEAR)),
+    (prims.copy, lambda y: y, (ELEMENTWISE, LINEAR)),
+]:
     define(_p, inverse=_unary(_inv), kind=(*_kind, SMOOTH))
 
 # the value passes through (numpyro's `x + stop_gradient(clip(x) - x)`); no derivative, so no
@@ -181,9 +212,11 @@ for _p, _inv, _kind in [
 define(prims.stop_gradient, inverse=_unary(lax.stop_gradient), kind=(ELEMENTWISE,))
 
 
-_SIGN_HINT = ("Ways out: keep the sign in the state, use an odd power, or make the base "
-              "visibly non-negative (exp, abs, softplus, or a check such as Equinox's "
-              "`error_if(x, x < 0, ...)` before the power).")
+_SIGN_HINT = (
+    "Ways out: keep the sign in the state, use an odd power, or make the base "
+    "visibly non-negative (exp, abs, softplus, or a check such as Equinox's "
+    "`error_if(x, x < 0, ...)` before the power)."
+)
 
 
 def _integer_pow(out, x, *, y, ctx, **_):
@@ -230,29 +263,54 @@ def _pow_base(out: Any, x: Any, p: Any, ctx: Any) -> Any:
         raise Lossy("a complex base raised to a power has several roots")
     zero, even, odd = _exponent_kind(p)
     if nonnegative(ctx.eqn.invars[0], ctx.env):
-        even = odd = False   # the non-negative root is the one preimage
+        even = odd = False  # the non-negative root is the one preimage
     if is_concrete(p):
         if np.any(zero):
             raise Lossy("the known exponent is zero, which destroys the value", singular=True)
         if np.any(even):
-            raise Lossy(f"x**{_show(p)} (an even integer exponent) loses the sign of x",
-                        _SIGN_HINT)
+            raise Lossy(f"x**{_show(p)} (an even integer exponent) loses the sign of x", _SIGN_HINT)
     else:
         eqn, who = ctx.eqn, ctx.walk.who
         bad = jnp.any(zero | even)
-        raise_where(ctx.walk.on_error, lambda b: None if not b else not_invertible(
-            eqn, "the exponent (known only when the program runs) is zero or an even integer, "
-                 "which loses the base's sign", _SIGN_HINT, who=who), bad, bad=bad)
+        raise_where(
+            ctx.walk.on_error,
+            lambda b: (
+                None
+                if not b
+                else not_invertible(
+                    eqn,
+                    "the exponent (known only when the program runs) is zero or an even integer, "
+                    "which loses the base's sign",
+                    _SIGN_HINT,
+                    who=who,
+                )
+            ),
+            bad,
+            bad=bad,
+        )
     root = jnp.where(odd, jnp.sign(out) * jnp.abs(out) ** (1.0 / p), out ** (1.0 / p))
     # a power other than an odd one is never negative: a negative output is outside the map's
     # range (`y ** 2` would turn it into a finite, wrong base for p = 0.5)
     outside = ~np.asarray(odd) & (out < 0) if is_concrete(p) else ~odd & (out < 0)
     eqn, who = ctx.eqn, ctx.walk.who
-    raise_where(ctx.walk.on_error, lambda o: None if not np.any(o) else at_eqn(
-        ReversibilityError, eqn, "a negative output of a power that is never negative (the "
-        "exponent is not an odd integer) is outside the map's range",
-        "Ways out: check the input, or pass on_error='nan'.", who=who, group=False),
-        outside, bad=jnp.any(outside))
+    raise_where(
+        ctx.walk.on_error,
+        lambda o: (
+            None
+            if not np.any(o)
+            else at_eqn(
+                ReversibilityError,
+                eqn,
+                "a negative output of a power that is never negative (the "
+                "exponent is not an odd integer) is outside the map's range",
+                "Ways out: check the input, or pass on_error='nan'.",
+                who=who,
+                group=False,
+            )
+        ),
+        outside,
+        bad=jnp.any(outside),
+    )
     root = jnp.where(outside, jnp.nan, root)
     return root if is_concrete(p) else jnp.where(zero | even, jnp.nan, root)
 
@@ -263,14 +321,25 @@ def _pow_exponent(out: Any, x: Any, ctx: Any) -> Any:
     lost = lambda b: (b == 0) | (jnp.abs(b) == 1)  # noqa: E731
     if is_concrete(x):
         if np.any(lost(np.asarray(x))):
-            raise Lossy("the known base is 0 or ±1, whose powers lose the exponent",
-                        singular=True)
+            raise Lossy("the known base is 0 or ±1, whose powers lose the exponent", singular=True)
         return jnp.log(jnp.abs(out)) / jnp.log(jnp.abs(x))
     eqn, who = ctx.eqn, ctx.walk.who
     bad = jnp.any(lost(x))
-    raise_where(ctx.walk.on_error, lambda b: None if not b else not_invertible(
-        eqn, "the base (known only when the program runs) is 0 or ±1, whose powers lose the "
-             "exponent", who=who), bad, bad=bad)
+    raise_where(
+        ctx.walk.on_error,
+        lambda b: (
+            None
+            if not b
+            else not_invertible(
+                eqn,
+                "the base (known only when the program runs) is 0 or ±1, whose powers lose the "
+                "exponent",
+                who=who,
+            )
+        ),
+        bad,
+        bad=bad,
+    )
     return jnp.where(lost(x), jnp.nan, jnp.log(jnp.abs(out)) / jnp.log(jnp.abs(x)))
 
 
@@ -294,8 +363,10 @@ def _convert(out, x, *, new_dtype, **_):
     old = x.aval.dtype
     if old == new_dtype or np.can_cast(old, new_dtype, "safe"):
         return [lax.convert_element_type(out, old)]
-    raise Lossy(f"converting {np.dtype(old).name} to {np.dtype(new_dtype).name} loses "
-                "precision (only widening conversions are invertible)")
+    raise Lossy(
+        f"converting {np.dtype(old).name} to {np.dtype(new_dtype).name} loses "
+        "precision (only widening conversions are invertible)"
+    )
 
 
 define(prims.convert_element_type, inverse=_convert, kind=(ELEMENTWISE, LINEAR))
@@ -327,8 +398,9 @@ def _concatenate(out, *xs, dimension, **_):
     res, start = [], 0
     for x in xs:
         n = x.aval.shape[dimension]
-        res.append(lax.slice_in_dim(out, start, start + n, axis=dimension) if is_unknown(x)
-                   else None)
+        res.append(
+            lax.slice_in_dim(out, start, start + n, axis=dimension) if is_unknown(x) else None
+        )
         start += n
     return res
 
@@ -337,8 +409,10 @@ define(prims.concatenate, inverse=_concatenate, kind=(LINEAR, STRUCTURAL))
 
 
 def _stack(out, *xs, axis, **_):
-    return [lax.index_in_dim(out, k, axis, keepdims=False) if is_unknown(x) else None
-            for k, x in enumerate(xs)]
+    return [
+        lax.index_in_dim(out, k, axis, keepdims=False) if is_unknown(x) else None
+        for k, x in enumerate(xs)
+    ]
 
 
 define(prims.stack, inverse=_stack, kind=(LINEAR, STRUCTURAL))
@@ -371,11 +445,17 @@ define(prims.broadcast_in_dim, inverse=_broadcast_in_dim, kind=(LINEAR, STRUCTUR
 def _cumsum(out, x, *, axis, reverse, **_):
     n = out.shape[axis]
     if reverse:
-        shifted = lax.pad(lax.slice_in_dim(out, 1, n, axis=axis), jnp.zeros((), out.dtype),
-                          [(0, 1 if d == axis else 0, 0) for d in range(out.ndim)])
+        shifted = lax.pad(
+            lax.slice_in_dim(out, 1, n, axis=axis),
+            jnp.zeros((), out.dtype),
+            [(0, 1 if d == axis else 0, 0) for d in range(out.ndim)],
+        )
     else:
-        shifted = lax.pad(lax.slice_in_dim(out, 0, n - 1, axis=axis), jnp.zeros((), out.dtype),
-                          [(1 if d == axis else 0, 0, 0) for d in range(out.ndim)])
+        shifted = lax.pad(
+            lax.slice_in_dim(out, 0, n - 1, axis=axis),
+            jnp.zeros((), out.dtype),
+            [(1 if d == axis else 0, 0, 0) for d in range(out.ndim)],
+        )
     return [out - shifted]
 
 
@@ -403,16 +483,19 @@ define(prims.complex, inverse=_complex, kind=(LINEAR,))
 def _conv_matrix(params: dict, kernel: Any) -> Any | None:
     """The (in, out) channel matrix of a 1x1 convolution that mixes channels only (Glow's
     invertible 1x1 convolution, Flax's `nn.Conv(kernel_size=(1, 1))`); None for any other."""
-    rhs_spec = params["dimension_numbers"].rhs_spec   # (out, in, spatial...)
+    rhs_spec = params["dimension_numbers"].rhs_spec  # (out, in, spatial...)
     spatial = rhs_spec[2:]
-    if (params["feature_group_count"] != 1 or params["batch_group_count"] != 1
-            or any(kernel.shape[d] != 1 for d in spatial)
-            or any(s != 1 for s in params["window_strides"])
-            or any(d != 1 for d in (*params["lhs_dilation"], *params["rhs_dilation"]))
-            or any(p != (0, 0) for p in params["padding"])
-            or kernel.shape[rhs_spec[0]] != kernel.shape[rhs_spec[1]]):
+    if (
+        params["feature_group_count"] != 1
+        or params["batch_group_count"] != 1
+        or any(kernel.shape[d] != 1 for d in spatial)
+        or any(s != 1 for s in params["window_strides"])
+        or any(d != 1 for d in (*params["lhs_dilation"], *params["rhs_dilation"]))
+        or any(p != (0, 0) for p in params["padding"])
+        or kernel.shape[rhs_spec[0]] != kernel.shape[rhs_spec[1]]
+    ):
         return None
-    K = jnp.squeeze(kernel, axis=tuple(spatial))   # its two axes in their kernel order
+    K = jnp.squeeze(kernel, axis=tuple(spatial))  # its two axes in their kernel order
     return K if rhs_spec[1] < rhs_spec[0] else K.T
 
 
@@ -422,9 +505,11 @@ def _conv(out, x, kernel, **params):
         return None
     M = _conv_matrix(params, kernel)
     if M is None:
-        raise Lossy("a convolution is inverted only as a 1x1 convolution mixing channels "
-                    "(kernel of spatial size 1, stride 1, no padding or dilation, as many "
-                    "output channels as input channels)")
+        raise Lossy(
+            "a convolution is inverted only as a 1x1 convolution mixing channels "
+            "(kernel of spatial size 1, stride 1, no padding or dilation, as many "
+            "output channels as input channels)"
+        )
     rhs_spec = params["dimension_numbers"].rhs_spec
     # the inverse kernel holds inv(M) where the kernel holds M (in -> out)
     inv_kernel = _kernel_of(jnp.linalg.inv(M), kernel.shape, rhs_spec)
@@ -453,11 +538,12 @@ def _conv_logdet(ctx: LogdetContext) -> tuple[Any, Any]:
     if M is None or lhs_spec != out_spec:
         # (the same layout in and out: the map is M applied per pixel, det(M) per pixel, in
         # any element order the two share)
-        raise Unsupported("a convolution other than a 1x1 channel mixing with the same "
-                          "layout in and out")
+        raise Unsupported(
+            "a convolution other than a 1x1 channel mixing with the same layout in and out"
+        )
     s, la = jnp.linalg.slogdet(M)
     reps = int(np.prod(ctx.invals[0].shape, dtype=np.int64)) // M.shape[0]
-    return s ** reps, la * reps
+    return s**reps, la * reps
 
 
 define(prims.conv, inverse=_conv, logdet=_conv_logdet, kind=(BILINEAR,))
@@ -466,7 +552,7 @@ define(prims.conv, inverse=_conv, logdet=_conv_logdet, kind=(BILINEAR,))
 def _linear_solve(outs, *ins, const_lengths, jaxprs, **_):
     # x = A^{-1} b  inverts to  b = A x, with the matvec the solve carries
     n = sum(const_lengths)
-    mv = ins[:const_lengths[0]]
+    mv = ins[: const_lengths[0]]
     if any(is_unknown(c) for c in mv) or any(is_unknown(o) for o in outs):
         raise NeedMore("the solve's matrix or its solution is not known yet")
     b = eval_closed(as_closed(jaxprs[0]), *mv, *outs)
@@ -491,14 +577,17 @@ define(prims.sharding_constraint, inverse=_identity)
 
 
 if prims.device_put is not None:
-    define(prims.device_put, inverse=(_identity_multi if prims.device_put.multiple_results
-                                      else _identity))
+    define(
+        prims.device_put,
+        inverse=(_identity_multi if prims.device_put.multiple_results else _identity),
+    )
 
 
 # --------------------------------------------------------------------------- choices
 # Piecewise primitives: each piece is a copy (or the negation) of an operand, picked by a
 # comparison of the operands. Alone they lose information (relu is max(x, 0)); in a group
 # they may not (softplus's max(x, 0) + log1p(exp(-|x|))): `choices` tries every piece.
+
 
 def _piecewise_count(eqn: JaxprEqn, known: Any) -> int:
     return 2 if not all(known(v) for v in eqn.invars) else 0
@@ -528,8 +617,11 @@ def _abs_holds(eqn: JaxprEqn, ins: list, k: int) -> Any:
 
 define(prims.max, choice=ChoiceRule(_piecewise_count, _operand, _max_holds), kind=(ELEMENTWISE,))
 define(prims.min, choice=ChoiceRule(_piecewise_count, _operand, _min_holds), kind=(ELEMENTWISE,))
-define(prims.abs, choice=ChoiceRule(lambda e, known: 0 if known(e.invars[0]) else 2,
-                                    _abs_branch, _abs_holds), kind=(ELEMENTWISE,))
+define(
+    prims.abs,
+    choice=ChoiceRule(lambda e, known: 0 if known(e.invars[0]) else 2, _abs_branch, _abs_holds),
+    kind=(ELEMENTWISE,),
+)
 
 
 def _sign_branch(eqn: JaxprEqn, k: int) -> Any:
@@ -543,16 +635,32 @@ def _sign_holds(eqn: JaxprEqn, ins: list, k: int) -> Any:
 
 # `sign(x) * c + a * x` (flowjax's LeakyTanh tails): each branch a constant -1, 0, 1 that the
 # rest of the group then inverts around
-define(prims.sign, choice=ChoiceRule(lambda e, known: 0 if known(e.invars[0]) else 3,
-                                     _sign_branch, _sign_holds), kind=(ELEMENTWISE,))
+define(
+    prims.sign,
+    choice=ChoiceRule(lambda e, known: 0 if known(e.invars[0]) else 3, _sign_branch, _sign_holds),
+    kind=(ELEMENTWISE,),
+)
 
 
 # --------------------------------------------------------------------------- tags only
 # Primitives with no inverse of their own that lumps may still see through.
 
-for _p in (prims.floor, prims.ceil, prims.round, prims.eq, prims.ne, prims.lt,
-           prims.le, prims.gt, prims.ge, getattr(prims, "and"), getattr(prims, "or"),
-           getattr(prims, "not"), prims.xor, prims.is_finite):
+for _p in (
+    prims.floor,
+    prims.ceil,
+    prims.round,
+    prims.eq,
+    prims.ne,
+    prims.lt,
+    prims.le,
+    prims.gt,
+    prims.ge,
+    getattr(prims, "and"),
+    getattr(prims, "or"),
+    getattr(prims, "not"),
+    prims.xor,
+    prims.is_finite,
+):
     define(_p, kind=(ELEMENTWISE,))
 
 # smooth but not one-to-one: only a group of equations around them can be invertible

@@ -15,6 +15,7 @@ These are where element-level knowledge comes from:
 Gathers, slices, pads, concatenations, reshapes with static positions are `STRUCTURAL`: the
 generic handling in `elements` (index maps) covers them, so they are only tagged here.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -27,14 +28,31 @@ from jax import lax
 from jaxrev._compat import JaxprEqn, Literal, is_key, prims, user_source
 from jaxrev._errors import NotInvertibleError
 from jaxrev._jaxpr import Env, apply, is_unknown, is_var
-from jaxrev.transforms.knowledge.checks import raise_where
-from jaxrev.transforms.propagation.walker import RuleContext
 from jaxrev.transforms.knowledge import regions as R
-from jaxrev.transforms.knowledge.elements import (is_case, is_partial, learn, learn_piece, not_case,
-                                        read_window, region_of, static_of, value_of)
+from jaxrev.transforms.knowledge.checks import raise_where
+from jaxrev.transforms.knowledge.elements import (
+    is_case,
+    is_partial,
+    learn,
+    learn_piece,
+    not_case,
+    read_window,
+    region_of,
+    static_of,
+    value_of,
+)
+from jaxrev.transforms.propagation.walker import RuleContext
+from jaxrev.transforms.registry import (
+    ELEMENTWISE,
+    LINEAR,
+    STRUCTURAL,
+    ChoiceRule,
+    ElementRule,
+    Lossy,
+    NeedMore,
+    define,
+)
 from jaxrev.transforms.rules.arithmetic import check_nonzero
-from jaxrev.transforms.registry import (ELEMENTWISE, LINEAR, STRUCTURAL, ChoiceRule,
-                                        ElementRule, Lossy, NeedMore, define)
 
 __all__: list[str] = []
 
@@ -57,6 +75,7 @@ def _mode(params: dict) -> str:
 
 # --------------------------------------------------------------------------- select_n
 
+
 def _select_forward(eqn: JaxprEqn, env: Env) -> bool | None:
     pred, *cases = eqn.invars
     (o,) = eqn.outvars
@@ -67,12 +86,16 @@ def _select_forward(eqn: JaxprEqn, env: Env) -> bool | None:
     shape, n = tuple(o.aval.shape), len(cases)
     region = R.EMPTY
     for k, c in enumerate(cases):
-        region = R.union(region, R.intersect(is_case(env, pred, k, n, shape),
-                                             region_of(env, c), env.info), env.info)
+        region = R.union(
+            region,
+            R.intersect(is_case(env, pred, k, n, shape), region_of(env, c), env.info),
+            env.info,
+        )
     if region == R.FULL:
         return False
-    vals = [_zeros(c) if region_of(env, c) == R.FULL else value_of(env, c, clean=True)
-            for c in cases]
+    vals = [
+        _zeros(c) if region_of(env, c) == R.FULL else value_of(env, c, clean=True) for c in cases
+    ]
     return learn(env, o, lax.select_n(env.read(pred), *vals), region)
 
 
@@ -80,7 +103,7 @@ def _select_backward(eqn: JaxprEqn, env: Env) -> bool | None:
     pred, *cases = eqn.invars
     (o,) = eqn.outvars
     if not env.known(pred):
-        return None   # a predicate computed from the state: the walker's consistency split
+        return None  # a predicate computed from the state: the walker's consistency split
     ro = region_of(env, o)
     if ro == R.FULL:
         return False
@@ -89,16 +112,19 @@ def _select_backward(eqn: JaxprEqn, env: Env) -> bool | None:
     wrote = False
     for k, c in enumerate(cases):
         if is_var(c) and not env.known(c):
-            wrote = learn(env, c, out, R.union(ro, not_case(env, pred, k, n, shape),
-                                               env.info)) or wrote
+            wrote = (
+                learn(env, c, out, R.union(ro, not_case(env, pred, k, n, shape), env.info)) or wrote
+            )
     return wrote
 
 
 def _select_n(out, pred, *cases, **_):
     # reached only while the predicate is unknown: element rules handle a known one
-    raise NeedMore("the select's predicate is not known",
-                   hint="Ways out: make the predicate a parameter (known before the select), "
-                        "or use `jr.cond` with a post condition.")
+    raise NeedMore(
+        "the select's predicate is not known",
+        hint="Ways out: make the predicate a parameter (known before the select), "
+        "or use `jr.cond` with a post condition.",
+    )
 
 
 def _select_count(eqn: JaxprEqn, known: Any) -> int:
@@ -115,11 +141,17 @@ def _select_holds(eqn: JaxprEqn, ins: list, k: int) -> Any:
 
 # not LINEAR: a lump holding a select would be singular wherever the predicate picks another
 # case than its unknown operand; the element rules above solve it a case at a time instead
-define(prims.select_n, inverse=_select_n, element=ElementRule(_select_forward, _select_backward),
-       choice=ChoiceRule(_select_count, _select_branch, _select_holds), kind=(ELEMENTWISE,))
+define(
+    prims.select_n,
+    inverse=_select_n,
+    element=ElementRule(_select_forward, _select_backward),
+    choice=ChoiceRule(_select_count, _select_branch, _select_holds),
+    kind=(ELEMENTWISE,),
+)
 
 
 # --------------------------------------------------------------------------- scatters
+
 
 def _scatter_window(eqn: JaxprEqn) -> R.Win | None:
     """The box a scatter at one point writes (None: several points, or batching dims)."""
@@ -155,8 +187,9 @@ def _scatter_targets(eqn: JaxprEqn, env: Env) -> tuple[R.Region, R.Win | None] |
         return None
     x, _, u = eqn.invars[:3]
     with jax.ensure_compile_time_eval():
-        hit = prims.scatter.bind(np.zeros(x.aval.shape, bool), s, np.ones(u.aval.shape, bool),
-                                 **_set_params(eqn.params))
+        hit = prims.scatter.bind(
+            np.zeros(x.aval.shape, bool), s, np.ones(u.aval.shape, bool), **_set_params(eqn.params)
+        )
     return R.mask_region(np.asarray(hit)), None
 
 
@@ -173,9 +206,13 @@ def _written_twice(eqn: JaxprEqn, env: Env) -> bool:
         return not eqn.params.get("unique_indices", False)
     x, _, u = eqn.invars[:3]
     with jax.ensure_compile_time_eval():
-        counts = lax.scatter_add(np.zeros(x.aval.shape, np.int32), s,
-                                 np.ones(u.aval.shape, np.int32),
-                                 eqn.params["dimension_numbers"], mode=eqn.params.get("mode"))
+        counts = lax.scatter_add(
+            np.zeros(x.aval.shape, np.int32),
+            s,
+            np.ones(u.aval.shape, np.int32),
+            eqn.params["dimension_numbers"],
+            mode=eqn.params.get("mode"),
+        )
     return bool(np.any(np.asarray(counts) > 1))
 
 
@@ -192,14 +229,15 @@ def _updates_from_output(eqn: JaxprEqn, env: Env, w: R.Win | None) -> Any:
         return None
     # static indices written once each: gather the updates back where they went
     dn = eqn.params["dimension_numbers"]
-    gdn = lax.GatherDimensionNumbers(offset_dims=dn.update_window_dims,
-                                     collapsed_slice_dims=dn.inserted_window_dims,
-                                     start_index_map=dn.scatter_dims_to_operand_dims,
-                                     operand_batching_dims=dn.operand_batching_dims,
-                                     start_indices_batching_dims=dn.scatter_indices_batching_dims)
+    gdn = lax.GatherDimensionNumbers(
+        offset_dims=dn.update_window_dims,
+        collapsed_slice_dims=dn.inserted_window_dims,
+        start_index_map=dn.scatter_dims_to_operand_dims,
+        operand_batching_dims=dn.operand_batching_dims,
+        start_indices_batching_dims=dn.scatter_indices_batching_dims,
+    )
     sizes = _window_sizes(eqn)
-    return lax.gather(env.read(o), env.read(eqn.invars[1]), gdn, sizes,
-                      mode=eqn.params.get("mode"))
+    return lax.gather(env.read(o), env.read(eqn.invars[1]), gdn, sizes, mode=eqn.params.get("mode"))
 
 
 def _window_sizes(eqn: JaxprEqn) -> tuple[int, ...]:
@@ -249,10 +287,12 @@ def _scatter_backward(eqn: JaxprEqn, env: Env) -> bool | None:
             wrote = learn(env, x, value_of(env, o), R.union(ro, written, env.info)) or wrote
     if p is prims.scatter and is_var(u) and not env.known(u):
         if _written_twice(eqn, env):
-            raise Lossy("the scatter may write one position twice (its indices may repeat), so "
-                        "an overwritten update is lost",
-                        "Ways out: write each position once (unique indices, "
-                        "`unique_indices=True`), or keep the overwritten values in the state.")
+            raise Lossy(
+                "the scatter may write one position twice (its indices may repeat), so "
+                "an overwritten update is lost",
+                "Ways out: write each position once (unique indices, "
+                "`unique_indices=True`), or keep the overwritten values in the state.",
+            )
         got = _updates_from_output(eqn, env, w)
         if got is not None:
             env.write(u, got)
@@ -263,8 +303,11 @@ def _scatter_backward(eqn: JaxprEqn, env: Env) -> bool | None:
 def _scatter_forward(eqn: JaxprEqn, env: Env) -> bool | None:
     x, idx, u = eqn.invars[:3]
     o = eqn.outvars[0]
-    if env.known(o) or not env.known(idx) or not (is_partial(env, x) or is_partial(env, u)
-                                                  or env.known(x) or env.known(u)):
+    if (
+        env.known(o)
+        or not env.known(idx)
+        or not (is_partial(env, x) or is_partial(env, u) or env.known(x) or env.known(u))
+    ):
         return None
     t = _scatter_targets(eqn, env)
     if t is None:
@@ -294,26 +337,37 @@ def _complement(r: R.Region) -> R.Region:
 def _scatter_inverse(out, operand, indices, updates, **params):
     # reached with an operand and updates both unknown at several dynamic points
     if is_unknown(updates) and not params.get("unique_indices", False):
-        raise Lossy("the scatter writes at indices known only when the program runs and that "
-                    "may repeat, so an overwritten element may be lost",
-                    "Ways out: index with a loop counter (a single point per step), pass "
-                    "unique_indices=True to `.at[...]` where they never repeat, or keep the "
-                    "overwritten values in the state.")
+        raise Lossy(
+            "the scatter writes at indices known only when the program runs and that "
+            "may repeat, so an overwritten element may be lost",
+            "Ways out: index with a loop counter (a single point per step), pass "
+            "unique_indices=True to `.at[...]` where they never repeat, or keep the "
+            "overwritten values in the state.",
+        )
     raise NeedMore("the scatter's indices or updates are not known yet")
 
 
 for _p in (prims.scatter, prims.scatter_add, prims.scatter_mul):
-    define(_p, inverse=_scatter_inverse,
-           element=ElementRule(_scatter_forward, _scatter_backward), kind=(LINEAR,))
+    define(
+        _p,
+        inverse=_scatter_inverse,
+        element=ElementRule(_scatter_forward, _scatter_backward),
+        kind=(LINEAR,),
+    )
 
 
 # --------------------------------------------------------------------------- dynamic slices
 
+
 def _ds_window(eqn: JaxprEqn) -> R.Win:
     x = eqn.invars[0]
     nd = len(x.aval.shape)
-    return R.Win(tuple(_origin(v) for v in eqn.invars[1:1 + nd]),
-                 tuple(eqn.params["slice_sizes"]), tuple(x.aval.shape), "clamp")
+    return R.Win(
+        tuple(_origin(v) for v in eqn.invars[1 : 1 + nd]),
+        tuple(eqn.params["slice_sizes"]),
+        tuple(x.aval.shape),
+        "clamp",
+    )
 
 
 def _ds_forward(eqn: JaxprEqn, env: Env) -> bool | None:
@@ -325,7 +379,7 @@ def _ds_forward(eqn: JaxprEqn, env: Env) -> bool | None:
     piece = read_window(env, x, w)
     if piece is None:
         _note_undecided(env, x, w, eqn)
-        return None   # static starts: the structural handling may still know some of it
+        return None  # static starts: the structural handling may still know some of it
     env.write(o, piece)
     return True
 
@@ -342,7 +396,8 @@ def _note_undecided(env: Env, x: Any, w: R.Win, read: JaxprEqn) -> None:
                 "when the program is traced)",
                 "Ways out: index with the loop counter and constants (x.at[i] and x[i - 1] "
                 "in a fori_loop with static bounds), or keep the overwritten element in the "
-                "state.")
+                "state.",
+            )
 
 
 def _ds_backward(eqn: JaxprEqn, env: Env) -> bool | None:
@@ -353,15 +408,24 @@ def _ds_backward(eqn: JaxprEqn, env: Env) -> bool | None:
     return learn_piece(env, x, _ds_window(eqn), env.read(o))
 
 
-define(prims.dynamic_slice, element=ElementRule(_ds_forward, _ds_backward),
-       kind=(LINEAR, STRUCTURAL), index=(slice(1, None),))
+define(
+    prims.dynamic_slice,
+    element=ElementRule(_ds_forward, _ds_backward),
+    kind=(LINEAR, STRUCTURAL),
+    index=(slice(1, None),),
+)
 
 
 def _dus_window(eqn: JaxprEqn) -> R.Win:
     x, u = eqn.invars[:2]
     nd = len(x.aval.shape)
-    return R.Win(tuple(_origin(v) for v in eqn.invars[2:2 + nd]), tuple(u.aval.shape),
-                 tuple(x.aval.shape), "clamp", eqn)
+    return R.Win(
+        tuple(_origin(v) for v in eqn.invars[2 : 2 + nd]),
+        tuple(u.aval.shape),
+        tuple(x.aval.shape),
+        "clamp",
+        eqn,
+    )
 
 
 def _dus_backward(eqn: JaxprEqn, env: Env) -> bool | None:
@@ -393,21 +457,28 @@ def _dus_forward(eqn: JaxprEqn, env: Env) -> bool | None:
     if rx == R.FULL or (not is_partial(env, x) and not is_partial(env, u)):
         return None
     w = _dus_window(eqn)
-    region = R.union(R.intersect(rx, R.cowin_region(w, env.info), env.info),
-                     R.EMPTY if ru == R.EMPTY else R.win_region(w, env.info), env.info)
+    region = R.union(
+        R.intersect(rx, R.cowin_region(w, env.info), env.info),
+        R.EMPTY if ru == R.EMPTY else R.win_region(w, env.info),
+        env.info,
+    )
     if region == R.FULL:
         return False
     uv = _zeros(u) if ru == R.FULL else value_of(env, u, clean=True)
-    out = lax.dynamic_update_slice(value_of(env, x, clean=True), uv,
-                                   [env.read(s) for s in starts])
+    out = lax.dynamic_update_slice(value_of(env, x, clean=True), uv, [env.read(s) for s in starts])
     return learn(env, o, out, region)
 
 
-define(prims.dynamic_update_slice, element=ElementRule(_dus_forward, _dus_backward),
-       kind=(LINEAR, STRUCTURAL), index=(slice(2, None),))
+define(
+    prims.dynamic_update_slice,
+    element=ElementRule(_dus_forward, _dus_backward),
+    kind=(LINEAR, STRUCTURAL),
+    index=(slice(2, None),),
+)
 
 
 # --------------------------------------------------------------------------- gathers
+
 
 def _gather_window(eqn: JaxprEqn) -> R.Win | None:
     """The box a gather at one dynamic point reads, where its output is that box reshaped."""
@@ -422,8 +493,9 @@ def _gather_window(eqn: JaxprEqn) -> R.Win | None:
     origin: list[Any] = [0] * len(x.aval.shape)
     for pos, d in enumerate(dn.start_index_map):
         origin[d] = (idx, pos)
-    return R.Win(tuple(origin), tuple(eqn.params["slice_sizes"]), tuple(x.aval.shape),
-                 _mode(eqn.params))
+    return R.Win(
+        tuple(origin), tuple(eqn.params["slice_sizes"]), tuple(x.aval.shape), _mode(eqn.params)
+    )
 
 
 def _gather_forward(eqn: JaxprEqn, env: Env) -> bool | None:
@@ -454,49 +526,77 @@ def _gather_backward(eqn: JaxprEqn, env: Env) -> bool | None:
     return learn_piece(env, x, w, env.read(o))
 
 
-def _gather(out, operand, indices, *, ctx: RuleContext, dimension_numbers, slice_sizes, mode,
-            **params):
+def _gather(
+    out, operand, indices, *, ctx: RuleContext, dimension_numbers, slice_sizes, mode, **params
+):
     """A gather of whole elements at indices known only when the program runs: invertible
     when they are a permutation, which is checked when the program runs."""
     if not is_unknown(operand) or is_unknown(indices):
         raise NeedMore("the gather's indices are not known yet")
     dn = dimension_numbers
     if any(s != 1 for s in slice_sizes) or getattr(dn, "operand_batching_dims", ()):
-        raise Lossy("a gather of windows at indices known only when the program runs may skip "
-                    "elements of its operand")
-    sdn = lax.ScatterDimensionNumbers(update_window_dims=dn.offset_dims,
-                                      inserted_window_dims=dn.collapsed_slice_dims,
-                                      scatter_dims_to_operand_dims=dn.start_index_map,
-                                      operand_batching_dims=(),
-                                      scatter_indices_batching_dims=())
+        raise Lossy(
+            "a gather of windows at indices known only when the program runs may skip "
+            "elements of its operand"
+        )
+    sdn = lax.ScatterDimensionNumbers(
+        update_window_dims=dn.offset_dims,
+        inserted_window_dims=dn.collapsed_slice_dims,
+        scatter_dims_to_operand_dims=dn.start_index_map,
+        operand_batching_dims=(),
+        scatter_indices_batching_dims=(),
+    )
     shape = operand.aval.shape
-    counts = lax.scatter_add(jnp.zeros(shape, jnp.int32), indices,
-                             jnp.ones(out.shape, jnp.int32), sdn, mode="drop")
-    x = lax.scatter(jnp.zeros(shape, out.dtype), indices, out, sdn, mode="drop",
-                    unique_indices=True)
+    counts = lax.scatter_add(
+        jnp.zeros(shape, jnp.int32), indices, jnp.ones(out.shape, jnp.int32), sdn, mode="drop"
+    )
+    x = lax.scatter(
+        jnp.zeros(shape, out.dtype), indices, out, sdn, mode="drop", unique_indices=True
+    )
     perm = jnp.all(counts == 1)
     # not a permutation: some element of the operand is read never or twice, and lost
     who = ctx.walk.who
-    raise_where(ctx.walk.on_error, lambda ok: None if ok else NotInvertibleError(
-        f"{who}: a gather's indices (known only when the program runs) are not a "
-        "permutation of its operand's elements, so some element is lost"), perm, bad=~perm)
+    raise_where(
+        ctx.walk.on_error,
+        lambda ok: (
+            None
+            if ok
+            else NotInvertibleError(
+                f"{who}: a gather's indices (known only when the program runs) are not a "
+                "permutation of its operand's elements, so some element is lost"
+            )
+        ),
+        perm,
+        bad=~perm,
+    )
     # a PRNG key has no NaN: where the check lets it through, the scattered keys stand
     return [x if is_key(x) else jnp.where(perm, x, jnp.nan), None]
 
 
-define(prims.gather, inverse=_gather, element=ElementRule(_gather_forward, _gather_backward),
-       kind=(LINEAR, STRUCTURAL), index=(1,), walks=True)
+define(
+    prims.gather,
+    inverse=_gather,
+    element=ElementRule(_gather_forward, _gather_backward),
+    kind=(LINEAR, STRUCTURAL),
+    index=(1,),
+    walks=True,
+)
 
 
 # --------------------------------------------------------------------------- slices
+
 
 def _slice_window(eqn: JaxprEqn) -> R.Win | None:
     strides = eqn.params.get("strides") or ()
     if any(st != 1 for st in strides):
         return None
     start, limit = eqn.params["start_indices"], eqn.params["limit_indices"]
-    return R.Win(tuple(int(a) for a in start), tuple(int(b - a) for a, b in zip(start, limit)),
-                 tuple(eqn.invars[0].aval.shape), "clamp")
+    return R.Win(
+        tuple(int(a) for a in start),
+        tuple(int(b - a) for a, b in zip(start, limit)),
+        tuple(eqn.invars[0].aval.shape),
+        "clamp",
+    )
 
 
 def _slice_forward(eqn: JaxprEqn, env: Env) -> bool | None:
@@ -507,7 +607,7 @@ def _slice_forward(eqn: JaxprEqn, env: Env) -> bool | None:
         return None
     piece = read_window(env, x, w)
     if piece is None:
-        return None   # partly known there: the generic structural handling
+        return None  # partly known there: the generic structural handling
     env.write(o, piece)
     return True
 
@@ -523,8 +623,7 @@ def _slice_backward(eqn: JaxprEqn, env: Env) -> bool | None:
     return learn_piece(env, x, w, env.read(o))
 
 
-define(prims.slice, element=ElementRule(_slice_forward, _slice_backward),
-       kind=(LINEAR, STRUCTURAL))
+define(prims.slice, element=ElementRule(_slice_forward, _slice_backward), kind=(LINEAR, STRUCTURAL))
 
 
 # --------------------------------------------------------------------------- moved positions

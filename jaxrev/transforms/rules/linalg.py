@@ -3,6 +3,7 @@ and log-determinant), its element rule (a product by a matrix with zeros known w
 a masked autoregressive network's layers: output elements are known where every input element
 they read is), and a triangular solve by a known matrix (flowjax's inverted
 `TriangularAffine`, ``solve_triangular(A, y - loc)``), inverted by the product it undoes."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -16,8 +17,14 @@ from jaxrev._compat import JaxprEqn, is_concrete, prims
 from jaxrev._jaxpr import Env, apply, is_unknown
 from jaxrev.transforms.knowledge import regions as R
 from jaxrev.transforms.knowledge.elements import learn, region_of, static_of, value_of
-from jaxrev.transforms.registry import (BILINEAR, ElementRule, LogdetContext, Lossy,
-                                        Unsupported, define)
+from jaxrev.transforms.registry import (
+    BILINEAR,
+    ElementRule,
+    LogdetContext,
+    Lossy,
+    Unsupported,
+    define,
+)
 
 _SMALL_MATRIX = 64
 """Up to this size, a known matrix applied to at least as many vectors is inverted once and
@@ -34,8 +41,10 @@ def _dot_general(out, lhs, rhs, *, dimension_numbers, **_):
     xb, wb = (lb, rb) if x_is_lhs else (rb, lb)
     w_free = [d for d in range(w.ndim) if d not in wc and d not in wb]
     if len(xc) != 1 or len(w_free) != 1 or w.shape[wc[0]] != w.shape[w_free[0]]:
-        raise Lossy("multiplying by a matrix is invertible only for a known square matrix "
-                    f"contracted on one dimension (got operand shape {tuple(w.shape)})")
+        raise Lossy(
+            "multiplying by a matrix is invertible only for a known square matrix "
+            f"contracted on one dimension (got operand shape {tuple(w.shape)})"
+        )
     x_free = [d for d in range(x.aval.ndim) if d not in xc and d not in xb]
     n = w.shape[wc[0]]
     # canonical forms: W as (B..., n_contract, n_free); Y as (B..., F, n_free) or (B..., n_free, F)
@@ -50,8 +59,13 @@ def _dot_general(out, lhs, rhs, *, dimension_numbers, **_):
     if x_is_lhs:  # out = (B..., x_free..., w_free)
         Y = jnp.reshape(out, bshape + [nf, n])
         # Y = X @ Wc  =>  X = Y @ inv(Wc), or X^T = solve(Wc^T, Y^T)
-        X = (Y @ jnp.linalg.inv(Wc) if by_inverse else jnp.swapaxes(jnp.linalg.solve(
-            jnp.swapaxes(Wc, -1, -2), jnp.swapaxes(Y, -1, -2)), -1, -2))
+        X = (
+            Y @ jnp.linalg.inv(Wc)
+            if by_inverse
+            else jnp.swapaxes(
+                jnp.linalg.solve(jnp.swapaxes(Wc, -1, -2), jnp.swapaxes(Y, -1, -2)), -1, -2
+            )
+        )
         X = jnp.reshape(X, bshape + fshape + [n])
         order = list(xb) + x_free + [xc[0]]
     else:  # out = (B..., w_free, x_free...)
@@ -82,13 +96,13 @@ def _dot_logdet(ctx: LogdetContext) -> tuple[Any, Any]:
     # applied along that axis, det(W) once per line, in the order input and output share
     xc = (lc if k == 0 else rc)[0]
     if xc != (x.ndim - 1 if k == 0 else 0):
-        raise Unsupported("a dot_general whose output is laid out unlike its input (x @ W "
-                          "contracting x's last axis, or W @ x contracting its first)")
+        raise Unsupported(
+            "a dot_general whose output is laid out unlike its input (x @ W "
+            "contracting x's last axis, or W @ x contracting its first)"
+        )
     s, la = jnp.linalg.slogdet(W)
     reps = int(np.prod(x.shape, dtype=np.int64)) // W.shape[0]
-    return s ** reps, la * reps
-
-
+    return s**reps, la * reps
 
 
 def _dot_forward(eqn: JaxprEqn, env: Env) -> bool | None:
@@ -107,7 +121,7 @@ def _dot_forward(eqn: JaxprEqn, env: Env) -> bool | None:
     ws = static_of(env, w)
     if ws is not None:
         nz = np.asarray(ws) != 0
-    else:   # in a loop over stacked layers (flowjax's `Scan`): zeros at every iteration
+    else:  # in a loop over stacked layers (flowjax's `Scan`): zeros at every iteration
         en = env.info.enum(w)
         if en is None:
             return None
@@ -120,20 +134,25 @@ def _dot_forward(eqn: JaxprEqn, env: Env) -> bool | None:
         return None
     ops = [None, None]
     ops[k], ops[1 - k] = np.asarray(ux, np.float32), np.asarray(nz, np.float32)
-    with jax.ensure_compile_time_eval():   # (masks known when traced, even under jit)
+    with jax.ensure_compile_time_eval():  # (masks known when traced, even under jit)
         uo = np.asarray(lax.dot_general(ops[0], ops[1], eqn.params["dimension_numbers"])) > 0
     if np.all(uo):
         return False
     vals = [None, None]
-    vals[k] = (jnp.zeros(x.aval.shape, x.aval.dtype) if rx == R.FULL
-               else value_of(env, x, clean=True))
+    vals[k] = (
+        jnp.zeros(x.aval.shape, x.aval.dtype) if rx == R.FULL else value_of(env, x, clean=True)
+    )
     vals[1 - k] = env.read(w)
     return learn(env, o, apply(eqn, vals)[0], R.mask_region(uo))
 
 
-define(prims.dot_general, inverse=_dot_general, logdet=_dot_logdet,
-       element=ElementRule(_dot_forward), kind=(BILINEAR,))
-
+define(
+    prims.dot_general,
+    inverse=_dot_general,
+    logdet=_dot_logdet,
+    element=ElementRule(_dot_forward),
+    kind=(BILINEAR,),
+)
 
 
 def _triangle(a: Any, lower: bool, unit_diagonal: bool) -> Any:
@@ -150,12 +169,12 @@ def _op(t: Any, transpose_a: bool, conjugate_a: bool) -> Any:
     return jnp.swapaxes(t, -1, -2) if transpose_a else t
 
 
-def _triangular_solve(out, a, b, *, left_side, lower, transpose_a, conjugate_a,
-                      unit_diagonal):
+def _triangular_solve(out, a, b, *, left_side, lower, transpose_a, conjugate_a, unit_diagonal):
     # out = op(A)^-1 b (left) or b op(A)^-1: b is the product it undoes
     if is_unknown(a) or not is_unknown(b):
-        raise Lossy("a triangular solve inverts only for a known matrix and an unknown "
-                    "right-hand side")
+        raise Lossy(
+            "a triangular solve inverts only for a known matrix and an unknown right-hand side"
+        )
     A = _op(_triangle(a, lower, unit_diagonal), transpose_a, conjugate_a)
     return [None, A @ out if left_side else out @ A]
 

@@ -8,9 +8,11 @@
 
 Batching is JAX's own: `scan` stays a `scan` under `vmap`, and these rules see the batched loop.
 """
+
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -19,29 +21,59 @@ from jax import lax
 
 from jaxrev._compat import JaxprEqn, Literal, ScanParams, Var, is_concrete, prims, scan_info
 from jaxrev._errors import NotInvertibleError
-from jaxrev._jaxpr import (Env, Statics, Unknown, evaluate, forward_known, is_unknown,
-                           is_var, needed_vars, size_of)
-from jaxrev.transforms.sweep.backward import (BodyWalk, LoopEnd, LoopPlan, Plan, Residuals, acc,
-                                      forward_with_residuals, known_or_rebuilt, loop_activity,
-                                      loop_cts_in, loop_cts_out, outs_known, plan_for, res_avals,
-                                      sds)
-from jaxrev.transforms.propagation.walker import (Hints, RuleContext, Window, invert_jaxpr,
-                                                 propagate, seed, statics_for)
+from jaxrev._jaxpr import (
+    Env,
+    Statics,
+    Unknown,
+    evaluate,
+    forward_known,
+    is_unknown,
+    is_var,
+    needed_vars,
+    size_of,
+)
+from jaxrev.transforms.flows.logdet import LogdetContext, evaluate_plan
+from jaxrev.transforms.propagation.walker import (
+    Hints,
+    RuleContext,
+    Window,
+    invert_jaxpr,
+    propagate,
+    seed,
+    statics_for,
+)
+from jaxrev.transforms.registry import NeedMore, Unsupported, define
 from jaxrev.transforms.sweep import drift
+from jaxrev.transforms.sweep.backward import (
+    BodyWalk,
+    LoopEnd,
+    LoopPlan,
+    Plan,
+    Residuals,
+    acc,
+    forward_with_residuals,
+    known_or_rebuilt,
+    loop_activity,
+    loop_cts_in,
+    loop_cts_out,
+    outs_known,
+    plan_for,
+    res_avals,
+    sds,
+)
 from jaxrev.transforms.sweep.dial import segment_checks
 from jaxrev.transforms.sweep.segments import segmented, segmented_forward
-from jaxrev.transforms.flows.logdet import LogdetContext, evaluate_plan
-from jaxrev.transforms.registry import NeedMore, Unsupported, define
 
 __all__: list[str] = []
 
 
 # --------------------------------------------------------------------------- inverse
 
+
 def _scan_inverse(outs, *ins, ctx: RuleContext, **params):
     sp = scan_info(params)
     nc, ncar, body, length, rev = sp.nconsts, sp.ncarry, sp.body, sp.length, sp.reverse
-    consts, init, xs = ins[:nc], list(ins[nc:nc + ncar]), list(ins[nc + ncar:])
+    consts, init, xs = ins[:nc], list(ins[nc : nc + ncar]), list(ins[nc + ncar :])
     carry_out, ys = outs[:ncar], outs[ncar:]
     if any(is_unknown(c) for c in consts):
         raise NeedMore("the loop's constants are not known yet")
@@ -64,8 +96,10 @@ def _scan_inverse(outs, *ins, ctx: RuleContext, **params):
         emitted[i] = jnp.concatenate([y[1:], first]) if rev else jnp.concatenate([first, y[:-1]])
     unk = [i for i in range(ncar) if not K[i] and i not in emitted]
     # an unknown final carry that is also emitted is the last emitted value
-    carry_out = [ys[emits[i]][0 if rev else -1] if is_unknown(c) and i in emits else c
-                 for i, c in enumerate(carry_out)]
+    carry_out = [
+        ys[emits[i]][0 if rev else -1] if is_unknown(c) and i in emits else c
+        for i, c in enumerate(carry_out)
+    ]
     if any(is_unknown(carry_out[i]) for i in unk):
         raise NeedMore("the loop's final carry is not known")
     fwd_idx = [i for i in range(ncar) if K[i]]
@@ -96,9 +130,13 @@ def _scan_inverse(outs, *ins, ctx: RuleContext, **params):
         return c_prev, x_rec
 
     try:
-        c0, xs_rec = lax.scan(ibody, [carry_out[i] for i in unk],
-                              (kin, [ys[j] for j in ys_known_idx], xk), length=length,
-                              reverse=not rev)
+        c0, xs_rec = lax.scan(
+            ibody,
+            [carry_out[i] for i in unk],
+            (kin, [ys[j] for j in ys_known_idx], xk),
+            length=length,
+            reverse=not rev,
+        )
     except NotInvertibleError:
         if waiting:  # may work once the chain's start is known
             raise NeedMore("the start of a carry that the loop also emits is not known yet")
@@ -113,9 +151,13 @@ def _scan_inverse(outs, *ins, ctx: RuleContext, **params):
     return res
 
 
-def _forward_carries(bj: Any, nc: int, init_known: Sequence[bool],
-                     xs_known: Sequence[bool], consts_known: Sequence[bool] | None = None
-                     ) -> list[bool]:
+def _forward_carries(
+    bj: Any,
+    nc: int,
+    init_known: Sequence[bool],
+    xs_known: Sequence[bool],
+    consts_known: Sequence[bool] | None = None,
+) -> list[bool]:
     """Which carries are computable forward from known values at every iteration (the loop
     counter of a fori_loop): a fixed point, since a carry may need another."""
     K = list(init_known)
@@ -128,8 +170,14 @@ def _forward_carries(bj: Any, nc: int, init_known: Sequence[bool],
         K = newK
 
 
-def _body_inputs(sp: ScanParams, consts: Sequence[Any], xs_known: Sequence[bool],
-                 kidx: Sequence[int], kin_t: Sequence[Any], xs_t: Sequence[Any]) -> list:
+def _body_inputs(
+    sp: ScanParams,
+    consts: Sequence[Any],
+    xs_known: Sequence[bool],
+    kidx: Sequence[int],
+    kin_t: Sequence[Any],
+    xs_t: Sequence[Any],
+) -> list:
     """The body's inputs at one iteration: the consts, the known carries `kidx` (values
     `kin_t`), the known xs (`xs_t`), and `Unknown` elsewhere."""
     nc, ncar = sp.nconsts, sp.ncarry
@@ -143,8 +191,13 @@ def _body_inputs(sp: ScanParams, consts: Sequence[Any], xs_known: Sequence[bool]
     return ins_t
 
 
-def _run_forward_carries(sp: ScanParams, consts: Sequence[Any], init: Sequence[Any],
-                         xs: Sequence[Any], idx: Sequence[int]) -> tuple[list, list]:
+def _run_forward_carries(
+    sp: ScanParams,
+    consts: Sequence[Any],
+    init: Sequence[Any],
+    xs: Sequence[Any],
+    idx: Sequence[int],
+) -> tuple[list, list]:
     """Run the carries `idx` (all computable from known values) through the loop: their final
     values and their value at the start of every iteration. Unknown xs are `Unknown`."""
     body = sp.body
@@ -159,9 +212,13 @@ def _run_forward_carries(sp: ScanParams, consts: Sequence[Any], init: Sequence[A
         evaluate(jaxpr.eqns, env, partial=True, used=need)
         return [env.read(jaxpr.outvars[i]) for i in idx], list(ck)
 
-    final, per_iteration = lax.scan(kbody, [init[i] for i in idx],
-                                    [x for x in xs if not is_unknown(x)], length=sp.length,
-                                    reverse=sp.reverse)
+    final, per_iteration = lax.scan(
+        kbody,
+        [init[i] for i in idx],
+        [x for x in xs if not is_unknown(x)],
+        length=sp.length,
+        reverse=sp.reverse,
+    )
     return list(final), list(per_iteration)
 
 
@@ -181,24 +238,40 @@ def loop_hints(sp: ScanParams, static_of: Callable[[int], Any]) -> Hints | None:
     for j in range(nx):
         if st[nc + ncar + j] is not None:
             hints.enum[nc + ncar + j] = st[nc + ncar + j]
-    K = _forward_carries(bj, nc, [s is not None for s in st[nc:nc + ncar]],
-                         [s is not None for s in st[nc + ncar:]],
-                         [s is not None for s in st[:nc]])
-    idx = [i for i in range(ncar) if K[i]
-           and T * max(1, size_of([bj.invars[nc + i].aval])) <= Statics.MAX_SIZE]
+    K = _forward_carries(
+        bj,
+        nc,
+        [s is not None for s in st[nc : nc + ncar]],
+        [s is not None for s in st[nc + ncar :]],
+        [s is not None for s in st[:nc]],
+    )
+    idx = [
+        i
+        for i in range(ncar)
+        if K[i] and T * max(1, size_of([bj.invars[nc + i].aval])) <= Statics.MAX_SIZE
+    ]
     if idx and T > 0:
+
         def op(k: int) -> Any:
             return st[k] if st[k] is not None else Unknown(bj.invars[k].aval)
+
         try:
             with jax.ensure_compile_time_eval():
-                _, per = _run_forward_carries(sp, [op(k) for k in range(nc)],
-                                              [op(nc + i) for i in range(ncar)],
-                                              [op(nc + ncar + j) for j in range(nx)], idx)
+                _, per = _run_forward_carries(
+                    sp,
+                    [op(k) for k in range(nc)],
+                    [op(nc + i) for i in range(ncar)],
+                    [op(nc + ncar + j) for j in range(nx)],
+                    idx,
+                )
             for i, val in zip(idx, per):
                 hints.enum[nc + i] = np.asarray(val)
-        except (KeyError, jax.errors.ConcretizationTypeError,
-                jax.errors.TracerArrayConversionError):
-            pass   # a carry computed from values known only when the program runs
+        except (
+            KeyError,
+            jax.errors.ConcretizationTypeError,
+            jax.errors.TracerArrayConversionError,
+        ):
+            pass  # a carry computed from values known only when the program runs
     return hints if hints.static or hints.enum else None
 
 
@@ -220,13 +293,13 @@ def _emitted_carries(bj: Any, ncar: int, length: int, ys: Sequence[Any]) -> dict
 
 # --------------------------------------------------------------------------- sweep
 
-def _scan_sweep(P: Plan, i: int, env: Env, ctenv: dict | None, active: set,
-                res: Residuals) -> None:
+
+def _scan_sweep(P: Plan, i: int, env: Env, ctenv: dict | None, active: set, res: Residuals) -> None:
     e = P.closed.jaxpr.eqns[i]
     sp = scan_info(e.params)
     nc, ncar, body, length, rev = sp.nconsts, sp.ncarry, sp.body, sp.length, sp.reverse
     ins = e.invars
-    consts, init, xs = ins[:nc], ins[nc:nc + ncar], ins[nc + ncar:]
+    consts, init, xs = ins[:nc], ins[nc : nc + ncar], ins[nc + ncar :]
     # constants the equations before the loop do not give back may follow from the loop's own
     # outputs (a loop of fixed-point iterations solved by Newton's method as a group)
     known_or_rebuilt(P, i, env, consts, res, through=True)
@@ -239,9 +312,14 @@ def _scan_sweep(P: Plan, i: int, env: Env, ctenv: dict | None, active: set,
     outs_known(P, i, env, cout, res)
     yk = tuple(env.known(v) for v in ys)
     hints = loop_hints(sp, lambda k: env.info.static(ins[k]))
-    bp = plan_for(body, (True,) * nc + (False,) * ncar + xk, (True,) * ncar + yk,
-                  (False,) * nc + (True,) * ncar + tuple(not k for k in xk), hints,
-                  P.dial.inner(length))
+    bp = plan_for(
+        body,
+        (True,) * nc + (False,) * ncar + xk,
+        (True,) * ncar + yk,
+        (False,) * nc + (True,) * ncar + tuple(not k for k in xk),
+        hints,
+        P.dial.inner(length),
+    )
     carry = tuple(sds(v.aval) for v in cout)
     K = P.dial.segment(length, sum(size_of([a]) * a.dtype.itemsize for a in carry))
     lp = LoopPlan("scan", bp, length, every=K, carry=carry if K else ())
@@ -264,40 +342,67 @@ def _scan_sweep(P: Plan, i: int, env: Env, ctenv: dict | None, active: set,
             k_ct = [a + b for a, b in zip(k_ct, s.consts_ct)]
         return (s.carry, s.carry_ct, k_ct, drift.combine(w, s.drift)), (s.xs, s.xs_ct)
 
-    sl = ([env.read(v) for v, k in zip(ys, yk) if k], [c for c in ys_ct if c is not None],
-          [env.read(v) for v, k in zip(xs, xk) if k], list(lres))
+    sl = (
+        [env.read(v) for v, k in zip(ys, yk) if k],
+        [c for c in ys_ct if c is not None],
+        [env.read(v) for v, k in zip(xs, xk) if k],
+        list(lres),
+    )
     w0 = drift.no_drift()
     if K is None:
         (c_first, c_first_ct, k_ct, w), (x_rec, x_ct) = lax.scan(
-            bstep, (c0, c_ct0, k_ct0, w0), sl, length=length, reverse=not rev)
+            bstep, (c0, c_ct0, k_ct0, w0), sl, length=length, reverse=not rev
+        )
     else:
         # the body as the walks see it (calls inlined: a custom_jvp closing over the loop's
         # counter is not re-entered under the repair's VJP)
-        check, redo = segment_checks(P.dial, env.ctx.drift, e, carry, bp.closed, nc, ncar,
-                                     [env.read(v) for v in consts], act, yct, all(xk),
-                                     res.planning)
+        check, redo = segment_checks(
+            P.dial,
+            env.ctx.drift,
+            e,
+            carry,
+            bp.closed,
+            nc,
+            ncar,
+            [env.read(v) for v in consts],
+            act,
+            yct,
+            all(xk),
+            res.planning,
+        )
         (c_first, c_first_ct, k_ct, w), (x_rec, x_ct) = segmented(
-            bstep, (c0, c_ct0, k_ct0, w0), sl, length, K, ckpts, rev, check, redo)
+            bstep, (c0, c_ct0, k_ct0, w0), sl, length, K, ckpts, rev, check, redo
+        )
     drift.note(env.ctx.drift, w)
     loop_cts_out(env, ctenv, LoopEnd(init, c_first, c_first_ct, consts, k_ct), act, nc)
     for v, val in zip([v for v, k in zip(xs, xk) if not k], x_rec):
         env.write(v, val)
     if want:
-        for v, g in zip([v for v, a in zip(xs, act[nc + ncar:]) if a], x_ct):
+        for v, g in zip([v for v, a in zip(xs, act[nc + ncar :]) if a], x_ct):
             acc(ctenv, v, g)
 
 
-def _discarded_counters(sp: ScanParams, env: Env, consts: Sequence[Any], init: Sequence[Any],
-                        xs: Sequence[Any], cout: Sequence[Any]) -> None:
+def _discarded_counters(
+    sp: ScanParams,
+    env: Env,
+    consts: Sequence[Any],
+    init: Sequence[Any],
+    xs: Sequence[Any],
+    cout: Sequence[Any],
+) -> None:
     """Final carries the output discards but known values compute (a fori_loop's counter):
     run forward instead of stored."""
     missing = [i for i, v in enumerate(cout) if is_var(v) and not env.known(v)]
     if not missing or not all(env.known(v) for v in consts):
         return
     vals = [env.read(v) if env.known(v) else Unknown(v.aval) for v in [*init, *xs]]
-    init_v, xs_v = vals[:sp.ncarry], vals[sp.ncarry:]
-    K = _forward_carries(sp.body.jaxpr, sp.nconsts, [not is_unknown(c) for c in init_v],
-                         [not is_unknown(x) for x in xs_v])
+    init_v, xs_v = vals[: sp.ncarry], vals[sp.ncarry :]
+    K = _forward_carries(
+        sp.body.jaxpr,
+        sp.nconsts,
+        [not is_unknown(c) for c in init_v],
+        [not is_unknown(x) for x in xs_v],
+    )
     idx = [i for i in range(sp.ncarry) if K[i]]
     if not any(K[i] for i in missing):
         return
@@ -309,18 +414,18 @@ def _discarded_counters(sp: ScanParams, env: Env, consts: Sequence[Any], init: S
 
 # --------------------------------------------------------------------------- forward
 
+
 def _scan_forward(e: JaxprEqn, lp: LoopPlan, ins: Sequence[Any]) -> tuple[list, list]:
     sp = scan_info(e.params)
     nc, ncar = sp.nconsts, sp.ncarry
-    consts, init, xs = ins[:nc], ins[nc:nc + ncar], ins[nc + ncar:]
+    consts, init, xs = ins[:nc], ins[nc : nc + ncar], ins[nc + ncar :]
 
     def f(c, x):
         outs, r = forward_with_residuals(lp.body, [*consts, *c, *x])
         return outs[:ncar], (outs[ncar:], r)
 
     if lp.every is not None:
-        c, (ys, r), ck = segmented_forward(f, init, list(xs), sp.length, lp.every,
-                                                 sp.reverse)
+        c, (ys, r), ck = segmented_forward(f, init, list(xs), sp.length, lp.every, sp.reverse)
         return [*c, *ys], [*r, *ck]
     c, (ys, r) = lax.scan(f, list(init), list(xs), length=sp.length, reverse=sp.reverse)
     return [*c, *ys], list(r)
@@ -340,8 +445,8 @@ def _scan_logdet(ctx: LogdetContext) -> tuple[Any, Any]:
     if not all(is_concrete(c) for c in bconsts):
         raise Unsupported("the loop body's constants are not known when it is traced")
     consts = ctx.invals[:nc]
-    init = ctx.invals[nc:nc + ncar]
-    xs = ctx.invals[nc + ncar:]
+    init = ctx.invals[nc : nc + ncar]
+    xs = ctx.invals[nc + ncar :]
     dtype = ctx.dtype
 
     def body(carry, x_t):
@@ -353,16 +458,28 @@ def _scan_logdet(ctx: LogdetContext) -> tuple[Any, Any]:
             env.write(v, a)
         evaluate(jaxpr.eqns, env)
         s, ld = evaluate_plan(pl, env.read, dtype, permutation=False)
-        c2 = [env.read(v) if not isinstance(v, Literal) else jnp.asarray(v.val)
-              for v in jaxpr.outvars[:ncar]]
+        c2 = [
+            env.read(v) if not isinstance(v, Literal) else jnp.asarray(v.val)
+            for v in jaxpr.outvars[:ncar]
+        ]
         c2 = [jnp.asarray(a, o.dtype) for a, o in zip(c2, c)]
         return (c2, sign * s, la + ld), None
 
-    (_, sign, la), _ = lax.scan(body, (list(init), jnp.ones((), dtype), jnp.zeros((), dtype)),
-                                list(xs), length=sp.length, reverse=sp.reverse)
+    (_, sign, la), _ = lax.scan(
+        body,
+        (list(init), jnp.ones((), dtype), jnp.zeros((), dtype)),
+        list(xs),
+        length=sp.length,
+        reverse=sp.reverse,
+    )
     return sign, la
 
 
-
-define(prims.scan, inverse=_scan_inverse, sweep=_scan_sweep, forward=_scan_forward,
-       logdet=_scan_logdet, walks=True)
+define(
+    prims.scan,
+    inverse=_scan_inverse,
+    sweep=_scan_sweep,
+    forward=_scan_forward,
+    logdet=_scan_logdet,
+    walks=True,
+)

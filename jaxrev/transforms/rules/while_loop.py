@@ -9,10 +9,12 @@ its post condition in the jaxpr (the primitive `jaxrev_while`, lowered through
 `lax.while_loop`), so the backward run decides from the outputs alone when to stop. Both are
 swept backwards by one rule.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -20,29 +22,56 @@ from jax import lax
 
 from jaxrev._compat import JaxprEqn, prims, trace_to_closed
 from jaxrev._errors import not_invertible
-from jaxrev._jaxpr import (Env, Unknown, eval_closed, instantiate_tangents, is_unknown,
-                           is_var, move_batch, needed_vars, restrict, select_batched, size_of,
-                           vmap_closed, where)
+from jaxrev._jaxpr import (
+    Env,
+    Unknown,
+    eval_closed,
+    instantiate_tangents,
+    is_unknown,
+    is_var,
+    move_batch,
+    needed_vars,
+    restrict,
+    select_batched,
+    size_of,
+    vmap_closed,
+    where,
+)
 from jaxrev._primitive import make_primitive
 from jaxrev._program import avals_of
-from jaxrev.transforms.sweep.backward import (BodyWalk, LoopEnd, LoopPlan, Plan, Residuals,
-                                      forward_with_residuals, known_or_rebuilt, loop_activity,
-                                      loop_cts_in, loop_cts_out, n_checkpoints, outs_known,
-                                      plan_for, res_avals, sds)
 from jaxrev.transforms.knowledge.checks import raise_where
 from jaxrev.transforms.propagation.walker import RuleContext, invert_jaxpr, static_hints
+from jaxrev.transforms.registry import Lossy, NeedMore, define
 from jaxrev.transforms.sweep import drift
+from jaxrev.transforms.sweep.backward import (
+    BodyWalk,
+    LoopEnd,
+    LoopPlan,
+    Plan,
+    Residuals,
+    forward_with_residuals,
+    known_or_rebuilt,
+    loop_activity,
+    loop_cts_in,
+    loop_cts_out,
+    n_checkpoints,
+    outs_known,
+    plan_for,
+    res_avals,
+    sds,
+)
 from jaxrev.transforms.sweep.dial import budget_dtype, segment_checks, weight
 from jaxrev.transforms.sweep.segments import NO_SLICES
-from jaxrev.transforms.registry import Lossy, NeedMore, define
 
 __all__ = ["while_loop", "while_p"]
 
 
 # --------------------------------------------------------------------------- the backward sweep
 
-def _while_sweep(P: Plan, i: int, env: Env, ctenv: dict | None, active: set,
-                 res: Residuals) -> None:
+
+def _while_sweep(
+    P: Plan, i: int, env: Env, ctenv: dict | None, active: set, res: Residuals
+) -> None:
     """`lax.while_loop` (the forward run stores its trip count) and `jr.while_loop` (its post
     condition says when to stop) both run backwards as a while loop over the inverted body."""
     e = P.closed.jaxpr.eqns[i]
@@ -51,36 +80,50 @@ def _while_sweep(P: Plan, i: int, env: Env, ctenv: dict | None, active: set,
     ncc, nbc = p["cond_nconsts"], p["body_nconsts"]
     npc = p["post_nconsts"] if ours else 0
     ins = e.invars
-    cc, bc, pc, init = (ins[:ncc], ins[ncc:ncc + nbc], ins[ncc + nbc:ncc + nbc + npc],
-                        ins[ncc + nbc + npc:])
+    cc, bc, pc, init = (
+        ins[:ncc],
+        ins[ncc : ncc + nbc],
+        ins[ncc + nbc : ncc + nbc + npc],
+        ins[ncc + nbc + npc :],
+    )
     known_or_rebuilt(P, i, env, [*cc, *bc, *pc], res)
     K = None if ours else counter_carries(p, [env.known(v) for v in init])
     if K is not None:
         # the trip count and the counters' final values follow from the counters: run them
         # forward, store nothing (not even a discarded counter)
-        n, last = trip_count(p, [env.read(v) for v in cc], [env.read(v) for v in bc],
-                             {k: env.read(init[k]) for k in K})
+        n, last = trip_count(
+            p,
+            [env.read(v) for v in cc],
+            [env.read(v) for v in bc],
+            {k: env.read(init[k]) for k in K},
+        )
         for k, v in last.items():
             if is_var(e.outvars[k]) and not env.known(e.outvars[k]):
                 env.write(e.outvars[k], v)
     outs_known(P, i, env, e.outvars, res)
     body = p["body_jaxpr"]
     ncar = len(init)
-    bp = plan_for(body, (True,) * nbc + (False,) * ncar, (True,) * ncar,
-                  (False,) * nbc + (True,) * ncar,
-                  static_hints(nbc, lambda k: env.info.static(bc[k])),
-                  P.dial.inner(None if ours else P.dial.max_steps))
+    bp = plan_for(
+        body,
+        (True,) * nbc + (False,) * ncar,
+        (True,) * ncar,
+        (False,) * nbc + (True,) * ncar,
+        static_hints(nbc, lambda k: env.info.static(bc[k])),
+        P.dial.inner(None if ours else P.dial.max_steps),
+    )
     lp = None if ours else _stored_plan(P, e, bp)
     if res_avals(bp) and lp is None:
         v = bp.store[0] if bp.store else None
         blame = bp.why.get(v) or e
         raise not_invertible(
-            blame, "a step in the body of a while loop loses information, and a while loop's "
-                   "iterations cannot be stored (its length is not known in advance)",
+            blame,
+            "a step in the body of a while loop loses information, and a while loop's "
+            "iterations cannot be stored (its length is not known in advance)",
             "Ways out: pass `max_steps=N` to `jr.reversible` (the lost part is then stored per "
             "iteration, up to N), use `lax.scan` or a `fori_loop` with static bounds, whose "
             "iterations `reversible` can store, or make the step invertible.",
-            who=env.ctx.who)
+            who=env.ctx.who,
+        )
     if lp is not None:
         _stored_sweep(P, i, env, ctenv, active, res, bp, lp)
         return
@@ -102,8 +145,8 @@ def _while_sweep(P: Plan, i: int, env: Env, ctenv: dict | None, active: set,
             return eval_closed(p["post_jaxpr"], *pvals, *c)[0]
 
         c_first, c_first_ct, k_ct, w = lax.while_loop(
-            lambda s: jnp.any(more(s[0])), lambda s: bstep(more(s[0]), *s),
-            (c0, c_ct0, k_ct0, w0))
+            lambda s: jnp.any(more(s[0])), lambda s: bstep(more(s[0]), *s), (c0, c_ct0, k_ct0, w0)
+        )
     else:
         if K is None:
             count_shape = tuple(p["cond_jaxpr"].out_avals[0].shape)  # per element under vmap
@@ -113,15 +156,24 @@ def _while_sweep(P: Plan, i: int, env: Env, ctenv: dict | None, active: set,
             k = s[0]
             return (k - (k > 0).astype(k.dtype), *bstep(k > 0, *s[1:]))
 
-        _, c_first, c_first_ct, k_ct, w = lax.while_loop(lambda s: jnp.any(s[0] > 0), back,
-                                                          (n, c0, c_ct0, k_ct0, w0))
+        _, c_first, c_first_ct, k_ct, w = lax.while_loop(
+            lambda s: jnp.any(s[0] > 0), back, (n, c0, c_ct0, k_ct0, w0)
+        )
     drift.note(env.ctx.drift, w)
     loop_cts_out(env, ctenv, LoopEnd(init, c_first, c_first_ct, bc, k_ct), act, nbc)
 
 
-def _masked_step(step: BodyWalk, body: Any, bvals: Sequence[Any], go: Any, c: Sequence[Any],
-                 c_ct: Sequence[Any] | None, k_ct: Sequence[Any], w: tuple,
-                 res_t: Sequence[Any]) -> tuple:
+def _masked_step(
+    step: BodyWalk,
+    body: Any,
+    bvals: Sequence[Any],
+    go: Any,
+    c: Sequence[Any],
+    c_ct: Sequence[Any] | None,
+    k_ct: Sequence[Any],
+    w: tuple,
+    res_t: Sequence[Any],
+) -> tuple:
     """One backward iteration where `go` holds (a scalar, or one flag per element of a
     vmapped loop: finished elements keep their values and add no cotangent)."""
     batched = jnp.ndim(go) > 0
@@ -134,19 +186,23 @@ def _masked_step(step: BodyWalk, body: Any, bvals: Sequence[Any], go: Any, c: Se
         ahead = eval_closed(body, *bvals, *c)
         c_in = [select_batched(go, a, b) for a, b in zip(c, ahead)]
         if c_ct is not None:
-            c_ct_in = [None if g is None else select_batched(go, g, jnp.zeros_like(g))
-                       for g in c_ct]
+            c_ct_in = [
+                None if g is None else select_batched(go, g, jnp.zeros_like(g)) for g in c_ct
+            ]
     s = step(c_in, c_ct_in, [], [], [], res_t)
     if s.consts_ct is not None:
         k_ct = [a + b for a, b in zip(k_ct, s.consts_ct)]
     w = drift.combine(w, s.drift)
     if not batched:
         return s.carry, s.carry_ct, k_ct, w
-    return ([select_batched(go, a, b) for a, b in zip(s.carry, c)],
-            None if s.carry_ct is None else
-            [None if a is None else select_batched(go, a, b)
-             for a, b in zip(s.carry_ct, c_ct)],
-            k_ct, w)
+    return (
+        [select_batched(go, a, b) for a, b in zip(s.carry, c)],
+        None
+        if s.carry_ct is None
+        else [None if a is None else select_batched(go, a, b) for a, b in zip(s.carry_ct, c_ct)],
+        k_ct,
+        w,
+    )
 
 
 def _stored_plan(P: Plan, e: JaxprEqn, bp: Plan) -> LoopPlan | None:
@@ -159,12 +215,26 @@ def _stored_plan(P: Plan, e: JaxprEqn, bp: Plan) -> LoopPlan | None:
     K = P.dial.segment(N, sum(size_of([a]) * a.dtype.itemsize for a in carry))
     if not res_avals(bp) and K is None:
         return None
-    return LoopPlan("while", bp, every=K, carry=carry if K else (), max_steps=N,
-                    count_shape=tuple(e.params["cond_jaxpr"].out_avals[0].shape))
+    return LoopPlan(
+        "while",
+        bp,
+        every=K,
+        carry=carry if K else (),
+        max_steps=N,
+        count_shape=tuple(e.params["cond_jaxpr"].out_avals[0].shape),
+    )
 
 
-def _stored_sweep(P: Plan, i: int, env: Env, ctenv: dict | None, active: set,
-                  res: Residuals, bp: Plan, lp: LoopPlan) -> None:
+def _stored_sweep(
+    P: Plan,
+    i: int,
+    env: Env,
+    ctenv: dict | None,
+    active: set,
+    res: Residuals,
+    bp: Plan,
+    lp: LoopPlan,
+) -> None:
     """A bounded `lax.while_loop` run backwards from what its forward run stored: the trip
     count, the body's residuals per iteration, and (the dial) a checkpoint of the carry every
     K iterations, which replaces the rebuilt carry at each segment's start once compared with
@@ -172,30 +242,56 @@ def _stored_sweep(P: Plan, i: int, env: Env, ctenv: dict | None, active: set,
     e = P.closed.jaxpr.eqns[i]
     p = e.params
     nbc = p["body_nconsts"]
-    bc = e.invars[p["cond_nconsts"]:p["cond_nconsts"] + nbc]
+    bc = e.invars[p["cond_nconsts"] : p["cond_nconsts"] + nbc]
     body = p["body_jaxpr"]
     ncar = len(e.outvars)
     vals = res.loop(i, lp)
     nb = len(res_avals(bp))
-    n, bufs, ck = vals[0], list(vals[1:1 + nb]), list(vals[1 + nb:])
+    n, bufs, ck = vals[0], list(vals[1 : 1 + nb]), list(vals[1 + nb :])
     want = ctenv is not None
-    act = loop_activity([*bc, *e.invars[p["cond_nconsts"] + nbc:]], active, nbc, ncar,
-                        body) if want else None
+    act = (
+        loop_activity([*bc, *e.invars[p["cond_nconsts"] + nbc :]], active, nbc, ncar, body)
+        if want
+        else None
+    )
     bvals = [env.read(v) for v in bc]
     step = BodyWalk(bp, nbc, ncar, (), (), bvals, act, (), env.ctx)
     c0 = [env.read(v) for v in e.outvars]
     c_ct0, k_ct0 = loop_cts_in(ctenv, e.outvars, body, nbc, act)
     K = lp.every
-    check, redo = (segment_checks(P.dial, env.ctx.drift, e, lp.carry, bp.closed, nbc, ncar,
-                                  bvals, act, (), True, res.planning)
-                   if K is not None else (None, None))
+    check, redo = (
+        segment_checks(
+            P.dial,
+            env.ctx.drift,
+            e,
+            lp.carry,
+            bp.closed,
+            nbc,
+            ncar,
+            bvals,
+            act,
+            (),
+            True,
+            res.planning,
+        )
+        if K is not None
+        else (None, None)
+    )
 
     def back(s):
         k, c, c_ct, k_ct, w, snap, B = s
         t = k - 1
         c2, c_ct2, k_ct2, w = _masked_step(
-            step, body, bvals, t < n, c, c_ct, k_ct, w,
-            [lax.dynamic_index_in_dim(b, t, keepdims=False) for b in bufs])
+            step,
+            body,
+            bvals,
+            t < n,
+            c,
+            c_ct,
+            k_ct,
+            w,
+            [lax.dynamic_index_in_dim(b, t, keepdims=False) for b in bufs],
+        )
         if K is not None:
             start = t % K == 0
             ck_j = [lax.dynamic_index_in_dim(b, t // K, keepdims=False) for b in ck]
@@ -203,37 +299,41 @@ def _stored_sweep(P: Plan, i: int, env: Env, ctenv: dict | None, active: set,
                 # the budget, summed per iteration here
                 w_t = weight(c_ct2 or [], c2)
                 B = (B[0] + where((t < jnp.max(n)) & jnp.isfinite(w_t), w_t, 0.0), B[1])
-                rho, at, B2 = check(c2, ck_j, c_ct2 or [None] * len(c2), c2, c_ct2, K, B,
-                                    accumulate=False)
-                keep = ~start   # the drift's share counts at a segment's start, if kept
+                rho, at, B2 = check(
+                    c2, ck_j, c_ct2 or [None] * len(c2), c2, c_ct2, K, B, accumulate=False
+                )
+                keep = ~start  # the drift's share counts at a segment's start, if kept
                 if redo is not None:
                     bad = start & (~(rho <= 1.0) | ~drift.finite([*c_ct2, *k_ct2]))
                     keep = keep | bad
                 B = (B[0], where(keep, B[1], B2[1]))
                 if redo is not None:
-                    m = jnp.clip(n - t, 0, K)   # per element under vmap
+                    m = jnp.clip(n - t, 0, K)  # per element under vmap
                     c_ct2, k_ct2 = lax.cond(
-                        bad, lambda: redo(ck_j, snap[0], snap[1], NO_SLICES, K, None, m)[:2],
-                        lambda: (c_ct2, k_ct2))
+                        bad,
+                        lambda: redo(ck_j, snap[0], snap[1], NO_SLICES, K, None, m)[:2],
+                        lambda: (c_ct2, k_ct2),
+                    )
                     rho = where(bad, 0.0, rho)
                 w = drift.combine(w, (where(start, rho, 0.0), at))
             c2 = [where(start, a, b) for a, b in zip(ck_j, c2)]
             if redo is not None:
-                snap = jax.tree_util.tree_map(lambda a, b: where(start, a, b),
-                                              (c_ct2, k_ct2), snap)
+                snap = jax.tree_util.tree_map(lambda a, b: where(start, a, b), (c_ct2, k_ct2), snap)
         return k - 1, c2, c_ct2, k_ct2, w, snap, B
 
     w0 = drift.no_drift()
     snap0 = (c_ct0, k_ct0) if redo is not None else ()
     B0 = (jnp.zeros((), budget_dtype()), jnp.zeros((), budget_dtype()))
     _, c_first, c_first_ct, k_ct, w, _, _ = lax.while_loop(
-        lambda s: s[0] > 0, back, (jnp.max(n), c0, c_ct0, k_ct0, w0, snap0, B0))
+        lambda s: s[0] > 0, back, (jnp.max(n), c0, c_ct0, k_ct0, w0, snap0, B0)
+    )
     drift.note(env.ctx.drift, w)
-    init = e.invars[p["cond_nconsts"] + nbc:]
+    init = e.invars[p["cond_nconsts"] + nbc :]
     loop_cts_out(env, ctenv, LoopEnd(init, c_first, c_first_ct, bc, k_ct), act, nbc)
 
 
 # --------------------------------------------------------------------------- lax.while_loop
+
 
 def counter_carries(p: dict, known: Sequence[bool]) -> list[int] | None:
     """The carries that run forward from their initial values alone (`known`: which are known):
@@ -258,14 +358,15 @@ def counter_carries(p: dict, known: Sequence[bool]) -> list[int] | None:
     return sorted(K)
 
 
-def trip_count(p: dict, cc: Sequence[Any], bc: Sequence[Any], init: dict[int, Any]
-               ) -> tuple[Any, dict[int, Any]]:
+def trip_count(
+    p: dict, cc: Sequence[Any], bc: Sequence[Any], init: dict[int, Any]
+) -> tuple[Any, dict[int, Any]]:
     """How many times the loop runs, and the counters' final values, from the counter carries'
     initial values `init` alone (the other carries do not reach its condition: zeros)."""
     bj = p["body_jaxpr"]
     K = sorted(init)
     body = restrict(bj, K)
-    avals = [v.aval for v in bj.jaxpr.invars[p["body_nconsts"]:]]
+    avals = [v.aval for v in bj.jaxpr.invars[p["body_nconsts"] :]]
 
     def full(cK):
         c = [jnp.zeros(a.shape, a.dtype) for a in avals]
@@ -276,28 +377,39 @@ def trip_count(p: dict, cc: Sequence[Any], bc: Sequence[Any], init: dict[int, An
     def step(s):
         return s[0] + 1, eval_closed(body, *bc, *full(s[1]))
 
-    n, last = lax.while_loop(lambda s: eval_closed(p["cond_jaxpr"], *cc, *full(s[1]))[0], step,
-                             (jnp.zeros((), jnp.int32), [init[k] for k in K]))
+    n, last = lax.while_loop(
+        lambda s: eval_closed(p["cond_jaxpr"], *cc, *full(s[1]))[0],
+        step,
+        (jnp.zeros((), jnp.int32), [init[k] for k in K]),
+    )
     return n, dict(zip(K, last))
 
 
-def _lax_while_inverse(outs, *ins, ctx: RuleContext, cond_jaxpr, body_jaxpr, cond_nconsts,
-                       body_nconsts):
+def _lax_while_inverse(
+    outs, *ins, ctx: RuleContext, cond_jaxpr, body_jaxpr, cond_nconsts, body_nconsts
+):
     """Runs backwards when its counters give the trip count (`lax.fori_loop` with bounds known
     only when the program runs, a counted `while_loop`): the inverted body, that many times."""
-    p = dict(cond_jaxpr=cond_jaxpr, body_jaxpr=body_jaxpr, cond_nconsts=cond_nconsts,
-             body_nconsts=body_nconsts)
+    p = dict(
+        cond_jaxpr=cond_jaxpr,
+        body_jaxpr=body_jaxpr,
+        cond_nconsts=cond_nconsts,
+        body_nconsts=body_nconsts,
+    )
     n = cond_nconsts + body_nconsts
     cc, bc, init = ins[:cond_nconsts], ins[cond_nconsts:n], ins[n:]
     K = counter_carries(p, [not is_unknown(x) for x in init])
     if K is None:
-        raise Lossy("a plain `lax.while_loop` whose condition reads the state does not record "
-                    "how many times it ran",
-                    "Ways out: use `jr.while_loop(cond_fun, body_fun, init_val, post_fun)`, whose "
-                    "post condition lets the backward run count the iterations, or a loop whose "
-                    "trip count follows from a counter.")
+        raise Lossy(
+            "a plain `lax.while_loop` whose condition reads the state does not record "
+            "how many times it ran",
+            "Ways out: use `jr.while_loop(cond_fun, body_fun, init_val, post_fun)`, whose "
+            "post condition lets the backward run count the iterations, or a loop whose "
+            "trip count follows from a counter.",
+        )
     if any(is_unknown(c) for c in (*cc, *bc)) or any(
-            is_unknown(o) for k, o in enumerate(outs) if k not in K):
+        is_unknown(o) for k, o in enumerate(outs) if k not in K
+    ):
         raise NeedMore("the loop's constants or final values are not known yet")
     count, last = trip_count(p, cc, bc, {k: init[k] for k in K})
     outs = [last[k] if is_unknown(o) else o for k, o in enumerate(outs)]  # a discarded counter
@@ -305,8 +417,7 @@ def _lax_while_inverse(outs, *ins, ctx: RuleContext, cond_jaxpr, body_jaxpr, con
     unknown = [Unknown(v.aval) for v in body_jaxpr.jaxpr.invars[body_nconsts:]]
 
     def back(_, c):
-        return invert_jaxpr(body_jaxpr, [*bc, *unknown], list(c), hints,
-                            ctx=ctx)[body_nconsts:]
+        return invert_jaxpr(body_jaxpr, [*bc, *unknown], list(c), hints, ctx=ctx)[body_nconsts:]
 
     first = lax.fori_loop(0, count, back, list(outs))
     return [None] * n + [None if not is_unknown(x) else f for x, f in zip(init, first)]
@@ -319,7 +430,7 @@ def _lax_while_forward(e: JaxprEqn, lp: LoopPlan, ins: Sequence[Any]) -> tuple[l
     its carry every K iterations."""
     p = e.params
     ncc, nbc = p["cond_nconsts"], p["body_nconsts"]
-    cc, bc, init = ins[:ncc], ins[ncc:ncc + nbc], ins[ncc + nbc:]
+    cc, bc, init = ins[:ncc], ins[ncc : ncc + nbc], ins[ncc + nbc :]
 
     def pred(c):
         return eval_closed(p["cond_jaxpr"], *cc, *c)[0]
@@ -340,8 +451,9 @@ def _lax_while_forward(e: JaxprEqn, lp: LoopPlan, ins: Sequence[Any]) -> tuple[l
     return list(c), [n]
 
 
-def _bounded_forward(e: JaxprEqn, lp: LoopPlan, pred: Callable, bc: Sequence[Any],
-                     init: Sequence[Any]) -> tuple[list, list]:
+def _bounded_forward(
+    e: JaxprEqn, lp: LoopPlan, pred: Callable, bc: Sequence[Any], init: Sequence[Any]
+) -> tuple[list, list]:
     N, K = lp.max_steps, lp.every
     bufs = [jnp.zeros((N, *a.shape), a.dtype) for a in res_avals(lp.body)]
     ck = [jnp.zeros((n_checkpoints(lp), *a.shape), a.dtype) for a in lp.carry]
@@ -350,45 +462,67 @@ def _bounded_forward(e: JaxprEqn, lp: LoopPlan, pred: Callable, bc: Sequence[Any
         k, n, c, bufs, ck = s
         if K is not None:
             j = k // K
-            ck = [b.at[j].set(where(k % K == 0, jnp.asarray(x, b.dtype), b[j]))
-                  for b, x in zip(ck, c)]
+            ck = [
+                b.at[j].set(where(k % K == 0, jnp.asarray(x, b.dtype), b[j])) for b, x in zip(ck, c)
+            ]
         go = pred(c)
         outs, r = forward_with_residuals(lp.body, [*bc, *c])
-        if jnp.ndim(go):   # under vmap: finished elements keep their values
+        if jnp.ndim(go):  # under vmap: finished elements keep their values
             outs = [select_batched(go, a, b) for a, b in zip(outs, c)]
-        return k + 1, n + go.astype(jnp.int32), outs, [b.at[k].set(x) for b, x in
-                                                       zip(bufs, r)], ck
+        return k + 1, n + go.astype(jnp.int32), outs, [b.at[k].set(x) for b, x in zip(bufs, r)], ck
 
     n0 = jnp.zeros(lp.count_shape, jnp.int32)
     k, n, c, bufs, ck = lax.while_loop(
-        lambda s: (s[0] < N) & jnp.any(pred(s[2])), body,
-        (jnp.zeros((), jnp.int32), n0, [jnp.asarray(x) for x in init], bufs, ck))
+        lambda s: (s[0] < N) & jnp.any(pred(s[2])),
+        body,
+        (jnp.zeros((), jnp.int32), n0, [jnp.asarray(x) for x in init], bufs, ck),
+    )
     over = jnp.any(pred(c))
     # the loop stopped at its bound: no NaN would tell, so this raises under "nan" too (the
     # forward run of `reversible`: its dial holds the call's settings)
     st = lp.body.dial.walk
-    raise_where(st.on_error, lambda o: None if not o else not_invertible(
-        e, f"the loop ran past max_steps={N} (its stored iterations)",
-        "Ways out: raise `max_steps` in `jr.reversible`.", who=st.who), over, bad=over,
-        always=True)
+    raise_where(
+        st.on_error,
+        lambda o: (
+            None
+            if not o
+            else not_invertible(
+                e,
+                f"the loop ran past max_steps={N} (its stored iterations)",
+                "Ways out: raise `max_steps` in `jr.reversible`.",
+                who=st.who,
+            )
+        ),
+        over,
+        bad=over,
+        always=True,
+    )
     return list(c), [n, *bufs, *ck]
 
 
-define(prims.while_, inverse=_lax_while_inverse, sweep=_while_sweep, forward=_lax_while_forward,
-       walks=True)
+define(
+    prims.while_,
+    inverse=_lax_while_inverse,
+    sweep=_while_sweep,
+    forward=_lax_while_forward,
+    walks=True,
+)
 
 
 # --------------------------------------------------------------------------- jr.while_loop
 
-def _while_split(args: Sequence[Any], cond_nconsts: int, body_nconsts: int, post_nconsts: int
-                 ) -> tuple[Sequence[Any], Sequence[Any], Sequence[Any], Sequence[Any]]:
+
+def _while_split(
+    args: Sequence[Any], cond_nconsts: int, body_nconsts: int, post_nconsts: int
+) -> tuple[Sequence[Any], Sequence[Any], Sequence[Any], Sequence[Any]]:
     """A `jaxrev_while`'s operands: (cond consts, body consts, post consts, carry)."""
     a, b, c = cond_nconsts, cond_nconsts + body_nconsts, cond_nconsts + body_nconsts + post_nconsts
     return args[:a], args[a:b], args[b:c], args[c:]
 
 
-def _while_impl(*args, cond_jaxpr, body_jaxpr, post_jaxpr, cond_nconsts, body_nconsts,
-                post_nconsts):
+def _while_impl(
+    *args, cond_jaxpr, body_jaxpr, post_jaxpr, cond_nconsts, body_nconsts, post_nconsts
+):
     cc, bc, _, init = _while_split(args, cond_nconsts, body_nconsts, post_nconsts)
 
     def pred(c):
@@ -406,20 +540,23 @@ def _while_impl(*args, cond_jaxpr, body_jaxpr, post_jaxpr, cond_nconsts, body_nc
 
 
 def _while_abstract(*avals, cond_nconsts, body_nconsts, post_nconsts, **_):
-    return list(avals[cond_nconsts + body_nconsts + post_nconsts:])
+    return list(avals[cond_nconsts + body_nconsts + post_nconsts :])
 
 
 def _while_jvp(primals, tangents, **params):
-    return jax.jvp(partial(_while_impl, **params), tuple(primals),
-                   instantiate_tangents(primals, tangents))
+    return jax.jvp(
+        partial(_while_impl, **params), tuple(primals), instantiate_tangents(primals, tangents)
+    )
 
 
-def _while_batch(args, dims, *, cond_jaxpr, body_jaxpr, post_jaxpr, cond_nconsts,
-                 body_nconsts, post_nconsts):
+def _while_batch(
+    args, dims, *, cond_jaxpr, body_jaxpr, post_jaxpr, cond_nconsts, body_nconsts, post_nconsts
+):
     size = next(jnp.shape(a)[d] for a, d in zip(args, dims) if d is not None)
     n_consts = cond_nconsts + body_nconsts + post_nconsts
-    moved = [move_batch(a, d, size, force=i >= n_consts)
-             for i, (a, d) in enumerate(zip(args, dims))]
+    moved = [
+        move_batch(a, d, size, force=i >= n_consts) for i, (a, d) in enumerate(zip(args, dims))
+    ]
     vals = [m[0] for m in moved]
     axes = [m[1] for m in moved]
     cc, bc, pc, carry = _while_split(vals, cond_nconsts, body_nconsts, post_nconsts)
@@ -428,21 +565,36 @@ def _while_batch(args, dims, *, cond_jaxpr, body_jaxpr, post_jaxpr, cond_nconsts
         cond_jaxpr=vmap_closed(cond_jaxpr, ca + cara, cc + carry),
         body_jaxpr=vmap_closed(body_jaxpr, ba + cara, bc + carry),
         post_jaxpr=vmap_closed(post_jaxpr, pa + cara, pc + carry),
-        cond_nconsts=cond_nconsts, body_nconsts=body_nconsts, post_nconsts=post_nconsts)
+        cond_nconsts=cond_nconsts,
+        body_nconsts=body_nconsts,
+        post_nconsts=post_nconsts,
+    )
     out = while_p.bind(*vals, **new)
     return out, [0] * len(out)
 
 
-def _while_inverse(outs, *ins, ctx: RuleContext, cond_jaxpr, body_jaxpr, post_jaxpr,
-                   cond_nconsts, body_nconsts, post_nconsts):
+def _while_inverse(
+    outs,
+    *ins,
+    ctx: RuleContext,
+    cond_jaxpr,
+    body_jaxpr,
+    post_jaxpr,
+    cond_nconsts,
+    body_nconsts,
+    post_nconsts,
+):
     """The backward loop is the same primitive with the roles of the conditions swapped: it
     runs the inverted body while the post condition holds."""
     n = cond_nconsts + body_nconsts + post_nconsts
     consts = ins[:n]
     if any(is_unknown(c) for c in consts) or any(is_unknown(o) for o in outs):
         raise NeedMore("the loop's constants or final values are not known yet")
-    cc, bc, pc = (consts[:cond_nconsts], consts[cond_nconsts:cond_nconsts + body_nconsts],
-                  consts[cond_nconsts + body_nconsts:])
+    cc, bc, pc = (
+        consts[:cond_nconsts],
+        consts[cond_nconsts : cond_nconsts + body_nconsts],
+        consts[cond_nconsts + body_nconsts :],
+    )
     ncar = len(outs)
 
     off = cond_nconsts
@@ -450,25 +602,49 @@ def _while_inverse(outs, *ins, ctx: RuleContext, cond_jaxpr, body_jaxpr, post_ja
 
     def inv_body(*a):
         b, c = a[:body_nconsts], a[body_nconsts:]
-        rec = invert_jaxpr(body_jaxpr, [*b, *[Unknown(v.aval) for v in
-                                                  body_jaxpr.jaxpr.invars[body_nconsts:]]], list(c),
-                           hints, ctx=ctx)
+        rec = invert_jaxpr(
+            body_jaxpr,
+            [*b, *[Unknown(v.aval) for v in body_jaxpr.jaxpr.invars[body_nconsts:]]],
+            list(c),
+            hints,
+            ctx=ctx,
+        )
         return rec[body_nconsts:]
 
     ij, ic, _ = trace_to_closed(inv_body, *avals_of([*bc, *outs]))
-    back = while_p.bind(*pc, *ic, *bc, *cc, *outs, cond_jaxpr=post_jaxpr, body_jaxpr=ij,
-                        post_jaxpr=cond_jaxpr, cond_nconsts=post_nconsts,
-                        body_nconsts=len(ic) + body_nconsts, post_nconsts=cond_nconsts)
+    back = while_p.bind(
+        *pc,
+        *ic,
+        *bc,
+        *cc,
+        *outs,
+        cond_jaxpr=post_jaxpr,
+        body_jaxpr=ij,
+        post_jaxpr=cond_jaxpr,
+        cond_nconsts=post_nconsts,
+        body_nconsts=len(ic) + body_nconsts,
+        post_nconsts=cond_nconsts,
+    )
     return [None] * n + list(back[:ncar])
 
 
-while_p = make_primitive("jaxrev_while", multiple_results=True, impl=_while_impl,
-                         abstract=_while_abstract, jvp=_while_jvp, batch=_while_batch)
+while_p = make_primitive(
+    "jaxrev_while",
+    multiple_results=True,
+    impl=_while_impl,
+    abstract=_while_abstract,
+    jvp=_while_jvp,
+    batch=_while_batch,
+)
 define(while_p, inverse=_while_inverse, sweep=_while_sweep, walks=True)
 
 
-def while_loop(cond_fun: Callable[[Any], Any], body_fun: Callable[[Any], Any], init_val: Any,
-               post_fun: Callable[[Any], Any]) -> Any:
+def while_loop(
+    cond_fun: Callable[[Any], Any],
+    body_fun: Callable[[Any], Any],
+    init_val: Any,
+    post_fun: Callable[[Any], Any],
+) -> Any:
     """A `lax.while_loop` that `jr.reverse` can run backwards without a forward run.
 
     `post_fun(val)` must be false on `init_val` and true after every iteration (NiLang's post
@@ -488,8 +664,10 @@ def while_loop(cond_fun: Callable[[Any], Any], body_fun: Callable[[Any], Any], i
         out = body_fun(jax.tree_util.tree_unflatten(tree, list(c)))
         out_leaves, out_tree = jax.tree_util.tree_flatten(out)
         if out_tree != tree:
-            raise TypeError(f"jr.while_loop: body_fun must return the structure of init_val "
-                            f"({tree}), got {out_tree}")
+            raise TypeError(
+                f"jr.while_loop: body_fun must return the structure of init_val "
+                f"({tree}), got {out_tree}"
+            )
         return out_leaves
 
     cj, cc, _ = trace_to_closed(flat(cond_fun), *avals_of(leaves))
@@ -501,6 +679,16 @@ def while_loop(cond_fun: Callable[[Any], Any], body_fun: Callable[[Any], Any], i
             raise TypeError(f"jr.while_loop: {name} must return a boolean scalar, got {aval}")
     # weak-typed Python scalars in init_val must not change dtype through the loop
     leaves = [lax.convert_element_type(x, a.dtype) for x, a in zip(leaves, bj.out_avals)]
-    out = while_p.bind(*cc, *bc, *pc, *leaves, cond_jaxpr=cj, body_jaxpr=bj, post_jaxpr=pj,
-                       cond_nconsts=len(cc), body_nconsts=len(bc), post_nconsts=len(pc))
+    out = while_p.bind(
+        *cc,
+        *bc,
+        *pc,
+        *leaves,
+        cond_jaxpr=cj,
+        body_jaxpr=bj,
+        post_jaxpr=pj,
+        cond_nconsts=len(cc),
+        body_nconsts=len(bc),
+        post_nconsts=len(pc),
+    )
     return jax.tree_util.tree_unflatten(tree, out)

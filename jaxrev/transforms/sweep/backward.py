@@ -9,33 +9,68 @@ its rule in `sweep_rules`. What cannot be rebuilt (a relu's input, an overwritte
 *planning* sweep on abstract values (a `Plan`), and the forward run (`forward_with_residuals`,
 with the loops' `forward_rules`) stores exactly those values.
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrev._compat import (ClosedJaxpr, DropVar, JaxprEqn, Var, bind_eqn, is_symbolic_zero,
-                            sds as _sds, zeros_of)
 from jaxrev._cache import memo
+from jaxrev._compat import (
+    ClosedJaxpr,
+    DropVar,
+    JaxprEqn,
+    Var,
+    bind_eqn,
+    is_symbolic_zero,
+    zeros_of,
+)
+from jaxrev._compat import (
+    sds as _sds,
+)
 from jaxrev._errors import not_invertible
 from jaxrev._jaxpr import Env, fit_to_aval, is_var, prepare
+from jaxrev.transforms.custom import recompute_p, store_p
 from jaxrev.transforms.knowledge.context import WalkContext
 from jaxrev.transforms.propagation.walker import Hints, Stuck, Window, blame, propagate, statics_for
+from jaxrev.transforms.registry import forward_rules, sweep_rules
 from jaxrev.transforms.sweep import drift
-from jaxrev.transforms.custom import recompute_p, store_p
 from jaxrev.transforms.sweep.dial import Dial
 from jaxrev.transforms.sweep.params import ParamOnly, tie_of
-from jaxrev.transforms.registry import forward_rules, sweep_rules
 
-__all__ = ["Plan", "LoopPlan", "Residuals", "plan_for", "top_plan", "res_avals", "loop_avals",
-           "branch_slices", "seed_env", "walk", "known_or_rebuilt", "outs_known", "BodyWalk",
-           "BodyStep", "LoopEnd", "loop_activity", "loop_cts_in", "loop_cts_out",
-           "forward_with_residuals", "n_checkpoints", "DEFAULT_DIAL",
-           "acc", "get_ct", "zero_ct", "is_float", "sds"]
+__all__ = [
+    "Plan",
+    "LoopPlan",
+    "Residuals",
+    "plan_for",
+    "top_plan",
+    "res_avals",
+    "loop_avals",
+    "branch_slices",
+    "seed_env",
+    "walk",
+    "known_or_rebuilt",
+    "outs_known",
+    "BodyWalk",
+    "BodyStep",
+    "LoopEnd",
+    "loop_activity",
+    "loop_cts_in",
+    "loop_cts_out",
+    "forward_with_residuals",
+    "n_checkpoints",
+    "DEFAULT_DIAL",
+    "acc",
+    "get_ct",
+    "zero_ct",
+    "is_float",
+    "sds",
+]
 
 
 DEFAULT_DIAL = Dial()
@@ -72,19 +107,20 @@ def get_ct(ctenv: dict, v: Any) -> Any:
 
 # --------------------------------------------------------------------------- plans
 
+
 @dataclass(eq=False)
 class Plan:
     """What the backward walk of one jaxpr cannot rebuild, so the forward run stores it."""
 
-    closed: ClosedJaxpr                                  # the jaxpr walked (calls inlined)
-    store: list = field(default_factory=list)            # Vars stored once per run of it
-    why: dict = field(default_factory=dict)              # Var -> equation that forced it
-    loops: dict = field(default_factory=dict)            # eqn index -> LoopPlan
-    decisions: dict = field(default_factory=dict)        # missing Vars -> Vars stored for them
-    labels: dict = field(default_factory=dict)           # Var -> what it is, for the report
-    hints: Any = None                                    # what its inputs are at trace time
-    dial: Dial = DEFAULT_DIAL                            # the reversible call's settings
-    params: Any = None                                   # its parameter-only values
+    closed: ClosedJaxpr  # the jaxpr walked (calls inlined)
+    store: list = field(default_factory=list)  # Vars stored once per run of it
+    why: dict = field(default_factory=dict)  # Var -> equation that forced it
+    loops: dict = field(default_factory=dict)  # eqn index -> LoopPlan
+    decisions: dict = field(default_factory=dict)  # missing Vars -> Vars stored for them
+    labels: dict = field(default_factory=dict)  # Var -> what it is, for the report
+    hints: Any = None  # what its inputs are at trace time
+    dial: Dial = DEFAULT_DIAL  # the reversible call's settings
+    params: Any = None  # its parameter-only values
 
 
 @dataclass(eq=False)
@@ -96,9 +132,9 @@ class LoopPlan:
     body: Plan | None
     length: int | None = None
     branches: list | None = None
-    count_shape: tuple = ()   # a while loop's trip count: one per element of a vmapped loop
+    count_shape: tuple = ()  # a while loop's trip count: one per element of a vmapped loop
     every: int | None = None  # a checkpoint of the carry every `every` iterations (the dial)
-    carry: tuple = ()         # the carry's avals, when checkpointed
+    carry: tuple = ()  # the carry's avals, when checkpointed
     max_steps: int | None = None  # a while loop's bound: its buffers' length
 
 
@@ -152,7 +188,7 @@ class Residuals:
             k = n
             for i in sorted(P.loops):
                 m = len(loop_avals(P.loops[i]))
-                self.loop_vals[i] = values[k:k + m]
+                self.loop_vals[i] = values[k : k + m]
                 k += m
 
     def store(self, v: Var, eqn: JaxprEqn | None, label: str | None = None) -> Any:
@@ -177,8 +213,14 @@ class Residuals:
 _MAX_PLANS = 512
 
 
-def seed_env(P: Plan, known_in: Sequence[bool], ins: Sequence[Any],
-             known_out: Sequence[bool], outs: Sequence[Any], ctx: WalkContext) -> Env:
+def seed_env(
+    P: Plan,
+    known_in: Sequence[bool],
+    ins: Sequence[Any],
+    known_out: Sequence[bool],
+    outs: Sequence[Any],
+    ctx: WalkContext,
+) -> Env:
     """An env holding `P`'s consts, its known inputs and its known outputs, for a walk with
     context `ctx`."""
     J = P.closed.jaxpr
@@ -198,9 +240,14 @@ def seed_env(P: Plan, known_in: Sequence[bool], ins: Sequence[Any],
     return env
 
 
-def plan_for(closed: ClosedJaxpr, known_in: tuple[bool, ...], known_out: tuple[bool, ...],
-             goal_in: tuple[bool, ...], hints: Hints | None = None,
-             dial: Dial = DEFAULT_DIAL) -> Plan:
+def plan_for(
+    closed: ClosedJaxpr,
+    known_in: tuple[bool, ...],
+    known_out: tuple[bool, ...],
+    goal_in: tuple[bool, ...],
+    hints: Hints | None = None,
+    dial: Dial = DEFAULT_DIAL,
+) -> Plan:
     """Plan the backward walk of `closed` given which inputs and outputs it knows and which
     inputs it must rebuild (a loop body's carry), and what its inputs are at trace time
     (`hints`: a loop counter at every iteration), under the call's `dial`; cached per jaxpr."""
@@ -232,11 +279,13 @@ def plan_for(closed: ClosedJaxpr, known_in: tuple[bool, ...], known_out: tuple[b
 def top_plan(jaxpr: ClosedJaxpr, state: tuple[bool, ...], dial: Dial = DEFAULT_DIAL) -> Plan:
     """The plan of a `reversible` call: parameters and outputs known, the state rebuilt."""
     n_out = len(jaxpr.jaxpr.outvars)
-    return plan_for(jaxpr, tuple(not s for s in state), (True,) * n_out,
-                    (False,) * len(state), dial=dial)
+    return plan_for(
+        jaxpr, tuple(not s for s in state), (True,) * n_out, (False,) * len(state), dial=dial
+    )
 
 
 # --------------------------------------------------------------------------- the backward walk
+
 
 def _activity(J: Any, active_in: set) -> set:
     act = set(active_in)
@@ -253,8 +302,11 @@ def _rebuild(P: Plan, i: int, hi: int, env: Env, goals: list, res: Residuals) ->
     n = 1
     stuck: list[Stuck] = []
     # parameter-only values are computed forward (`ParamOnly.need`), tied to this step
-    tie = tie_of([env.read(o) for o in eqns[i].outvars if is_var(o) and env.known(o)]
-                 if 0 <= i < len(eqns) else [])
+    tie = tie_of(
+        [env.read(o) for o in eqns[i].outvars if is_var(o) and env.known(o)]
+        if 0 <= i < len(eqns)
+        else []
+    )
     P.params.need(env, goals, tie)
     # single steps first, over ever wider windows: a group seen through a narrow window may
     # read values that equations before it compute from known ones (a Runge–Kutta stage from
@@ -264,8 +316,7 @@ def _rebuild(P: Plan, i: int, hi: int, env: Env, goals: list, res: Residuals) ->
         while hi > 0:
             lo = max(0, hi - n)
             P.params.window(env, eqns[lo:hi], tie)
-            stuck = propagate(Window(eqns[lo:hi], cut=lo > 0, groups=groups), env, goals,
-                              soft=True)
+            stuck = propagate(Window(eqns[lo:hi], cut=lo > 0, groups=groups), env, goals, soft=True)
             if all(env.known(g) for g in goals) or lo == 0:
                 break
             n *= 4
@@ -277,8 +328,11 @@ def _rebuild(P: Plan, i: int, hi: int, env: Env, goals: list, res: Residuals) ->
         return
     # a primitive without an inverse rule is not a lossy step: say which rule is missing
     s = blame(stuck)
-    label = (f"value stored: no inverse rule for `{s.eqn.primitive.name}`"
-             if s is not None and s.no_rule else None)
+    label = (
+        f"value stored: no inverse rule for `{s.eqn.primitive.name}`"
+        if s is not None and s.no_rule
+        else None
+    )
     if res.planning:
         chosen = _choose_store(eqns[:hi], env, list(missing), P.params)
     else:
@@ -306,9 +360,14 @@ def _choose_store(eqns: Sequence[JaxprEqn], env: Env, missing: list, po: ParamOn
     # nor are parameter-only values, which are recomputed
     no_store = {v for e in eqns if e.primitive is recompute_p for v in [*e.invars, *e.outvars]}
     no_store |= po.made.keys()
-    cands = sorted((c for c in dict.fromkeys([*missing, *roots,
-                                              *ancestors[:_MAX_STORE_CANDIDATES]])
-                    if c not in no_store), key=lambda v: _nbytes([v]))
+    cands = sorted(
+        (
+            c
+            for c in dict.fromkeys([*missing, *roots, *ancestors[:_MAX_STORE_CANDIDATES]])
+            if c not in no_store
+        ),
+        key=lambda v: _nbytes([v]),
+    )
     best = missing if roots is None or _nbytes(missing) <= _nbytes(roots) else roots
     if roots is not None and any(m in no_store for m in missing):
         best = roots
@@ -324,12 +383,12 @@ def _choose_store(eqns: Sequence[JaxprEqn], env: Env, missing: list, po: ParamOn
 
 
 def _nbytes(vs: Sequence[Var]) -> int:
-    return int(sum(np.prod(v.aval.shape, dtype=np.int64) * v.aval.dtype.itemsize
-                   for v in vs))
+    return int(sum(np.prod(v.aval.shape, dtype=np.int64) * v.aval.dtype.itemsize for v in vs))
 
 
-def _unknown_ancestry(eqns: Sequence[JaxprEqn], env: Env, goals: Sequence[Var]
-                      ) -> tuple[list | None, list]:
+def _unknown_ancestry(
+    eqns: Sequence[JaxprEqn], env: Env, goals: Sequence[Var]
+) -> tuple[list | None, list]:
     """The unknown jaxpr inputs that `goals` are computed from, and the unknown values in
     between, nearest first."""
     producer = {o: e for e in eqns for o in e.outvars if is_var(o)}
@@ -379,20 +438,23 @@ def _differentiated_loop(e: JaxprEqn, ctenv: dict | None, active: set, res: Resi
     """Whether a loop computed from known inputs is swept backwards for its derivative. The
     planning walk says yes to any loop with float inputs (it cannot know which will be
     differentiated), so that the forward run stores what the sweep needs (a trip count)."""
-    floats = [v for v in e.invars
-              if is_var(v) and jnp.issubdtype(v.aval.dtype, jnp.inexact)]
+    floats = [v for v in e.invars if is_var(v) and jnp.issubdtype(v.aval.dtype, jnp.inexact)]
     if res.planning:
         return bool(floats)
-    return ctenv is not None and any(v in active for v in floats) and any(
-        is_var(o) and o in ctenv for o in e.outvars)
+    return (
+        ctenv is not None
+        and any(v in active for v in floats)
+        and any(is_var(o) and o in ctenv for o in e.outvars)
+    )
 
 
 def _ct_tie(ctenv: dict | None, e: JaxprEqn) -> Any:
     return tie_of([ctenv.get(o) for o in e.outvars if is_var(o)] if ctenv is not None else [])
 
 
-def walk(P: Plan, env: Env, ctenv: dict | None, active_in: set, res: Residuals,
-         goals: Sequence[Var]) -> None:
+def walk(
+    P: Plan, env: Env, ctenv: dict | None, active_in: set, res: Residuals, goals: Sequence[Var]
+) -> None:
     """Walk `P`'s jaxpr last equation first: rebuild each equation's inputs from its outputs,
     then (when `ctenv` is given) pull the cotangents of its outputs back to its inputs."""
     J = P.closed.jaxpr
@@ -404,7 +466,7 @@ def walk(P: Plan, env: Env, ctenv: dict | None, active_in: set, res: Residuals,
     forward = po.eqns
     for e in eqns:  # values the user asked to keep (jr.store) are read, not rebuilt: the kept
         if e.primitive is not store_p:  # value replaces a rebuilt one (a loop carry),
-            continue                    # resetting its drift
+            continue  # resetting its drift
         o = e.outvars[0]
         if is_var(o):
             env.vals[o] = fit_to_aval(res.store(o, e, "value kept by jr.store"), o.aval)
@@ -412,8 +474,11 @@ def walk(P: Plan, env: Env, ctenv: dict | None, active_in: set, res: Residuals,
         e = eqns[i]
         sweep = sweep_rules.get(e.primitive)
         if i not in forward:
-            po.need(env, e.invars, tie_of([env.read(o) for o in e.outvars
-                                           if is_var(o) and env.known(o)]))
+            po.need(
+                env,
+                e.invars,
+                tie_of([env.read(o) for o in e.outvars if is_var(o) and env.known(o)]),
+            )
             if sweep is not None:
                 if not any(is_var(o) and is_float(o.aval) for o in e.outvars):
                     # no cotangent flows through it (a bin search): where its outputs are
@@ -440,8 +505,10 @@ def walk(P: Plan, env: Env, ctenv: dict | None, active_in: set, res: Residuals,
 
 # --------------------------------------------------------------------------- loop helpers
 
-def known_or_rebuilt(P: Plan, i: int, env: Env, vs: Sequence[Any], res: Residuals,
-                     through: bool = False) -> None:
+
+def known_or_rebuilt(
+    P: Plan, i: int, env: Env, vs: Sequence[Any], res: Residuals, through: bool = False
+) -> None:
     """Inputs a loop needs before it can run backwards (its constants): rebuilt from the
     equations before it (and, `through`, from the loop's own outputs), else stored."""
     unk = [v for v in vs if is_var(v) and not env.known(v)]
@@ -454,9 +521,12 @@ def outs_known(P: Plan, i: int, env: Env, outs: Sequence[Any], res: Residuals) -
     e = P.closed.jaxpr.eqns[i]
     for v in outs:
         if isinstance(v, DropVar):
-            raise not_invertible(e, "the loop's final carry is discarded, so it cannot be run "
-                                    "backwards", "Ways out: return the final carry.",
-                                 who=env.ctx.who)
+            raise not_invertible(
+                e,
+                "the loop's final carry is discarded, so it cannot be run backwards",
+                "Ways out: return the final carry.",
+                who=env.ctx.who,
+            )
         if not env.known(v):  # a final carry the output does not use (a loop counter, say)
             env.write(v, res.store(v, e, "final loop carry that the output discards"))
 
@@ -465,31 +535,47 @@ def outs_known(P: Plan, i: int, env: Env, outs: Sequence[Any], res: Residuals) -
 class BodyStep:
     """What one backward iteration of a loop body gives back."""
 
-    carry: list                 # the carry before the iteration, rebuilt
-    carry_ct: list | None       # its cotangent (None entries for inactive carries)
-    xs: list                    # the iteration's unknown `xs`, rebuilt
-    xs_ct: list | None          # the cotangents of the active `xs`
-    consts_ct: list | None      # this iteration's share of the active constants' cotangents
-    drift: tuple                # the worst (ratio, site) of the loops inside the body
+    carry: list  # the carry before the iteration, rebuilt
+    carry_ct: list | None  # its cotangent (None entries for inactive carries)
+    xs: list  # the iteration's unknown `xs`, rebuilt
+    xs_ct: list | None  # the cotangents of the active `xs`
+    consts_ct: list | None  # this iteration's share of the active constants' cotangents
+    drift: tuple  # the worst (ratio, site) of the loops inside the body
 
 
 class BodyWalk:
     """One backward iteration of a loop body: rebuild the carry (and unknown `xs`) from the
     outputs, and pull the cotangents back. Shared by scan, while loops and conds."""
 
-    def __init__(self, bp: Plan, nc: int, ncar: int, xk: Sequence[bool], yk: Sequence[bool],
-                 consts: Sequence[Any], act: Sequence[bool] | None,
-                 yct: Sequence[bool], ctx: WalkContext) -> None:
-        self.ctx = ctx   # the loop's walk's: its drift log collects the body's comparisons
+    def __init__(
+        self,
+        bp: Plan,
+        nc: int,
+        ncar: int,
+        xk: Sequence[bool],
+        yk: Sequence[bool],
+        consts: Sequence[Any],
+        act: Sequence[bool] | None,
+        yct: Sequence[bool],
+        ctx: WalkContext,
+    ) -> None:
+        self.ctx = ctx  # the loop's walk's: its drift log collects the body's comparisons
         self.bp, self.nc, self.ncar, self.xk, self.yk = bp, nc, ncar, list(xk), list(yk)
         self.consts, self.act, self.yct = list(consts), act, list(yct)
         J = bp.closed.jaxpr
-        self.cin = J.invars[nc:nc + ncar]
-        self.xin = J.invars[nc + ncar:]
+        self.cin = J.invars[nc : nc + ncar]
+        self.xin = J.invars[nc + ncar :]
         self.cout, self.yout = J.outvars[:ncar], J.outvars[ncar:]
 
-    def __call__(self, c: Sequence[Any], c_ct: Sequence[Any] | None, ys_t: Sequence[Any],
-                 ys_ct_t: Sequence[Any], xs_t: Sequence[Any], res_t: Sequence[Any]) -> BodyStep:
+    def __call__(
+        self,
+        c: Sequence[Any],
+        c_ct: Sequence[Any] | None,
+        ys_t: Sequence[Any],
+        ys_ct_t: Sequence[Any],
+        xs_t: Sequence[Any],
+        res_t: Sequence[Any],
+    ) -> BodyStep:
         bp, nc, ncar = self.bp, self.nc, self.ncar
         J = bp.closed.jaxpr
         known_in = [True] * nc + [False] * ncar + self.xk
@@ -512,17 +598,20 @@ class BodyWalk:
         x_rec = [env.read(v) for v, k in zip(self.xin, self.xk) if not k]
         if ctenv is None:
             return BodyStep(c_prev, None, x_rec, None, None, sc.worst())
-        a_c, a_car, a_x = (self.act[:nc], self.act[nc:nc + ncar], self.act[nc + ncar:])
-        return BodyStep(c_prev,
-                        [get_ct(ctenv, v) if a else None for v, a in zip(self.cin, a_car)],
-                        x_rec,
-                        [get_ct(ctenv, v) for v, a in zip(self.xin, a_x) if a],
-                        [get_ct(ctenv, v) for v, a in zip(J.invars[:nc], a_c) if a],
-                        sc.worst())
+        a_c, a_car, a_x = (self.act[:nc], self.act[nc : nc + ncar], self.act[nc + ncar :])
+        return BodyStep(
+            c_prev,
+            [get_ct(ctenv, v) if a else None for v, a in zip(self.cin, a_car)],
+            x_rec,
+            [get_ct(ctenv, v) for v, a in zip(self.xin, a_x) if a],
+            [get_ct(ctenv, v) for v, a in zip(J.invars[:nc], a_c) if a],
+            sc.worst(),
+        )
 
 
-def loop_activity(ins: Sequence[Any], active: set, nc: int, ncar: int, body: ClosedJaxpr
-                  ) -> list[bool]:
+def loop_activity(
+    ins: Sequence[Any], active: set, nc: int, ncar: int, body: ClosedJaxpr
+) -> list[bool]:
     """Which body inputs carry cotangents: constants and xs as outside; the carry wherever
     anything entering the loop is active (a loop mixes them)."""
     any_act = any(is_var(v) and v in active for v in ins)
@@ -535,13 +624,14 @@ def loop_activity(ins: Sequence[Any], active: set, nc: int, ncar: int, body: Clo
     return out
 
 
-def loop_cts_in(ctenv: dict | None, cout: Sequence[Any], body: ClosedJaxpr, nc: int,
-                act: Sequence[bool] | None) -> tuple[list | None, list | None]:
+def loop_cts_in(
+    ctenv: dict | None, cout: Sequence[Any], body: ClosedJaxpr, nc: int, act: Sequence[bool] | None
+) -> tuple[list | None, list | None]:
     """The backward loop's starting cotangents: the final carry's (taken out of `ctenv`) and
     zeros for the active constants; (None, None) when no cotangents are pulled."""
     if ctenv is None:
         return None, None
-    c_ct = [(get_ct(ctenv, v) if a else None) for v, a in zip(cout, act[nc:nc + len(cout)])]
+    c_ct = [(get_ct(ctenv, v) if a else None) for v, a in zip(cout, act[nc : nc + len(cout)])]
     for v in cout:
         ctenv.pop(v, None)
     k_ct = [zero_ct(v.aval) for v, a in zip(body.jaxpr.invars[:nc], act[:nc]) if a]
@@ -552,15 +642,16 @@ def loop_cts_in(ctenv: dict | None, cout: Sequence[Any], body: ClosedJaxpr, nc: 
 class LoopEnd:
     """What a backward loop rebuilt and pulled back, to write at the loop's inputs."""
 
-    init: Sequence[Any]         # the loop's carry inputs (variables)
-    carry: Sequence[Any]        # their rebuilt values
+    init: Sequence[Any]  # the loop's carry inputs (variables)
+    carry: Sequence[Any]  # their rebuilt values
     carry_ct: Sequence[Any] | None
-    consts: Sequence[Any]       # the loop's constants (variables)
+    consts: Sequence[Any]  # the loop's constants (variables)
     consts_ct: Sequence[Any] | None
 
 
-def loop_cts_out(env: Env, ctenv: dict | None, end: LoopEnd, act: Sequence[bool] | None,
-                 nc: int) -> None:
+def loop_cts_out(
+    env: Env, ctenv: dict | None, end: LoopEnd, act: Sequence[bool] | None, nc: int
+) -> None:
     """Write what the backward loop rebuilt and pulled back: the starting carry, its
     cotangent, and the constants' accumulated cotangents."""
     for v, val in zip(end.init, end.carry):
@@ -575,6 +666,7 @@ def loop_cts_out(env: Env, ctenv: dict | None, end: LoopEnd, act: Sequence[bool]
 
 
 # --------------------------------------------------------------------------- forward run
+
 
 def forward_with_residuals(P: Plan, args: Sequence[Any]) -> tuple[list[Any], list[Any]]:
     """Run `P`'s jaxpr forward; also return its residuals (in `res_avals(P)` order). Loops

@@ -9,12 +9,14 @@ under on_drift="repair" (the default) a segment whose rebuilt start would move t
 more than rounding does (`grad_ratio`) is recomputed forward from its checkpoint
 (`segments.body_redo`). The bookkeeping of the comparisons is `drift`'s.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -24,11 +26,19 @@ from jaxrev.transforms.knowledge.context import Settings
 from jaxrev.transforms.sweep.drift import budget_dtype, ratio, site, values_tol
 from jaxrev.transforms.sweep.segments import body_redo
 
-__all__ = ["ON_DRIFT", "Dial", "grad_ratio", "weight", "budget_dtype", "recomputable",
-           "segment_checks"]
+__all__ = [
+    "ON_DRIFT",
+    "Dial",
+    "grad_ratio",
+    "weight",
+    "budget_dtype",
+    "recomputable",
+    "segment_checks",
+]
 
 
 ON_DRIFT = ("repair", "raise", "nan", "warn", "ignore")
+
 
 @dataclass(frozen=True)
 class Dial:
@@ -52,8 +62,8 @@ class Dial:
     on_drift: str = "raise"
     rtol: float | None = None
     max_steps: int | None = None
-    name: str = "fun"         # the user's function, for messages
-    walk: Settings = Settings("jaxrev.reversible")   # its walks' settings (on_error, ...)
+    name: str = "fun"  # the user's function, for messages
+    walk: Settings = Settings("jaxrev.reversible")  # its walks' settings (on_error, ...)
 
     def __post_init__(self) -> None:
         if self.on_drift not in ON_DRIFT:
@@ -62,8 +72,9 @@ class Dial:
         if not (e is None or e == "auto" or (isinstance(e, int) and e >= 1)):
             raise ValueError(f"checkpoint_every must be None, a positive int or 'auto', got {e!r}")
         if self.budget is not None and self.budget <= 0:
-            raise ValueError(f"memory_budget must be a positive number of bytes, got "
-                             f"{self.budget!r}")
+            raise ValueError(
+                f"memory_budget must be a positive number of bytes, got {self.budget!r}"
+            )
         if self.max_steps is not None and self.max_steps < 1:
             raise ValueError(f"max_steps must be a positive int, got {self.max_steps!r}")
 
@@ -87,7 +98,7 @@ class Dial:
             if not self.repair:
                 return max(1, math.ceil(length / slots))
             # a repair stores a segment's K carries besides the ⌈T/K⌉ checkpoints
-            for K in range(1, math.isqrt(length) + 2):   # ⌈T/K⌉ + K is least near √T
+            for K in range(1, math.isqrt(length) + 2):  # ⌈T/K⌉ + K is least near √T
                 if math.ceil(length / K) + K <= slots:
                     return K
             return max(1, math.ceil(length / max(1, slots // 2)))
@@ -95,7 +106,7 @@ class Dial:
             return max(1, math.ceil(math.sqrt(length)))
         return None
 
-    def inner(self, iterations: int | None) -> "Dial":
+    def inner(self, iterations: int | None) -> Dial:
         """The dial of a loop body that runs `iterations` times and whose residuals (an inner
         loop's checkpoints among them) are stored per iteration: the budget is shared, and
         "auto" places no checkpoints there (they would be stored once per outer iteration:
@@ -133,6 +144,7 @@ GRAD_SLACK = 1.0
 """How far the drift of the segments kept may move the gradient, in units of what the forward
 run's own rounding moves it by (`grad_ratio`)."""
 
+
 def weight(cts: Sequence[Any], vals: Sequence[Any]) -> Any:
     """Σ over floating leaves of u·‖c̄‖₁·‖x‖∞: what one roundoff of each value moves the loss
     by, at most (u: the leaf's unit roundoff)."""
@@ -141,14 +153,22 @@ def weight(cts: Sequence[Any], vals: Sequence[Any]) -> Any:
         if g is None or not jnp.issubdtype(jnp.result_type(v), jnp.inexact):
             continue
         u = float(jnp.finfo(jnp.result_type(v)).eps) / 2
-        out = out + u * (jnp.sum(jnp.abs(g)).astype(out.dtype)
-                         * jnp.max(jnp.abs(v), initial=0).astype(out.dtype))
+        out = out + u * (
+            jnp.sum(jnp.abs(g)).astype(out.dtype) * jnp.max(jnp.abs(v), initial=0).astype(out.dtype)
+        )
     return out
 
 
-def grad_ratio(c: Sequence[Any], ck: Sequence[Any], c_ct: Sequence[Any], c_end: Sequence[Any],
-               c_ct_end: Sequence[Any], n: int, BE: tuple[Any, Any], accumulate: bool = True
-               ) -> tuple[Any, tuple[Any, Any]]:
+def grad_ratio(
+    c: Sequence[Any],
+    ck: Sequence[Any],
+    c_ct: Sequence[Any],
+    c_end: Sequence[Any],
+    c_ct_end: Sequence[Any],
+    n: int,
+    BE: tuple[Any, Any],
+    accumulate: bool = True,
+) -> tuple[Any, tuple[Any, Any]]:
     """What a segment's drift does to the gradient, against what rounding alone does to
     jax.grad's (docs/design.md §3.8). The drift δ of its rebuilt start moves what the
     backward run computes there by about ‖c̄‖₁‖δ‖∞ (c̄: the carry's cotangent there); the
@@ -170,7 +190,7 @@ def grad_ratio(c: Sequence[Any], ck: Sequence[Any], c_ct: Sequence[Any], c_end: 
         if g is None or not jnp.issubdtype(jnp.result_type(b), jnp.inexact):
             continue
         a = jnp.asarray(a, jnp.result_type(b))
-        same = (a == b) | (jnp.isnan(a) & jnp.isnan(b))    # an infinity the program holds
+        same = (a == b) | (jnp.isnan(a) & jnp.isnan(b))  # an infinity the program holds
         d = jnp.max(where(same, 0.0, jnp.abs(a - b)), initial=0).astype(dt)
         d = where(jnp.isnan(d), jnp.inf, d)
         err = err + where(d > 0, jnp.sum(jnp.abs(g)).astype(dt) * d, 0.0)
@@ -179,9 +199,20 @@ def grad_ratio(c: Sequence[Any], ck: Sequence[Any], c_ct: Sequence[Any], c_end: 
     return where(jnp.isnan(r), jnp.inf, r).astype(jnp.float32), (B, E + err)
 
 
-def segment_checks(dial: Dial, log: Any, eqn: Any, carry: Sequence[Any], body: Any, nc: int,
-                   ncar: int, consts: Sequence[Any], act: Sequence[bool] | None,
-                   yct: Sequence[bool], can_redo: bool, planning: bool) -> tuple[Any, Any]:
+def segment_checks(
+    dial: Dial,
+    log: Any,
+    eqn: Any,
+    carry: Sequence[Any],
+    body: Any,
+    nc: int,
+    ncar: int,
+    consts: Sequence[Any],
+    act: Sequence[bool] | None,
+    yct: Sequence[bool],
+    can_redo: bool,
+    planning: bool,
+) -> tuple[Any, Any]:
     """A checkpointed loop's comparison `check(c, ck, c_ct, c_end, c_ct_end, n, BE) ->
     (ratio, site, BE)` of each segment's rebuilt start with its checkpoint (`grad_ratio`), and
     (the repairing dial, where `can_redo` and the body allows it) `body_redo`'s recomputation
@@ -195,8 +226,13 @@ def segment_checks(dial: Dial, log: Any, eqn: Any, carry: Sequence[Any], body: A
     # a segment that cannot be recomputed is held to the relative tolerance, as the call's
     # inputs are: what a repair would fix is not what must raise
     fixed = dial.rtol is not None or (dial.repair and redo is None)
-    at = site(log, "the rebuilt start of a checkpointed segment of the loop", eqn,
-              values_tol(dial, [a.dtype for a in carry]), gradient=not fixed)
+    at = site(
+        log,
+        "the rebuilt start of a checkpointed segment of the loop",
+        eqn,
+        values_tol(dial, [a.dtype for a in carry]),
+        gradient=not fixed,
+    )
     at_ = jnp.asarray(at, jnp.int32)
 
     def check(c, ck, c_ct, c_end, c_ct_end, n, BE, accumulate=True):

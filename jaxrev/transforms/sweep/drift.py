@@ -14,39 +14,55 @@ into the `Log` of the top-level backward run). A loop's body walk is traced insi
 loop's carry (`combine`) and is noted in the enclosing scope. `Log.finish` acts on the worst
 one: raise (eagerly, or under `jit` when the program runs), warn, NaN, or nothing.
 """
+
 from __future__ import annotations
 
 import contextlib
 import math
 import warnings
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
 
 from jaxrev._compat import is_concrete, user_source
-from jaxrev._jaxpr import where
 from jaxrev._errors import DriftError
+from jaxrev._jaxpr import where
 from jaxrev.transforms.knowledge.checks import check_at_run_time
 
-__all__ = ["DriftWarning", "no_drift", "leaf_drift", "values_tol", "ratio", "combine", "Site",
-           "Log", "log_for", "site", "note", "scope", "describe_loops", "finite",
-           "budget_dtype"]
+__all__ = [
+    "DriftWarning",
+    "no_drift",
+    "leaf_drift",
+    "values_tol",
+    "ratio",
+    "combine",
+    "Site",
+    "Log",
+    "log_for",
+    "site",
+    "note",
+    "scope",
+    "describe_loops",
+    "finite",
+    "budget_dtype",
+]
 
 
 class DriftWarning(UserWarning):
     """A rebuilt value missed its true counterpart (`on_drift="warn"`).
 
-        >>> import warnings, jax, jax.numpy as jnp, jaxrev as jr
-        >>> from jax import lax
-        >>> halve = lambda y: lax.fori_loop(0, 60, lambda i, y: 0.5 * y + 0.1, y)  # x2 backwards
-        >>> with warnings.catch_warnings(record=True) as caught:
-        ...     warnings.simplefilter("always")
-        ...     f = jr.reversible(halve, on_drift="warn", checkpoint_every=None)
-        ...     g = jax.grad(lambda y: f(y).sum())(jnp.ones(2))
-        >>> [type(w.message).__name__ for w in caught]
-        ['DriftWarning']
+    >>> import warnings, jax, jax.numpy as jnp, jaxrev as jr
+    >>> from jax import lax
+    >>> halve = lambda y: lax.fori_loop(0, 60, lambda i, y: 0.5 * y + 0.1, y)  # x2 backwards
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...     warnings.simplefilter("always")
+    ...     f = jr.reversible(halve, on_drift="warn", checkpoint_every=None)
+    ...     g = jax.grad(lambda y: f(y).sum())(jnp.ones(2))
+    >>> [type(w.message).__name__ for w in caught]
+    ['DriftWarning']
     """
 
 
@@ -115,17 +131,16 @@ def combine(a: tuple[Any, Any], b: tuple[Any, Any]) -> tuple[Any, Any]:
     ra, sa = a
     rb, sb = b
     take = jnp.asarray(rb, jnp.float32) > jnp.asarray(ra, jnp.float32)
-    return (where(take, rb, ra).astype(jnp.float32),
-            where(take, sb, sa).astype(jnp.int32))
+    return (where(take, rb, ra).astype(jnp.float32), where(take, sb, sa).astype(jnp.int32))
 
 
 @dataclass
 class Site:
-    what: str                  # the comparison, in words
-    where: str                 # the loop's (or call's) user line
-    tol: float                 # relative drift tolerated (without cotangents, or drift_rtol)
-    inputs: bool = False       # the call's rebuilt inputs (the message lists the loops)
-    gradient: bool = False     # its ratio is the gradient's (dial.grad_ratio), not tol's
+    what: str  # the comparison, in words
+    where: str  # the loop's (or call's) user line
+    tol: float  # relative drift tolerated (without cotangents, or drift_rtol)
+    inputs: bool = False  # the call's rebuilt inputs (the message lists the loops)
+    gradient: bool = False  # its ratio is the gradient's (dial.grad_ratio), not tol's
 
 
 @dataclass
@@ -134,7 +149,7 @@ class Log:
 
     dial: Any
     name: str
-    loops: str = ""                         # the program's loops, for the inputs' message
+    loops: str = ""  # the program's loops, for the inputs' message
     sites: list[Site] = field(default_factory=list)
     scopes: list[list] = field(default_factory=lambda: [[]])
 
@@ -148,23 +163,34 @@ class Log:
         if not math.isfinite(r):
             miss = "is not finite (NaN or inf where the true value is finite)"
         elif s.gradient:
-            miss = (f"misses its true value by a drift that moves the gradient {r:.3g} times "
-                    "as much as the forward run's own rounding does")
+            miss = (
+                f"misses its true value by a drift that moves the gradient {r:.3g} times "
+                "as much as the forward run's own rounding does"
+            )
         else:
-            miss = (f"misses its true value by a relative drift of {r * s.tol:.3g} "
-                    f"(tolerance {s.tol:.3g})")
+            miss = (
+                f"misses its true value by a relative drift of {r * s.tol:.3g} "
+                f"(tolerance {s.tol:.3g})"
+            )
         if self.dial.on_drift == "repair":
-            why = ("no checkpoint could repair it (it is rebuilt outside a checkpointed "
-                   "loop, or the loop's body cannot be recomputed)")
-            out = ("Ways out: jr.store(x) on a value inside the program (rebuilding resets "
-                   "there), a smaller checkpoint_every=K, a looser drift_rtol, or "
-                   "on_drift='warn' / 'ignore'.")
+            why = (
+                "no checkpoint could repair it (it is rebuilt outside a checkpointed "
+                "loop, or the loop's body cannot be recomputed)"
+            )
+            out = (
+                "Ways out: jr.store(x) on a value inside the program (rebuilding resets "
+                "there), a smaller checkpoint_every=K, a looser drift_rtol, or "
+                "on_drift='warn' / 'ignore'."
+            )
         else:
-            why = ("the backward run amplifies rounding (a contracting loop run backwards "
-                   "expands it)")
-            out = ("Ways out: on_drift='repair' (the default: recompute the segments that "
-                   "miss), checkpoint_every=K (drift grows over K steps, not the loop), a "
-                   "looser drift_rtol, or on_drift='warn' / 'ignore'.")
+            why = (
+                "the backward run amplifies rounding (a contracting loop run backwards expands it)"
+            )
+            out = (
+                "Ways out: on_drift='repair' (the default: recompute the segments that "
+                "miss), checkpoint_every=K (drift grows over K steps, not the loop), a "
+                "looser drift_rtol, or on_drift='warn' / 'ignore'."
+            )
         return f"jaxrev.reversible({self.name}): {s.what}{where} {miss}: {why}.{extra}\n{out}"
 
     def error(self, r: Any, k: Any) -> Exception | None:
@@ -176,10 +202,14 @@ class Log:
             warnings.warn(msg, DriftWarning, stacklevel=2)
             return None
         s = self.sites[k] if 0 <= k < len(self.sites) else None
-        if s is not None and s.gradient:   # drift and tolerance in the gradient's units
+        if s is not None and s.gradient:  # drift and tolerance in the gradient's units
             return DriftError(msg, file=s.where, drift=r, tolerance=1.0)
-        return DriftError(msg, file=s.where if s else None, drift=r * (s.tol if s else 1.0),
-                          tolerance=s.tol if s else None)
+        return DriftError(
+            msg,
+            file=s.where if s else None,
+            drift=r * (s.tol if s else 1.0),
+            tolerance=s.tol if s else None,
+        )
 
     def finish(self, worst: tuple[Any, Any], cts: list[Any]) -> list[Any]:
         """Act on the worst comparison: the cotangents `cts` come back unchanged, or NaN
@@ -190,8 +220,12 @@ class Log:
             return cts
         if mode == "nan":
             bad = ~(r <= 1.0)
-            return [c if c is None or not jnp.issubdtype(jnp.result_type(c), jnp.inexact)
-                    else where(bad, jnp.nan, c) for c in cts]
+            return [
+                c
+                if c is None or not jnp.issubdtype(jnp.result_type(c), jnp.inexact)
+                else where(bad, jnp.nan, c)
+                for c in cts
+            ]
         if is_concrete(r) and is_concrete(k):
             err = self.error(r, k)
             if err is not None:
@@ -206,8 +240,9 @@ def log_for(dial: Any, name: str, loops: str = "") -> Log | None:
     return Log(dial, name, loops) if dial.checks else None
 
 
-def site(log: Log | None, what: str, eqn: Any, tol: float, inputs: bool = False,
-         gradient: bool = False) -> int:
+def site(
+    log: Log | None, what: str, eqn: Any, tol: float, inputs: bool = False, gradient: bool = False
+) -> int:
     """Register a comparison of the backward run whose log is `log`; its index (-1 when no
     run checks: a planning walk, on_drift="ignore")."""
     if log is None:
@@ -256,8 +291,11 @@ def describe_loops(eqns: Sequence[Any], is_loop: Any) -> str:
             out.append(f"`{e.primitive.name}` at {user_source(e)[2]}")
     if not out:
         return ""
-    return ("Its loops (a while loop is checkpointed with max_steps=N): " + "; ".join(out[:4])
-            + ("; ..." if len(out) > 4 else ""))
+    return (
+        "Its loops (a while loop is checkpointed with max_steps=N): "
+        + "; ".join(out[:4])
+        + ("; ..." if len(out) > 4 else "")
+    )
 
 
 # --------------------------------------------------------------------------- segments

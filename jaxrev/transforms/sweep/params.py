@@ -17,9 +17,11 @@ with the forward run's reading of the parameters nor compute before the tie (an 
 barrier, which XLA:GPU keeps; XLA:CPU removes barriers before CSE, so also a shift of the
 parameters' bits by a run-time zero, derived from the tie, that XLA cannot prove zero).
 """
+
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +37,7 @@ __all__ = ["fresh_p", "fresh", "ParamOnly"]
 
 # --------------------------------------------------------------------------- fresh_p
 
+
 def _run_time_zero(tie: Any, dtype: Any) -> Any:
     """A scalar of `dtype` that is 0 on every run, computed from one element of `tie` in a
     way XLA does not fold: (t != t) is 1 only for a NaN, and shifted right by one it is 0."""
@@ -42,8 +45,9 @@ def _run_time_zero(tie: Any, dtype: Any) -> Any:
     if jnp.iscomplexobj(t):
         t = jnp.real(t)
     t = t.astype(jnp.float32)
-    return lax.shift_right_logical(lax.convert_element_type(t != t, dtype),
-                                   lax.convert_element_type(1, dtype))
+    return lax.shift_right_logical(
+        lax.convert_element_type(t != t, dtype), lax.convert_element_type(1, dtype)
+    )
 
 
 def _opaque(x: Any, tie: Any) -> Any:
@@ -66,12 +70,14 @@ def _fresh_lowering(*args: Any, n: int) -> list:
 def _fresh_jvp(primals: Sequence[Any], tangents: Sequence[Any], *, n: int) -> tuple:
     # the tangents are recomputations too (forward mode over the backward run)
     outs = fresh_p.bind(*primals, n=n)
-    live = [k for k in range(n) if not is_symbolic_zero(tangents[k])
-            and jnp.result_type(tangents[k]) != jax.dtypes.float0]
+    live = [
+        k
+        for k in range(n)
+        if not is_symbolic_zero(tangents[k]) and jnp.result_type(tangents[k]) != jax.dtypes.float0
+    ]
     touts = list(tangents[:n])
     if live:
-        for k, t in zip(live, fresh_p.bind(*[tangents[k] for k in live], primals[n],
-                                           n=len(live))):
+        for k, t in zip(live, fresh_p.bind(*[tangents[k] for k in live], primals[n], n=len(live))):
             touts[k] = t
     return outs, touts
 
@@ -85,9 +91,15 @@ def _fresh_batch(args: Sequence[Any], dims: Sequence[Any], *, n: int) -> tuple:
 
 
 fresh_p = make_primitive(
-    "jaxrev_fresh", multiple_results=True, impl=lambda *args, n: list(args[:n]),
-    abstract=lambda *avals, n: list(avals[:n]), lowering=_fresh_lowering, jvp=_fresh_jvp,
-    transpose=_fresh_transpose, batch=_fresh_batch)
+    "jaxrev_fresh",
+    multiple_results=True,
+    impl=lambda *args, n: list(args[:n]),
+    abstract=lambda *avals, n: list(avals[:n]),
+    lowering=_fresh_lowering,
+    jvp=_fresh_jvp,
+    transpose=_fresh_transpose,
+    batch=_fresh_batch,
+)
 """``fresh_p(*xs, tie, n)``: `xs` unchanged (n of them), in a form XLA neither merges with
 another computation of `xs` nor computes before `tie`."""
 
@@ -101,8 +113,10 @@ def fresh(xs: Sequence[Any], tie: Any) -> list:
     keys = [is_key(x) for x in xs]
     plain = [jax.random.key_data(x) if k else x for x, k in zip(xs, keys)]
     outs = fresh_p.bind(*plain, tie, n=len(plain))
-    return [jax.random.wrap_key_data(o, impl=jax.random.key_impl(x)) if k else o
-            for x, o, k in zip(xs, outs, keys)]
+    return [
+        jax.random.wrap_key_data(o, impl=jax.random.key_impl(x)) if k else o
+        for x, o, k in zip(xs, outs, keys)
+    ]
 
 
 def tie_of(vals: Sequence[Any]) -> Any:
@@ -119,6 +133,7 @@ def tie_of(vals: Sequence[Any]) -> Any:
 
 # --------------------------------------------------------------------------- parameter-only values
 
+
 class ParamOnly:
     """The parameter-only values of a jaxpr whose inputs `known` are the parameters (with its
     consts): which equations compute them (`eqns`, by index); `need` and `window` compute
@@ -127,11 +142,10 @@ class ParamOnly:
     def __init__(self, J: Any, known: Sequence[bool]) -> None:
         self.J = J
         self.roots = {v for v, k in zip(J.invars, known) if k} | set(J.constvars)
-        self.made: dict = {}    # parameter-only variable -> the index of its equation
+        self.made: dict = {}  # parameter-only variable -> the index of its equation
         self.eqns: set = set()
         for i, e in enumerate(J.eqns):
-            if all(isinstance(v, Literal) or v in self.roots or v in self.made
-                   for v in e.invars):
+            if all(isinstance(v, Literal) or v in self.roots or v in self.made for v in e.invars):
                 self.eqns.add(i)
                 self.made.update((o, i) for o in e.outvars if is_var(o))
 
@@ -147,14 +161,14 @@ class ParamOnly:
             if i in todo:
                 continue
             todo.add(i)
-            stack.extend(u for u in eqns[i].invars
-                         if is_var(u) and u in made and not env.known(u))
+            stack.extend(u for u in eqns[i].invars if is_var(u) and u in made and not env.known(u))
         if not todo:
             return
         chain = [eqns[i] for i in sorted(todo)]
         outs = {o for e in chain for o in e.outvars}
-        reads = list(dict.fromkeys(u for e in chain for u in e.invars
-                                   if is_var(u) and u not in outs))
+        reads = list(
+            dict.fromkeys(u for e in chain for u in e.invars if is_var(u) and u not in outs)
+        )
         roots = [u for u in reads if u in self.roots]
         scratch = Env(info=env.info, ctx=env.ctx)
         for u, x in zip(roots, fresh([env.read(u) for u in roots], tie)):
@@ -180,7 +194,17 @@ class ParamOnly:
         for i, e in enumerate(self.J.eqns):
             if i in self.eqns and i not in keep and not e.effects:
                 continue
-            self.need(env, e.invars, tie_of([env.read(v) for v in e.invars if is_var(v)
-                                             and v not in self.made and v not in self.roots]))
-            evaluate((e,), env, rule=None if rule is None else (
-                lambda _, e, ins, i=i: rule(i, e, ins)))
+            self.need(
+                env,
+                e.invars,
+                tie_of(
+                    [
+                        env.read(v)
+                        for v in e.invars
+                        if is_var(v) and v not in self.made and v not in self.roots
+                    ]
+                ),
+            )
+            evaluate(
+                (e,), env, rule=None if rule is None else (lambda _, e, ins, i=i: rule(i, e, ins))
+            )

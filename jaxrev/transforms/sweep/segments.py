@@ -13,9 +13,11 @@ parameters (a stack of transformer blocks scanned over its stacked weights), and
 is scratch memory that grows with depth. The step is traced once (`_Traced`) and its jaxpr
 evaluated in every segment and branch: the loop's body is walked once, not once per use.
 """
+
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -45,7 +47,7 @@ class Slices:
     def __init__(self, xs: Any, length: int, rev: bool, start: Any = 0) -> None:
         self.xs, self.length, self.rev, self.start = xs, length, rev, start
 
-    def at(self, start: Any) -> "Slices":
+    def at(self, start: Any) -> Slices:
         """The same arrays, iteration numbers counted from `start` (one segment's view)."""
         return Slices(self.xs, self.length, self.rev, start)
 
@@ -64,8 +66,9 @@ class Slices:
 
     def write(self, bufs: Any, t: Any, outs: Any) -> Any:
         p = self.pos(t)
-        return _tmap(lambda b, o: lax.dynamic_update_index_in_dim(b, o.astype(b.dtype), p, 0),
-                     bufs, outs)
+        return _tmap(
+            lambda b, o: lax.dynamic_update_index_in_dim(b, o.astype(b.dtype), p, 0), bufs, outs
+        )
 
 
 NO_SLICES = Slices(([], [], [], []), 0, False)
@@ -90,21 +93,29 @@ class _Traced:
     def zero_out(self) -> Any:
         """Zeros of its second output (one iteration's), typed as it is."""
         tree = self.out_tree.children()[1]
-        avals = self.closed.out_avals[len(self.closed.out_avals) - tree.num_leaves:]
+        avals = self.closed.out_avals[len(self.closed.out_avals) - tree.num_leaves :]
         return jax.tree_util.tree_unflatten(tree, [zeros_of(a) for a in avals])
 
     def out_buffers(self, length: int, U: frozenset = frozenset()) -> Any:
         """Zeros for `length` iterations of its second output, typed (vma) as it is and at
         least over U."""
         tree = self.out_tree.children()[1]
-        avals = self.closed.out_avals[len(self.closed.out_avals) - tree.num_leaves:]
+        avals = self.closed.out_avals[len(self.closed.out_avals) - tree.num_leaves :]
         bufs = [vary_to(zeros_of(sds(a, (length, *a.shape))), U) for a in avals]
         return jax.tree_util.tree_unflatten(tree, bufs)
 
 
-def segmented(bstep: Any, carry0: tuple, slices: Any, length: int, K: int,
-              ckpts: Sequence[Any], rev: bool, check: Any = None, redo: Any = None
-              ) -> tuple[tuple, Any]:
+def segmented(
+    bstep: Any,
+    carry0: tuple,
+    slices: Any,
+    length: int,
+    K: int,
+    ckpts: Sequence[Any],
+    rev: bool,
+    check: Any = None,
+    redo: Any = None,
+) -> tuple[tuple, Any]:
     """`lax.scan(bstep, carry0, slices, reverse=not rev)` (a loop's backward run, whose carry is
     ``(c, c_ct, k_ct, worst)``) in segments of K iterations: each segment starts from the
     stored start of the next (`ckpts`, one per segment, in iteration order; the last segment
@@ -134,6 +145,7 @@ def segmented(bstep: Any, carry0: tuple, slices: Any, length: int, K: int,
         the iterations are skipped (their outputs are zeros: the recomputation overwrites
         them). The buffers are carried by the loop, never through a `cond`, where XLA would
         copy them."""
+
         def it(s, k):
             carry, bufs = s
             sl = seg.read(k)
@@ -155,8 +167,14 @@ def segmented(bstep: Any, carry0: tuple, slices: Any, length: int, K: int,
         if redo is None:
             (c_s, c_ct_s, k_ct_s, w_s), bufs = run((c_end, c_ct, k_ct, w), bufs, seg, n)
             rho, at, BE2 = check(c_s, ck_start, c_ct_s, c_end, c_ct, n, BE)
-            return (c_ct_s, k_ct_s, vary_to(combine(w_s, (rho, at)), U), vary_to(BE2, U),
-                    bufs, false)
+            return (
+                c_ct_s,
+                k_ct_s,
+                vary_to(combine(w_s, (rho, at)), U),
+                vary_to(BE2, U),
+                bufs,
+                false,
+            )
         if jax.tree_util.tree_leaves(bufs):
             return gated(c_end, c_ct, k_ct, w, BE, bufs, seg, ck_start, n, probe)
 
@@ -166,18 +184,32 @@ def segmented(bstep: Any, carry0: tuple, slices: Any, length: int, K: int,
             (c_s, c_ct_i, k_ct_i, w_s), out = run((c_end, c_ct, k_ct, w), bufs, seg, n)
             rho, at, BE_i = check(c_s, ck_start, c_ct_i, c_end, c_ct, n, BE)
             bad = ~(rho <= 1.0) | ~finite([*c_ct_i, *k_ct_i])
-            c_ct_s, k_ct_s, out = lax.cond(bad, lambda: redo(ck_start, c_ct, k_ct, seg, n, out),
-                                         lambda: (c_ct_i, k_ct_i, out))
-            w_s = combine(tuple(where(bad, a, b) for a, b in zip(w, w_s)),
-                          (where(bad, 0.0, rho), at))
-            return (c_ct_s, k_ct_s, vary_to(w_s, U),
-                    vary_to((BE_i[0], where(bad, BE[1], BE_i[1])), U), out, vary_to(bad, U))
+            c_ct_s, k_ct_s, out = lax.cond(
+                bad, lambda: redo(ck_start, c_ct, k_ct, seg, n, out), lambda: (c_ct_i, k_ct_i, out)
+            )
+            w_s = combine(
+                tuple(where(bad, a, b) for a, b in zip(w, w_s)), (where(bad, 0.0, rho), at)
+            )
+            return (
+                c_ct_s,
+                k_ct_s,
+                vary_to(w_s, U),
+                vary_to((BE_i[0], where(bad, BE[1], BE_i[1])), U),
+                out,
+                vary_to(bad, U),
+            )
 
         def recompute():
             c_ct_s, k_ct_s, out = redo(ck_start, c_ct, k_ct, seg, n, bufs)
             BE_r = check(ck_start, ck_start, c_ct_s, c_end, c_ct, n, BE)[2]
-            return (c_ct_s, k_ct_s, w, vary_to((BE_r[0], BE[1]), U), out,
-                    vary_to(jnp.ones((), bool), U))
+            return (
+                c_ct_s,
+                k_ct_s,
+                w,
+                vary_to((BE_r[0], BE[1]), U),
+                out,
+                vary_to(jnp.ones((), bool), U),
+            )
 
         return lax.cond(probe, invert, recompute)
 
@@ -202,27 +234,32 @@ def segmented(bstep: Any, carry0: tuple, slices: Any, length: int, K: int,
 
     BE = (zero, zero)
     missed = false
-    first = 1 if r else 0   # the checkpoint of the first full segment
+    first = 1 if r else 0  # the checkpoint of the first full segment
     if nseg:
+
         def outer(carry, j):
             # a segment ends where the next one's stored start is: carried, not copied
             c_end, c_ct, k_ct, w, BE, missed, bufs = carry
             ck_start = [lax.dynamic_index_in_dim(c, first + j, keepdims=False) for c in ckpts]
             probe = ~missed | (j % PROBE_EVERY == 0)
-            c_ct, k_ct, w, BE, bufs, missed = seg_back(c_end, c_ct, k_ct, w, BE, bufs,
-                                                       xs.at(r + j * K), ck_start, K, probe)
+            c_ct, k_ct, w, BE, bufs, missed = seg_back(
+                c_end, c_ct, k_ct, w, BE, bufs, xs.at(r + j * K), ck_start, K, probe
+            )
             return (ck_start, c_ct, k_ct, w, BE, missed, bufs), None
 
         (c_end, c_ct, k_ct, w, BE, missed, bufs), _ = lax.scan(
-            outer, (c_end, c_ct, k_ct, w, BE, missed, bufs), jnp.arange(nseg), reverse=True)
+            outer, (c_end, c_ct, k_ct, w, BE, missed, bufs), jnp.arange(nseg), reverse=True
+        )
     if r:
-        c_ct, k_ct, w, _, bufs, _ = seg_back(c_end, c_ct, k_ct, w, BE, bufs, xs,
-                                             [c[0] for c in ckpts], r, ~missed)
+        c_ct, k_ct, w, _, bufs, _ = seg_back(
+            c_end, c_ct, k_ct, w, BE, bufs, xs, [c[0] for c in ckpts], r, ~missed
+        )
     return ([c[0] for c in ckpts], c_ct, k_ct, w), bufs
 
 
-def segmented_forward(step: Any, init: Sequence[Any], xs: Any, length: int, K: int, rev: bool
-                      ) -> tuple[list, Any, list]:
+def segmented_forward(
+    step: Any, init: Sequence[Any], xs: Any, length: int, K: int, rev: bool
+) -> tuple[list, Any, list]:
     """`lax.scan(step, init, xs, reverse=rev)` that also returns the carry at the start of
     every segment of K iterations, in iteration order (the layout `segmented` reads)."""
     r, nseg = length % K, length // K
@@ -257,14 +294,15 @@ def segmented_forward(step: Any, init: Sequence[Any], xs: Any, length: int, K: i
     return list(c), bufs, cks
 
 
-def body_redo(body: Any, nc: int, ncar: int, consts: Sequence[Any], act: Sequence[bool],
-              yct: Sequence[bool]) -> Any:
+def body_redo(
+    body: Any, nc: int, ncar: int, consts: Sequence[Any], act: Sequence[bool], yct: Sequence[bool]
+) -> Any:
     """The repairing dial's recomputation of one segment of a loop (for `segmented`): run the
     body forward from the segment's stored start, keeping each iteration's carry (K carries at
     most), then pull the cotangents back by the body's VJP at those exact values, one
     iteration at a time. Needs every `xs` known (a loop that rebuilds its `xs` is not
     recomputed)."""
-    a_c, a_car, a_x = act[:nc], act[nc:nc + ncar], act[nc + ncar:]
+    a_c, a_car, a_x = act[:nc], act[nc : nc + ncar], act[nc + ncar :]
     out_avals = body.out_avals
     fl = [jnp.issubdtype(a.dtype, jnp.inexact) for a in out_avals]
 
@@ -281,19 +319,28 @@ def body_redo(body: Any, nc: int, ncar: int, consts: Sequence[Any], act: Sequenc
         iterations from m on are not run; `on`: whether to recompute at all (else the
         cotangents come back as given and `bufs` unchanged), decided per iteration so that
         `bufs` never goes through a `cond`."""
+
         def fwd(c, j):
             x = seg.read(j)[2]
             new = list(eval_closed(body, *consts, *c, *x)[:ncar])
-            if m is not None:   # per element under vmap
+            if m is not None:  # per element under vmap
                 new = [select_batched(j < m, a, b) for a, b in zip(new, c)]
             return new, list(c)
 
         def forward():
             return lax.scan(fwd, list(c0), jnp.arange(n), length=n)[1]
 
-        cs = forward() if on is None else lax.cond(
-            on, forward, lambda: [match_vma(jnp.zeros((n, *jnp.shape(a)), jnp.result_type(a)), a)
-                                  for a in c0])
+        cs = (
+            forward()
+            if on is None
+            else lax.cond(
+                on,
+                forward,
+                lambda: [
+                    match_vma(jnp.zeros((n, *jnp.shape(a)), jnp.result_type(a)), a) for a in c0
+                ],
+            )
+        )
 
         def back(carry, s):
             c_ct, k_ct, bufs = carry
@@ -307,45 +354,52 @@ def body_redo(body: Any, nc: int, ncar: int, consts: Sequence[Any], act: Sequenc
                     # iterations past an element's count add nothing: their cotangents are
                     # zeroed before the VJP (the constants' share sums over the batch) and
                     # their carries' cotangents kept
-                    g_c = [None if a is None else select_batched(live, a, b)
-                           for a, b in zip(g_c, c_ct)]
+                    g_c = [
+                        None if a is None else select_batched(live, a, b) for a, b in zip(g_c, c_ct)
+                    ]
                 return g_c, k2, gx
 
             if on is None:
                 g_c, k2, gx = pull()
             else:
-                g_c, k2, gx = lax.cond(on, pull, lambda: (
-                    list(c_ct), list(k_ct),
-                    [match_vma(jnp.zeros_like(x), x) for x in pick(x_t, a_x)]))
+                g_c, k2, gx = lax.cond(
+                    on,
+                    pull,
+                    lambda: (
+                        list(c_ct),
+                        list(k_ct),
+                        [match_vma(jnp.zeros_like(x), x) for x in pick(x_t, a_x)],
+                    ),
+                )
             if bufs is not None:
                 outs = ([], list(gx))
                 if on is not None:
-                    outs = _tmap(lambda new, old: where(on, new, old), outs,
-                                 seg.read_from(bufs, j))
+                    outs = _tmap(lambda new, old: where(on, new, old), outs, seg.read_from(bufs, j))
                 bufs = seg.write(bufs, j, outs)
             return (g_c, k2, bufs), None
 
         def _back(c_ct, k_ct, c_t, x_t, yc_t, on):
 
             def g(ca, ka, xa):
-                outs = eval_closed(body, *put(consts, a_c, ka), *put(c_t, a_car, ca),
-                                   *put(x_t, a_x, xa))
+                outs = eval_closed(
+                    body, *put(consts, a_c, ka), *put(c_t, a_car, ca), *put(x_t, a_x, xa)
+                )
                 return pick(outs, fl)
 
             _, pull = jax.vjp(g, pick(c_t, a_car), pick(consts, a_c), pick(x_t, a_x))
             it = iter(yc_t)
             cts = []
             for j, a in enumerate(out_avals):
-                g_j = (c_ct[j] if j < ncar else (next(it) if yct[j - ncar] else None))
+                g_j = c_ct[j] if j < ncar else (next(it) if yct[j - ncar] else None)
                 g_j = zeros_of(a) if g_j is None else g_j
                 cts.append(g_j if on is None else select_batched(on, g_j, jnp.zeros_like(g_j)))
             gc, gk, gx = pull(pick(cts, fl))
             gc = iter(gc)
-            return ([next(gc) if a else None for a in a_car],
-                    [a + b for a, b in zip(k_ct, gk)], gx)
+            return ([next(gc) if a else None for a in a_car], [a + b for a, b in zip(k_ct, gk)], gx)
 
-        (c_ct, k_ct, bufs), _ = lax.scan(back, (list(c_ct_end), list(k_ct), bufs),
-                                         (jnp.arange(n), cs), length=n, reverse=True)
+        (c_ct, k_ct, bufs), _ = lax.scan(
+            back, (list(c_ct_end), list(k_ct), bufs), (jnp.arange(n), cs), length=n, reverse=True
+        )
         return c_ct, k_ct, bufs
 
     return redo
