@@ -13,8 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrev._compat import ClosedJaxpr, Var, is_key, make_jaxpr, sds
+from jaxrev._env import Env
 from jaxrev._errors import JaxrevError
-from jaxrev._jaxpr import Env, evaluate, prepare
+from jaxrev._evaluate import evaluate
+from jaxrev._prepare import prepare
 
 __all__ = [
     "avals_of",

@@ -145,7 +145,11 @@ LAYERS = [
         (
             "jaxrev._compat",
             "jaxrev._errors",
-            "jaxrev._jaxpr",
+            "jaxrev._env",
+            "jaxrev._evaluate",
+            "jaxrev._graph",
+            "jaxrev._prepare",
+            "jaxrev._batching",
             "jaxrev._program",
             "jaxrev._cache",
             "jaxrev._primitive",
@@ -306,8 +310,9 @@ def test_one_walker_and_one_evaluator():
             binds.append(path.name)
         assert "eval_jaxpr(" not in text or path.name == "_compat.py", path
     assert defs == ["walker.py"]
-    # the evaluator, and the per-equation VJP of reversible's sweep
-    assert sorted(binds) == ["_jaxpr.py", "backward.py"]
+    # the evaluator, trace-time values of static inputs (`Statics`), and the per-equation VJP
+    # of reversible's sweep
+    assert sorted(binds) == ["_env.py", "_evaluate.py", "backward.py"]
 
 
 def test_tags_are_set_by_the_registering_call():

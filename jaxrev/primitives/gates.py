@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrev._compat import ShapedArray, is_symbolic_zero, is_undefined_primal, not_mapped
-from jaxrev._jaxpr import Unknown
+from jaxrev._env import Unknown
 from jaxrev._primitive import make_primitive
 from jaxrev.primitives.rotations import all_batched
 from jaxrev.transforms.registry import Lossy, define

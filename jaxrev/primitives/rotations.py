@@ -12,8 +12,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxrev._batching import batch_front
 from jaxrev._compat import is_symbolic_zero, is_undefined_primal, not_mapped
-from jaxrev._jaxpr import Unknown, batch_front
+from jaxrev._env import Unknown
 from jaxrev._primitive import make_primitive
 from jaxrev.transforms.registry import Lossy, define
 

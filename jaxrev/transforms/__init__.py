@@ -6,7 +6,7 @@ primitives of `jax.lax`), `rules.indexing` (the ones that select, gather and sca
 primitives). `docs/architecture.md` maps the modules.
 """
 
-from jaxrev._jaxpr import Unknown  # noqa: F401
+from jaxrev._env import Unknown
 from jaxrev.transforms import custom  # noqa: F401
 from jaxrev.transforms.rules import arithmetic, cond, indexing, linalg, scan, while_loop  # noqa: F401
 from jaxrev.transforms.registry import (

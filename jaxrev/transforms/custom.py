@@ -21,8 +21,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrev._batching import batch_front, instantiate_tangents
 from jaxrev._compat import Primitive, differentiation_depth, is_symbolic_zero, trace_to_closed
-from jaxrev._jaxpr import batch_front, eval_closed, instantiate_tangents, is_unknown
+from jaxrev._env import is_unknown
+from jaxrev._evaluate import eval_closed
 from jaxrev._primitive import make_primitive
 from jaxrev._program import avals_of, check_structure, normalize_argnums
 from jaxrev._runtime import checked_jit

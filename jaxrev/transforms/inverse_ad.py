@@ -45,7 +45,8 @@ import numpy as np
 from jaxrev._cache import cached_call
 from jaxrev._compat import is_concrete, make_jaxpr, staged_constants
 from jaxrev._errors import NotInvertibleError, SingularJacobianError, fail, singular_jacobian
-from jaxrev._jaxpr import eval_closed, fold_constants, without_custom_vjp
+from jaxrev._evaluate import eval_closed
+from jaxrev._prepare import fold_constants, without_custom_vjp
 from jaxrev._program import Filtered, eval_shape
 from jaxrev.transforms.knowledge.checks import raise_where
 from jaxrev.transforms.knowledge.context import Settings, resolve_on_error

@@ -11,8 +11,9 @@ import jax
 import numpy as np
 
 from jaxrev._compat import JaxprEqn, Var, is_key, prims, user_source
+from jaxrev._env import Env
 from jaxrev._errors import NotInvertibleError, ReversibilityError
-from jaxrev._jaxpr import Env, is_var
+from jaxrev._graph import is_var
 from jaxrev._program import normalize_argnums, traced_leaves
 from jaxrev.transforms.knowledge.context import Settings, WalkContext
 from jaxrev.transforms.propagation.walker import propagate

@@ -20,7 +20,7 @@ import numpy as np
 
 from jaxrev._cache import cached_call
 from jaxrev._compat import Jaxpr, JaxprEqn, Var, is_concrete
-from jaxrev._jaxpr import Env, Unknown
+from jaxrev._env import Env, Unknown
 from jaxrev._program import (
     check_sizes,
     check_structure,

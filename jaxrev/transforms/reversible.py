@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrev._batching import batch_front, instantiate_tangents
 from jaxrev._cache import call_key, compiled, is_eager, memo
 from jaxrev._compat import (
     ClosedJaxpr,
@@ -33,7 +34,8 @@ from jaxrev._compat import (
     trace_to_closed,
     zeros_of,
 )
-from jaxrev._jaxpr import Env, batch_front, eval_closed, instantiate_tangents
+from jaxrev._env import Env
+from jaxrev._evaluate import eval_closed
 from jaxrev._primitive import make_primitive
 from jaxrev._program import Filtered, check_sizes, check_structure, normalize_argnums, trace_program
 from jaxrev.transforms.knowledge.context import Settings, WalkContext, resolve_on_error

@@ -37,7 +37,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrev._compat import DropVar, JaxprEqn, Var, is_concrete, prims, scan_info
-from jaxrev._jaxpr import Env, apply, evaluate, real_outvars, size_of
+from jaxrev._env import Env
+from jaxrev._evaluate import apply, evaluate
+from jaxrev._graph import real_outvars, size_of
 from jaxrev.transforms.knowledge import records
 from jaxrev.transforms.knowledge import regions as R
 from jaxrev.transforms.propagation.lumps import slogdet_of

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrev._compat import Primitive, is_concrete, staged_constants
+from jaxrev._env import Env, Unknown
 from jaxrev._errors import (
     NotInvertibleError,
     SingularJacobianError,
@@ -28,15 +29,8 @@ from jaxrev._errors import (
     fail,
     singular_jacobian,
 )
-from jaxrev._jaxpr import (
-    Env,
-    Unknown,
-    eval_closed,
-    evaluate,
-    fold_constants,
-    prepare,
-    without_custom_vjp,
-)
+from jaxrev._evaluate import eval_closed, evaluate
+from jaxrev._prepare import fold_constants, prepare, without_custom_vjp
 from jaxrev._program import (
     Filtered,
     check_sizes,

@@ -32,7 +32,9 @@ from jax import lax
 
 from jaxrev._cache import memo
 from jaxrev._compat import DropVar, JaxprEqn, Var
-from jaxrev._jaxpr import Env, Unknown, apply, fit_to_aval, is_var, real_outvars
+from jaxrev._env import Env, Unknown, fit_to_aval
+from jaxrev._evaluate import apply
+from jaxrev._graph import is_var, real_outvars
 from jaxrev.transforms.knowledge import regions as R
 from jaxrev.transforms.registry import (
     STRUCTURAL,

@@ -22,7 +22,8 @@ from typing import Any
 import numpy as np
 
 from jaxrev._compat import Literal, cond_branches, is_any_reduction, prims
-from jaxrev._jaxpr import Env, is_var
+from jaxrev._env import Env
+from jaxrev._graph import is_var
 from jaxrev.transforms.registry import choice_rules
 
 __all__ = ["nonnegative"]
@@ -70,7 +71,7 @@ def nonnegative(v: Any, env: Env, depth: int = 0) -> bool:
 
     Example:
         >>> import jax, jax.numpy as jnp
-        >>> from jaxrev._jaxpr import Env, Statics
+        >>> from jaxrev._env import Env, Statics
         >>> j = jax.make_jaxpr(lambda z: jnp.exp(z) * 2.0)(1.0).jaxpr
         >>> nonnegative(j.outvars[0], Env(info=Statics(j)))
         True

@@ -35,8 +35,10 @@ import numpy as np
 from jax import lax
 
 from jaxrev._compat import JaxprEqn, Literal, Var, has_user_frame, is_concrete, prims
+from jaxrev._env import Env
 from jaxrev._errors import ReversibilityError, at_eqn, not_invertible
-from jaxrev._jaxpr import Env, evaluate, is_var, real_outvars, size_of
+from jaxrev._evaluate import evaluate
+from jaxrev._graph import is_var, real_outvars, size_of
 from jaxrev.transforms.custom import custom_inverse
 from jaxrev.transforms.knowledge import records
 from jaxrev.transforms.knowledge.checks import NEWTON_STARTS, raise_where

@@ -33,8 +33,10 @@ import numpy as np
 from jax import lax
 
 from jaxrev._compat import JaxprEqn, Var, is_concrete, prims, staged_constants
+from jaxrev._env import Env
 from jaxrev._errors import not_invertible
-from jaxrev._jaxpr import Env, apply, evaluate, real_outvars, size_of
+from jaxrev._evaluate import apply, evaluate
+from jaxrev._graph import real_outvars, size_of
 from jaxrev.transforms.knowledge import records
 from jaxrev.transforms.registry import BILINEAR, LINEAR, Unsupported, elementwise_in, is_kind
 

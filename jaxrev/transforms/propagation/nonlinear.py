@@ -40,8 +40,9 @@ from jax import lax
 
 from jaxrev._cache import memo
 from jaxrev._compat import JaxprEqn, Var, has_user_frame, prims, scan_info
+from jaxrev._env import Env
 from jaxrev._errors import ReversibilityError, SingularJacobianError, at_eqn, not_invertible
-from jaxrev._jaxpr import Env, real_outvars, size_of
+from jaxrev._graph import real_outvars, size_of
 from jaxrev.transforms.knowledge import records
 from jaxrev.transforms.knowledge.checks import NEWTON_STARTS, raise_where
 from jaxrev.transforms.propagation.lumps import Lump, affine_eqn, singular_on_stand_ins, stand_ins

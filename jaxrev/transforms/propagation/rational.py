@@ -20,7 +20,8 @@ from typing import Any
 import jax.numpy as jnp
 
 from jaxrev._compat import Literal, prims
-from jaxrev._jaxpr import apply, is_var, real_outvars
+from jaxrev._evaluate import apply
+from jaxrev._graph import is_var, real_outvars
 
 __all__ = ["quadratic_roots"]
 

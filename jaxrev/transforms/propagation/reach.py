@@ -22,7 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrev._compat import JaxprEqn, prims
-from jaxrev._jaxpr import Env, is_var
+from jaxrev._env import Env
+from jaxrev._graph import is_var
 
 __all__ = ["constraints", "reachable", "decided_on", "int_range"]
 

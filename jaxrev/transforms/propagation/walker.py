@@ -29,8 +29,11 @@ from typing import Any
 import jax
 
 from jaxrev._compat import ClosedJaxpr, Jaxpr, JaxprEqn, Var
+from jaxrev._env import Env, Statics, is_unknown
 from jaxrev._errors import WAYS_OUT, NotInvertibleError, not_invertible
-from jaxrev._jaxpr import Env, Statics, evaluate, is_unknown, prepare, real_outvars, used_vars
+from jaxrev._evaluate import evaluate
+from jaxrev._graph import real_outvars, used_vars
+from jaxrev._prepare import prepare
 from jaxrev.transforms.knowledge import elements, records
 from jaxrev.transforms.knowledge import regions as R
 from jaxrev.transforms.knowledge.context import WalkContext

@@ -21,8 +21,9 @@ import numpy as np
 from jax import lax
 
 from jaxrev._compat import JaxprEqn, ShapedArray, as_closed, is_concrete, literal, prims
+from jaxrev._env import Env, is_unknown
 from jaxrev._errors import ReversibilityError, at_eqn, not_invertible
-from jaxrev._jaxpr import Env, apply, eval_closed, is_unknown
+from jaxrev._evaluate import apply, eval_closed
 from jaxrev.transforms.custom import custom_inverse
 from jaxrev.transforms.knowledge import regions as R
 from jaxrev.transforms.knowledge.checks import raise_where

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxrev._batching import instantiate_tangents, move_batch, switch_batched, vmap_closed
 from jaxrev._compat import (
     ClosedJaxpr,
     JaxprEqn,
@@ -30,18 +31,10 @@ from jaxrev._compat import (
     prims,
     trace_to_closed,
 )
-from jaxrev._jaxpr import (
-    Env,
-    eval_closed,
-    instantiate_tangents,
-    is_unknown,
-    is_var,
-    move_batch,
-    needed_vars,
-    prepare,
-    switch_batched,
-    vmap_closed,
-)
+from jaxrev._env import Env, is_unknown
+from jaxrev._evaluate import eval_closed
+from jaxrev._graph import is_var, needed_vars
+from jaxrev._prepare import prepare
 from jaxrev._primitive import make_primitive
 from jaxrev._program import avals_of
 from jaxrev.transforms.propagation.walker import RuleContext, invert_jaxpr, static_hints

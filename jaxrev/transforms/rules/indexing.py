@@ -26,8 +26,10 @@ import numpy as np
 from jax import lax
 
 from jaxrev._compat import JaxprEqn, Literal, is_key, prims, user_source
+from jaxrev._env import Env, is_unknown
 from jaxrev._errors import NotInvertibleError
-from jaxrev._jaxpr import Env, apply, is_unknown, is_var
+from jaxrev._evaluate import apply
+from jaxrev._graph import is_var
 from jaxrev.transforms.knowledge import regions as R
 from jaxrev.transforms.knowledge.checks import raise_where
 from jaxrev.transforms.knowledge.elements import (

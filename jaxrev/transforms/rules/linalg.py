@@ -14,7 +14,8 @@ import numpy as np
 from jax import lax
 
 from jaxrev._compat import JaxprEqn, is_concrete, prims
-from jaxrev._jaxpr import Env, apply, is_unknown
+from jaxrev._env import Env, is_unknown
+from jaxrev._evaluate import apply
 from jaxrev.transforms.knowledge import regions as R
 from jaxrev.transforms.knowledge.elements import learn, region_of, static_of, value_of
 from jaxrev.transforms.registry import (

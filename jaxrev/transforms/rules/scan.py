@@ -20,18 +20,10 @@ import numpy as np
 from jax import lax
 
 from jaxrev._compat import JaxprEqn, Literal, ScanParams, Var, is_concrete, prims, scan_info
+from jaxrev._env import Env, Statics, Unknown, is_unknown
 from jaxrev._errors import NotInvertibleError
-from jaxrev._jaxpr import (
-    Env,
-    Statics,
-    Unknown,
-    evaluate,
-    forward_known,
-    is_unknown,
-    is_var,
-    needed_vars,
-    size_of,
-)
+from jaxrev._evaluate import evaluate
+from jaxrev._graph import forward_known, is_var, needed_vars, size_of
 from jaxrev.transforms.flows.logdet import LogdetContext, evaluate_plan
 from jaxrev.transforms.propagation.walker import (
     Hints,

@@ -20,23 +20,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxrev._batching import instantiate_tangents, move_batch, select_batched, vmap_closed, where
 from jaxrev._compat import JaxprEqn, prims, trace_to_closed
+from jaxrev._env import Env, Unknown, is_unknown
 from jaxrev._errors import not_invertible
-from jaxrev._jaxpr import (
-    Env,
-    Unknown,
-    eval_closed,
-    instantiate_tangents,
-    is_unknown,
-    is_var,
-    move_batch,
-    needed_vars,
-    restrict,
-    select_batched,
-    size_of,
-    vmap_closed,
-    where,
-)
+from jaxrev._evaluate import eval_closed
+from jaxrev._graph import is_var, needed_vars, restrict, size_of
 from jaxrev._primitive import make_primitive
 from jaxrev._program import avals_of
 from jaxrev.transforms.knowledge.checks import raise_where

@@ -33,8 +33,10 @@ from jaxrev._compat import (
 from jaxrev._compat import (
     sds as _sds,
 )
+from jaxrev._env import Env, fit_to_aval
 from jaxrev._errors import not_invertible
-from jaxrev._jaxpr import Env, fit_to_aval, is_var, prepare
+from jaxrev._graph import is_var
+from jaxrev._prepare import prepare
 from jaxrev.transforms.custom import recompute_p, store_p
 from jaxrev.transforms.knowledge.context import WalkContext
 from jaxrev.transforms.propagation.walker import Hints, Stuck, Window, blame, propagate, statics_for

@@ -21,7 +21,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxrev._jaxpr import mentions, where
+from jaxrev._batching import where
+from jaxrev._graph import mentions
 from jaxrev.transforms.knowledge.context import Settings
 from jaxrev.transforms.sweep.drift import budget_dtype, ratio, site, values_tol
 from jaxrev.transforms.sweep.segments import body_redo

@@ -27,9 +27,9 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrev._batching import where
 from jaxrev._compat import is_concrete, user_source
 from jaxrev._errors import DriftError
-from jaxrev._jaxpr import where
 from jaxrev.transforms.knowledge.checks import check_at_run_time
 
 __all__ = [

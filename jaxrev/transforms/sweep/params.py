@@ -28,7 +28,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxrev._compat import JaxprEqn, Literal, is_key, is_symbolic_zero
-from jaxrev._jaxpr import Env, evaluate, is_var
+from jaxrev._env import Env
+from jaxrev._evaluate import evaluate
+from jaxrev._graph import is_var
 from jaxrev._primitive import make_primitive
 from jaxrev.transforms.registry import define
 

@@ -23,8 +23,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxrev._batching import select_batched, where
 from jaxrev._compat import match_vma, sds, trace_to_closed, vary_to, vma_union, zeros_of
-from jaxrev._jaxpr import eval_closed, select_batched, where
+from jaxrev._evaluate import eval_closed
 from jaxrev._program import avals_of
 from jaxrev.transforms.sweep.drift import budget_dtype, combine, finite
 

@@ -1,0 +1,274 @@
+"""The value environment of a walk: the `Unknown` marker, what is known of a jaxpr's values when
+it is traced (`Statics`), and `Env`, the values (and the values known on some elements) of one
+walk."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrev._compat import (
+    DropVar,
+    Jaxpr,
+    JaxprEqn,
+    Literal,
+    Var,
+    bind_eqn,
+    is_concrete,
+    is_key,
+    zeros_of,
+)
+from jaxrev._graph import is_var
+
+
+class Unknown:
+    """Stands for an input an inverse rule must recover; carries the input's abstract value."""
+
+    __slots__ = ("aval",)
+
+    def __init__(self, aval: Any) -> None:
+        self.aval = aval
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.aval.shape
+
+    @property
+    def dtype(self) -> Any:
+        return self.aval.dtype
+
+    def __repr__(self) -> str:
+        return f"Unknown({self.aval.str_short()})"
+
+
+def is_unknown(x: Any) -> bool:
+    return isinstance(x, Unknown)
+
+
+class Statics:
+    """What is known of a jaxpr's values when it is traced, shared by an `Env` and its copies.
+
+    `static(v)`: the value of `v` as a numpy array where it follows from literals and concrete
+    consts alone (a mask, an index, a permutation), the same under `jit` and eagerly.
+    `enum(v)`: in the body of a loop whose iterations the loop rule enumerated, `v`'s value at
+    every iteration (a leading axis of `length`), where it follows from the loop counter and
+    static values. Both are derived on demand and memoized; None where not known at trace time.
+    """
+
+    MAX_SIZE = 1 << 20
+    """Largest array (elements, times iterations for `enum`) derived at trace time."""
+
+    def __init__(
+        self,
+        jaxpr: Jaxpr | None = None,
+        consts: Sequence[Any] = (),
+        static_in: dict | None = None,
+        enum_in: dict | None = None,
+        length: int | None = None,
+    ) -> None:
+        self.producer: dict[Var, JaxprEqn] = {}
+        if jaxpr is not None:
+            for e in jaxpr.eqns:
+                for o in e.outvars:
+                    if is_var(o):
+                        self.producer[o] = e
+        self._consts = (
+            {v: c for v, c in zip(jaxpr.constvars, consts) if is_concrete(c)}
+            if jaxpr is not None
+            else {}
+        )
+        self._static: dict[Var, Any] = dict(static_in or {})
+        self._enum: dict[Var, Any] = dict(enum_in or {})
+        self.length = length
+
+    def static(self, v: Any) -> np.ndarray | None:
+        return _numeric(self._static_value(v))
+
+    def enum(self, v: Any) -> np.ndarray | None:
+        return _numeric(self._enum_value(v))
+
+    def _static_value(self, v: Any) -> Any:
+        if isinstance(v, Literal):
+            return _host(v.val)
+        if not is_var(v):
+            return None
+        if v in self._static:
+            return self._static[v]
+        if v in self._consts:
+            c = self._consts[v]
+            val = _host(c) if np.size(c) <= self.MAX_SIZE else None
+            self._static[v] = val
+            return val
+        e = self.producer.get(v)
+        if e is None or getattr(e, "effects", None):
+            self._static[v] = None
+            return None
+        # depth first over the producers, without recursion (chains of constants can be long)
+        stack = [e]
+        while stack:
+            e = stack[-1]
+            missing = [
+                u
+                for u in e.invars
+                if is_var(u)
+                and u not in self._static
+                and u not in self._consts
+                and u in self.producer
+            ]
+            if missing:
+                stack.append(self.producer[missing[0]])
+                continue
+            stack.pop()
+            ins = [self._static_value(u) for u in e.invars]
+            outs = None
+            if (
+                all(x is not None for x in ins)
+                and not getattr(e, "effects", None)
+                and all(
+                    np.prod(o.aval.shape, dtype=np.int64) <= self.MAX_SIZE
+                    for o in e.outvars
+                    if is_var(o)
+                )
+            ):
+                with jax.ensure_compile_time_eval():
+                    outs = [_host(o) for o in bind_eqn(e, ins)]
+            for o, val in zip(e.outvars, outs or [None] * len(e.outvars)):
+                if is_var(o):
+                    self._static[o] = val
+        return self._static.get(v)
+
+    def _enum_value(self, v: Any) -> Any:
+        if self.length is None or not is_var(v):
+            return None
+        if v in self._enum:
+            return self._enum[v]
+        self._enum[v] = None  # a cycle cannot happen in a jaxpr; this guards re-entry
+        e = self.producer.get(v)
+        if e is None or getattr(e, "effects", None):
+            return None
+        T = self.length
+        if any(
+            T * np.prod(o.aval.shape, dtype=np.int64) > self.MAX_SIZE
+            for o in e.outvars
+            if is_var(o)
+        ):
+            return None
+        args, axes = [], []
+        for u in e.invars:
+            s = self._static_value(u)
+            if s is not None:
+                args.append(s)
+                axes.append(None)
+                continue
+            en = self._enum_value(u)
+            if en is None:
+                return None
+            args.append(en)
+            axes.append(0)
+        if all(a is None for a in axes):
+            return None
+        with jax.ensure_compile_time_eval():
+            outs = jax.vmap(lambda *a: bind_eqn(e, a), in_axes=tuple(axes))(*args)
+        for o, val in zip(e.outvars, outs):
+            if is_var(o):
+                self._enum[o] = _host(val)
+        return self._enum[v]
+
+
+# A PRNG key made from a literal seed is known at trace time, and so is a mask or noise drawn
+# from it. numpy cannot hold the key: it stays a JAX array, which `static` and `enum` never
+# hand out (no rule reads a key as a mask or an index)
+def _host(x: Any) -> Any:
+    return x if is_key(x) else np.asarray(x)
+
+
+def _numeric(x: Any) -> Any:
+    return None if is_key(x) else x
+
+
+class Env:
+    """Values of a jaxpr's variables; a variable absent from it is not known yet. Values are
+    fitted to their variable's aval on write, unless `fit` is off (a probe that evaluates
+    elementwise equations on a few sample elements).
+
+    `part` holds the variables known on some of their elements only (`elements.Part`), and
+    `losses` why an equation's element rules could not give back some elements (a `Lossy`);
+    `info` the trace-time knowledge of the jaxpr (`Statics`), shared by copies; `ctx` the walk
+    context of the walk that fills it (`transforms/knowledge/context.py`: its settings, record,
+    drift log), kept by copies (None for an env only evaluated forward)."""
+
+    def __init__(self, fit: bool = True, info: Statics | None = None, ctx: Any = None) -> None:
+        self.vals: dict[Var, Any] = {}
+        self.part: dict[Var, Any] = {}
+        self.losses: dict[Any, Any] = {}  # equation -> why some elements of its inputs are lost
+        self.masks: dict[Any, Any] = {}  # regions made into arrays, shared by copies
+        self.fit = fit
+        self.info = info if info is not None else Statics()
+        self.ctx = ctx
+
+    def known(self, v: Any) -> bool:
+        if isinstance(v, Literal) or v in self.vals:
+            return True
+        if (
+            isinstance(v, Var) and not isinstance(v, DropVar) and 0 in getattr(v.aval, "shape", ())
+        ):  # an empty array holds nothing to recover
+            self.vals[v] = zeros_of(v.aval)
+            return True
+        return False
+
+    def read(self, v: Any) -> Any:
+        if isinstance(v, Literal):
+            return v.val
+        return self.vals[v]
+
+    def read_or_unknown(self, v: Any) -> Any:
+        return self.read(v) if self.known(v) else Unknown(v.aval)
+
+    def write(self, v: Any, val: Any) -> None:
+        if isinstance(v, (Literal, DropVar)) or v in self.vals:
+            return
+        self.vals[v] = fit_to_aval(val, v.aval) if self.fit else val
+        self.part.pop(v, None)
+
+    def state(self, v: Any) -> Any:
+        """How much of `v` is known: True (all), a partial record, or None (nothing)."""
+        if self.known(v):
+            return True
+        return self.part.get(v) if is_var(v) else None
+
+    def copy(self) -> Env:
+        e = Env(self.fit, self.info, self.ctx)
+        e.vals = dict(self.vals)
+        e.part = dict(self.part)
+        e.losses = dict(self.losses)
+        e.masks = self.masks
+        return e
+
+
+def fit_to_aval(val: Any, aval: Any) -> Any:
+    """Cast a recovered value to the variable's dtype and, where a rule recovered a value of a
+    broadcast operand on the broadcast shape, pick the operand back out (a left inverse)."""
+    shape = tuple(aval.shape)
+    vshape = tuple(np.shape(val))
+    if vshape != shape:
+        if len(vshape) < len(shape) or not _broadcastable(shape, vshape):
+            raise ValueError(f"jaxrev internal error: value of shape {vshape} for {aval}")
+        lead = len(vshape) - len(shape)
+        idx = tuple(
+            [0] * lead
+            + [slice(None) if s == vs else slice(0, 1) for s, vs in zip(shape, vshape[lead:])]
+        )
+        val = jnp.reshape(val[idx], shape)
+    if jnp.result_type(val) != aval.dtype:
+        val = jax.lax.convert_element_type(val, aval.dtype)
+    return val
+
+
+def _broadcastable(small: Sequence[int], big: Sequence[int]) -> bool:
+    small = tuple(small)[::-1]
+    big = tuple(big)[::-1]
+    return all(s == b or s == 1 for s, b in zip(small, big))

@@ -1,0 +1,92 @@
+"""What a jaxpr's structure says: which variables hold values, which are used or needed, which
+equations read a variable, what is known forward, and whether a primitive occurs at any depth."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from jaxrev._compat import (
+    ClosedJaxpr,
+    DropVar,
+    Jaxpr,
+    JaxprEqn,
+    Literal,
+    Var,
+)
+
+
+def is_var(v: Any) -> bool:
+    """A variable that holds a value (not a literal, not a dropped output)."""
+    return isinstance(v, Var) and not isinstance(v, DropVar)
+
+
+def real_outvars(eqn: JaxprEqn) -> list[Var]:
+    return [v for v in eqn.outvars if not isinstance(v, DropVar)]
+
+
+def used_vars(jaxpr: Jaxpr) -> set[Var]:
+    """Variables that some equation or the output reads (liveness at the level of a jaxpr)."""
+    used: set[Var] = set()
+    for eqn in jaxpr.eqns:
+        used.update(v for v in eqn.invars if isinstance(v, Var))
+    used.update(v for v in jaxpr.outvars if isinstance(v, Var))
+    return used
+
+
+def needed_vars(jaxpr: Jaxpr, outs: Sequence[Any]) -> set[Var]:
+    """The variables that `outs` are computed from (and `outs` themselves)."""
+    need = {v for v in outs if isinstance(v, Var)}
+    for eqn in reversed(jaxpr.eqns):
+        if any(o in need for o in eqn.outvars):
+            need.update(v for v in eqn.invars if isinstance(v, Var))
+    return need
+
+
+def restrict(closed: ClosedJaxpr, outs: Sequence[int]) -> ClosedJaxpr:
+    """`closed` computing only its outputs `outs` (same inputs): the equations they need."""
+    j = closed.jaxpr
+    keep = [j.outvars[k] for k in outs]
+    need = needed_vars(j, keep)
+    eqns = [e for e in j.eqns if any(o in need for o in e.outvars)]
+    return ClosedJaxpr(j.replace(eqns=eqns, outvars=keep), closed.consts)
+
+
+def consumers(jaxpr: Jaxpr) -> dict[Var, list[int]]:
+    out: dict[Var, list[int]] = {}
+    for i, eqn in enumerate(jaxpr.eqns):
+        for v in eqn.invars:
+            if isinstance(v, Var):
+                out.setdefault(v, []).append(i)
+    return out
+
+
+def forward_known(jaxpr: Jaxpr, known_in: Sequence[bool]) -> list[bool]:
+    """Which outputs are computable from the inputs marked known, by forward evaluation only."""
+    known = {v for v, k in zip(jaxpr.invars, known_in) if k}
+    known.update(jaxpr.constvars)
+    for eqn in jaxpr.eqns:
+        if all(isinstance(v, Literal) or v in known for v in eqn.invars):
+            known.update(eqn.outvars)
+    return [isinstance(v, Literal) or v in known for v in jaxpr.outvars]
+
+
+def size_of(avals: Iterable[Any]) -> int:
+    return int(sum(int(np.prod(a.shape, dtype=np.int64)) for a in avals))
+
+
+def mentions(jaxpr: Jaxpr, match: Callable[[Any], bool]) -> bool:
+    """Whether a primitive for which `match` holds occurs in `jaxpr` or any of its
+    sub-jaxprs."""
+    for e in jaxpr.eqns:
+        if match(e.primitive):
+            return True
+        for p in e.params.values():
+            for b in p if isinstance(p, (tuple, list)) else (p,):
+                if isinstance(b, (ClosedJaxpr, Jaxpr)) and mentions(
+                    b.jaxpr if isinstance(b, ClosedJaxpr) else b, match
+                ):
+                    return True
+    return False
