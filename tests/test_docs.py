@@ -1,4 +1,4 @@
-"""Every ```python block of the docs pages listed here runs as written."""
+"""Every ```python block of the README and of the docs pages listed here runs as written."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ PAGES = sorted(
     os.path.join("docs", "rules", f)
     for f in os.listdir(os.path.join(ROOT, "docs", "rules"))
     if f.endswith(".md")
-) + [os.path.join("docs", "optim.md"), os.path.join("docs", "primitives.md")]
+) + [os.path.join("docs", "optim.md"), os.path.join("docs", "primitives.md"), "README.md"]
 
 
 def _blocks(page):
