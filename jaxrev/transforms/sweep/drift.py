@@ -22,7 +22,7 @@ import math
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
@@ -48,6 +48,7 @@ __all__ = [
     "describe_loops",
     "finite",
     "budget_dtype",
+    "Budget",
 ]
 
 
@@ -70,6 +71,14 @@ def budget_dtype() -> Any:
     """The dtype of a segmented backward run's gradient budget (`dial.grad_ratio`): float64
     under x64, as the budget spans many magnitudes."""
     return jnp.result_type(float)
+
+
+class Budget(NamedTuple):
+    """A segmented backward run's gradient budget (`grad_ratio`), carried through its loops
+    (a pytree): what rounding and what the kept segments' drift move the gradient by."""
+
+    rounding: Any  # B: the forward run's own rounding, summed over the iterations swept
+    drift: Any  # E: the drift of the segments kept (not repaired), summed
 
 
 def finite(values: Sequence[Any]) -> Any:
