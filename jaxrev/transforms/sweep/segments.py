@@ -48,8 +48,8 @@ PROBE_EVERY = 4
 thrown away), and inversion is tried again every PROBE_EVERY segments."""
 
 
-def _tmap(f: Any, *t: Any) -> Any:
-    return jax.tree_util.tree_map(f, *t)
+def _tmap(f: Any, *trees: Any) -> Any:
+    return jax.tree_util.tree_map(f, *trees)
 
 
 class Slices:
@@ -65,23 +65,28 @@ class Slices:
         return Slices(self.xs, self.length, self.rev, start)
 
     def pos(self, t: Any) -> Any:
+        """The row of iteration t."""
         t = self.start + t
         return self.length - 1 - t if self.rev else t
 
     def read(self, t: Any) -> Any:
-        p = self.pos(t)
-        return _tmap(lambda a: lax.dynamic_index_in_dim(a, p, keepdims=False), self.xs)
+        """Iteration t's row of the per-iteration arrays."""
+        row = self.pos(t)
+        return _tmap(lambda a: lax.dynamic_index_in_dim(a, row, keepdims=False), self.xs)
 
     def read_from(self, bufs: Any, t: Any) -> Any:
         """Iteration t's row of output buffers."""
-        p = self.pos(t)
-        return _tmap(lambda b: lax.dynamic_index_in_dim(b, p, keepdims=False), bufs)
+        row = self.pos(t)
+        return _tmap(lambda buf: lax.dynamic_index_in_dim(buf, row, keepdims=False), bufs)
 
     def write(self, bufs: Any, t: Any, outs: Any) -> Any:
-        p = self.pos(t)
-        return _tmap(
-            lambda b, o: lax.dynamic_update_index_in_dim(b, o.astype(b.dtype), p, 0), bufs, outs
-        )
+        """`bufs` with iteration t's row set to `outs`."""
+        row = self.pos(t)
+
+        def put(buf, out):
+            return lax.dynamic_update_index_in_dim(buf, out.astype(buf.dtype), row, 0)
+
+        return _tmap(put, bufs, outs)
 
 
 class StepInputs(NamedTuple):
@@ -119,12 +124,12 @@ class _Traced:
         avals = self.closed.out_avals[len(self.closed.out_avals) - tree.num_leaves :]
         return jax.tree_util.tree_unflatten(tree, [zeros_of(a) for a in avals])
 
-    def out_buffers(self, length: int, U: frozenset = frozenset()) -> Any:
+    def out_buffers(self, length: int, axes: frozenset = frozenset()) -> Any:
         """Zeros for `length` iterations of its second output, typed (vma) as it is and at
-        least over U."""
+        least over the mesh axes `axes`."""
         tree = self.out_tree.children()[1]
         avals = self.closed.out_avals[len(self.closed.out_avals) - tree.num_leaves :]
-        bufs = [vary_to(zeros_of(sds(a, (length, *a.shape))), U) for a in avals]
+        bufs = [vary_to(zeros_of(sds(a, (length, *a.shape))), axes) for a in avals]
         return jax.tree_util.tree_unflatten(tree, bufs)
 
 
