@@ -361,14 +361,14 @@ def _rebuild(plan: Plan, i: int, hi: int, env: Env, goals: list, res: Residuals)
 _MAX_STORE_CANDIDATES = 16
 
 
-def _choose_store(eqns: Sequence[JaxprEqn], env: Env, missing: list, po: ParamOnly) -> list:
+def _choose_store(eqns: Sequence[JaxprEqn], env: Env, missing: list, params: ParamOnly) -> list:
     """What to store so that `missing` can be rebuilt, in the fewest bytes: a single value from
     which the rest follows (a loop body's overwritten carry, say), else the cheaper of the
     missing values themselves and the unknown inputs they are computed from."""
     roots, ancestors = _unknown_ancestry(eqns, env, missing)
     # values marked with jr.recompute are never candidates: their sources are stored instead;
     # nor are parameter-only values, which are recomputed
-    no_store = set(po.made.keys())
+    no_store = set(params.made.keys())
     for eqn in eqns:
         if eqn.primitive is recompute_p:
             no_store.update([*eqn.invars, *eqn.outvars])

@@ -192,27 +192,28 @@ def grad_ratio(ends: SegmentEnds, budget: Budget, accumulate: bool = True) -> tu
     Returns ((E + share) / (GRAD_SLACK·B), Budget(B, E + share)): a ratio above 1, or not
     finite, is a miss (a repaired segment keeps the old E)."""
     rounding, drift = budget
-    dt = budget_dtype()
+    dtype = budget_dtype()
     n = ends.length
     if accumulate:
         at_start = weight(ends.rebuilt_ct, ends.stored)
         at_end = weight(ends.end_ct, ends.end)
         at_start = where(jnp.isfinite(at_start), at_start, at_end)
         rounding = rounding + 0.5 * n * (at_start + at_end)
-    share = jnp.zeros((), dt)
+    share = jnp.zeros((), dtype)
     for ct, rebuilt, stored in zip(ends.rebuilt_ct, ends.rebuilt, ends.stored):
         if ct is None or not jnp.issubdtype(jnp.result_type(stored), jnp.inexact):
             continue
         rebuilt = jnp.asarray(rebuilt, jnp.result_type(stored))
         # an infinity the program holds, rebuilt as that infinity, does not drift
         same = (rebuilt == stored) | (jnp.isnan(rebuilt) & jnp.isnan(stored))
-        miss = jnp.max(where(same, 0.0, jnp.abs(rebuilt - stored)), initial=0).astype(dt)
+        miss = jnp.max(where(same, 0.0, jnp.abs(rebuilt - stored)), initial=0).astype(dtype)
         miss = where(jnp.isnan(miss), jnp.inf, miss)
-        share = share + where(miss > 0, jnp.sum(jnp.abs(ct)).astype(dt) * miss, 0.0)
+        share = share + where(miss > 0, jnp.sum(jnp.abs(ct)).astype(dtype) * miss, 0.0)
     share = share * max(n, 2) / 2
-    r = (drift + share) / (GRAD_SLACK * where(rounding > 0, rounding, jnp.finfo(dt).tiny))
-    r = where(jnp.isnan(r), jnp.inf, r).astype(jnp.float32)
-    return r, Budget(rounding, drift + share)
+    scale = GRAD_SLACK * where(rounding > 0, rounding, jnp.finfo(dtype).tiny)
+    drift_ratio = (drift + share) / scale
+    drift_ratio = where(jnp.isnan(drift_ratio), jnp.inf, drift_ratio).astype(jnp.float32)
+    return drift_ratio, Budget(rounding, drift + share)
 
 
 def segment_checks(
@@ -262,7 +263,7 @@ def segment_checks(
         if fixed or not rebuilt_ct or all(ct is None for ct in rebuilt_ct):
             return SegmentCheck(ratio(dial, rebuilt, stored), site_index, budget)
         ends = SegmentEnds(rebuilt, stored, rebuilt_ct, end, end_ct, length)
-        r, budget = grad_ratio(ends, budget, accumulate)
-        return SegmentCheck(r, site_index, budget)
+        drift_ratio, budget = grad_ratio(ends, budget, accumulate)
+        return SegmentCheck(drift_ratio, site_index, budget)
 
     return check, redo
