@@ -48,28 +48,28 @@ class MemoryReport:
 
     @property
     def total_bytes(self) -> int:
-        return int(sum(e["bytes"] * e["count"] for e in self.entries))
+        return int(sum(entry["bytes"] * entry["count"] for entry in self.entries))
 
     def __str__(self) -> str:
         if not self.entries:
             return f"reversible({self.name}) stores nothing beyond its inputs and outputs."
         lines = [f"reversible({self.name}) stores {self.total_bytes} bytes:"]
-        for e in self.entries:
-            unit = "checkpoint" if e["what"].startswith("checkpoint") else "iteration"
+        for entry in self.entries:
+            unit = "checkpoint" if entry["what"].startswith("checkpoint") else "iteration"
             per = (
-                f"{e['bytes']} B per {unit} x {e['count']}"
-                if e["count"] != 1
-                else f"{e['bytes']} B per call"
+                f"{entry['bytes']} B per {unit} x {entry['count']}"
+                if entry["count"] != 1
+                else f"{entry['bytes']} B per call"
             )
-            made = e.get("made") or ""
+            made = entry.get("made") or ""
             made = (
                 f"; {made}"
                 if made.startswith("an input")
                 else (f"; computed by {made}" if made else "")
             )
             lines.append(
-                f"  {e['what']} {e['dtype']}{list(e['shape'])}: {per}  "
-                f"(needed by {e['where']}{made})"
+                f"  {entry['what']} {entry['dtype']}{list(entry['shape'])}: {per}  "
+                f"(needed by {entry['where']}{made})"
             )
         return "\n".join(lines)
 
@@ -83,12 +83,17 @@ def _describe(eqn: JaxprEqn | None) -> str:
     return f"`{eqn.primitive.name}` at {summary}"
 
 
-def _report_entries(P: Plan, count: int, out: list[dict]) -> None:
-    producer = {o: e for e in P.closed.jaxpr.eqns for o in e.outvars if is_var(o)}
-    for v in P.store:
+def _report_entries(plan: Plan, count: int, out: list[dict]) -> None:
+    """Append to `out` what `plan` stores, each `count` times (the loops around it), then its
+    loops' residuals and checkpoints."""
+    eqns = plan.closed.jaxpr.eqns
+    producer = {}  # variable -> the equation that computes it
+    for eqn in eqns:
+        producer.update((o, eqn) for o in eqn.outvars if is_var(o))
+    for v in plan.store:
         nbytes = int(np.prod(v.aval.shape, dtype=np.int64)) * v.aval.dtype.itemsize
-        why = P.why.get(v)
-        what = P.labels.get(v) or (
+        why = plan.why.get(v)
+        what = plan.labels.get(v) or (
             "branch index of a cond"
             if why is not None and why.primitive is prims.cond
             else "value a lossy step cannot rebuild"
@@ -100,7 +105,7 @@ def _report_entries(P: Plan, count: int, out: list[dict]) -> None:
                 dtype=str(v.aval.dtype),
                 bytes=nbytes,
                 count=count,
-                where=_describe(P.why.get(v)),
+                where=_describe(why),
                 made=(
                     _describe(producer[v])
                     if v in producer
@@ -108,15 +113,14 @@ def _report_entries(P: Plan, count: int, out: list[dict]) -> None:
                 ),
             )
         )
-    eqns = P.closed.jaxpr.eqns
-    for i in sorted(P.loops):
-        lp = P.loops[i]
-        if lp.kind == "while":
-            size = int(np.prod(lp.count_shape, dtype=np.int64))
+    for i in sorted(plan.loops):
+        loop_plan = plan.loops[i]
+        if loop_plan.kind == "while":
+            size = int(np.prod(loop_plan.count_shape, dtype=np.int64))
             out.append(
                 dict(
                     what="trip count of a while loop",
-                    shape=lp.count_shape,
+                    shape=loop_plan.count_shape,
                     dtype="int32",
                     bytes=4 * size,
                     count=count,
@@ -124,21 +128,21 @@ def _report_entries(P: Plan, count: int, out: list[dict]) -> None:
                     made=_describe(eqns[i]),
                 )
             )
-            if lp.max_steps is not None:
-                _report_entries(lp.body, count * lp.max_steps, out)
-        elif lp.kind == "cond":
-            for bp in lp.branches:
-                _report_entries(bp, count, out)
+            if loop_plan.max_steps is not None:
+                _report_entries(loop_plan.body, count * loop_plan.max_steps, out)
+        elif loop_plan.kind == "cond":
+            for branch in loop_plan.branches:
+                _report_entries(branch, count, out)
         else:
-            _report_entries(lp.body, count * lp.length, out)
-        for a in lp.carry:  # the dial's checkpoints
+            _report_entries(loop_plan.body, count * loop_plan.length, out)
+        for aval in loop_plan.carry:  # the dial's checkpoints
             out.append(
                 dict(
-                    what=f"checkpoint of the loop carry (every {lp.every} iterations)",
-                    shape=tuple(a.shape),
-                    dtype=str(a.dtype),
-                    bytes=int(np.prod(a.shape, dtype=np.int64)) * a.dtype.itemsize,
-                    count=count * n_checkpoints(lp),
+                    what=f"checkpoint of the loop carry (every {loop_plan.every} iterations)",
+                    shape=tuple(aval.shape),
+                    dtype=str(aval.dtype),
+                    bytes=int(np.prod(aval.shape, dtype=np.int64)) * aval.dtype.itemsize,
+                    count=count * n_checkpoints(loop_plan),
                     where=_describe(eqns[i]),
                     made=_describe(eqns[i]),
                 )
@@ -166,10 +170,10 @@ def memory_report(
         >>> [(e["count"], e["where"].split()[0]) for e in rep.entries]  # how often, what step
         [(10, '`max`')]
     """
-    b = bind_reversible(fun, args, argnums)
-    P = top_plan(
-        b.jaxpr,
-        b.state,
+    bound = bind_reversible(fun, args, argnums)
+    plan = top_plan(
+        bound.jaxpr,
+        bound.state,
         Dial(
             checkpoint_every,
             memory_budget,
@@ -180,7 +184,7 @@ def memory_report(
         ),
     )
     entries: list[dict] = []
-    _report_entries(P, 1, entries)
+    _report_entries(plan, 1, entries)
     return MemoryReport(entries, getattr(fun, "__name__", "fun"))
 
 
@@ -215,18 +219,18 @@ class ReversibilityReport:
             lines.append(f"error grows most at: {self.worst}")
         for err, where in self.steps[:5]:
             lines.append(f"  {err:.2e} added by {where}")
-        for what, d in self.segments:
-            lines.append(f"  drift {d:.2e}: {what}")
+        for what, drift in self.segments:
+            lines.append(f"  drift {drift:.2e}: {what}")
         return "\n".join(lines)
 
 
 _WHO = Settings("jaxrev.check_reversible")
 
 
-def _rel_err(a: Any, b: Any, atol: float = 0.0) -> float:
-    if is_key(b):  # a PRNG key has no arithmetic: its bits are rebuilt exactly, or not
-        a, b = jax.random.key_data(a), jax.random.key_data(b)
-    return float(leaf_drift(a, b, atol))
+def _rel_err(rebuilt: Any, true: Any, atol: float = 0.0) -> float:
+    if is_key(true):  # a PRNG key has no arithmetic: its bits are rebuilt exactly, or not
+        rebuilt, true = jax.random.key_data(rebuilt), jax.random.key_data(true)
+    return float(leaf_drift(rebuilt, true, atol))
 
 
 def check_reversible(
@@ -256,7 +260,7 @@ def check_reversible(
     x_true = args[nums[0]] if len(nums) == 1 else tuple(args[a] for a in nums)
     name = getattr(fun, "__name__", "fun")
     if checkpoint_every is not None or max_steps is not None:
-        rep = _by_reversible(
+        report = _by_reversible(
             fun,
             args,
             nums,
@@ -266,23 +270,24 @@ def check_reversible(
         )
     else:
         try:
-            rep = _by_reverse(fun, args, nums, x_true, atol)
+            report = _by_reverse(fun, args, nums, x_true, atol)
         except NotInvertibleError as err:
             if err.primitive != "while":
                 raise
-            rep = _by_reversible(
+            report = _by_reversible(
                 fun, args, nums, x_true, atol, Dial(on_drift="nan", name=name, walk=_WHO)
             )
-    if rtol is not None and rep.max_error > rtol:
-        raise ReversibilityError(f"round trip exceeds rtol={rtol:g}\n{rep}")
-    return rep
+    if rtol is not None and report.max_error > rtol:
+        raise ReversibilityError(f"round trip exceeds rtol={rtol:g}\n{report}")
+    return report
 
 
 def _by_reversible(
     fun: Callable, args: Sequence[Any], nums: Sequence[int], x_true: Any, atol: float, dial: Dial
 ) -> ReversibilityReport:
     leaves, sites = rebuild(fun, args, nums, dial)
-    leaf_errors = [_rel_err(a, b, atol) for a, b in zip(leaves, jax.tree_util.tree_leaves(x_true))]
+    true_leaves = jax.tree_util.tree_leaves(x_true)
+    leaf_errors = [_rel_err(a, b, atol) for a, b in zip(leaves, true_leaves)]
     return ReversibilityReport(
         max(leaf_errors, default=0.0),
         leaf_errors,
@@ -295,11 +300,11 @@ def _by_reversible(
 def _by_reverse(
     fun: Callable, args: Sequence[Any], nums: Sequence[int], x_true: Any, atol: float
 ) -> ReversibilityReport:
-    y = fun(*args)
-    outs = (y,) if len(nums) == 1 else tuple(y)
+    result = fun(*args)
+    outs = (result,) if len(nums) == 1 else tuple(result)
     inv_args = list(args)
-    for a, o in zip(nums, outs):
-        inv_args[a] = o
+    for argnum, out in zip(nums, outs):
+        inv_args[argnum] = out
     events: list[tuple[Any, list[Var]]] = []
     inv = invert_call(
         fun, tuple(inv_args), nums, on_invert=lambda e, vs: events.append((e, vs)), settings=_WHO
@@ -315,8 +320,8 @@ def _by_reverse(
     for v, x in zip(jaxpr.invars, flat_args):
         fwd.write(v, x)
     inv_consts = {v: inv_env.read(v) for v in jaxpr.constvars}
-    for v, c in inv_consts.items():
-        fwd.write(v, c)
+    for v, const in inv_consts.items():
+        fwd.write(v, const)
     propagate(jaxpr, fwd, list(v for v in jaxpr.outvars if isinstance(v, Var)), forward_only=True)
     steps = []
     for eqn, wrote in events:

@@ -17,7 +17,7 @@ import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial, wraps
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -81,21 +81,21 @@ def _forward(primals, jaxpr, state, dial):
     `reversible_lin_p` reads besides the tangents (outputs, residuals, parameters and, where
     drift is checked, the true state the caller holds); with the residuals' count."""
     outs = reversible_store_p.bind(*primals, jaxpr=jaxpr, state=state, dial=dial)
-    n = len(jaxpr.out_avals)
-    ys, res = outs[:n], outs[n:]
-    params = [p for p, s in zip(primals, state) if not s]
-    xtrue = [p for p, s in zip(primals, state) if s] if dial.checks else []
-    return ys, [*ys, *res, *params, *xtrue], len(res)
+    n_out = len(jaxpr.out_avals)
+    outputs, res = outs[:n_out], outs[n_out:]
+    params = [x for x, s in zip(primals, state) if not s]
+    true_state = [x for x, s in zip(primals, state) if s] if dial.checks else []
+    return outputs, [*outputs, *res, *params, *true_state], len(res)
 
 
 def _rev_jvp(primals, tangents, *, jaxpr, state, dial):
     nz = tuple(not is_symbolic_zero(t) for t in tangents)
-    ys, known, nres = _forward(primals, jaxpr, state, dial)
-    tans = [t for t, z in zip(tangents, nz) if z]
+    outputs, known, nres = _forward(primals, jaxpr, state, dial)
+    nonzero = [t for t, z in zip(tangents, nz) if z]
     out_t = reversible_lin_p.bind(
-        *known, *tans, jaxpr=jaxpr, state=state, nz=nz, nres=nres, dial=dial
+        *known, *nonzero, jaxpr=jaxpr, state=state, nz=nz, nres=nres, dial=dial
     )
-    return ys, out_t
+    return outputs, out_t
 
 
 def _rev_linearize(nonzeros, *primals, jaxpr, state, dial):
@@ -105,15 +105,15 @@ def _rev_linearize(nonzeros, *primals, jaxpr, state, dial):
     nz = tuple(
         bool(z) and jnp.issubdtype(a.dtype, jnp.inexact) for z, a in zip(nonzeros, jaxpr.in_avals)
     )
-    ys, known, nres = _forward(primals, jaxpr, state, dial)
+    outputs, known, nres = _forward(primals, jaxpr, state, dial)
 
     def tangent_fun(residuals, *tangents):
-        tans = [t for t, z in zip(tangents, nz) if z]
+        nonzero = [t for t, z in zip(tangents, nz) if z]
         return reversible_lin_p.bind(
-            *residuals, *tans, jaxpr=jaxpr, state=state, nz=nz, nres=nres, dial=dial
+            *residuals, *nonzero, jaxpr=jaxpr, state=state, nz=nz, nres=nres, dial=dial
         )
 
-    return ys, [True] * len(ys), known, tangent_fun
+    return outputs, [True] * len(outputs), known, tangent_fun
 
 
 def _vmapped(fun, args, dims):
@@ -125,11 +125,11 @@ def _vmapped(fun, args, dims):
 def _rev_batch(args, dims, *, jaxpr, state, dial):
     size, args, in_axes = batch_front(args, dims)
     avals = [jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for x in args]
-    bj, consts, _ = trace_to_closed(
+    batched, consts, _ = trace_to_closed(
         jax.vmap(lambda *a: eval_closed(jaxpr, *a), in_axes=in_axes, axis_size=size), *avals
     )
     outs = reversible_p.bind(
-        *consts, *args, jaxpr=bj, state=(False,) * len(consts) + state, dial=dial
+        *consts, *args, jaxpr=batched, state=(False,) * len(consts) + state, dial=dial
     )
     return outs, [0] * len(outs)
 
@@ -191,70 +191,92 @@ also returns the residuals its backward sweep reads (outputs, then residuals).""
 # --------------------------------------------------------------------------- reversible_lin_p
 
 
+class LinOperands(NamedTuple):
+    """`reversible_lin_p`'s operands, by what they are (`_lin_split`)."""
+
+    outputs: Sequence[Any]  # the call's outputs
+    residuals: Sequence[Any]  # what the forward run stored (`res_avals` order)
+    params: Sequence[Any]  # the inputs that are not state
+    true_state: Sequence[Any]  # the state as the caller holds it (empty: no drift checks)
+    tangents: Sequence[Any]  # the nonzero tangents (the linear part's own operands)
+
+
 def _lin_split(
     args: Sequence[Any], jaxpr: ClosedJaxpr, state: Sequence[bool], nres: int, dial: Dial
-) -> tuple[Sequence[Any], ...]:
-    """`reversible_lin_p`'s operands: (outputs, residuals, parameters, true state, tangents)."""
-    n = len(jaxpr.out_avals)
-    npar = sum(not s for s in state)
-    nx = sum(state) if dial.checks else 0
-    k = n + nres + npar
-    return (args[:n], args[n : n + nres], args[n + nres : k], args[k : k + nx], args[k + nx :])
-
-
-def _top_env(P: Plan, state: Sequence[bool], params: Sequence[Any], ys: Sequence[Any]) -> Env:
-    """The env of a call's backward walk, whose context the call's dial gives (a drift log is
-    added by the walk that checks)."""
-    return seed_env(
-        P, [not s for s in state], params, [True] * len(ys), ys, WalkContext(P.dial.walk)
+) -> LinOperands:
+    """`reversible_lin_p`'s operands, split by what they are."""
+    n_out = len(jaxpr.out_avals)
+    n_params = sum(not s for s in state)
+    n_state = sum(state) if dial.checks else 0
+    params_end = n_out + nres + n_params
+    state_end = params_end + n_state
+    return LinOperands(
+        args[:n_out],
+        args[n_out : n_out + nres],
+        args[n_out + nres : params_end],
+        args[params_end:state_end],
+        args[state_end:],
     )
 
 
+def _top_env(
+    plan: Plan, state: Sequence[bool], params: Sequence[Any], outputs: Sequence[Any]
+) -> Env:
+    """The env of a call's backward walk, whose context the call's dial gives (a drift log is
+    added by the walk that checks)."""
+    known_in = [not s for s in state]
+    ctx = WalkContext(plan.dial.walk)
+    return seed_env(plan, known_in, params, [True] * len(outputs), outputs, ctx)
+
+
 def _checked_walk(
-    P: Plan,
+    plan: Plan,
     env: Env,
     ctenv: dict | None,
     active: set,
     res: Sequence[Any],
     state: Sequence[bool],
-    xtrue: Sequence[Any],
+    true_state: Sequence[Any],
     read: Callable[[], list],
 ) -> list:
     """The backward walk of a `reversible` call, its rebuilt state compared with the true one
     (and every checkpointed segment with its checkpoint): then `read()` (the cotangents), as
     the dial says."""
-    dial = P.dial
-    J = P.closed.jaxpr
+    dial = plan.dial
+    jaxpr = plan.closed.jaxpr
     loops = (
-        drift.describe_loops(J.eqns, lambda e: e.primitive.name in _LOOPS) if dial.checks else ""
+        drift.describe_loops(jaxpr.eqns, lambda e: e.primitive.name in _LOOPS)
+        if dial.checks
+        else ""
     )
     log = drift.log_for(dial, dial.name, loops)
     env.ctx = env.ctx.replace(drift=log)
-    walk(P, env, ctenv, active, Residuals(P, res), [])
+    walk(plan, env, ctenv, active, Residuals(plan, res), [])
     cts = read()
     if log is None:
         return cts
-    xs = [v for v, s in zip(J.invars, state) if s]
-    n = _steps(J, dial)
+    state_vars = [v for v, s in zip(jaxpr.invars, state) if s]
+    steps = _steps(jaxpr, dial)
     at = drift.site(
         log,
         "the state rebuilt by the backward run (the inputs of the call)",
         None,
-        drift.values_tol(dial, [v.aval.dtype for v in xs], n),
+        drift.values_tol(dial, [v.aval.dtype for v in state_vars], steps),
         inputs=True,
     )
-    drift.note(log, (drift.ratio(dial, [env.read(v) for v in xs], xtrue, n), at))
+    rebuilt = [env.read(v) for v in state_vars]
+    drift.note(log, (drift.ratio(dial, rebuilt, true_state, steps), at))
     return log.finish(log.worst(), cts)
 
 
-def _steps(J: Any, dial: Dial) -> int:
+def _steps(jaxpr: Any, dial: Dial) -> int:
     """How many equations the call's inputs are rebuilt over: a scan without checkpoints
     counts its iterations (its first checkpoint is its true start)."""
-    n = 0
-    for e in J.eqns:
-        T = e.params.get("length", 0) if e.primitive.name == "scan" else 0
-        n += T if T and dial.segment(T, 1) is None else 1
-    return n
+    steps = 0
+    for eqn in jaxpr.eqns:
+        length = eqn.params.get("length", 0) if eqn.primitive.name == "scan" else 0
+        steps += length if length and dial.segment(length, 1) is None else 1
+    return steps
 
 
 _LOOPS = ("scan", "while", "jaxrev_while")
@@ -262,15 +284,16 @@ _LOOPS = ("scan", "while", "jaxrev_while")
 
 def _lin_impl(*args, jaxpr, state, nz, nres, dial):
     """J·t at the point whose outputs and residuals are given: rebuild the inputs, then JVP."""
-    ys, res, params, xtrue, tans = _lin_split(args, jaxpr, state, nres, dial)
-    P = top_plan(jaxpr, state, dial)
-    env = _top_env(P, state, params, ys)
-    _checked_walk(P, env, None, set(), res, state, xtrue, list)
-    J = P.closed.jaxpr
-    xs = [env.read(v) if env.known(v) else zeros_of(v.aval) for v in J.invars]
-    it = iter(tans)
-    ts = [next(it) if z else None for z in nz]
-    _, out_t = jax.jvp(lambda *a: eval_closed(jaxpr, *a), tuple(xs), instantiate_tangents(xs, ts))
+    ops = _lin_split(args, jaxpr, state, nres, dial)
+    plan = top_plan(jaxpr, state, dial)
+    env = _top_env(plan, state, ops.params, ops.outputs)
+    _checked_walk(plan, env, None, set(), ops.residuals, state, ops.true_state, list)
+    inputs = [env.read(v) if env.known(v) else zeros_of(v.aval) for v in plan.closed.jaxpr.invars]
+    given = iter(ops.tangents)
+    tangents = [next(given) if z else None for z in nz]
+    _, out_t = jax.jvp(
+        lambda *a: eval_closed(jaxpr, *a), tuple(inputs), instantiate_tangents(inputs, tangents)
+    )
     return list(out_t)
 
 
@@ -279,41 +302,41 @@ def _lin_abstract(*avals, jaxpr, state, nz, nres, dial):
 
 
 def _lin_transpose(cts, *args, jaxpr, state, nz, nres, dial):
-    ys, res, params, xtrue, tans = _lin_split(args, jaxpr, state, nres, dial)
-    zero = tuple(is_symbolic_zero(c) for c in cts)
-    given = [c for c, z in zip(cts, zero) if not z]
+    ops = _lin_split(args, jaxpr, state, nres, dial)
+    zero = tuple(is_symbolic_zero(ct) for ct in cts)
+    given = [ct for ct, z in zip(cts, zero) if not z]
     in_cts = compiled(
         ("transpose", jaxpr, state, nz, nres, dial, zero),
         partial(_backward, jaxpr, state, nz, nres, dial, zero),
         given,
-        [*ys, *res, *params, *xtrue],
+        [*ops.outputs, *ops.residuals, *ops.params, *ops.true_state],
     )
-    return [None] * (len(args) - len(tans)) + list(in_cts)
+    return [None] * (len(args) - len(ops.tangents)) + list(in_cts)
 
 
 def _backward(jaxpr, state, nz, nres, dial, zero, given, known):
     """The backward sweep: the cotangents of the active inputs from the outputs' (`given`,
     where not `zero`) and the primal operands `known` (outputs, residuals, parameters, true
     state)."""
-    ys, res, params, xtrue, _ = _lin_split(known, jaxpr, state, nres, dial)
-    P = top_plan(jaxpr, state, dial)
-    J = P.closed.jaxpr
-    env = _top_env(P, state, params, ys)
+    ops = _lin_split(known, jaxpr, state, nres, dial)
+    plan = top_plan(jaxpr, state, dial)
+    invars, outvars = plan.closed.jaxpr.invars, plan.closed.jaxpr.outvars
+    env = _top_env(plan, state, ops.params, ops.outputs)
     ctenv: dict = {}
-    it = iter(given)
-    for v, z in zip(J.outvars, zero):
+    given_cts = iter(given)
+    for v, z in zip(outvars, zero):
         if not z:
-            acc(ctenv, v, next(it))
-    active = {v for v, z in zip(J.invars, nz) if z}
+            acc(ctenv, v, next(given_cts))
+    active = {v for v, z in zip(invars, nz) if z}
     return _checked_walk(
-        P,
+        plan,
         env,
         ctenv,
         active,
-        res,
+        ops.residuals,
         state,
-        xtrue,
-        lambda: [get_ct(ctenv, v) for v, z in zip(J.invars, nz) if z],
+        ops.true_state,
+        lambda: [get_ct(ctenv, v) for v, z in zip(invars, nz) if z],
     )
 
 
@@ -368,11 +391,11 @@ def _fingerprint(fun: Callable, closed: ClosedJaxpr, state: tuple, out_tree: Any
     held = sum(getattr(c, "nbytes", 0) or np.asarray(c).nbytes for c in closed.consts)
     if held > _MAX_CONST_BYTES:
         return None
-    for c in closed.consts:
+    for const in closed.consts:
         # numpy cannot hold a PRNG key: its bits identify it, its dtype the implementation
-        a = np.asarray(jax.random.key_data(c) if is_key(c) else c)
-        digest.update(str((a.shape, getattr(c, "dtype", a.dtype))).encode())
-        digest.update(np.ascontiguousarray(a).tobytes())
+        bits = np.asarray(jax.random.key_data(const) if is_key(const) else const)
+        digest.update(str((bits.shape, getattr(const, "dtype", bits.dtype))).encode())
+        digest.update(np.ascontiguousarray(bits).tobytes())
     return (
         fun,
         str(closed.jaxpr),
@@ -393,7 +416,7 @@ def bind_reversible(fun: Callable, args: Sequence[Any], argnums: int | Sequence[
     Either way what is keyed on the jaxpr (plans, compiled calls) is reused."""
     nums = normalize_argnums(argnums, len(args), fun)
     eager_call = is_eager(args)
-    ck = call_key(fun, tuple(args)) if eager_call else None
+    ck = call_key(fun, tuple(args)) if eager_call else None  # (key, what it holds)
     if ck is not None:
         hit = memo("reversible.calls", _TRACES).get((nums, ck[0]))
         if hit is not None:
@@ -416,20 +439,20 @@ def bind_reversible(fun: Callable, args: Sequence[Any], argnums: int | Sequence[
             who="jaxrev.reversible",
         )
     state_pos = set(prog.state_pos)
-    j, consts = hoist_consts(prog.closed)
+    closed, consts = hoist_consts(prog.closed)
     state = (False,) * len(consts) + tuple(i in state_pos for i in range(len(prog.flat)))
     operands = [*consts, *[jnp.asarray(x) for x in prog.flat]]
     # a staged call (under jit) is traced once anyway, and hashing its constants' bytes
     # would be work on every trace for nothing
-    key = _fingerprint(fun, j, state, out_tree) if eager_call and not consts else None
+    key = _fingerprint(fun, closed, state, out_tree) if eager_call and not consts else None
     if key is not None:
         traces = memo("reversible.traces", _TRACES)
-        j = traces.get(key) or traces.put(key, [], j)
+        closed = traces.get(key) or traces.put(key, [], closed)
         if ck is not None:
             memo("reversible.calls", _TRACES).put(
-                (nums, ck[0]), ck[1], Bound(j, state, [], out_tree)
+                (nums, ck[0]), ck[1], Bound(closed, state, [], out_tree)
             )
-    return Bound(j, state, operands, out_tree)
+    return Bound(closed, state, operands, out_tree)
 
 
 def rebuild(
@@ -439,23 +462,24 @@ def rebuild(
     state's leaves as the backward run rebuilds them, and each comparison the dial makes
     (a checkpointed loop's worst segment, the rebuilt inputs) with its measured drift. Eager
     (for `check_reversible`)."""
-    b = bind_reversible(fun, args, argnums)
-    P = top_plan(b.jaxpr, b.state, dial)
-    outs, res = forward_with_residuals(P, b.operands)
-    J = P.closed.jaxpr
-    env = _top_env(P, b.state, [x for x, st in zip(b.operands, b.state) if not st], outs)
+    bound = bind_reversible(fun, args, argnums)
+    plan = top_plan(bound.jaxpr, bound.state, dial)
+    outs, res = forward_with_residuals(plan, bound.operands)
+    params = [x for x, s in zip(bound.operands, bound.state) if not s]
+    env = _top_env(plan, bound.state, params, outs)
     sites: list[tuple[str, float]] = []
     log = drift.log_for(dial, dial.name)
     env.ctx = env.ctx.replace(drift=log)
-    walk(P, env, None, set(), Residuals(P, res), [])
+    walk(plan, env, None, set(), Residuals(plan, res), [])
     if log is not None:
-        for r, k in log.scopes[0]:
-            if int(k) < 0:  # a loop with no comparison inside
+        for ratio, index in log.scopes[0]:
+            if int(index) < 0:  # a loop with no comparison inside
                 continue
-            st = log.sites[int(k)]
-            where = f" at {st.where}" if st.where else ""
-            sites.append((f"{st.what}{where}", float(r) * st.tol))
-    return [env.read(v) for v, st in zip(J.invars, b.state) if st], sites
+            site = log.sites[int(index)]
+            where = f" at {site.where}" if site.where else ""
+            sites.append((f"{site.what}{where}", float(ratio) * site.tol))
+    invars = plan.closed.jaxpr.invars
+    return [env.read(v) for v, s in zip(invars, bound.state) if s], sites
 
 
 def reversible(
@@ -533,9 +557,9 @@ def reversible_with(fun: Callable, argnums: int | Sequence[int], dial: Dial) -> 
 
     @wraps(fun)
     def wrapped(*args: Any) -> Any:
-        b = bind_reversible(fun, args, argnums)
-        outs = reversible_p.bind(*b.operands, jaxpr=b.jaxpr, state=b.state, dial=dial)
-        return jax.tree_util.tree_unflatten(b.out_tree, outs)
+        bound = bind_reversible(fun, args, argnums)
+        outs = reversible_p.bind(*bound.operands, jaxpr=bound.jaxpr, state=bound.state, dial=dial)
+        return jax.tree_util.tree_unflatten(bound.out_tree, outs)
 
     wrapped.__name__ = f"reversible({getattr(fun, '__name__', 'fun')})"
     return wrapped

@@ -16,20 +16,21 @@ import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
-import jax
 import jax.numpy as jnp
 
 from jaxrev._batching import where
 from jaxrev._graph import mentions
 from jaxrev.transforms.knowledge.context import Settings
-from jaxrev.transforms.sweep.drift import budget_dtype, ratio, site, values_tol
+from jaxrev.transforms.sweep.drift import Budget, budget_dtype, ratio, site, values_tol
 from jaxrev.transforms.sweep.segments import body_redo
 
 __all__ = [
     "ON_DRIFT",
     "Dial",
+    "SegmentEnds",
+    "SegmentCheck",
     "grad_ratio",
     "weight",
     "budget_dtype",
@@ -69,9 +70,11 @@ class Dial:
     def __post_init__(self) -> None:
         if self.on_drift not in ON_DRIFT:
             raise ValueError(f"on_drift must be one of {ON_DRIFT}, got {self.on_drift!r}")
-        e = self.every
-        if not (e is None or e == "auto" or (isinstance(e, int) and e >= 1)):
-            raise ValueError(f"checkpoint_every must be None, a positive int or 'auto', got {e!r}")
+        every = self.every
+        if not (every is None or every == "auto" or (isinstance(every, int) and every >= 1)):
+            raise ValueError(
+                f"checkpoint_every must be None, a positive int or 'auto', got {every!r}"
+            )
         if self.budget is not None and self.budget <= 0:
             raise ValueError(
                 f"memory_budget must be a positive number of bytes, got {self.budget!r}"
@@ -131,10 +134,6 @@ class Dial:
         return max(math.sqrt(eps), min(steps * eps / 2, 0.5))
 
 
-def _tmap(f: Any, *t: Any) -> Any:
-    return jax.tree_util.tree_map(f, *t)
-
-
 def recomputable(closed: Any) -> bool:
     """Whether "auto" can recompute a segment of a loop with this body: JAX's VJP of the body,
     which a `while_loop` inside refuses (that loop then stays checkpointed and checked)."""
@@ -146,58 +145,75 @@ GRAD_SLACK = 1.0
 run's own rounding moves it by (`grad_ratio`)."""
 
 
+class SegmentEnds(NamedTuple):
+    """One segment of a checkpointed loop as its drift check sees it (`grad_ratio`): its
+    start, rebuilt and stored, and its end, with the carry's cotangents at both."""
+
+    rebuilt: Sequence[Any]  # the carry at its start, as the backward run rebuilt it
+    stored: Sequence[Any]  # the carry at its start, as the forward run stored it
+    rebuilt_ct: Sequence[Any]  # the carry's cotangent at its start (None: inactive)
+    end: Sequence[Any]  # the carry at its end (the next segment's start)
+    end_ct: Sequence[Any]  # the carry's cotangent at its end
+    length: int  # its iterations
+
+
+class SegmentCheck(NamedTuple):
+    """What a segment's check gives back (`segment_checks`)."""
+
+    ratio: Any  # drift / tolerance (above 1, or not finite: a miss)
+    site: Any  # the comparison's index in the drift log
+    budget: Budget  # the budget, the segment counted
+
+
 def weight(cts: Sequence[Any], vals: Sequence[Any]) -> Any:
     """Σ over floating leaves of u·‖c̄‖₁·‖x‖∞: what one roundoff of each value moves the loss
     by, at most (u: the leaf's unit roundoff)."""
     out = jnp.zeros((), budget_dtype())
-    for g, v in zip(cts, vals):
-        if g is None or not jnp.issubdtype(jnp.result_type(v), jnp.inexact):
+    for ct, val in zip(cts, vals):
+        if ct is None or not jnp.issubdtype(jnp.result_type(val), jnp.inexact):
             continue
-        u = float(jnp.finfo(jnp.result_type(v)).eps) / 2
-        out = out + u * (
-            jnp.sum(jnp.abs(g)).astype(out.dtype) * jnp.max(jnp.abs(v), initial=0).astype(out.dtype)
-        )
+        unit_roundoff = float(jnp.finfo(jnp.result_type(val)).eps) / 2
+        ct_norm = jnp.sum(jnp.abs(ct)).astype(out.dtype)
+        val_norm = jnp.max(jnp.abs(val), initial=0).astype(out.dtype)
+        out = out + unit_roundoff * (ct_norm * val_norm)
     return out
 
 
-def grad_ratio(
-    c: Sequence[Any],
-    ck: Sequence[Any],
-    c_ct: Sequence[Any],
-    c_end: Sequence[Any],
-    c_ct_end: Sequence[Any],
-    n: int,
-    BE: tuple[Any, Any],
-    accumulate: bool = True,
-) -> tuple[Any, tuple[Any, Any]]:
+def grad_ratio(ends: SegmentEnds, budget: Budget, accumulate: bool = True) -> tuple[Any, Budget]:
     """What a segment's drift does to the gradient, against what rounding alone does to
     jax.grad's (docs/design.md §3.8). The drift δ of its rebuilt start moves what the
     backward run computes there by about ‖c̄‖₁‖δ‖∞ (c̄: the carry's cotangent there); the
     drift grows along the segment towards its start, so the segment's share is about n/2
-    times that. jax.grad's forward run rounds every value it stores, each by u‖x‖∞ at least,
-    which moves it by B = Σ_t u‖c̄_t‖₁‖x_t‖∞ over the iterations swept (sampled at segment
-    boundaries; a while loop sums it per iteration itself: `accumulate=False`). The shares of
-    the segments kept add up in the parameters' gradients: `BE = (B, E)`, E their sum.
-    Returns ((E + share) / (GRAD_SLACK·B), (B, E + share)): a ratio above 1, or not finite, is
-    a miss (a repaired segment keeps the old E)."""
-    B, E = BE
-    dt = budget_dtype()
+    times that (n: `ends.length`). jax.grad's forward run rounds every value it stores, each
+    by u‖x‖∞ at least, which moves it by B = Σ_t u‖c̄_t‖₁‖x_t‖∞ over the iterations swept
+    (sampled at segment boundaries; a while loop sums it per iteration itself:
+    `accumulate=False`). The shares of the segments kept add up in the parameters' gradients:
+    E (`budget.drift`) is their sum, B `budget.rounding`.
+    Returns ((E + share) / (GRAD_SLACK·B), Budget(B, E + share)): a ratio above 1, or not
+    finite, is a miss (a repaired segment keeps the old E)."""
+    rounding, drift = budget
+    dtype = budget_dtype()
+    n = ends.length
     if accumulate:
-        p_start = weight(c_ct, ck)
-        p_end = weight(c_ct_end, c_end)
-        B = B + 0.5 * n * (where(jnp.isfinite(p_start), p_start, p_end) + p_end)
-    err = jnp.zeros((), dt)
-    for g, a, b in zip(c_ct, c, ck):
-        if g is None or not jnp.issubdtype(jnp.result_type(b), jnp.inexact):
+        at_start = weight(ends.rebuilt_ct, ends.stored)
+        at_end = weight(ends.end_ct, ends.end)
+        at_start = where(jnp.isfinite(at_start), at_start, at_end)
+        rounding = rounding + 0.5 * n * (at_start + at_end)
+    share = jnp.zeros((), dtype)
+    for ct, rebuilt, stored in zip(ends.rebuilt_ct, ends.rebuilt, ends.stored):
+        if ct is None or not jnp.issubdtype(jnp.result_type(stored), jnp.inexact):
             continue
-        a = jnp.asarray(a, jnp.result_type(b))
-        same = (a == b) | (jnp.isnan(a) & jnp.isnan(b))  # an infinity the program holds
-        d = jnp.max(where(same, 0.0, jnp.abs(a - b)), initial=0).astype(dt)
-        d = where(jnp.isnan(d), jnp.inf, d)
-        err = err + where(d > 0, jnp.sum(jnp.abs(g)).astype(dt) * d, 0.0)
-    err = err * max(n, 2) / 2
-    r = (E + err) / (GRAD_SLACK * where(B > 0, B, jnp.finfo(dt).tiny))
-    return where(jnp.isnan(r), jnp.inf, r).astype(jnp.float32), (B, E + err)
+        rebuilt = jnp.asarray(rebuilt, jnp.result_type(stored))
+        # an infinity the program holds, rebuilt as that infinity, does not drift
+        same = (rebuilt == stored) | (jnp.isnan(rebuilt) & jnp.isnan(stored))
+        miss = jnp.max(where(same, 0.0, jnp.abs(rebuilt - stored)), initial=0).astype(dtype)
+        miss = where(jnp.isnan(miss), jnp.inf, miss)
+        share = share + where(miss > 0, jnp.sum(jnp.abs(ct)).astype(dtype) * miss, 0.0)
+    share = share * max(n, 2) / 2
+    scale = GRAD_SLACK * where(rounding > 0, rounding, jnp.finfo(dtype).tiny)
+    drift_ratio = (drift + share) / scale
+    drift_ratio = where(jnp.isnan(drift_ratio), jnp.inf, drift_ratio).astype(jnp.float32)
+    return drift_ratio, Budget(rounding, drift + share)
 
 
 def segment_checks(
@@ -206,24 +222,27 @@ def segment_checks(
     eqn: Any,
     carry: Sequence[Any],
     body: Any,
-    nc: int,
-    ncar: int,
+    nconsts: int,
+    ncarry: int,
     consts: Sequence[Any],
-    act: Sequence[bool] | None,
-    yct: Sequence[bool],
+    active: Sequence[bool] | None,
+    ys_ct_given: Sequence[bool],
     can_redo: bool,
     planning: bool,
 ) -> tuple[Any, Any]:
-    """A checkpointed loop's comparison `check(c, ck, c_ct, c_end, c_ct_end, n, BE) ->
-    (ratio, site, BE)` of each segment's rebuilt start with its checkpoint (`grad_ratio`), and
+    """A checkpointed loop's comparison `check(rebuilt, stored, rebuilt_ct, end, end_ct,
+    length, budget) -> SegmentCheck` of each segment's rebuilt start with its checkpoint
+    (`grad_ratio`; the arguments are `SegmentEnds`' fields, then a `Budget` or a pair), and
     (the repairing dial, where `can_redo` and the body allows it) `body_redo`'s recomputation
     of a segment that missed; (None, None) where nothing is checked (the planning walk,
-    on_drift="ignore"). `log`: the backward run's drift log (its walk context's)."""
+    on_drift="ignore"). `log`: the backward run's drift log (its walk context's); `body`'s
+    inputs are `nconsts` constants, `ncarry` carries, then `xs`; `active`: which carry
+    cotangents, `ys_ct_given`: which of its outputs `ys` come with a cotangent."""
     if planning or not dial.checks:
         return None, None
     redo = None
-    if dial.repair and can_redo and act is not None and recomputable(body):
-        redo = body_redo(body, nc, ncar, consts, act, yct)
+    if dial.repair and can_redo and active is not None and recomputable(body):
+        redo = body_redo(body, nconsts, ncarry, consts, active, ys_ct_given)
     # a segment that cannot be recomputed is held to the relative tolerance, as the call's
     # inputs are: what a repair would fix is not what must raise
     fixed = dial.rtol is not None or (dial.repair and redo is None)
@@ -234,15 +253,17 @@ def segment_checks(
         values_tol(dial, [a.dtype for a in carry]),
         gradient=not fixed,
     )
-    at_ = jnp.asarray(at, jnp.int32)
+    site_index = jnp.asarray(at, jnp.int32)
 
-    def check(c, ck, c_ct, c_end, c_ct_end, n, BE, accumulate=True):
-        """(ratio, site, BE) of a segment of n iterations: its rebuilt start `c` against its
-        checkpoint `ck` (`grad_ratio`). Without cotangents (`check_reversible`'s rebuild) or
-        with a relative tolerance: the relative drift against it."""
-        if fixed or not c_ct or all(g is None for g in c_ct):
-            return ratio(dial, c, ck), at_, BE
-        r, BE = grad_ratio(c, ck, c_ct, c_end, c_ct_end, n, BE, accumulate)
-        return r, at_, BE
+    def check(rebuilt, stored, rebuilt_ct, end, end_ct, length, budget, accumulate=True):
+        """The `SegmentCheck` of a segment of `length` iterations: its rebuilt start against
+        its checkpoint `stored` (`grad_ratio`). Without cotangents (`check_reversible`'s
+        rebuild) or with a relative tolerance: the relative drift against it."""
+        budget = Budget(*budget)
+        if fixed or not rebuilt_ct or all(ct is None for ct in rebuilt_ct):
+            return SegmentCheck(ratio(dial, rebuilt, stored), site_index, budget)
+        ends = SegmentEnds(rebuilt, stored, rebuilt_ct, end, end_ct, length)
+        drift_ratio, budget = grad_ratio(ends, budget, accumulate)
+        return SegmentCheck(drift_ratio, site_index, budget)
 
     return check, redo

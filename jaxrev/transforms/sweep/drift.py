@@ -22,7 +22,7 @@ import math
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
@@ -48,6 +48,7 @@ __all__ = [
     "describe_loops",
     "finite",
     "budget_dtype",
+    "Budget",
 ]
 
 
@@ -72,12 +73,20 @@ def budget_dtype() -> Any:
     return jnp.result_type(float)
 
 
+class Budget(NamedTuple):
+    """A segmented backward run's gradient budget (`grad_ratio`), carried through its loops
+    (a pytree): what rounding and what the kept segments' drift move the gradient by."""
+
+    rounding: Any  # B: the forward run's own rounding, summed over the iterations swept
+    drift: Any  # E: the drift of the segments kept (not repaired), summed
+
+
 def finite(values: Sequence[Any]) -> Any:
     """Whether every floating element of `values` (None entries skipped) is finite."""
     ok = jnp.ones((), bool)
-    for v in values:
-        if v is not None and jnp.issubdtype(jnp.result_type(v), jnp.inexact):
-            ok = ok & jnp.all(jnp.isfinite(v))
+    for val in values:
+        if val is not None and jnp.issubdtype(jnp.result_type(val), jnp.inexact):
+            ok = ok & jnp.all(jnp.isfinite(val))
     return ok
 
 
@@ -90,48 +99,51 @@ def leaf_drift(rebuilt: Any, true: Any, atol: float = 0.0) -> Any:
     """max|rebuilt − true| / (max|true| + atol): a leaf's normwise relative error; a leaf that
     is all zeros is measured absolutely (so x = 0 does not blow it up). Infinite where a NaN
     or an infinity differs from the true value."""
-    a = jnp.asarray(rebuilt)
-    b = jnp.asarray(true, a.dtype)
-    if a.dtype == jnp.bool_:  # a flag rebuilt wrong is off by one, relative to one
-        a, b = a.astype(jnp.int32), b.astype(jnp.int32)
-    if a.size == 0:
+    rebuilt = jnp.asarray(rebuilt)
+    true = jnp.asarray(true, rebuilt.dtype)
+    if rebuilt.dtype == jnp.bool_:  # a flag rebuilt wrong is off by one, relative to one
+        rebuilt, true = rebuilt.astype(jnp.int32), true.astype(jnp.int32)
+    if rebuilt.size == 0:
         return jnp.zeros((), jnp.float32)
     # equal values (an infinity the program holds, rebuilt as that infinity) do not drift;
     # a NaN or an infinity where the true value differs is infinitely far
-    same = (a == b) | (jnp.isnan(a) & jnp.isnan(b))
-    err = where(same, 0.0, jnp.abs(a - b))
-    m = jnp.max(where(jnp.isfinite(b), jnp.abs(b), 0.0))
-    den = where(m > 0, m, 1.0) + atol
-    d = jnp.max(err) / den
-    return where(jnp.isnan(d), jnp.inf, d).astype(jnp.float32)
+    same = (rebuilt == true) | (jnp.isnan(rebuilt) & jnp.isnan(true))
+    err = where(same, 0.0, jnp.abs(rebuilt - true))
+    scale = jnp.max(where(jnp.isfinite(true), jnp.abs(true), 0.0))
+    den = where(scale > 0, scale, 1.0) + atol
+    drift = jnp.max(err) / den
+    return where(jnp.isnan(drift), jnp.inf, drift).astype(jnp.float32)
 
 
 def values_tol(dial: Any, dtypes: Sequence[Any], steps: int = 1) -> float:
     """The tolerance for values compared together, rebuilt over `steps` equations: the
     loosest of their floating dtypes' (a float64 carry that reads a float32 one is rebuilt no
     better than float32)."""
-    floats = [d for d in dtypes if jnp.issubdtype(d, jnp.inexact)]
-    return max((dial.tol(d, steps) for d in floats), default=0.0)
+    floats = [dtype for dtype in dtypes if jnp.issubdtype(dtype, jnp.inexact)]
+    return max((dial.tol(dtype, steps) for dtype in floats), default=0.0)
 
 
 def ratio(dial: Any, rebuilt: Sequence[Any], true: Sequence[Any], steps: int = 1) -> Any:
     """The largest drift / tolerance over the floating leaves (infinite where a NaN or an
     infinity appeared)."""
-    tol = values_tol(dial, [jnp.result_type(b) for b in true], steps)
-    r = jnp.zeros((), jnp.float32)
-    for a, b in zip(rebuilt, true):
-        if not jnp.issubdtype(jnp.result_type(b), jnp.inexact):
+    tol = values_tol(dial, [jnp.result_type(leaf) for leaf in true], steps)
+    worst = jnp.zeros((), jnp.float32)
+    for rebuilt_leaf, true_leaf in zip(rebuilt, true):
+        if not jnp.issubdtype(jnp.result_type(true_leaf), jnp.inexact):
             continue
-        r = jnp.maximum(r, leaf_drift(a, b) / tol)
-    return r
+        worst = jnp.maximum(worst, leaf_drift(rebuilt_leaf, true_leaf) / tol)
+    return worst
 
 
 def combine(a: tuple[Any, Any], b: tuple[Any, Any]) -> tuple[Any, Any]:
     """The worse of two `(ratio, site)` pairs."""
-    ra, sa = a
-    rb, sb = b
-    take = jnp.asarray(rb, jnp.float32) > jnp.asarray(ra, jnp.float32)
-    return (where(take, rb, ra).astype(jnp.float32), where(take, sb, sa).astype(jnp.int32))
+    ratio_a, site_a = a
+    ratio_b, site_b = b
+    take = jnp.asarray(ratio_b, jnp.float32) > jnp.asarray(ratio_a, jnp.float32)
+    return (
+        where(take, ratio_b, ratio_a).astype(jnp.float32),
+        where(take, site_b, site_a).astype(jnp.int32),
+    )
 
 
 @dataclass
@@ -156,21 +168,23 @@ class Log:
     def worst(self) -> tuple[Any, Any]:
         return _Scope(self.scopes[0]).worst()
 
-    def message(self, r: float, k: int) -> str:
-        s = self.sites[k] if 0 <= k < len(self.sites) else Site("a rebuilt value", "", 0.0)
-        where = f" at {s.where}" if s.where else ""
-        extra = f"\n{self.loops}" if s.inputs and self.loops else ""
-        if not math.isfinite(r):
+    def message(self, drift_ratio: float, index: int) -> str:
+        """The message of comparison `index`'s miss by `drift_ratio` (drift / tolerance)."""
+        in_log = 0 <= index < len(self.sites)
+        compared = self.sites[index] if in_log else Site("a rebuilt value", "", 0.0)
+        where = f" at {compared.where}" if compared.where else ""
+        extra = f"\n{self.loops}" if compared.inputs and self.loops else ""
+        if not math.isfinite(drift_ratio):
             miss = "is not finite (NaN or inf where the true value is finite)"
-        elif s.gradient:
+        elif compared.gradient:
             miss = (
-                f"misses its true value by a drift that moves the gradient {r:.3g} times "
-                "as much as the forward run's own rounding does"
+                f"misses its true value by a drift that moves the gradient {drift_ratio:.3g} "
+                "times as much as the forward run's own rounding does"
             )
         else:
             miss = (
-                f"misses its true value by a relative drift of {r * s.tol:.3g} "
-                f"(tolerance {s.tol:.3g})"
+                f"misses its true value by a relative drift of {drift_ratio * compared.tol:.3g} "
+                f"(tolerance {compared.tol:.3g})"
             )
         if self.dial.on_drift == "repair":
             why = (
@@ -191,47 +205,51 @@ class Log:
                 "miss), checkpoint_every=K (drift grows over K steps, not the loop), a "
                 "looser drift_rtol, or on_drift='warn' / 'ignore'."
             )
-        return f"jaxrev.reversible({self.name}): {s.what}{where} {miss}: {why}.{extra}\n{out}"
+        return (
+            f"jaxrev.reversible({self.name}): {compared.what}{where} {miss}: {why}.{extra}\n{out}"
+        )
 
-    def error(self, r: Any, k: Any) -> Exception | None:
-        r, k = float(np.asarray(r)), int(np.asarray(k))
-        if not r > 1.0 and not math.isnan(r):
+    def error(self, drift_ratio: Any, index: Any) -> Exception | None:
+        """The error of comparison `index` where `drift_ratio` is a miss (None otherwise, or
+        after warning under on_drift="warn")."""
+        drift_ratio, index = float(np.asarray(drift_ratio)), int(np.asarray(index))
+        if not drift_ratio > 1.0 and not math.isnan(drift_ratio):
             return None
-        msg = self.message(r, k)
+        msg = self.message(drift_ratio, index)
         if self.dial.on_drift == "warn":
             warnings.warn(msg, DriftWarning, stacklevel=2)
             return None
-        s = self.sites[k] if 0 <= k < len(self.sites) else None
-        if s is not None and s.gradient:  # drift and tolerance in the gradient's units
-            return DriftError(msg, file=s.where, drift=r, tolerance=1.0)
+        compared = self.sites[index] if 0 <= index < len(self.sites) else None
+        if compared is not None and compared.gradient:  # in the gradient's units
+            return DriftError(msg, file=compared.where, drift=drift_ratio, tolerance=1.0)
         return DriftError(
             msg,
-            file=s.where if s else None,
-            drift=r * (s.tol if s else 1.0),
-            tolerance=s.tol if s else None,
+            file=compared.where if compared else None,
+            drift=drift_ratio * (compared.tol if compared else 1.0),
+            tolerance=compared.tol if compared else None,
         )
 
     def finish(self, worst: tuple[Any, Any], cts: list[Any]) -> list[Any]:
         """Act on the worst comparison: the cotangents `cts` come back unchanged, or NaN
         (`on_drift="nan"`) where it missed."""
-        r, k = worst
+        drift_ratio, index = worst
         mode = self.dial.on_drift
         if mode == "ignore":
             return cts
         if mode == "nan":
-            bad = ~(r <= 1.0)
+            bad = ~(drift_ratio <= 1.0)
             return [
-                c
-                if c is None or not jnp.issubdtype(jnp.result_type(c), jnp.inexact)
-                else where(bad, jnp.nan, c)
-                for c in cts
+                ct
+                if ct is None or not jnp.issubdtype(jnp.result_type(ct), jnp.inexact)
+                else where(bad, jnp.nan, ct)
+                for ct in cts
             ]
-        if is_concrete(r) and is_concrete(k):
-            err = self.error(r, k)
+        if is_concrete(drift_ratio) and is_concrete(index):
+            err = self.error(drift_ratio, index)
             if err is not None:
                 raise err
             return cts
-        check_at_run_time(self.error, r, k, bad=~(r <= 1.0))
+        check_at_run_time(self.error, drift_ratio, index, bad=~(drift_ratio <= 1.0))
         return cts
 
 
@@ -263,10 +281,10 @@ class _Scope:
         self.entries = entries
 
     def worst(self) -> tuple[Any, Any]:
-        w = no_drift()
-        for p in self.entries:
-            w = combine(w, p)
-        return w
+        worst = no_drift()
+        for pair in self.entries:
+            worst = combine(worst, pair)
+        return worst
 
 
 @contextlib.contextmanager
@@ -286,9 +304,9 @@ def scope(log: Log | None) -> Iterator[_Scope]:
 def describe_loops(eqns: Sequence[Any], is_loop: Any) -> str:
     """The program's loops, for the message about its rebuilt inputs."""
     out = []
-    for e in eqns:
-        if is_loop(e):
-            out.append(f"`{e.primitive.name}` at {user_source(e)[2]}")
+    for eqn in eqns:
+        if is_loop(eqn):
+            out.append(f"`{eqn.primitive.name}` at {user_source(eqn)[2]}")
     if not out:
         return ""
     return (

@@ -43,12 +43,12 @@ __all__ = ["fresh_p", "fresh", "ParamOnly"]
 def _run_time_zero(tie: Any, dtype: Any) -> Any:
     """A scalar of `dtype` that is 0 on every run, computed from one element of `tie` in a
     way XLA does not fold: (t != t) is 1 only for a NaN, and shifted right by one it is 0."""
-    t = tie[(0,) * jnp.ndim(tie)]
-    if jnp.iscomplexobj(t):
-        t = jnp.real(t)
-    t = t.astype(jnp.float32)
+    first = tie[(0,) * jnp.ndim(tie)]
+    if jnp.iscomplexobj(first):
+        first = jnp.real(first)
+    first = first.astype(jnp.float32)
     return lax.shift_right_logical(
-        lax.convert_element_type(t != t, dtype), lax.convert_element_type(1, dtype)
+        lax.convert_element_type(first != first, dtype), lax.convert_element_type(1, dtype)
     )
 
 
@@ -58,10 +58,10 @@ def _opaque(x: Any, tie: Any) -> Any:
         return lax.complex(_opaque(jnp.real(x), tie), _opaque(jnp.imag(x), tie))
     if x.dtype == jnp.bool_:
         return x ^ (_run_time_zero(tie, jnp.uint8) != 0)
-    u = jnp.dtype(f"uint{8 * x.dtype.itemsize}")
-    bits = x if x.dtype == u else lax.bitcast_convert_type(x, u)
-    bits = lax.shift_right_logical(bits, _run_time_zero(tie, u))
-    return bits if x.dtype == u else lax.bitcast_convert_type(bits, x.dtype)
+    unsigned = jnp.dtype(f"uint{8 * x.dtype.itemsize}")
+    bits = x if x.dtype == unsigned else lax.bitcast_convert_type(x, unsigned)
+    bits = lax.shift_right_logical(bits, _run_time_zero(tie, unsigned))
+    return bits if x.dtype == unsigned else lax.bitcast_convert_type(bits, x.dtype)
 
 
 def _fresh_lowering(*args: Any, n: int) -> list:
@@ -77,11 +77,13 @@ def _fresh_jvp(primals: Sequence[Any], tangents: Sequence[Any], *, n: int) -> tu
         for k in range(n)
         if not is_symbolic_zero(tangents[k]) and jnp.result_type(tangents[k]) != jax.dtypes.float0
     ]
-    touts = list(tangents[:n])
+    out_tangents = list(tangents[:n])
     if live:
-        for k, t in zip(live, fresh_p.bind(*[tangents[k] for k in live], primals[n], n=len(live))):
-            touts[k] = t
-    return outs, touts
+        live_tangents = [tangents[k] for k in live]
+        fresh_tangents = fresh_p.bind(*live_tangents, primals[n], n=len(live))
+        for k, tangent in zip(live, fresh_tangents):
+            out_tangents[k] = tangent
+    return outs, out_tangents
 
 
 def _fresh_transpose(cts: Sequence[Any], *args: Any, n: int) -> list:
@@ -113,11 +115,11 @@ def fresh(xs: Sequence[Any], tie: Any) -> list:
     if tie is None or not xs:
         return list(xs)
     keys = [is_key(x) for x in xs]
-    plain = [jax.random.key_data(x) if k else x for x, k in zip(xs, keys)]
+    plain = [jax.random.key_data(x) if key else x for x, key in zip(xs, keys)]
     outs = fresh_p.bind(*plain, tie, n=len(plain))
     return [
-        jax.random.wrap_key_data(o, impl=jax.random.key_impl(x)) if k else o
-        for x, o, k in zip(xs, outs, keys)
+        jax.random.wrap_key_data(out, impl=jax.random.key_impl(x)) if key else out
+        for x, out, key in zip(xs, outs, keys)
     ]
 
 
@@ -127,8 +129,8 @@ def tie_of(vals: Sequence[Any]) -> Any:
     for x in vals:
         if x is None or is_symbolic_zero(x) or is_key(x):
             continue
-        dt = getattr(x, "dtype", None)
-        if dt is not None and dt != jax.dtypes.float0 and jnp.size(x) > 0:
+        dtype = getattr(x, "dtype", None)
+        if dtype is not None and dtype != jax.dtypes.float0 and jnp.size(x) > 0:
             return x
     return None
 
@@ -141,21 +143,22 @@ class ParamOnly:
     consts): which equations compute them (`eqns`, by index); `need` and `window` compute
     them where the backward walk reads them, `run` where the forward run does."""
 
-    def __init__(self, J: Any, known: Sequence[bool]) -> None:
-        self.J = J
-        self.roots = {v for v, k in zip(J.invars, known) if k} | set(J.constvars)
+    def __init__(self, jaxpr: Any, known: Sequence[bool]) -> None:
+        self.jaxpr = jaxpr
+        # the parameters: the known inputs and the consts
+        self.roots = {v for v, k in zip(jaxpr.invars, known) if k} | set(jaxpr.constvars)
         self.made: dict = {}  # parameter-only variable -> the index of its equation
         self.eqns: set = set()
-        for i, e in enumerate(J.eqns):
-            if all(isinstance(v, Literal) or v in self.roots or v in self.made for v in e.invars):
+        for i, eqn in enumerate(jaxpr.eqns):
+            if all(isinstance(v, Literal) or v in self.roots or v in self.made for v in eqn.invars):
                 self.eqns.add(i)
-                self.made.update((o, i) for o in e.outvars if is_var(o))
+                self.made.update((o, i) for o in eqn.outvars if is_var(o))
 
     def need(self, env: Env, vs: Sequence[Any], tie: Any) -> None:
         """Make the parameter-only values among `vs` known in `env`: computed forward (with
         the parameter-only values they are computed from) from the parameters, passed
         through `fresh` with `tie`."""
-        made, eqns = self.made, self.J.eqns
+        made, eqns = self.made, self.jaxpr.eqns
         todo: set = set()
         stack = [v for v in vs if is_var(v) and v in made and not env.known(v)]
         while stack:
@@ -167,14 +170,13 @@ class ParamOnly:
         if not todo:
             return
         chain = [eqns[i] for i in sorted(todo)]
-        outs = {o for e in chain for o in e.outvars}
-        reads = list(
-            dict.fromkeys(u for e in chain for u in e.invars if is_var(u) and u not in outs)
-        )
+        outs = set(_vars_of(chain, outs=True))
+        # what the chain reads from outside it, once each, in order
+        reads = list(dict.fromkeys(u for u in _vars_of(chain) if is_var(u) and u not in outs))
         roots = [u for u in reads if u in self.roots]
         scratch = Env(info=env.info, ctx=env.ctx)
-        for u, x in zip(roots, fresh([env.read(u) for u in roots], tie)):
-            scratch.write(u, x)
+        for u, val in zip(roots, fresh([env.read(u) for u in roots], tie)):
+            scratch.write(u, val)
         for u in reads:
             scratch.write(u, env.read(u))  # parameter-only values computed before
         evaluate(chain, scratch)
@@ -185,7 +187,7 @@ class ParamOnly:
     def window(self, env: Env, eqns: Sequence[JaxprEqn], tie: Any) -> None:
         """`need` every parameter-only value that `eqns` (a walk's window) read or compute,
         so that the walk never computes one itself from the bare parameters."""
-        self.need(env, [v for e in eqns for v in (*e.invars, *e.outvars)], tie)
+        self.need(env, [*_vars_of(eqns), *_vars_of(eqns, outs=True)], tie)
 
     def run(self, env: Env, rule: Any = None, keep: Any = ()) -> None:
         """Run the jaxpr forward in `env` (its inputs known) as `evaluate` does (`rule` as
@@ -193,20 +195,22 @@ class ParamOnly:
         tied to that equation's other inputs, and not at all where none does (XLA computes
         values of parameters alone first, so every block's cast would be alive at once).
         Equations with effects, and those in `keep`, run in place."""
-        for i, e in enumerate(self.J.eqns):
-            if i in self.eqns and i not in keep and not e.effects:
+        for i, eqn in enumerate(self.jaxpr.eqns):
+            if i in self.eqns and i not in keep and not eqn.effects:
                 continue
-            self.need(
-                env,
-                e.invars,
-                tie_of(
-                    [
-                        env.read(v)
-                        for v in e.invars
-                        if is_var(v) and v not in self.made and v not in self.roots
-                    ]
-                ),
-            )
+            # tied to the equation's inputs that are not parameter-only
+            others = [v for v in eqn.invars if is_var(v) and v not in self.made]
+            self.need(env, eqn.invars, tie_of([env.read(v) for v in others if v not in self.roots]))
             evaluate(
-                (e,), env, rule=None if rule is None else (lambda _, e, ins, i=i: rule(i, e, ins))
+                (eqn,),
+                env,
+                rule=None if rule is None else (lambda _, e, ins, i=i: rule(i, e, ins)),
             )
+
+
+def _vars_of(eqns: Sequence[JaxprEqn], outs: bool = False) -> list:
+    """The input (or, `outs`, output) variables and literals of `eqns`, in order."""
+    out: list = []
+    for eqn in eqns:
+        out += eqn.outvars if outs else eqn.invars
+    return out

@@ -17,7 +17,7 @@ evaluated in every segment and branch: the loop's body is walked once, not once 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -27,17 +27,29 @@ from jaxrev._batching import select_batched, where
 from jaxrev._compat import match_vma, sds, trace_to_closed, vary_to, vma_union, zeros_of
 from jaxrev._evaluate import eval_closed
 from jaxrev._program import avals_of
-from jaxrev.transforms.sweep.drift import budget_dtype, combine, finite
+from jaxrev.transforms.sweep.drift import Budget, budget_dtype, combine, finite
 
-__all__ = ["Slices", "segmented", "segmented_forward", "body_redo", "PROBE_EVERY"]
+__all__ = [
+    "Slices",
+    "NO_SLICES",
+    "StepInputs",
+    "BackCarry",
+    "SegmentState",
+    "Pulled",
+    "ForwardState",
+    "segmented",
+    "segmented_forward",
+    "body_redo",
+    "PROBE_EVERY",
+]
 
 PROBE_EVERY = 4
 """After a segment missed, the next ones are recomputed at once (the inversion's work would be
 thrown away), and inversion is tried again every PROBE_EVERY segments."""
 
 
-def _tmap(f: Any, *t: Any) -> Any:
-    return jax.tree_util.tree_map(f, *t)
+def _tmap(f: Any, *trees: Any) -> Any:
+    return jax.tree_util.tree_map(f, *trees)
 
 
 class Slices:
@@ -53,26 +65,41 @@ class Slices:
         return Slices(self.xs, self.length, self.rev, start)
 
     def pos(self, t: Any) -> Any:
+        """The row of iteration t."""
         t = self.start + t
         return self.length - 1 - t if self.rev else t
 
     def read(self, t: Any) -> Any:
-        p = self.pos(t)
-        return _tmap(lambda a: lax.dynamic_index_in_dim(a, p, keepdims=False), self.xs)
+        """Iteration t's row of the per-iteration arrays."""
+        row = self.pos(t)
+        return _tmap(lambda a: lax.dynamic_index_in_dim(a, row, keepdims=False), self.xs)
 
     def read_from(self, bufs: Any, t: Any) -> Any:
         """Iteration t's row of output buffers."""
-        p = self.pos(t)
-        return _tmap(lambda b: lax.dynamic_index_in_dim(b, p, keepdims=False), bufs)
+        row = self.pos(t)
+        return _tmap(lambda buf: lax.dynamic_index_in_dim(buf, row, keepdims=False), bufs)
 
     def write(self, bufs: Any, t: Any, outs: Any) -> Any:
-        p = self.pos(t)
-        return _tmap(
-            lambda b, o: lax.dynamic_update_index_in_dim(b, o.astype(b.dtype), p, 0), bufs, outs
-        )
+        """`bufs` with iteration t's row set to `outs`."""
+        row = self.pos(t)
+
+        def put(buf, out):
+            return lax.dynamic_update_index_in_dim(buf, out.astype(buf.dtype), row, 0)
+
+        return _tmap(put, bufs, outs)
 
 
-NO_SLICES = Slices(([], [], [], []), 0, False)
+class StepInputs(NamedTuple):
+    """One iteration's row of a loop's per-iteration arrays, as the backward step reads them
+    (a scan's, `rules.scan`; a while loop's are all empty)."""
+
+    ys: list  # the known outputs `ys`
+    ys_ct: list  # the cotangents of the outputs that have one
+    xs: list  # the known inputs `xs`
+    res: list  # the body's residuals
+
+
+NO_SLICES = Slices(StepInputs([], [], [], []), 0, False)
 """A while loop's: its body reads no per-iteration arrays and writes none."""
 
 
@@ -97,13 +124,54 @@ class _Traced:
         avals = self.closed.out_avals[len(self.closed.out_avals) - tree.num_leaves :]
         return jax.tree_util.tree_unflatten(tree, [zeros_of(a) for a in avals])
 
-    def out_buffers(self, length: int, U: frozenset = frozenset()) -> Any:
+    def out_buffers(self, length: int, axes: frozenset = frozenset()) -> Any:
         """Zeros for `length` iterations of its second output, typed (vma) as it is and at
-        least over U."""
+        least over the mesh axes `axes`."""
         tree = self.out_tree.children()[1]
         avals = self.closed.out_avals[len(self.closed.out_avals) - tree.num_leaves :]
-        bufs = [vary_to(zeros_of(sds(a, (length, *a.shape))), U) for a in avals]
+        bufs = [vary_to(zeros_of(sds(a, (length, *a.shape))), axes) for a in avals]
         return jax.tree_util.tree_unflatten(tree, bufs)
+
+
+class BackCarry(NamedTuple):
+    """A loop's backward step's carry (`segmented`'s `bstep`, a loop rule's): a pytree."""
+
+    carry: list  # the loop's carry, rebuilt
+    carry_ct: list | None  # its cotangent (None entries: inactive carries)
+    consts_ct: list | None  # the loop's constants' cotangents, accumulated
+    worst: tuple  # the worst (ratio, site) of the comparisons inside the body
+
+
+class SegmentState(NamedTuple):
+    """The backward run's state at a segment boundary (the segment loop's carry: a pytree):
+    what `segmented` hands from one segment to the one before it."""
+
+    carry: list  # the carry at the boundary: the stored start of the segment swept last
+    carry_ct: list | None  # its cotangent
+    consts_ct: list | None  # the constants' cotangents accumulated so far
+    worst: tuple  # the worst (ratio, site) so far
+    budget: Budget  # the gradient budget so far (`dial.grad_ratio`)
+    missed: Any  # whether the segment swept last missed (the next one is recomputed at once)
+    bufs: Any  # the per-iteration outputs written so far (arrays of the loop's length)
+
+    def back(self) -> BackCarry:
+        return BackCarry(self.carry, self.carry_ct, self.consts_ct, self.worst)
+
+
+class Pulled(NamedTuple):
+    """What `body_redo`'s recomputation of a segment gives back: the cotangents at its start."""
+
+    carry_ct: list  # the carry's
+    consts_ct: list  # the constants', accumulated
+    bufs: Any  # the output buffers, the segment's rows written (None: no buffers)
+
+
+class ForwardState(NamedTuple):
+    """`segmented_forward`'s segment loop's carry (a pytree)."""
+
+    carry: list  # the loop's carry
+    bufs: Any  # the per-iteration outputs written so far
+    ckpts: list  # the checkpoints stored so far (one row per segment)
 
 
 def segmented(
@@ -116,146 +184,180 @@ def segmented(
     rev: bool,
     check: Any = None,
     redo: Any = None,
-) -> tuple[tuple, Any]:
+) -> tuple[BackCarry, Any]:
     """`lax.scan(bstep, carry0, slices, reverse=not rev)` (a loop's backward run, whose carry is
-    ``(c, c_ct, k_ct, worst)``) in segments of K iterations: each segment starts from the
-    stored start of the next (`ckpts`, one per segment, in iteration order; the last segment
-    from the loop's final carry), so drift grows over K steps, not the loop. `check(c_rebuilt,
-    c_stored, c_ct, c_end, c_ct_end, n, BE) -> (ratio, site, BE)` (or None) compares a
-    segment's rebuilt start with its checkpoint (`dial.grad_ratio`);
-    `redo(c_start, c_ct_end, k_ct_end, seg, n, bufs)` (None, or the repairing dial's:
+    a `BackCarry` or a tuple of its fields) in segments of K iterations: each segment starts
+    from the stored start of the next (`ckpts`, one per segment, in iteration order; the last
+    segment from the loop's final carry), so drift grows over K steps, not the loop.
+    `check(rebuilt, stored, rebuilt_ct, end, end_ct, n, budget) -> (ratio, site, budget)` (or
+    None) compares a segment's rebuilt start with its checkpoint (`dial.segment_checks`);
+    `redo(start, carry_ct, consts_ct, seg, n, bufs)` (None, or the repairing dial's:
     `body_redo`) recomputes forward from its checkpoint a segment that missed, or whose
     cotangents came back non-finite (a NaN rebuilt inside the segment), writes its outputs
-    into `bufs` through `seg` (the segment's `Slices`) and returns ``(c_ct, k_ct, bufs)``.
-    Returns the start's carry (its checkpoint) and the per-iteration outputs."""
-    r, nseg = length % K, length // K
-    c_final, c_ct, k_ct, w = carry0
+    into `bufs` through `seg` (the segment's `Slices`) and returns a `Pulled`.
+    Returns the start's `BackCarry` (its carry: the first checkpoint) and the per-iteration
+    outputs."""
+    # the first segment (in iteration order) has `rest` iterations, the `nseg` after it K
+    rest, nseg = length % K, length // K
+    final = BackCarry(*carry0)
     # inside shard_map the drift, the budget and the miss flag vary over every mesh axis the
     # loop's values vary over: typed so from the start, and at every branch's end
-    U = vma_union(carry0, slices, ckpts)
-    w = vary_to(w, U)
-    zero = vary_to(jnp.zeros((), budget_dtype()), U)
-    false = vary_to(jnp.zeros((), bool), U)
-    c_end = [jnp.asarray(f, c.dtype) for f, c in zip(c_final, ckpts)]
+    axes = vma_union(carry0, slices, ckpts)
+    zero = vary_to(jnp.zeros((), budget_dtype()), axes)
+    false = vary_to(jnp.zeros((), bool), axes)
+    end = [jnp.asarray(a, ck.dtype) for a, ck in zip(final.carry, ckpts)]
+    final = final._replace(carry=end, worst=vary_to(final.worst, axes))
     xs = Slices(slices, length, rev)
-    step = _Traced(bstep, (c_end, c_ct, k_ct, w), xs.read(0))
-    bufs = step.out_buffers(length, U)
+    traced = _Traced(bstep, final, xs.read(0))
+
+    def step(carry, row):
+        carry, out = traced(carry, row)
+        return BackCarry(*carry), out
+
+    def skip(carry, row):
+        return carry, traced.zero_out()
 
     def run(carry, bufs, seg, n, probe=None):
-        """n iterations of the segment `seg`, backwards, by inversion; where `probe` is false
-        the iterations are skipped (their outputs are zeros: the recomputation overwrites
-        them). The buffers are carried by the loop, never through a `cond`, where XLA would
-        copy them."""
+        """n iterations of the segment `seg`, backwards, by inversion, from `carry` (a
+        `BackCarry`); where `probe` is false the iterations are skipped (their outputs are
+        zeros: the recomputation overwrites them). The buffers are carried by the loop, never
+        through a `cond`, where XLA would copy them."""
 
-        def it(s, k):
-            carry, bufs = s
-            sl = seg.read(k)
+        def iteration(loop_carry, k):
+            carry, bufs = loop_carry
+            row = seg.read(k)
             if probe is None:
-                carry, o = step(carry, sl)
+                carry, out = step(carry, row)
             else:
-                carry, o = lax.cond(probe, step, lambda c, _: (c, step.zero_out()), carry, sl)
-            return (carry, seg.write(bufs, k, o)), None
+                carry, out = lax.cond(probe, step, skip, carry, row)
+            return (carry, seg.write(bufs, k, out)), None
 
-        return lax.scan(it, (carry, bufs), jnp.arange(n), reverse=True)[0]
+        return lax.scan(iteration, (carry, bufs), jnp.arange(n), reverse=True)[0]
 
-    def seg_back(c_end, c_ct, k_ct, w, BE, bufs, seg, ck_start, n, probe):
-        """One segment backwards: inverted and checked (`probe`), or, right after a miss,
-        recomputed at once. Returns its cotangents, worst, budget, outputs and whether it
-        missed."""
+    def check_start(rebuilt, rebuilt_ct, stored, state, n):
+        """The segment's check: its start as rebuilt against `stored`, its end at `state`."""
+        return check(rebuilt, stored, rebuilt_ct, state.carry, state.carry_ct, n, state.budget)
+
+    def seg_back(state, seg, stored, n, probe):
+        """One segment of n iterations backwards from `state` (at its end): inverted and
+        checked (`probe`), or, right after a miss, recomputed at once. Returns the state at
+        its start, whose carry is `stored`, its checkpoint."""
         if check is None:
-            (_, c_ct_s, k_ct_s, w_s), bufs = run((c_end, c_ct, k_ct, w), bufs, seg, n)
-            return c_ct_s, k_ct_s, vary_to(w_s, U), BE, bufs, false
-        if redo is None:
-            (c_s, c_ct_s, k_ct_s, w_s), bufs = run((c_end, c_ct, k_ct, w), bufs, seg, n)
-            rho, at, BE2 = check(c_s, ck_start, c_ct_s, c_end, c_ct, n, BE)
-            return (
-                c_ct_s,
-                k_ct_s,
-                vary_to(combine(w_s, (rho, at)), U),
-                vary_to(BE2, U),
-                bufs,
-                false,
+            back, bufs = run(state.back(), state.bufs, seg, n)
+            worst = vary_to(back.worst, axes)
+            return SegmentState(
+                stored, back.carry_ct, back.consts_ct, worst, state.budget, false, bufs
             )
-        if jax.tree_util.tree_leaves(bufs):
-            return gated(c_end, c_ct, k_ct, w, BE, bufs, seg, ck_start, n, probe)
+        if redo is None:
+            back, bufs = run(state.back(), state.bufs, seg, n)
+            checked = check_start(back.carry, back.carry_ct, stored, state, n)
+            return SegmentState(
+                stored,
+                back.carry_ct,
+                back.consts_ct,
+                vary_to(combine(back.worst, (checked.ratio, checked.site)), axes),
+                vary_to(checked.budget, axes),
+                false,
+                bufs,
+            )
+        if jax.tree_util.tree_leaves(state.bufs):
+            return gated(state, seg, stored, n, probe)
 
         # no per-iteration outputs: nothing large goes through the conds, which skip the
         # work not needed (a loop of small bodies pays for no per-iteration gating)
         def invert():
-            (c_s, c_ct_i, k_ct_i, w_s), out = run((c_end, c_ct, k_ct, w), bufs, seg, n)
-            rho, at, BE_i = check(c_s, ck_start, c_ct_i, c_end, c_ct, n, BE)
-            bad = ~(rho <= 1.0) | ~finite([*c_ct_i, *k_ct_i])
-            c_ct_s, k_ct_s, out = lax.cond(
-                bad, lambda: redo(ck_start, c_ct, k_ct, seg, n, out), lambda: (c_ct_i, k_ct_i, out)
+            back, bufs = run(state.back(), state.bufs, seg, n)
+            checked = check_start(back.carry, back.carry_ct, stored, state, n)
+            bad = ~(checked.ratio <= 1.0) | ~finite([*back.carry_ct, *back.consts_ct])
+            pulled = lax.cond(
+                bad,
+                lambda: redo(stored, state.carry_ct, state.consts_ct, seg, n, bufs),
+                lambda: Pulled(back.carry_ct, back.consts_ct, bufs),
             )
-            w_s = combine(
-                tuple(where(bad, a, b) for a, b in zip(w, w_s)), (where(bad, 0.0, rho), at)
+            worst = tuple(where(bad, a, b) for a, b in zip(state.worst, back.worst))
+            worst = combine(worst, (where(bad, 0.0, checked.ratio), checked.site))
+            budget = Budget(
+                checked.budget.rounding, where(bad, state.budget.drift, checked.budget.drift)
             )
-            return (
-                c_ct_s,
-                k_ct_s,
-                vary_to(w_s, U),
-                vary_to((BE_i[0], where(bad, BE[1], BE_i[1])), U),
-                out,
-                vary_to(bad, U),
+            return SegmentState(
+                stored,
+                pulled.carry_ct,
+                pulled.consts_ct,
+                vary_to(worst, axes),
+                vary_to(budget, axes),
+                vary_to(bad, axes),
+                pulled.bufs,
             )
 
         def recompute():
-            c_ct_s, k_ct_s, out = redo(ck_start, c_ct, k_ct, seg, n, bufs)
-            BE_r = check(ck_start, ck_start, c_ct_s, c_end, c_ct, n, BE)[2]
-            return (
-                c_ct_s,
-                k_ct_s,
-                w,
-                vary_to((BE_r[0], BE[1]), U),
-                out,
-                vary_to(jnp.ones((), bool), U),
+            pulled = redo(stored, state.carry_ct, state.consts_ct, seg, n, state.bufs)
+            counted = check_start(stored, pulled.carry_ct, stored, state, n).budget
+            return SegmentState(
+                stored,
+                pulled.carry_ct,
+                pulled.consts_ct,
+                state.worst,
+                vary_to(Budget(counted.rounding, state.budget.drift), axes),
+                vary_to(jnp.ones((), bool), axes),
+                pulled.bufs,
             )
 
         return lax.cond(probe, invert, recompute)
 
-    def gated(c_end, c_ct, k_ct, w, BE, bufs, seg, ck_start, n, probe):
+    def gated(state, seg, stored, n, probe):
         """`seg_back` for a loop with per-iteration outputs: inversion and recomputation
         each run over the segment, each iteration doing its work or not, so that the output
         arrays are never operands of a `cond`."""
-        (c_s, c_ct_i, k_ct_i, w_s), bufs = run((c_end, c_ct, k_ct, w), bufs, seg, n, probe)
-        rho, at, BE_i = check(c_s, ck_start, c_ct_i, c_end, c_ct, n, BE)
-        bad = ~probe | ~(rho <= 1.0) | ~finite([*c_ct_i, *k_ct_i])
-        c_ct_r, k_ct_r, bufs = redo(ck_start, c_ct, k_ct, seg, n, bufs, on=bad)
-        c_ct_s = [None if a is None else where(bad, a, b) for a, b in zip(c_ct_r, c_ct_i)]
-        k_ct_s = [where(bad, a, b) for a, b in zip(k_ct_r, k_ct_i)]
+        back, bufs = run(state.back(), state.bufs, seg, n, probe)
+        checked = check_start(back.carry, back.carry_ct, stored, state, n)
+        bad = ~probe | ~(checked.ratio <= 1.0) | ~finite([*back.carry_ct, *back.consts_ct])
+        pulled = redo(stored, state.carry_ct, state.consts_ct, seg, n, bufs, on=bad)
+        carry_ct = [
+            None if a is None else where(bad, a, b) for a, b in zip(pulled.carry_ct, back.carry_ct)
+        ]
+        consts_ct = [where(bad, a, b) for a, b in zip(pulled.consts_ct, back.consts_ct)]
         # the budget counts every segment (a recomputed one's boundary values are the true
         # ones); a repaired segment adds no drift
-        BE_r = check(ck_start, ck_start, c_ct_s, c_end, c_ct, n, BE)[2]
-        B = where(probe, BE_i[0], BE_r[0])
-        E = where(bad, BE[1], BE_i[1])
-        w_s = tuple(where(bad, a, b) for a, b in zip(w, w_s))
-        w_s = combine(w_s, (where(bad, 0.0, rho), at))
-        return c_ct_s, k_ct_s, vary_to(w_s, U), vary_to((B, E), U), bufs, vary_to(bad, U)
+        counted = check_start(stored, carry_ct, stored, state, n).budget
+        budget = Budget(
+            where(probe, checked.budget.rounding, counted.rounding),
+            where(bad, state.budget.drift, checked.budget.drift),
+        )
+        worst = tuple(where(bad, a, b) for a, b in zip(state.worst, back.worst))
+        worst = combine(worst, (where(bad, 0.0, checked.ratio), checked.site))
+        return SegmentState(
+            stored,
+            carry_ct,
+            consts_ct,
+            vary_to(worst, axes),
+            vary_to(budget, axes),
+            vary_to(bad, axes),
+            pulled.bufs,
+        )
 
-    BE = (zero, zero)
-    missed = false
-    first = 1 if r else 0  # the checkpoint of the first full segment
+    state = SegmentState(
+        end,
+        final.carry_ct,
+        final.consts_ct,
+        final.worst,
+        Budget(zero, zero),
+        false,
+        traced.out_buffers(length, axes),
+    )
+    first = 1 if rest else 0  # the checkpoint of the first full segment
     if nseg:
 
-        def outer(carry, j):
+        def outer(state, j):
             # a segment ends where the next one's stored start is: carried, not copied
-            c_end, c_ct, k_ct, w, BE, missed, bufs = carry
-            ck_start = [lax.dynamic_index_in_dim(c, first + j, keepdims=False) for c in ckpts]
-            probe = ~missed | (j % PROBE_EVERY == 0)
-            c_ct, k_ct, w, BE, bufs, missed = seg_back(
-                c_end, c_ct, k_ct, w, BE, bufs, xs.at(r + j * K), ck_start, K, probe
-            )
-            return (ck_start, c_ct, k_ct, w, BE, missed, bufs), None
+            stored = [lax.dynamic_index_in_dim(ck, first + j, keepdims=False) for ck in ckpts]
+            probe = ~state.missed | (j % PROBE_EVERY == 0)
+            return seg_back(state, xs.at(rest + j * K), stored, K, probe), None
 
-        (c_end, c_ct, k_ct, w, BE, missed, bufs), _ = lax.scan(
-            outer, (c_end, c_ct, k_ct, w, BE, missed, bufs), jnp.arange(nseg), reverse=True
-        )
-    if r:
-        c_ct, k_ct, w, _, bufs, _ = seg_back(
-            c_end, c_ct, k_ct, w, BE, bufs, xs, [c[0] for c in ckpts], r, ~missed
-        )
-    return ([c[0] for c in ckpts], c_ct, k_ct, w), bufs
+        state, _ = lax.scan(outer, state, jnp.arange(nseg), reverse=True)
+    start = [ck[0] for ck in ckpts]
+    if rest:
+        state = seg_back(state, xs, start, rest, ~state.missed)
+    return state.back()._replace(carry=start), state.bufs
 
 
 def segmented_forward(
@@ -263,49 +365,62 @@ def segmented_forward(
 ) -> tuple[list, Any, list]:
     """`lax.scan(step, init, xs, reverse=rev)` that also returns the carry at the start of
     every segment of K iterations, in iteration order (the layout `segmented` reads)."""
-    r, nseg = length % K, length // K
-    c = [jnp.asarray(a) for a in init]
-    sl = Slices(xs, length, rev)
-    f = _Traced(step, c, sl.read(0))
-    U = vma_union(c, xs)
-    bufs = f.out_buffers(length, U)
-    cks = [vary_to(zeros_of(sds(a, (nseg + (1 if r else 0), *jnp.shape(a)))), U) for a in c]
+    rest, nseg = length % K, length // K  # as in `segmented`
+    carry = [jnp.asarray(a) for a in init]
+    slices = Slices(xs, length, rev)
+    traced = _Traced(step, carry, slices.read(0))
+    axes = vma_union(carry, xs)
+    bufs = traced.out_buffers(length, axes)
+    ckpts = [
+        vary_to(zeros_of(sds(a, (nseg + (1 if rest else 0), *jnp.shape(a)))), axes) for a in carry
+    ]
 
-    def run(c, bufs, seg, n):
-        def it(s, k):
-            c, bufs = s
-            c, o = f(c, seg.read(k))
-            return (c, seg.write(bufs, k, o)), None
+    def run(carry, bufs, seg, n):
+        def iteration(loop_carry, k):
+            carry, bufs = loop_carry
+            carry, out = traced(carry, seg.read(k))
+            return (carry, seg.write(bufs, k, out)), None
 
-        return lax.scan(it, (c, bufs), jnp.arange(n))[0]
+        return lax.scan(iteration, (carry, bufs), jnp.arange(n))[0]
 
-    if r:
-        cks = [b.at[0].set(a) for b, a in zip(cks, c)]
-        c, bufs = run(c, bufs, sl, r)
+    if rest:
+        ckpts = [ck.at[0].set(a) for ck, a in zip(ckpts, carry)]
+        carry, bufs = run(carry, bufs, slices, rest)
+    state = ForwardState(carry, bufs, ckpts)
     if nseg:
-        first = 1 if r else 0
+        first = 1 if rest else 0
 
-        def outer(s, j):
-            c, bufs, cks = s
-            cks = [lax.dynamic_update_index_in_dim(b, a, first + j, 0) for b, a in zip(cks, c)]
-            c, bufs = run(c, bufs, sl.at(r + j * K), K)
-            return (c, bufs, cks), None
+        def outer(state, j):
+            ckpts = [
+                lax.dynamic_update_index_in_dim(ck, a, first + j, 0)
+                for ck, a in zip(state.ckpts, state.carry)
+            ]
+            carry, bufs = run(state.carry, state.bufs, slices.at(rest + j * K), K)
+            return ForwardState(carry, bufs, ckpts), None
 
-        (c, bufs, cks), _ = lax.scan(outer, (c, bufs, cks), jnp.arange(nseg))
-    return list(c), bufs, cks
+        state, _ = lax.scan(outer, state, jnp.arange(nseg))
+    return list(state.carry), state.bufs, state.ckpts
 
 
 def body_redo(
-    body: Any, nc: int, ncar: int, consts: Sequence[Any], act: Sequence[bool], yct: Sequence[bool]
+    body: Any,
+    nconsts: int,
+    ncarry: int,
+    consts: Sequence[Any],
+    active: Sequence[bool],
+    ys_ct_given: Sequence[bool],
 ) -> Any:
     """The repairing dial's recomputation of one segment of a loop (for `segmented`): run the
     body forward from the segment's stored start, keeping each iteration's carry (K carries at
     most), then pull the cotangents back by the body's VJP at those exact values, one
     iteration at a time. Needs every `xs` known (a loop that rebuilds its `xs` is not
-    recomputed)."""
-    a_c, a_car, a_x = act[:nc], act[nc : nc + ncar], act[nc + ncar :]
+    recomputed). `body`'s inputs are `nconsts` constants, `ncarry` carries, then `xs`;
+    `active`: which of them carry cotangents; `ys_ct_given`: which outputs `ys` have one."""
+    consts_active = active[:nconsts]
+    carry_active = active[nconsts : nconsts + ncarry]
+    xs_active = active[nconsts + ncarry :]
     out_avals = body.out_avals
-    fl = [jnp.issubdtype(a.dtype, jnp.inexact) for a in out_avals]
+    floating = [jnp.issubdtype(a.dtype, jnp.inexact) for a in out_avals]
 
     def pick(vals, flags):
         return [v for v, f in zip(vals, flags) if f]
@@ -314,93 +429,97 @@ def body_redo(
         it = iter(new)
         return [next(it) if f else v for v, f in zip(vals, flags)]
 
-    def redo(c0, c_ct_end, k_ct, seg, n, bufs=None, m=None, on=None):
-        """`seg`: the segment's `Slices` (`NO_SLICES`: a while loop's), whose outputs (the
-        `xs` cotangents) go into `bufs`; `m` (a while loop's last segment, shorter than K):
-        iterations from m on are not run; `on`: whether to recompute at all (else the
+    def redo(start, carry_ct, consts_ct, seg, n, bufs=None, stop=None, on=None):
+        """`start`: the segment's stored start; `carry_ct`, `consts_ct`: the cotangents at its
+        end; `seg`: the segment's `Slices` (`NO_SLICES`: a while loop's), whose outputs (the
+        `xs` cotangents) go into `bufs`; `stop` (a while loop's last segment, shorter than K):
+        iterations from `stop` on are not run; `on`: whether to recompute at all (else the
         cotangents come back as given and `bufs` unchanged), decided per iteration so that
-        `bufs` never goes through a `cond`."""
+        `bufs` never goes through a `cond`. Returns a `Pulled`."""
 
-        def fwd(c, j):
-            x = seg.read(j)[2]
-            new = list(eval_closed(body, *consts, *c, *x)[:ncar])
-            if m is not None:  # per element under vmap
-                new = [select_batched(j < m, a, b) for a, b in zip(new, c)]
-            return new, list(c)
+        def fwd(carry, j):
+            xs_j = StepInputs(*seg.read(j)).xs
+            new = list(eval_closed(body, *consts, *carry, *xs_j)[:ncarry])
+            if stop is not None:  # per element under vmap
+                new = [select_batched(j < stop, a, b) for a, b in zip(new, carry)]
+            return new, list(carry)
 
         def forward():
-            return lax.scan(fwd, list(c0), jnp.arange(n), length=n)[1]
+            return lax.scan(fwd, list(start), jnp.arange(n), length=n)[1]
 
-        cs = (
-            forward()
-            if on is None
-            else lax.cond(
-                on,
-                forward,
-                lambda: [
-                    match_vma(jnp.zeros((n, *jnp.shape(a)), jnp.result_type(a)), a) for a in c0
-                ],
-            )
-        )
+        def no_carries():
+            return [match_vma(jnp.zeros((n, *jnp.shape(a)), jnp.result_type(a)), a) for a in start]
 
-        def back(carry, s):
-            c_ct, k_ct, bufs = carry
-            j, c_t = s
-            _, ys_ct_t, x_t, _ = seg.read(j)
-            live = None if m is None else j < m
+        carries = forward() if on is None else lax.cond(on, forward, no_carries)
+
+        def back(pulled, scanned):
+            j, carry_j = scanned
+            row = StepInputs(*seg.read(j))
+            live = None if stop is None else j < stop
 
             def pull():
-                g_c, k2, gx = _back(c_ct, k_ct, c_t, x_t, ys_ct_t, live)
+                g_carry, g_consts, g_xs = pull_back(pulled, carry_j, row, live)
                 if live is not None:
                     # iterations past an element's count add nothing: their cotangents are
                     # zeroed before the VJP (the constants' share sums over the batch) and
                     # their carries' cotangents kept
-                    g_c = [
-                        None if a is None else select_batched(live, a, b) for a, b in zip(g_c, c_ct)
+                    g_carry = [
+                        None if a is None else select_batched(live, a, b)
+                        for a, b in zip(g_carry, pulled.carry_ct)
                     ]
-                return g_c, k2, gx
+                return g_carry, g_consts, g_xs
 
-            if on is None:
-                g_c, k2, gx = pull()
-            else:
-                g_c, k2, gx = lax.cond(
-                    on,
-                    pull,
-                    lambda: (
-                        list(c_ct),
-                        list(k_ct),
-                        [match_vma(jnp.zeros_like(x), x) for x in pick(x_t, a_x)],
-                    ),
-                )
+            def keep():
+                zeros = [match_vma(jnp.zeros_like(x), x) for x in pick(row.xs, xs_active)]
+                return list(pulled.carry_ct), list(pulled.consts_ct), zeros
+
+            g_carry, g_consts, g_xs = pull() if on is None else lax.cond(on, pull, keep)
+            bufs = pulled.bufs
             if bufs is not None:
-                outs = ([], list(gx))
+                outs = ([], list(g_xs))
                 if on is not None:
                     outs = _tmap(lambda new, old: where(on, new, old), outs, seg.read_from(bufs, j))
                 bufs = seg.write(bufs, j, outs)
-            return (g_c, k2, bufs), None
+            return Pulled(g_carry, g_consts, bufs), None
 
-        def _back(c_ct, k_ct, c_t, x_t, yc_t, on):
+        def pull_back(pulled, carry_j, row, live):
+            """One iteration's VJP at its recomputed carry `carry_j`: the cotangents of the
+            active carries, the constants (accumulated) and the active `xs`."""
 
-            def g(ca, ka, xa):
+            def floating_outs(carry_in, consts_in, xs_in):
                 outs = eval_closed(
-                    body, *put(consts, a_c, ka), *put(c_t, a_car, ca), *put(x_t, a_x, xa)
+                    body,
+                    *put(consts, consts_active, consts_in),
+                    *put(carry_j, carry_active, carry_in),
+                    *put(row.xs, xs_active, xs_in),
                 )
-                return pick(outs, fl)
+                return pick(outs, floating)
 
-            _, pull = jax.vjp(g, pick(c_t, a_car), pick(consts, a_c), pick(x_t, a_x))
-            it = iter(yc_t)
+            _, vjp = jax.vjp(
+                floating_outs,
+                pick(carry_j, carry_active),
+                pick(consts, consts_active),
+                pick(row.xs, xs_active),
+            )
+            given = iter(row.ys_ct)
             cts = []
-            for j, a in enumerate(out_avals):
-                g_j = c_ct[j] if j < ncar else (next(it) if yct[j - ncar] else None)
-                g_j = zeros_of(a) if g_j is None else g_j
-                cts.append(g_j if on is None else select_batched(on, g_j, jnp.zeros_like(g_j)))
-            gc, gk, gx = pull(pick(cts, fl))
-            gc = iter(gc)
-            return ([next(gc) if a else None for a in a_car], [a + b for a, b in zip(k_ct, gk)], gx)
+            for o, aval in enumerate(out_avals):
+                if o < ncarry:
+                    ct = pulled.carry_ct[o]
+                else:
+                    ct = next(given) if ys_ct_given[o - ncarry] else None
+                ct = zeros_of(aval) if ct is None else ct
+                cts.append(ct if live is None else select_batched(live, ct, jnp.zeros_like(ct)))
+            g_carry, g_consts, g_xs = vjp(pick(cts, floating))
+            g_carry = iter(g_carry)
+            return (
+                [next(g_carry) if a else None for a in carry_active],
+                [a + b for a, b in zip(pulled.consts_ct, g_consts)],
+                g_xs,
+            )
 
-        (c_ct, k_ct, bufs), _ = lax.scan(
-            back, (list(c_ct_end), list(k_ct), bufs), (jnp.arange(n), cs), length=n, reverse=True
-        )
-        return c_ct, k_ct, bufs
+        init = Pulled(list(carry_ct), list(consts_ct), bufs)
+        pulled, _ = lax.scan(back, init, (jnp.arange(n), carries), length=n, reverse=True)
+        return pulled
 
     return redo
