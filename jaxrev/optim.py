@@ -19,7 +19,6 @@ and settings, cached like `jax.jit`'s: a repeated call does not trace again.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from functools import partial
 from typing import Any, NamedTuple
@@ -469,7 +468,6 @@ def root(
     rtol: float = RTOL,
     atol: float = ATOL,
     maxiter: int = 50,
-    tol: float | None = None,
 ) -> tuple[Any, Info]:
     """Solve ``fun(x) = 0`` (a square system; `x0` a pytree) by Newton's method: the step
     ``d = J⁻¹F(x)`` comes from `inverse_jvp` of `fun` itself, and a backtracking line search
@@ -480,7 +478,7 @@ def root(
     step is within ``atol + rtol·|x|`` everywhere: x is then that close to a root whatever
     F's scale (a discretised operator's F of order 1/h² stops decreasing at its rounding, far
     above `atol`). "stalled" means no step could reduce ‖F‖ while the Newton step was still
-    larger than that. `tol` is the deprecated name of `atol` (with ``rtol=0``).
+    larger than that.
 
     Jittable and vmappable (one `lax.while_loop`); an eager call is compiled, and a repeated
     one (same `fun`, shapes, dtypes and settings) reuses it. Example:
@@ -490,18 +488,6 @@ def root(
         ([2.0, 3.0], 'converged')
     """
     who = "jaxrev.optim.root"
-    if tol is not None:
-        if (rtol, atol) != (RTOL, ATOL):
-            raise ValueError(f"{who}: pass rtol and atol, not tol (its deprecated name)")
-        warnings.warn(
-            f"{who}: tol= is deprecated; pass atol={tol!r} (and rtol, relative to "
-            "|x|, on the Newton step) instead",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        if not tol > 0:
-            raise ValueError(f"{who}: tol must be > 0, got {tol}")
-        rtol, atol = 0.0, tol
     if not (rtol >= 0 and atol >= 0):
         raise ValueError(f"{who}: rtol and atol must be >= 0, got rtol={rtol}, atol={atol}")
     _check_maxiter(who, maxiter)

@@ -26,9 +26,9 @@ A pivot that is exactly zero raises `SingularJacobianError` naming the step and 
 line (on concrete values); ``on_error="nan"`` returns NaN instead, and ``on_error="warn"`` NaN
 and a `FailureWarning`. Under `jit` the values are not known when the program is traced:
 singular steps then give non-finite results, which ``on_error="raise"`` turns into an error
-when the program runs (and "warn" into a warning). ``on_singular=`` is the deprecated name of
-``on_error=``. The walks of both transforms run in their own name (their errors say
-`jaxrev.inverse_jvp` / `jaxrev.inverse_vjp`) and without Newton's method.
+when the program runs (and "warn" into a warning). The walks of both transforms run in their
+own name (their errors say `jaxrev.inverse_jvp` / `jaxrev.inverse_vjp`) and without Newton's
+method.
 """
 
 from __future__ import annotations
@@ -369,7 +369,6 @@ def inverse_jvp(
     *,
     method: str = "auto",
     on_error: str | None = None,
-    on_singular: str | None = None,
 ) -> tuple[Any, tuple]:
     """Solve ``J @ in_tangents == out_tangent`` step by step; returns ``(fun(*primals),
     in_tangents)``.
@@ -378,7 +377,7 @@ def inverse_jvp(
     `out_tangent` has the structure of `fun`'s output and `in_tangents` is a tuple matching
     `primals`. `method` picks the strategy (see the module docs); "auto" tries "reverse",
     then "linearize", then "dense". `on_error`: what a singular Jacobian does ("raise", "nan":
-    NaN tangents, "warn": NaN and a warning; `on_singular=` is its deprecated name).
+    NaN tangents, "warn": NaN and a warning).
 
     Example:
         >>> import jax.numpy as jnp, jaxrev as jr
@@ -388,7 +387,7 @@ def inverse_jvp(
         [1.0, 0.0, 0.0]
     """
     who = "jaxrev.inverse_jvp"
-    on_error = resolve_on_error(who, on_error, on_singular=on_singular)
+    on_error = resolve_on_error(who, on_error)
     _check_args(fun, primals, method, who)
     # eager calls are compiled from the second on, keyed like jax.jit's (`_cache`)
     return cached_call(
@@ -442,14 +441,13 @@ def inverse_vjp(
     *primals: Any,
     method: str = "auto",
     on_error: str | None = None,
-    on_singular: str | None = None,
 ) -> tuple[Any, Callable]:
     """Returns ``(fun(*primals), ivjp_fn)``: ``ivjp_fn(in_cotangents)`` is the output
     cotangent `w` with ``vjp_fn(w) == in_cotangents``, that is ``J⁻ᵀ in_cotangents``.
 
     `in_cotangents` is a tuple matching `primals`. With method "reverse" (tried first by
     "auto") no tape is kept: the sweep runs `fun`'s steps in program order, rebuilding values
-    as it goes. `on_error` is `inverse_jvp`'s (`on_singular=` its deprecated name).
+    as it goes. `on_error` is `inverse_jvp`'s.
 
     Example:
         >>> import jax, jax.numpy as jnp, jaxrev as jr
@@ -461,7 +459,7 @@ def inverse_vjp(
         [1.0, 1.0, 1.0]
     """
     who = "jaxrev.inverse_vjp"
-    on_error = resolve_on_error(who, on_error, on_singular=on_singular)
+    on_error = resolve_on_error(who, on_error)
     _check_args(fun, primals, method, who)
     primals = tuple(primals)
 

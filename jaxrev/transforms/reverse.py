@@ -179,7 +179,6 @@ def reverse(
     *,
     on_error: str | None = None,
     state: Any = None,
-    on_failure: str | None = None,
 ) -> Callable:
     """Return the inverse of `fun` in the arguments at `argnums` (the state).
 
@@ -197,8 +196,7 @@ def reverse(
     where it misses its tolerance, or no branch of a state-dependent choice is consistent,
     `on_error="raise"` (the default) raises naming the line (under `jit`, when the program
     runs), `on_error="nan"` returns NaN there, and `on_error="warn"` returns NaN and warns
-    (a `jr.FailureWarning`; under `jit` when the program runs). `on_failure=` is its
-    deprecated name.
+    (a `jr.FailureWarning`; under `jit` when the program runs).
 
     Example:
         >>> import jax.numpy as jnp, jaxrev as jr
@@ -212,7 +210,7 @@ def reverse(
         [0.0, 1.0, 2.0]
     """
     who = "jaxrev.reverse"
-    on_error = resolve_on_error(who, on_error, on_failure=on_failure)
+    on_error = resolve_on_error(who, on_error)
     return reverse_with(fun, Settings(who, on_error), argnums, state, closed=True)
 
 

@@ -54,7 +54,6 @@ class Bijector:
         method: str = "auto",
         on_error: str | None = None,
         name: str | None = None,
-        on_singular: str | None = None,
     ) -> None:
         if not isinstance(event_ndims, int) or event_ndims < 0:
             raise ValueError(
@@ -69,7 +68,7 @@ class Bijector:
         self.name = name or fun_name(fun)
         self.is_constant_jacobian = False
         self.is_constant_log_det = False
-        on_error = resolve_on_error("jaxrev.Bijector", on_error, on_singular=on_singular)
+        on_error = resolve_on_error("jaxrev.Bijector", on_error)
         self._on_error = on_error
         self._inv = reverse_with(fun, Settings("jaxrev.Bijector", on_error), argnums)
         self._fwd_ld = forward_and_slogdet(fun, argnums, method=method, on_error=on_error)

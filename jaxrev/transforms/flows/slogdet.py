@@ -403,7 +403,6 @@ def slogdet_jacobian(
     argnums: int | Sequence[int] = 0,
     method: str = "auto",
     on_error: str | None = None,
-    on_singular: str | None = None,
 ) -> tuple[Any, Any]:
     """``(sign, log|det J|)`` of `fun`'s Jacobian with respect to the arguments at `argnums`
     (the state: `fun` maps it to as many numbers), the others held fixed.
@@ -414,8 +413,7 @@ def slogdet_jacobian(
     (`logdet_strategy` says which). A singular Jacobian raises `SingularJacobianError`
     naming the step whose pivot vanished, on concrete values; under `jit` the exact answer,
     sign 0 and -inf, comes back (as from `jnp.linalg.slogdet`; no host check is compiled
-    in). `on_error="nan"` returns that answer eagerly too, and "warn" with a warning
-    (`on_singular=` is the deprecated name of `on_error=`).
+    in). `on_error="nan"` returns that answer eagerly too, and "warn" with a warning.
 
     Example:
         >>> import jax.numpy as jnp, jaxrev as jr
@@ -425,7 +423,7 @@ def slogdet_jacobian(
         (1.0, 3.0)
     """
     who = "jaxrev.slogdet_jacobian"
-    on_error = resolve_on_error(who, on_error, on_singular=on_singular)
+    on_error = resolve_on_error(who, on_error)
     _check_method(method, who)
     nums = normalize_argnums(argnums, len(primals), fun)
     t = _trace(fun, primals, nums, who)
@@ -496,7 +494,6 @@ def forward_and_slogdet(
     *,
     method: str = "auto",
     on_error: str | None = None,
-    on_singular: str | None = None,
 ) -> Callable:
     """A function returning ``(fun(*args), log|det J|)``, J the Jacobian with respect to the
     arguments at `argnums`, from one forward pass (distrax's ``forward_and_log_det``). A
@@ -511,7 +508,7 @@ def forward_and_slogdet(
         1.5
     """
     who = "jaxrev.forward_and_slogdet"
-    on_error = resolve_on_error(who, on_error, on_singular=on_singular)
+    on_error = resolve_on_error(who, on_error)
     _check_method(method, who)
 
     @functools.wraps(fun)
@@ -541,7 +538,6 @@ def inverse_and_slogdet(
     *,
     method: str = "auto",
     on_error: str | None = None,
-    on_singular: str | None = None,
     state: Any = None,
 ) -> Callable:
     """A function returning ``(reverse(fun)(*args), log|det|)`` of the inverse's Jacobian
@@ -549,10 +545,10 @@ def inverse_and_slogdet(
     ``inverse_and_log_det``). Its arguments are `fun`'s, with `fun`'s output in the state
     positions. A vanished pivot (no inverse) raises `SingularJacobianError` naming the step,
     under `jit` when the program runs (a host check, 0.15-0.6 ms a call on CPU;
-    `on_error="nan"` drops it and returns the non-finite values; "warn" warns instead;
-    `on_singular=` is its deprecated name). For a `fun` that changes structure or shapes (a
-    reshape, an unpacking into a dict), `state` gives the state's, as for `reverse`: the
-    function then takes `fun`'s whole output in the first state position.
+    `on_error="nan"` drops it and returns the non-finite values; "warn" warns instead). For a
+    `fun` that changes structure or shapes (a reshape, an unpacking into a dict), `state`
+    gives the state's, as for `reverse`: the function then takes `fun`'s whole output in the
+    first state position.
 
     Example:
         >>> import jax.numpy as jnp, jaxrev as jr
@@ -562,7 +558,7 @@ def inverse_and_slogdet(
         -1.5
     """
     who = "jaxrev.inverse_and_slogdet"
-    on_error = resolve_on_error(who, on_error, on_singular=on_singular)
+    on_error = resolve_on_error(who, on_error)
     _check_method(method, who)
 
     @functools.wraps(fun)
