@@ -14,9 +14,16 @@ from jaxrev._errors import (
 from jaxrev._runtime import jit, raise_runtime_errors
 from jaxrev import optim
 from jaxrev.primitives import apply_gate, rot, swap
-from jaxrev.transforms.rules.cond import cond
+from jaxrev.transforms.control_flow import cond, while_loop
 from jaxrev.transforms.sweep.drift import DriftWarning
-from jaxrev.transforms.custom import custom_inverse, forward_mode, hook, nestlevel, recompute, store
+from jaxrev.transforms.custom_rules import (
+    custom_inverse,
+    forward_mode,
+    hook,
+    nestlevel,
+    recompute,
+    store,
+)
 from jaxrev.transforms.flows.bijector import Bijector, Chain
 from jaxrev.transforms.flows.slogdet import (
     forward_and_slogdet,
@@ -35,7 +42,6 @@ from jaxrev.transforms.reports import (
 )
 from jaxrev.transforms.reverse import reverse
 from jaxrev.transforms.reversible import reversible
-from jaxrev.transforms.rules.while_loop import while_loop
 
 __version__ = "0.1.0"
 

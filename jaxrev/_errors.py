@@ -11,19 +11,32 @@ from jaxrev._compat import user_source
 class JaxrevError(Exception):
     """Base class of every error jaxrev raises on purpose.
 
-    >>> import jax.numpy as jnp, jaxrev as jr
-    >>> try:
-    ...     jr.reverse(lambda x: x * 0.0)(jnp.ones(2))
-    ... except jr.JaxrevError as e:
-    ...     print(type(e).__name__)
-    NotInvertibleError
+    **Arguments:**
+
+    - `message`: the error's text (jaxrev's messages name the transform, the primitive and the
+      user's line).
+
+    **Example:**
+
+        >>> import jax.numpy as jnp, jaxrev as jr
+        >>> try:
+        ...     jr.reverse(lambda x: x * 0.0)(jnp.ones(2))
+        ... except jr.JaxrevError as e:
+        ...     print(type(e).__name__)
+        NotInvertibleError
     """
 
 
 class NotInvertibleError(JaxrevError):
     """A program loses information, so `jr.reverse` cannot run it backwards.
 
-    Attributes: `primitive` (its name), `file`, `line` (the user's source line, when known).
+    **Arguments:**
+
+    - `message`: the error's text.
+    - `primitive`, `file`, `line`: the step's primitive name and the user's source line, when
+      known (None otherwise); also its attributes.
+
+    **Example:**
 
         >>> import jax.numpy as jnp, jaxrev as jr
         >>> try:
@@ -70,7 +83,13 @@ class ReversibilityError(_AtStep):
     the tolerance asked for, or a group of equations solved numerically (Newton's method) did
     not reach its tolerance.
 
-    Attributes: `primitive`, `file`, `line` of the step, where one is named (else None).
+    **Arguments:**
+
+    - `message`: the error's text.
+    - `primitive`, `file`, `line`: the step, where one is named (else None); also its
+      attributes.
+
+    **Example:**
 
         >>> import jax.numpy as jnp, jaxrev as jr
         >>> x = jnp.array([0.1, 0.5, 1.0], jnp.float32)
@@ -83,11 +102,19 @@ class ReversibilityError(_AtStep):
 
 
 class DriftError(ReversibilityError):
-    """A value `reversible`'s backward run rebuilt missed its true counterpart (the inputs of
-    the call, or a stored checkpoint) by more than the tolerance (docs/design.md §3.8).
+    """A value `reversible`'s backward run rebuilt missed its true counterpart (the inputs of the
+    call, or a stored checkpoint) by more than the tolerance (docs/design.md §3.8).
 
-    Attributes: `drift` (the measured relative drift), `tolerance`, `file` (the loop's or the
-    call's user line, where one is known).
+    **Arguments:**
+
+    - `message`: the error's text.
+    - `file`: the loop's or the call's user line, where one is known.
+    - `drift`: the measured relative drift.
+    - `tolerance`: the relative drift tolerated.
+
+    All three are also its attributes.
+
+    **Example:**
 
         >>> import jax, jax.numpy as jnp, jaxrev as jr
         >>> from jax import lax
@@ -113,9 +140,16 @@ class DriftError(ReversibilityError):
 
 
 class SingularJacobianError(_AtStep):
-    """A step's pivot vanished while inverting a Jacobian.
+    """A step's pivot vanished while inverting a Jacobian (`inverse_jvp`, `inverse_vjp`, the
+    log-determinant transforms).
 
-    Attributes: `primitive`, `file`, `line` of the step (None when the dense fallback found it).
+    **Arguments:**
+
+    - `message`: the error's text.
+    - `primitive`, `file`, `line`: the step (None when the dense fallback found it); also its
+      attributes.
+
+    **Example:**
 
         >>> import jax.numpy as jnp, jaxrev as jr
         >>> try:   # the Jacobian of x * x is 2x, singular at 0
@@ -127,8 +161,14 @@ class SingularJacobianError(_AtStep):
 
 
 class FailureWarning(UserWarning):
-    """A failure the caller asked to be warned of (``on_error="warn"``): the result is NaN
-    where it happened.
+    """A failure the caller asked to be warned of (``on_error="warn"``): the result is NaN where
+    it happened.
+
+    **Arguments:**
+
+    - `message`: the warning's text (that of the error ``on_error="raise"`` would raise).
+
+    **Example:**
 
         >>> import warnings, jax.numpy as jnp, jaxrev as jr
         >>> step = lambda x: jnp.where(x > 0, x + 1.0, x - 1.0)   # nothing maps to 0

@@ -208,11 +208,22 @@ def raise_runtime_errors() -> Iterator[None]:
     check (``INTERNAL: CpuCallback error calling callback: ...``) becomes the `jr.JaxrevError`
     the check raised (`jr.DriftError`, `jr.SingularJacobianError`, ...), message first; the
     runtime error stays reachable as its `__context__`. Other errors pass through unchanged.
-    Also a decorator: `eqx.filter_jit` passes a jaxrev check's runtime error through as it is
-    (it converts Equinox's own errors only), so ``jr.raise_runtime_errors()(eqx.filter_jit(f))``
-    raises jaxrev's. A failure an accelerator reports only when the result is read is caught
-    where it is read inside the block: end the block with `jax.block_until_ready(result)`
-    (`jr.jit` and `eqx.filter_jit` wait for their results themselves).
+
+    A failure an accelerator reports only when the result is read is caught where it is read
+    inside the block: end the block with `jax.block_until_ready(result)` (`jr.jit` and
+    `eqx.filter_jit` wait for their results themselves).
+
+    **Arguments:**
+
+    None.
+
+    **Returns:**
+
+    A context manager, also usable as a decorator: `eqx.filter_jit` passes a jaxrev check's
+    runtime error through as it is (it converts Equinox's own errors only), so
+    ``jr.raise_runtime_errors()(eqx.filter_jit(f))`` raises jaxrev's.
+
+    **Example:**
 
         >>> import jax, jax.numpy as jnp, jaxrev as jr
         >>> step = jax.jit(lambda y: jr.inverse_jvp(lambda x: x * x, (y,), jnp.ones(2))[1])
@@ -300,24 +311,33 @@ class _Jitted:
 def jit(fun: Callable | None = None, /, **jit_kwargs: Any) -> Any:
     """`jax.jit`, whose calls raise a failed jaxrev check as its documented error.
 
-    Takes `jax.jit`'s arguments as they are (`static_argnums`, `donate_argnums`,
-    `in_shardings`, ... are passed through; without `fun` it returns a decorator) and returns
-    a function that behaves as `jax.jit`'s (its `lower`, `trace`, `eval_shape`,
-    `clear_cache` are `jax.jit`'s), except that a jaxrev check failing where the program
-    runs (a drift past `reversible`'s tolerance, a vanished pivot, a Newton group that missed
-    its tolerance) raises `jr.DriftError`, `jr.SingularJacobianError`,
-    `jr.ReversibilityError`, ... with jaxrev's message first, naming your line, instead of
-    `jax.errors.JaxRuntimeError: INTERNAL: ...` (which stays reachable as `__context__`).
+    A jaxrev check failing where the program runs (a drift past `reversible`'s tolerance, a
+    vanished pivot, a Newton group that missed its tolerance) raises `jr.DriftError`,
+    `jr.SingularJacobianError`, `jr.ReversibilityError`, ... with jaxrev's message first,
+    naming your line, instead of `jax.errors.JaxRuntimeError: INTERNAL: ...` (which stays
+    reachable as `__context__`).
 
     The error must be raised inside the call, so a call of a function whose compiled program
-    holds a jaxrev check waits for its result (`jax.block_until_ready`) before returning:
-    such calls give up asynchronous dispatch (the host waits for the device at each call).
-    Whether a program holds a check is seen when JAX traces or lowers it; from then on every
-    call of this function waits. A function that never compiled a check is not blocked and
-    costs what `jax.jit`'s call costs (one Python call more). Errors raised where JAX
-    transforms the function from outside (the backward pass of ``jax.grad(jr.jit(f))`` runs
-    after the call returned) are not converted: put `jr.jit` outermost, or wrap the code in
-    `jr.raise_runtime_errors()`.
+    holds a jaxrev check waits for its result (`jax.block_until_ready`) before returning: such
+    calls give up asynchronous dispatch. Whether a program holds a check is seen when JAX traces
+    or lowers it; from then on every call of this function waits. A function that never
+    compiled a check costs what `jax.jit`'s call costs (one Python call more). Errors raised
+    where JAX transforms the function from outside (the backward pass of
+    ``jax.grad(jr.jit(f))`` runs after the call returned) are not converted: put `jr.jit`
+    outermost, or wrap the code in `jr.raise_runtime_errors()`.
+
+    **Arguments:**
+
+    - `fun`: the function to compile; without it, `jit` returns a decorator.
+    - `**jit_kwargs`: `jax.jit`'s keyword arguments (`static_argnums`, `donate_argnums`,
+      `in_shardings`, ...), passed through.
+
+    **Returns:**
+
+    A function that behaves as `jax.jit`'s (its `lower`, `trace`, `eval_shape`, `clear_cache`
+    are `jax.jit`'s), but for the errors above.
+
+    **Example:**
 
         >>> import jax, jax.numpy as jnp, jaxrev as jr
         >>> halve = jr.reversible(lambda y: jax.lax.fori_loop(0, 60, lambda i, y: 0.5 * y + 0.1, y),

@@ -40,23 +40,34 @@ _SEARCH_ROUNDS = 32
 class ReversibleAdjoint(diffrax.AbstractAdjoint):
     """Backpropagate through `diffeqsolve` by running the solver backwards (`jr.reversible`).
 
-    Solvers: `Reversible(s)` for an explicit Runge–Kutta solver s, or
-    `diffrax.ReversibleHeun`; an explicit Runge–Kutta solver as it is (its step loses
-    information) and implicit, split or SDE-only solvers are refused with a `ValueError`
-    saying what is accepted. Controllers: `ConstantStepSize`, `StepTo`, and adaptive ones
-    (`PIDController`: the accepted steps are found by a first solve that is not
-    differentiated, as diffrax's controller stops gradients through its step sizes too, and
-    kept, one scalar a step; needs a finite `max_steps`). `SaveAt` with `t0`, `t1`, `ts` and
-    `subs` (not `steps` or `dense`); no events.
+    Solvers: `Reversible(s)` for an explicit Runge–Kutta solver s, or `diffrax.ReversibleHeun`;
+    an explicit Runge–Kutta solver as it is (its step loses information) and implicit, split or
+    SDE-only solvers are refused with a `ValueError` saying what is accepted. Controllers:
+    `ConstantStepSize`, `StepTo`, and adaptive ones (`PIDController`: the accepted steps are
+    found by a first solve that is not differentiated, as diffrax's controller stops gradients
+    through its step sizes too, and kept, one scalar a step; needs a finite `max_steps`).
+    `SaveAt` with `t0`, `t1`, `ts` and `subs` (not `steps` or `dense`); no events.
 
-    Memory: with the default `checkpoint_every=None` nothing is stored per step (flat in the
-    number of steps and in `max_steps`); the rebuilt start of the solve is checked against
-    y0 (`on_drift`: a miss raises `jr.DriftError`, never a silently wrong gradient).
-    `checkpoint_every="auto"` keeps ⌈√max_steps⌉ checkpoints of the state so that a drifting
-    segment is recomputed forward (repaired) instead, for solves saved at t1 (a solve saved
-    at `ts` stays checked, not repaired). The fields are `jr.reversible`'s.
+    **Arguments:**
 
-    Example:
+    The fields are `jr.reversible`'s:
+
+    - `checkpoint_every`: None (the default): nothing is stored per step (memory flat in the
+      number of steps and in `max_steps`); the rebuilt start of the solve is checked against
+      y0. "auto" keeps ⌈√max_steps⌉ checkpoints of the state so that a drifting segment is
+      recomputed forward (repaired) instead, for solves saved at t1 (a solve saved at `ts`
+      stays checked, not repaired). An int K: a checkpoint every K steps.
+    - `memory_budget`: bytes of checkpoints the solve may keep (picks K).
+    - `on_drift`: what a miss does: "repair" (the default), "raise" (a `jr.DriftError`, never a
+      silently wrong gradient), "warn", "nan", "ignore".
+    - `drift_rtol`: a relative drift tolerance instead of the default measures.
+
+    **Returns:**
+
+    The adjoint, for `diffeqsolve(..., adjoint=ReversibleAdjoint())`.
+
+    **Example:**
+
         >>> import diffrax, jax, jax.numpy as jnp, jaxrev as jr
         >>> from jaxrev.diffrax import ReversibleAdjoint
         >>> def loss(th):
@@ -209,18 +220,25 @@ class Reversible(diffrax.AbstractAdaptiveSolver):
     step's own program (no rule is registered: the couplings are inverted like any additive
     coupling, at the cost a hand-written inverse would have, and the stages the inverse
     evaluates are the ones the step's VJP reads), and `ReversibleAdjoint` runs the solve
-    backwards with it. The order is the base
-    solver's. Each base step is taken as after a jump (its first-same-as-last stage is
-    evaluated, not read from a state), so the solver state is z alone: a pure function of the
-    step's inputs, which the backward run can rebuild (Tsit5's and Dopri5's cached stage
-    would otherwise be state that no step computes from y and z). The error estimate and the
-    interpolation are those of the base step from z0.
+    backwards with it. The order is the base solver's. Each base step is taken as after a jump
+    (its first-same-as-last stage is evaluated, not read from a state), so the solver state is
+    z alone: a pure function of the step's inputs, which the backward run can rebuild (Tsit5's
+    and Dopri5's cached stage would otherwise be state that no step computes from y and z). The
+    error estimate and the interpolation are those of the base step from z0.
 
-    `solver` must be an explicit Runge–Kutta solver (`Euler`, `Heun`, `Midpoint`, `Ralston`,
-    `Bosh3`, `Tsit5`, `Dopri5`, `Dopri8`, any `diffrax.AbstractERK`); implicit solvers,
-    `SemiImplicitEuler` and SDE-only solvers are refused. `0 < coupling <= 1`.
+    **Arguments:**
 
-    Example:
+    - `solver`: an explicit Runge–Kutta solver (`Euler`, `Heun`, `Midpoint`, `Ralston`,
+      `Bosh3`, `Tsit5`, `Dopri5`, `Dopri8`, any `diffrax.AbstractERK`); implicit solvers,
+      `SemiImplicitEuler` and SDE-only solvers are refused.
+    - `coupling`: λ, with ``0 < coupling <= 1`` (default 0.999).
+
+    **Returns:**
+
+    A diffrax solver, of the base solver's order.
+
+    **Example:**
+
         >>> import diffrax, jax.numpy as jnp
         >>> from jaxrev.diffrax import Reversible
         >>> term = diffrax.ODETerm(lambda t, y, args: -y)

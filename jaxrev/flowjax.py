@@ -31,12 +31,25 @@ _INVERSE = inverse_and_slogdet(_call)
 
 
 class Bijection(AbstractBijection):
-    """`fun` as a flowjax bijection of arrays of `shape`: ``fun(x)``, or ``fun(x, condition)``
-    with `cond_shape` given. `transform_and_log_det` is `jr.forward_and_slogdet(fun)`,
-    `inverse_and_log_det` is `jr.inverse_and_slogdet(fun)` (flowjax's conventions: the
-    inverse's log-det is that of the inverse map).
+    """`fun` as a flowjax bijection, for `Transformed` distributions and `fit_to_data`.
 
-    Example:
+    `transform_and_log_det` is `jr.forward_and_slogdet(fun)`, `inverse_and_log_det` is
+    `jr.inverse_and_slogdet(fun)` (flowjax's conventions: the inverse's log-det is that of the
+    inverse map).
+
+    **Arguments:**
+
+    - `fun`: the invertible function: ``fun(x)``, or ``fun(x, condition)`` with `cond_shape`
+      given (an Equinox module, or any function).
+    - `shape`: the shape of the arrays it maps.
+    - `cond_shape`: the shape of the condition (None: unconditional).
+
+    **Returns:**
+
+    The bijection (a flowjax `AbstractBijection`).
+
+    **Example:**
+
         >>> import jax.numpy as jnp
         >>> from jaxrev.flowjax import Bijection
         >>> b = Bijection(lambda x: x + jnp.tanh(x[::-1]) * jnp.array([1.0, 0.0]), shape=(2,))

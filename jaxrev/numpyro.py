@@ -20,11 +20,23 @@ __all__ = ["Transform"]
 
 
 class Transform(_nt.Transform):
-    """`fun` (one event of `event_ndims` dimensions to one of the same shape) as a numpyro
-    transform; batches of events are vmapped. `log_abs_det_jacobian(x, y)` is the log-det of
-    one event's map (numpyro's convention for transforms of vectors), from jaxrev's sweep.
+    """`fun` as a numpyro transform; batches of events are vmapped.
 
-    Example:
+    `log_abs_det_jacobian(x, y)` is the log-det of one event's map (numpyro's convention for
+    transforms of vectors), from jaxrev's sweep; the inverse is `jr.reverse(fun)`.
+
+    **Arguments:**
+
+    - `fun`: the invertible function of one event of `event_ndims` dimensions, to one of the
+      same shape.
+    - `event_ndims`: the number of dimensions of one event (default 1).
+
+    **Returns:**
+
+    The transform (a numpyro `Transform`).
+
+    **Example:**
+
         >>> import jax.numpy as jnp
         >>> from jaxrev.numpyro import Transform
         >>> t = Transform(lambda x: x * jnp.exp(jnp.array([0.5, -1.0])) + jnp.tanh(x[::-1]))

@@ -19,7 +19,6 @@ and settings, cached like `jax.jit`'s: a repeated call does not trace again.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from functools import partial
 from typing import Any, NamedTuple
@@ -49,8 +48,14 @@ finite."""
 class Info(NamedTuple):
     """What `minimize` and `root` return beside the solution (arrays, so jit can return them).
 
-    `residual` is the gradient's (or F's) largest absolute entry at the solution; `status` an
-    index into `jaxrev.optim.STATUS`.
+    **Arguments:**
+
+    - `iterations`: the iterations taken.
+    - `residual`: the gradient's (or F's) largest absolute entry at the solution.
+    - `value`: the objective there (`root`: ``‖F‖²/2``).
+    - `status`: an index into `jaxrev.optim.STATUS`; `info.message` is its name.
+
+    **Example:**
 
         >>> import jax.numpy as jnp, jaxrev as jr
         >>> x, info = jr.optim.root(lambda x: x ** 3 - 8.0, jnp.array([1.0]))
@@ -80,11 +85,24 @@ def newton_direction(
     damping: Any = 0.0,
     method: str = "auto",
 ) -> Any:
-    """``(H + damping·I)⁻¹ grad`` for the Hessian `H` of `value_fn` at `params` (a pytree), by
-    inverse accumulation over ``jax.grad(value_fn)``; `grad` defaults to the gradient there.
-    A singular system gives NaN (the caller decides what to do).
+    """``(H + damping·I)⁻¹ grad`` for the Hessian `H` of `value_fn` at `params`, by inverse
+    accumulation over ``jax.grad(value_fn)``.
 
-    Example:
+    **Arguments:**
+
+    - `value_fn`: a scalar function of one pytree.
+    - `params`: where H is taken (a pytree).
+    - `grad`: the right-hand side, in `params`' structure (default: the gradient at `params`).
+    - `damping`: added to the Hessian's diagonal (default 0).
+    - `method`: the strategy of `jr.inverse_vjp` ("auto", "reverse", "linearize", "dense").
+
+    **Returns:**
+
+    The direction, in `params`' structure. A singular system gives NaN (the caller decides
+    what to do).
+
+    **Example:**
+
         >>> import jax.numpy as jnp, jaxrev as jr
         >>> f = lambda x: jnp.sum(x ** 4) + jnp.sum(x ** 2)
         >>> d = jr.optim.newton_direction(f, jnp.array([1.0, 2.0]))  # (4x³+2x) / (12x²+2)
@@ -194,12 +212,24 @@ class ScaleByNewtonState(NamedTuple):
 def scale_by_newton(
     damping: float = 0.0, *, method: str = "auto"
 ) -> optax.GradientTransformationExtraArgs:
-    """Turn the incoming updates `g` into the Newton direction ``(H + damping·I)⁻¹ g``, `H`
-    the Hessian of `value_fn` (a keyword-only extra argument of `update`) at `params`.
+    """An Optax transformation turning the incoming updates `g` into the Newton direction
+    ``(H + damping·I)⁻¹ g``, `H` the Hessian of `value_fn` at `params`.
 
-    Chain it with a (negative) scale, or use `newton`; Optax's line searches go after it.
+    `value_fn` is a keyword-only extra argument of `update` (``opt.update(g, state, params,
+    value_fn=f)``). Chain it with a (negative) scale, or use `newton`; Optax's line searches go
+    after it.
 
-    Example:
+    **Arguments:**
+
+    - `damping`: added to the Hessian's diagonal (default 0).
+    - `method`: the strategy of `jr.inverse_vjp` ("auto", "reverse", "linearize", "dense").
+
+    **Returns:**
+
+    An `optax.GradientTransformationExtraArgs`.
+
+    **Example:**
+
         >>> import jax, jax.numpy as jnp, optax, jaxrev as jr
         >>> f = lambda x: jnp.sum((x - 3.0) ** 2)
         >>> opt = optax.chain(jr.optim.scale_by_newton(), optax.scale(-1.0))
@@ -239,7 +269,19 @@ def newton(
 ) -> optax.GradientTransformationExtraArgs:
     """Newton's method as an Optax optimizer: ``x ← x − learning_rate (H + damping·I)⁻¹ g``.
 
-    Example:
+    Its `update` takes the objective as the keyword-only extra argument `value_fn`.
+
+    **Arguments:**
+
+    - `learning_rate`: the step's scale (default 1).
+    - `damping`: added to the Hessian's diagonal (default 0).
+
+    **Returns:**
+
+    An `optax.GradientTransformationExtraArgs` (`scale_by_newton` chained with the scale).
+
+    **Example:**
+
         >>> import jax, jax.numpy as jnp, optax, jaxrev as jr
         >>> f = lambda x: jnp.sum(jnp.cosh(x))
         >>> opt = jr.optim.newton(); x = jnp.array([0.5, -0.2]); s = opt.init(x)
@@ -354,17 +396,29 @@ def minimize(
     tol: float = 1e-8,
     maxiter: int = 100,
 ) -> tuple[Any, Info]:
-    """Minimize a scalar `fun` from `x0` (a pytree) with Newton steps by inverse accumulation;
-    returns ``(x, info)``. Stops when the gradient's largest entry is at most `tol`.
-
-    - ``method="newton"``: the Newton direction with a backtracking (Armijo) line search; where
-      the Hessian is not positive definite along it, the gradient direction instead;
-    - ``method="trust-region"``: Levenberg-Marquardt's trust region: the step
-      ``−(H + λI)⁻¹g`` is accepted or not by comparing the decrease with the quadratic model's,
-      and λ shrinks or grows accordingly, so indefinite and singular Hessians are handled.
+    """Minimize a scalar `fun` from `x0` with Newton steps by inverse accumulation.
 
     Jittable and vmappable (one `lax.while_loop`); an eager call is compiled, and a repeated
-    one (same `fun`, shapes, dtypes and settings) reuses it. Example:
+    one (same `fun`, shapes, dtypes and settings) reuses it.
+
+    **Arguments:**
+
+    - `fun`: the objective, a scalar function of one pytree of float arrays.
+    - `x0`: the starting point (a pytree).
+    - `method`: ``"trust-region"`` (the default): Levenberg-Marquardt's trust region: the step
+      ``−(H + λI)⁻¹g`` is accepted or not by comparing the decrease with the quadratic model's,
+      and λ shrinks or grows accordingly, so indefinite and singular Hessians are handled.
+      ``"newton"``: the Newton direction with a backtracking (Armijo) line search; where the
+      Hessian is not positive definite along it, the gradient direction instead.
+    - `tol`: stop when the gradient's largest entry is at most this (default 1e-8).
+    - `maxiter`: the most iterations (default 100).
+
+    **Returns:**
+
+    ``(x, info)``: the minimizer, in `x0`'s structure, and an `Info`.
+
+    **Example:**
+
         >>> import jax.numpy as jnp, jaxrev as jr
         >>> rosen = lambda x: (1 - x[0]) ** 2 + 100 * (x[1] - x[0] ** 2) ** 2
         >>> x, info = jr.optim.minimize(rosen, jnp.array([-1.2, 1.0]))
@@ -469,39 +523,39 @@ def root(
     rtol: float = RTOL,
     atol: float = ATOL,
     maxiter: int = 50,
-    tol: float | None = None,
 ) -> tuple[Any, Info]:
-    """Solve ``fun(x) = 0`` (a square system; `x0` a pytree) by Newton's method: the step
-    ``d = J⁻¹F(x)`` comes from `inverse_jvp` of `fun` itself, and a backtracking line search
-    on ``‖F‖²`` keeps it from diverging. Returns ``(x, info)`` with ``info.value = ‖F(x)‖²/2``.
+    """Solve ``fun(x) = 0`` (a square system) by Newton's method.
 
-    Tolerances as Optimistix's root finders take them: converged when ``|F(x)| <= atol``
-    everywhere (F is compared with 0, so `rtol` does not apply to it), or when the Newton
-    step is within ``atol + rtol·|x|`` everywhere: x is then that close to a root whatever
-    F's scale (a discretised operator's F of order 1/h² stops decreasing at its rounding, far
-    above `atol`). "stalled" means no step could reduce ‖F‖ while the Newton step was still
-    larger than that. `tol` is the deprecated name of `atol` (with ``rtol=0``).
+    The step ``d = J⁻¹F(x)`` comes from `inverse_jvp` of `fun` itself, and a backtracking line
+    search on ``‖F‖²`` keeps it from diverging. Jittable and vmappable (one `lax.while_loop`);
+    an eager call is compiled, and a repeated one (same `fun`, shapes, dtypes and settings)
+    reuses it.
 
-    Jittable and vmappable (one `lax.while_loop`); an eager call is compiled, and a repeated
-    one (same `fun`, shapes, dtypes and settings) reuses it. Example:
+    **Arguments:**
+
+    - `fun`: F, a function of one pytree of float arrays returning as many numbers.
+    - `x0`: the starting point (a pytree).
+    - `rtol`, `atol`: tolerances as Optimistix's root finders take them: converged when
+      ``|F(x)| <= atol`` everywhere (F is compared with 0, so `rtol` does not apply to it), or
+      when the Newton step is within ``atol + rtol·|x|`` everywhere: x is then that close to a
+      root whatever F's scale (a discretised operator's F of order 1/h² stops decreasing at its
+      rounding, far above `atol`). Both default to 1e-10.
+    - `maxiter`: the most iterations (default 50).
+
+    **Returns:**
+
+    ``(x, info)``: the root, in `x0`'s structure, and an `Info` with ``info.value =
+    ‖F(x)‖²/2``. "stalled" means no step could reduce ‖F‖ while the Newton step was still
+    larger than the tolerance.
+
+    **Example:**
+
         >>> import jax.numpy as jnp, jaxrev as jr
         >>> x, info = jr.optim.root(lambda x: x ** 3 - jnp.array([8.0, 27.0]), jnp.ones(2))
         >>> [round(float(v), 4) for v in x], info.message
         ([2.0, 3.0], 'converged')
     """
     who = "jaxrev.optim.root"
-    if tol is not None:
-        if (rtol, atol) != (RTOL, ATOL):
-            raise ValueError(f"{who}: pass rtol and atol, not tol (its deprecated name)")
-        warnings.warn(
-            f"{who}: tol= is deprecated; pass atol={tol!r} (and rtol, relative to "
-            "|x|, on the Newton step) instead",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        if not tol > 0:
-            raise ValueError(f"{who}: tol must be > 0, got {tol}")
-        rtol, atol = 0.0, tol
     if not (rtol >= 0 and atol >= 0):
         raise ValueError(f"{who}: rtol and atol must be >= 0, got rtol={rtol}, atol={atol}")
     _check_maxiter(who, maxiter)

@@ -165,7 +165,7 @@ LAYERS = [
     ("sweep", ("jaxrev.transforms.sweep.",)),
     (
         "rules and log-dets",
-        ("jaxrev.transforms.rules.", "jaxrev.transforms.flows.logdet", "jaxrev.primitives."),
+        ("jaxrev.transforms.rules.", "jaxrev.transforms.logdet", "jaxrev.primitives."),
     ),
     (
         "public transforms",
@@ -174,6 +174,8 @@ LAYERS = [
             "jaxrev.transforms.reversible",
             "jaxrev.transforms.reports",
             "jaxrev.transforms.inverse_ad",
+            "jaxrev.transforms.control_flow",
+            "jaxrev.transforms.custom_rules",
             "jaxrev.transforms.flows.",
             "jaxrev.optim",
             "jaxrev.diffrax",

@@ -192,21 +192,6 @@ def test_counting_sees_every_walk_of_a_call_and_nothing_outside():
 # --------------------------------------------------------------------------- one vocabulary
 
 
-def test_old_keywords_still_work_and_warn():
-    with pytest.warns(DeprecationWarning, match="on_error"):
-        inv = jr.reverse(gap, on_failure="nan")
-    assert np.isnan(inv(jnp.asarray(BAD)))
-    f = lambda x: x * jnp.asarray([1.0, 0.0, 2.0])  # noqa: E731  singular
-    with pytest.warns(DeprecationWarning, match="on_error"):
-        _, (t,) = jr.inverse_jvp(f, (jnp.ones(3),), jnp.ones(3), on_singular="nan")
-    assert not np.all(np.isfinite(t))
-    with pytest.warns(DeprecationWarning, match="on_error"):
-        _, ld = jr.slogdet_jacobian(f, jnp.ones(3), on_singular="nan")
-    assert np.isneginf(ld)
-    with pytest.raises(TypeError, match="on_error"):
-        jr.reverse(gap, on_error="nan", on_failure="nan")
-
-
 def test_reverse_warn_returns_nan_and_warns_eagerly_and_under_jit():
     inv = jr.reverse(gap, on_error="warn")
     with pytest.warns(jr.FailureWarning, match="no branch"):

@@ -301,15 +301,6 @@ def test_root_bratu_converges_to_rounding_and_a_stall_is_still_one():
     assert info.message == "stalled" and float(info.residual) >= 1.0
 
 
-def test_root_tol_is_deprecated_for_atol():
-    f = lambda x: x**3 - 8.0  # noqa: E731
-    with pytest.warns(DeprecationWarning, match="atol"):
-        x, info = jr.optim.root(f, jnp.ones(3), tol=1e-12)
-    assert info.message == "converged" and float(info.residual) <= 1e-12
-    with pytest.raises(ValueError, match="not tol"):
-        jr.optim.root(f, jnp.ones(3), tol=1e-12, atol=1e-8)
-
-
 class TraceCounter:
     """Counts traces of user functions by jaxrev (`_program.make_jaxpr`) and shape checks
     (`jax.eval_shape`), as tests/test_eager_cache.py does: a counter the function bumped

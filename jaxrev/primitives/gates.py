@@ -39,15 +39,27 @@ def apply_gate(
     *,
     unitary: bool = True,
 ) -> jax.Array:
-    """Apply the 2ᵏ × 2ᵏ `matrix` to qubits `locs` of `state` (shape ``(..., 2ⁿ)``), where the
-    qubits `ctrl_locs` hold `ctrl_vals` (all 1 by default).
+    """Apply the 2ᵏ × 2ᵏ `matrix` to qubits `locs` of `state`, where the qubits `ctrl_locs` hold
+    `ctrl_vals`, as one invertible step.
 
-    `matrix` may carry the same leading batch axes as `state`. The result has the state's
-    shape and the common dtype (complex64 or complex128 for quantum states). `unitary` tells
-    `reverse` to undo the gate with the adjoint (exact); with ``unitary=False`` it solves
-    with the matrix instead.
+    **Arguments:**
 
-    Example:
+    - `state`: the state vector, of shape ``(..., 2ⁿ)``.
+    - `matrix`: the gate, of shape ``(..., 2ᵏ, 2ᵏ)``; it may carry the same leading batch axes
+      as `state`.
+    - `locs`: the k qubits it acts on (an int or a sequence).
+    - `ctrl_locs`: the control qubits (default none).
+    - `ctrl_vals`: the values the controls must hold (default all 1).
+    - `unitary`: True (the default) tells `reverse` to undo the gate with the adjoint (exact);
+      with False it solves with the matrix instead.
+
+    **Returns:**
+
+    The new state, of `state`'s shape and the common dtype (complex64 or complex128 for quantum
+    states).
+
+    **Example:**
+
         >>> import jax.numpy as jnp, jaxrev as jr
         >>> H = jnp.array([[1, 1], [1, -1]], jnp.complex64) / jnp.sqrt(2)
         >>> X = jnp.array([[0, 1], [1, 0]], jnp.complex64)

@@ -22,17 +22,26 @@ __all__ = ["rot", "swap", "rot_p", "swap_p"]
 
 
 def rot(a: Any, b: Any, theta: Any) -> tuple[jax.Array, jax.Array]:
-    """Rotate the pair (a, b) by the angle `theta`:
-    ``(a cos θ − b sin θ, a sin θ + b cos θ)`` (NiLang's ``ROT``).
+    """Rotate the pair (a, b) by the angle `theta`: ``(a cos θ − b sin θ, a sin θ + b cos θ)``
+    (NiLang's ``ROT``), as one invertible step.
 
-    `a` and `b` have one shape and dtype (real or complex); `theta` is real, a scalar or of
-    `a`'s shape. Its inverse is ``rot(·, ·, −θ)``, which `jr.reverse` uses.
+    Its inverse is ``rot(·, ·, −θ)``, which `jr.reverse` uses.
 
-    Example:
+    **Arguments:**
+
+    - `a`, `b`: arrays of one shape and dtype (real or complex).
+    - `theta`: the angle, real: a scalar or of `a`'s shape.
+
+    **Returns:**
+
+    The rotated pair ``(a', b')``, of `a`'s shape and dtype.
+
+    **Example:**
+
         >>> import jax.numpy as jnp, jaxrev as jr
         >>> a, b = jr.rot(1.0, 0.0, jnp.pi / 2)
-        >>> round(float(a), 6), round(float(b), 6)
-        (0.0, 1.0)
+        >>> bool(jnp.allclose(jnp.stack([a, b]), jnp.array([0.0, 1.0]), atol=1e-6))
+        True
     """
     a, b = jnp.asarray(a), jnp.asarray(b)
     dtype = jnp.result_type(a, b)
@@ -54,7 +63,16 @@ def rot(a: Any, b: Any, theta: Any) -> tuple[jax.Array, jax.Array]:
 def swap(a: Any, b: Any) -> tuple[jax.Array, jax.Array]:
     """Exchange `a` and `b` (NiLang's ``SWAP``), as one invertible step (its own inverse).
 
-    Example:
+    **Arguments:**
+
+    - `a`, `b`: arrays of one shape and dtype.
+
+    **Returns:**
+
+    The pair ``(b, a)``.
+
+    **Example:**
+
         >>> import jaxrev as jr
         >>> [float(v) for v in jr.swap(1.0, 2.0)]
         [2.0, 1.0]

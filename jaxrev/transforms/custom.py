@@ -9,6 +9,12 @@ function binds `custom_inverse_p`, a primitive carrying both jaxprs:
 
 This is how a step with no closed-form inverse, such as a monotone function inverted by Newton
 iterations, joins an invertible program.
+
+This module is low in the layers (docs/architecture.md) because the group solvers emit
+`custom_inverse` steps; it holds the primitives of the other custom rules too (`hook_p`,
+`store_p`, `recompute_p`) with their jaxrev rules. The user-facing functions that bind them
+(`jr.hook`, `jr.store`, `jr.recompute`), and `jr.nestlevel` and `jr.forward_mode`, are in
+`transforms/custom_rules.py`, which also re-exports `custom_inverse`.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrev._batching import batch_front, instantiate_tangents
-from jaxrev._compat import Primitive, differentiation_depth, is_symbolic_zero, trace_to_closed
+from jaxrev._compat import Primitive, is_symbolic_zero, trace_to_closed
 from jaxrev._env import is_unknown
 from jaxrev._evaluate import eval_closed
 from jaxrev._primitive import make_primitive
@@ -33,26 +39,38 @@ from jaxrev.transforms.registry import DENSE_STEP, LogdetContext, NeedMore, Unsu
 __all__ = [
     "custom_inverse",
     "custom_inverse_p",
-    "hook",
     "hook_p",
-    "nestlevel",
-    "forward_mode",
-    "store",
-    "recompute",
     "store_p",
     "recompute_p",
 ]
 
 
 class custom_inverse:
-    """Give a function an inverse of your own, used by every jaxrev transform.
+    """Give a function an inverse of your own, used by every jaxrev transform (to `reverse` what
+    `jax.custom_vjp` is to `grad`).
 
-    `fun(*args)` returns the structure, shapes and dtypes of its state `args[argnums]` (as for
-    `reverse`); `inv_fun` has `fun`'s signature with the outputs in the state positions:
-    ``inv_fun(fun(x, theta), theta) == x``. `fun` itself stays an ordinary JAX function: `jit`,
-    `vmap`, `grad` and `jvp` see `fun`.
+    `fun` itself stays an ordinary JAX function: `jit`, `vmap`, `grad` and `jvp` see `fun`;
+    `reverse`, `reversible` and the inverse transforms evaluate the inverse instead, so the
+    inverse Jacobian of `fun` is the Jacobian of `inv_fun`. Register the inverse with
+    ``.definverse(inv_fun)`` and, optionally, its log-determinant with
+    ``.deflogdet(logdet_fun)``; both return their argument, so they work as decorators.
 
-    Example:
+    **Arguments:**
+
+    - `fun`: the function; `fun(*args)` returns the structure, shapes and dtypes of its state
+      `args[argnums]` (as for `reverse`).
+    - `argnums`: the position (an int) or positions (a tuple) of the state arguments.
+
+    `inv_fun` (given to `.definverse`) has `fun`'s signature with the outputs in the state
+    positions: ``inv_fun(fun(x, theta), theta) == x``.
+
+    **Returns:**
+
+    A callable with `fun`'s signature and outputs (it raises `TypeError` until an inverse is
+    registered).
+
+    **Example:**
+
         >>> import jax, jax.numpy as jnp, jaxrev as jr
         >>> @jr.custom_inverse
         ... def f(x):
@@ -333,25 +351,7 @@ _logdet_rule.sign_known = lambda eqn: (
 define(custom_inverse_p, inverse=_inverse_rule, logdet=_logdet_rule)
 
 
-# --------------------------------------------------------------------------- hook, nestlevel
-
-
-def hook(fn: Callable[[Any], Any], x: Any) -> Any:
-    """Identity on `x`; in the backward pass, `fn` is applied to `x`'s cotangent.
-
-    For clipping, rescaling or inspecting gradients where they flow. `fn` takes and returns a
-    cotangent with `x`'s structure. Forward mode (`jvp`) passes tangents through unchanged.
-
-    Example:
-        >>> import jax, jaxrev as jr
-        >>> float(jax.grad(lambda x: jr.hook(lambda g: -g, x) ** 2)(3.0))
-        -6.0
-    """
-    if not callable(fn):
-        raise TypeError(f"jr.hook expects a callable as its first argument, got {fn!r}")
-    leaves, tree = jax.tree_util.tree_flatten(x)
-    out = hook_p.bind(*[jnp.asarray(v) for v in leaves], fn=fn, tree=tree)
-    return jax.tree_util.tree_unflatten(tree, out)
+# --------------------------------------------------------------------------- hook's primitive
 
 
 def _hook_transpose(cts, *xs, fn, tree):
@@ -391,88 +391,7 @@ hook_p = make_primitive(
 define(hook_p, inverse=lambda outs, *xs, fn, tree: [None if is_unknown(o) else o for o in outs])
 
 
-def nestlevel() -> int:
-    """The order of differentiation the calling code is traced under (0 when not
-    differentiated): 1 inside `grad`, 2 inside `grad(grad(...))` or `hessian`.
-
-    Read at trace time, so a function staged out by `jit` on its own (`grad(jit(f))`) sees the
-    level at which `jit` traced it.
-
-    Example:
-        >>> import jax, jaxrev as jr
-        >>> def f(x):
-        ...     print("level", jr.nestlevel())
-        ...     return x ** 3
-        >>> _ = f(1.0)
-        level 0
-        >>> _ = jax.grad(jax.grad(f))(1.0)
-        level 2
-    """
-    return differentiation_depth()
-
-
-# --------------------------------------------------------------------------- forward_mode
-
-
-def forward_mode(fun: Callable) -> Callable:
-    """`fun` whose Jacobian is computed in forward mode during the primal run and applied in
-    the backward pass (Zygote's `forwarddiff`): for functions with few inputs, one JVP per input
-    instead of a stored tape; the backward pass does not evaluate `fun` again.
-
-    Example:
-        >>> import jax, jax.numpy as jnp, jaxrev as jr
-        >>> f = jr.forward_mode(lambda x: jnp.sin(x) * x[::-1])
-        >>> g = jax.grad(lambda x: jnp.sum(f(x)))(jnp.array([0.5, 1.0]))
-        >>> g.shape
-        (2,)
-    """
-    name = getattr(fun, "__name__", "fun")
-
-    @functools.wraps(fun)
-    def wrapped(*args):
-        leaves, tree = jax.tree_util.tree_flatten(args)
-        for x in leaves:
-            if not jnp.issubdtype(jnp.result_type(x), jnp.inexact):
-                raise TypeError(
-                    f"jr.forward_mode({name}): every input must be a float array "
-                    f"(got {jnp.result_type(x)})"
-                )
-        shapes = [jnp.shape(x) for x in leaves]
-        dtypes = [jnp.result_type(x) for x in leaves]
-        offs = np.cumsum([0] + [int(np.prod(s, dtype=np.int64)) for s in shapes])
-
-        def f_flat(*ls):
-            return fun(*jax.tree_util.tree_unflatten(tree, list(ls)))
-
-        def split(vec):
-            return [
-                jnp.reshape(vec[offs[k] : offs[k + 1]], s).astype(d)
-                for k, (s, d) in enumerate(zip(shapes, dtypes))
-            ]
-
-        @jax.custom_jvp
-        def g(*ls):
-            return f_flat(*ls)
-
-        @g.defjvp
-        def g_jvp(primals, tangents):
-            # the whole Jacobian by one JVP per input number, in the primal run; the tangent
-            # map is a contraction with it, which reverse mode transposes without calling fun
-            basis = jnp.eye(int(offs[-1]), dtype=jnp.result_type(*dtypes))
-            y, jac = jax.vmap(
-                lambda e: jax.jvp(f_flat, primals, tuple(split(e))), out_axes=(None, 0)
-            )(basis)
-            t = jnp.concatenate(
-                [jnp.ravel(jnp.asarray(v, jnp.result_type(*dtypes))) for v in tangents]
-            )
-            return y, jax.tree_util.tree_map(lambda j: jnp.tensordot(t, j, axes=1), jac)
-
-        return g(*leaves)
-
-    return wrapped
-
-
-# --------------------------------------------------------------------------- store / recompute
+# ----------------------------------------------------------------------- store / recompute marks
 
 
 def _identity_primitive(name: str) -> Primitive:
@@ -491,34 +410,3 @@ def _identity_primitive(name: str) -> Primitive:
 
 store_p = _identity_primitive("jaxrev_store")
 recompute_p = _identity_primitive("jaxrev_recompute")
-
-
-def store(x: Any) -> Any:
-    """Mark `x` to be kept by `reversible`'s forward run (Slang's ``[PreferCheckpoint]``).
-
-    The backward sweep then reads the kept value instead of rebuilding it, which resets the
-    rounding drift at that point (and costs its bytes, per iteration inside a loop; see
-    `memory_report`). An identity everywhere else.
-
-    Example:
-        >>> import jax, jax.numpy as jnp, jaxrev as jr
-        >>> f = lambda x: jax.lax.fori_loop(0, 10, lambda i, x: jr.store(x * 1.5) + 1.0, x)
-        >>> [e["what"] for e in jr.memory_report(f, jnp.ones(3)).entries][0]
-        'value kept by jr.store'
-    """
-    return jax.tree_util.tree_map(store_p.bind, x)
-
-
-def recompute(x: Any) -> Any:
-    """Mark `x` never to be stored by `reversible` (Slang's ``[PreferRecompute]``): where a
-    lossy step needs it, `reversible` stores the values it is computed from instead and
-    recomputes it. An identity everywhere else.
-
-    Example:
-        >>> import jax, jax.numpy as jnp, jaxrev as jr
-        >>> step = lambda x: jnp.maximum(jr.recompute(x * 2.0), 0.0) + jnp.sin(x)
-        >>> f = lambda x: jax.lax.fori_loop(0, 4, lambda i, x: step(x), x)
-        >>> jr.memory_report(f, jnp.ones(3)).total_bytes > 0
-        True
-    """
-    return jax.tree_util.tree_map(recompute_p.bind, x)

@@ -26,9 +26,9 @@ A pivot that is exactly zero raises `SingularJacobianError` naming the step and 
 line (on concrete values); ``on_error="nan"`` returns NaN instead, and ``on_error="warn"`` NaN
 and a `FailureWarning`. Under `jit` the values are not known when the program is traced:
 singular steps then give non-finite results, which ``on_error="raise"`` turns into an error
-when the program runs (and "warn" into a warning). ``on_singular=`` is the deprecated name of
-``on_error=``. The walks of both transforms run in their own name (their errors say
-`jaxrev.inverse_jvp` / `jaxrev.inverse_vjp`) and without Newton's method.
+when the program runs (and "warn" into a warning). The walks of both transforms run in their
+own name (their errors say `jaxrev.inverse_jvp` / `jaxrev.inverse_vjp`) and without Newton's
+method.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from jaxrev._compat import is_concrete, make_jaxpr, staged_constants
 from jaxrev._errors import NotInvertibleError, SingularJacobianError, fail, singular_jacobian
 from jaxrev._evaluate import eval_closed
 from jaxrev._prepare import fold_constants, without_custom_vjp
-from jaxrev._program import Filtered, eval_shape
+from jaxrev._program import Filtered, eval_shape, normalize_argnums
 from jaxrev.transforms.knowledge.checks import raise_where
 from jaxrev.transforms.knowledge.context import Settings, resolve_on_error
 from jaxrev.transforms.reverse import reverse_with
@@ -104,6 +104,33 @@ def _check_args(fun: Callable, primals: Any, method: str, who: str) -> None:
         raise ValueError(f"{who}: method must be one of {METHODS}, got {method!r}")
 
 
+Argnums = int | Sequence[int] | None
+
+
+def _positions(argnums: Argnums, primals: Sequence[Any], fun: Callable) -> tuple[int, ...] | None:
+    """The positions of the primals the Jacobian is taken in (None: all of them)."""
+    return None if argnums is None else normalize_argnums(argnums, len(primals), fun)
+
+
+def _at(fun: Callable, primals: Sequence[Any], nums: tuple[int, ...] | None) -> Callable:
+    """`fun` as a function of the primals at `nums` alone, the others held at their values."""
+    if nums is None:
+        return fun
+
+    @functools.wraps(fun)
+    def sub(*chosen: Any) -> Any:
+        args = list(primals)
+        for a, x in zip(nums, chosen):
+            args[a] = x
+        return fun(*args)
+
+    return sub
+
+
+def _chosen(primals: Sequence[Any], nums: tuple[int, ...] | None) -> tuple:
+    return tuple(primals) if nums is None else tuple(primals[a] for a in nums)
+
+
 def _walks(who: str) -> Settings:
     """The settings of the transform's walks: its name for errors; no Newton's method (J⁻¹
     needs only the step Jacobians, which the "linearize" strategy inverts exactly); a failed
@@ -128,7 +155,8 @@ class _Square:
         if n_in != n_out:
             raise ValueError(
                 f"{who}: {_name(fun)} maps {n_in} input numbers to {n_out} outputs; its "
-                "Jacobian must be square (every argument counts as an input)"
+                "Jacobian must be square (every argument at argnums counts as an input; "
+                "argnums=None: every argument)"
             )
         for x in self.in_leaves:
             if not jnp.issubdtype(jnp.result_type(x), jnp.inexact):
@@ -367,36 +395,77 @@ def inverse_jvp(
     primals: Sequence[Any],
     out_tangent: Any,
     *,
+    argnums: Argnums = None,
     method: str = "auto",
     on_error: str | None = None,
-    on_singular: str | None = None,
-) -> tuple[Any, tuple]:
-    """Solve ``J @ in_tangents == out_tangent`` step by step; returns ``(fun(*primals),
-    in_tangents)``.
+) -> tuple[Any, Any]:
+    """Solve ``J @ in_tangents == out_tangent`` step by step (J⁻¹v without forming J).
 
-    `J` is the Jacobian of `fun` with respect to all of `primals` (it must be square);
-    `out_tangent` has the structure of `fun`'s output and `in_tangents` is a tuple matching
-    `primals`. `method` picks the strategy (see the module docs); "auto" tries "reverse",
-    then "linearize", then "dense". `on_error`: what a singular Jacobian does ("raise", "nan":
-    NaN tangents, "warn": NaN and a warning; `on_singular=` is its deprecated name).
+    `J` is the Jacobian of `fun` at `primals` with respect to the primals at `argnums` (the
+    others held fixed). It must be square. The solve inverts `fun`'s own steps (see the module
+    docs for the strategies); no dense J is formed unless `method="dense"`, or "auto" finds no
+    other way.
 
-    Example:
+    **Arguments:**
+
+    - `fun`: the function, of the positional arguments `primals`; returns a pytree of arrays.
+    - `primals`: a tuple (or list) of `fun`'s arguments, pytrees of floating-point arrays, as
+      for `jax.jvp`.
+    - `out_tangent`: a pytree of `fun`'s output structure: the right-hand side v.
+    - `argnums`: the positions of the primals the Jacobian is taken in: None (the default,
+      `jax.jvp`'s convention) all of them, an int one, a tuple several.
+    - `method`: "auto" (tries "reverse", then "linearize", then "dense"), "reverse",
+      "linearize" or "dense".
+    - `on_error`: what a singular Jacobian does: "raise" (the default; a
+      `SingularJacobianError` naming the step, under `jit` when the program runs), "nan"
+      (NaN tangents), "warn" (NaN and a `jr.FailureWarning`).
+
+    **Returns:**
+
+    ``(fun(*primals), in_tangents)``: `in_tangents` solves ``J @ in_tangents == out_tangent``.
+    It is a tuple matching `primals` (argnums None), the tangent of the one argument (an int
+    argnums), or a tuple with one entry per position (a tuple argnums).
+
+    **Example:**
+
         >>> import jax.numpy as jnp, jaxrev as jr
         >>> f = lambda x: jnp.cumsum(jnp.exp(x))
         >>> y, (t,) = jr.inverse_jvp(f, (jnp.zeros(3),), jnp.ones(3))
         >>> t.tolist()  # J = lower-triangular ones times diag(exp(0))
         [1.0, 0.0, 0.0]
+        >>> g = lambda x, s: x * jnp.exp(s)
+        >>> _, t = jr.inverse_jvp(g, (jnp.ones(2), jnp.zeros(2)), jnp.ones(2), argnums=1)
+        >>> t.tolist()  # J in s = diag(x * exp(s)), x held fixed
+        [1.0, 1.0]
     """
     who = "jaxrev.inverse_jvp"
-    on_error = resolve_on_error(who, on_error, on_singular=on_singular)
+    on_error = resolve_on_error(who, on_error)
     _check_args(fun, primals, method, who)
+    nums = _positions(argnums, primals, fun)
+    single = isinstance(argnums, int)
     # eager calls are compiled from the second on, keyed like jax.jit's (`_cache`)
     return cached_call(
-        (who, method, on_error),
+        (who, method, on_error, nums, single),
         fun,
-        partial(_inverse_jvp, fun, method, on_error),
+        partial(_inverse_jvp_at, fun, method, on_error, nums, single),
         (tuple(primals), out_tangent),
     )
+
+
+def _inverse_jvp_at(
+    fun: Callable,
+    method: str,
+    on_error: str,
+    nums: tuple[int, ...] | None,
+    single: bool,
+    primals: tuple,
+    out_tangent: Any,
+) -> tuple[Any, Any]:
+    """`_inverse_jvp` in the primals at `nums` (None: all), the others held fixed."""
+    y, t = _inverse_jvp(
+        _at(fun, primals, nums), method, on_error, _chosen(primals, nums), out_tangent
+    )
+    return y, (t[0] if single else t)
 
 
 def _inverse_jvp(
@@ -440,18 +509,36 @@ def _inverse_jvp(
 def inverse_vjp(
     fun: Callable,
     *primals: Any,
+    argnums: Argnums = None,
     method: str = "auto",
     on_error: str | None = None,
-    on_singular: str | None = None,
 ) -> tuple[Any, Callable]:
-    """Returns ``(fun(*primals), ivjp_fn)``: ``ivjp_fn(in_cotangents)`` is the output
-    cotangent `w` with ``vjp_fn(w) == in_cotangents``, that is ``J⁻ᵀ in_cotangents``.
+    """The inverse of `jax.vjp`'s pullback: returns ``(fun(*primals), ivjp_fn)``, where
+    ``ivjp_fn(in_cotangents)`` is the output cotangent `w` with ``vjp_fn(w) ==
+    in_cotangents``, that is ``J⁻ᵀ in_cotangents``.
 
-    `in_cotangents` is a tuple matching `primals`. With method "reverse" (tried first by
-    "auto") no tape is kept: the sweep runs `fun`'s steps in program order, rebuilding values
-    as it goes. `on_error` is `inverse_jvp`'s (`on_singular=` its deprecated name).
+    `J` is the Jacobian of `fun` at `primals` with respect to the primals at `argnums` (the
+    others held fixed); it must be square. With method "reverse" (tried first by "auto") no
+    tape is kept: the sweep runs `fun`'s steps in program order, rebuilding values as it goes.
 
-    Example:
+    **Arguments:**
+
+    - `fun`: the function of `primals`; returns a pytree of arrays.
+    - `*primals`: `fun`'s positional arguments, pytrees of floating-point arrays, as for
+      `jax.vjp`.
+    - `argnums`: the positions of the primals the Jacobian is taken in: None (the default)
+      all of them, an int one, a tuple several.
+    - `method`: as for `inverse_jvp`.
+    - `on_error`: as for `inverse_jvp` ("raise", "nan", "warn").
+
+    **Returns:**
+
+    ``(y, ivjp_fn)``: `y` is ``fun(*primals)``; `ivjp_fn` takes the input cotangents (a tuple
+    matching `primals` for argnums None, the one argument's cotangent for an int, a tuple
+    with one entry per position for a tuple) and returns `w`, of `y`'s structure.
+
+    **Example:**
+
         >>> import jax, jax.numpy as jnp, jaxrev as jr
         >>> f = lambda x: jnp.cumsum(x) * 2.0
         >>> x = jnp.arange(3.0)
@@ -461,30 +548,51 @@ def inverse_vjp(
         [1.0, 1.0, 1.0]
     """
     who = "jaxrev.inverse_vjp"
-    on_error = resolve_on_error(who, on_error, on_singular=on_singular)
+    on_error = resolve_on_error(who, on_error)
     _check_args(fun, primals, method, who)
     primals = tuple(primals)
+    nums = _positions(argnums, primals, fun)
+    single = isinstance(argnums, int)
 
     def primal(*args):
-        _Square(fun, args, who)  # the Jacobian is square: checked when traced, not per hit
+        # the Jacobian is square: checked when traced, not per hit
+        _Square(_at(fun, args, nums), _chosen(args, nums), who)
         return fun(*args)
 
-    y = cached_call(("primal",), fun, primal, primals)
+    y = cached_call(("primal", nums), fun, primal, primals)
+    n = len(_chosen(primals, nums))
 
     def ivjp_fn(in_cotangents):
-        if not isinstance(in_cotangents, (tuple, list)) or len(in_cotangents) != len(primals):
+        if single:
+            in_cotangents = (in_cotangents,)
+        elif not isinstance(in_cotangents, (tuple, list)) or len(in_cotangents) != n:
             raise ValueError(
-                f"{who}: in_cotangents must be a tuple with one entry per primal "
-                f"({len(primals)}), got {type(in_cotangents).__name__}"
+                f"{who}: in_cotangents must be a tuple with one entry per primal at argnums "
+                f"({n}), got {type(in_cotangents).__name__}"
             )
         return cached_call(
-            (who, method, on_error),
+            (who, method, on_error, nums),
             fun,
-            partial(_inverse_vjp, fun, method, on_error),
+            partial(_inverse_vjp_at, fun, method, on_error, nums),
             (primals, y, tuple(in_cotangents)),
         )
 
     return y, ivjp_fn
+
+
+def _inverse_vjp_at(
+    fun: Callable,
+    method: str,
+    on_error: str,
+    nums: tuple[int, ...] | None,
+    primals: tuple,
+    y: Any,
+    in_cotangents: tuple,
+) -> Any:
+    """`_inverse_vjp` in the primals at `nums` (None: all), the others held fixed."""
+    return _inverse_vjp(
+        _at(fun, primals, nums), method, on_error, _chosen(primals, nums), y, in_cotangents
+    )
 
 
 def _inverse_vjp(

@@ -252,15 +252,23 @@ def check_rule(who: str, primitive: Any, rule: Any) -> None:
 
 
 def register_inverse(primitive: Primitive, rule: Callable[..., Sequence[Any]]) -> None:
-    """Make `reverse` able to invert `primitive`.
+    """Make `reverse` (and every transform built on it) able to invert `primitive`.
 
-    `rule(out, *invals, **params)` receives the equation's output (a list for a primitive with
-    multiple results), its inputs with the unknown ones passed as `Unknown` objects (which carry
-    `.aval`, `.shape`, `.dtype`), and its params; it returns one entry per input: the recovered
-    value, or None where it recovers nothing. Raise `jaxrev.transforms.Lossy(reason)` where the
-    step destroys information.
+    **Arguments:**
 
-    Example:
+    - `primitive`: a JAX primitive (`jax.extend.core.Primitive`).
+    - `rule`: ``rule(out, *invals, **params)``. It receives the equation's output (a list for
+      a primitive with multiple results), its inputs with the unknown ones passed as `Unknown`
+      objects (which carry `.aval`, `.shape`, `.dtype`), and its params. It returns one entry
+      per input: the recovered value, or None where it recovers nothing. It raises
+      `jaxrev.transforms.Lossy(reason)` where the step destroys information.
+
+    **Returns:**
+
+    None; the rule is registered for every later trace.
+
+    **Example:**
+
         >>> import jax.numpy as jnp, jaxrev as jr
         >>> from jax.extend.core import Primitive
         >>> double_p = Primitive("double"); _ = double_p.def_impl(lambda x: 2 * x)
@@ -274,17 +282,27 @@ def register_inverse(primitive: Primitive, rule: Callable[..., Sequence[Any]]) -
 
 
 def register_inverse_jvp(primitive: Primitive, rule: Callable[..., Sequence[Any]]) -> None:
-    """State the derivative of `primitive`'s inverse, for `inverse_jvp` and for derivatives
-    taken through `reverse`.
+    """State the derivative of `primitive`'s inverse, for `inverse_jvp` and for derivatives taken
+    through `reverse`.
 
-    `rule(out_tangent, out, *invals, **params)` receives the output's tangent (with the known
-    inputs' part already taken out), the output, and every input (the recovered ones filled in);
-    it returns one entry per input: the tangent of each input its inverse rule recovers (solving
-    ``J_x t = out_tangent``), None elsewhere. For a primitive with multiple results
-    `out_tangent` and `out` are lists. Without it, derivatives go through the inverse rule's
-    own code, which is right whenever that code is differentiable.
+    Without it, derivatives go through the inverse rule's own code, which is right whenever
+    that code is differentiable.
 
-    Example:
+    **Arguments:**
+
+    - `primitive`: a primitive with an inverse rule (`register_inverse`).
+    - `rule`: ``rule(out_tangent, out, *invals, **params)``. It receives the output's tangent
+      (with the known inputs' part already taken out), the output, and every input (the
+      recovered ones filled in); for a primitive with multiple results `out_tangent` and `out`
+      are lists. It returns one entry per input: the tangent of each input its inverse rule
+      recovers (solving ``J_x t = out_tangent``), None elsewhere.
+
+    **Returns:**
+
+    None; the rule is registered for every later trace.
+
+    **Example:**
+
         >>> import jax, jax.numpy as jnp, jaxrev as jr
         >>> from jax.extend.core import Primitive
         >>> cube_p = Primitive("cube"); _ = cube_p.def_impl(lambda x: x ** 3)

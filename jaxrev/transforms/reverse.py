@@ -179,28 +179,43 @@ def reverse(
     *,
     on_error: str | None = None,
     state: Any = None,
-    on_failure: str | None = None,
 ) -> Callable:
     """Return the inverse of `fun` in the arguments at `argnums` (the state).
 
-    `fun(*args)` returns the state's pytree structure, shapes and dtypes; the other arguments
-    are read-only parameters. The inverse has `fun`'s signature with the outputs in the state
-    positions: ``reverse(f)(f(x, theta), theta) == x``. A bijection that changes structure or
-    shapes (a reshape, two state arrays concatenated into one, one split into several) keeps
-    the number of elements of each dtype; give the state's structure and shapes as `state`
-    (arrays or `jax.ShapeDtypeStruct`s: the state argument for an int `argnums`, the tuple of
-    them for a tuple): the inverse then takes `fun`'s whole output as one argument, in the
-    first state position (the other state positions are left out), and returns the state in
-    its own structure. Raises `NotInvertibleError` at trace time, naming the primitive and
-    source line, where the program loses information. Groups of equations invertible only
-    together and not affine are solved by Newton's method (a local inverse, docs/design.md §3.6);
-    where it misses its tolerance, or no branch of a state-dependent choice is consistent,
-    `on_error="raise"` (the default) raises naming the line (under `jit`, when the program
-    runs), `on_error="nan"` returns NaN there, and `on_error="warn"` returns NaN and warns
-    (a `jr.FailureWarning`; under `jit` when the program runs). `on_failure=` is its
-    deprecated name.
+    `fun(*args)` returns a pytree with the state's structure, shapes and dtypes; the other
+    arguments are read-only parameters. The program is traced once and run backwards step by
+    step (NiLang's ``~f``). Where a step loses information, `NotInvertibleError` is raised when
+    traced, naming the primitive and the source line.
 
-    Example:
+    Groups of equations that are invertible only together and not affine are solved by Newton's
+    method (a local inverse, docs/design.md §3.6). Where it misses its tolerance, or no branch
+    of a state-dependent choice is consistent, `on_error` decides what happens.
+
+    **Arguments:**
+
+    - `fun`: the function to invert, of positional arguments; traceable by JAX.
+    - `argnums`: the position (an int) or positions (a tuple) of the state arguments; the
+      others are parameters, passed to the inverse as they are.
+    - `on_error`: "raise" (the default: a `jr.ReversibilityError` naming the line; under `jit`
+      when the program runs), "nan" (NaN where the inverse failed) or "warn" (NaN and a
+      `jr.FailureWarning`; under `jit` when the program runs).
+    - `state`: for a `fun` that changes structure or shapes (a reshape, two state arrays
+      concatenated into one, one split into several; it must keep the number of elements of
+      each dtype): the state's structure and shapes, as arrays or `jax.ShapeDtypeStruct`s (the
+      state argument for an int `argnums`, the tuple of them for a tuple). None (the default):
+      `fun`'s output has the state's structure.
+
+    **Returns:**
+
+    The inverse, a function with `fun`'s signature and `fun`'s outputs in the state positions:
+    ``reverse(f)(f(x, theta), theta) == x``; it returns the state (a tuple of the state
+    arguments for a tuple `argnums`). With `state`, the inverse takes `fun`'s whole output as
+    one argument in the first state position (the other state positions are left out) and
+    returns the state in its own structure. The inverse can be jitted, vmapped, differentiated
+    and inverted again (``reverse(reverse(f))`` is `f`).
+
+    **Example:**
+
         >>> import jax.numpy as jnp, jaxrev as jr
         >>> f = lambda x, w: jnp.cumsum(x * w) + 1.0
         >>> x, w = jnp.arange(3.0), jnp.array([1.0, 2.0, 4.0])
@@ -212,7 +227,7 @@ def reverse(
         [0.0, 1.0, 2.0]
     """
     who = "jaxrev.reverse"
-    on_error = resolve_on_error(who, on_error, on_failure=on_failure)
+    on_error = resolve_on_error(who, on_error)
     return reverse_with(fun, Settings(who, on_error), argnums, state, closed=True)
 
 

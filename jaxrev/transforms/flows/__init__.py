@@ -1,2 +1,3 @@
-"""Normalizing flows: log-determinants summed over the inversion sweep's steps (`logdet`), the
-public entry points (`slogdet`) and distrax's bijector protocol (`bijector`)."""
+"""Normalizing flows, the public entry points: log-determinants summed over the inversion
+sweep's steps (`slogdet`) and distrax's bijector protocol (`bijector`). The engine they run,
+the log-determinant plan, is `transforms/logdet.py` (rules layer: loop rules evaluate it)."""

@@ -25,19 +25,33 @@ __all__ = ["Bijector", "Chain"]
 
 
 class Bijector:
-    """`fun` as a bijector: ``forward``, ``inverse``, ``forward_and_log_det``,
-    ``inverse_and_log_det``, ``forward_log_det_jacobian``, ``inverse_log_det_jacobian``.
+    """`fun` as a bijector with distrax's protocol: ``forward``, ``inverse``,
+    ``forward_and_log_det``, ``inverse_and_log_det``, ``forward_log_det_jacobian``,
+    ``inverse_log_det_jacobian``.
 
     `fun` maps one event (an array of `event_ndims` dimensions) to one event; the methods take
     arrays with leading batch dimensions too (`fun` is vmapped over them) and return
-    log-determinants of the batch's shape. Extra positional arguments of the methods are
-    passed on to `fun` (parameters): ``b.forward(x, params)`` calls ``fun(x, params)``, and
-    with ``argnums=1`` ``fun(params, x)``.
-    `method` and `on_error` are those of `forward_and_slogdet` / `inverse_and_slogdet` (a
-    vanished pivot raises `SingularJacobianError`; under `jit` the forward methods return
-    -inf, the inverse ones raise when the program runs).
+    log-determinants of the batch's shape. Extra positional arguments of the methods are passed
+    on to `fun` (parameters): ``b.forward(x, params)`` calls ``fun(x, params)``, and with
+    ``argnums=1`` ``fun(params, x)``.
 
-    Example:
+    **Arguments:**
+
+    - `fun`: the invertible function of one event (and parameters).
+    - `event_ndims`: the number of dimensions of one event (default 1).
+    - `argnums`: the position of the event among `fun`'s arguments (an int, default 0).
+    - `method`, `on_error`: those of `forward_and_slogdet` / `inverse_and_slogdet` (a vanished
+      pivot raises `SingularJacobianError`; under `jit` the forward methods return -inf, the
+      inverse ones raise when the program runs).
+    - `name`: the bijector's name (default: `fun`'s).
+
+    **Returns:**
+
+    The bijector; its methods return the transformed batch, its log-determinants (one per
+    event), or both as a pair (the ``*_and_log_det`` methods).
+
+    **Example:**
+
         >>> import jax.numpy as jnp, jaxrev as jr
         >>> b = jr.Bijector(lambda x, s: x * jnp.exp(s))
         >>> y, logdet = b.forward_and_log_det(jnp.ones((3, 2)), jnp.array([0.5, 1.0]))
@@ -54,7 +68,6 @@ class Bijector:
         method: str = "auto",
         on_error: str | None = None,
         name: str | None = None,
-        on_singular: str | None = None,
     ) -> None:
         if not isinstance(event_ndims, int) or event_ndims < 0:
             raise ValueError(
@@ -69,7 +82,7 @@ class Bijector:
         self.name = name or fun_name(fun)
         self.is_constant_jacobian = False
         self.is_constant_log_det = False
-        on_error = resolve_on_error("jaxrev.Bijector", on_error, on_singular=on_singular)
+        on_error = resolve_on_error("jaxrev.Bijector", on_error)
         self._on_error = on_error
         self._inv = reverse_with(fun, Settings("jaxrev.Bijector", on_error), argnums)
         self._fwd_ld = forward_and_slogdet(fun, argnums, method=method, on_error=on_error)
@@ -145,10 +158,21 @@ class Bijector:
 
 
 class Chain(Bijector):
-    """Bijectors composed as distrax's `Chain`: ``Chain([f, g]).forward(x) == f(g(x))`` (the
-    last one applies first). Log-determinants add up; each bijector's come from its own sweep.
+    """Bijectors composed as distrax's `Chain`: ``Chain([f, g]).forward(x) == f(g(x))`` (the last
+    one applies first).
 
-    Example:
+    Log-determinants add up; each bijector's come from its own sweep.
+
+    **Arguments:**
+
+    - `bijectors`: a sequence of `jr.Bijector`s (or `Chain`s), applied last first.
+
+    **Returns:**
+
+    The composed bijector, with `Bijector`'s methods.
+
+    **Example:**
+
         >>> import jax.numpy as jnp, jaxrev as jr
         >>> c = jr.Chain([jr.Bijector(lambda x: x * 2.0), jr.Bijector(lambda x: x + 1.0)])
         >>> y, logdet = c.forward_and_log_det(jnp.zeros(2))

@@ -40,10 +40,10 @@ from jaxrev._program import (
     trace_program,
     traced_leaves,
 )
-from jaxrev.transforms.flows.logdet import LogdetContext, evaluate_plan, plan
 from jaxrev.transforms.knowledge import elements, records
 from jaxrev.transforms.knowledge.checks import check_at_run_time
 from jaxrev.transforms.knowledge.context import Settings, WalkContext, resolve_on_error
+from jaxrev.transforms.logdet import LogdetContext, evaluate_plan, plan
 from jaxrev.transforms.propagation.walker import propagate, raise_stuck, seed
 from jaxrev.transforms.registry import Unsupported, check_rule, define
 from jaxrev.transforms.reverse import reverse_with, state_args
@@ -403,21 +403,33 @@ def slogdet_jacobian(
     argnums: int | Sequence[int] = 0,
     method: str = "auto",
     on_error: str | None = None,
-    on_singular: str | None = None,
 ) -> tuple[Any, Any]:
-    """``(sign, log|det J|)`` of `fun`'s Jacobian with respect to the arguments at `argnums`
-    (the state: `fun` maps it to as many numbers), the others held fixed.
+    """``(sign, log|det J|)`` of `fun`'s Jacobian with respect to the arguments at `argnums` (the
+    state), the others held fixed.
 
-    The log-determinant is summed over the steps that invert `fun` (pivots of elementwise
-    steps, lumps, loop iterations; permutations give the sign); `method="dense"` materialises
-    J instead, and "auto" does so only where the sweep cannot describe a step
-    (`logdet_strategy` says which). A singular Jacobian raises `SingularJacobianError`
-    naming the step whose pivot vanished, on concrete values; under `jit` the exact answer,
-    sign 0 and -inf, comes back (as from `jnp.linalg.slogdet`; no host check is compiled
-    in). `on_error="nan"` returns that answer eagerly too, and "warn" with a warning
-    (`on_singular=` is the deprecated name of `on_error=`).
+    The log-determinant is summed over the steps that invert `fun` (pivots of elementwise steps,
+    lumps, loop iterations; permutations give the sign). `method="dense"` materialises J
+    instead, and "auto" does so only where the sweep cannot describe a step (`logdet_strategy`
+    says which).
 
-    Example:
+    **Arguments:**
+
+    - `fun`: the function; it maps the state to as many numbers.
+    - `*primals`: `fun`'s positional arguments, where J is taken.
+    - `argnums`: the position (an int) or positions (a tuple) of the state arguments.
+    - `method`: "auto" (the default), "sweep" or "dense".
+    - `on_error`: what a singular Jacobian does on concrete values: "raise" (the default, a
+      `SingularJacobianError` naming the step whose pivot vanished), "nan" (the exact answer,
+      sign 0 and -inf, without an error) or "warn" (that answer and a `jr.FailureWarning`).
+      Under `jit` the exact answer comes back (as from `jnp.linalg.slogdet`; no host check is
+      compiled in).
+
+    **Returns:**
+
+    ``(sign, logabsdet)``, two scalars: the sign of det J (0 when singular) and log|det J|.
+
+    **Example:**
+
         >>> import jax.numpy as jnp, jaxrev as jr
         >>> f = lambda x, w: jnp.cumsum(x * jnp.exp(w))
         >>> sign, logdet = jr.slogdet_jacobian(f, jnp.ones(3), jnp.array([0.5, 1.0, 1.5]))
@@ -425,7 +437,7 @@ def slogdet_jacobian(
         (1.0, 3.0)
     """
     who = "jaxrev.slogdet_jacobian"
-    on_error = resolve_on_error(who, on_error, on_singular=on_singular)
+    on_error = resolve_on_error(who, on_error)
     _check_method(method, who)
     nums = normalize_argnums(argnums, len(primals), fun)
     t = _trace(fun, primals, nums, who)
@@ -450,11 +462,22 @@ def slogdet_jacobian(
 
 def logdet_strategy(fun: Callable, *primals: Any, argnums: int | Sequence[int] = 0) -> str:
     """Which strategy `slogdet_jacobian` (and the flow transforms) use for `fun` at `primals`,
-    and why: "sweep", "sweep (linearized)" (the sweep over its tangent program), either with
+    and why.
+
+    **Arguments:**
+
+    - `fun`: the function, as for `slogdet_jacobian`.
+    - `*primals`: its positional arguments.
+    - `argnums`: the position (an int) or positions (a tuple) of the state arguments.
+
+    **Returns:**
+
+    A string: "sweep", "sweep (linearized)" (the sweep over its tangent program), either with
     "(log|det| only: <why>; the sign from <where>)" where the sweep does not follow the sign,
     or "dense: <the step the sweep cannot describe>".
 
-    Example:
+    **Example:**
+
         >>> import jax.numpy as jnp, jaxrev as jr
         >>> jr.logdet_strategy(lambda x: 2.0 * x, jnp.ones(3))
         'sweep'
@@ -496,14 +519,30 @@ def forward_and_slogdet(
     *,
     method: str = "auto",
     on_error: str | None = None,
-    on_singular: str | None = None,
 ) -> Callable:
-    """A function returning ``(fun(*args), log|det J|)``, J the Jacobian with respect to the
-    arguments at `argnums`, from one forward pass (distrax's ``forward_and_log_det``). A
-    vanished pivot raises `SingularJacobianError` naming the step on concrete values; under
-    `jit` log|det| = -inf, the exact answer, comes back (see `slogdet_jacobian`).
+    """Transform `fun` into a function returning ``(fun(*args), log|det J|)`` from one forward
+    pass (distrax's ``forward_and_log_det``).
 
-    Example:
+    J is the Jacobian of `fun` with respect to the arguments at `argnums`. The log-determinant
+    is summed over the steps of `fun`'s inversion sweep, planned when traced and evaluated on
+    the forward run's values (see `slogdet_jacobian`).
+
+    **Arguments:**
+
+    - `fun`: the function; it maps the state to as many numbers.
+    - `argnums`: the position (an int) or positions (a tuple) of the state arguments.
+    - `method`: as for `slogdet_jacobian` ("auto", "sweep", "dense").
+    - `on_error`: as for `slogdet_jacobian`: a vanished pivot raises `SingularJacobianError`
+      naming the step on concrete values ("raise"), or gives -inf ("nan", "warn" with a
+      warning); under `jit` log|det| = -inf, the exact answer, comes back.
+
+    **Returns:**
+
+    A function of `fun`'s arguments returning ``(y, logabsdet)``: `y` is ``fun(*args)`` and
+    `logabsdet` the scalar log|det J|.
+
+    **Example:**
+
         >>> import jax.numpy as jnp, jaxrev as jr
         >>> f = lambda x, s: x * jnp.exp(s)
         >>> y, logdet = jr.forward_and_slogdet(f)(jnp.ones(2), jnp.array([0.5, 1.0]))
@@ -511,7 +550,7 @@ def forward_and_slogdet(
         1.5
     """
     who = "jaxrev.forward_and_slogdet"
-    on_error = resolve_on_error(who, on_error, on_singular=on_singular)
+    on_error = resolve_on_error(who, on_error)
     _check_method(method, who)
 
     @functools.wraps(fun)
@@ -541,20 +580,33 @@ def inverse_and_slogdet(
     *,
     method: str = "auto",
     on_error: str | None = None,
-    on_singular: str | None = None,
     state: Any = None,
 ) -> Callable:
-    """A function returning ``(reverse(fun)(*args), log|det|)`` of the inverse's Jacobian
-    (minus `fun`'s at the recovered state), from one backward pass (distrax's
-    ``inverse_and_log_det``). Its arguments are `fun`'s, with `fun`'s output in the state
-    positions. A vanished pivot (no inverse) raises `SingularJacobianError` naming the step,
-    under `jit` when the program runs (a host check, 0.15-0.6 ms a call on CPU;
-    `on_error="nan"` drops it and returns the non-finite values; "warn" warns instead;
-    `on_singular=` is its deprecated name). For a `fun` that changes structure or shapes (a
-    reshape, an unpacking into a dict), `state` gives the state's, as for `reverse`: the
-    function then takes `fun`'s whole output in the first state position.
+    """Transform `fun` into a function returning ``(reverse(fun)(*args), log|det|)`` from one
+    backward pass (distrax's ``inverse_and_log_det``).
 
-    Example:
+    The log-determinant is that of the inverse's Jacobian: minus `fun`'s at the recovered state.
+
+    **Arguments:**
+
+    - `fun`: the function to invert (as for `reverse`).
+    - `argnums`: the position (an int) or positions (a tuple) of the state arguments.
+    - `method`: as for `slogdet_jacobian` ("auto", "sweep", "dense").
+    - `on_error`: a vanished pivot (no inverse) raises `SingularJacobianError` naming the step,
+      under `jit` when the program runs (a host check, 0.15-0.6 ms a call on CPU) ("raise", the
+      default); "nan" drops the check and returns the non-finite values; "warn" warns instead.
+    - `state`: for a `fun` that changes structure or shapes (a reshape, an unpacking into a
+      dict), the state's structure and shapes, as for `reverse`: the function then takes
+      `fun`'s whole output in the first state position.
+
+    **Returns:**
+
+    A function with `fun`'s signature, `fun`'s output in the state positions, returning
+    ``(x, logabsdet)``: `x` the recovered state and `logabsdet` the scalar log|det| of the
+    inverse's Jacobian.
+
+    **Example:**
+
         >>> import jax.numpy as jnp, jaxrev as jr
         >>> f = lambda x, s: x * jnp.exp(s)
         >>> x, logdet = jr.inverse_and_slogdet(f)(jnp.ones(2), jnp.array([0.5, 1.0]))
@@ -562,7 +614,7 @@ def inverse_and_slogdet(
         -1.5
     """
     who = "jaxrev.inverse_and_slogdet"
-    on_error = resolve_on_error(who, on_error, on_singular=on_singular)
+    on_error = resolve_on_error(who, on_error)
     _check_method(method, who)
 
     @functools.wraps(fun)
@@ -620,14 +672,24 @@ def inverse_and_slogdet(
 
 
 def register_logdet(primitive: Primitive, rule: Callable[..., tuple[Any, Any]]) -> None:
-    """State the log-determinant of a primitive's steps, for the log-determinant sweep.
+    """State the log-determinant of a primitive's steps, for the log-determinant sweep
+    (`slogdet_jacobian`, the flow transforms, `Bijector`).
 
-    ``rule(recovered, outs, *invals, **params) -> (sign, log|det|)``: `recovered` says which
-    inputs the primitive's inverse rule recovers; the result is the sign and log|det| of the
-    Jacobian of its (floating-point) outputs with respect to those inputs, both flattened in
-    order.
+    **Arguments:**
 
-    Example:
+    - `primitive`: the primitive (with an inverse rule, `register_inverse`).
+    - `rule`: ``rule(recovered, outs, *invals, **params) -> (sign, log|det|)``. `recovered`
+      says which inputs the inverse rule recovers (a tuple of bools, one per input); `outs` the
+      equation's outputs and `invals` its inputs; the result is the sign and log|det| of the
+      Jacobian of its (floating-point) outputs with respect to those inputs, both flattened in
+      order.
+
+    **Returns:**
+
+    None; the rule is registered for every later trace.
+
+    **Example:**
+
         >>> import jax.numpy as jnp, jaxrev as jr
         >>> from jax.extend.core import Primitive
         >>> double_p = Primitive("double2"); _ = double_p.def_impl(lambda x: 2 * x)

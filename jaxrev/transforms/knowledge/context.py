@@ -15,7 +15,6 @@ observers of `jaxrev._stats` that were active when the transform created its con
 
 from __future__ import annotations
 
-import warnings
 from collections import Counter
 from dataclasses import dataclass
 from dataclasses import replace as _replace
@@ -155,22 +154,9 @@ class WalkContext:
         return self._roots
 
 
-def resolve_on_error(who: str, on_error: str | None, **old: str | None) -> str:
-    """`on_error`, or the deprecated keyword (`on_failure=`, `on_singular=`) given instead:
-    same values, with a `DeprecationWarning` naming `on_error`."""
-    given = {k: v for k, v in old.items() if v is not None}
-    name = "on_error"
-    if given:
-        ((name, value),) = given.items()
-        if on_error is not None:
-            raise TypeError(f"{who}: pass on_error only ({name} is its old name)")
-        warnings.warn(
-            f"{who}: {name}= is deprecated; pass on_error={value!r} instead (same values)",
-            DeprecationWarning,
-            stacklevel=3,
-        )
-        on_error = value
+def resolve_on_error(who: str, on_error: str | None) -> str:
+    """`on_error` checked against `ON_ERROR` (None: "raise")."""
     on_error = "raise" if on_error is None else on_error
     if on_error not in ON_ERROR:
-        raise ValueError(f"{who}: {name} must be one of {ON_ERROR}, got {on_error!r}")
+        raise ValueError(f"{who}: on_error must be one of {ON_ERROR}, got {on_error!r}")
     return on_error

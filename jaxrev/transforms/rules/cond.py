@@ -1,5 +1,6 @@
 """Every jaxrev rule of the branches, in one block each: `lax.cond` / `lax.switch` and
-`jr.cond` (NiLang's branch with a post condition).
+`jr.cond`'s primitive (NiLang's branch with a post condition; the public `jr.cond` that binds
+it is in `transforms/control_flow.py`).
 
 A plain `lax.cond` forgets which branch it took: `reverse` needs its index known (computed from
 parameters), and `reversible` rebuilds it like any value or stores it (four bytes). `jr.cond`
@@ -11,7 +12,7 @@ every rule here.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
@@ -29,14 +30,12 @@ from jaxrev._compat import (
     is_host_callback,
     literal,
     prims,
-    trace_to_closed,
 )
 from jaxrev._env import Env, is_unknown
 from jaxrev._evaluate import eval_closed
 from jaxrev._graph import is_var, needed_vars
 from jaxrev._prepare import prepare
 from jaxrev._primitive import make_primitive
-from jaxrev._program import avals_of
 from jaxrev.transforms.propagation.walker import RuleContext, invert_jaxpr, static_hints
 from jaxrev.transforms.registry import ChoiceRule, NeedMore, define
 from jaxrev.transforms.sweep import drift
@@ -59,7 +58,7 @@ from jaxrev.transforms.sweep.backward import (
     zero_ct,
 )
 
-__all__ = ["cond", "cond_p"]
+__all__ = ["cond_p"]
 
 
 # --------------------------------------------------------------------------- shared rules
@@ -299,7 +298,7 @@ define(
 )
 
 
-# --------------------------------------------------------------------------- jr.cond
+# ----------------------------------------------------------------------- jr.cond's primitive
 
 
 def _cond_impl(index, *args, branches, post_jaxpr, post_nconsts):
@@ -360,62 +359,3 @@ cond_p = make_primitive(
     batch=_cond_batch,
 )
 define(cond_p, inverse=_cond_inverse, sweep=_cond_sweep, forward=_cond_forward, walks=True)
-
-
-def cond(
-    pred: Any, true_fun: Callable, false_fun: Callable, *operands: Any, post: Callable[..., Any]
-) -> Any:
-    """A `lax.cond` that `jr.reverse` can run backwards: `post(out)` is true exactly when
-    `true_fun` ran (NiLang's post condition), so the backward run picks the branch from the output.
-
-    Example:
-        >>> import jaxrev as jr, jax.numpy as jnp
-        >>> f = lambda x: jr.cond(x[0] > 0, lambda v: v * 2.0, lambda v: v - 10.0, x,
-        ...                       post=lambda v: v[0] > 0)
-    """
-    leaves, tree = jax.tree_util.tree_flatten(operands)
-
-    def branch(fn):
-        def flat(*ls):
-            out = fn(*jax.tree_util.tree_unflatten(tree, list(ls)))
-            return jax.tree_util.tree_flatten(out)[0]
-
-        return flat
-
-    fj, fc, ftree = trace_to_closed(branch(false_fun), *avals_of(leaves))
-    tj, tc, ttree = trace_to_closed(branch(true_fun), *avals_of(leaves))
-    if ftree != ttree or [a.strip_weak_type() for a in fj.out_avals] != [
-        a.strip_weak_type() for a in tj.out_avals
-    ]:
-        raise TypeError(
-            "jr.cond: true_fun and false_fun must return the same structure, "
-            f"shapes and dtypes; got {tj.out_avals} and {fj.out_avals}"
-        )
-    out_tree = jax.tree_util.tree_structure(jax.eval_shape(lambda *o: true_fun(*o), *operands))
-    out_avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in tj.out_avals]
-
-    def post_flat(*ls):
-        return post(jax.tree_util.tree_unflatten(out_tree, list(ls)))
-
-    pj, pc, _ = trace_to_closed(post_flat, *out_avals)
-    (paval,) = pj.out_avals
-    if paval.shape != () or paval.dtype != jnp.bool_:
-        raise TypeError(f"jr.cond: post must return a boolean scalar, got {paval}")
-    nf, nt = len(fc), len(tc)
-
-    # both branches take [false consts, true consts, operands]
-    def widen(j: ClosedJaxpr, skip_before: int, nconsts: int) -> ClosedJaxpr:
-        def f(*a):
-            consts = a[skip_before : skip_before + nconsts]
-            return eval_closed(j, *consts, *a[nf + nt :])
-
-        new, extra, _ = trace_to_closed(f, *avals_of([*fc, *tc, *leaves]))
-        assert not extra
-        return new
-
-    branches = (widen(fj, 0, nf), widen(tj, nf, nt))
-    index = lax.convert_element_type(pred, jnp.int32)
-    out = cond_p.bind(
-        index, *pc, *fc, *tc, *leaves, branches=branches, post_jaxpr=pj, post_nconsts=len(pc)
-    )
-    return jax.tree_util.tree_unflatten(out_tree, out)

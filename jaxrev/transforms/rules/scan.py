@@ -24,7 +24,7 @@ from jaxrev._env import Env, Statics, Unknown, is_unknown
 from jaxrev._errors import NotInvertibleError
 from jaxrev._evaluate import evaluate
 from jaxrev._graph import forward_known, is_var, needed_vars, size_of
-from jaxrev.transforms.flows.logdet import LogdetContext, evaluate_plan
+from jaxrev.transforms.logdet import LogdetContext, evaluate_plan
 from jaxrev.transforms.propagation.walker import (
     Hints,
     RuleContext,

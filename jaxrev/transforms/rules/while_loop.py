@@ -1,5 +1,6 @@
 """Every jaxrev rule of the while loops, in one block each: `lax.while_loop` and
-`jr.while_loop` (NiLang's loop with a post condition).
+`jr.while_loop`'s primitive (NiLang's loop with a post condition; the public `jr.while_loop`
+that binds it is in `transforms/control_flow.py`).
 
 A plain `lax.while_loop` forgets how many times it ran: where its condition reads counters
 only (carries whose updates read nothing else, with known initial values), the trip count is
@@ -52,7 +53,7 @@ from jaxrev.transforms.sweep.backward import (
 from jaxrev.transforms.sweep.dial import budget_dtype, segment_checks, weight
 from jaxrev.transforms.sweep.segments import NO_SLICES
 
-__all__ = ["while_loop", "while_p"]
+__all__ = ["while_p"]
 
 
 # --------------------------------------------------------------------------- the backward sweep
@@ -498,7 +499,7 @@ define(
 )
 
 
-# --------------------------------------------------------------------------- jr.while_loop
+# ----------------------------------------------------------------------- jr.while_loop's primitive
 
 
 def _while_split(
@@ -626,58 +627,3 @@ while_p = make_primitive(
     batch=_while_batch,
 )
 define(while_p, inverse=_while_inverse, sweep=_while_sweep, walks=True)
-
-
-def while_loop(
-    cond_fun: Callable[[Any], Any],
-    body_fun: Callable[[Any], Any],
-    init_val: Any,
-    post_fun: Callable[[Any], Any],
-) -> Any:
-    """A `lax.while_loop` that `jr.reverse` can run backwards without a forward run.
-
-    `post_fun(val)` must be false on `init_val` and true after every iteration (NiLang's post
-    condition); the backward loop runs while it holds.
-
-    Example:
-        >>> import jaxrev as jr, jax.numpy as jnp
-        >>> f = lambda x: jr.while_loop(lambda c: c[1] < 100.0, lambda c: (c[0] + 1, c[1] * 2.0),
-        ...                             (0, x), lambda c: c[0] > 0)[1]
-    """
-    leaves, tree = jax.tree_util.tree_flatten(init_val)
-
-    def flat(fn):
-        return lambda *c: fn(jax.tree_util.tree_unflatten(tree, list(c)))
-
-    def flat_body(*c):
-        out = body_fun(jax.tree_util.tree_unflatten(tree, list(c)))
-        out_leaves, out_tree = jax.tree_util.tree_flatten(out)
-        if out_tree != tree:
-            raise TypeError(
-                f"jr.while_loop: body_fun must return the structure of init_val "
-                f"({tree}), got {out_tree}"
-            )
-        return out_leaves
-
-    cj, cc, _ = trace_to_closed(flat(cond_fun), *avals_of(leaves))
-    bj, bc, _ = trace_to_closed(flat_body, *avals_of(leaves))
-    pj, pc, _ = trace_to_closed(flat(post_fun), *avals_of(leaves))
-    for name, j in (("cond_fun", cj), ("post_fun", pj)):
-        (aval,) = j.out_avals
-        if aval.shape != () or aval.dtype != jnp.bool_:
-            raise TypeError(f"jr.while_loop: {name} must return a boolean scalar, got {aval}")
-    # weak-typed Python scalars in init_val must not change dtype through the loop
-    leaves = [lax.convert_element_type(x, a.dtype) for x, a in zip(leaves, bj.out_avals)]
-    out = while_p.bind(
-        *cc,
-        *bc,
-        *pc,
-        *leaves,
-        cond_jaxpr=cj,
-        body_jaxpr=bj,
-        post_jaxpr=pj,
-        cond_nconsts=len(cc),
-        body_nconsts=len(bc),
-        post_nconsts=len(pc),
-    )
-    return jax.tree_util.tree_unflatten(tree, out)
