@@ -50,7 +50,10 @@ def clipped_spline(x, xk, yk, d):
     return jnp.where(inb, y, x)
 
 
-@pytest.mark.parametrize("K", [3, 6, 10])
+# K = 3 by default; 6 and 10 bins (the same checks, about 1.5x and 2.5x as long) are `slow`
+@pytest.mark.parametrize(
+    "K", [3, pytest.param(6, marks=pytest.mark.slow), pytest.param(10, marks=pytest.mark.slow)]
+)
 def test_flowjax_style_spline_inverts_with_combinations_linear_in_the_bins(K, monkeypatch):
     xk, yk, d = _spline_params(K)
     f = lambda x: clipped_spline(x, xk, yk, d)  # noqa: E731

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import scaled_error
 from hypothesis import HealthCheck, given, settings
 
 import jaxrev as jr
@@ -51,16 +52,6 @@ _LINE = re.compile(r"`[\w\-]+` at (<grammar program>:\d+|an equation with no use
 
 def _leaves(t):
     return [np.asarray(x, np.float64) for x in jax.tree_util.tree_leaves(t)]
-
-
-def _err(a, b) -> float:
-    a, b = _leaves(a), _leaves(b)
-    assert [x.shape for x in a] == [y.shape for y in b], (
-        [x.shape for x in a],
-        [y.shape for y in b],
-    )
-    scale = max([1.0] + [float(np.max(np.abs(y))) for y in b if y.size])
-    return max([0.0] + [float(np.max(np.abs(x - y))) for x, y in zip(a, b) if x.size]) / scale
 
 
 class Refused(Exception):
@@ -99,7 +90,7 @@ def check(prog: Program) -> dict:
             ran[label] = False
             return None
         if want is not None:
-            e = _err(got, want)
+            e = scaled_error(got, want)
             assert e < t, f"{label}: error {e:.3g} > {t:g}"
         ran[label] = True
         return got

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import l2_rel_error
 
 import jaxrev as jr
 from jaxrev.transforms.sweep.params import fresh_p
@@ -31,16 +32,6 @@ SLACK = 2 * B * W * 8
 
 def _temp(fn, *args):
     return jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
-
-
-def _rel(a, b):
-    """‖a − b‖ / ‖b‖ over all leaves, in float64."""
-    la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
-    num = sum(
-        float(jnp.sum((x.astype(jnp.float64) - y.astype(jnp.float64)) ** 2)) for x, y in zip(la, lb)
-    )
-    den = sum(float(jnp.sum(y.astype(jnp.float64) ** 2)) for y in lb)
-    return float(np.sqrt(num / den))
 
 
 def _loss(f):
@@ -111,7 +102,7 @@ def test_flax_float32_parameters_gradient_matches_jax_grad():
         for a, b in zip(jax.tree_util.tree_leaves(g), jax.tree_util.tree_leaves(ref))
     )
     # float32 parameters: their gradients are float64 sums rounded to float32 once
-    assert _rel(g, ref) < 1e-6
+    assert l2_rel_error(g, ref) < 1e-6
 
 
 # --------------------------------------------------------------------------- (b) bfloat16 RevNet
@@ -176,7 +167,7 @@ def _accuracy(f16, f32, p, x16, x32):
     model's."""
     grad = lambda f, x: jax.jit(jax.grad(_loss(f), argnums=(0, 1)))(p, x)  # noqa: E731
     ref = grad(f32, x32)
-    return _rel(grad(f16, x16), ref), _rel(grad(jr.reversible(f16), x16), ref)
+    return l2_rel_error(grad(f16, x16), ref), l2_rel_error(grad(jr.reversible(f16), x16), ref)
 
 
 # jaxrev's gradient rebuilds 64 blocks' inputs by running them backwards in bfloat16, whose
@@ -206,7 +197,7 @@ def test_bf16_revnet_drift_is_within_the_default_tolerance():
     f = _revnet(jnp.bfloat16)
     p, x = _master_weights(64), _streams(jnp.bfloat16)
     back = jax.jit(jr.reverse(f))(jax.jit(f)(x, p), p)
-    assert _rel(back, x) < 0.03
+    assert l2_rel_error(back, x) < 0.03
 
 
 # --------------------------------------------------------------------------- (c) Equinox, scan
@@ -288,8 +279,8 @@ def test_equinox_scan_gradient_as_accurate_as_jax_grad():
         return eqx.filter_jit(eqx.filter_grad(_loss(f)))(layers, x)
 
     ref = grad(_eqx_run(jnp.float32), x32)
-    err_grad = _rel(grad(_eqx_run(jnp.bfloat16), x16), ref)
-    err_rev = _rel(grad(jr.reversible(_eqx_run(jnp.bfloat16)), x16), ref)
+    err_grad = l2_rel_error(grad(_eqx_run(jnp.bfloat16), x16), ref)
+    err_rev = l2_rel_error(grad(jr.reversible(_eqx_run(jnp.bfloat16)), x16), ref)
     assert err_grad < 0.05
     assert err_rev <= 2 * err_grad + BF16_SLACK, (err_rev, err_grad)
 
@@ -336,7 +327,7 @@ def test_transposes_broadcasts_and_products_of_weights_are_not_stored(shared):
     assert _flat(mem), mem
     f, p = _weights_block_net(4, shared)
     ref = jax.grad(_loss(f), argnums=(0, 1))(p, x)
-    assert _rel(jax.grad(_loss(jr.reversible(f)), argnums=(0, 1))(p, x), ref) < 1e-12
+    assert l2_rel_error(jax.grad(_loss(jr.reversible(f)), argnums=(0, 1))(p, x), ref) < 1e-12
     # forward over reverse (a Hessian-vector product): the recomputations' tangents
     v = jax.tree_util.tree_map(jnp.ones_like, p)
     hvp = lambda fn: jax.jvp(
@@ -344,7 +335,7 @@ def test_transposes_broadcasts_and_products_of_weights_are_not_stored(shared):
         (p,),
         (v,),
     )[1]
-    assert _rel(hvp(jr.reversible(f)), hvp(f)) < 1e-12
+    assert l2_rel_error(hvp(jr.reversible(f)), hvp(f)) < 1e-12
 
 
 # --------------------------------------------------------------------------- fresh_p

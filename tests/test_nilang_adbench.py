@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import rel_error
 from scipy.special import multigammaln
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,11 +29,6 @@ try:
     DATA = adbench_io.data_dir()
 except FileNotFoundError as e:  # a checkout without ../shared/data/adbench (and no override)
     pytest.skip(str(e), allow_module_level=True)
-
-
-def rel(a, b) -> float:
-    a, b = np.asarray(a), np.asarray(b)
-    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
 
 
 # ------------------------------------------------------------------ the two scripts, once each
@@ -185,7 +181,7 @@ def test_gmm_objective_and_gradients():
     assert abs(float(value) - want) < 1e-12 * abs(want)
     assert abs(float(value_rev) - want) < 1e-12 * abs(want)
     for a, b in zip(got, ref):
-        assert a.shape == b.shape and rel(a, b) < 1e-10
+        assert a.shape == b.shape and rel_error(a, b) < 1e-10
     # and against central differences of the independent numpy objective
     h = 1e-5
     for arg, idx in ((0, (1,)), (1, (2, 3)), (2, (4, 0)), (2, (0, 14))):
@@ -304,13 +300,13 @@ def test_ba_jacobian_blocks_against_dense_jacfwd(monkeypatch):
     assert shape == dense.shape and vals.size == 31 * p
     sparse = np.zeros(shape)
     np.add.at(sparse, (rows, cols), vals)
-    assert rel(sparse, dense) < 1e-10
+    assert rel_error(sparse, dense) < 1e-10
     # observation 2 sees camera 2, whose rotation is exactly zero (ADBench's first-order branch)
     cam_cols, point_cols, weight_col = slice(22, 33), slice(33 + 6, 33 + 9), slice(48 + 2, 48 + 3)
     want = np.concatenate(
         [dense[4:6, cam_cols], dense[4:6, point_cols], dense[4:6, weight_col]], axis=1
     )
-    assert rel(blocks[2], want) < 1e-10
+    assert rel_error(blocks[2], want) < 1e-10
 
 
 def test_ba_script(outputs):

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import abs_error, rel_error
 from jax import test_util as jtu
 from programs.nonlinear import cases, heun, residual, simultaneous
 
@@ -29,19 +30,6 @@ CASES = cases()
 ROUND_TRIP = {"heun-1000": 1e-12}
 
 
-def _err(a, b):
-    la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
-    return max(float(jnp.max(jnp.abs(x - y))) for x, y in zip(la, lb))
-
-
-def _rel(a, b):
-    """Max-norm error relative to the largest entry of `b` (a leaf that is nearly zero, as a
-    saturated tanh's parameter gradient is, is compared on the scale of the whole gradient)."""
-    la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
-    scale = max(float(jnp.max(jnp.abs(y))) for y in lb)
-    return max(float(jnp.max(jnp.abs(x - y))) for x, y in zip(la, lb)) / scale
-
-
 def _loss(f):
     def loss(s, p):
         out = jax.tree_util.tree_leaves(f(s, p))
@@ -55,8 +43,8 @@ def test_round_trip_eager_and_jit(name):
     fun, s, p = CASES[name]
     y = fun(s, p)
     tol = ROUND_TRIP.get(name, 1e-10)
-    assert _err(jr.reverse(fun)(y, p), s) <= tol
-    assert _err(jax.jit(jr.reverse(fun))(y, p), s) <= tol
+    assert abs_error(jr.reverse(fun)(y, p), s) <= tol
+    assert abs_error(jax.jit(jr.reverse(fun))(y, p), s) <= tol
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -64,7 +52,7 @@ def test_reversible_gradient_equals_jax_grad_and_stores_nothing(name):
     fun, s, p = CASES[name]
     ref = jax.grad(_loss(fun), argnums=(0, 1))(s, p)
     got = jax.jit(jax.grad(_loss(jr.reversible(fun)), argnums=(0, 1)))(s, p)
-    assert _rel(got, ref) <= 1e-9
+    assert rel_error(got, ref) <= 1e-9
     rep = jr.memory_report(fun, s, p, checkpoint_every=None)
     assert rep.total_bytes == 0, str(rep)
 
@@ -76,10 +64,10 @@ def test_vmap(name):
     fun, s, p = CASES[name]
     batch = jax.tree_util.tree_map(lambda x: jnp.stack([x, 0.9 * x]), s)
     ys = jax.vmap(fun, in_axes=(0, None))(batch, p)
-    assert _err(jax.jit(jax.vmap(jr.reverse(fun), in_axes=(0, None)))(ys, p), batch) <= 1e-10
+    assert abs_error(jax.jit(jax.vmap(jr.reverse(fun), in_axes=(0, None)))(ys, p), batch) <= 1e-10
     g = jax.jit(jax.vmap(jax.grad(_loss(jr.reversible(fun))), in_axes=(0, None)))(batch, p)
     ref = jax.vmap(jax.grad(_loss(fun)), in_axes=(0, None))(batch, p)
-    assert _rel(g, ref) <= 1e-9
+    assert rel_error(g, ref) <= 1e-9
 
 
 def _temp(f, *args):
@@ -108,7 +96,7 @@ def test_heun_inverts_by_elimination_alone():
     """The reversible Heun step is affine once f(z) counts as an unknown: no Newton needed."""
     fun, s, p = CASES["heun-1000"]
     y = fun(s, p)
-    assert _err(reverse_with(fun, Settings(newton=False))(y, p), s) <= 1e-12
+    assert abs_error(reverse_with(fun, Settings(newton=False))(y, p), s) <= 1e-12
 
 
 def test_derivatives_of_a_recovered_value_by_the_implicit_function_theorem():
@@ -135,7 +123,7 @@ def test_inverse_transforms_and_check_reversible_on_nonlinear_groups():
     _, ivjp = jr.inverse_vjp(lambda a, b: fun((a, b), p), *s)
     w = ivjp((jnp.ones(16), jnp.zeros(16)))
     _, vjp = jax.vjp(lambda a, b: fun((a, b), p), *s)
-    assert _err(vjp(w), (jnp.ones(16), jnp.zeros(16))) < 1e-9
+    assert abs_error(vjp(w), (jnp.ones(16), jnp.zeros(16))) < 1e-9
 
 
 def test_no_preimage_raises_naming_the_line():

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import rel_error
 from jax.test_util import check_grads
 
 import jaxrev as jr
@@ -24,11 +25,6 @@ rng = np.random.default_rng(0)
 def _line_of(tag):
     with open(THIS_FILE) as f:
         return next(i for i, line in enumerate(f, 1) if line.rstrip().endswith("# " + tag))
-
-
-def rel(a, b):
-    a, b = np.asarray(a), np.asarray(b)
-    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-300))
 
 
 def random_unitary(k, dtype=np.complex128):
@@ -82,10 +78,10 @@ def test_apply_gate_matches_dense_kronecker_construction(n):
         psi = random_state(n)
         got = jr.apply_gate(psi, M, locs, ctrl_locs, ctrl_vals)
         want = dense_gate(n, M, locs, ctrl_locs, ctrl_vals) @ psi
-        assert rel(got, want) < 1e-13, (locs, ctrl_locs, ctrl_vals)
+        assert rel_error(got, want) < 1e-13, (locs, ctrl_locs, ctrl_vals)
         # reverse undoes it
         back = jr.reverse(lambda s: jr.apply_gate(s, M, locs, ctrl_locs, ctrl_vals))(got)
-        assert rel(back, psi) < 1e-13
+        assert rel_error(back, psi) < 1e-13
 
 
 def test_apply_gate_kron_of_adjacent_qubits_and_complex64():
@@ -93,14 +89,14 @@ def test_apply_gate_kron_of_adjacent_qubits_and_complex64():
     psi = random_state(4, np.complex64)
     got = jr.apply_gate(psi, M, (1, 2))
     want = np.kron(np.kron(np.eye(2), M), np.eye(2)) @ psi
-    assert got.dtype == jnp.complex64 and rel(got, want) < 1e-5
+    assert got.dtype == jnp.complex64 and rel_error(got, want) < 1e-5
 
 
 def test_apply_gate_non_unitary_inverse_and_errors():
     M = np.array([[2.0, 1.0], [0.0, 0.5]], np.complex128)
     psi = random_state(3)
     f = lambda s: jr.apply_gate(s, M, 1, unitary=False)
-    assert rel(jr.reverse(f)(f(psi)), psi) < 1e-13
+    assert rel_error(jr.reverse(f)(f(psi)), psi) < 1e-13
     with pytest.raises(ValueError, match="2x2 matrix"):
         jr.apply_gate(psi, np.eye(4), 0)
     with pytest.raises(ValueError, match="distinct"):
@@ -143,7 +139,7 @@ def test_apply_gate_transpose_is_the_transposed_matrix():
     f = lambda s: jr.apply_gate(s, M, (3, 0), ctrl_locs=1, ctrl_vals=0)
     (t,) = jax.linear_transpose(f, psi)(psi)
     U = dense_gate(4, M, (3, 0), (1,), (0,))
-    assert rel(t, U.T @ psi) < 1e-13
+    assert rel_error(t, U.T @ psi) < 1e-13
 
 
 def test_apply_gate_vmap_over_states_and_matrices_under_jit():
@@ -153,14 +149,16 @@ def test_apply_gate_vmap_over_states_and_matrices_under_jit():
     g = lambda s, m: jr.apply_gate(s, m, 2, ctrl_locs=0)
     ref = lambda s, m: dense_gate(4, m, (2,), (0,)) @ s
     out = jax.jit(jax.vmap(g, (0, None)))(states, M)
-    assert all(rel(o, ref(s, M)) < 1e-13 for o, s in zip(out, states))
+    assert all(rel_error(o, ref(s, M)) < 1e-13 for o, s in zip(out, states))
     out = jax.jit(jax.vmap(g, (None, 0)))(states[0], mats)
-    assert all(rel(o, ref(states[0], m)) < 1e-13 for o, m in zip(out, mats))
+    assert all(rel_error(o, ref(states[0], m)) < 1e-13 for o, m in zip(out, mats))
     out = jax.jit(jax.vmap(g, (0, 0)))(states, mats)
-    assert all(rel(o, ref(s, m)) < 1e-13 for o, s, m in zip(out, states, mats))
+    assert all(rel_error(o, ref(s, m)) < 1e-13 for o, s, m in zip(out, states, mats))
     # nested: a batch of batches, the matrix per outer example only
     out = jax.vmap(jax.vmap(g, (0, None)), (0, 0))(states[None].repeat(2, 0), mats[:2])
-    assert all(rel(out[i, j], ref(states[j], mats[i])) < 1e-13 for i in range(2) for j in range(3))
+    assert all(
+        rel_error(out[i, j], ref(states[j], mats[i])) < 1e-13 for i in range(2) for j in range(3)
+    )
     # derivatives of a vmapped gate
     loss = lambda ss, ms: jnp.sum(jnp.abs(jax.vmap(g)(ss, ms)) ** 4)
     gs = jax.grad(loss, argnums=(0, 1))(states, mats)
@@ -168,7 +166,7 @@ def test_apply_gate_vmap_over_states_and_matrices_under_jit():
         jax.grad(lambda s, m: jnp.sum(jnp.abs(g(s, m)) ** 4), argnums=(0, 1))(s, m)
         for s, m in zip(states, mats)
     ]
-    assert rel(gs[1], np.stack([r[1] for r in gs_ref])) < 1e-12
+    assert rel_error(gs[1], np.stack([r[1] for r in gs_ref])) < 1e-12
 
 
 # ------------------------------------------------------------------ rot and swap
@@ -178,15 +176,15 @@ def test_rot_round_trip_and_values():
     a, b = rng.standard_normal(5), rng.standard_normal(5)
     th = rng.standard_normal(5)
     ra, rb = jr.rot(a, b, th)
-    assert rel(ra, a * np.cos(th) - b * np.sin(th)) < 1e-15
-    assert rel(rb, a * np.sin(th) + b * np.cos(th)) < 1e-15
+    assert rel_error(ra, a * np.cos(th) - b * np.sin(th)) < 1e-15
+    assert rel_error(rb, a * np.sin(th) + b * np.cos(th)) < 1e-15
     f = lambda ab, th: jr.rot(ab[0], ab[1], th)
     back = jr.reverse(f)((ra, rb), th)
-    assert rel(back[0], a) < 1e-12 and rel(back[1], b) < 1e-12
+    assert rel_error(back[0], a) < 1e-12 and rel_error(back[1], b) < 1e-12
     # a long chain of rotations round-trips too
     chain = lambda ab, th: jax.lax.fori_loop(0, 1000, lambda i, s: f(s, th), ab)
     back = jr.reverse(chain)(chain((a, b), th), th)
-    assert rel(back[0], a) < 1e-12 and rel(back[1], b) < 1e-12
+    assert rel_error(back[0], a) < 1e-12 and rel_error(back[1], b) < 1e-12
 
 
 def test_rot_grads_to_order_two_complex_and_scalar_theta():
@@ -208,17 +206,17 @@ def test_rot_and_swap_vmap_jit_and_inverse_jvp():
     th = rng.standard_normal(4)
     out = jax.jit(jax.vmap(jr.rot, (0, 0, 0)))(a, b, th)
     ref = [jr.rot(a[i], b[i], th[i]) for i in range(4)]
-    assert all(rel(out[0][i], ref[i][0]) < 1e-15 for i in range(4))
+    assert all(rel_error(out[0][i], ref[i][0]) < 1e-15 for i in range(4))
     out = jax.vmap(jr.rot, (0, None, None))(a, b[0], 0.3)
-    assert rel(out[1][2], jr.rot(a[2], b[0], 0.3)[1]) < 1e-15
+    assert rel_error(out[1][2], jr.rot(a[2], b[0], 0.3)[1]) < 1e-15
     s = jax.vmap(jr.swap, (0, None))(a, b[0])
-    assert rel(s[0], np.broadcast_to(b[0], a.shape)) == 0 and rel(s[1], a) == 0
+    assert rel_error(s[0], np.broadcast_to(b[0], a.shape)) == 0 and rel_error(s[1], a) == 0
     # inverse_jvp through the registered inverse-JVP rules: J of rot is R(θ), so J⁻¹v = R(−θ)v
     f = lambda ab: jr.swap(*jr.rot(ab[0], ab[1], 0.4))
     v = (jnp.asarray(rng.standard_normal(3)), jnp.asarray(rng.standard_normal(3)))
     _, (t,) = jr.inverse_jvp(f, ((a[0], b[0]),), v, method="reverse")
-    assert rel(t[0], jr.rot(v[1], v[0], -0.4)[0]) < 1e-14
-    assert rel(t[1], jr.rot(v[1], v[0], -0.4)[1]) < 1e-14
+    assert rel_error(t[0], jr.rot(v[1], v[0], -0.4)[0]) < 1e-14
+    assert rel_error(t[1], jr.rot(v[1], v[0], -0.4)[1]) < 1e-14
     check_grads(jr.swap, (a[0], b[0]), order=2, modes=("fwd", "rev"))
     with pytest.raises(ValueError, match="one shape"):
         jr.rot(a, b[0], 0.1)
@@ -244,7 +242,7 @@ def test_reversible_circuit_gradient_equals_jax_grad_and_memory_is_flat():
     loss = lambda run: lambda p: ising_energy(run(psi0, p))
     g_rev = jax.grad(loss(jr.reversible(circuit)))(params)
     g_ref = jax.grad(loss(circuit))(params)
-    assert rel(g_rev, g_ref) < 1e-9
+    assert rel_error(g_rev, g_ref) < 1e-9
     assert jr.memory_report(circuit, psi0, params, checkpoint_every=None).total_bytes == 0
 
     def temp(depth, run):

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import scaled_error
 from jax import lax
 from programs import marker_line
 
@@ -34,9 +35,7 @@ def _line(tag: str) -> int:
 
 
 def _close(a, b, tol=1e-10):
-    a, b = np.asarray(a), np.asarray(b)
-    assert a.shape == b.shape, (a.shape, b.shape)
-    err = float(np.max(np.abs(a - b))) / max(1.0, float(np.max(np.abs(b))))
+    err = scaled_error(a, b)  # asserts the shapes match
     assert err <= tol, (err, a, b)
 
 

@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import rel_error
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -63,19 +64,6 @@ COMMON = dict(
     print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
-
-
-def rel_err(a, b, *others) -> float:
-    """max |a - b| relative to the largest magnitude among b and `others` (the other end of the
-    round trip): a norm-wise relative error that stays meaningful when b is (nearly) zero."""
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    assert a.shape == b.shape, (a.shape, b.shape)
-    scale = max(
-        [float(np.max(np.abs(b)))]
-        + [float(np.max(np.abs(np.asarray(o, np.float64)))) for o in others]
-        + [1e-300]
-    )
-    return float(np.max(np.abs(a - b))) / scale
 
 
 # ----------------------------------------------------------------------------- steps
@@ -351,7 +339,7 @@ def test_round_trip(prog, use_jit):
     y = _forward(_maybe_jit(f, use_jit), x, params)
     x_rec = _maybe_jit(jr.reverse(f), use_jit)(y, params)
     assert x_rec.shape == x.shape and x_rec.dtype == x.dtype
-    assert rel_err(x_rec, x, y) <= RTOL64, (steps, rel_err(x_rec, x, y))
+    assert rel_error(x_rec, x, y) <= RTOL64, (steps, rel_error(x_rec, x, y))
 
 
 @settings(max_examples=n_examples(20), **COMMON)
@@ -361,7 +349,7 @@ def test_double_reverse(prog, use_jit):
     y = _forward(f, x, params)
     y2 = _maybe_jit(jr.reverse(jr.reverse(f)), use_jit)(x, params)
     assert y2.shape == y.shape and y2.dtype == y.dtype
-    assert rel_err(y2, y, x) <= RTOL64, (steps, rel_err(y2, y, x))
+    assert rel_error(y2, y, x) <= RTOL64, (steps, rel_error(y2, y, x))
 
 
 F32_KINDS = ["add", "mulexp", "coupling", "cumsum", "flip", "matmul", "givens", "sinh_asinh"]
@@ -380,7 +368,7 @@ def test_round_trip_float32(prog, use_jit):
     assert y.dtype == jnp.float32
     x_rec = _maybe_jit(jr.reverse(f), use_jit)(y, params)
     assert x_rec.dtype == jnp.float32
-    assert rel_err(x_rec, x, y) <= RTOL32, (steps, rel_err(x_rec, x, y))
+    assert rel_error(x_rec, x, y) <= RTOL32, (steps, rel_error(x_rec, x, y))
 
 
 # ----------------------------------------------------------------------------- double reverse
@@ -400,7 +388,7 @@ def test_double_reverse_single_step(kind):
     x = rng.standard_normal(shape)
     y = step.fn(x, step.params)
     y2 = jr.reverse(jr.reverse(step.fn))(x, step.params)
-    assert rel_err(y2, y, x) <= RTOL64
+    assert rel_error(y2, y, x) <= RTOL64
 
 
 NESTED_JIT = {
@@ -416,20 +404,10 @@ def test_nested_jit_round_trip(name):
     property tests build when they wrap such a step in `jax.jit`, as a plain regression test."""
     f = NESTED_JIT[name]
     x, p = jnp.array([0.5, -1.0, 2.0]), jnp.array([0.1, 0.2, -0.3])
-    assert rel_err(jr.reverse(f)(f(x, p), p), x) <= RTOL64
+    assert rel_error(jr.reverse(f)(f(x, p), p), x) <= RTOL64
 
 
 # ----------------------------------------------------------------------------- reversible
-
-
-def _grad_err(ga, gb) -> float:
-    la, lb = jax.tree_util.tree_leaves(ga), jax.tree_util.tree_leaves(gb)
-    assert len(la) == len(lb)
-    scale = max([float(np.max(np.abs(np.asarray(a)))) for a in la] + [1e-300])
-    return max(
-        [float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) / scale for a, b in zip(la, lb)]
-        + [0.0]
-    )
 
 
 @settings(max_examples=n_examples(15), **COMMON)
@@ -445,7 +423,7 @@ def test_reversible_gradients_match_jax_grad(prog):
     _forward(f, x, params)
     g_ref = loss(f)(x, params)
     g = loss(jr.reversible(f))(x, params)
-    assert _grad_err(g_ref, g) <= 1e-8, (steps, _grad_err(g_ref, g))
+    assert rel_error(g, g_ref) <= 1e-8, (steps, rel_error(g, g_ref))
 
 
 # ----------------------------------------------------------------------------- inverse AD
@@ -470,7 +448,7 @@ def test_inverse_jvp_and_vjp_match_dense_solve(prog, method):
     g = lambda z: f(z, params)  # noqa: E731
     _, (t,) = jax.jit(lambda x, v: jr.inverse_jvp(g, (x,), v, method=method))(x, v)
     t_ref = np.linalg.solve(J, v.ravel())
-    assert rel_err(np.ravel(t), t_ref) <= 1e-8, (steps, method)
+    assert rel_error(np.ravel(t), t_ref) <= 1e-8, (steps, method)
     _, ivjp = jr.inverse_vjp(g, x, method=method)
     w = ivjp((jnp.asarray(v),))
-    assert rel_err(np.ravel(w), np.linalg.solve(J.T, v.ravel())) <= 1e-8, (steps, method)
+    assert rel_error(np.ravel(w), np.linalg.solve(J.T, v.ravel())) <= 1e-8, (steps, method)

@@ -1,7 +1,8 @@
 """The reversible transformer of `examples/reversible_transformer.py` sharded over 4 CPU
 devices: a 2 x 2 (data x model) mesh in one process, and 2 processes x 2 devices under
-`jax.distributed` (gloo collectives). The checks run in fresh interpreters
-(`tests/transformer_worker.py`, whose `CASE` lines this module reads)."""
+`jax.distributed` (gloo collectives). The sharded checks run in fresh interpreters
+(`tests/transformer_worker.py`, whose `CASE` lines this module reads) and are `slow` (about
+a minute of a core each); the default run checks one gradient on one device in-process."""
 
 from __future__ import annotations
 
@@ -11,8 +12,13 @@ import socket
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
+from helpers import rel_error
 
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "transformer_worker.py")
 
 
@@ -73,6 +79,22 @@ def processes():
     return [_cases(out) for out, _ in outs]
 
 
+def test_reversible_gradient_on_one_device():
+    """In this process, one device: the reversible transformer's gradient (Equinox blocks,
+    float64) against `jax.grad`'s, with the worker's sizes and two blocks."""
+    if EXAMPLES not in sys.path:
+        sys.path.insert(0, EXAMPLES)
+    import reversible_transformer as rt
+
+    params, block = rt.init("equinox", jax.random.key(1), vocab=11, depth=2, d=16, heads=2, seq=8)
+    batch = np.random.default_rng(0).integers(0, 11, (4, 9)).astype(np.int32)
+    loss_ref, g_ref = jax.jit(rt.grad_fn(block, "jax.grad", jnp.float64))(params, batch)
+    loss, g = jax.jit(rt.grad_fn(block, "reversible", jnp.float64))(params, batch)
+    assert rel_error(g, g_ref) < 1e-10
+    assert abs(float(loss) - float(loss_ref)) < 1e-12
+
+
+@pytest.mark.slow
 def test_one_process(single):
     """4 devices, a 2 x 2 (data x model) mesh: one test, as its cases share one interpreter
     (the test runner's workers would each start their own)."""
@@ -91,6 +113,7 @@ def test_one_process(single):
     assert r["scratch32"] <= 1.3 * r["scratch8"], r
 
 
+@pytest.mark.slow
 def test_two_processes(processes):
     for cases in processes:
         for case in ("grad64-equinox-jit", "grad64-equinox-shard_map"):

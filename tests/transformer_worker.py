@@ -24,24 +24,13 @@ sys.path.insert(
     0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 )
 import reversible_transformer as rt  # noqa: E402
+from helpers import rel_error  # noqa: E402
 
 VOCAB, D, HEADS, SEQ, BATCH = 11, 16, 2, 8, 4
 
 
 def case(**kw) -> None:
     print("CASE " + json.dumps(kw), flush=True)
-
-
-def rel(ref, got) -> float:
-    la, lb = jax.tree.leaves(ref), jax.tree.leaves(got)
-    scale = max(float(jnp.max(jnp.abs(a.astype(jnp.float64)))) for a in la)
-    return (
-        max(
-            float(jnp.max(jnp.abs(a.astype(jnp.float64) - b.astype(jnp.float64))))
-            for a, b in zip(la, lb)
-        )
-        / scale
-    )
 
 
 def model(kind: str, depth: int, dtype=jnp.float64):
@@ -132,9 +121,9 @@ def main(mode: str) -> None:
             # sharded program itself differs from the one-device one by about 2e-8)
             case(
                 case=f"grad64-{kind}-{'shard_map' if sm else 'jit'}",
-                rel_err=rel(g_sh, g),
-                rel_err_one_device=rel(g_ref, g),
-                grad_vs_one_device=rel(g_ref, g_sh),
+                rel_err=rel_error(g, g_sh),
+                rel_err_one_device=rel_error(g, g_ref),
+                grad_vs_one_device=rel_error(g_sh, g_ref),
                 loss_err=abs(loss - float(loss_ref)),
                 sharded_leaves=n_sh,
                 devices=len(jax.devices()),
@@ -153,9 +142,9 @@ def main(mode: str) -> None:
     _, g_bf1 = local_grads("equinox", 8, "jax.grad", jnp.bfloat16, params32)
     case(
         case="bf16",
-        rev_err=rel(g32, g_rev),
-        grad_err=rel(g32, g_bf),
-        grad_one_device_err=rel(g32, g_bf1),
+        rev_err=rel_error(g_rev, g32),
+        grad_err=rel_error(g_bf, g32),
+        grad_one_device_err=rel_error(g_bf1, g32),
     )
     # per-device scratch at 8 and 32 blocks, with the defaults
     case(case="flat", scratch8=scratch("equinox", 8), scratch32=scratch("equinox", 32))
