@@ -47,7 +47,7 @@ from jaxrev.transforms.registry import choice_rules, elementwise_in
 
 __all__ = ["choice_step", "MAX_COMBOS"]
 
-Walk = Callable[[Sequence[JaxprEqn], Env, Sequence[Var]], Any]
+SubWalk = Callable[[Sequence[JaxprEqn], Env, Sequence[Var]], Any]
 """The walker's recursion, as group steps receive it: ``walk(eqns, env, goals)``."""
 
 MAX_COMBOS = 64
@@ -170,7 +170,7 @@ def _ancestors(eqns: Sequence[JaxprEqn], producer: dict) -> set:
 
 
 def choice_step(
-    eqns: Sequence[JaxprEqn], env: Env, pending: Sequence[int], soft: bool, walk: Walk
+    eqns: Sequence[JaxprEqn], env: Env, pending: Sequence[int], soft: bool, walk: SubWalk
 ) -> bool:
     """Invert the smallest trailing square group holding state-dependent decisions. With
     `soft` (`reversible`'s walks), a group with a branch that loses the state is left alone
@@ -385,7 +385,7 @@ def _split(
     outputs: list[Var],
     env: Env,
     shape: tuple | None,
-    walk: Walk,
+    walk: SubWalk,
     state: Any,
 ) -> bool:
     """Invert the group branch by branch and write the consistent candidate. The inverse is
@@ -453,7 +453,7 @@ def _solve(
     outputs: list[Var],
     env: Env,
     shape: tuple | None,
-    walk: Walk,
+    walk: SubWalk,
     state: Any,
 ) -> list[Any] | None:
     cands, oks, tried, lost = [], [], [], []
@@ -516,7 +516,7 @@ def _branch(
     env: Env,
     shape: tuple | None,
     start: Any,
-    walk: Walk,
+    walk: SubWalk,
     bctx: Any,
     producer: dict,
     state: Any,

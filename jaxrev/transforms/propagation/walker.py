@@ -12,17 +12,23 @@ tried before giving up: a *linear lump* (equations invertible only together, sol
 method). Equations that compute the same value were merged before the walk
 (`_jaxpr.prepare`), so a value known once is known everywhere.
 
+A walk is an object (`Walk`), built from everything that steers it: its jaxpr (or a
+`Window` of equations) and env, the rule tables it applies (`Rules`; `RULES`, the
+registries'), the group steps it tries in order when nothing moves (`GROUP_STEPS`: lumps,
+choices, elimination, Newton; each ``step(walk, pending) -> bool``, handed the walk itself and
+so its recursion `Walk.subwalk`), its walk context (`knowledge.context.WalkContext`, carried
+by the env as `env.ctx`, which the transform that created it sets in `seed`), and its options
+(`allow`, `forward_only`, `on_invert`, `soft`, `cut`). It owns its worklist as named fields.
 `reverse`, `reversible`'s planner and backward sweep, the loop and branch rules,
-`check_reversible` and the inverse transforms all call `propagate` (or `invert_jaxpr`, its
-entry point for a whole sub-jaxpr); forward evaluation is `_jaxpr.evaluate`. What steers a
-walk besides its jaxpr and values is its context (`knowledge.context.WalkContext`), which the
-env carries (`env.ctx`): the transform that created it sets it in `seed`.
+`check_reversible` and the inverse transforms all call `propagate` (the one entry point: it
+builds a `Walk` and runs it), or `invert_jaxpr`, its entry point for a whole sub-jaxpr;
+forward evaluation is `_jaxpr.evaluate`.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,6 +59,15 @@ from jaxrev.transforms.registry import (
 __all__ = [
     "Stuck",
     "Window",
+    "Walk",
+    "Rules",
+    "RULES",
+    "GroupStep",
+    "GROUP_STEPS",
+    "lump_group",
+    "choice_group",
+    "eliminate_group",
+    "newton_group",
     "Hints",
     "RuleContext",
     "propagate",
@@ -79,20 +94,15 @@ class Stuck:
 
 
 class Window:
-    """A stretch of a jaxpr's equations, for `propagate` (which reads `.eqns`, `.outvars`).
+    """A stretch of a jaxpr's equations, for a walk (which reads `.eqns`, `.outvars`: a window
+    has no outputs of its own). What steers a walk over it (`cut`, no group steps) are the
+    walk's options."""
 
-    `cut`: equations before the stretch are left out, so a value the stretch reads may be
-    fixed by equations it cannot see; a group step then refuses a group that is singular on
-    random stand-ins (it would take such a value as free), and the window widens instead.
-    `groups=False`: no group steps (single equations only)."""
+    __slots__ = ("eqns", "outvars")
 
-    __slots__ = ("eqns", "outvars", "cut", "groups")
-
-    def __init__(self, eqns: Sequence[JaxprEqn], cut: bool = False, groups: bool = True) -> None:
+    def __init__(self, eqns: Sequence[JaxprEqn]) -> None:
         self.eqns = list(eqns)
         self.outvars: list = []
-        self.cut = cut
-        self.groups = groups
 
 
 @dataclass
@@ -154,6 +164,21 @@ class RuleContext:
         return self.env.info.static(self.eqn.invars[k])
 
 
+@dataclass(frozen=True, eq=False)
+class Rules:
+    """The rule tables a walk looks up: `inverse` (primitive -> inverse rule), `inverse_jvp`
+    (primitive -> the derivative of what its inverse rule recovers, `register_inverse_jvp`)
+    and `element` (primitive -> element-level rules; the walk asks only whether a primitive
+    has some, `knowledge.elements` applies the registry's). `RULES`: the registries' tables,
+    which every transform walks with."""
+
+    inverse: Mapping[Any, Callable]
+    inverse_jvp: Mapping[Any, Callable]
+    element: Mapping[Any, Any]
+
+
+RULES = Rules(inverse_rules, inverse_jvp_rules, element_rules)
+
 _NO_LOSS = object()
 
 
@@ -169,9 +194,9 @@ def _call_rule(
 # --------------------------------------------------------------------------- applying a rule
 
 
-def _apply_rule(eqn: JaxprEqn, env: Env) -> list[Any] | None:
+def _apply_rule(eqn: JaxprEqn, env: Env, rules: Rules) -> list[Any] | None:
     env.ctx.count("rules")
-    rule = inverse_rules[eqn.primitive]
+    rule = rules.inverse[eqn.primitive]
     outs = [env.read_or_unknown(v) for v in eqn.outvars]
     ins = [env.read_or_unknown(v) for v in eqn.invars]
     out = outs if eqn.primitive.multiple_results else outs[0]
@@ -185,15 +210,17 @@ def _apply_rule(eqn: JaxprEqn, env: Env) -> list[Any] | None:
             f"entry per input ({len(ins)}: the recovered value or None), got {rec!r:.200}"
         )
     rec = list(rec)
-    if eqn.primitive in inverse_jvp_rules:
-        rec = _with_inverse_jvp(eqn, env, out, ins, rec)
+    if eqn.primitive in rules.inverse_jvp:
+        rec = _with_inverse_jvp(eqn, env, rules, out, ins, rec)
     return rec
 
 
-def _with_inverse_jvp(eqn: JaxprEqn, env: Env, out: Any, ins: list, rec: list) -> list:
+def _with_inverse_jvp(
+    eqn: JaxprEqn, env: Env, rules: Rules, out: Any, ins: list, rec: list
+) -> list:
     """Give the recovered inputs the derivative the user's inverse-JVP rule states, instead of
     the derivative of the inverse rule's own code (`out` is a list for multiple results)."""
-    ij = inverse_jvp_rules[eqn.primitive]
+    ij = rules.inverse_jvp[eqn.primitive]
     params = eqn.params
     got = [k for k, r in enumerate(rec) if r is not None and is_unknown(ins[k])]
     known = [k for k, x in enumerate(ins) if not is_unknown(x)]
@@ -208,7 +235,7 @@ def _with_inverse_jvp(eqn: JaxprEqn, env: Env, out: Any, ins: list, rec: list) -
 
     @jax.custom_jvp
     def recovered(out, known_vals):
-        rec2 = _call_rule(eqn, env, inverse_rules[eqn.primitive], out, filled(known_vals), params)
+        rec2 = _call_rule(eqn, env, rules.inverse[eqn.primitive], out, filled(known_vals), params)
         return [rec2[k] for k in got]
 
     @recovered.defjvp
@@ -240,7 +267,355 @@ def _with_inverse_jvp(eqn: JaxprEqn, env: Env, out: Any, ins: list, rec: list) -
     return rec
 
 
-# --------------------------------------------------------------------------- propagation
+# --------------------------------------------------------------------------- group steps
+
+GroupStep = Callable[["Walk", list[int]], bool]
+"""A group step, ``step(walk, pending) -> bool``: tried when no single equation moves, on the
+walk's unfinished (and allowed) equations `pending` (indices into `walk.eqns`); it says whether
+it wrote into `walk.env` (then the walk looks at every pending equation again)."""
+
+
+def lump_group(walk: Walk, pending: list[int]) -> bool:
+    """Linear lumps (`lumps.lump_step`), of the equations not known to lose information."""
+    return lumps.lump_step(
+        walk.eqns, walk.env, [i for i in pending if i not in walk.lossy], walk.cut
+    )
+
+
+def choice_group(walk: Walk, pending: list[int]) -> bool:
+    """Groups whose decisions the state computes (`choices.choice_step`); each branch is
+    walked by `walk.subwalk`."""
+    return choices.choice_step(walk.eqns, walk.env, pending, walk.soft, walk.subwalk)
+
+
+def eliminate_group(walk: Walk, pending: list[int]) -> bool:
+    """Exact linear elimination of a nonlinear group's affine part (`nonlinear`)."""
+    return nonlinear.eliminate_step(walk.eqns, walk.env, pending, walk.lossy)
+
+
+def newton_group(walk: Walk, pending: list[int]) -> bool:
+    """Newton's method on the smallest square group of smooth equations (`nonlinear`)."""
+    return nonlinear.newton_step(walk.eqns, walk.env, pending, walk.lossy, walk.cut)
+
+
+GROUP_STEPS: tuple[GroupStep, ...] = (lump_group, choice_group, eliminate_group, newton_group)
+"""The group steps every transform walks with, in the order they are tried."""
+
+
+# --------------------------------------------------------------------------- the walk
+
+
+class Walk:
+    """One walk: fill `env` from what it knows over `jaxpr`'s equations (a `Jaxpr` or a
+    `Window`), with the inverse rules of `rules` and, when no single equation moves, the group
+    steps `steps`, tried in order (the first that writes something wins; `()`: none, the walk
+    then ends with its stuck equations in the order they stuck). `run(goals)` walks.
+
+    `ctx` is the walk context (default: the env's, `env.ctx`; one given here is set on the
+    env, which rules and group steps read it from). The options: `allow(eqn)`, whether the walk
+    may look at an equation at all; `forward_only` (evaluate and propagate elements forward,
+    never invert); `on_invert(eqn, vars)`, told of every inversion; `soft` (a step that loses
+    information is one more stuck equation instead of an error); `cut` (equations before
+    `eqns` are left out, so a value they read may be fixed by equations the walk cannot see:
+    group steps then refuse a group singular on random stand-ins).
+
+    The worklist: an equation is looked at again only when something known about one of its
+    variables changed (`touching` says which equations read or write a variable), so tracing
+    stays linear in the program's length. Three queues: `ready` and `whole` hold equations
+    woken because one of their variables became known whole (`ready` those that can now run
+    forward: an output a group step took over is then recomputed, not inverted again), and are
+    looked at before `partial`, those woken by a change of partial knowledge. Spreading a value
+    known on some elements through earlier steps before the step that completes it has run
+    would intersect the regions of independent predicates, wave after wave (per-step masks:
+    exponential in the steps). `queued[i]`: waiting in a queue, `ahead[i]`: in `ready` or
+    `whole`; `done[i]`: every variable known. `stuck` maps equations to why they are stuck,
+    `lossy` (per round of group steps) those whose rule said they lose information;
+    `rule_tried` / `elements_tried` what was known around an equation when its inverse rule /
+    its element rules were last tried (a rule, say a loop's, which traces its body, is tried
+    again only once something about its equation changed), and `claimed` the equations whose
+    element rules claimed them (their inverse rule is not tried)."""
+
+    __slots__ = (
+        "jaxpr",
+        "eqns",
+        "env",
+        "ctx",
+        "rules",
+        "steps",
+        "allow",
+        "forward_only",
+        "on_invert",
+        "soft",
+        "cut",
+        "used",
+        "touching",
+        "done",
+        "ready",
+        "whole",
+        "partial",
+        "queued",
+        "ahead",
+        "stuck",
+        "lossy",
+        "rule_tried",
+        "elements_tried",
+        "claimed",
+    )
+
+    def __init__(
+        self,
+        jaxpr: Jaxpr | Window,
+        env: Env,
+        *,
+        rules: Rules = RULES,
+        steps: Sequence[GroupStep] = GROUP_STEPS,
+        ctx: WalkContext | None = None,
+        allow: Callable[[JaxprEqn], bool] | None = None,
+        forward_only: bool = False,
+        on_invert: Callable[[JaxprEqn, list[Var]], None] | None = None,
+        soft: bool = False,
+        cut: bool = False,
+    ) -> None:
+        if ctx is not None:
+            env.ctx = ctx
+        if not isinstance(env.ctx, WalkContext):
+            raise TypeError(
+                "propagate: the env carries no walk context (`seed(..., ctx=)` or `Env(ctx=)` "
+                "sets it)"
+            )
+        self.jaxpr, self.env, self.ctx = jaxpr, env, env.ctx
+        self.rules, self.steps = rules, tuple(steps)
+        self.allow, self.forward_only, self.on_invert = allow, forward_only, on_invert
+        self.soft, self.cut = soft, cut
+        self.eqns: Sequence[JaxprEqn] = jaxpr.eqns
+        n = len(self.eqns)
+        self.used: set[Var] = used_vars(jaxpr)
+        self.touching: dict[Var, list[int]] = {}
+        for i, e in enumerate(self.eqns):
+            for v in (*e.invars, *e.outvars):
+                if isinstance(v, Var):
+                    self.touching.setdefault(v, []).append(i)
+        self.done = [False] * n
+        self.ready: deque[int] = deque()
+        self.whole: deque[int] = deque()
+        self.partial: deque[int] = deque(range(n))
+        self.queued = [True] * n
+        self.ahead = [False] * n
+        self.stuck: dict[int, Stuck] = {}
+        self.lossy: set[int] = set()
+        self.rule_tried: dict[int, tuple] = {}
+        self.elements_tried: dict[int, tuple] = {}
+        self.claimed: set[int] = set()
+
+    def run(self, goals: Sequence[Any] | None) -> list[Stuck]:
+        """Walk until every goal is known (or, with `goals=None`, as far as it goes): [] on
+        success, else the equations that blocked it."""
+        env, eqns = self.env, self.eqns
+        while True:
+            while self.ready or self.whole or self.partial:
+                if goals is not None and all(env.known(g) for g in goals):
+                    return []
+                i = self._next()
+                if i is not None:
+                    self._look(i)
+            if goals is not None and all(env.known(g) for g in goals):
+                return []
+            pending = [i for i in range(len(eqns)) if not self.done[i]]
+            if self.forward_only or not self.steps:
+                return list(self.stuck.values())
+            # group steps see only the allowed equations
+            allow = self.allow
+            gp = pending if allow is None else [i for i in pending if allow(eqns[i])]
+            self.lossy = {i for i, s in self.stuck.items() if s.lossy}
+            if any(step(self, gp) for step in self.steps):
+                self._wake_all(gp)
+                continue
+            return [s for i, s in sorted(self.stuck.items())] or [
+                Stuck(eqns[i], "its result does not reach the output")
+                for i in pending
+                if any(not env.known(v) for v in eqns[i].invars)
+            ][:1]
+
+    def subwalk(self, eqns: Sequence[JaxprEqn], env: Env, goals: Sequence[Var]) -> list[Stuck]:
+        """The recursion handed to group steps: a soft walk over `eqns` alone (with this walk's
+        rules and group steps, and `env`'s context)."""
+        return Walk(Window(eqns), env, rules=self.rules, steps=self.steps, soft=True).run(goals)
+
+    # ----------------------------------------------------------------------- the worklist
+
+    def _next(self) -> int | None:
+        """The next equation to look at (None: the one taken needs no look)."""
+        if self.ready or self.whole:
+            i = (self.ready or self.whole).popleft()
+            self.ahead[i] = False
+        else:
+            i = self.partial.popleft()
+        if not self.queued[i]:
+            return None  # looked at from a queue ahead since
+        self.queued[i] = False
+        if self.done[i]:
+            return None
+        return i
+
+    def _look(self, i: int) -> None:
+        """Look at equation `i` and wake the equations around what that changed."""
+        env, eqn = self.env, self.eqns[i]
+        if self.allow is not None and not self.allow(eqn):
+            return
+        vs = (*eqn.invars, *real_outvars(eqn))
+        before = tuple(token(env, v) for v in vs)
+        self._visit(i, eqn, before)
+        if all(env.known(v) for v in vs):
+            self.done[i] = True
+            self.stuck.pop(i, None)
+        after = tuple(token(env, v) for v in vs)
+        if after != before:
+            self._wake(
+                [v for v, x, y in zip(vs, before, after) if x != y],
+                {v for v, y in zip(vs, after) if y is True and isinstance(v, Var)},
+            )
+
+    def _wake(self, vs: Sequence[Any], whole: set) -> None:
+        """Queue the equations around the variables `vs` whose knowledge changed (`whole`:
+        those now known whole)."""
+        env, eqns = self.env, self.eqns
+        for v in vs:
+            for j in self.touching.get(v, ()) if isinstance(v, Var) else ():
+                if self.done[j]:
+                    continue
+                if v in whole and not self.ahead[j]:
+                    self.ahead[j] = self.queued[j] = True
+                    ready = all(env.known(u) for u in eqns[j].invars)
+                    (self.ready if ready else self.whole).append(j)
+                elif not self.queued[j]:
+                    self.queued[j] = True
+                    self.partial.append(j)
+
+    def _wake_all(self, pending: Sequence[int]) -> None:
+        """After a group step (which may write anywhere): look at every pending equation
+        again, what can run forward first (the values the group took over are recomputed, not
+        inverted again)."""
+        env, eqns = self.env, self.eqns
+        for j in pending:
+            if self.done[j]:
+                continue
+            if all(env.known(u) for u in eqns[j].invars):
+                if not self.ahead[j]:
+                    self.ahead[j] = self.queued[j] = True
+                    self.ready.append(j)
+            elif not self.queued[j]:
+                self.queued[j] = True
+                self.partial.append(j)
+
+    # ----------------------------------------------------------------------- one equation
+
+    def _visit(self, i: int, eqn: JaxprEqn, seen: tuple) -> None:
+        """One look at equation `i`: evaluate it, or propagate what is known of some elements
+        around it, or apply its inverse rule (`seen`: what was known around it before)."""
+        env, stuck = self.env, self.stuck
+        if all(env.known(v) for v in eqn.invars):
+            evaluate((eqn,), env, used=self.used)
+            return
+        outs = real_outvars(eqn)
+        before = _unknown_regions(eqn, env) if records.active(env) is not None else None
+        if self.elements_tried.get(i) != seen:
+            self.elements_tried[i] = seen
+            self.claimed.discard(i)
+            if self._near_elements(eqn) and self._element_step(i, eqn):
+                if before is not None:
+                    before = _note(eqn, env, before)
+                stuck.pop(i, None)
+                if self.on_invert is not None:
+                    self.on_invert(eqn, [v for v in eqn.invars if env.known(v)])
+            if all(env.known(v) for v in eqn.invars):
+                return
+        if self.forward_only or not any(env.known(v) for v in outs):
+            return
+        if i in self.claimed:
+            loss = env.losses.get(eqn, _NO_LOSS)
+            if i not in stuck and loss is not None:  # None: its output came forward
+                stuck[i] = (
+                    Stuck(
+                        eqn,
+                        "only some elements of its inputs follow from its output "
+                        "(the others are overwritten or selected away)",
+                    )
+                    if loss is _NO_LOSS
+                    else Stuck(eqn, loss.reason, hint=loss.hint, lossy=True, singular=loss.singular)
+                )
+            return
+        if eqn.primitive not in self.rules.inverse:
+            stuck[i] = Stuck(eqn, "there is no inverse rule for it", no_rule=True)
+            return
+        seen = tuple(token(env, v) for v in (*eqn.invars, *outs))
+        if i in stuck and self.rule_tried.get(i) == seen:
+            return
+        self.rule_tried[i] = seen
+        try:
+            rec = _apply_rule(eqn, env, self.rules)
+        except NeedMore as e:
+            stuck[i] = Stuck(eqn, e.reason, e.inner, e.hint)
+            return
+        except Lossy as e:
+            # what this step loses may still be known by another route (a value computed
+            # forward from elements a `where` kept): an error only if the walk ends without it
+            stuck[i] = Stuck(eqn, e.reason, hint=e.hint, lossy=True, singular=e.singular)
+            return
+        except NotInvertibleError as e:
+            if not self.soft:
+                raise
+            stuck[i] = Stuck(eqn, str(e), lossy=True)
+            return
+        wrote = []
+        for v, r in zip(eqn.invars, rec or ()):
+            if r is not None and isinstance(v, Var) and not env.known(v):
+                elements.complete(env, v, r)
+                wrote.append(v)
+        if before is not None:
+            _note(eqn, env, before)
+        if wrote:
+            stuck.pop(i, None)
+            if self.on_invert is not None:
+                self.on_invert(eqn, wrote)
+        elif i not in stuck:
+            stuck[i] = Stuck(
+                eqn,
+                "its unknown inputs cannot be recovered from what is known "
+                "(more than one of them is unknown)",
+            )
+
+    def _element_step(self, i: int, eqn: JaxprEqn) -> bool:
+        """Element-level propagation around `eqn`; whether it learned something. Its element
+        rules may claim the equation (then its ordinary inverse rule is not tried)."""
+        env = self.env
+        env.ctx.count("elements")
+        learned = elements.forward(eqn, env)
+        if self.forward_only:
+            return learned
+        try:
+            claim = elements.backward(eqn, env)
+        except Lossy as e:  # an error only if the walk ends without what it loses
+            self.stuck[i] = Stuck(eqn, e.reason, hint=e.hint, lossy=True, singular=e.singular)
+            claim = False
+        if claim is not None:
+            self.claimed.add(i)
+        return bool(claim) or learned
+
+    def _near_elements(self, eqn: JaxprEqn) -> bool:
+        """Whether element-level rules may say something about `eqn`: it has some of them, or
+        a partly known operand or result, or it is a structural step with no inverse rule."""
+        env, p = self.env, eqn.primitive
+        if p in self.rules.element:
+            return True
+        if env.part and any(
+            isinstance(v, Var) and v in env.part for v in (*eqn.invars, *eqn.outvars)
+        ):
+            return True
+        return (
+            is_kind(p, STRUCTURAL)
+            and p not in self.rules.inverse
+            and any(env.known(v) for v in real_outvars(eqn))
+        )
 
 
 def propagate(
@@ -248,239 +623,33 @@ def propagate(
     env: Env,
     goals: Sequence[Any] | None,
     *,
+    rules: Rules = RULES,
+    steps: Sequence[GroupStep] = GROUP_STEPS,
     allow: Callable[[JaxprEqn], bool] | None = None,
     forward_only: bool = False,
     on_invert: Callable[[JaxprEqn, list[Var]], None] | None = None,
     soft: bool = False,
+    cut: bool = False,
+    groups: bool = True,
 ) -> list[Stuck]:
-    """Fill `env` until every goal is known (or, with `goals=None`, as far as it goes).
+    """Fill `env` until every goal is known (or, with `goals=None`, as far as it goes): the
+    one entry point, a `Walk` built from these options and run (`groups=False`: no group
+    steps, single equations only; the rest are the `Walk`'s).
 
-    Returns [] on success, else the equations that blocked it. With `soft`, a step that loses
-    information is one more blocked equation instead of an error (`reversible` stores what it
-    loses and goes on). What steers the walk besides `jaxpr` and `env` is the walk context
-    the env carries (`env.ctx`: its settings, record and drift log), which `seed` sets.
-
-    A worklist: an equation is looked at again only when something known about one of its
-    variables changed, so tracing stays linear in the program's length."""
-    if not isinstance(env.ctx, WalkContext):
-        raise TypeError(
-            "propagate: the env carries no walk context (`seed(..., ctx=)` or `Env(ctx=)` sets it)"
-        )
-    eqns = jaxpr.eqns
-    used = used_vars(jaxpr)
-    near: dict[Var, list[int]] = {}  # variable -> the equations that read or write it
-    for i, e in enumerate(eqns):
-        for v in (*e.invars, *e.outvars):
-            if isinstance(v, Var):
-                near.setdefault(v, []).append(i)
-    done = [False] * len(eqns)
-    # two queues: an equation woken because one of its variables became known whole is looked
-    # at first (`front`); one woken by a change of partial knowledge waits (`back`) until
-    # nothing is left to complete. Spreading a value known on some elements through earlier
-    # steps before the step that completes it has run would intersect the regions of
-    # independent predicates, wave after wave (per-step masks: exponential in the steps).
-    # Of those, one that can now run forward goes before one that would be inverted: an
-    # output a group step already took over is then recomputed, not inverted again
-    back = deque(range(len(eqns)))
-    front: deque = deque()
-    ready: deque = deque()
-    queued = [True] * len(eqns)  # waiting in either queue
-    in_front = [False] * len(eqns)
-    stuck: dict[int, Stuck] = {}
-    # what was known around an equation when its rule last failed: a rule (a loop's, say, which
-    # traces its body) is only tried again once something about its equation has changed; the
-    # same for its element-level rules, whose claim on it is remembered
-    tried: dict[int, tuple] = {}
-    etried: dict[int, tuple] = {}
-    claimed: set[int] = set()
-
-    def wake(vs: Sequence[Any], whole: set) -> None:
-        for v in vs:
-            for j in near.get(v, ()) if isinstance(v, Var) else ():
-                if done[j]:
-                    continue
-                if v in whole and not in_front[j]:
-                    in_front[j] = queued[j] = True
-                    (ready if all(env.known(u) for u in eqns[j].invars) else front).append(j)
-                elif not queued[j]:
-                    queued[j] = True
-                    back.append(j)
-
-    while True:
-        while ready or front or back:
-            if goals is not None and all(env.known(g) for g in goals):
-                return []
-            if ready or front:
-                i = (ready or front).popleft()
-                in_front[i] = False
-            else:
-                i = back.popleft()
-            if not queued[i]:
-                continue  # looked at from the front queue since
-            queued[i] = False
-            if done[i]:
-                continue
-            eqn = eqns[i]
-            if allow is not None and not allow(eqn):
-                continue
-            outs = real_outvars(eqn)
-            before = tuple(token(env, v) for v in (*eqn.invars, *outs))
-            _visit(
-                i,
-                eqn,
-                env,
-                used,
-                forward_only,
-                soft,
-                on_invert,
-                stuck,
-                tried,
-                etried,
-                claimed,
-                before,
-            )
-            if all(env.known(v) for v in eqn.invars) and all(env.known(v) for v in outs):
-                done[i] = True
-                stuck.pop(i, None)
-            after = tuple(token(env, v) for v in (*eqn.invars, *outs))
-            if after != before:
-                changed = [v for v, x, y in zip((*eqn.invars, *outs), before, after) if x != y]
-                wake(
-                    changed,
-                    {
-                        v
-                        for v, y in zip((*eqn.invars, *outs), after)
-                        if y is True and isinstance(v, Var)
-                    },
-                )
-        if goals is not None and all(env.known(g) for g in goals):
-            return []
-        pending = [i for i in range(len(eqns)) if not done[i]]
-        if forward_only or not getattr(jaxpr, "groups", True):
-            return list(stuck.values())
-        # group steps see only the allowed equations
-        gp = pending if allow is None else [i for i in pending if allow(eqns[i])]
-        lossy = {i for i, s in stuck.items() if s.lossy}
-        cut = getattr(jaxpr, "cut", False)
-        if (
-            lumps.lump_step(eqns, env, [i for i in gp if i not in lossy], cut)
-            or choices.choice_step(eqns, env, gp, soft, _subwalk)
-            or nonlinear.eliminate_step(eqns, env, gp, lossy)
-            or nonlinear.newton_step(eqns, env, gp, lossy, cut)
-        ):
-            # a group step may write anywhere: look at everything again, what can run forward
-            # first (the values the group took over are recomputed, not inverted again)
-            for j in gp:
-                if done[j]:
-                    continue
-                if all(env.known(u) for u in eqns[j].invars):
-                    if not in_front[j]:
-                        in_front[j] = queued[j] = True
-                        ready.append(j)
-                elif not queued[j]:
-                    queued[j] = True
-                    back.append(j)
-            continue
-        return [s for i, s in sorted(stuck.items())] or [
-            Stuck(eqns[i], "its result does not reach the output")
-            for i in pending
-            if any(not env.known(v) for v in eqns[i].invars)
-        ][:1]
-
-
-def _subwalk(eqns: Sequence[JaxprEqn], env: Env, goals: Sequence[Var]) -> list[Stuck]:
-    """The recursion handed to group steps: a soft walk over a group's equations alone."""
-    return propagate(Window(eqns), env, goals, soft=True)
-
-
-def _visit(
-    i: int,
-    eqn: JaxprEqn,
-    env: Env,
-    used: set,
-    forward_only: bool,
-    soft: bool,
-    on_invert: Callable | None,
-    stuck: dict[int, Stuck],
-    tried: dict,
-    etried: dict,
-    claimed: set[int],
-    seen: tuple,
-) -> None:
-    """One look at equation `i`: evaluate it, or propagate what is known of some elements
-    around it, or apply its inverse rule."""
-    if all(env.known(v) for v in eqn.invars):
-        evaluate((eqn,), env, used=used)
-        return
-    outs = real_outvars(eqn)
-    before = _unknown_regions(eqn, env) if records.active(env) is not None else None
-    if etried.get(i) != seen:
-        etried[i] = seen
-        claimed.discard(i)
-        if _near_elements(eqn, env) and _element_step(
-            eqn, env, forward_only, soft, stuck, claimed, i
-        ):
-            if before is not None:
-                before = _note(eqn, env, before)
-            stuck.pop(i, None)
-            if on_invert is not None:
-                on_invert(eqn, [v for v in eqn.invars if env.known(v)])
-        if all(env.known(v) for v in eqn.invars):
-            return
-    if forward_only or not any(env.known(v) for v in outs):
-        return
-    if i in claimed:
-        loss = env.losses.get(eqn, _NO_LOSS)
-        if i not in stuck and loss is not None:  # None: its output came forward
-            stuck[i] = (
-                Stuck(
-                    eqn,
-                    "only some elements of its inputs follow from its output "
-                    "(the others are overwritten or selected away)",
-                )
-                if loss is _NO_LOSS
-                else Stuck(eqn, loss.reason, hint=loss.hint, lossy=True, singular=loss.singular)
-            )
-        return
-    if eqn.primitive not in inverse_rules:
-        stuck[i] = Stuck(eqn, "there is no inverse rule for it", no_rule=True)
-        return
-    seen = tuple(token(env, v) for v in (*eqn.invars, *outs))
-    if i in stuck and tried.get(i) == seen:
-        return
-    tried[i] = seen
-    try:
-        rec = _apply_rule(eqn, env)
-    except NeedMore as e:
-        stuck[i] = Stuck(eqn, e.reason, e.inner, e.hint)
-        return
-    except Lossy as e:
-        # what this step loses may still be known by another route (a value computed forward
-        # from elements a `where` kept): an error only if the walk ends without it
-        stuck[i] = Stuck(eqn, e.reason, hint=e.hint, lossy=True, singular=e.singular)
-        return
-    except NotInvertibleError as e:
-        if not soft:
-            raise
-        stuck[i] = Stuck(eqn, str(e), lossy=True)
-        return
-    wrote = []
-    for v, r in zip(eqn.invars, rec or ()):
-        if r is not None and isinstance(v, Var) and not env.known(v):
-            elements.complete(env, v, r)
-            wrote.append(v)
-    if before is not None:
-        _note(eqn, env, before)
-    if wrote:
-        stuck.pop(i, None)
-        if on_invert is not None:
-            on_invert(eqn, wrote)
-    elif i not in stuck:
-        stuck[i] = Stuck(
-            eqn,
-            "its unknown inputs cannot be recovered from what is known "
-            "(more than one of them is unknown)",
-        )
+    Returns [] on success, else the equations that blocked it. What steers the walk besides
+    `jaxpr`, `env` and the options is the walk context the env carries (`env.ctx`: its
+    settings, record and drift log), which `seed` sets."""
+    return Walk(
+        jaxpr,
+        env,
+        rules=rules,
+        steps=steps if groups else (),
+        allow=allow,
+        forward_only=forward_only,
+        on_invert=on_invert,
+        soft=soft,
+        cut=cut,
+    ).run(goals)
 
 
 def _unknown_regions(eqn: JaxprEqn, env: Env) -> list:
@@ -502,46 +671,6 @@ def _note(eqn: JaxprEqn, env: Env, before: list) -> list:
         [(v, b, a) for v, b, a in zip(eqn.invars, before, after) if b != a and b != R.EMPTY],
     )
     return after
-
-
-def _element_step(
-    eqn: JaxprEqn,
-    env: Env,
-    forward_only: bool,
-    soft: bool,
-    stuck: dict[int, Stuck],
-    claimed: set[int],
-    i: int,
-) -> bool:
-    """Element-level propagation around `eqn`; whether it learned something. Its element
-    rules may claim the equation (then its ordinary inverse rule is not tried)."""
-    env.ctx.count("elements")
-    learned = elements.forward(eqn, env)
-    if forward_only:
-        return learned
-    try:
-        claim = elements.backward(eqn, env)
-    except Lossy as e:  # an error only if the walk ends without what it loses
-        stuck[i] = Stuck(eqn, e.reason, hint=e.hint, lossy=True, singular=e.singular)
-        claim = False
-    if claim is not None:
-        claimed.add(i)
-    return bool(claim) or learned
-
-
-def _near_elements(eqn: JaxprEqn, env: Env) -> bool:
-    """Whether element-level rules may say something about `eqn`: it has some of them, or a
-    partly known operand or result, or it is a structural step with no inverse rule."""
-    p = eqn.primitive
-    if p in element_rules:
-        return True
-    if env.part and any(isinstance(v, Var) and v in env.part for v in (*eqn.invars, *eqn.outvars)):
-        return True
-    return (
-        is_kind(p, STRUCTURAL)
-        and p not in inverse_rules
-        and any(env.known(v) for v in real_outvars(eqn))
-    )
 
 
 def _innermost(stuck: list[Stuck]) -> list[Stuck]:

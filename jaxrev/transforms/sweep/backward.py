@@ -326,7 +326,7 @@ def _rebuild(plan: Plan, i: int, hi: int, env: Env, goals: list, res: Residuals)
         while hi > 0:
             lo = max(0, hi - width)
             plan.params.window(env, eqns[lo:hi], tie)
-            stuck = propagate(Window(eqns[lo:hi], cut=lo > 0, groups=groups), env, goals, soft=True)
+            stuck = propagate(Window(eqns[lo:hi]), env, goals, soft=True, cut=lo > 0, groups=groups)
             if all(env.known(g) for g in goals) or lo == 0:
                 break
             width *= 4
