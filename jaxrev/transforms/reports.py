@@ -27,12 +27,20 @@ __all__ = ["memory_report", "MemoryReport", "check_reversible", "ReversibilityRe
 
 
 class MemoryReport:
-    """What `reversible` stores, listed with bytes and the source line that forces each value.
+    """What `reversible` stores, listed with bytes and the source line that forces each value
+    (`memory_report` makes it; `str(report)` is a table).
 
-    `entries` is a list of dicts: `what`, `shape`, `dtype`, `bytes` (per store), `count` (how many
-    times it is stored: the iterations of the loops around it), `where` (the user's file:line and
-    the primitive that needs it), `made` (the step that computes the value, where it has one).
-    `total_bytes` sums bytes × count.
+    **Arguments:**
+
+    - `entries`: a list of dicts: `what`, `shape`, `dtype`, `bytes` (per store), `count` (how
+      many times it is stored: the iterations of the loops around it), `where` (the user's
+      file:line and the primitive that needs it), `made` (the step that computes the value,
+      where it has one).
+    - `name`: the function's name.
+
+    `total_bytes` (a property) sums bytes × count.
+
+    **Example:**
 
         >>> import jax.numpy as jnp, jaxrev as jr
         >>> from jax import lax
@@ -159,11 +167,24 @@ def memory_report(
     on_drift: str = "repair",
 ) -> MemoryReport:
     """List what `reversible(fun, argnums, ...)` stores for its gradient, beyond inputs and
-    outputs: values lossy steps cannot rebuild, and the time-space dial's checkpoints (the
-    keywords are `reversible`'s, with its defaults; a repair's scratch, one segment's
-    carries, is not listed).
+    outputs: values lossy steps cannot rebuild, and the time-space dial's checkpoints.
 
-    Example:
+    A repair's scratch (one segment's carries) is not listed.
+
+    **Arguments:**
+
+    - `fun`: the function, as for `reversible`.
+    - `*args`: its positional arguments (arrays or `jax.ShapeDtypeStruct`s of them).
+    - `argnums`, `checkpoint_every`, `memory_budget`, `max_steps`, `on_drift`: `reversible`'s
+      keywords, with its defaults.
+
+    **Returns:**
+
+    A `MemoryReport`: one entry per stored value, with its bytes and the source line that
+    forces it.
+
+    **Example:**
+
         >>> import jax, jax.numpy as jnp, jaxrev as jr
         >>> f = lambda x: jax.lax.fori_loop(0, 10, lambda i, x: jax.nn.relu(x) + 1.0, x)
         >>> rep = jr.memory_report(f, jnp.ones(4), checkpoint_every=None)
@@ -190,14 +211,21 @@ def memory_report(
 
 @dataclass
 class ReversibilityReport:
-    """Round-trip error of `reverse(fun)(fun(x))` against `x`.
+    """Round-trip error of `reverse(fun)(fun(x))` against `x` (`check_reversible` makes it).
 
-    `max_error` is the largest relative error over the state leaves (normwise, per leaf:
-    max|x̃ − x| / (max|x| + atol); a leaf that is all zeros is measured absolutely);
-    `leaf_errors` lists them all; `worst` names the equation and source line whose inversion
-    added the most error (None when the round trip is exact, or measured by `reversible`'s
-    backward run); `segments` lists, for `reversible`'s run (a plain `while_loop`, or a
-    `checkpoint_every`), each checkpointed loop's worst segment drift.
+    **Arguments:**
+
+    - `max_error`: the largest relative error over the state leaves (normwise, per leaf:
+      max|x̃ − x| / (max|x| + atol); a leaf that is all zeros is measured absolutely).
+    - `leaf_errors`: the error of every leaf.
+    - `worst`: the equation and source line whose inversion added the most error (None when
+      the round trip is exact, or measured by `reversible`'s backward run).
+    - `steps`: ``(added error, step and source line)`` for each step whose inversion added
+      error, the largest first.
+    - `segments`: for `reversible`'s run (a plain `while_loop`, or a `checkpoint_every`),
+      ``(loop, drift)``: each checkpointed loop's worst segment drift.
+
+    **Example:**
 
         >>> import jax.numpy as jnp, jaxrev as jr
         >>> jr.check_reversible(lambda x: 3.0 * x + 1.0, jnp.array([0.5, 2.0])).max_error
@@ -244,13 +272,26 @@ def check_reversible(
 ) -> ReversibilityReport:
     """Run `fun` forward and `reverse(fun)` backward on `args` and report the drift.
 
-    Raises `ReversibilityError` when `rtol` is given and the relative error exceeds it. Runs
-    eagerly (values are compared equation by equation to find where the error grows). A plain
-    `while_loop` that `reverse` cannot count, or a `checkpoint_every` (with `max_steps` for
-    while loops), is measured on `reversible`'s own backward run, which records the trip count
-    and reports each checkpointed loop's worst segment drift.
+    Runs eagerly (values are compared equation by equation to find where the error grows). A
+    plain `while_loop` that `reverse` cannot count, or a `checkpoint_every` (with `max_steps`
+    for while loops), is measured on `reversible`'s own backward run, which records the trip
+    count and reports each checkpointed loop's worst segment drift.
 
-    Example:
+    **Arguments:**
+
+    - `fun`: the function, as for `reverse`.
+    - `*args`: its positional arguments (concrete arrays).
+    - `argnums`: the position (an int) or positions (a tuple) of the state arguments.
+    - `rtol`: when given, a relative error above it raises `ReversibilityError`.
+    - `atol`: added to the state's magnitude in the relative error (default 0).
+    - `checkpoint_every`, `max_steps`: `reversible`'s, to measure its backward run.
+
+    **Returns:**
+
+    A `ReversibilityReport`.
+
+    **Example:**
+
         >>> import jax.numpy as jnp, jaxrev as jr
         >>> rep = jr.check_reversible(lambda x: jnp.exp(x) * 3.0, jnp.linspace(0.0, 1.0, 5))
         >>> rep.max_error < 1e-6

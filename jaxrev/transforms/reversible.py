@@ -495,39 +495,50 @@ def reversible(
 ) -> Callable:
     """`fun` with a reverse-mode derivative that rebuilds intermediates by running backwards.
 
-    `fun(*args)` returns the structure, shapes and dtypes of the state `args[argnums]` (as
-    for `reverse`), or, for a bijection that changes structure or shapes, as many elements of
-    each dtype. Gradients with respect to every argument (state and parameters) rebuild
-    each step's inputs from its outputs instead of storing them, so memory does not grow with
-    loop iterations or unrolled blocks; steps that lose information store just what they lose
-    (see `memory_report`). Composes with `jit`, `vmap`, `grad`, `jvp` and `hessian`.
+    Gradients with respect to every argument (state and parameters) rebuild each step's inputs
+    from its outputs instead of storing them, so memory grows with a loop's length only through
+    its checkpoints (about 2√T carries per loop by default, none in the fully reversible mode,
+    `checkpoint_every=None`); steps that lose information store just what they lose (see
+    `memory_report`). Composes with `jit`, `vmap`, `grad`, `jvp` and `hessian`.
 
-    Drift is repaired by default (docs/design.md §3.8): a top-level loop's carry is stored
-    every ⌈√T⌉ of its T iterations, the backward run rebuilds each segment from the next
-    one's stored start, and a segment whose rebuilt start misses its checkpoint (or whose
-    cotangents come back non-finite) is recomputed forward from it, at the cost of one more
-    forward run of that segment and its K carries; the rebuilt inputs of the call are
-    compared with the true ones.
+    Drift is repaired by default (docs/design.md §3.8): a top-level loop's carry is stored every
+    ⌈√T⌉ of its T iterations, the backward run rebuilds each segment from the next one's stored
+    start, and a segment whose rebuilt start misses its checkpoint (or whose cotangents come
+    back non-finite) is recomputed forward from it, at the cost of one more forward run of that
+    segment and its K carries; the rebuilt inputs of the call are compared with the true ones.
 
+    **Arguments:**
+
+    - `fun`: the function. `fun(*args)` returns the structure, shapes and dtypes of the state
+      `args[argnums]` (as for `reverse`), or, for a bijection that changes structure or shapes,
+      as many elements of each dtype.
+    - `argnums`: the position (an int) or positions (a tuple) of the state arguments; the
+      others are parameters (gradients are taken with respect to them too).
     - `checkpoint_every`: "auto" (the default: ⌈√T⌉, or as `memory_budget` allows; none under
-      on_drift="ignore"), K (a checkpoint every K iterations; 1 is plain storage) or None
+      `on_drift="ignore"`), K (a checkpoint every K iterations; 1 is plain storage) or None
       (fully reversible: no checkpoints).
     - `memory_budget`: bytes of checkpoints each loop may keep (picks K per loop).
     - `on_drift`: what a miss does. A segment misses where its drift moves the gradient more
-      than the forward run's own rounding does (the cotangents measure it), the call's
-      inputs where they miss by more than √eps of their dtype; `drift_rtol` sets a relative
-      tolerance for both instead:
-      "repair" (the default; a miss that no checkpoint can repair raises), "raise" (a
-      `jr.DriftError` naming the loop and the measured drift; under `jit` when the program
-      runs, `jr.jit` turns it into that type), "warn", "nan" (the gradient is NaN), "ignore"
-      (no check, and no checkpoints unless asked: the fully reversible mode).
+      than the forward run's own rounding does (the cotangents measure it), the call's inputs
+      where they miss by more than √eps of their dtype. "repair" (the default; a miss that no
+      checkpoint can repair raises), "raise" (a `jr.DriftError` naming the loop and the
+      measured drift; under `jit` when the program runs, `jr.jit` turns it into that type),
+      "warn" (a `jr.DriftWarning`), "nan" (the gradient is NaN), "ignore" (no check, and no
+      checkpoints unless asked: the fully reversible mode).
+    - `drift_rtol`: a relative tolerance for both checks instead of the default measures.
     - `max_steps`: a bound on every `while_loop`'s trip count, which lets `reversible`
       checkpoint it, or store a body that loses information once per iteration.
-    - `on_error`: what a failure inside a rebuilt value does (a group solved by Newton's
-      method that misses its tolerance, a state-dependent choice with no consistent branch),
-      as for `reverse`: "raise", "nan" or "warn" (NaN and a warning).
+    - `on_error`: what a failure inside a rebuilt value does (a group solved by Newton's method
+      that misses its tolerance, a state-dependent choice with no consistent branch), as for
+      `reverse`: "raise" (the default), "nan" or "warn" (NaN and a `jr.FailureWarning`).
 
-    Example:
+    **Returns:**
+
+    A function with `fun`'s signature and values, whose reverse-mode derivatives run `fun`
+    backwards.
+
+    **Example:**
+
         >>> import jax, jax.numpy as jnp, jaxrev as jr
         >>> def step(xy, th):
         ...     x, y = xy

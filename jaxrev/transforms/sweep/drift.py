@@ -53,17 +53,25 @@ __all__ = [
 
 
 class DriftWarning(UserWarning):
-    """A rebuilt value missed its true counterpart (`on_drift="warn"`).
+    """A rebuilt value missed its true counterpart (`reversible(..., on_drift="warn")`); the
+    gradient is still returned.
 
-    >>> import warnings, jax, jax.numpy as jnp, jaxrev as jr
-    >>> from jax import lax
-    >>> halve = lambda y: lax.fori_loop(0, 60, lambda i, y: 0.5 * y + 0.1, y)  # x2 backwards
-    >>> with warnings.catch_warnings(record=True) as caught:
-    ...     warnings.simplefilter("always")
-    ...     f = jr.reversible(halve, on_drift="warn", checkpoint_every=None)
-    ...     g = jax.grad(lambda y: f(y).sum())(jnp.ones(2))
-    >>> [type(w.message).__name__ for w in caught]
-    ['DriftWarning']
+    **Arguments:**
+
+    - `message`: the warning's text (that of the `jr.DriftError` ``on_drift="raise"`` would
+      raise: the loop or call, and the measured drift).
+
+    **Example:**
+
+        >>> import warnings, jax, jax.numpy as jnp, jaxrev as jr
+        >>> from jax import lax
+        >>> halve = lambda y: lax.fori_loop(0, 60, lambda i, y: 0.5 * y + 0.1, y)  # x2 backwards
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     f = jr.reversible(halve, on_drift="warn", checkpoint_every=None)
+        ...     g = jax.grad(lambda y: f(y).sum())(jnp.ones(2))
+        >>> [type(w.message).__name__ for w in caught]
+        ['DriftWarning']
     """
 
 
