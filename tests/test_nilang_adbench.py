@@ -54,8 +54,10 @@ SCRIPTS = ("gmm.py", "bundle_adjustment.py")
 def _scripts(request) -> dict[str, subprocess.Popen]:
     # Start both scripts before the first test of this file when the session will check them, so
     # that they run while the in-process tests do (each is mostly single-threaded compilation).
+    # (a doctest item, of `--doctest-modules`, has no `module`)
     wanted = any(
-        item.module is request.module and "script" in item.name for item in request.session.items
+        getattr(item, "module", None) is request.module and "script" in item.name
+        for item in request.session.items
     )
     procs = {s: _start(s) for s in SCRIPTS} if wanted else {}
     yield procs
