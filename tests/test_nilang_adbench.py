@@ -194,6 +194,7 @@ def test_gmm_objective_and_gradients():
         assert abs(fd - float(got[arg][idx])) < 1e-6 * float(jnp.max(jnp.abs(got[arg])))
 
 
+@pytest.mark.slow  # the whole script; its functions are checked in-process above
 def test_gmm_script(outputs):
     out = outputs["gmm.py"]
     for d, k in gmm.sizes(quick=True):
@@ -311,6 +312,7 @@ def test_ba_jacobian_blocks_against_dense_jacfwd(monkeypatch):
     assert rel_error(blocks[2], want) < 1e-10
 
 
+@pytest.mark.slow  # the whole script; its functions are checked in-process above
 def test_ba_script(outputs):
     out = outputs["bundle_adjustment.py"]
     for size in ba.sizes(quick=True):
