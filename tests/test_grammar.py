@@ -11,8 +11,9 @@ One drawn program is checked for all properties at once (tracing dominates the c
   error of another kind, never a NaN.
 
 The default run draws `EXAMPLES` programs; ``pytest -m slow tests/test_grammar.py`` draws
-`SLOW_EXAMPLES` (``JAXREV_GRAMMAR_EXAMPLES`` overrides both). A failure prints the program's
-source, which runs as it is.
+`SLOW_EXAMPLES` (``JAXREV_GRAMMAR_EXAMPLES`` overrides both: CI's slow run, `.ci/run`, sets 25;
+the 500 of a run without it are a soak of about half an hour on two cores, for a person to
+run). A failure prints the program's source, which runs as it is.
 """
 
 from __future__ import annotations

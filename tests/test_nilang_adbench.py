@@ -54,8 +54,10 @@ SCRIPTS = ("gmm.py", "bundle_adjustment.py")
 def _scripts(request) -> dict[str, subprocess.Popen]:
     # Start both scripts before the first test of this file when the session will check them, so
     # that they run while the in-process tests do (each is mostly single-threaded compilation).
+    # (a doctest item, of `--doctest-modules`, has no `module`)
     wanted = any(
-        item.module is request.module and "script" in item.name for item in request.session.items
+        getattr(item, "module", None) is request.module and "script" in item.name
+        for item in request.session.items
     )
     procs = {s: _start(s) for s in SCRIPTS} if wanted else {}
     yield procs
@@ -192,6 +194,7 @@ def test_gmm_objective_and_gradients():
         assert abs(fd - float(got[arg][idx])) < 1e-6 * float(jnp.max(jnp.abs(got[arg])))
 
 
+@pytest.mark.slow  # the whole script; its functions are checked in-process above
 def test_gmm_script(outputs):
     out = outputs["gmm.py"]
     for d, k in gmm.sizes(quick=True):
@@ -309,6 +312,7 @@ def test_ba_jacobian_blocks_against_dense_jacfwd(monkeypatch):
     assert rel_error(blocks[2], want) < 1e-10
 
 
+@pytest.mark.slow  # the whole script; its functions are checked in-process above
 def test_ba_script(outputs):
     out = outputs["bundle_adjustment.py"]
     for size in ba.sizes(quick=True):

@@ -209,6 +209,7 @@ def test_sparse_problem():
 from test_examples import _number, _run  # noqa: E402  (the examples' script runner)
 
 
+@pytest.mark.slow  # the whole script (61 s of a worker under load); functions tested in-process
 def test_bessel_script():
     out = _run("bessel.py")
     assert "jax.grad of the plain while loop raises ValueError" in out
@@ -224,6 +225,7 @@ def test_bessel_script():
     assert "bessel finished in" in out
 
 
+@pytest.mark.slow  # the whole script; its functions are tested in-process above
 def test_sparse_dot_script():
     out = _run("sparse_dot.py")
     assert out.count("max abs error vs B at A's non-zeros (and A at B's): 0.0e+00") == 4
