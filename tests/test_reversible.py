@@ -487,8 +487,10 @@ def test_store_shows_in_memory():
 def test_lossy_while_body_error_names_line():
     def f(c):
         return jax.lax.while_loop(
-            lambda c: c[1] < 3, lambda c: (jax.nn.relu(c[0]) - 1.0, c[1] + 1), c
-        )  # WHILE-LOSSY
+            lambda c: c[1] < 3,
+            lambda c: (jax.nn.relu(c[0]) - 1.0, c[1] + 1),  # WHILE-LOSSY
+            c,
+        )
 
     with pytest.raises(jr.NotInvertibleError) as ei:
         jax.grad(lambda x: jnp.sum(jr.reversible(f)((x, 0))[0]))(jnp.ones(3))
