@@ -5,7 +5,7 @@ walk."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +23,12 @@ from jaxrev._compat import (
     zeros_of,
 )
 from jaxrev._graph import is_var
+
+if TYPE_CHECKING:  # annotations only: these modules sit above this one, and import it
+    from jaxrev.transforms.knowledge.context import WalkContext
+    from jaxrev.transforms.knowledge.elements import Part
+    from jaxrev.transforms.knowledge.regions import Region
+    from jaxrev.transforms.registry import Lossy
 
 
 class Unknown:
@@ -190,25 +196,61 @@ def _numeric(x: Any) -> Any:
     return None if is_key(x) else x
 
 
+class ElementKnowledge:
+    """What a walk knows short of whole values: `part`, the variables known on some of their
+    elements only (`elements.Part`), and `losses`, why an equation's element rules could not
+    give back some elements of its inputs (a `Lossy`; None: its output came forward after
+    all). An env's copy copies it."""
+
+    __slots__ = ("part", "losses")
+
+    def __init__(
+        self,
+        part: dict[Var, Part] | None = None,
+        losses: dict[JaxprEqn, Lossy | None] | None = None,
+    ) -> None:
+        self.part: dict[Var, Part] = {} if part is None else part
+        self.losses: dict[JaxprEqn, Lossy | None] = {} if losses is None else losses
+
+    def copy(self) -> ElementKnowledge:
+        return ElementKnowledge(dict(self.part), dict(self.losses))
+
+
 class Env:
     """Values of a jaxpr's variables; a variable absent from it is not known yet. Values are
     fitted to their variable's aval on write, unless `fit` is off (a probe that evaluates
     elementwise equations on a few sample elements).
 
-    `part` holds the variables known on some of their elements only (`elements.Part`), and
-    `losses` why an equation's element rules could not give back some elements (a `Lossy`);
-    `info` the trace-time knowledge of the jaxpr (`Statics`), shared by copies; `ctx` the walk
-    context of the walk that fills it (`transforms/knowledge/context.py`: its settings, record,
-    drift log), kept by copies (None for an env only evaluated forward)."""
+    `vals` holds the values known whole (arrays, or tracers of them); `knowledge` what is known
+    short of that (`ElementKnowledge`: `part`, the variables known on some of their elements,
+    and `losses`, which the env also offers as `env.part` and `env.losses`); `masks` the
+    regions made into boolean arrays, shared by copies; `info` the trace-time knowledge of the
+    jaxpr (`Statics`), shared by copies; `ctx` the walk context of the walk that fills it
+    (`transforms/knowledge/context.py`: its settings, record, drift log), kept by copies (None
+    for an env only evaluated forward)."""
 
-    def __init__(self, fit: bool = True, info: Statics | None = None, ctx: Any = None) -> None:
+    __slots__ = ("vals", "knowledge", "masks", "fit", "info", "ctx")
+
+    def __init__(
+        self, fit: bool = True, info: Statics | None = None, ctx: WalkContext | None = None
+    ) -> None:
         self.vals: dict[Var, Any] = {}
-        self.part: dict[Var, Any] = {}
-        self.losses: dict[Any, Any] = {}  # equation -> why some elements of its inputs are lost
-        self.masks: dict[Any, Any] = {}  # regions made into arrays, shared by copies
+        self.knowledge = ElementKnowledge()
+        self.masks: dict[tuple[Region, tuple[int, ...]], Any] = {}
         self.fit = fit
-        self.info = info if info is not None else Statics()
-        self.ctx = ctx
+        self.info: Statics = info if info is not None else Statics()
+        self.ctx: WalkContext | None = ctx
+
+    @property
+    def part(self) -> dict[Var, Part]:
+        """The variables known on some of their elements only (`knowledge.part`)."""
+        return self.knowledge.part
+
+    @property
+    def losses(self) -> dict[JaxprEqn, Lossy | None]:
+        """Why an equation's element rules lose some elements of its inputs
+        (`knowledge.losses`)."""
+        return self.knowledge.losses
 
     def known(self, v: Any) -> bool:
         if isinstance(v, Literal) or v in self.vals:
@@ -232,19 +274,18 @@ class Env:
         if isinstance(v, (Literal, DropVar)) or v in self.vals:
             return
         self.vals[v] = fit_to_aval(val, v.aval) if self.fit else val
-        self.part.pop(v, None)
+        self.knowledge.part.pop(v, None)
 
-    def state(self, v: Any) -> Any:
+    def state(self, v: Any) -> Part | bool | None:
         """How much of `v` is known: True (all), a partial record, or None (nothing)."""
         if self.known(v):
             return True
-        return self.part.get(v) if is_var(v) else None
+        return self.knowledge.part.get(v) if is_var(v) else None
 
     def copy(self) -> Env:
         e = Env(self.fit, self.info, self.ctx)
         e.vals = dict(self.vals)
-        e.part = dict(self.part)
-        e.losses = dict(self.losses)
+        e.knowledge = self.knowledge.copy()
         e.masks = self.masks
         return e
 
