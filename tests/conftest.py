@@ -7,7 +7,7 @@
   ``from helpers import rel_error`` (errors between results, `tests/helpers.py`),
   ``from programs.elements import ...`` (the shared programs, `tests/programs/`).
 - The tiers are markers, set in ``pyproject.toml``: the default run deselects ``slow``;
-  ``pytest -m slow`` runs the long matrices and subprocess checks (`README_TESTS.md`).
+  ``pytest -m slow`` runs the long matrices and subprocess checks (the README's "Set up" section).
 """
 
 import jax
