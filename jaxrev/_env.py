@@ -5,7 +5,7 @@ walk."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -24,11 +24,12 @@ from jaxrev._compat import (
 )
 from jaxrev._graph import is_var
 
-if TYPE_CHECKING:  # annotations only: these modules sit above this one, and import it
-    from jaxrev.transforms.knowledge.context import WalkContext
-    from jaxrev.transforms.knowledge.elements import Part
-    from jaxrev.transforms.knowledge.regions import Region
-    from jaxrev.transforms.registry import Lossy
+# What a walk knows beyond whole values is typed by modules above this one (which import it),
+# so the env names those types by alias; the aliases say what each annotation holds.
+PartValue = Any  # a `knowledge.elements.Part`: a value known on some of its elements
+ElementRegion = Any  # a `knowledge.regions.Region`: a set of element positions
+LossReason = Any  # a `registry.Lossy`: why element rules could not give elements back
+WalkSettings = Any  # a `knowledge.context.WalkContext`: what steers the walk
 
 
 class Unknown:
@@ -206,11 +207,11 @@ class ElementKnowledge:
 
     def __init__(
         self,
-        part: dict[Var, Part] | None = None,
-        losses: dict[JaxprEqn, Lossy | None] | None = None,
+        part: dict[Var, PartValue] | None = None,
+        losses: dict[JaxprEqn, LossReason | None] | None = None,
     ) -> None:
-        self.part: dict[Var, Part] = {} if part is None else part
-        self.losses: dict[JaxprEqn, Lossy | None] = {} if losses is None else losses
+        self.part: dict[Var, PartValue] = {} if part is None else part
+        self.losses: dict[JaxprEqn, LossReason | None] = {} if losses is None else losses
 
     def copy(self) -> ElementKnowledge:
         return ElementKnowledge(dict(self.part), dict(self.losses))
@@ -232,22 +233,22 @@ class Env:
     __slots__ = ("vals", "knowledge", "masks", "fit", "info", "ctx")
 
     def __init__(
-        self, fit: bool = True, info: Statics | None = None, ctx: WalkContext | None = None
+        self, fit: bool = True, info: Statics | None = None, ctx: WalkSettings | None = None
     ) -> None:
         self.vals: dict[Var, Any] = {}
         self.knowledge = ElementKnowledge()
-        self.masks: dict[tuple[Region, tuple[int, ...]], Any] = {}
+        self.masks: dict[tuple[ElementRegion, tuple[int, ...]], Any] = {}
         self.fit = fit
         self.info: Statics = info if info is not None else Statics()
-        self.ctx: WalkContext | None = ctx
+        self.ctx: WalkSettings | None = ctx
 
     @property
-    def part(self) -> dict[Var, Part]:
+    def part(self) -> dict[Var, PartValue]:
         """The variables known on some of their elements only (`knowledge.part`)."""
         return self.knowledge.part
 
     @property
-    def losses(self) -> dict[JaxprEqn, Lossy | None]:
+    def losses(self) -> dict[JaxprEqn, LossReason | None]:
         """Why an equation's element rules lose some elements of its inputs
         (`knowledge.losses`)."""
         return self.knowledge.losses
@@ -276,7 +277,7 @@ class Env:
         self.vals[v] = fit_to_aval(val, v.aval) if self.fit else val
         self.knowledge.part.pop(v, None)
 
-    def state(self, v: Any) -> Part | bool | None:
+    def state(self, v: Any) -> PartValue | bool | None:
         """How much of `v` is known: True (all), a partial record, or None (nothing)."""
         if self.known(v):
             return True

@@ -68,33 +68,14 @@ def _module_name(path: pathlib.Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _typing_only(tree: ast.Module) -> set[int]:
-    """The imports of a module-level ``if TYPE_CHECKING:`` block: names for annotations only,
-    which never run (so they can form no import circle and make no layer depend on another)."""
-    out = set()
-    for node in tree.body:
-        if isinstance(node, ast.If) and ast.unparse(node.test) in (
-            "TYPE_CHECKING",
-            "typing.TYPE_CHECKING",
-        ):
-            for stmt in node.body:
-                if isinstance(stmt, (ast.Import, ast.ImportFrom)):
-                    out.add(id(stmt))
-    return out
-
-
 def _jaxrev_imports(path: pathlib.Path) -> list[tuple[ast.AST, str, bool]]:
-    """(node, imported module, at module level) for every import of a jaxrev module that runs
-    (not those of a module-level ``if TYPE_CHECKING:`` block); `from pkg import name` counts as
-    importing `pkg.name` when that is a module."""
+    """(node, imported module, at module level) for every import of a jaxrev module; `from
+    pkg import name` counts as importing `pkg.name` when that is a module."""
     names = {_module_name(p) for p in _modules()}
     tree = ast.parse(path.read_text())
     top = set(map(id, tree.body))
-    typing_only = _typing_only(tree)
     out = []
     for node in ast.walk(tree):
-        if id(node) in typing_only:
-            continue
         targets = []
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
