@@ -74,8 +74,9 @@ def zero_state(n: int, dtype=jnp.complex128) -> jax.Array:
     return jnp.zeros(2**n, dtype).at[0].set(1)
 
 
-def loss_fn(params: jax.Array, n: int, reversible: bool = True) -> jax.Array:
-    run = jr.reversible(circuit) if reversible else circuit
+def loss_fn(params: jax.Array, n: int, reversible: bool = True, **options) -> jax.Array:
+    """The circuit's energy; `reversible`: through `jr.reversible(circuit, **options)`."""
+    run = jr.reversible(circuit, **options) if reversible else circuit
     return ising_energy(run(zero_state(n), params))
 
 
@@ -86,16 +87,20 @@ def main(n: int = 8, depth: int = 6, steps: int = 150) -> None:
     err = float(jnp.max(jnp.abs(g_rev - g_ref)) / jnp.max(jnp.abs(g_ref)))
     print(f"{n} qubits, {depth} layers: gradient vs jax.grad, relative error: {err:.1e}")
 
-    # scratch memory of the gradient at two depths: flat for reversible, linear for jax.grad
-    def temp(depth, reversible):
+    # scratch memory of the gradient at two depths: flat for the fully reversible mode
+    # (checkpoint_every=None), linear for jax.grad; the default also stores the state at the
+    # start of about sqrt(depth) segments, to check and repair drift (docs/reversible.md)
+    def temp(depth, reversible, **options):
         p = jnp.zeros((depth, n, 2))
-        c = jax.jit(jax.grad(lambda p: loss_fn(p, n, reversible))).lower(p).compile()
+        loss = lambda p: loss_fn(p, n, reversible, **options)
+        c = jax.jit(jax.grad(loss)).lower(p).compile()
         return c.memory_analysis().temp_size_in_bytes
 
     for d in (10, 40):
         print(
-            f"depth {d}: gradient temp memory: reversible {temp(d, True):,} B, "
-            f"jax.grad {temp(d, False):,} B"
+            f"depth {d}: gradient temp memory: reversible "
+            f"{temp(d, True, checkpoint_every=None):,} B, jax.grad {temp(d, False):,} B, "
+            f"default reversible (checkpoints) {temp(d, True):,} B"
         )
 
     opt = optax.adam(0.05)

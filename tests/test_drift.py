@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from helpers import leaf_rel_error
 from jax import lax
+from tiers import cover
 
 import jaxrev as jr
 
@@ -243,18 +244,11 @@ def scan_ys(rev):
 
 
 @pytest.mark.parametrize(
-    "every",
-    [
-        1,
-        pytest.param(3, marks=pytest.mark.slow),
-        7,
-        pytest.param(20, marks=pytest.mark.slow),
-        23,
-        "auto",
-        None,
-    ],
+    "kind,every",
+    # every checkpoint interval (one step, one dividing the length or not, longer than the
+    # loop, the automatic one, none) and every layout by default, the full product slowly
+    cover(["xs", "ys", "xs-reverse", "ys-reverse"], [1, 3, 7, 20, 23, "auto", None]),
 )
-@pytest.mark.parametrize("kind", ["xs", "ys", "xs-reverse", "ys-reverse"])
 def test_checkpointed_scan_with_xs_and_ys(kind, every):
     rev = kind.endswith("reverse")
     c = (jnp.linspace(0.0, 1.0, 5), jnp.linspace(1.0, 2.0, 5))

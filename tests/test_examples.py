@@ -102,6 +102,7 @@ def revnet() -> str:
     return _run("revnet.py")
 
 
+@pytest.mark.slow  # about 12 s; test_reversible checks reversible nets' gradients in-process
 def test_revnet_gradient_memory_and_training(revnet):
     # the tape-free gradient is jax.grad's, in a fraction of the temporary memory
     assert _number(revnet, "gradient vs jax.grad, relative error:") < 1e-9
@@ -141,6 +142,7 @@ def realnvp_reversible() -> str:
     return _run("realnvp_reversible.py")
 
 
+@pytest.mark.slow  # about 12 s; test_elements checks RealNVP couplings in-process
 def test_realnvp_reversible_gradient_and_memory(realnvp_reversible):
     out = realnvp_reversible
     assert _number(out, "gradient vs jax.grad, relative error:") < 1e-9
@@ -148,6 +150,7 @@ def test_realnvp_reversible_gradient_and_memory(realnvp_reversible):
     assert "reversible(flow) stores nothing beyond its inputs and outputs." in out
 
 
+@pytest.mark.slow  # the same run as the test above
 def test_realnvp_reversible_trains_and_samples_backwards(realnvp_reversible):
     out = realnvp_reversible
     m = re.search(r"held-out negative log-likelihood: ([0-9.]+) \(untrained flow: ([0-9.]+)\)", out)
@@ -165,6 +168,7 @@ def flow() -> str:
     return _run("flow.py")
 
 
+@pytest.mark.slow  # about 25 s; test_flows checks the sweep's log-dets in-process
 def test_flow_logdet_is_the_sweep_and_exact(flow):
     # no dense Jacobian anywhere, and the log-det is slogdet(jacfwd) to rounding
     assert re.search(r"^logdet strategy: sweep$", flow, re.MULTILINE), flow
@@ -172,6 +176,7 @@ def test_flow_logdet_is_the_sweep_and_exact(flow):
     assert _number(flow, "round-trip max error:") < 1e-10
 
 
+@pytest.mark.slow  # the same run as the test above
 def test_flow_trains(flow):
     start = _number(flow, "initial held-out NLL:")
     end = _number(flow, "final held-out NLL:")
@@ -191,6 +196,7 @@ def newton() -> str:
     return _run("newton.py")
 
 
+@pytest.mark.slow  # about 15 s; test_optim checks the same optimizers in-process
 def test_newton_example(newton):
     m = re.search(r"steps to \|x - \(1, 1\)\| < 1e-8: (\d+); error ([0-9.e+-]+)", newton)
     assert m, newton
@@ -220,14 +226,17 @@ def test_graph_embedding_example():
 def test_quantum_circuit_example():
     out = _run("quantum_circuit.py")
     assert _number(out, "gradient vs jax.grad, relative error:") < 1e-9
+    line = (
+        r"depth (\d+): gradient temp memory: reversible ([0-9,]+) B, jax.grad ([0-9,]+) B, "
+        r"default reversible \(checkpoints\) ([0-9,]+) B"
+    )
     mem = {
-        int(d): (int(r.replace(",", "")), int(g.replace(",", "")))
-        for d, r, g in re.findall(
-            r"depth (\d+): gradient temp memory: reversible ([0-9,]+) B, jax.grad ([0-9,]+) B", out
-        )
+        int(d): [int(v.replace(",", "")) for v in bytes_] for d, *bytes_ in re.findall(line, out)
     }
     assert set(mem) == {10, 40}, out
-    assert mem[10][0] == mem[40][0] and mem[40][1] > 3 * mem[10][1]
+    # fully reversible: flat; jax.grad: linear; the default's checkpoints: about sqrt(depth)
+    assert mem[10][0] == mem[40][0] and mem[40][1] > 3 * mem[10][1], mem
+    assert mem[40][2] < 0.5 * mem[40][1], mem
     m = re.search(
         r"energy went from ([-0-9.]+) to ([-0-9.]+) in \d+ Adam steps "
         r"\(exact ground state ([-0-9.]+)\)",

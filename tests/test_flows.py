@@ -21,6 +21,7 @@ import jaxrev as jr
 
 sys.path.insert(0, os.path.dirname(__file__))
 from programs.elements import programs  # noqa: E402
+from tiers import tiered  # noqa: E402
 
 TOL = 1e-10
 HERE = os.path.basename(__file__)
@@ -161,7 +162,12 @@ def test_logdet_matches_dense(name):
     assert abs(float(ld_jit - ld)) < 1e-12
 
 
-@pytest.mark.parametrize("name", ["flow", "lu_affine", "scan_flow", "rq_spline", "mul_chain"])
+@pytest.mark.parametrize(
+    "name",
+    tiered(
+        ["flow", "lu_affine", "scan_flow", "rq_spline", "mul_chain"], slow={"flow", "rq_spline"}
+    ),
+)
 def test_vmap(name):
     f, x = _case(name)
     xs = jnp.stack([x, 0.9 * x + 0.05, -0.7 * x])

@@ -263,6 +263,7 @@ def test_error_if_in_a_loop_stores_nothing_under_reversible():
     )
 
 
+@pytest.mark.slow  # about 20 s of tracing a block neural flow (issue 44's figures)
 def test_flowjax_bnaf_logdet_without_equinox_errors():
     """Block neural autoregressive flows hold a bisection (`eqx.error_if(width, width <= 0)`
     on its own constants): the log-det's linearized sweep must not run that check's host
@@ -303,6 +304,7 @@ def _spline_chain(D: int, n: int, inverted: bool):
     return fb.Chain([fb.Invert(c) for c in layers] if inverted else layers)
 
 
+@pytest.mark.slow  # about 20 s of tracing; test_library_flows inverts flowjax's spline by default
 def test_spline_coupling_chain_under_jit():
     """Three rational-quadratic spline couplings in a `Chain`, inverted and log-det'ed under
     `jit` against flowjax's (the tracing time is `benchmarks/spline_chain.py`'s). flowjax

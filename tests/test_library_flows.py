@@ -26,6 +26,7 @@ pytest.importorskip("flowjax")
 pytest.importorskip("numpyro")
 from programs import flowjax_cases as fc  # noqa: E402
 from programs import numpyro_cases as nc  # noqa: E402
+from tiers import tiered  # noqa: E402
 
 HOWS = ("eager", "jit", "vmap")
 
@@ -100,7 +101,20 @@ def test_flowjax_one_way_cases_exist():
     assert set(ONE_WAY) <= set(NAMES), sorted(set(ONE_WAY) - set(NAMES))
 
 
-@pytest.mark.parametrize("name", ONE_WAY)
+# by default every way of calling (HOWS) and every kind of step but the costliest: the
+# spline's tails, the conditional and the stacked couplings, the planar flow
+@pytest.mark.parametrize(
+    "name",
+    tiered(
+        ONE_WAY,
+        slow={
+            "RationalQuadraticSpline/tail",
+            "Coupling/conditional",
+            "coupling_flow/affine",
+            "planar_flow",
+        },
+    ),
+)
 def test_flowjax_one_way(name):
     how = HOWS[ONE_WAY.index(name) % 3]
     _expect(name, lambda: fc.check(name, how))

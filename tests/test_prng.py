@@ -21,6 +21,7 @@ import pytest
 from helpers import scaled_error
 from jax import lax
 from programs import marker_line
+from tiers import cover
 
 import jaxrev as jr
 
@@ -132,8 +133,7 @@ def _loss(f, args):
     return lambda x: jnp.sum(W * f(x, *args) ** 2)
 
 
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name,kind", cover(list(NAMES), list(KINDS)))
 def test_reverse_round_trips(name, kind):
     f, args = programs(KINDS[kind])[name]
     inv = jr.reverse(f)
@@ -144,8 +144,7 @@ def test_reverse_round_trips(name, kind):
     _close(jax.vmap(lambda y: inv(y, *args))(yb), xb)
 
 
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name,kind", cover(list(NAMES), list(KINDS), shift=1))
 def test_reversible_gradients_equal_jax(name, kind):
     f, args = programs(KINDS[kind])[name]
     rf = jr.reversible(f)
@@ -267,8 +266,7 @@ MOVES = {
 }
 
 
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("move", MOVES)
+@pytest.mark.parametrize("move,kind", cover(list(MOVES), list(KINDS)))
 def test_keys_moved_around_are_state(move, kind):
     """A program that only moves keys inverts them (exactly: their bits)."""
     keys = jax.vmap(KINDS[kind])(jnp.arange(4))

@@ -331,7 +331,13 @@ def _spline_by_select(x, p, bound=3.0):
 
 @pytest.mark.parametrize(
     "how",
-    [pytest.param("eager", marks=pytest.mark.slow), "jit", "vmap", "vmap inside", "jit inside"],
+    [
+        pytest.param("eager", marks=pytest.mark.slow),
+        "jit",
+        "vmap",
+        pytest.param("vmap inside", marks=pytest.mark.slow),
+        "jit inside",
+    ],
 )
 def test_spline_by_select_over_bins(how):
     """The bin index is an argmax over the stacked conditions: it only decides the select's

@@ -433,7 +433,7 @@ def _dense_jacobian(f, x, params):
     return jax.jacfwd(lambda z: jnp.ravel(f(jnp.reshape(z, x.shape), params)))(jnp.ravel(x))
 
 
-@settings(max_examples=n_examples(15), **COMMON)
+@settings(max_examples=n_examples(8), **COMMON)
 @given(programs(ALL_KINDS), st.sampled_from(["auto", "linearize"]))
 def test_inverse_jvp_and_vjp_match_dense_solve(prog, method):
     """J⁻¹v and J⁻ᵀc of random invertible programs, by each step-by-step strategy, against a

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import rel_error
+from tiers import tiered
 
 jax.config.update("jax_enable_x64", True)
 diffrax = pytest.importorskip("diffrax")
@@ -61,7 +62,9 @@ def assert_close(got, ref, rtol):
         assert float(jnp.max(jnp.abs(a - b))) <= rtol * scale, (a, b)
 
 
-@pytest.mark.parametrize("name", SOLVERS)
+# by default one solver of each tableau shape (1, 2, 3 and 7 stages, FSAL included); the
+# other two-stage ones and the larger Dormand-Prince tableaux take the same path, slowly
+@pytest.mark.parametrize("name", tiered(SOLVERS, slow={"Midpoint", "Ralston", "Dopri5", "Dopri8"}))
 def test_every_explicit_solver_equals_direct_adjoint(name):
     """200 constant steps: the value and the gradients (parameters, y0 and t1) of the
     backward-run solve equal DirectAdjoint's on the same reversible solve."""
@@ -100,14 +103,19 @@ ADAPTIVE = diffrax.PIDController(rtol=1e-6, atol=1e-8)
 
 @pytest.mark.parametrize(
     "saveat",
+    # by default the save at t0, intermediate times (one repeated) and t1, whose path holds
+    # the plain t1 one's
     [
-        diffrax.SaveAt(t1=True),
+        pytest.param(diffrax.SaveAt(t1=True), marks=pytest.mark.slow),
         diffrax.SaveAt(t0=True, ts=jnp.array([0.05, 0.3, 0.3, 0.8]), t1=True),
-        diffrax.SaveAt(
-            subs=[
-                diffrax.SubSaveAt(ts=jnp.array([0.6, 0.9])),
-                diffrax.SubSaveAt(t1=True, fn=lambda t, y, a: y[:2] * t),
-            ]
+        pytest.param(
+            diffrax.SaveAt(
+                subs=[
+                    diffrax.SubSaveAt(ts=jnp.array([0.6, 0.9])),
+                    diffrax.SubSaveAt(t1=True, fn=lambda t, y, a: y[:2] * t),
+                ]
+            ),
+            marks=pytest.mark.slow,
         ),
     ],
     ids=["t1", "t0-ts-t1", "subs"],

@@ -1,0 +1,65 @@
+"""Which cases of a test matrix the default tier runs, and which only the slow tier runs.
+
+The default tier (`python -m pytest -q`) must stay near ten minutes on two cores, so a matrix
+runs a subset by default that still exercises every value of every axis; `pytest -m slow`
+runs the rest. Two ways to say which:
+
+- `cover(*axes, shift=0)`: the product of several axes, the default tier running a covering
+  subset (combination i takes value i modulo each axis's length, i + shift for the axes after
+  the first, for i below the longest axis's length: every value of every axis at least once),
+  the rest of the product slow; two tests of the same matrix pass different shifts to
+  cover different combinations;
+- `tiered(values, slow=...)`: one axis, the values named in `slow` marked slow (the costly
+  cases whose path other default cases already take).
+
+Both return `pytest.param`s for `pytest.mark.parametrize`, with the ids pytest would give.
+
+>>> [p.values for p in cover(["a", "b", "c"], [1, 2]) if not p.marks]
+[('a', 1), ('b', 2), ('c', 1)]
+>>> [p.values for p in cover(["a", "b", "c"], [1, 2], shift=1) if not p.marks]
+[('a', 2), ('b', 1), ('c', 2)]
+>>> len(cover(["a", "b", "c"], [1, 2]))
+6
+>>> [p.values[0] for p in tiered(["x", "y"], slow={"y"}) if p.marks]
+['y']
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Collection, Sequence
+
+import pytest
+
+__all__ = ["cover", "tiered"]
+
+
+def _id(value) -> str:
+    return value if isinstance(value, str) else repr(value)
+
+
+def cover(*axes: Sequence, shift: int = 0) -> list:
+    """The product of `axes`, as `pytest.param`s: the covering subset (see the module) in
+    the default tier, the rest marked slow. Each param's values are one combination, in the
+    order of `axes`; its id joins the values' ids with "-"."""
+    longest = max(len(axis) for axis in axes)
+    default = {
+        tuple(axis[(i + (shift if a else 0)) % len(axis)] for a, axis in enumerate(axes))
+        for i in range(longest)
+    }
+    return [
+        pytest.param(
+            *combo,
+            id="-".join(_id(v) for v in combo),
+            marks=() if combo in default else pytest.mark.slow,
+        )
+        for combo in itertools.product(*axes)
+    ]
+
+
+def tiered(values: Sequence, slow: Collection = ()) -> list:
+    """`values` as `pytest.param`s, those in `slow` marked slow (the others run by default)."""
+    unknown = set(slow) - set(values)
+    if unknown:  # a renamed case must not leave its costly twin in the default tier
+        raise ValueError(f"tiered: not among the values: {sorted(unknown)}")
+    return [pytest.param(v, marks=pytest.mark.slow if v in slow else ()) for v in values]
