@@ -36,7 +36,7 @@ from programs.grammar import Program, programs  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
 
-EXAMPLES = int(os.environ.get("JAXREV_GRAMMAR_EXAMPLES", "3"))
+EXAMPLES = int(os.environ.get("JAXREV_GRAMMAR_EXAMPLES", "2"))
 SLOW_EXAMPLES = int(os.environ.get("JAXREV_GRAMMAR_EXAMPLES", "500"))
 COMMON = dict(
     deadline=None,

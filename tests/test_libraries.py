@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import leaf_rel_error
 
 import jaxrev as jr
 
@@ -154,7 +155,9 @@ def test_flax_linen_float32_parameters():
 
     g, ref = grad(jr.reversible(f))(params), grad(f)(params)
     assert all(a.dtype == jnp.float32 for a in jax.tree_util.tree_leaves(g))
-    assert leaves_close(g, ref, 1e-6)
+    # float32: each leaf within a few ulps of its own scale (an absolute 1e-6 on gradients
+    # near 46 asked for bitwise-equal rounding, which a change of compiler flags moves)
+    assert leaf_rel_error(g, ref) < 1e-6
     # float32 parameters stay float32: the plan is no larger than jax.grad's own
     temp = lambda fn: grad(fn).lower(params).compile().memory_analysis().temp_size_in_bytes  # noqa: E731
     assert temp(jr.reversible(f, checkpoint_every=None)) <= temp(f)

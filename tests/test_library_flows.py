@@ -26,7 +26,7 @@ pytest.importorskip("flowjax")
 pytest.importorskip("numpyro")
 from programs import flowjax_cases as fc  # noqa: E402
 from programs import numpyro_cases as nc  # noqa: E402
-from tiers import tiered  # noqa: E402
+from tiers import cover, tiered  # noqa: E402
 
 HOWS = ("eager", "jit", "vmap")
 
@@ -60,11 +60,13 @@ REFUSED = {
 }
 
 
-def _names() -> list[str]:
-    return fc.all_names()
+NAMES = fc.all_names()
 
 
-NAMES = _names()
+@pytest.mark.slow  # builds every case (about 40 s)
+def test_flowjax_cases_without_an_inverse_are_those_listed():
+    probed = {name for name in fc.CASES if not fc.has_inverse(fc.case(name)[0])}
+    assert probed == fc.NO_INVERSE, sorted(probed ^ fc.NO_INVERSE)
 
 
 def _expect(name: str, run) -> None:
@@ -120,9 +122,10 @@ def test_flowjax_one_way(name):
     _expect(name, lambda: fc.check(name, how))
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("how", HOWS)
-@pytest.mark.parametrize("name", NAMES)
+# the slow tier: every case, each of the three ways by turns; `-m soak`: every case every way
+@pytest.mark.parametrize(
+    "name,how", cover(NAMES, HOWS, marks=pytest.mark.slow, rest=pytest.mark.soak)
+)
 def test_flowjax_every_way(name, how):
     _expect(name, lambda: fc.check(name, how))
 
@@ -179,9 +182,9 @@ def test_numpyro_transform_one_way(name):
     _numpyro_expect(name, HOWS[NP_ONE_WAY.index(name) % 3])
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("how", HOWS)
-@pytest.mark.parametrize("name", NP_NAMES)
+@pytest.mark.parametrize(
+    "name,how", cover(NP_NAMES, HOWS, marks=pytest.mark.slow, rest=pytest.mark.soak)
+)
 def test_numpyro_transform_every_way(name, how):
     _numpyro_expect(name, how)
 

@@ -332,7 +332,7 @@ def _maybe_jit(fun, use_jit: bool):
 # as a traced program and costs one compile per example instead of one per new op shape.
 
 
-@settings(max_examples=n_examples(30), **COMMON)
+@settings(max_examples=n_examples(15), **COMMON)
 @given(programs(ALL_KINDS), st.booleans())
 def test_round_trip(prog, use_jit):
     f, x, params, steps = prog
@@ -342,7 +342,7 @@ def test_round_trip(prog, use_jit):
     assert rel_error(x_rec, x, y) <= RTOL64, (steps, rel_error(x_rec, x, y))
 
 
-@settings(max_examples=n_examples(20), **COMMON)
+@settings(max_examples=n_examples(10), **COMMON)
 @given(programs(BASE_KINDS + REV2_KINDS), st.booleans())
 def test_double_reverse(prog, use_jit):
     f, x, params, steps = prog
@@ -410,7 +410,7 @@ def test_nested_jit_round_trip(name):
 # ----------------------------------------------------------------------------- reversible
 
 
-@settings(max_examples=n_examples(15), **COMMON)
+@settings(max_examples=n_examples(8), **COMMON)
 @given(programs(ALL_KINDS))
 def test_reversible_gradients_match_jax_grad(prog):
     """Gradients of `reversible(f)` with respect to the state and every parameter, under jit,
@@ -433,7 +433,7 @@ def _dense_jacobian(f, x, params):
     return jax.jacfwd(lambda z: jnp.ravel(f(jnp.reshape(z, x.shape), params)))(jnp.ravel(x))
 
 
-@settings(max_examples=n_examples(8), **COMMON)
+@settings(max_examples=n_examples(5), **COMMON)
 @given(programs(ALL_KINDS), st.sampled_from(["auto", "linearize"]))
 def test_inverse_jvp_and_vjp_match_dense_solve(prog, method):
     """J⁻¹v and J⁻ᵀc of random invertible programs, by each step-by-step strategy, against a

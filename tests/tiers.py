@@ -12,6 +12,9 @@ runs the rest. Two ways to say which:
 - `tiered(values, slow=...)`: one axis, the values named in `slow` marked slow (the costly
   cases whose path other default cases already take).
 
+A matrix that is itself slow passes ``marks=pytest.mark.slow, rest=pytest.mark.soak`` to
+`cover`: the slow tier runs the covering subset and ``pytest -m soak`` the whole product.
+
 Both return `pytest.param`s for `pytest.mark.parametrize`, with the ids pytest would give.
 
 >>> [p.values for p in cover(["a", "b", "c"], [1, 2]) if not p.marks]
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Collection, Sequence
+from typing import Any
 
 import pytest
 
@@ -38,10 +42,11 @@ def _id(value) -> str:
     return value if isinstance(value, str) else repr(value)
 
 
-def cover(*axes: Sequence, shift: int = 0) -> list:
-    """The product of `axes`, as `pytest.param`s: the covering subset (see the module) in
-    the default tier, the rest marked slow. Each param's values are one combination, in the
-    order of `axes`; its id joins the values' ids with "-"."""
+def cover(*axes: Sequence, shift: int = 0, marks: Any = (), rest: Any = pytest.mark.slow) -> list:
+    """The product of `axes`, as `pytest.param`s: the covering subset (see the module) with
+    `marks` (none: the default tier), the rest with `rest` (the slow tier). Each param's
+    values are one combination, in the order of `axes`; its id joins the values' ids with
+    "-"."""
     longest = max(len(axis) for axis in axes)
     default = {
         tuple(axis[(i + (shift if a else 0)) % len(axis)] for a, axis in enumerate(axes))
@@ -51,7 +56,7 @@ def cover(*axes: Sequence, shift: int = 0) -> list:
         pytest.param(
             *combo,
             id="-".join(_id(v) for v in combo),
-            marks=() if combo in default else pytest.mark.slow,
+            marks=marks if combo in default else rest,
         )
         for combo in itertools.product(*axes)
     ]

@@ -324,12 +324,20 @@ def case(name: str, scale: float = 1.0) -> tuple[Any, jax.Array, jax.Array | Non
     return fb.Invert(bij), bij.transform(scale * x, cond), cond
 
 
+NO_INVERSE = frozenset(
+    {"Planar/tanh", "Planar/conditional", "BlockAutoregressiveNetwork", "planar_flow"}
+)
+"""The cases whose inverse flowjax does not implement (`has_inverse` false): no
+``@inverted`` twin. Written out, not probed, because building every case to probe it takes
+about 40 s at each test process's collection; `test_library_flows` checks it (slow)."""
+
+
 def all_names() -> list[str]:
+    """Every case, and ``X@inverted`` for those flowjax can invert."""
     out = []
     for name in CASES:
         out.append(name)
-        bij, _, _ = case(name)
-        if has_inverse(bij):
+        if name not in NO_INVERSE:
             out.append(name + "@inverted")
     return out
 
