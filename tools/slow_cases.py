@@ -9,7 +9,7 @@ library or a documented path). `tests/conftest.py` marks the listed tests ``slow
 
 Usage, from the repository root::
 
-    .venv/bin/python -m pytest -q -m "not slow" -p no:randomly --junitxml=/tmp/default.xml
+    .venv/bin/python -m pytest -q --junitxml=/tmp/default.xml   # the default tier
     .venv/bin/python tools/slow_cases.py /tmp/default.xml
 
 The entries already listed are kept (they no longer run in the default tier, so the run
