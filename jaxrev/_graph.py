@@ -90,3 +90,23 @@ def mentions(jaxpr: Jaxpr, match: Callable[[Any], bool]) -> bool:
                 ):
                     return True
     return False
+
+
+def work_of(jaxpr: Jaxpr) -> int:
+    """A trace-time measure of what one evaluation of `jaxpr` computes: the elements its
+    equations write, with a sub-jaxpr's counted once per evaluation of its equation (a
+    scan's body `length` times) and a matrix product's by its multiply-adds per output."""
+    total = 0
+    for e in jaxpr.eqns:
+        out = size_of(v.aval for v in e.outvars if hasattr(v.aval, "shape"))
+        if e.primitive.name == "dot_general":
+            (lhs_contract, _), _ = e.params["dimension_numbers"]
+            lhs = e.invars[0].aval.shape
+            out *= max(1, int(np.prod([lhs[d] for d in lhs_contract], dtype=np.int64)))
+        total += out
+        times = int(e.params.get("length", 1)) if e.primitive.name == "scan" else 1
+        for p in e.params.values():
+            for b in p if isinstance(p, (tuple, list)) else (p,):
+                if isinstance(b, (ClosedJaxpr, Jaxpr)):
+                    total += times * work_of(b.jaxpr if isinstance(b, ClosedJaxpr) else b)
+    return total

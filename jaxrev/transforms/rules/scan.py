@@ -11,6 +11,7 @@ Batching is JAX's own: `scan` stays a `scan` under `vmap`, and these rules see t
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -23,7 +24,7 @@ from jaxrev._compat import JaxprEqn, Literal, ScanParams, Var, is_concrete, prim
 from jaxrev._env import Env, Statics, Unknown, is_unknown
 from jaxrev._errors import NotInvertibleError
 from jaxrev._evaluate import evaluate
-from jaxrev._graph import forward_known, is_var, needed_vars, size_of
+from jaxrev._graph import forward_known, is_var, needed_vars, size_of, work_of
 from jaxrev.transforms.logdet import LogdetContext, evaluate_plan
 from jaxrev.transforms.propagation.walker import (
     Hints,
@@ -313,7 +314,9 @@ def _scan_sweep(P: Plan, i: int, env: Env, ctenv: dict | None, active: set, res:
         P.dial.inner(length),
     )
     carry = tuple(sds(v.aval) for v in cout)
-    K = P.dial.segment(length, sum(size_of([a]) * a.dtype.itemsize for a in carry))
+    K = P.dial.segment(
+        length, sum(size_of([a]) * a.dtype.itemsize for a in carry), work_of(body.jaxpr)
+    )
     lp = LoopPlan("scan", bp, length, every=K, carry=carry if K else ())
     lres = res.loop(i, lp) if res_avals(bp) or K else []
     nb = len(res_avals(bp))
@@ -362,8 +365,25 @@ def _scan_sweep(P: Plan, i: int, env: Env, ctenv: dict | None, active: set, res:
             all(xk),
             res.planning,
         )
+        # the repair decides from an inversion without cotangents (`segments.two_pass`)
+        primal = dataclasses.replace(step, active=None)
+
+        def invert(c, sl):
+            ys_t, _, xs_t, res_t = sl
+            s = primal(c, None, ys_t, [], xs_t, res_t)
+            return s.carry, s.drift
+
         (c_first, c_first_ct, k_ct, w), (x_rec, x_ct) = segmented(
-            bstep, (c0, c_ct0, k_ct0, w0), sl, length, K, ckpts, rev, check, redo
+            bstep,
+            (c0, c_ct0, k_ct0, w0),
+            sl,
+            length,
+            K,
+            ckpts,
+            rev,
+            check,
+            redo,
+            None if redo is None else invert,
         )
     drift.note(env.ctx.drift, w)
     loop_cts_out(env, ctenv, LoopEnd(init, c_first, c_first_ct, consts, k_ct), act, nc)

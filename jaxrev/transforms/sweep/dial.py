@@ -42,6 +42,13 @@ __all__ = [
 ON_DRIFT = ("repair", "raise", "nan", "warn", "ignore")
 
 
+SEGMENT_WORK = 20_000
+"""A checkpointed segment's fixed cost in elements computed (`Dial.segment`): measured on a
+2-core CPU, a segment's loops, branches and check take about 4 µs, what about 700 iterations
+of a 30-scalar body take (`benchmarks/defaults_cost.py`, the sparse-dot merge); "auto" makes
+a segment at least that many iterations long, so that the fixed cost stays a small share."""
+
+
 @dataclass(frozen=True)
 class Dial:
     """The settings of one `reversible` call (a primitive param: hashable).
@@ -90,9 +97,13 @@ class Dial:
     def checks(self) -> bool:
         return self.on_drift != "ignore"
 
-    def segment(self, length: int, carry_bytes: int) -> int | None:
-        """K for a loop of `length` iterations whose carry takes `carry_bytes`; None: the loop
-        is fully reversible (no checkpoints)."""
+    def segment(self, length: int, carry_bytes: int, step_work: int | None = None) -> int | None:
+        """K for a loop of `length` iterations whose carry takes `carry_bytes` and whose body
+        computes `step_work` elements an iteration (`_graph.work_of`); None: the loop is fully
+        reversible (no checkpoints). "auto" takes ⌈√T⌉, or more where the body is so small
+        that a segment's fixed cost (its loops, branches and check: `SEGMENT_WORK`) would
+        otherwise show beside its iterations' (under the repairing dial only: a miss is
+        recomputed there, where elsewhere the drift of a longer segment would raise)."""
         if length <= 0:
             return None
         if isinstance(self.every, int):
@@ -107,7 +118,10 @@ class Dial:
                     return K
             return max(1, math.ceil(length / max(1, slots // 2)))
         if self.every == "auto" and self.on_drift != "ignore":
-            return max(1, math.ceil(math.sqrt(length)))
+            K = math.ceil(math.sqrt(length))
+            if step_work and self.repair:  # (elsewhere a longer segment raises sooner)
+                K = max(K, math.ceil(SEGMENT_WORK / step_work))
+            return max(1, min(K, length))
         return None
 
     def inner(self, iterations: int | None) -> Dial:

@@ -27,7 +27,7 @@ from jaxrev._batching import select_batched, where
 from jaxrev._compat import match_vma, sds, trace_to_closed, vary_to, vma_union, zeros_of
 from jaxrev._evaluate import eval_closed
 from jaxrev._program import avals_of
-from jaxrev.transforms.sweep.drift import Budget, budget_dtype, combine, finite
+from jaxrev.transforms.sweep.drift import Budget, budget_dtype, combine, finite, no_drift
 
 __all__ = [
     "Slices",
@@ -37,6 +37,7 @@ __all__ = [
     "SegmentState",
     "Pulled",
     "ForwardState",
+    "Recompute",
     "segmented",
     "segmented_forward",
     "body_redo",
@@ -46,6 +47,13 @@ __all__ = [
 PROBE_EVERY = 4
 """After a segment missed, the next ones are recomputed at once (the inversion's work would be
 thrown away), and inversion is tried again every PROBE_EVERY segments."""
+
+
+AFTER_SLACK = 16.0
+"""The repair decides whether to recompute a segment before its start's cotangent is known,
+from the cotangent at its end (`segmented`'s `two_pass`); checked again with the cotangent at
+its start, a segment kept misses only where its drift moves the gradient more than
+AFTER_SLACK times what rounding does."""
 
 
 def _tmap(f: Any, *trees: Any) -> Any:
@@ -153,6 +161,7 @@ class SegmentState(NamedTuple):
     budget: Budget  # the gradient budget so far (`dial.grad_ratio`)
     missed: Any  # whether the segment swept last missed (the next one is recomputed at once)
     bufs: Any  # the per-iteration outputs written so far (arrays of the loop's length)
+    growth: Any = None  # how much the carry's cotangent grew over the segment swept last
 
     def back(self) -> BackCarry:
         return BackCarry(self.carry, self.carry_ct, self.consts_ct, self.worst)
@@ -164,6 +173,18 @@ class Pulled(NamedTuple):
     carry_ct: list  # the carry's
     consts_ct: list  # the constants', accumulated
     bufs: Any  # the output buffers, the segment's rows written (None: no buffers)
+
+
+class Recompute(NamedTuple):
+    """The repairing dial's recomputations of a loop's segment (`body_redo`)."""
+
+    redo: Callable  # (start, carry_ct, consts_ct, seg, n, bufs, stop, on) -> Pulled
+    carries: Callable  # (start, seg, n) -> the segment's carries, recomputed forward
+    pull: Callable  # (carries, carry_ct, consts_ct, seg, n, bufs) -> Pulled, by the VJP
+    out_row: Callable  # (row) -> zeros of what `pull` writes into the buffers per iteration
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Pulled:
+        return self.redo(*args, **kwargs)
 
 
 class ForwardState(NamedTuple):
@@ -183,7 +204,8 @@ def segmented(
     ckpts: Sequence[Any],
     rev: bool,
     check: Any = None,
-    redo: Any = None,
+    redo: Recompute | None = None,
+    invert: Callable | None = None,
 ) -> tuple[BackCarry, Any]:
     """`lax.scan(bstep, carry0, slices, reverse=not rev)` (a loop's backward run, whose carry is
     a `BackCarry` or a tuple of its fields) in segments of K iterations: each segment starts
@@ -195,10 +217,15 @@ def segmented(
     `body_redo`) recomputes forward from its checkpoint a segment that missed, or whose
     cotangents came back non-finite (a NaN rebuilt inside the segment), writes its outputs
     into `bufs` through `seg` (the segment's `Slices`) and returns a `Pulled`.
+    `invert(carry, row) -> (carry before, worst)` (with `redo`: the body's backward step
+    without cotangents) lets the repairing dial decide before any cotangent is pulled
+    (`two_pass`): the constants' cotangents, often the size of the parameters, are then
+    accumulated in place, never kept twice for a segment that might be redone.
     Returns the start's `BackCarry` (its carry: the first checkpoint) and the per-iteration
     outputs."""
     # the first segment (in iteration order) has `rest` iterations, the `nseg` after it K
     rest, nseg = length % K, length // K
+    primal_step = invert  # (`one_segment` defines its own `invert`)
     final = BackCarry(*carry0)
     # inside shard_map the drift, the budget and the miss flag vary over every mesh axis the
     # loop's values vary over: typed so from the start, and at every branch's end
@@ -208,7 +235,8 @@ def segmented(
     end = [jnp.asarray(a, ck.dtype) for a, ck in zip(final.carry, ckpts)]
     final = final._replace(carry=end, worst=vary_to(final.worst, axes))
     xs = Slices(slices, length, rev)
-    traced = _Traced(bstep, final, xs.read(0))
+    # the two-pass repair never runs `bstep` (its inversion and VJP are separate): not traced
+    traced = None if primal_step is not None else _Traced(bstep, final, xs.read(0))
 
     def step(carry, row):
         carry, out = traced(carry, row)
@@ -239,6 +267,10 @@ def segmented(
         return check(rebuilt, stored, rebuilt_ct, state.carry, state.carry_ct, n, state.budget)
 
     def seg_back(state, seg, stored, n, probe):
+        new = one_segment(state, seg, stored, n, probe)
+        return new if new.growth is not None else new._replace(growth=state.growth)
+
+    def one_segment(state, seg, stored, n, probe):
         """One segment of n iterations backwards from `state` (at its end): inverted and
         checked (`probe`), or, right after a miss, recomputed at once. Returns the state at
         its start, whose carry is `stored`, its checkpoint."""
@@ -260,6 +292,8 @@ def segmented(
                 false,
                 bufs,
             )
+        if primal_step is not None:
+            return two_pass(state, seg, stored, n, probe)
         if jax.tree_util.tree_leaves(state.bufs):
             return gated(state, seg, stored, n, probe)
 
@@ -304,6 +338,70 @@ def segmented(
 
         return lax.cond(probe, invert, recompute)
 
+    def two_pass(state, seg, stored, n, probe):
+        """`seg_back` under the repairing dial with `invert`: the segment's carries rebuilt
+        by inversion alone (no cotangents), kept; its start checked against `stored`, with
+        the cotangent at its end, grown as the last segment's grew, standing for the one at
+        its start (not known yet); the carries recomputed forward from `stored` where that
+        misses; then the cotangents pulled back once, by the body's VJP at those carries,
+        into the constants' cotangents in place. The check is made again with the
+        cotangent at the start: a segment kept that this exact check rejects is a miss
+        the drift log reports."""
+        none = vary_to(no_drift(), axes)
+
+        def like_stored(carries):
+            """Carries typed (vma) as the checkpoints are: what the body's VJP expects."""
+            return [match_vma(c, a) for c, a in zip(carries, stored)]
+
+        def inverted():
+            def iteration(loop_carry, k):
+                carry, worst = loop_carry
+                before, inside = primal_step(carry, seg.read(k))
+                before = [jnp.asarray(b, a.dtype) for b, a in zip(before, carry)]
+                return (before, vary_to(combine(worst, inside), axes)), before
+
+            (start, inner), stacked = lax.scan(
+                iteration, (list(state.carry), none), jnp.arange(n), reverse=True
+            )
+            grown = [
+                None if ct is None else ct * state.growth.astype(jnp.result_type(ct))
+                for ct in state.carry_ct
+            ]
+            pre = check_start(start, grown, stored, state, n)
+            # a value the inversion made non-finite inside the segment, where its start is
+            # finite, is a miss however its start compares
+            bad = ~(pre.ratio <= 1.0) | (~finite(stacked) & finite(stored))
+            return like_stored(stacked), like_stored(start), inner, vary_to(bad, axes)
+
+        def skipped():
+            stacked = [jnp.zeros((n, *jnp.shape(a)), a.dtype) for a in stored]
+            return like_stored(stacked), list(stored), none, vary_to(jnp.ones((), bool), axes)
+
+        stacked, start, inner, bad = lax.cond(probe, inverted, skipped)
+        stacked = lax.cond(bad, lambda: like_stored(redo.carries(stored, seg, n)), lambda: stacked)
+        pulled = redo.pull(stacked, state.carry_ct, state.consts_ct, seg, n, state.bufs)
+        kept = [where(bad, b, a) for a, b in zip(start, stored)]
+        checked = check_start(kept, pulled.carry_ct, stored, state, n)
+        worst = tuple(where(bad, a, b) for a, b in zip(state.worst, combine(state.worst, inner)))
+        # the decision was the estimate's; the exact ratio of a segment kept is a miss only
+        # beyond AFTER_SLACK (the gradient off by more than that many roundings' worth), and
+        # counts in the budget, so that the next segments are recomputed sooner
+        after = where(checked.ratio > AFTER_SLACK, checked.ratio, jnp.minimum(checked.ratio, 1.0))
+        worst = combine(worst, (where(bad, 0.0, after), checked.site))
+        budget = Budget(
+            checked.budget.rounding, where(bad, state.budget.drift, checked.budget.drift)
+        )
+        return SegmentState(
+            stored,
+            pulled.carry_ct,
+            pulled.consts_ct,
+            vary_to(worst, axes),
+            vary_to(budget, axes),
+            bad,
+            pulled.bufs,
+            vary_to(_growth(state.carry_ct, pulled.carry_ct, state.growth), axes),
+        )
+
     def gated(state, seg, stored, n, probe):
         """`seg_back` for a loop with per-iteration outputs: inversion and recomputation
         each run over the segment, each iteration doing its work or not, so that the output
@@ -342,7 +440,13 @@ def segmented(
         final.worst,
         Budget(zero, zero),
         false,
-        traced.out_buffers(length, axes),
+        traced.out_buffers(length, axes)
+        if traced is not None
+        else _tmap(
+            lambda a: vary_to(jnp.zeros((length, *jnp.shape(a)), jnp.result_type(a)), axes),
+            redo.out_row(xs.read(0)),
+        ),
+        vary_to(jnp.ones((), budget_dtype()), axes),
     )
     first = 1 if rest else 0  # the checkpoint of the first full segment
     if nseg:
@@ -358,6 +462,21 @@ def segmented(
     if rest:
         state = seg_back(state, xs, start, rest, ~state.missed)
     return state.back()._replace(carry=start), state.bufs
+
+
+def _growth(end_ct: Sequence[Any], start_ct: Sequence[Any], last: Any) -> Any:
+    """‖c̄ at a segment's start‖₁ / ‖c̄ at its end‖₁, at least 1 (`last` where the end's is
+    zero or either is not finite): the factor by which the next segment's check scales the
+    cotangent at its end, which stands for the one at its start."""
+    end = jnp.zeros((), last.dtype)
+    start = jnp.zeros((), last.dtype)
+    for a, b in zip(end_ct, start_ct):
+        if a is None or b is None or not jnp.issubdtype(jnp.result_type(a), jnp.inexact):
+            continue
+        end = end + jnp.sum(jnp.abs(a)).astype(last.dtype)
+        start = start + jnp.sum(jnp.abs(b)).astype(last.dtype)
+    ratio = start / where(end > 0, end, 1.0)
+    return where((end > 0) & jnp.isfinite(ratio), jnp.maximum(ratio, 1.0), last)
 
 
 def segmented_forward(
@@ -409,7 +528,7 @@ def body_redo(
     consts: Sequence[Any],
     active: Sequence[bool],
     ys_ct_given: Sequence[bool],
-) -> Any:
+) -> Recompute:
     """The repairing dial's recomputation of one segment of a loop (for `segmented`): run the
     body forward from the segment's stored start, keeping each iteration's carry (K carries at
     most), then pull the cotangents back by the body's VJP at those exact values, one
@@ -437,27 +556,28 @@ def body_redo(
         cotangents come back as given and `bufs` unchanged), decided per iteration so that
         `bufs` never goes through a `cond`. Returns a `Pulled`."""
 
-        def fwd(carry, j):
-            xs_j = StepInputs(*seg.read(j)).xs
-            new = list(eval_closed(body, *consts, *carry, *xs_j)[:ncarry])
-            if stop is not None:  # per element under vmap
-                new = [select_batched(j < stop, a, b) for a, b in zip(new, carry)]
-            return new, list(carry)
-
-        def forward():
-            return lax.scan(fwd, list(start), jnp.arange(n), length=n)[1]
-
         def no_carries():
             return [match_vma(jnp.zeros((n, *jnp.shape(a)), jnp.result_type(a)), a) for a in start]
 
-        carries = forward() if on is None else lax.cond(on, forward, no_carries)
+        if on is None:
+            stacked = carries(start, seg, n, stop)
+        else:
+            stacked = lax.cond(on, lambda: carries(start, seg, n, stop), no_carries)
+        return pull(stacked, carry_ct, consts_ct, seg, n, bufs, stop, on)
+
+    def pull(stacked, carry_ct, consts_ct, seg, n, bufs=None, stop=None, on=None):
+        """The cotangents pulled back through the segment `seg` of n iterations by the body's
+        VJP at `stacked` (each iteration's carry at its start, stacked: exact values, from a
+        forward recomputation or an inversion found to be right), from `carry_ct` and
+        `consts_ct` at its end; its `xs` cotangents written into `bufs`. Returns a
+        `Pulled`."""
 
         def back(pulled, scanned):
             j, carry_j = scanned
             row = StepInputs(*seg.read(j))
             live = None if stop is None else j < stop
 
-            def pull():
+            def pull_one():
                 g_carry, g_consts, g_xs = pull_back(pulled, carry_j, row, live)
                 if live is not None:
                     # iterations past an element's count add nothing: their cotangents are
@@ -473,7 +593,7 @@ def body_redo(
                 zeros = [match_vma(jnp.zeros_like(x), x) for x in pick(row.xs, xs_active)]
                 return list(pulled.carry_ct), list(pulled.consts_ct), zeros
 
-            g_carry, g_consts, g_xs = pull() if on is None else lax.cond(on, pull, keep)
+            g_carry, g_consts, g_xs = pull_one() if on is None else lax.cond(on, pull_one, keep)
             bufs = pulled.bufs
             if bufs is not None:
                 outs = ([], list(g_xs))
@@ -519,7 +639,24 @@ def body_redo(
             )
 
         init = Pulled(list(carry_ct), list(consts_ct), bufs)
-        pulled, _ = lax.scan(back, init, (jnp.arange(n), carries), length=n, reverse=True)
+        pulled, _ = lax.scan(back, init, (jnp.arange(n), stacked), length=n, reverse=True)
         return pulled
 
-    return redo
+    def carries(start, seg, n, stop=None):
+        """The segment's n carries (each iteration's at its start, stacked) recomputed
+        forward from its stored start `start`; `stop` as for `redo`."""
+
+        def fwd(carry, j):
+            xs_j = StepInputs(*seg.read(j)).xs
+            new = list(eval_closed(body, *consts, *carry, *xs_j)[:ncarry])
+            if stop is not None:  # per element under vmap
+                new = [select_batched(j < stop, a, b) for a, b in zip(new, carry)]
+            return new, list(carry)
+
+        return lax.scan(fwd, list(start), jnp.arange(n), length=n)[1]
+
+    def out_row(row):
+        xs = pick(StepInputs(*row).xs, xs_active)
+        return [], [match_vma(jnp.zeros_like(x), x) for x in xs]
+
+    return Recompute(redo, carries, pull, out_row)
