@@ -314,9 +314,17 @@ def _scan_sweep(P: Plan, i: int, env: Env, ctenv: dict | None, active: set, res:
         P.dial.inner(length),
     )
     carry = tuple(sds(v.aval) for v in cout)
-    K = P.dial.segment(
-        length, sum(size_of([a]) * a.dtype.itemsize for a in carry), work_of(body.jaxpr)
-    )
+    carry_bytes = sum(size_of([a]) * a.dtype.itemsize for a in carry)
+    K = P.dial.segment(length, carry_bytes)
+    # the repair sweeps a segment in two passes (`segments.two_pass`) where the constants'
+    # cotangents outweigh a quarter of a segment's work: the one-pass sweep keeps them twice
+    # per segment (a repair restarts from them), the two-pass one walks each iteration twice,
+    # and its segments are made long enough for their fixed cost (`dial.SEGMENT_WORK`)
+    work = max(1, work_of(body.jaxpr))
+    floating = [v.aval for v in consts if jnp.issubdtype(v.aval.dtype, jnp.inexact)]
+    two_pass = K is not None and 4 * size_of(floating) >= K * work
+    if two_pass:
+        K = P.dial.segment(length, carry_bytes, work)
     lp = LoopPlan("scan", bp, length, every=K, carry=carry if K else ())
     lres = res.loop(i, lp) if res_avals(bp) or K else []
     nb = len(res_avals(bp))
@@ -365,7 +373,7 @@ def _scan_sweep(P: Plan, i: int, env: Env, ctenv: dict | None, active: set, res:
             all(xk),
             res.planning,
         )
-        # the repair decides from an inversion without cotangents (`segments.two_pass`)
+        # (two passes: the repair decides from an inversion without cotangents)
         primal = dataclasses.replace(step, active=None)
 
         def invert(c, sl):
@@ -383,7 +391,7 @@ def _scan_sweep(P: Plan, i: int, env: Env, ctenv: dict | None, active: set, res:
             rev,
             check,
             redo,
-            None if redo is None else invert,
+            invert if two_pass and redo is not None else None,
         )
     drift.note(env.ctx.drift, w)
     loop_cts_out(env, ctenv, LoopEnd(init, c_first, c_first_ct, consts, k_ct), act, nc)

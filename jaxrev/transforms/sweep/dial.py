@@ -46,7 +46,8 @@ SEGMENT_WORK = 20_000
 """A checkpointed segment's fixed cost in elements computed (`Dial.segment`): measured on a
 2-core CPU, a segment's loops, branches and check take about 4 µs, what about 700 iterations
 of a 30-scalar body take (`benchmarks/defaults_cost.py`, the sparse-dot merge); "auto" makes
-a segment at least that many iterations long, so that the fixed cost stays a small share."""
+a two-pass segment at least that many iterations long, so that the fixed cost stays a small
+share."""
 
 
 @dataclass(frozen=True)
@@ -98,12 +99,14 @@ class Dial:
         return self.on_drift != "ignore"
 
     def segment(self, length: int, carry_bytes: int, step_work: int | None = None) -> int | None:
-        """K for a loop of `length` iterations whose carry takes `carry_bytes` and whose body
-        computes `step_work` elements an iteration (`_graph.work_of`); None: the loop is fully
-        reversible (no checkpoints). "auto" takes ⌈√T⌉, or more where the body is so small
-        that a segment's fixed cost (its loops, branches and check: `SEGMENT_WORK`) would
-        otherwise show beside its iterations' (under the repairing dial only: a miss is
-        recomputed there, where elsewhere the drift of a longer segment would raise)."""
+        """K for a loop of `length` iterations whose carry takes `carry_bytes`; None: the loop
+        is fully reversible (no checkpoints). "auto" takes ⌈√T⌉; given `step_work`, the
+        elements its body computes an iteration (`_graph.work_of`: the two-pass repair,
+        `segments.segmented`), at least enough iterations that a segment's fixed cost (its
+        loops, branches and check: `SEGMENT_WORK`) stays a small share of theirs, up to
+        4⌈√T⌉, so that a segment's carries stay few beside the loop's length (under the
+        repairing dial only: a miss is recomputed there, where elsewhere the drift of a
+        longer segment would raise)."""
         if length <= 0:
             return None
         if isinstance(self.every, int):
@@ -120,7 +123,8 @@ class Dial:
         if self.every == "auto" and self.on_drift != "ignore":
             K = math.ceil(math.sqrt(length))
             if step_work and self.repair:  # (elsewhere a longer segment raises sooner)
-                K = max(K, math.ceil(SEGMENT_WORK / step_work))
+                # at most 4√T: a segment's carries stay few against the loop's length
+                K = max(K, min(4 * K, math.ceil(SEGMENT_WORK / step_work)))
             return max(1, min(K, length))
         return None
 
