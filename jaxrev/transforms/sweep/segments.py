@@ -309,19 +309,7 @@ def segmented(
                 lambda: Pulled(back.carry_ct, back.consts_ct, bufs),
             )
             worst = tuple(where(bad, a, b) for a, b in zip(state.worst, back.worst))
-            worst = combine(worst, (where(bad, 0.0, checked.ratio), checked.site))
-            budget = Budget(
-                checked.budget.rounding, where(bad, state.budget.drift, checked.budget.drift)
-            )
-            return SegmentState(
-                stored,
-                pulled.carry_ct,
-                pulled.consts_ct,
-                vary_to(worst, axes),
-                vary_to(budget, axes),
-                vary_to(bad, axes),
-                pulled.bufs,
-            )
+            return settled(state, stored, pulled, bad, worst, checked.ratio, checked)
 
         def recompute():
             pulled = redo(stored, state.carry_ct, state.consts_ct, seg, n, state.bufs)
@@ -387,7 +375,13 @@ def segmented(
         # beyond AFTER_SLACK (the gradient off by more than that many roundings' worth), and
         # counts in the budget, so that the next segments are recomputed sooner
         after = where(checked.ratio > AFTER_SLACK, checked.ratio, jnp.minimum(checked.ratio, 1.0))
-        worst = combine(worst, (where(bad, 0.0, after), checked.site))
+        growth = _growth(state.carry_ct, pulled.carry_ct, state.growth)
+        return settled(state, stored, pulled, bad, worst, after, checked, vary_to(growth, axes))
+
+    def settled(state, stored, pulled, bad, worst, ratio, checked, growth=None):
+        """The state at a segment's start, its cotangents `pulled`: kept (its `ratio` and
+        drift counted) or, where `bad`, repaired (neither counted)."""
+        worst = combine(worst, (where(bad, 0.0, ratio), checked.site))
         budget = Budget(
             checked.budget.rounding, where(bad, state.budget.drift, checked.budget.drift)
         )
@@ -397,9 +391,9 @@ def segmented(
             pulled.consts_ct,
             vary_to(worst, axes),
             vary_to(budget, axes),
-            bad,
+            vary_to(bad, axes),
             pulled.bufs,
-            vary_to(_growth(state.carry_ct, pulled.carry_ct, state.growth), axes),
+            growth,
         )
 
     def gated(state, seg, stored, n, probe):
