@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -269,7 +269,15 @@ def _stored_sweep(
     )
 
     def back(s):
-        k, c, c_ct, k_ct, w, snap, B = s
+        k, c, c_ct, k_ct, w, snap, B = (
+            s.count,
+            s.carry,
+            s.carry_ct,
+            s.consts_ct,
+            s.worst,
+            s.snap,
+            s.budget,
+        )
         t = k - 1
         c2, c_ct2, k_ct2, w = _masked_step(
             step,
@@ -309,17 +317,30 @@ def _stored_sweep(
             c2 = [where(start, a, b) for a, b in zip(ck_j, c2)]
             if redo is not None:
                 snap = jax.tree_util.tree_map(lambda a, b: where(start, a, b), (c_ct2, k_ct2), snap)
-        return k - 1, c2, c_ct2, k_ct2, w, snap, B
+        return WhileBack(k - 1, c2, c_ct2, k_ct2, w, snap, B)
 
     w0 = drift.no_drift()
     snap0 = (c_ct0, k_ct0) if redo is not None else ()
     B0 = (jnp.zeros((), budget_dtype()), jnp.zeros((), budget_dtype()))
-    _, c_first, c_first_ct, k_ct, w, _, _ = lax.while_loop(
-        lambda s: s[0] > 0, back, (jnp.max(n), c0, c_ct0, k_ct0, w0, snap0, B0)
+    end = lax.while_loop(
+        lambda s: s.count > 0, back, WhileBack(jnp.max(n), c0, c_ct0, k_ct0, w0, snap0, B0)
     )
+    c_first, c_first_ct, k_ct, w = end.carry, end.carry_ct, end.consts_ct, end.worst
     drift.note(env.ctx.drift, w)
     init = e.invars[p["cond_nconsts"] + nbc :]
     loop_cts_out(env, ctenv, LoopEnd(init, c_first, c_first_ct, bc, k_ct), act, nbc)
+
+
+class WhileBack(NamedTuple):
+    """The backward run of a bounded while loop: its `lax.while_loop`'s carry (a pytree)."""
+
+    count: Any  # iterations left to sweep
+    carry: list  # the loop's carry, rebuilt
+    carry_ct: list | None  # its cotangent
+    consts_ct: list | None  # the constants' cotangents, accumulated
+    worst: tuple  # the worst (ratio, site) so far
+    snap: tuple  # (carry_ct, consts_ct) at the last segment's end: a repair restarts there
+    budget: tuple  # the gradient budget (rounding, drift), summed per iteration
 
 
 # --------------------------------------------------------------------------- lax.while_loop
