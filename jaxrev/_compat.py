@@ -7,7 +7,10 @@ sub-jaxprs) is resolved here, so the interpreters read one vocabulary.
 
 from __future__ import annotations
 
+import contextlib as _contextlib
+import contextvars as _contextvars
 import os as _os
+import sys as _sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -161,7 +164,8 @@ class _Prims:
             "squeeze copy real imag complex conj max min reduce_sum round split pad "
             "abs sign floor ceil sin cos tan exp2 reduce_precision erf erf_inv "
             "eq ne lt le gt ge and or not xor is_finite "
-            "optimization_barrier stack reduce_or"
+            "optimization_barrier stack reduce_or rem shift_left shift_right_arithmetic "
+            "shift_right_logical"
         ).split():
             setattr(self, name, _prim(name + "_p"))
         self.slice = _prim("slice_p")
@@ -325,12 +329,47 @@ def _vary_constants(eqn: JaxprEqn, invals: Sequence[Any]) -> Sequence[Any]:
 
 
 def user_source(eqn: JaxprEqn) -> tuple[str | None, int | None, str]:
-    """(file, line, summary) of the user's code that produced `eqn`."""
+    """(file, line, summary) of the user's code that produced `eqn`.
+
+    An equation of a library function passed to a transform as it is (`jr.reverse(jnp.sin)`)
+    has no user frame in its traceback (JAX keeps only the frames below the traced function):
+    its site is then the user's call of the transform (`call_site`), said as such."""
     frame = _siu.user_frame(eqn.source_info.traceback)
-    summary = _siu.summarize(eqn.source_info)
-    if frame is None:
-        return None, None, summary
-    return frame.file_name, frame.start_line, summary
+    if frame is not None:
+        return frame.file_name, frame.start_line, _siu.summarize(eqn.source_info)
+    site = _CALL_SITE.get() or call_site()
+    if site is None:
+        return None, None, ""
+    file, line, function = site
+    return file, line, f"{file}:{line} ({function}, in the library code it calls)"
+
+
+_CALL_SITE: _contextvars.ContextVar = _contextvars.ContextVar("jaxrev_call_site", default=None)
+"""The call site that `user_source` names while a run-time check builds its error on the host
+(where the Python stack is the callback's, not the user's): set by `at_call_site`."""
+
+
+def call_site() -> tuple[str, int, str] | None:
+    """(file, line, function) of the innermost frame of the user's code on the Python stack
+    now (JAX's, jaxrev's and the standard library's frames skipped): where the user called the
+    transform, eagerly or while `jit` traces it. None where there is none."""
+    frame = _sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if _siu.is_user_filename(code.co_filename):
+            return code.co_filename, frame.f_lineno, code.co_name
+        frame = frame.f_back
+    return None
+
+
+@_contextlib.contextmanager
+def at_call_site(site: tuple[str, int, str] | None):
+    """Within it, `user_source` names `site` for equations with no user frame."""
+    token = _CALL_SITE.set(site)
+    try:
+        yield
+    finally:
+        _CALL_SITE.reset(token)
 
 
 def make_jaxpr(fun: Callable, *args: Any) -> tuple[ClosedJaxpr, Any]:

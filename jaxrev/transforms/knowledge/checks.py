@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxrev._compat import debug_effect, is_concrete
+from jaxrev._compat import at_call_site, call_site, debug_effect, is_concrete
 from jaxrev._errors import FailureWarning
 from jaxrev._primitive import make_primitive
 from jaxrev._runtime import note_check, raise_at_run_time
@@ -83,17 +83,20 @@ def check_at_run_time(error: Callable[..., Exception | None], *flags: Any, bad: 
     if bad is None:
         bad = jnp.ones((), bool)
     note_check()
-    check_p.bind(jnp.asarray(bad), *flags, error=_Hashable(error), levels=0)
+    check_p.bind(jnp.asarray(bad), *flags, error=_Hashable(error, call_site()), levels=0)
 
 
 class _Hashable:
-    """A callable as a primitive's param (compared by identity)."""
+    """A callable as a primitive's param (compared by identity). It builds its error under the
+    user's call site found when the check was staged (`site`): on the host, where the check
+    runs, the Python stack is the callback's."""
 
-    def __init__(self, fn: Callable) -> None:
-        self.fn = fn
+    def __init__(self, fn: Callable, site: Any = None) -> None:
+        self.fn, self.site = fn, site
 
     def __call__(self, *args: Any) -> Any:
-        return self.fn(*args)
+        with at_call_site(self.site):
+            return self.fn(*args)
 
 
 def _first_bad(bad: Any, flags: Any, levels: int) -> list | None:
