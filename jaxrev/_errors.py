@@ -5,6 +5,8 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+import numpy as np
+
 from jaxrev._compat import user_source
 
 
@@ -201,6 +203,15 @@ def at_eqn(
     return cls(
         f"{who}: {what}{where} `{name}` at {summary}\n{hint}", primitive=name, file=file, line=line
     )
+
+
+def at_element(flags: Any) -> str:
+    """' at element (i, j)': the first set flag of a per-element check, for its message ('' for
+    a scalar check or none set)."""
+    flags = np.asarray(flags)
+    if flags.ndim == 0 or not flags.any():
+        return ""
+    return f" at element {tuple(int(i) for i in np.argwhere(flags)[0])}"
 
 
 def not_invertible(

@@ -281,7 +281,7 @@ def _guard(
     if on_error == "nan":
         return leaves
     if all(is_concrete(x) for x in leaves):
-        if all(bool(jnp.all(jnp.isfinite(x))) for x in leaves):
+        if all(bool(np.all(np.isfinite(np.asarray(x)))) for x in leaves):
             return leaves
         if diagnose is not None:
             try:

@@ -14,6 +14,7 @@ outputs with the inverse rules, and pulls the cotangent through it. Loops run ba
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial, wraps
@@ -264,7 +265,11 @@ def _checked_walk(
         drift.values_tol(dial, [v.aval.dtype for v in state_vars], steps),
         inputs=True,
     )
-    rebuilt = [env.read(v) for v in state_vars]
+    # (a state of no elements has nothing to rebuild: the walk may leave it unknown)
+    rebuilt = [
+        env.read(v) if env.known(v) or math.prod(v.aval.shape) else zeros_of(v.aval)
+        for v in state_vars
+    ]
     drift.note(log, (drift.ratio(dial, rebuilt, true_state, steps), at))
     return log.finish(log.worst(), cts)
 

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrev._compat import is_concrete
+from jaxrev._compat import is_concrete, tracing
 from jaxrev._program import fun_name
 from jaxrev.transforms.flows.slogdet import forward_and_slogdet, inverse_and_slogdet
 from jaxrev.transforms.knowledge.context import Settings, resolve_on_error
@@ -122,7 +122,11 @@ class Bijector:
         runs again alone, on values, so that its error names the step."""
         leaves = jax.tree_util.tree_leaves((x, params))
         nb = jnp.ndim(jax.tree_util.tree_leaves(x)[0]) - self.event_ndims_in
-        if nb <= 0 or self._on_error == "nan" or not all(is_concrete(v) for v in leaves):
+        # (under a transform, `fun` may close over traced values even where every argument is
+        # concrete: the usual `jit(grad(loss))(params)` of a flow whose parameters it closes
+        # over; then the checks are staged, not run here)
+        traced = tracing() or not all(is_concrete(v) for v in leaves)
+        if nb <= 0 or self._on_error == "nan" or traced:
             return self._batched(g, x, params)
         out, ld = self._batched(unchecked, x, params)
         bad = ~jnp.isfinite(ld)

@@ -392,6 +392,17 @@ def _try_sweep(
 _ASKED = "method='dense' was asked for"
 
 
+def _nan_where_nan(logdet: Any, *points: Any) -> Any:
+    """`logdet` made NaN where a point's float leaves hold a NaN: a log-determinant at a NaN
+    point is NaN, as `jnp.linalg.slogdet` of the Jacobian there is, also for a map (an affine
+    one) whose pivots do not read the point."""
+    nan = jnp.zeros((), bool)
+    for leaf in jax.tree_util.tree_leaves(points):
+        if jnp.issubdtype(jnp.result_type(leaf), jnp.inexact):
+            nan = nan | jnp.any(jnp.isnan(leaf))
+    return jnp.where(nan, jnp.nan, logdet).astype(jnp.result_type(logdet))
+
+
 def _check_method(method: str, who: str) -> None:
     if method not in METHODS:
         raise ValueError(f"{who}: method must be one of {METHODS}, got {method!r}")
@@ -440,6 +451,19 @@ def slogdet_jacobian(
     on_error = resolve_on_error(who, on_error)
     _check_method(method, who)
     nums = normalize_argnums(argnums, len(primals), fun)
+    sign, logabs = _slogdet_jacobian(fun, primals, nums, method, on_error, who)
+    state = [primals[a] for a in nums]
+    return _nan_where_nan(sign, state), _nan_where_nan(logabs, state)
+
+
+def _slogdet_jacobian(
+    fun: Callable,
+    primals: Sequence[Any],
+    nums: tuple[int, ...],
+    method: str,
+    on_error: str,
+    who: str,
+) -> tuple[Any, Any]:
     t = _trace(fun, primals, nums, who)
     why = _ASKED
     if method != "dense":
@@ -556,22 +580,29 @@ def forward_and_slogdet(
     @functools.wraps(fun)
     def fwd(*args: Any) -> tuple[Any, Any]:
         nums = normalize_argnums(argnums, len(args), fun)
-        t = _trace(fun, args, nums, who)
-        why = _ASKED
-        if method != "dense":
-
-            def run():
-                sw = _sweep(t)
-                y = fun(*args) if sw.ys is None else jax.tree_util.tree_unflatten(t.out_tree, sw.ys)
-                return y, _singular_check(sw.logabs, who, on_error, sw.steps, at_run_time=False)
-
-            got, why = _try_sweep(run, method, on_error, who)
-            if got is not None:
-                return got
-        _, logabs = _dense(t)
-        return fun(*args), _singular_check(logabs, who, on_error, at_run_time=False, dense=why)
+        y, logabs = _forward_and_slogdet(fun, args, nums, method, on_error, who)
+        return y, _nan_where_nan(logabs, [args[a] for a in nums], y)
 
     return fwd
+
+
+def _forward_and_slogdet(
+    fun: Callable, args: Sequence[Any], nums: tuple[int, ...], method: str, on_error: str, who: str
+) -> tuple[Any, Any]:
+    t = _trace(fun, args, nums, who)
+    why = _ASKED
+    if method != "dense":
+
+        def run():
+            sw = _sweep(t)
+            y = fun(*args) if sw.ys is None else jax.tree_util.tree_unflatten(t.out_tree, sw.ys)
+            return y, _singular_check(sw.logabs, who, on_error, sw.steps, at_run_time=False)
+
+        got, why = _try_sweep(run, method, on_error, who)
+        if got is not None:
+            return got
+    _, logabs = _dense(t)
+    return fun(*args), _singular_check(logabs, who, on_error, at_run_time=False, dense=why)
 
 
 def inverse_and_slogdet(
@@ -619,56 +650,70 @@ def inverse_and_slogdet(
 
     @functools.wraps(fun)
     def inv(*args: Any) -> tuple[Any, Any]:
-        if state is None:
-            nums = normalize_argnums(argnums, len(args), fun)
-            ys_tree = [args[a] for a in nums]
-            stand = list(args)  # the state's stand-ins: the output has the state's structure
-            for a in nums:
-                stand[a] = jax.tree_util.tree_map(
-                    lambda y: jax.ShapeDtypeStruct(jnp.shape(y), jnp.result_type(y)), args[a]
-                )
-        else:
-            stand, nums, y = state_args(fun, args, argnums, state)
-            ys_tree = [y]
-        why = _ASKED
-        if method != "dense":
-
-            def run():
-                t = _trace(fun, stand, nums, who, on_outputs=state is None)
-                if state is None:
-                    t.flat = traced_leaves(tuple(args))
-                rec, env = _walk(t, jax.tree_util.tree_leaves(ys_tree), on_error)
-                pl = plan(rec, rec.seeded, rec.goals)
-                steps: list = []
-                _, logabs = evaluate_plan(pl, _reader(env), t.dtype, per_step=steps)
-                xs = [env.read(rec.jaxpr.invars[i]) for i in t.state_pos]
-                return (_state_value(t, xs, nums), -_singular_check(logabs, who, on_error, steps))
-
-            # (a program the walker cannot invert has no inverse to return: that raises)
-            got, why = _try_sweep(run, method, on_error, who, dense_if_not_invertible=False)
-            if got is not None:
-                return got
-        try:
-            x = reverse_with(fun, Settings(who, on_error), argnums, state=state)(*args)
-        except NotInvertibleError as e:
-            if not e.singular or on_error == "raise":
-                raise
-            # a pivot that vanished when the walk was traced: no inverse, the exact answer
-            # (log|det| of the inverse's Jacobian = +inf), and under "warn" a warning
-            fail(on_error, singular_jacobian(e, who))
-            nan = jax.tree_util.tree_map(
-                lambda y: jnp.full(jnp.shape(y), jnp.nan, jnp.result_type(y)), ys_tree
-            )
-            x = nan[0] if len(nums) == 1 else tuple(nan)
-            return x, jnp.asarray(jnp.inf, jnp.result_type(*jax.tree_util.tree_leaves(nan)))
-        a = list(stand)
-        xl = [x] if len(nums) == 1 else list(x)
-        for i, s in zip(nums, xl):
-            a[i] = s
-        _, logabs = _dense(_trace(fun, a, nums, who))
-        return x, -_singular_check(logabs, who, on_error, dense=why)
+        x, logdet = _inverse_and_slogdet(fun, args, argnums, method, on_error, state, who)
+        given = [args[a] for a in normalize_argnums(argnums, len(args), fun)]
+        return x, _nan_where_nan(logdet, given)
 
     return inv
+
+
+def _inverse_and_slogdet(
+    fun: Callable,
+    args: Sequence[Any],
+    argnums: int | Sequence[int],
+    method: str,
+    on_error: str,
+    state: Any,
+    who: str,
+) -> tuple[Any, Any]:
+    if state is None:
+        nums = normalize_argnums(argnums, len(args), fun)
+        ys_tree = [args[a] for a in nums]
+        stand = list(args)  # the state's stand-ins: the output has the state's structure
+        for a in nums:
+            stand[a] = jax.tree_util.tree_map(
+                lambda y: jax.ShapeDtypeStruct(jnp.shape(y), jnp.result_type(y)), args[a]
+            )
+    else:
+        stand, nums, y = state_args(fun, args, argnums, state)
+        ys_tree = [y]
+    why = _ASKED
+    if method != "dense":
+
+        def run():
+            t = _trace(fun, stand, nums, who, on_outputs=state is None)
+            if state is None:
+                t.flat = traced_leaves(tuple(args))
+            rec, env = _walk(t, jax.tree_util.tree_leaves(ys_tree), on_error)
+            pl = plan(rec, rec.seeded, rec.goals)
+            steps: list = []
+            _, logabs = evaluate_plan(pl, _reader(env), t.dtype, per_step=steps)
+            xs = [env.read(rec.jaxpr.invars[i]) for i in t.state_pos]
+            return (_state_value(t, xs, nums), -_singular_check(logabs, who, on_error, steps))
+
+        # (a program the walker cannot invert has no inverse to return: that raises)
+        got, why = _try_sweep(run, method, on_error, who, dense_if_not_invertible=False)
+        if got is not None:
+            return got
+    try:
+        x = reverse_with(fun, Settings(who, on_error), argnums, state=state)(*args)
+    except NotInvertibleError as e:
+        if not e.singular or on_error == "raise":
+            raise
+        # a pivot that vanished when the walk was traced: no inverse, the exact answer
+        # (log|det| of the inverse's Jacobian = +inf), and under "warn" a warning
+        fail(on_error, singular_jacobian(e, who))
+        nan = jax.tree_util.tree_map(
+            lambda y: jnp.full(jnp.shape(y), jnp.nan, jnp.result_type(y)), ys_tree
+        )
+        x = nan[0] if len(nums) == 1 else tuple(nan)
+        return x, jnp.asarray(jnp.inf, jnp.result_type(*jax.tree_util.tree_leaves(nan)))
+    a = list(stand)
+    xl = [x] if len(nums) == 1 else list(x)
+    for i, s in zip(nums, xl):
+        a[i] = s
+    _, logabs = _dense(_trace(fun, a, nums, who))
+    return x, -_singular_check(logabs, who, on_error, dense=why)
 
 
 def register_logdet(primitive: Primitive, rule: Callable[..., tuple[Any, Any]]) -> None:

@@ -41,7 +41,13 @@ from jax import lax
 from jaxrev._cache import memo
 from jaxrev._compat import JaxprEqn, Var, has_user_frame, prims, scan_info
 from jaxrev._env import Env
-from jaxrev._errors import ReversibilityError, SingularJacobianError, at_eqn, not_invertible
+from jaxrev._errors import (
+    ReversibilityError,
+    SingularJacobianError,
+    at_element,
+    at_eqn,
+    not_invertible,
+)
 from jaxrev._graph import real_outvars, size_of
 from jaxrev.transforms.knowledge import records
 from jaxrev.transforms.knowledge.checks import NEWTON_STARTS, raise_where
@@ -386,7 +392,7 @@ def _newton(system: _System, env: Env) -> list[Any]:
     singular = ok & ~jnp.isfinite(logdet)
     good = ok & ~singular
     u = jnp.where(system.broadcast(good), u, jnp.nan)
-    _check(L, ok, singular, rn, tol, ctx)
+    _check(L, ok, singular, rn, tol, ~jnp.isfinite(system.norm(yp)), ctx)
     return system.unpack(u)
 
 
@@ -518,31 +524,43 @@ def _pick(stacked: Any, best: Any) -> Any:
     return jnp.take_along_axis(stacked, jnp.broadcast_to(idx, (1,) + stacked.shape[1:]), axis=0)[0]
 
 
-def _check(L: Lump, ok: Any, singular: Any, rn: Any, tol: Any, ctx: Any) -> None:
+def _check(L: Lump, ok: Any, singular: Any, rn: Any, tol: Any, given_bad: Any, ctx: Any) -> None:
     """Raise where the group was not solved (eagerly, or when the program runs), as the
-    walk's context says."""
+    walk's context says, naming the first element that failed (the group's elements are the
+    state's, per element, for an elementwise group); a known output that is NaN or inf
+    (`given_bad`) is named as the cause, not the solver."""
     first = _first_line(L.eqns)
     who = ctx.who
 
-    def error(ok, singular, rn, tol):
+    def error(ok, singular, rn, tol, given_bad):
+        ok, singular, given_bad = np.asarray(ok), np.asarray(singular), np.asarray(given_bad)
+        if np.any(given_bad & ~ok):
+            return at_eqn(
+                ReversibilityError,
+                first,
+                "the outputs given to a group of equations solved by Newton's method are not "
+                f"finite (NaN or inf){at_element(given_bad & ~ok)}: the input is, not the solve",
+                "Ways out: check the input, or pass on_error='nan' to get NaN there.",
+                who=who,
+            )
         if np.any(singular):
             return at_eqn(
                 SingularJacobianError,
                 first,
                 "the Jacobian of a group of equations solved by Newton's method "
-                "vanishes at the solution",
+                f"vanishes at the solution{at_element(singular)}",
                 "Ways out: the map is not invertible there; keep what it loses in the "
-                "state, or pass on_error='nan'.",
+                "state, or pass on_error='nan' (NaN on the singular elements alone).",
                 who=who,
             )
         if not np.all(ok):
-            worst = float(np.max(np.where(np.asarray(ok), 0.0, np.asarray(rn))))
+            worst = float(np.max(np.where(ok, 0.0, np.asarray(rn))))
             return at_eqn(
                 ReversibilityError,
                 first,
                 "Newton's method found no preimage for a group of equations "
-                f"invertible only together (residual {worst:.3g} > tolerance "
-                f"{float(np.max(tol)):.3g})",
+                f"invertible only together{at_element(~ok)} (residual {worst:.3g} > "
+                f"tolerance {float(np.max(tol)):.3g})",
                 "Ways out: the outputs may have no preimage (outside the map's "
                 "range), or Newton's start is too far from it: give the group an "
                 "inverse with `jr.custom_inverse`, or pass on_error='nan'.",
@@ -550,7 +568,16 @@ def _check(L: Lump, ok: Any, singular: Any, rn: Any, tol: Any, ctx: Any) -> None
             )
         return None
 
-    raise_where(ctx.on_error, error, ok, singular, rn, tol, bad=jnp.any(singular) | ~jnp.all(ok))
+    raise_where(
+        ctx.on_error,
+        error,
+        ok,
+        singular,
+        rn,
+        tol,
+        given_bad,
+        bad=jnp.any(singular) | ~jnp.all(ok),
+    )
 
 
 # --------------------------------------------------------------------------- packing

@@ -22,7 +22,7 @@ from jax import lax
 
 from jaxrev._compat import JaxprEqn, ShapedArray, as_closed, is_concrete, literal, prims
 from jaxrev._env import Env, is_unknown
-from jaxrev._errors import ReversibilityError, at_eqn, not_invertible
+from jaxrev._errors import ReversibilityError, at_element, at_eqn, not_invertible
 from jaxrev._evaluate import apply, eval_closed
 from jaxrev.transforms.custom import custom_inverse
 from jaxrev.transforms.knowledge import regions as R
@@ -78,13 +78,17 @@ def _sub(out, x, y, **_):
 define(prims.sub, inverse=_sub, kind=(ELEMENTWISE, LINEAR))
 
 
-def _mul(out, x, y, **_):
+def _mul(out, x, y, *, ctx=None, **_):
+    # (element-level propagation applies the rule on a partly known output, without `ctx`:
+    # an integer product is checked whole, by the walk, not on some of its elements)
+    if ctx is None and _exact(out):
+        raise NeedMore
     if is_unknown(x) and not is_unknown(y):
         check_nonzero(y, "the known factor")
-        return [out / y, None]
+        return [_quotient(out, y, ctx) if _exact(out) else out / y, None]
     if is_unknown(y) and not is_unknown(x):
         check_nonzero(x, "the known factor")
-        return [None, out / x]
+        return [None, _quotient(out, x, ctx) if _exact(out) else out / x]
     return None
 
 
@@ -130,8 +134,8 @@ def _mul_backward(eqn: JaxprEqn, env: Env) -> bool | None:
         return None
     k, nonzero = z
     a = eqn.invars[k]
-    if env.known(a) or tuple(a.aval.shape) != tuple(o.aval.shape):
-        return None
+    if env.known(a) or tuple(a.aval.shape) != tuple(o.aval.shape) or _exact(o.aval):
+        return None  # (an integer product inverts whole, by `_mul`'s checked quotient)
     ro = region_of(env, o)
     if R.implies(R.mask_region(nonzero), ro):
         # the output is known only where the factor is zero (forward, whatever the operand):
@@ -150,10 +154,15 @@ define(
     inverse=_mul,
     element=ElementRule(_mul_forward, _mul_backward),
     kind=(ELEMENTWISE, BILINEAR),
+    walks=True,
 )
 
 
-def _div(out, x, y, **_):
+def _div(out, x, y, *, ctx=None, **_):
+    if _exact(out):
+        if ctx is None:  # (element-level propagation: integers are inverted whole, as `_mul`)
+            raise NeedMore
+        return _integer_div(out, x, y, ctx)
     if is_unknown(x) and not is_unknown(y):
         check_nonzero(y, "the known divisor")
         return [out * y, None]
@@ -163,7 +172,149 @@ def _div(out, x, y, **_):
     return None
 
 
-define(prims.div, inverse=_div, kind=(ELEMENTWISE, SMOOTH))
+define(prims.div, inverse=_div, kind=(ELEMENTWISE, SMOOTH), walks=True)
+
+
+# --------------------------------------------------------------------------- integers
+# JAX's integers wrap around (arithmetic modulo 2**bits). Sums, differences, negation, `xor`
+# and `not` are one-to-one there and invert exactly. A product by c (a left shift by s: by
+# 2**s) is inverted to the preimage that does not overflow, which exists where the output is
+# a multiple of c: elsewhere the output is outside the map's image (an overflowing preimage of
+# an odd c is not sought: a program that overflows forward is not recovered), and the check
+# raises under every `on_error`, since an integer has no NaN to show a failure. A division, a
+# right shift or a remainder loses the low part, and is refused.
+
+
+def _exact(x: Any) -> bool:
+    """Whether `x` (a value or an aval) holds integers or booleans."""
+    dtype = getattr(x, "dtype", None)
+    if dtype is None:
+        dtype = jnp.result_type(x)
+    return not jnp.issubdtype(dtype, jnp.inexact)
+
+
+def _outside_image(ctx: Any, outside: Any, what: str) -> None:
+    """Raise where an integer step's output has no preimage (`outside`), eagerly at once, under
+    `jit` when the program runs, under every `on_error` (an integer has no NaN to leave)."""
+    eqn, who = ctx.eqn, ctx.walk.who
+    raise_where(
+        ctx.walk.on_error,
+        lambda o: (
+            None
+            if not np.any(o)
+            else at_eqn(
+                ReversibilityError,
+                eqn,
+                f"the output is outside the image of the integer step ({what}){at_element(o)}",
+                "Ways out: check the input, or compute the step in floating point.",
+                who=who,
+                group=False,
+            )
+        ),
+        outside,
+        bad=jnp.any(outside),
+        always=True,
+    )
+
+
+def _quotient(out: Any, c: Any, ctx: Any) -> Any:
+    """x from ``out = x * c`` in integers: ``out / c`` where c divides it (a product by ±1 is
+    undone exactly, overflow included); raises where it does not."""
+    out = jnp.asarray(out)
+    unit = (c == 1) | (c == -1)
+    if is_concrete(c) and np.all(np.asarray(unit)):
+        return out * c  # c * c = 1
+    zero = c == 0
+    divisor = jnp.where(zero | unit, 2, c).astype(out.dtype)  # no overflow, no zero
+    outside = ~unit & (zero | (jnp.remainder(out, divisor) != 0))
+    _outside_image(ctx, outside, "no multiple of the known factor")
+    return jnp.where(unit, out * c, jnp.floor_divide(out, divisor))
+
+
+def _integer_div(out: Any, x: Any, y: Any, ctx: Any) -> list | None:
+    """Integer division (`lax.div` truncates) by ±1 is a product by it; by anything else it
+    loses the remainder; a divisor is not determined by its quotient."""
+    if is_unknown(y) and not is_unknown(x):
+        raise Lossy("an integer divisor is not determined by the quotient")
+    if not (is_unknown(x) and not is_unknown(y)):
+        return None
+    if is_concrete(y):
+        if np.all(np.abs(np.asarray(y)) == 1):
+            return [jnp.asarray(out) * y, None]
+        raise Lossy("integer division loses the remainder (only a divisor of ±1 is one-to-one)")
+    _outside_image(ctx, (y != 1) & (y != -1), "division by a divisor other than ±1")
+    return [jnp.asarray(out) * y, None]
+
+
+def _shift_left(out, x, s, *, ctx=None, **_):
+    """x from ``out = x << s``: the product by 2**s, undone by a right shift where the low s
+    bits of the output are zero (and 0 <= s < bits)."""
+    if ctx is None:
+        raise NeedMore  # (as `_mul`: checked whole)
+    if not (is_unknown(x) and not is_unknown(s)):
+        if is_unknown(s):
+            raise Lossy("a shift's amount is not determined by the shifted value")
+        return None
+    out = jnp.asarray(out)
+    bits = jnp.iinfo(out.dtype).bits
+    right = (
+        lax.shift_right_logical
+        if jnp.issubdtype(out.dtype, jnp.unsignedinteger)
+        else (lax.shift_right_arithmetic)
+    )
+    s = jnp.broadcast_to(jnp.asarray(s, out.dtype), out.shape)
+    back = right(out, s)
+    outside = (s < 0) | (s >= bits) | (lax.shift_left(back, s) != out)
+    _outside_image(ctx, outside, "the low bits a left shift sets to zero are not zero")
+    return [back, None]
+
+
+define(prims.shift_left, inverse=_shift_left, kind=(ELEMENTWISE,), walks=True)
+
+
+def _drops(reason: str) -> Callable:
+    """The rule of a step that always loses its input: it says what it loses."""
+
+    def rule(out, *ins, **_):
+        raise Lossy(reason)
+
+    return rule
+
+
+define(
+    prims.shift_right_arithmetic,
+    inverse=_drops("a right shift drops the low bits"),
+    kind=(ELEMENTWISE,),
+)
+define(
+    prims.shift_right_logical,
+    inverse=_drops("a right shift drops the low bits"),
+    kind=(ELEMENTWISE,),
+)
+define(prims.rem, inverse=_drops("a remainder drops the quotient"), kind=(ELEMENTWISE,))
+
+
+def _xor(out, x, y, **_):
+    """``x ^ c`` is its own inverse."""
+    if is_unknown(x) and not is_unknown(y):
+        dtype = x.aval.dtype
+        return [lax.bitwise_xor(jnp.asarray(out, dtype), jnp.asarray(y, dtype)), None]
+    if is_unknown(y) and not is_unknown(x):
+        dtype = y.aval.dtype
+        return [None, lax.bitwise_xor(jnp.asarray(out, dtype), jnp.asarray(x, dtype))]
+    return None
+
+
+define(prims.xor, inverse=_xor, kind=(ELEMENTWISE,))
+
+
+def _not(out, x, **_):
+    return [
+        lax.bitwise_not(jnp.asarray(out, x.aval.dtype))
+    ]  # its own inverse, on integers and booleans
+
+
+define(getattr(prims, "not"), inverse=_not, kind=(ELEMENTWISE,))
 
 
 def _undone_by(inverse: Callable[[Any], Any], forward: Callable[[Any], Any]) -> custom_inverse:
@@ -222,6 +373,8 @@ _SIGN_HINT = (
 
 def _integer_pow(out, x, *, y, ctx, **_):
     out = jnp.asarray(out, x.aval.dtype)  # a Python scalar output (`x ** 3` of a float)
+    if _exact(out):
+        return [_integer_root(out, y, ctx)]
     complex_ = jnp.issubdtype(out.dtype, jnp.complexfloating)
     if y == 1:
         return [out]
@@ -237,6 +390,23 @@ def _integer_pow(out, x, *, y, ctx, **_):
         raise Lossy(f"x**{y} has {abs(y)} complex roots")
     r = jnp.abs(out) ** (1.0 / y)
     return [jnp.sign(out) * r]
+
+
+def _integer_root(out: Any, y: int, ctx: Any) -> Any:
+    """x from ``out = x ** y`` in integers: the root rounded from floating point, checked by
+    raising it again (an even power keeps the sign only of a base known non-negative)."""
+    if y == 1:
+        return out
+    if y < 1:
+        raise Lossy(f"an integer's x**{y} is not one-to-one")
+    if y % 2 == 0 and not nonnegative(ctx.eqn.invars[0], ctx.env):
+        raise Lossy(f"x**{y} loses the sign of x", _SIGN_HINT)
+    real = jnp.asarray(out, jnp.result_type(float))
+    root = lax.convert_element_type(
+        jnp.round(jnp.sign(real) * jnp.abs(real) ** (1.0 / y)), out.dtype
+    )
+    _outside_image(ctx, lax.integer_pow(root, y) != out, f"no integer's {y}th power")
+    return root
 
 
 define(prims.integer_pow, inverse=_integer_pow, kind=(ELEMENTWISE, SMOOTH), walks=True)
@@ -319,7 +489,7 @@ def _pow_base(out: Any, x: Any, p: Any, ctx: Any) -> Any:
 def _pow_exponent(out: Any, x: Any, ctx: Any) -> Any:
     """p from ``out = x ** p`` with the base known: log|out| / log|x| (a negative base gives a
     finite power only for an integer p, whose |x|**p is |out|). A base of 0 or ±1 loses it."""
-    lost = lambda b: (b == 0) | (jnp.abs(b) == 1)  # noqa: E731
+    lost = lambda b: (b == 0) | (abs(b) == 1)  # noqa: E731  (NumPy's on a concrete base)
     if is_concrete(x):
         if np.any(lost(np.asarray(x))):
             raise Lossy("the known base is 0 or ±1, whose powers lose the exponent", singular=True)
@@ -360,17 +530,52 @@ def _pow(out, x, p, *, ctx, **_):
 define(prims.pow, inverse=_pow, kind=(ELEMENTWISE, SMOOTH), walks=True)
 
 
-def _convert(out, x, *, new_dtype, **_):
+def _convert(out, x, *, new_dtype, ctx=None, **_):
     old = x.aval.dtype
-    if old == new_dtype or np.can_cast(old, new_dtype, "safe"):
-        return [lax.convert_element_type(out, old)]
-    raise Lossy(
-        f"converting {np.dtype(old).name} to {np.dtype(new_dtype).name} loses "
-        "precision (only widening conversions are invertible)"
+    if old == new_dtype:
+        return [out]
+    if not _exact(old):
+        if _exact(np.dtype(new_dtype)):
+            raise Lossy(
+                f"converting {np.dtype(old).name} to {np.dtype(new_dtype).name} rounds the value"
+            )
+        if np.can_cast(old, new_dtype, "safe"):
+            return [lax.convert_element_type(out, old)]
+        raise Lossy(
+            f"converting {np.dtype(old).name} to {np.dtype(new_dtype).name} loses "
+            "precision (only widening conversions are invertible)"
+        )
+    if ctx is None:
+        raise NeedMore  # (as `_mul`: an integer's image is checked whole)
+    return [_to_exact(jnp.asarray(out), old, ctx)]
+
+
+def _to_exact(out: Any, old: Any, ctx: Any) -> Any:
+    """The integer (or boolean) of dtype `old` whose conversion gave `out`, checked: a float
+    must be within a few ulps of an integer (rounding by the inverse of the float steps after
+    it) that it holds exactly (|x| <= 2**(mantissa + 1)) and that `old` holds; an integer must
+    convert back to itself."""
+    if _exact(out):
+        x = lax.convert_element_type(out, old)
+        _outside_image(ctx, lax.convert_element_type(x, out.dtype) != out, "a narrowing cast")
+        return x
+    if jnp.issubdtype(out.dtype, jnp.complexfloating):
+        out = jnp.where(jnp.imag(out) == 0, jnp.real(out), jnp.nan)
+    fi = jnp.finfo(out.dtype)
+    lo, hi = (0, 1) if old == np.bool_ else (jnp.iinfo(old).min, jnp.iinfo(old).max)
+    whole = jnp.round(out)
+    outside = (
+        ~jnp.isfinite(out)
+        | (jnp.abs(out - whole) > 64 * fi.eps * jnp.maximum(1.0, jnp.abs(out)))
+        | (jnp.abs(whole) > 2.0 ** (fi.nmant + 1))
+        | (whole < lo)
+        | (whole > hi)
     )
+    _outside_image(ctx, outside, "an integer cast to floating point: not an integer it holds")
+    return lax.convert_element_type(jnp.where(outside, 0, whole), old)
 
 
-define(prims.convert_element_type, inverse=_convert, kind=(ELEMENTWISE, LINEAR))
+define(prims.convert_element_type, inverse=_convert, kind=(ELEMENTWISE, LINEAR), walks=True)
 
 
 def _reshape(out, x, *rest, **_):
@@ -658,8 +863,6 @@ for _p in (
     prims.ge,
     getattr(prims, "and"),
     getattr(prims, "or"),
-    getattr(prims, "not"),
-    prims.xor,
     prims.is_finite,
 ):
     define(_p, kind=(ELEMENTWISE,))
