@@ -193,9 +193,10 @@ def _exact(x: Any) -> bool:
     return not jnp.issubdtype(dtype, jnp.inexact)
 
 
-def _outside_image(ctx: Any, outside: Any, what: str) -> None:
-    """Raise where an integer step's output has no preimage (`outside`), eagerly at once, under
-    `jit` when the program runs, under every `on_error` (an integer has no NaN to leave)."""
+def _outside_range(ctx: Any, outside: Any, what: str, hint: str, *, always: bool = False) -> None:
+    """Raise where a step's output has no preimage (`outside`), naming the first such element:
+    eagerly at once, under `jit` when the program runs; `always`: under every `on_error` (a
+    step that has no NaN to leave there)."""
     eqn, who = ctx.eqn, ctx.walk.who
     raise_where(
         ctx.walk.on_error,
@@ -203,16 +204,22 @@ def _outside_image(ctx: Any, outside: Any, what: str) -> None:
             None
             if not np.any(o)
             else at_eqn(
-                ReversibilityError,
-                eqn,
-                f"the output is outside the image of the integer step ({what}){at_element(o)}",
-                "Ways out: check the input, or compute the step in floating point.",
-                who=who,
-                group=False,
+                ReversibilityError, eqn, f"{what}{at_element(o)}", hint, who=who, group=False
             )
         ),
         outside,
         bad=jnp.any(outside),
+        always=always,
+    )
+
+
+def _outside_image(ctx: Any, outside: Any, what: str) -> None:
+    """`_outside_range` of an integer step, under every `on_error` (an integer has no NaN)."""
+    _outside_range(
+        ctx,
+        outside,
+        f"the output is outside the image of the integer step ({what})",
+        "Ways out: check the input, or compute the step in floating point.",
         always=True,
     )
 
@@ -463,24 +470,12 @@ def _pow_base(out: Any, x: Any, p: Any, ctx: Any) -> Any:
     # a power other than an odd one is never negative: a negative output is outside the map's
     # range (`y ** 2` would turn it into a finite, wrong base for p = 0.5)
     outside = ~np.asarray(odd) & (out < 0) if is_concrete(p) else ~odd & (out < 0)
-    eqn, who = ctx.eqn, ctx.walk.who
-    raise_where(
-        ctx.walk.on_error,
-        lambda o: (
-            None
-            if not np.any(o)
-            else at_eqn(
-                ReversibilityError,
-                eqn,
-                "a negative output of a power that is never negative (the "
-                "exponent is not an odd integer) is outside the map's range",
-                "Ways out: check the input, or pass on_error='nan'.",
-                who=who,
-                group=False,
-            )
-        ),
+    _outside_range(
+        ctx,
         outside,
-        bad=jnp.any(outside),
+        "a negative output of a power that is never negative (the exponent is not an odd "
+        "integer) is outside the map's range",
+        "Ways out: check the input, or pass on_error='nan'.",
     )
     root = jnp.where(outside, jnp.nan, root)
     return root if is_concrete(p) else jnp.where(zero | even, jnp.nan, root)
