@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import jaxrev as jr
@@ -212,7 +212,13 @@ def _close(got, want, dtype):
     if dtype in ("int32", "bool"):
         assert np.array_equal(got, want)
         return
-    tol = {"float16": 2e-3, "bfloat16": 2e-2, "float32": 1e-6, "complex64": 1e-6}.get(dtype, 1e-12)
+    tol = {
+        "float16": 2e-3,
+        "bfloat16": 2e-2,
+        "float32": 1e-6,
+        "complex64": 1e-6,
+        "float64-solve": 1e-8,  # a solver's answer (its rtol), not a rounding
+    }.get(dtype, 1e-12)
     np.testing.assert_allclose(
         got.astype(np.complex128), want.astype(np.complex128), rtol=tol, atol=tol
     )
@@ -228,6 +234,8 @@ TRANSFORMS = [
     "forward_and_slogdet",
     "inverse_and_slogdet",
     "bijector",
+    "root",
+    "minimize",
 ]
 
 
@@ -251,6 +259,14 @@ def _check(transform, dtype, x):
         yo, (tx,) = jr.inverse_jvp(f, (x,), t)
         _close(yo, y, dtype)
         _close(tx, t / 2, dtype)
+    elif transform in ("root", "minimize"):
+        # never a wrong "converged": a status 0 answer is the solution to the dtype's precision
+        if transform == "root":
+            got, info = jr.optim.root(lambda z: z**3 + z - 2.0, x)
+        else:
+            got, info = jr.optim.minimize(lambda z: jnp.sum(jnp.abs(z - 1.0) ** 2), x)
+        if int(info.status) == 0:
+            _close(got, np.ones(np.shape(x)), dtype if dtype != "float64" else "float64-solve")
     elif transform == "inverse_vjp":
         yo, pull = jr.inverse_vjp(f, x)
         ct = jnp.ones_like(jnp.asarray(x))
@@ -299,6 +315,8 @@ def test_every_transform_on_edge_inputs_is_right_or_names_its_refusal(data):
     shape = data.draw(st.sampled_from(SHAPES), label="shape")
     special = data.draw(st.sampled_from([None, jnp.nan, jnp.inf, -jnp.inf]), label="special")
     transform = data.draw(st.sampled_from(TRANSFORMS), label="transform")
+    # (half-precision optimizers fail inside LAPACK: test_optim_in_half_precision, an xfail)
+    assume(not (transform in ("root", "minimize") and dtype in ("float16", "bfloat16")))
     x = _point(dtype, shape, special, data.draw)
     exact = dtype in ("int32", "bool")
     with warnings.catch_warnings():
@@ -312,3 +330,16 @@ def test_every_transform_on_edge_inputs_is_right_or_names_its_refusal(data):
             return
     # a log-det of an exact or complex dtype does not exist: it must have been refused
     assert outcome == "ok", f"{transform} on {dtype} gave a log-det without refusing"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=(NotImplementedError, TypeError),
+    reason="known, not fixed: the Newton direction's dense solve reaches LAPACK, which has no "
+    "float16 / bfloat16 kernels (JAX's TypeError, jaxlib's NotImplementedError: not a jaxrev "
+    "error); the Newton optimizers' dtypes are issue 45's",
+)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_optim_in_half_precision(dtype):
+    x, info = jr.optim.root(lambda z: z**3 + z - 2.0, jnp.asarray(0.0, dtype))
+    assert int(info.status) != 0 or abs(float(x) - 1.0) < 2e-2
