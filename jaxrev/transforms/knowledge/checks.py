@@ -83,10 +83,10 @@ def check_at_run_time(error: Callable[..., Exception | None], *flags: Any, bad: 
     if bad is None:
         bad = jnp.ones((), bool)
     note_check()
-    check_p.bind(jnp.asarray(bad), *flags, error=_Hashable(error, call_site()), levels=0)
+    check_p.bind(jnp.asarray(bad), *flags, error=_StagedError(error, call_site()), levels=0)
 
 
-class _Hashable:
+class _StagedError:
     """A callable as a primitive's param (compared by identity). It builds its error under the
     user's call site found when the check was staged (`site`): on the host, where the check
     runs, the Python stack is the callback's."""
