@@ -135,8 +135,14 @@ def solve(fixed: jax.Array, x0: jax.Array, mask: jax.Array, maxiter: int = 200):
     """Trust-region Newton from a batch of starts at once (vmap over the starts)."""
 
     def one(fixed, x0, mask):
+        # throw=False: some starts stall in a local minimum; each start's status is reported
         return jr.optim.minimize(
-            masked_loss(fixed, mask), x0, method="trust-region", tol=1e-8, maxiter=maxiter
+            masked_loss(fixed, mask),
+            x0,
+            method="trust-region",
+            tol=1e-8,
+            maxiter=maxiter,
+            throw=False,
         )
 
     return jax.vmap(one)(fixed, x0, mask)

@@ -5,8 +5,10 @@
 
 from jaxrev._errors import (
     DriftError,
+    DtypeError,
     FailureWarning,
     JaxrevError,
+    NotConvergedError,
     NotInvertibleError,
     ReversibilityError,
     SingularJacobianError,
@@ -75,7 +77,9 @@ __all__ = [
     "rot",
     "swap",
     "apply_gate",
+    "DtypeError",
     "JaxrevError",
+    "NotConvergedError",
     "NotInvertibleError",
     "ReversibilityError",
     "SingularJacobianError",

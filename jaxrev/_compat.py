@@ -337,7 +337,7 @@ def user_source(eqn: JaxprEqn) -> tuple[str | None, int | None, str]:
     frame = _siu.user_frame(eqn.source_info.traceback)
     if frame is not None:
         return frame.file_name, frame.start_line, _siu.summarize(eqn.source_info)
-    site = _CALL_SITE.get() or call_site()
+    site = current_call_site()
     if site is None:
         return None, None, ""
     file, line, function = site
@@ -360,6 +360,12 @@ def call_site() -> tuple[str, int, str] | None:
             return code.co_filename, frame.f_lineno, code.co_name
         frame = frame.f_back
     return None
+
+
+def current_call_site() -> tuple[str, int, str] | None:
+    """The user's call site: the one `at_call_site` set (on the host, where a run-time check
+    builds its error), else the innermost user frame on the stack now."""
+    return _CALL_SITE.get() or call_site()
 
 
 @_contextlib.contextmanager

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
-from jaxrev._compat import user_source
+from jaxrev._compat import current_call_site, user_source
 
 
 class JaxrevError(Exception):
@@ -162,6 +165,69 @@ class SingularJacobianError(_AtStep):
     """
 
 
+class DtypeError(JaxrevError, TypeError):
+    """An input of a dtype for which the transform's result does not exist: the tangents of
+    an integer or boolean state (`inverse_jvp`, `inverse_vjp`), the log-determinant of a
+    complex, integer or boolean state (the log-determinant transforms, `Bijector`), a
+    boolean start for an optimizer. Also a `TypeError`, as JAX's own dtype refusals are.
+
+    **Arguments:**
+
+    - `message`: the error's text (the transform, the input's dtype, why, and the user's
+      call).
+
+    **Example:**
+
+        >>> import jax.numpy as jnp, jaxrev as jr
+        >>> try:
+        ...     jr.inverse_jvp(lambda x: x + 1, (jnp.arange(3),), jnp.arange(3))
+        ... except jr.DtypeError:
+        ...     print("no tangents")
+        no tangents
+    """
+
+
+class NotConvergedError(JaxrevError):
+    """An optimizer (`jr.optim.root`, `jr.optim.minimize`) stopped short of its tolerance:
+    out of iterations, stalled (no step could make progress) or at a non-finite value.
+    Raised with ``throw=True`` (the default, as Optimistix's), eagerly at once and under
+    `jr.jit` when the program runs; ``throw=False`` returns the status instead.
+
+    **Arguments:**
+
+    - `message`: the error's text (the solver, the status, the iterations and the residual,
+      the user's call).
+    - `status`: the status's name (``"max_iterations"``, ``"stalled"``, ``"non_finite"``);
+      also an attribute.
+
+    **Example:**
+
+        >>> import jax.numpy as jnp, jaxrev as jr
+        >>> try:
+        ...     jr.optim.root(lambda x: x**2 + 1.0, jnp.array(0.5))
+        ... except jr.NotConvergedError as e:
+        ...     print(e.status)
+        stalled
+    """
+
+    def __init__(self, message: str, status: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def no_result_for_dtype(who: str, what: str, dtype: Any, why: str) -> DtypeError:
+    """The error for `what` (an input, described) of `dtype`, for which `who`'s result does
+    not exist because `why`; naming the user's call of the transform."""
+    return DtypeError(f"{who}{called_at()}: {what} is {np.dtype(dtype).name}: {why}")
+
+
+def called_at() -> str:
+    """' (called at file:line, in function)': the user's call of a transform, for a message
+    about the call as a whole (no equation to name); '' where there is none."""
+    site = current_call_site()
+    return f" (called at {site[0]}:{site[1]}, in {site[2]})" if site else ""
+
+
 class FailureWarning(UserWarning):
     """A failure the caller asked to be warned of (``on_error="warn"``): the result is NaN where
     it happened.
@@ -205,13 +271,34 @@ def at_eqn(
     )
 
 
+_SAMPLE: contextvars.ContextVar = contextvars.ContextVar("jaxrev_vmap_sample", default=None)
+"""The index of the vmapped sample whose flags a run-time check's error is built from (set by
+`in_sample` around the error builder): `at_element` names it beside the element."""
+
+
+@contextlib.contextmanager
+def in_sample(index: tuple[int, ...] | None) -> Iterator[None]:
+    """Within it, `at_element` says the flags are those of sample `index` of a `vmap` batch
+    (None: not batched)."""
+    token = _SAMPLE.set(index)
+    try:
+        yield
+    finally:
+        _SAMPLE.reset(token)
+
+
 def at_element(flags: Any) -> str:
     """' at element (i, j)': the first set flag of a per-element check, for its message ('' for
-    a scalar check or none set)."""
+    a scalar check or none set); under `vmap`, also the sample: ' at element (j,) of sample
+    (i,) of the vmapped batch'."""
     flags = np.asarray(flags)
-    if flags.ndim == 0 or not flags.any():
+    sample = _SAMPLE.get()
+    of_sample = "" if sample is None else f" of sample {sample} of the vmapped batch"
+    if not flags.any():
         return ""
-    return f" at element {tuple(int(i) for i in np.argwhere(flags)[0])}"
+    if flags.ndim == 0:
+        return f" at sample {sample} of the vmapped batch" if sample is not None else ""
+    return f" at element {tuple(int(i) for i in np.argwhere(flags)[0])}{of_sample}"
 
 
 def not_invertible(

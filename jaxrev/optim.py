@@ -30,13 +30,25 @@ import optax
 from jax import lax
 from jax.flatten_util import ravel_pytree
 
+import jaxrev._dense as dense
 from jaxrev._cache import cached_call, call_key, memo
 from jaxrev._compat import is_concrete, tracing
+from jaxrev._errors import NotConvergedError, called_at, no_result_for_dtype
 from jaxrev._program import Filtered, ravel_filtered, traced_leaves
 from jaxrev._runtime import checked_jit
 from jaxrev.transforms.inverse_ad import inverse_jvp, inverse_vjp
+from jaxrev.transforms.knowledge.checks import check_at_run_time
 
-__all__ = ["scale_by_newton", "newton", "minimize", "root", "Info", "STATUS", "newton_direction"]
+__all__ = [
+    "scale_by_newton",
+    "newton",
+    "minimize",
+    "root",
+    "Info",
+    "STATUS",
+    "newton_direction",
+    "default_tolerance",
+]
 
 STATUS = ("converged", "max_iterations", "stalled", "non_finite")
 """What `Info.status` counts: 0 converged (to `minimize`'s `tol`, to `root`'s `rtol` / `atol`);
@@ -187,11 +199,11 @@ def _dense_direction(g_fn: Callable[[Any], Any], params: Any, grad: Any, damping
     _, lin = jax.linearize(flat_g, v)
     H = jax.vmap(lin)(jnp.eye(n, dtype=v.dtype))
     H = 0.5 * (H + H.T) + damping * jnp.eye(n, dtype=v.dtype)
-    L = jnp.linalg.cholesky(H)
+    L = dense.cholesky(H)
     d = lax.cond(
         jnp.all(jnp.isfinite(L)),
-        lambda: jax.scipy.linalg.cho_solve((L, True), gv),
-        lambda: jnp.linalg.solve(H, gv),
+        lambda: dense.cho_solve((L, True), gv),
+        lambda: dense.solve(H, gv),
     )
     return unravel(d)
 
@@ -313,6 +325,41 @@ def _status(finite, converged, out_of_iterations) -> jax.Array:
     )
 
 
+def _reported(who: str, info: Info, throw: bool) -> Info:
+    """`info`, after a check (with `throw`) that raises `NotConvergedError` where its status
+    is not "converged": eagerly at once, in a compiled program when it runs."""
+    if throw:
+        check_at_run_time(
+            _not_converged(who),
+            info.status,
+            info.iterations,
+            info.residual,
+            bad=info.status != 0,  # (under vmap: the first sample that did not converge)
+        )
+    return info
+
+
+def _not_converged(who: str) -> Callable[..., NotConvergedError | None]:
+    def error(status: Any, iterations: Any, residual: Any) -> NotConvergedError | None:
+        name = STATUS[int(status)]
+        if name == "converged":
+            return None
+        why = {
+            "max_iterations": "it ran out of iterations (raise maxiter)",
+            "stalled": "no step could reduce the objective any more, short of the tolerance "
+            "(a singular or ill-conditioned Jacobian, a local minimum of the residual, or a "
+            "tolerance below what the dtype can reach)",
+            "non_finite": "the objective or its derivatives stopped being finite",
+        }[name]
+        return NotConvergedError(
+            f"{who}{called_at()}: {name} after {int(iterations)} iterations with residual "
+            f"{float(residual):.3g}: {why}. Pass throw=False to get the status in info.",
+            status=name,
+        )
+
+    return error
+
+
 def _check_common(who, tol, maxiter):
     if not tol > 0:
         raise ValueError(f"{who}: tol must be > 0, got {tol}")
@@ -395,6 +442,7 @@ def minimize(
     method: str = "trust-region",
     tol: float = 1e-8,
     maxiter: int = 100,
+    throw: bool = True,
 ) -> tuple[Any, Info]:
     """Minimize a scalar `fun` from `x0` with Newton steps by inverse accumulation.
 
@@ -404,7 +452,8 @@ def minimize(
     **Arguments:**
 
     - `fun`: the objective, a scalar function of one pytree of float arrays.
-    - `x0`: the starting point (a pytree).
+    - `x0`: the starting point (a pytree of real arrays; integer and boolean leaves are taken
+      as JAX's default float, as Optimistix takes them; a complex one raises `jr.DtypeError`).
     - `method`: ``"trust-region"`` (the default): Levenberg-Marquardt's trust region: the step
       ``−(H + λI)⁻¹g`` is accepted or not by comparing the decrease with the quadratic model's,
       and λ shrinks or grows accordingly, so indefinite and singular Hessians are handled.
@@ -412,6 +461,10 @@ def minimize(
       Hessian is not positive definite along it, the gradient direction instead.
     - `tol`: stop when the gradient's largest entry is at most this (default 1e-8).
     - `maxiter`: the most iterations (default 100).
+    - `throw`: with True (the default, as Optimistix's), a solve that stops short of the
+      tolerance raises `jr.NotConvergedError` naming the solver, the status and the user's
+      call (eagerly at once; under `jit` when the program runs, which `jr.jit` re-raises as
+      itself); with False it returns, its status in `info`.
 
     **Returns:**
 
@@ -430,20 +483,35 @@ def minimize(
         raise ValueError(f"{who}: method must be 'newton' or 'trust-region', got {method!r}")
     _check_common(who, tol, maxiter)
     return _eager_compiled(
-        (who, method, float(tol), maxiter),
+        (who, method, float(tol), maxiter, bool(throw)),
         fun,
-        partial(_minimize, fun, method, float(tol), maxiter),
+        partial(_minimize, fun, method, float(tol), maxiter, bool(throw)),
         (x0,),
     )
 
 
+def _inexact_start(x0: Any) -> Any:
+    """`x0` with its integer and boolean leaves as JAX's default floating dtype, as
+    Optimistix takes a start (`jnp.arange(3)` is a start like any other)."""
+    split = Filtered(x0)
+    floating = jnp.result_type(float)
+    return split.rebuild(
+        [
+            x if jnp.issubdtype(jnp.result_type(x), jnp.inexact) else jnp.asarray(x, floating)
+            for x in split.flat
+        ]
+    )
+
+
 def _minimize(
-    fun: Callable[[Any], Any], method: str, tol: float, maxiter: int, x0: Any
+    fun: Callable[[Any], Any], method: str, tol: float, maxiter: int, throw: bool, x0: Any
 ) -> tuple[Any, Info]:
     who = "jaxrev.optim.minimize"
-    v0, unravel = ravel_filtered(x0)
+    v0, unravel = ravel_filtered(_inexact_start(x0))
     if not jnp.issubdtype(v0.dtype, jnp.floating):
-        raise TypeError(f"{who}: x0 must hold real floating-point arrays, got {v0.dtype}")
+        raise no_result_for_dtype(
+            who, "x0", v0.dtype, "minimize takes real arguments (a complex x has no order)"
+        )
 
     def f(v):
         out = fun(unravel(v))
@@ -504,25 +572,43 @@ def _minimize(
     step = newton_step if method == "newton" else trust_step
     s0 = finish(None, v0, f0, g0, jnp.zeros([], dtype), jnp.zeros([], jnp.int32))
     s = lax.while_loop(running, step, s0)
-    return unravel(s.x), Info(s.k, _inf_norm(s.g), s.f, s.status)
+    return unravel(s.x), _reported(who, Info(s.k, _inf_norm(s.g), s.f, s.status), throw)
 
 
 # --------------------------------------------------------------------------- root
 
 
 RTOL = 1e-10
-"""`root`'s default relative tolerance on the Newton step."""
+"""`root`'s default relative tolerance on the Newton step in float64 (in a lower precision:
+``eps ** (2/3)`` of the dtype, 2.4e-5 in float32, 0.039 in bfloat16)."""
 ATOL = 1e-10
-"""`root`'s default absolute tolerance on the Newton step and on F."""
+"""`root`'s default absolute tolerance on the Newton step and on F in float64 (scaled with
+the dtype as `RTOL`)."""
+
+
+def default_tolerance(dtype: Any, float64_value: float) -> float:
+    """A tolerance that a solve in `dtype` can meet: `float64_value` in float64, and
+    ``eps ** (2/3)`` of a lower precision's epsilon when that is larger (a float32 residual
+    cannot fall below about 1e-7 of its terms, so 1e-10 is never met there).
+
+    **Example:**
+
+        >>> import jax.numpy as jnp
+        >>> round(default_tolerance(jnp.float32, 1e-10), 7)
+        2.42e-05
+    """
+    eps = float(jnp.finfo(jnp.dtype(dtype)).eps)
+    return max(float64_value, eps ** (2 / 3))
 
 
 def root(
     fun: Callable[[Any], Any],
     x0: Any,
     *,
-    rtol: float = RTOL,
-    atol: float = ATOL,
+    rtol: float | None = None,
+    atol: float | None = None,
     maxiter: int = 50,
+    throw: bool = True,
 ) -> tuple[Any, Info]:
     """Solve ``fun(x) = 0`` (a square system) by Newton's method.
 
@@ -534,13 +620,23 @@ def root(
     **Arguments:**
 
     - `fun`: F, a function of one pytree of float arrays returning as many numbers.
-    - `x0`: the starting point (a pytree).
-    - `rtol`, `atol`: tolerances as Optimistix's root finders take them: converged when
-      ``|F(x)| <= atol`` everywhere (F is compared with 0, so `rtol` does not apply to it), or
-      when the Newton step is within ``atol + rtol·|x|`` everywhere: x is then that close to a
-      root whatever F's scale (a discretised operator's F of order 1/h² stops decreasing at its
-      rounding, far above `atol`). Both default to 1e-10.
+    - `x0`: the starting point (a pytree of float or complex arrays; integer and boolean
+      leaves are taken as JAX's default float, as Optimistix takes them).
+    - `rtol`, `atol`: tolerances as Optimistix's root finders take them. x has converged when
+      the Newton step d (x's distance to the root, to first order) is within ``atol +
+      rtol·|x|`` everywhere *and* either ``|F(x)| <= atol`` everywhere (Optimistix's Cauchy
+      rule: F is compared with 0, so `rtol` does not apply to it) or the steps contract so
+      that the remaining error, estimated as ``θ/(1 − θ)·|d|`` with θ the ratio of the last
+      two steps' sizes (Hairer and Wanner's estimate), is within the same bound: a
+      discretised operator's F of order 1/h² stops decreasing at its rounding, far above
+      `atol`, while a double root's F falls below `atol` long before x is near it (θ = 1/2
+      there, so the estimate is the true remaining distance). Defaults: 1e-10 in float64,
+      ``eps ** (2/3)`` of a lower precision (`default_tolerance`).
     - `maxiter`: the most iterations (default 50).
+    - `throw`: with True (the default, as Optimistix's), a solve that stops short of the
+      tolerance raises `jr.NotConvergedError` naming the solver, the status and the user's
+      call (eagerly at once; under `jit` when the program runs, which `jr.jit` re-raises as
+      itself); with False it returns, its status in `info`.
 
     **Returns:**
 
@@ -556,20 +652,24 @@ def root(
         ([2.0, 3.0], 'converged')
     """
     who = "jaxrev.optim.root"
-    if not (rtol >= 0 and atol >= 0):
+    if not ((rtol is None or rtol >= 0) and (atol is None or atol >= 0)):
         raise ValueError(f"{who}: rtol and atol must be >= 0, got rtol={rtol}, atol={atol}")
     _check_maxiter(who, maxiter)
-    settings = (float(rtol), float(atol), maxiter)
+    settings = (rtol, atol, maxiter, bool(throw))
     return _eager_compiled((who, *settings), fun, partial(_root, fun, *settings), (x0,))
 
 
 def _root(
-    fun: Callable[[Any], Any], rtol: float, atol: float, maxiter: int, x0: Any
+    fun: Callable[[Any], Any],
+    rtol: float | None,
+    atol: float | None,
+    maxiter: int,
+    throw: bool,
+    x0: Any,
 ) -> tuple[Any, Info]:
     who = "jaxrev.optim.root"
+    x0 = _inexact_start(x0)
     v0, unravel = ravel_filtered(x0)
-    if not jnp.issubdtype(v0.dtype, jnp.inexact):
-        raise TypeError(f"{who}: x0 must hold floating-point arrays, got {v0.dtype}")
     out_shape = jax.eval_shape(fun, x0)
     n_out = sum(int(o.size) for o in jax.tree_util.tree_leaves(out_shape))
     if n_out != v0.size:
@@ -580,6 +680,10 @@ def _root(
     def F(v):
         return ravel_pytree(fun(unravel(v)))[0].astype(v.dtype)
 
+    real = jnp.finfo(v0.dtype).dtype  # (a complex system's tolerances are real)
+    rtol = default_tolerance(real, RTOL) if rtol is None else rtol
+    atol = default_tolerance(real, ATOL) if atol is None else atol
+
     def merit(v):
         r = F(v)
         return 0.5 * jnp.real(jnp.vdot(r, r))
@@ -587,26 +691,59 @@ def _root(
     def small(r):
         return _inf_norm(r) <= atol
 
-    def step(c):
-        x, r, k, _ = c
+    def step(c: _RootState) -> _RootState:
         # J d = F(x): the full Newton step is x - d
-        _, (d,) = inverse_jvp(F, (x,), r, on_error="nan")
-        m0 = 0.5 * jnp.real(jnp.vdot(r, r))
+        _, (d,) = inverse_jvp(F, (c.x,), c.r, on_error="nan")
+        m0 = 0.5 * jnp.real(jnp.vdot(c.r, c.r))
         # along -d the merit's slope is -‖F‖² (Jd = F), so Armijo's test uses 2 m0
-        t, _, found = _backtrack(merit, x, d, m0, 2 * m0)
-        found = found & _finite(d)
-        x = jnp.where(found, x - t * d, x)
+        t, _, found = _backtrack(merit, c.x, d, m0, 2 * m0)
+        # where ‖F‖ is at its rounding (F of order 1/h² in float32) Armijo's test cannot see
+        # a decrease, and the backtracking creeps: the full step is taken when Deuflhard's
+        # natural monotonicity test holds, the simplified step J(x)⁻¹F(x - d) at most half
+        # the Newton step (x - d is then nearer the root in the Newton step's own measure)
+        full = lax.cond(
+            found & (t == 1),
+            lambda: jnp.asarray(False),
+            lambda: _natural_decrease(F, c.x, d),
+        )
+        t = jnp.where(full, jnp.ones_like(t), t)
+        found = (found | full) & _finite(d)
+        x = jnp.where(found, c.x - t * d, c.x)
         r = F(x)
-        # the Newton step estimates x's distance to the root (the step taken leaves a
-        # quadratically smaller one): within atol + rtol|x| it has converged, even where
-        # rounding in F stops the line search
-        near = _finite(d) & jnp.all(jnp.abs(d) <= atol + rtol * jnp.abs(x))
-        status = _status(_finite(r), small(r) | near, k + 1 >= maxiter)
-        return x, r, k + 1, jnp.where(found | (status == 0), status, jnp.int32(2))
+        # the Newton step estimates x's distance to the root, relative to the tolerance;
+        # its ratio to the last step's is the contraction rate θ
+        size = _inf_norm(jnp.abs(d) / (atol + rtol * jnp.abs(x))).astype(real)
+        size = jnp.where(_finite(d), size, jnp.inf)
+        rate = size / c.step_size
+        # (no rate from one step: a root of multiplicity m is approached at θ = 1 - 1/m)
+        estimate = jnp.where((rate < 1) & (c.k > 0), size * rate / (1 - rate), jnp.inf)
+        converged = (size <= 1) & (small(r) | (estimate <= 1))
+        status = _status(_finite(r), converged, c.k + 1 >= maxiter)
+        status = jnp.where(found | (status == 0), status, jnp.int32(2))
+        return _RootState(x, r, c.k + 1, size, status)
 
     r0 = F(v0)
     k0 = jnp.zeros([], jnp.int32)
-    s0 = _status(_finite(r0), small(r0), k0 >= maxiter)
-    c = lax.while_loop(lambda c: c[3] < 0, step, (v0, r0, k0, s0))
-    x, r, k, status = c
-    return unravel(x), Info(k, _inf_norm(r), 0.5 * jnp.real(jnp.vdot(r, r)), status)
+    # converged at the start only at an exact root: a small F alone says nothing of x
+    s0 = _status(_finite(r0), jnp.all(r0 == 0), k0 >= maxiter)
+    no_step = jnp.asarray(jnp.inf, real)
+    c = lax.while_loop(lambda c: c.status < 0, step, _RootState(v0, r0, k0, no_step, s0))
+    info = Info(c.k, _inf_norm(c.r), 0.5 * jnp.real(jnp.vdot(c.r, c.r)), c.status)
+    return unravel(c.x), _reported(who, info, throw)
+
+
+def _natural_decrease(F: Callable[[Any], Any], x: Any, d: Any) -> jax.Array:
+    """Whether the full Newton step -d from x passes Deuflhard's natural monotonicity test:
+    ``‖J(x)⁻¹F(x - d)‖ <= ‖d‖ / 2`` (NLEQ-ERR's, with the Jacobian at x)."""
+    _, (d_bar,) = inverse_jvp(F, (x,), F(x - d), on_error="nan")
+    return _finite(d, d_bar) & (_inf_norm(d_bar) <= 0.5 * _inf_norm(d))
+
+
+class _RootState(NamedTuple):
+    """`root`'s loop carry."""
+
+    x: jax.Array
+    r: jax.Array  # F(x)
+    k: jax.Array  # iterations taken
+    step_size: jax.Array  # the last Newton step's size relative to the tolerance (inf: none)
+    status: jax.Array  # -1 while running

@@ -154,6 +154,7 @@ LAYERS = [
             "jaxrev._cache",
             "jaxrev._primitive",
             "jaxrev._stats",
+            "jaxrev._dense",
             "jaxrev._runtime",
         ),
     ),

@@ -180,8 +180,15 @@ def test_minimize_pytree_vmap_and_status():
     starts_ = jnp.asarray(rng.standard_normal((4, 2)))
     xs, infos = jax.vmap(lambda x0: jr.optim.minimize(rosenbrock, x0))(starts_)
     assert bool(jnp.all(infos.status == 0)) and rel_error(xs, jnp.ones((4, 2))) < 1e-8
-    _, info = jr.optim.minimize(rosenbrock, jnp.array([-1.2, 1.0]), maxiter=2)
+    _, info = jr.optim.minimize(rosenbrock, jnp.array([-1.2, 1.0]), maxiter=2, throw=False)
     assert info.message == "max_iterations" and int(info.iterations) == 2
+    with pytest.raises(
+        jr.NotConvergedError,
+        match=r"minimize \(called at .*test_optim.py.*"
+        r"max_iterations after 2 iterations",
+    ) as e:
+        jr.optim.minimize(rosenbrock, jnp.array([-1.2, 1.0]), maxiter=2)
+    assert e.value.status == "max_iterations"
 
 
 def test_minimize_errors():
@@ -191,8 +198,17 @@ def test_minimize_errors():
         jr.optim.minimize(rosenbrock, jnp.zeros(2), tol=0.0)
     with pytest.raises(TypeError, match="scalar"):
         jr.optim.minimize(lambda x: x**2, jnp.zeros(2))
-    with pytest.raises(TypeError, match="floating"):
-        jr.optim.minimize(rosenbrock, jnp.zeros(2, jnp.int32))
+    with pytest.raises(jr.DtypeError, match=r"minimize \(called at .*test_optim.py.*complex64"):
+        jr.optim.minimize(rosenbrock, jnp.zeros(2, jnp.complex64))
+
+
+def test_integer_starts_are_converted_as_optimistix_does():
+    # (an integer x0 was refused with a TypeError; Optimistix takes it as a float start)
+    x, info = jr.optim.minimize(rosenbrock, jnp.zeros(2, jnp.int32))
+    assert x.dtype == jnp.result_type(float) and int(info.status) == 0
+    np.testing.assert_allclose(x, 1.0, rtol=1e-6)
+    x, info = jr.optim.root(lambda z: z**3 + z - 2.0, 0)
+    assert int(info.status) == 0 and abs(float(x) - 1.0) < 1e-8
 
 
 # ------------------------------------------------------------------ root
@@ -221,7 +237,7 @@ def test_root_pytree_float32_and_errors():
     with pytest.raises(ValueError, match="rtol and atol"):
         jr.optim.root(lambda x: x, jnp.ones(3), rtol=-1.0)
     # a singular Jacobian at the root's start: no step can be taken
-    _, info = jr.optim.root(lambda x: x**2 + 1.0, jnp.zeros(2))
+    _, info = jr.optim.root(lambda x: x**2 + 1.0, jnp.zeros(2), throw=False)
     assert info.message in ("stalled", "non_finite")
 
 
@@ -290,10 +306,12 @@ def test_root_bratu_converges_to_rounding_and_a_stall_is_still_one():
     _, (d,) = jax.jit(lambda u: jr.inverse_jvp(F, (u,), F(u)))(u)
     assert float(jnp.max(jnp.abs(d))) < 1e-13 * float(jnp.max(jnp.abs(u)))
     # asking for less than rounding stalls, and says so
-    _, info = solve(jnp.zeros(2000), 1e-20, 1e-20)
+    _, info = jax.jit(lambda u0: jr.optim.root(F, u0, rtol=1e-20, atol=1e-20, throw=False))(
+        jnp.zeros(2000)
+    )
     assert info.message == "stalled"
     # no real root: the line search walks to where J is singular and stops
-    _, info = jr.optim.root(lambda x: x**2 + 1.0, jnp.array([0.5, -3.0]))
+    _, info = jr.optim.root(lambda x: x**2 + 1.0, jnp.array([0.5, -3.0]), throw=False)
     assert info.message == "stalled" and float(info.residual) >= 1.0
 
 
@@ -349,3 +367,51 @@ def test_eager_root_and_minimize_are_traced_once(monkeypatch):
         lambda p: jnp.sum((p["w"] - 1.0) ** 2), {"w": jnp.zeros(3), "act": jnp.tanh}
     )
     assert p["act"] is jnp.tanh
+
+
+# ------------------------------------------------------------------ never a wrong "converged"
+
+
+@pytest.mark.parametrize("multiplicity", [2, 3])
+@pytest.mark.parametrize("c", [1.0, 2.0, -0.5])
+@pytest.mark.parametrize("tol", [1e-5, 1e-8])
+def test_root_at_a_multiple_root_converges_only_near_it(c, tol, multiplicity):
+    """Optimistix's `newton_bounded` problems, F(y) = (y - c)^m: |F| <= atol long before y is
+    near c (root took |F| = 9.8e-6 at y 0.0031 from a double root for 'converged'). A root is
+    converged when the Newton step is within the tolerance *and* F is (Optimistix's rule) or
+    the steps' contraction puts x within it: y within (m - 1)(atol + rtol|c|) of c."""
+    x, info = jr.optim.root(lambda y: (y - c) ** multiplicity, jnp.asarray(0.0), rtol=tol, atol=tol)
+    assert info.message == "converged"
+    assert abs(float(x) - c) <= (multiplicity - 1) * (tol + tol * abs(c))
+
+
+def test_root_in_float32_takes_float32_tolerances():
+    """Bratu, n = 2 000, lambda = 3, float32 (issue 45): with 1e-10 tolerances root ran to
+    max_iterations at max u = 0.6356; the default tolerances are eps^(2/3) of the dtype."""
+    F = bratu(2000, lam=3.0)
+    u64, info64 = jr.optim.root(F, jnp.zeros(2000))
+    u32, info32 = jr.optim.root(F, jnp.zeros(2000, jnp.float32))
+    assert info32.message == "converged" and info64.message == "converged"
+    assert u32.dtype == jnp.float32
+    assert abs(float(jnp.max(u32)) - float(jnp.max(u64))) < 1e-4
+    assert jr.optim.default_tolerance(jnp.float64, 1e-10) == 1e-10
+    assert 2e-5 < jr.optim.default_tolerance(jnp.float32, 1e-10) < 3e-5
+
+
+def test_throw_raises_a_named_error_eagerly_under_jit_and_vmap():
+    F = lambda x: x**2 + 1.0  # noqa: E731  (no real root: the line search stalls)
+    for call in (
+        lambda: jr.optim.root(F, jnp.array(0.5)),
+        lambda: jr.jit(lambda x0: jr.optim.root(F, x0))(jnp.array(0.5)),
+        lambda: jax.vmap(lambda x0: jr.optim.root(lambda x: x**2 - 1.0, x0))(jnp.array([0.5, 0.0])),
+    ):
+        with pytest.raises(
+            jr.NotConvergedError, match=r"root \(called at .*test_optim.py.*stalled"
+        ) as e:
+            call()
+        assert e.value.status == "stalled"
+    # only the samples that did not converge raise; throw=False returns the status
+    x, info = jax.vmap(lambda x0: jr.optim.root(lambda x: x**2 - 1.0, x0))(jnp.array([0.5, 2.0]))
+    np.testing.assert_allclose(x, 1.0)
+    _, info = jr.optim.root(F, jnp.array(0.5), throw=False)
+    assert info.message == "stalled"

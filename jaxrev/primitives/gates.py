@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import jaxrev._dense as dense
 from jaxrev._compat import ShapedArray, is_symbolic_zero, is_undefined_primal, not_mapped
 from jaxrev._env import Unknown
 from jaxrev._primitive import make_primitive
@@ -326,7 +327,7 @@ def _batch(args, dims, **params):
 
 
 def _inverse_matrix(matrix, unitary):
-    return jnp.conj(jnp.swapaxes(matrix, -1, -2)) if unitary else jnp.linalg.inv(matrix)
+    return jnp.conj(jnp.swapaxes(matrix, -1, -2)) if unitary else dense.inv(matrix)
 
 
 def _inverse(out, state, matrix, *, locs, ctrl_locs, ctrl_vals, rest, unitary):

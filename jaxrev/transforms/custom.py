@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import jaxrev._dense as dense
 from jaxrev._batching import batch_front, instantiate_tangents
 from jaxrev._compat import Primitive, is_symbolic_zero, trace_to_closed
 from jaxrev._env import is_unknown
@@ -340,7 +341,7 @@ def _logdet_rule(ctx: LogdetContext) -> tuple[Any, Any]:
                 args.append(x)
         return jnp.concatenate([jnp.ravel(o) for o in eval_closed(p["fun_jaxpr"], *fc, *args)])
 
-    return jnp.linalg.slogdet(jax.jacfwd(f)(jnp.concatenate([jnp.ravel(x) for x in state])))
+    return dense.slogdet(jax.jacfwd(f)(jnp.concatenate([jnp.ravel(x) for x in state])))
 
 
 _logdet_rule.sign_known = lambda eqn: (

@@ -42,9 +42,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import jaxrev._dense as dense
 from jaxrev._cache import cached_call
 from jaxrev._compat import is_concrete, make_jaxpr, staged_constants
-from jaxrev._errors import NotInvertibleError, SingularJacobianError, fail, singular_jacobian
+from jaxrev._errors import (
+    NotInvertibleError,
+    SingularJacobianError,
+    fail,
+    no_result_for_dtype,
+    singular_jacobian,
+)
 from jaxrev._evaluate import eval_closed
 from jaxrev._prepare import fold_constants, without_custom_vjp
 from jaxrev._program import Filtered, eval_shape, normalize_argnums
@@ -158,11 +165,14 @@ class _Square:
                 "Jacobian must be square (every argument at argnums counts as an input; "
                 "argnums=None: every argument)"
             )
-        for x in self.in_leaves:
+        for k, x in enumerate(self.in_leaves):
             if not jnp.issubdtype(jnp.result_type(x), jnp.inexact):
-                raise TypeError(
-                    f"{who}: every input of {_name(fun)} must be a float or complex "
-                    f"array (its Jacobian is inverted), got {jnp.result_type(x)}"
+                raise no_result_for_dtype(
+                    who,
+                    f"input leaf {k} of {_name(fun)}",
+                    jnp.result_type(x),
+                    "an integer or boolean state has no tangents, so there is no Jacobian "
+                    "to invert (pass float or complex arrays)",
                 )
         # same pytree structure, shapes and dtypes in and out: `reverse` can work on `fun` as
         # it is; otherwise it works on the flattened map
@@ -371,7 +381,7 @@ def _methods(method: str) -> tuple[str, ...]:
 
 
 def _dense_solve(J: Any, b: Any, transpose: bool, on_error: str, who: str) -> Any:
-    lu, piv = jax.scipy.linalg.lu_factor(J)
+    lu, piv = dense.lu_factor(J)
     diag = jnp.diagonal(lu)
     if is_concrete(diag) and bool(jnp.any(diag == 0)):
         k = int(jnp.argmax(diag == 0))
@@ -384,7 +394,7 @@ def _dense_solve(J: Any, b: Any, transpose: bool, on_error: str, who: str) -> An
             ),
         )
         return jnp.full_like(b, jnp.nan)
-    return jax.scipy.linalg.lu_solve((lu, piv), b, trans=1 if transpose else 0)
+    return dense.lu_solve((lu, piv), b, trans=1 if transpose else 0)
 
 
 # --------------------------------------------------------------------------- inverse_jvp

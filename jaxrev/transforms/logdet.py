@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import jaxrev._dense as dense
 from jaxrev._compat import DropVar, JaxprEqn, Var, is_concrete, prims, scan_info
 from jaxrev._env import Env
 from jaxrev._evaluate import apply, evaluate
@@ -603,7 +604,7 @@ def _eval_step(ps: _PStep, read: Callable, sign: Any, logabs: Any, pl: Plan) -> 
         B = jnp.stack(cols, axis=-1)  # [..., out i, in j]
         if len(us) == 1:
             return _acc(sign, logabs, B[..., 0, 0])
-        s, la = jnp.linalg.slogdet(B)
+        s, la = dense.slogdet(B)
         return sign * jnp.prod(s), logabs + jnp.sum(la)
     sizes = [size_of([u.aval]) for u in us]
     x0 = jnp.concatenate([jnp.ravel(x) for x in xs])

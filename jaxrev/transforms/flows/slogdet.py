@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import jaxrev._dense as dense
 from jaxrev._compat import Primitive, is_concrete, staged_constants
 from jaxrev._env import Env, Unknown
 from jaxrev._errors import (
@@ -27,6 +28,7 @@ from jaxrev._errors import (
     SingularJacobianError,
     at_eqn,
     fail,
+    no_result_for_dtype,
     singular_jacobian,
 )
 from jaxrev._evaluate import eval_closed, evaluate
@@ -89,12 +91,15 @@ def _trace(
     state = [prog.flat[i] for i in prog.state_pos]
     outs = jax.tree_util.tree_leaves(prog.out_shape)
     check_sizes(fun, state, outs, who=who)
-    for x in state:
+    for k, x in enumerate(state):
         if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
-            raise TypeError(
-                f"{who}: the state of {fun_name(fun)} must be real floating-point "
-                f"arrays (its Jacobian's log-determinant is taken), got "
-                f"{jnp.result_type(x)}"
+            raise no_result_for_dtype(
+                who,
+                f"state leaf {k} of {fun_name(fun)}",
+                jnp.result_type(x),
+                "log-determinants are taken of maps of real floating-point states (an "
+                "integer or boolean state has no Jacobian; for a complex state pass its real "
+                "and imaginary parts as one real array)",
             )
     st = args[argnums[0]] if len(argnums) == 1 else tuple(args[a] for a in argnums)
     dtype = jnp.result_type(*state) if state else jnp.float32
@@ -256,10 +261,10 @@ def _sweep(t: _Traced) -> _Swept:
         raise first from None
 
 
-def _sign_elsewhere(t: _Traced, sw: _Swept, dense: bool = True) -> tuple[Any, str]:
+def _sign_elsewhere(t: _Traced, sw: _Swept, dense_fallback: bool = True) -> tuple[Any, str]:
     """The sign of det J where the sweep `sw` gives log|det| only (a permutation decided at
     run time, a `deflogdet` rule with no sign): from the linearized sweep where it follows
-    it, else from the dense Jacobian (None without `dense`). log|det| stays the sweep's, so
+    it, else from the dense Jacobian (None without `dense_fallback`). log|det| stays the sweep's, so
     the user's rules hold; only the sign is the true Jacobian's."""
     if sw.how == "sweep":
         try:
@@ -268,7 +273,7 @@ def _sign_elsewhere(t: _Traced, sw: _Swept, dense: bool = True) -> tuple[Any, st
                 return lin.sign, "the linearized sweep"
         except (Unsupported, NotInvertibleError):
             pass  # (a singular tangent step: the dense Jacobian's sign is then 0)
-    return (_dense(t)[0] if dense else None), "the dense Jacobian"
+    return (_dense(t)[0] if dense_fallback else None), "the dense Jacobian"
 
 
 def _dense(t: _Traced) -> tuple[Any, Any]:
@@ -306,7 +311,7 @@ def _dense(t: _Traced) -> tuple[Any, Any]:
                 J = jax.jacrev(flat(_state_fun(t, t.raw)[0]))(x0)
             except Exception as e2:
                 raise e2 from e
-        return jnp.linalg.slogdet(J)
+        return dense.slogdet(J)
 
 
 def _singular_check(
@@ -514,7 +519,7 @@ def logdet_strategy(fun: Callable, *primals: Any, argnums: int | Sequence[int] =
         return f"dense: {str(e).splitlines()[0]}"
     if sw.sign is not None:
         return sw.how
-    _, where = _sign_elsewhere(t, sw, dense=False)
+    _, where = _sign_elsewhere(t, sw, dense_fallback=False)
     return f"{sw.how} (log|det| only: {sw.unsigned}; the sign from {where})"
 
 

@@ -24,7 +24,7 @@ import numpy as np
 from jax import lax
 
 from jaxrev._compat import at_call_site, call_site, debug_effect, is_concrete
-from jaxrev._errors import FailureWarning
+from jaxrev._errors import FailureWarning, in_sample
 from jaxrev._primitive import make_primitive
 from jaxrev._runtime import note_check, raise_at_run_time
 from jaxrev.transforms.knowledge.context import ON_ERROR
@@ -99,22 +99,30 @@ class _StagedError:
             return self.fn(*args)
 
 
-def _first_bad(bad: Any, flags: Any, levels: int) -> list | None:
-    """The flags of the first bad sample on the host (None: nothing is bad)."""
+def _first_bad(bad: Any, flags: Any, levels: int) -> tuple[list, tuple | None] | None:
+    """The flags of the first bad sample on the host and that sample's index under `vmap`
+    (None: not batched); None when nothing is bad."""
     bad = np.asarray(bad)
     if not bad.any():
         return None
     vals = [np.asarray(f) for f in flags]
-    if levels:  # the first bad sample of the batch
-        at = np.unravel_index(int(np.argmax(bad.reshape(-1))), bad.shape)
-        vals = [v[at] for v in vals]
-    return vals
+    if not levels:
+        return vals, None
+    at = np.unravel_index(int(np.argmax(bad.reshape(-1))), bad.shape)
+    return [v[at] for v in vals], tuple(int(i) for i in at)
+
+
+def _error_at(error: Callable, bad_sample: tuple[list, tuple | None]) -> Any:
+    """`error` of the first bad sample's flags, its elements named within that sample."""
+    vals, sample = bad_sample
+    with in_sample(sample):
+        return error(*vals)
 
 
 def _check_eager(bad: Any, *flags: Any, error: Callable, levels: int) -> list:
     """Eagerly (concrete operands), the check runs here: `error` raises as it is."""
-    vals = _first_bad(bad, flags, levels)
-    err = None if vals is None else error(*vals)
+    bad_sample = _first_bad(bad, flags, levels)
+    err = None if bad_sample is None else _error_at(error, bad_sample)
     if err is not None:
         raise err
     return []
@@ -127,11 +135,11 @@ def _check_lowered(bad: Any, *flags: Any, error: Callable, levels: int) -> list:
     note_check()
 
     def on_host(bad, *flags):
-        vals = _first_bad(bad, flags, levels)
-        if vals is None:
+        bad_sample = _first_bad(bad, flags, levels)
+        if bad_sample is None:
             return
         try:
-            err = error(*vals)
+            err = _error_at(error, bad_sample)
         except Exception as e:  # an `error` that raises (`fail`) rather than returns
             err = e
         if err is not None:

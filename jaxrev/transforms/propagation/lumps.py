@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+import jaxrev._dense as dense
 from jaxrev._compat import JaxprEqn, Var, is_concrete, prims, staged_constants
 from jaxrev._env import Env
 from jaxrev._errors import not_invertible
@@ -125,7 +126,7 @@ def slogdet_of(
     n = int(np.size(x0))
     dtype = jnp.result_type(x0)
     if n <= dense_max:
-        return jnp.linalg.slogdet(jax.jacfwd(F)(x0))
+        return dense.slogdet(jax.jacfwd(F)(x0))
     with jax.ensure_compile_time_eval():  # the probe runs on concrete stand-ins
         band = None if F_probe is None else probe_band(F_probe, n, dtype)
     if band is None or min(band) != 0 or max(band) > max(8, n // 16):
@@ -210,7 +211,7 @@ def tridiagonal_solve(F: Callable[[Any], Any], n: int, r: Any, dtype: Any) -> An
     if jax.default_backend() not in _PIVOTING_GTSV:
         U, y = _eliminate(band, r, 1)
         return _substitute(U, y, False)
-    return lax.linalg.tridiagonal_solve(band[:, 0], band[:, 1], band[:, 2], r[:, None])[:, 0]
+    return dense.tridiagonal_solve(band[:, 0], band[:, 1], band[:, 2], r[:, None])[:, 0]
 
 
 @partial(jax.jit, static_argnames=("lo",))
@@ -377,6 +378,9 @@ def _singular_at_trace_time(L: Lump, env: Env) -> bool | None:
         return None
 
 
+_NOT_HOLOMORPHIC = (prims.conj, prims.real, prims.imag)
+
+
 class Lump:
     """A group of equations, its unknown inputs and its known outputs, as the map
     ``F(inputs; values read from outside) = outputs``."""
@@ -399,6 +403,12 @@ class Lump:
                 if isinstance(v, Var) and v not in produced and v not in inputs
             )
         )
+        # a complex group through conj, real or imag is linear over the reals only: its
+        # Jacobian is not one complex matrix (a holomorphic JVP of conj(x) is wrong), so it
+        # is solved as the real system of twice the size
+        self.real_linear_only = any(
+            jnp.issubdtype(v.aval.dtype, jnp.complexfloating) for v in [*inputs, *outputs]
+        ) and any(e.primitive in _NOT_HOLOMORPHIC for e in self.eqns)
 
     def __call__(self, *xs: Any, known: Env) -> list[Any]:
         return self.apply(xs, [known.read(v) for v in self.reads])
@@ -442,15 +452,10 @@ def _solve_lump(L: Lump, env: Env) -> None:
         Fflat = L.flat(offs, dtype, env)
         u0 = jnp.zeros(int(offs[-1]), dtype)
         r = jnp.concatenate([jnp.ravel(y) for y in ys]) - Fflat(u0)
-        u = _structured_solve(L, env, offs, dtype, r)
+        u = None if L.real_linear_only else _structured_solve(L, env, offs, dtype, r)
         if u is None:  # one dense lump: n JVPs and an LU
             with staged_constants():  # else the n x n identity basis is folded into constants
-                J = (
-                    jax.jacfwd(Fflat, holomorphic=jnp.issubdtype(dtype, jnp.complexfloating))(u0)
-                    if jnp.issubdtype(dtype, jnp.complexfloating)
-                    else jax.jacfwd(Fflat)(u0)
-                )
-                u = jnp.linalg.solve(J, r)
+                u = _dense_solve(Fflat, u0, r, L.real_linear_only)
         sols = [jnp.reshape(u[offs[m] : offs[m + 1]], v.aval.shape) for m, v in enumerate(inputs)]
     if all(is_concrete(s) for s in sols) and not all(bool(jnp.all(jnp.isfinite(s))) for s in sols):
         # blame a reduction if there is one: it is where the information goes
@@ -467,6 +472,8 @@ def _solve_lump(L: Lump, env: Env) -> None:
 
 
 def _elementwise_shape(L: Lump) -> tuple[int, ...] | None:
+    if L.real_linear_only:  # (its blocks would be complex derivatives)
+        return None
     shapes = {tuple(v.aval.shape) for v in [*L.inputs, *L.outputs]}
     if (
         len(shapes) == 1
@@ -532,13 +539,14 @@ def singular_on_stand_ins(L: Lump, env: Env, nonlinear: bool = False) -> bool:
                     [0] + [int(np.prod(v.aval.shape, dtype=np.int64)) for v in L.inputs]
                 )
                 u = (0.5 * rng.standard_normal(n) if nonlinear else np.zeros(n)).astype(dtype)
-                A = np.asarray(jax.jacfwd(L.flat(offs, dtype, stand_in))(jnp.asarray(u)))[None]
+                F = L.flat(offs, dtype, stand_in)
+                A = np.asarray(_flat_jacobian(F, jnp.asarray(u), L.real_linear_only))[None]
     except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
         return False
     if not np.all(np.isfinite(A)) or A.size == 0:
         return False
-    sv = np.linalg.svd(A, compute_uv=False)
-    eps = jnp.finfo(sv.dtype).eps
+    sv = dense.numpy_svd(A, compute_uv=False)
+    eps = jnp.finfo(A.dtype).eps
     return bool(np.any(sv[:, -1] <= 64 * eps * A.shape[-1] * sv[:, 0]))
 
 
@@ -550,7 +558,7 @@ def _solve_elementwise(
     f0, A = _blocks(L, env, shape, dtype)
     # A depends on known values only; applying inv(A) by elementwise mul/add keeps the
     # result an elementwise linear lump again, so reverse(reverse(f)) works
-    Ainv = jnp.linalg.inv(A)
+    Ainv = dense.inv(A)
     rs = [y - f for y, f in zip(ys, f0)]
     sols = []
     for m in range(k):
@@ -605,6 +613,32 @@ def stand_ins(L: Lump, env: Env) -> Env | None:
             return None
         stand_in.write(v, val)
     return stand_in
+
+
+def _flat_jacobian(F: Callable[[Any], Any], u: Any, real_linear_only: bool) -> Any:
+    """The dense Jacobian of a lump's flattened map at `u`: holomorphic for a complex lump
+    that is linear over the complex numbers (`jax.jacfwd` refuses complex inputs otherwise),
+    and the real ``2n x 2n`` matrix of ``[re; im] -> [re F; im F]`` for one that is linear
+    over the reals only (through conj, real or imag)."""
+    if real_linear_only:
+        n = u.shape[0]
+
+        def as_real(v):
+            z = F(lax.complex(v[:n], v[n:]))
+            return jnp.concatenate([jnp.real(z), jnp.imag(z)])
+
+        return jax.jacfwd(as_real)(jnp.concatenate([jnp.real(u), jnp.imag(u)]))
+    return jax.jacfwd(F, holomorphic=jnp.issubdtype(u.dtype, jnp.complexfloating))(u)
+
+
+def _dense_solve(F: Callable[[Any], Any], u0: Any, r: Any, real_linear_only: bool) -> Any:
+    """The solution u of ``J u = r`` for the lump's Jacobian J (at `u0`), by one LU."""
+    J = _flat_jacobian(F, u0, real_linear_only)
+    if not real_linear_only:
+        return dense.solve(J, r)
+    n = u0.shape[0]
+    v = dense.solve(J, jnp.concatenate([jnp.real(r), jnp.imag(r)]))
+    return lax.complex(v[:n], v[n:]).astype(u0.dtype)
 
 
 def _structured_solve(L: Lump, env: Env, offs: Any, dtype: Any, r: Any) -> Any:

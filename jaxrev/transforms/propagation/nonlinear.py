@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+import jaxrev._dense as dense
 from jaxrev._cache import memo
 from jaxrev._compat import JaxprEqn, Var, has_user_frame, prims, scan_info
 from jaxrev._env import Env
@@ -197,7 +198,7 @@ def _rank_analysis(system: _System, env: Env) -> tuple[list[int], bool]:
     if not np.all(np.isfinite(M)):
         return [], False
     # null space of each block: right singular vectors with negligible singular values
-    _, s, vt = np.linalg.svd(M, full_matrices=True)
+    _, s, vt = dense.numpy_svd(M, full_matrices=True)
     k = M.shape[-1]
     smax = s.max(axis=-1, keepdims=True) if s.size else np.zeros(M.shape[:-2] + (1,))
     rank = (s > 1e-10 * smax).sum(-1)
@@ -220,7 +221,7 @@ def _small_inv(A: Any) -> Any:
         return (
             jnp.stack([jnp.stack([d, -b], -1), jnp.stack([-c, a], -1)], -2) / det[..., None, None]
         )
-    return jnp.linalg.inv(A)
+    return dense.inv(A)
 
 
 def _solve_determined(
@@ -388,7 +389,7 @@ def _newton(system: _System, env: Env) -> list[Any]:
     # the answer is checked where it is used: F(u) must give the known outputs back
     rn = system.norm(yp - system.F(u, reads))
     ok = jnp.isfinite(rn) & (rn <= tol)
-    _, logdet = jnp.linalg.slogdet(system.jacobian(u, reads))
+    _, logdet = dense.slogdet(system.jacobian(u, reads))
     singular = ok & ~jnp.isfinite(logdet)
     good = ok & ~singular
     u = jnp.where(system.broadcast(good), u, jnp.nan)
@@ -667,7 +668,7 @@ class _System:
         return np.stack([F(units[j]) - f0 for j in range(k)], -1)  # (n, m, k)
 
     def solve(self, J: Any, r: Any) -> Any:
-        return jnp.linalg.solve(J, r[..., None])[..., 0]
+        return dense.solve(J, r[..., None])[..., 0]
 
     def norm(self, r: Any) -> Any:
         """Max-norm per element (blocks) or over everything (dense)."""

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+import jaxrev._dense as dense
 from jaxrev._compat import JaxprEqn, ShapedArray, as_closed, is_concrete, literal, prims
 from jaxrev._env import Env, is_unknown
 from jaxrev._errors import ReversibilityError, at_element, at_eqn, not_invertible
@@ -713,7 +714,7 @@ def _conv(out, x, kernel, **params):
         )
     rhs_spec = params["dimension_numbers"].rhs_spec
     # the inverse kernel holds inv(M) where the kernel holds M (in -> out)
-    inv_kernel = _kernel_of(jnp.linalg.inv(M), kernel.shape, rhs_spec)
+    inv_kernel = _kernel_of(dense.inv(M), kernel.shape, rhs_spec)
     X = prims.conv.bind(jnp.asarray(out), inv_kernel, **params)
     if is_concrete(X) and not bool(jnp.all(jnp.isfinite(X))):
         raise Lossy("the 1x1 convolution's channel matrix is singular", singular=True)
@@ -742,7 +743,7 @@ def _conv_logdet(ctx: LogdetContext) -> tuple[Any, Any]:
         raise Unsupported(
             "a convolution other than a 1x1 channel mixing with the same layout in and out"
         )
-    s, la = jnp.linalg.slogdet(M)
+    s, la = dense.slogdet(M)
     reps = int(np.prod(ctx.invals[0].shape, dtype=np.int64)) // M.shape[0]
     return s**reps, la * reps
 

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+import jaxrev._dense as dense
 from jaxrev._compat import JaxprEqn, is_concrete, prims
 from jaxrev._env import Env, is_unknown
 from jaxrev._evaluate import apply
@@ -61,10 +62,10 @@ def _dot_general(out, lhs, rhs, *, dimension_numbers, **_):
         Y = jnp.reshape(out, bshape + [nf, n])
         # Y = X @ Wc  =>  X = Y @ inv(Wc), or X^T = solve(Wc^T, Y^T)
         X = (
-            Y @ jnp.linalg.inv(Wc)
+            Y @ dense.inv(Wc)
             if by_inverse
             else jnp.swapaxes(
-                jnp.linalg.solve(jnp.swapaxes(Wc, -1, -2), jnp.swapaxes(Y, -1, -2)), -1, -2
+                dense.solve(jnp.swapaxes(Wc, -1, -2), jnp.swapaxes(Y, -1, -2)), -1, -2
             )
         )
         X = jnp.reshape(X, bshape + fshape + [n])
@@ -73,7 +74,7 @@ def _dot_general(out, lhs, rhs, *, dimension_numbers, **_):
         Y = jnp.reshape(out, bshape + [n, nf])
         # Y = Wc^T @ X
         Wt = jnp.swapaxes(Wc, -1, -2)
-        X = jnp.linalg.inv(Wt) @ Y if by_inverse else jnp.linalg.solve(Wt, Y)
+        X = dense.inv(Wt) @ Y if by_inverse else dense.solve(Wt, Y)
         X = jnp.reshape(X, bshape + [n] + fshape)
         order = list(xb) + [xc[0]] + x_free
     X = jnp.transpose(X, np.argsort(order))
@@ -101,7 +102,7 @@ def _dot_logdet(ctx: LogdetContext) -> tuple[Any, Any]:
             "a dot_general whose output is laid out unlike its input (x @ W "
             "contracting x's last axis, or W @ x contracting its first)"
         )
-    s, la = jnp.linalg.slogdet(W)
+    s, la = dense.slogdet(W)
     reps = int(np.prod(x.shape, dtype=np.int64)) // W.shape[0]
     return s**reps, la * reps
 
