@@ -66,6 +66,8 @@ class Info(NamedTuple):
     - `residual`: the gradient's (or F's) largest absolute entry at the solution.
     - `value`: the objective there (`root`: ``‖F‖²/2``).
     - `status`: an index into `jaxrev.optim.STATUS`; `info.message` is its name.
+    - `aux`: with ``has_aux=True``, what `fun` returned beside its value, at the solution
+      (None otherwise).
 
     **Example:**
 
@@ -79,6 +81,7 @@ class Info(NamedTuple):
     residual: jax.Array
     value: jax.Array
     status: jax.Array
+    aux: Any = None
 
     @property
     def message(self) -> str:
@@ -435,6 +438,25 @@ class _State(NamedTuple):
     status: jax.Array  # -1 while running
 
 
+class _Objective(NamedTuple):
+    """A user's `fun` as the solvers call it: with `args` or not, with an aux output or not."""
+
+    fun: Callable[..., Any]
+    takes_args: bool  # fun(x, args), Optimistix's convention; else fun(x)
+    has_aux: bool  # fun returns (value, aux)
+
+    def _call(self, x: Any, args: Any) -> Any:
+        return self.fun(x, args) if self.takes_args else self.fun(x)
+
+    def value(self, x: Any, args: Any) -> Any:
+        out = self._call(x, args)
+        return out[0] if self.has_aux else out
+
+    def aux(self, x: Any, args: Any) -> Any:
+        """The aux output at `x` (None without `has_aux`): evaluated once, at the solution."""
+        return self._call(x, args)[1] if self.has_aux else None
+
+
 def minimize(
     fun: Callable[[Any], Any],
     x0: Any,
@@ -443,6 +465,8 @@ def minimize(
     tol: float = 1e-8,
     maxiter: int = 100,
     throw: bool = True,
+    args: Any = None,
+    has_aux: bool = False,
 ) -> tuple[Any, Info]:
     """Minimize a scalar `fun` from `x0` with Newton steps by inverse accumulation.
 
@@ -465,6 +489,10 @@ def minimize(
       tolerance raises `jr.NotConvergedError` naming the solver, the status and the user's
       call (eagerly at once; under `jit` when the program runs, which `jr.jit` re-raises as
       itself); with False it returns, its status in `info`.
+    - `args`: passed to `fun` as ``fun(x, args)`` when not None (Optimistix's convention:
+      parameters that vary between calls without a new trace, as traced inputs of the solve);
+      ``fun(x)`` otherwise.
+    - `has_aux`: `fun` returns ``(value, aux)``; `aux` at the solution is ``info.aux``.
 
     **Returns:**
 
@@ -483,10 +511,17 @@ def minimize(
         raise ValueError(f"{who}: method must be 'newton' or 'trust-region', got {method!r}")
     _check_common(who, tol, maxiter)
     return _eager_compiled(
-        (who, method, float(tol), maxiter, bool(throw)),
+        (who, method, float(tol), maxiter, bool(throw), args is None, bool(has_aux)),
         fun,
-        partial(_minimize, fun, method, float(tol), maxiter, bool(throw)),
-        (x0,),
+        partial(
+            _minimize,
+            _Objective(fun, args is not None, bool(has_aux)),
+            method,
+            float(tol),
+            maxiter,
+            bool(throw),
+        ),
+        (x0, args),
     )
 
 
@@ -504,7 +539,13 @@ def _inexact_start(x0: Any) -> Any:
 
 
 def _minimize(
-    fun: Callable[[Any], Any], method: str, tol: float, maxiter: int, throw: bool, x0: Any
+    objective: _Objective,
+    method: str,
+    tol: float,
+    maxiter: int,
+    throw: bool,
+    x0: Any,
+    args: Any,
 ) -> tuple[Any, Info]:
     who = "jaxrev.optim.minimize"
     v0, unravel = ravel_filtered(_inexact_start(x0))
@@ -514,7 +555,7 @@ def _minimize(
         )
 
     def f(v):
-        out = fun(unravel(v))
+        out = objective.value(unravel(v), args)
         if jnp.shape(out) != ():
             raise TypeError(f"{who}: fun must return a scalar, got shape {jnp.shape(out)}")
         return jnp.asarray(out, v.dtype)
@@ -572,7 +613,9 @@ def _minimize(
     step = newton_step if method == "newton" else trust_step
     s0 = finish(None, v0, f0, g0, jnp.zeros([], dtype), jnp.zeros([], jnp.int32))
     s = lax.while_loop(running, step, s0)
-    return unravel(s.x), _reported(who, Info(s.k, _inf_norm(s.g), s.f, s.status), throw)
+    x = unravel(s.x)
+    info = Info(s.k, _inf_norm(s.g), s.f, s.status, objective.aux(x, args))
+    return x, _reported(who, info, throw)
 
 
 # --------------------------------------------------------------------------- root
@@ -609,6 +652,8 @@ def root(
     atol: float | None = None,
     maxiter: int = 50,
     throw: bool = True,
+    args: Any = None,
+    has_aux: bool = False,
 ) -> tuple[Any, Info]:
     """Solve ``fun(x) = 0`` (a square system) by Newton's method.
 
@@ -637,6 +682,10 @@ def root(
       tolerance raises `jr.NotConvergedError` naming the solver, the status and the user's
       call (eagerly at once; under `jit` when the program runs, which `jr.jit` re-raises as
       itself); with False it returns, its status in `info`.
+    - `args`: passed to `fun` as ``fun(x, args)`` when not None (Optimistix's convention:
+      parameters that vary between calls without a new trace, as traced inputs of the solve);
+      ``fun(x)`` otherwise.
+    - `has_aux`: `fun` returns ``(value, aux)``; `aux` at the solution is ``info.aux``.
 
     **Returns:**
 
@@ -656,21 +705,28 @@ def root(
         raise ValueError(f"{who}: rtol and atol must be >= 0, got rtol={rtol}, atol={atol}")
     _check_maxiter(who, maxiter)
     settings = (rtol, atol, maxiter, bool(throw))
-    return _eager_compiled((who, *settings), fun, partial(_root, fun, *settings), (x0,))
+    objective = _Objective(fun, args is not None, bool(has_aux))
+    return _eager_compiled(
+        (who, *settings, args is None, bool(has_aux)),
+        fun,
+        partial(_root, objective, *settings),
+        (x0, args),
+    )
 
 
 def _root(
-    fun: Callable[[Any], Any],
+    objective: _Objective,
     rtol: float | None,
     atol: float | None,
     maxiter: int,
     throw: bool,
     x0: Any,
+    args: Any,
 ) -> tuple[Any, Info]:
     who = "jaxrev.optim.root"
     x0 = _inexact_start(x0)
     v0, unravel = ravel_filtered(x0)
-    out_shape = jax.eval_shape(fun, x0)
+    out_shape = jax.eval_shape(objective.value, x0, args)
     n_out = sum(int(o.size) for o in jax.tree_util.tree_leaves(out_shape))
     if n_out != v0.size:
         raise ValueError(
@@ -678,7 +734,7 @@ def _root(
         )
 
     def F(v):
-        return ravel_pytree(fun(unravel(v)))[0].astype(v.dtype)
+        return ravel_pytree(objective.value(unravel(v), args))[0].astype(v.dtype)
 
     real = jnp.finfo(v0.dtype).dtype  # (a complex system's tolerances are real)
     rtol = default_tolerance(real, RTOL) if rtol is None else rtol
@@ -728,8 +784,10 @@ def _root(
     s0 = _status(_finite(r0), jnp.all(r0 == 0), k0 >= maxiter)
     no_step = jnp.asarray(jnp.inf, real)
     c = lax.while_loop(lambda c: c.status < 0, step, _RootState(v0, r0, k0, no_step, s0))
-    info = Info(c.k, _inf_norm(c.r), 0.5 * jnp.real(jnp.vdot(c.r, c.r)), c.status)
-    return unravel(c.x), _reported(who, info, throw)
+    x = unravel(c.x)
+    value = 0.5 * jnp.real(jnp.vdot(c.r, c.r))
+    info = Info(c.k, _inf_norm(c.r), value, c.status, objective.aux(x, args))
+    return x, _reported(who, info, throw)
 
 
 def _natural_decrease(F: Callable[[Any], Any], x: Any, d: Any) -> jax.Array:

@@ -415,3 +415,44 @@ def test_throw_raises_a_named_error_eagerly_under_jit_and_vmap():
     np.testing.assert_allclose(x, 1.0)
     _, info = jr.optim.root(F, jnp.array(0.5), throw=False)
     assert info.message == "stalled"
+
+
+def test_args_and_has_aux_as_optimistix_takes_them():
+    """`fun(x, args)` when `args` is given (a traced input of the solve: new values reuse the
+    compiled call), and ``(value, aux)`` with `has_aux`, aux at the solution in `info.aux`."""
+
+    def residual(x, args):
+        target, scale = args
+        return scale * (x**3 - target), {"cube": x**3}
+
+    for target in (jnp.array([8.0, 27.0]), jnp.array([1.0, 64.0])):
+        x, info = jr.optim.root(residual, jnp.ones(2), args=(target, 2.0), has_aux=True)
+        np.testing.assert_allclose(x, jnp.cbrt(target), rtol=1e-10)
+        np.testing.assert_allclose(info.aux["cube"], target, rtol=1e-10)
+    # vmapped over args, under jit
+    targets = jnp.array([[8.0, 27.0], [1.0, 64.0]])
+    xs, infos = jax.jit(
+        jax.vmap(lambda t: jr.optim.root(residual, jnp.ones(2), args=(t, 2.0), has_aux=True))
+    )(targets)
+    np.testing.assert_allclose(xs, jnp.cbrt(targets), rtol=1e-10)
+    assert infos.aux["cube"].shape == (2, 2)
+
+    def loss(x, args):
+        return jnp.sum((x - args) ** 2) + rosenbrock(x), jnp.linalg.norm(x)
+
+    x, info = jr.optim.minimize(loss, jnp.zeros(2), args=jnp.array([1.0, 1.0]), has_aux=True)
+    np.testing.assert_allclose(x, 1.0, rtol=1e-8)
+    np.testing.assert_allclose(info.aux, np.sqrt(2.0), rtol=1e-8)
+    # without args, fun takes x alone, as before
+    x, info = jr.optim.minimize(rosenbrock, jnp.zeros(2))
+    assert info.aux is None
+
+
+def test_args_are_traced_inputs_not_new_traces(monkeypatch):
+    count = TraceCounter(monkeypatch)
+    F = lambda x, a: x**3 - a  # noqa: E731
+    jr.optim.root(F, jnp.ones(2), args=jnp.array([8.0, 27.0]))
+    first = count.n
+    x, _ = jr.optim.root(F, jnp.ones(2), args=jnp.array([1.0, 64.0]))
+    assert count.n == first
+    np.testing.assert_allclose(x, [1.0, 4.0], rtol=1e-10)
