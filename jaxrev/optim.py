@@ -364,9 +364,10 @@ def _not_converged(who: str) -> Callable[..., NotConvergedError | None]:
 
 
 def _check_common(who, tol, maxiter):
-    if not tol > 0:
+    if tol is not None and not tol > 0:
         raise ValueError(f"{who}: tol must be > 0, got {tol}")
-    _check_maxiter(who, maxiter)
+    if maxiter is not None:
+        _check_maxiter(who, maxiter)
 
 
 def _check_maxiter(who, maxiter):
@@ -462,8 +463,8 @@ def minimize(
     x0: Any,
     *,
     method: str = "trust-region",
-    tol: float = 1e-8,
-    maxiter: int = 100,
+    tol: float | None = None,
+    maxiter: int | None = None,
     throw: bool = True,
     args: Any = None,
     has_aux: bool = False,
@@ -483,8 +484,11 @@ def minimize(
       and λ shrinks or grows accordingly, so indefinite and singular Hessians are handled.
       ``"newton"``: the Newton direction with a backtracking (Armijo) line search; where the
       Hessian is not positive definite along it, the gradient direction instead.
-    - `tol`: stop when the gradient's largest entry is at most this (default 1e-8).
-    - `maxiter`: the most iterations (default 100).
+    - `tol`: stop when the gradient's largest entry is at most this (default: 1e-8 in
+      float64, ``eps ** (2/3)`` of a lower precision, `default_tolerance`).
+    - `maxiter`: the most iterations (default: ``max(100, 4 n)`` for n unknowns: Newton's
+      method moves a chained Rosenbrock valley by about one coordinate a step, so its
+      minimum from 0 at n = 1 000 takes 1 474 Newton or 2 219 trust-region steps).
     - `throw`: with True (the default, as Optimistix's), a solve that stops short of the
       tolerance raises `jr.NotConvergedError` naming the solver, the status and the user's
       call (eagerly at once; under `jit` when the program runs, which `jr.jit` re-raises as
@@ -511,13 +515,13 @@ def minimize(
         raise ValueError(f"{who}: method must be 'newton' or 'trust-region', got {method!r}")
     _check_common(who, tol, maxiter)
     return _eager_compiled(
-        (who, method, float(tol), maxiter, bool(throw), args is None, bool(has_aux)),
+        (who, method, tol, maxiter, bool(throw), args is None, bool(has_aux)),
         fun,
         partial(
             _minimize,
             _Objective(fun, args is not None, bool(has_aux)),
             method,
-            float(tol),
+            tol,
             maxiter,
             bool(throw),
         ),
@@ -541,8 +545,8 @@ def _inexact_start(x0: Any) -> Any:
 def _minimize(
     objective: _Objective,
     method: str,
-    tol: float,
-    maxiter: int,
+    tol: float | None,
+    maxiter: int | None,
     throw: bool,
     x0: Any,
     args: Any,
@@ -553,6 +557,8 @@ def _minimize(
         raise no_result_for_dtype(
             who, "x0", v0.dtype, "minimize takes real arguments (a complex x has no order)"
         )
+    tol = default_tolerance(v0.dtype, MINIMIZE_TOL) if tol is None else tol
+    maxiter = max(100, 4 * v0.size) if maxiter is None else maxiter
 
     def f(v):
         out = objective.value(unravel(v), args)
@@ -627,6 +633,11 @@ RTOL = 1e-10
 ATOL = 1e-10
 """`root`'s default absolute tolerance on the Newton step and on F in float64 (scaled with
 the dtype as `RTOL`)."""
+
+
+MINIMIZE_TOL = 1e-8
+"""`minimize`'s default tolerance on the gradient's largest entry in float64 (scaled with the
+dtype as `RTOL`)."""
 
 
 def default_tolerance(dtype: Any, float64_value: float) -> float:

@@ -456,3 +456,20 @@ def test_args_are_traced_inputs_not_new_traces(monkeypatch):
     x, _ = jr.optim.root(F, jnp.ones(2), args=jnp.array([1.0, 64.0]))
     assert count.n == first
     np.testing.assert_allclose(x, [1.0, 4.0], rtol=1e-10)
+
+
+@pytest.mark.parametrize("method", ["trust-region", "newton"])
+def test_minimize_defaults_solve_the_chained_rosenbrock_at_n_1000(method):
+    """Newton's method moves the valley about one coordinate a step (1 474 Newton, 2 219
+    trust-region steps from 0): the former maxiter=100 stopped 0.9999 from the minimum."""
+    x, info = jr.optim.minimize(chained_rosenbrock, jnp.zeros(1000), method=method)
+    assert info.message == "converged" and int(info.iterations) > 100
+    np.testing.assert_allclose(x, 1.0, atol=1e-8)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_minimize_takes_the_dtypes_tolerance(dtype):
+    # with the float64 default (1e-8) the bfloat16 trust region stalled
+    x, info = jr.optim.minimize(rosenbrock, jnp.zeros(2, dtype))
+    assert info.message == "converged" and x.dtype == dtype
+    np.testing.assert_allclose(np.asarray(x, np.float64), 1.0, atol=4 * float(jnp.finfo(dtype).eps))
