@@ -19,6 +19,7 @@ and settings, cached like `jax.jit`'s: a repeated call does not trace again.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable
 from functools import partial
 from typing import Any, NamedTuple
@@ -48,6 +49,7 @@ __all__ = [
     "STATUS",
     "newton_direction",
     "default_tolerance",
+    "Status",
 ]
 
 STATUS = ("converged", "max_iterations", "stalled", "non_finite")
@@ -55,6 +57,24 @@ STATUS = ("converged", "max_iterations", "stalled", "non_finite")
 1 stopped at `maxiter`; 2 no step could make progress any more (a line search or trust region
 shrank to nothing) short of the tolerance; 3 the objective or its derivatives stopped being
 finite."""
+
+
+class Status(enum.IntEnum):
+    """`Info.status`'s values by name, for comparisons that work under `jit` and `vmap`
+    (``info.status == Status.converged`` is an array), as Optimistix's `RESULTS`.
+
+    **Example:**
+
+        >>> import jax, jax.numpy as jnp, jaxrev as jr
+        >>> solve = jax.jit(lambda x0: jr.optim.root(lambda x: x**3 - 8.0, x0)[1])
+        >>> bool(solve(jnp.array(1.0)).status == jr.optim.Status.converged)
+        True
+    """
+
+    converged = 0
+    max_iterations = 1
+    stalled = 2
+    non_finite = 3
 
 
 class Info(NamedTuple):
@@ -85,6 +105,19 @@ class Info(NamedTuple):
 
     @property
     def message(self) -> str:
+        """The status's name (outside `jit`: a traced status has no value to name; compare
+        ``info.status == jr.optim.Status.converged`` there)."""
+        if not is_concrete(self.status):
+            raise TypeError(
+                "jaxrev.optim.Info.message: the status is traced (under jit or vmap) and has "
+                "no name yet; compare info.status == jr.optim.Status.converged (an array), "
+                "or return info and read .message outside"
+            )
+        if jnp.ndim(self.status):
+            raise TypeError(
+                "jaxrev.optim.Info.message: the status is a batch of "
+                f"{jnp.shape(self.status)} (vmap); index one sample first"
+            )
         return STATUS[int(self.status)]
 
 

@@ -473,3 +473,15 @@ def test_minimize_takes_the_dtypes_tolerance(dtype):
     x, info = jr.optim.minimize(rosenbrock, jnp.zeros(2, dtype))
     assert info.message == "converged" and x.dtype == dtype
     np.testing.assert_allclose(np.asarray(x, np.float64), 1.0, atol=4 * float(jnp.finfo(dtype).eps))
+
+
+def test_status_by_name_under_jit_and_a_message_that_says_where_it_works():
+    solve = jax.jit(jax.vmap(lambda x0: jr.optim.root(lambda x: x**2 - 1.0, x0, throw=False)[1]))
+    info = solve(jnp.array([0.5, 0.0]))
+    np.testing.assert_array_equal(info.status == jr.optim.Status.converged, [True, False])
+    assert int(info.status[1]) == jr.optim.Status.stalled
+    with pytest.raises(TypeError, match="index one sample"):
+        info.message
+    with pytest.raises(TypeError, match="Status.converged"):
+        jax.jit(lambda x0: jr.optim.root(lambda x: x**3 - 8.0, x0)[1].message)(jnp.array(1.0))
+    assert jr.optim.root(lambda x: x**3 - 8.0, jnp.array(1.0))[1].message == "converged"
