@@ -63,6 +63,9 @@ class Status(enum.IntEnum):
     """`Info.status`'s values by name, for comparisons that work under `jit` and `vmap`
     (``info.status == Status.converged`` is an array), as Optimistix's `RESULTS`.
 
+    **Members:** `converged` (0), `max_iterations` (1), `stalled` (2), `non_finite` (3), in
+    the order of `STATUS`.
+
     **Example:**
 
         >>> import jax, jax.numpy as jnp, jaxrev as jr

@@ -184,6 +184,10 @@ def render_signature(
 
 
 def _signature(obj: Any) -> inspect.Signature | None:
+    if isinstance(obj, type) and issubclass(obj, enum.Enum):
+        # an enum is looked up by its value (`Status(0)`); inspect renders EnumType's own
+        # functional-API signature, which differs between Python versions
+        return inspect.Signature([inspect.Parameter("value", inspect.Parameter.POSITIONAL_ONLY)])
     try:
         return inspect.signature(obj)
     except (TypeError, ValueError):
