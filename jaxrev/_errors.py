@@ -169,7 +169,8 @@ class DtypeError(JaxrevError, TypeError):
     """An input of a dtype for which the transform's result does not exist: the tangents of
     an integer or boolean state (`inverse_jvp`, `inverse_vjp`), the log-determinant of a
     complex, integer or boolean state (the log-determinant transforms, `Bijector`), a
-    boolean start for an optimizer. Also a `TypeError`, as JAX's own dtype refusals are.
+    complex start for `optim.minimize` (integer and boolean starts are converted to float).
+    Also a `TypeError`, as JAX's own dtype refusals are.
 
     **Arguments:**
 
