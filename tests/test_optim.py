@@ -250,6 +250,21 @@ def test_chained_rosenbrock_newton_direction_is_banded():
     assert "= lu " not in jaxpr and "= lu[" not in jaxpr
 
 
+@pytest.mark.parametrize("damping", [0.0, 1e-3])
+def test_extended_rosenbrock_direction_moves_data_instead_of_factoring(damping):
+    """Undamped, the gradient of the extended Rosenbrock is two strided slices in, 2 x 2
+    blocks, two pads summed out: the slices' and pads' groups are permutations, solved by a
+    gather, not as dense lumps of n (which took 165 ms at n = 1 000 against 0.26 ms damped,
+    issue 45): no n x n matrix in the program (the 2 x 2 blocks are inverted as a batch), the
+    direction equal to the dense one."""
+    n = 1000
+    x = jnp.asarray(1.0 + 0.01 * np.sin(np.arange(n)))
+    direction = lambda x: jr.optim.newton_direction(extended_rosenbrock, x, damping=damping)
+    d = jax.jit(direction)(x)
+    assert rel_error(d, dense_newton(extended_rosenbrock, x, damping)) < 1e-10
+    assert f"[{n},{n}]" not in str(jax.make_jaxpr(direction)(x))
+
+
 def test_dense_hessian_is_formed_and_factored():
     """A dense Hessian (logistic regression) is found when traced, formed by one batch of
     HVPs and solved by Cholesky; an indefinite one by LU; a banded one keeps the band path."""
