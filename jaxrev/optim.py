@@ -50,6 +50,7 @@ __all__ = [
     "newton_direction",
     "default_tolerance",
     "Status",
+    "jacobian_solve",
 ]
 
 STATUS = ("converged", "max_iterations", "stalled", "non_finite")
@@ -135,6 +136,7 @@ def newton_direction(
     *,
     damping: Any = 0.0,
     method: str = "auto",
+    autodiff_mode: str = "bwd",
 ) -> Any:
     """``(H + damping·I)⁻¹ grad`` for the Hessian `H` of `value_fn` at `params`, by inverse
     accumulation over ``jax.grad(value_fn)``.
@@ -149,6 +151,11 @@ def newton_direction(
       filled; else the gradient's tangent program at `params` inverted step by step, its
       lumps solved with their structure; else the dense Hessian), or a strategy of
       `jr.inverse_vjp` ("reverse", "linearize", "dense").
+    - `autodiff_mode`: how the gradient is taken, as Optimistix's option: "bwd" (the
+      default, `jax.grad`) or "fwd" (`jax.jacfwd`: one JVP per unknown, for objectives that
+      reverse mode cannot run, such as a `lax.while_loop` with dynamic bounds, diffrax's
+      `ForwardMode`); the Hessian is then the forward gradient's Jacobian, inverted step by
+      step where its program allows, else formed by JVPs and factored.
 
     **Returns:**
 
@@ -166,19 +173,37 @@ def newton_direction(
     # eager calls are compiled from the second on, keyed like jax.jit's (`_cache`); a Python
     # zero `damping` is part of the key (it skips the damping term), other values are traced
     static = damping if _is_zero(damping) else None
+    _check_autodiff_mode("jaxrev.optim.newton_direction", autodiff_mode)
     return cached_call(
-        ("newton_direction", method, static),
+        ("newton_direction", method, static, autodiff_mode),
         value_fn,
-        partial(_newton_direction, value_fn, method, static),
+        partial(_newton_direction, value_fn, method, static, autodiff_mode),
         (params, grad, None if static is not None else damping),
     )
 
 
+def _check_autodiff_mode(who: str, autodiff_mode: str) -> None:
+    if autodiff_mode not in ("bwd", "fwd"):
+        raise ValueError(f"{who}: autodiff_mode must be 'bwd' or 'fwd', got {autodiff_mode!r}")
+
+
+def _gradient(value_fn: Callable[[Any], Any], autodiff_mode: str) -> Callable[[Any], Any]:
+    """The gradient of a scalar `value_fn`: by `jax.grad`, or by `jax.jacfwd` (one JVP per
+    unknown) where reverse mode cannot run."""
+    return jax.grad(value_fn) if autodiff_mode == "bwd" else jax.jacfwd(value_fn)
+
+
 def _newton_direction(
-    value_fn: Callable[[Any], Any], method: str, static: Any, params: Any, grad: Any, damping: Any
+    value_fn: Callable[[Any], Any],
+    method: str,
+    static: Any,
+    autodiff_mode: str,
+    params: Any,
+    grad: Any,
+    damping: Any,
 ) -> Any:
     damping = static if static is not None else damping
-    g_fn = jax.grad(value_fn)
+    g_fn = _gradient(value_fn, autodiff_mode)
 
     def damped(p):
         g = g_fn(p)
@@ -188,6 +213,16 @@ def _newton_direction(
         grad = g_fn(params)
     if method == "dense" or (method == "auto" and _dense_hessian(g_fn, params)):
         return _dense_direction(g_fn, params, grad, damping)
+    if autodiff_mode == "fwd":
+        # H is symmetric, so H⁻¹grad is also an inverse JVP, which (unlike inverse_vjp's
+        # transposed sweep) needs no reverse mode of the program
+        try:
+            m = "linearize" if method == "auto" else method
+            return inverse_jvp(damped, (params,), grad, method=m, on_error="nan")[1][0]
+        except NotInvertibleError:
+            if method != "auto":
+                raise
+            return _dense_direction(g_fn, params, grad, damping)
     if method != "auto":
         _, ivjp = inverse_vjp(damped, params, method=method, on_error="nan")
         # H is symmetric: the output cotangent w with Hᵀw = grad is H⁻¹grad
@@ -517,6 +552,7 @@ def minimize(
     throw: bool = True,
     args: Any = None,
     has_aux: bool = False,
+    autodiff_mode: str = "bwd",
 ) -> tuple[Any, Info]:
     """Minimize a scalar `fun` from `x0` with Newton steps by inverse accumulation.
 
@@ -546,6 +582,10 @@ def minimize(
       parameters that vary between calls without a new trace, as traced inputs of the solve);
       ``fun(x)`` otherwise.
     - `has_aux`: `fun` returns ``(value, aux)``; `aux` at the solution is ``info.aux``.
+    - `autodiff_mode`: "bwd" (the default: gradients by `jax.grad`) or "fwd" (by
+      `jax.jacfwd`, as Optimistix's option of that name: for objectives reverse mode cannot
+      differentiate, such as a diffrax solve with ``adjoint=diffrax.ForwardMode()``; its cost
+      grows with the number of unknowns).
 
     **Returns:**
 
@@ -563,8 +603,9 @@ def minimize(
     if method not in ("newton", "trust-region"):
         raise ValueError(f"{who}: method must be 'newton' or 'trust-region', got {method!r}")
     _check_common(who, tol, maxiter)
+    _check_autodiff_mode(who, autodiff_mode)
     return _eager_compiled(
-        (who, method, tol, maxiter, bool(throw), args is None, bool(has_aux)),
+        (who, method, tol, maxiter, bool(throw), args is None, bool(has_aux), autodiff_mode),
         fun,
         partial(
             _minimize,
@@ -573,6 +614,7 @@ def minimize(
             tol,
             maxiter,
             bool(throw),
+            autodiff_mode,
         ),
         (x0, args),
     )
@@ -597,6 +639,7 @@ def _minimize(
     tol: float | None,
     maxiter: int | None,
     throw: bool,
+    autodiff_mode: str,
     x0: Any,
     args: Any,
 ) -> tuple[Any, Info]:
@@ -615,8 +658,20 @@ def _minimize(
             raise TypeError(f"{who}: fun must return a scalar, got shape {jnp.shape(out)}")
         return jnp.asarray(out, v.dtype)
 
-    value_and_grad = jax.value_and_grad(f)
-    f0, g0 = value_and_grad(v0)
+    if autodiff_mode == "bwd":
+        value_and_grad = jax.value_and_grad(f)
+    else:
+        value_and_grad = lambda v: (f(v), jax.jacfwd(f)(v))  # noqa: E731
+    direction = partial(newton_direction, f, autodiff_mode=autodiff_mode)
+    try:
+        f0, g0 = value_and_grad(v0)
+    except ValueError as e:
+        if autodiff_mode == "bwd" and "Reverse-mode differentiation does not work" in str(e):
+            raise ValueError(
+                f"{who}{called_at()}: fun cannot be differentiated in reverse mode ({e}). "
+                'Pass autodiff_mode="fwd" to take its gradient and Hessian by JVPs.'
+            ) from e
+        raise
     dtype = v0.dtype
 
     def running(s: _State):
@@ -629,7 +684,7 @@ def _minimize(
         )
 
     def newton_step(s: _State) -> _State:
-        d = newton_direction(f, s.x, s.g)
+        d = direction(s.x, s.g)
         slope = jnp.vdot(s.g, d)
         # not a descent direction (indefinite H) or singular: take the gradient instead
         bad = ~_finite(d) | (slope <= 0)
@@ -642,7 +697,7 @@ def _minimize(
         return nxt._replace(status=jnp.where(found | (nxt.status == 0), nxt.status, jnp.int32(2)))
 
     def trust_step(s: _State) -> _State:
-        p = -newton_direction(f, s.x, s.g, damping=s.lam)
+        p = -direction(s.x, s.g, damping=s.lam)
         # the model's decrease −(gᵀp + ½pᵀHp); since (H + λI)p = −g, pᵀHp = −gᵀp − λpᵀp,
         # so no Hessian-vector product is needed (Moré's form for Levenberg-Marquardt)
         pred = 0.5 * (s.lam * jnp.vdot(p, p) - jnp.vdot(s.g, p))
@@ -809,7 +864,7 @@ def _root(
 
     def step(c: _RootState) -> _RootState:
         # J d = F(x): the full Newton step is x - d
-        _, (d,) = inverse_jvp(F, (c.x,), c.r, on_error="nan")
+        d = jacobian_solve(F, c.x, c.r)
         m0 = 0.5 * jnp.real(jnp.vdot(c.r, c.r))
         # along -d the merit's slope is -‖F‖² (Jd = F), so Armijo's test uses 2 m0
         t, _, found = _backtrack(merit, c.x, d, m0, 2 * m0)
@@ -850,10 +905,50 @@ def _root(
     return x, _reported(who, info, throw)
 
 
+def jacobian_solve(fun: Callable[[Any], Any], x: Any, b: Any, transposed: bool = False) -> Any:
+    """``J⁻¹b`` (``J⁻ᵀb`` when `transposed`) for the Jacobian J of `fun` at the known point
+    `x`, as `root` solves its Newton steps.
+
+    J's tangent program at `x` is inverted step by step (`jr.inverse_jvp`'s "linearize"),
+    else J is formed densely and factored. Not `jr.inverse_jvp`'s "auto", which first inverts
+    `fun` itself, rebuilding `x` from ``fun(x)``: memory-free, but a nonlinear group there
+    can lose rank at values where J does not, and its run-time check then raised for a
+    nonsingular J (Optimistix's implicit-midpoint step of Robertson's equations).
+
+    **Arguments:**
+
+    - `fun`: a square function of one pytree.
+    - `x`: where J is taken.
+    - `b`: the right-hand side, in `fun`'s output structure (`x`'s when `transposed`).
+    - `transposed`: solve with Jᵀ instead.
+
+    **Returns:**
+
+    The solution, in `x`'s structure (`fun`'s output's when `transposed`); NaN where J is
+    singular.
+
+    **Example:**
+
+        >>> import jax.numpy as jnp, jaxrev as jr
+        >>> f = lambda x: jnp.cumsum(x ** 2)
+        >>> jr.optim.jacobian_solve(f, jnp.array([1.0, 2.0]), jnp.array([2.0, 6.0])).tolist()
+        [1.0, 1.0]
+    """
+    for method in ("linearize", "dense"):
+        try:
+            if transposed:
+                return inverse_vjp(fun, x, method=method, on_error="nan")[1]((b,))
+            return inverse_jvp(fun, (x,), b, method=method, on_error="nan")[1][0]
+        except NotInvertibleError:
+            if method == "dense":
+                raise
+    raise AssertionError("unreachable")
+
+
 def _natural_decrease(F: Callable[[Any], Any], x: Any, d: Any) -> jax.Array:
     """Whether the full Newton step -d from x passes Deuflhard's natural monotonicity test:
     ``‖J(x)⁻¹F(x - d)‖ <= ‖d‖ / 2`` (NLEQ-ERR's, with the Jacobian at x)."""
-    _, (d_bar,) = inverse_jvp(F, (x,), F(x - d), on_error="nan")
+    d_bar = jacobian_solve(F, x, F(x - d))
     return _finite(d, d_bar) & (_inf_norm(d_bar) <= 0.5 * _inf_norm(d))
 
 

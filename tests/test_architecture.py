@@ -182,6 +182,8 @@ LAYERS = [
             "jaxrev.diffrax",
             "jaxrev.flowjax",
             "jaxrev.numpyro",
+            "jaxrev.lineax",
+            "jaxrev.optimistix",
         ),
     ),
 ]

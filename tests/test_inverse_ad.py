@@ -478,9 +478,9 @@ def lax_pad_interleave(v, start):
 def _interleaved_pairs_gradient(x):
     """The extended Rosenbrock's gradient as `examples/newton.py` writes it: its groups are
     2 x 2 blocks interleaved (rows 2i, 2i + 1 on columns i, n/2 + i), as wide as the lump."""
-    return jax.grad(
-        lambda x: jnp.sum(100.0 * (x[1::2] - x[::2] ** 2) ** 2 + (1.0 - x[::2]) ** 2)
-    )(x)
+    return jax.grad(lambda x: jnp.sum(100.0 * (x[1::2] - x[::2] ** 2) ** 2 + (1.0 - x[::2]) ** 2))(
+        x
+    )
 
 
 # (the log-det's path is taken above `DENSE_STEP` = 1 024 unknowns)

@@ -500,3 +500,50 @@ def test_status_by_name_under_jit_and_a_message_that_says_where_it_works():
     with pytest.raises(TypeError, match="Status.converged"):
         jax.jit(lambda x0: jr.optim.root(lambda x: x**3 - 8.0, x0)[1].message)(jnp.array(1.0))
     assert jr.optim.root(lambda x: x**3 - 8.0, jnp.array(1.0))[1].message == "converged"
+
+
+def _decay_solve(theta):
+    """y' = -a y + b sin t from 0 to 1 by an adaptive Tsit5, differentiable in forward mode
+    only (diffrax's ForwardMode: a while loop with a dynamic number of steps)."""
+    import diffrax
+
+    term = diffrax.ODETerm(lambda t, y, a: -a[0] * y + a[1] * jnp.sin(t))
+    sol = diffrax.diffeqsolve(
+        term,
+        diffrax.Tsit5(),
+        0.0,
+        1.0,
+        0.1,
+        jnp.array([1.0, 0.5]),
+        args=theta,
+        stepsize_controller=diffrax.PIDController(rtol=1e-10, atol=1e-10),
+        adjoint=diffrax.ForwardMode(),
+    )
+    return sol.ys[-1]
+
+
+def test_a_forward_mode_diffrax_objective_minimises_and_its_root_is_found():
+    """Issue 45: a diffrax solve with ForwardMode cannot run in reverse mode; minimize takes
+    autodiff_mode="fwd" (Optimistix's option) and says so when it is missing; root's Newton
+    steps are inverse JVPs already (an int64 step counter beside int32 indices crashed
+    them)."""
+    truth = jnp.array([0.7, 0.3])
+    target = _decay_solve(truth)
+    loss = lambda th: jnp.sum((_decay_solve(th) - target) ** 2)
+    with pytest.raises(ValueError, match='autodiff_mode="fwd"') as ei:
+        jr.optim.minimize(loss, jnp.array([1.0, 0.0]))
+    assert "test_optim.py" in str(ei.value)
+    x, info = jr.optim.minimize(loss, jnp.array([1.0, 0.0]), autodiff_mode="fwd")
+    assert info.message == "converged" and float(jnp.max(jnp.abs(x - truth))) < 1e-6
+    x, info = jr.optim.root(lambda th: _decay_solve(th) - target, jnp.array([1.0, 0.0]))
+    assert info.message == "converged" and float(jnp.max(jnp.abs(x - truth))) < 1e-9
+
+
+@pytest.mark.parametrize("damping", [0.0, 0.5])
+def test_forward_mode_newton_direction_matches_reverse_mode(damping):
+    f = lambda x: jnp.sum(jnp.cosh(x) * x[::-1]) + jnp.sum(x**4)
+    x = jnp.asarray(rng.standard_normal(6))
+    d_fwd = jr.optim.newton_direction(f, x, damping=damping, autodiff_mode="fwd")
+    assert rel_error(d_fwd, dense_newton(f, x, damping)) < 1e-12
+    with pytest.raises(ValueError, match="autodiff_mode"):
+        jr.optim.newton_direction(f, x, autodiff_mode="forward")

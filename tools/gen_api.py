@@ -6,15 +6,16 @@
 
 The page covers every name in `jaxrev.__all__` (in that order), every name in
 `jaxrev.optim.__all__`, and the optional modules `jaxrev.diffrax` (`ReversibleAdjoint`,
-`Reversible`), `jaxrev.flowjax` (`Bijection`) and `jaxrev.numpyro` (`Transform`). Classes list their
-public
+`Reversible`), `jaxrev.flowjax` (`Bijection`), `jaxrev.numpyro` (`Transform`), `jaxrev.lineax`
+(`InverseAccumulation`) and `jaxrev.optimistix` (`Newton`, `GaussNewton`,
+`LevenbergMarquardt`, `NewtonMinimiser`). Classes list their public
 methods and properties that have docstrings (and name the others). The output is
 deterministic: no addresses, no timestamps; signatures are rendered from `inspect.signature`
 by this script, and default values that are objects are rendered by name.
 
-diffrax, flowjax and numpyro are optional: where such a module cannot be imported, the section
-it would produce is copied from the existing docs/api.md (so `--check` still compares the
-rest), and a note says so.
+diffrax, flowjax, numpyro, lineax and optimistix are optional: where such a module cannot be
+imported, the section it would produce is copied from the existing docs/api.md (so `--check`
+still compares the rest), and a note says so.
 `tests/test_api_docs.py` runs `check()` in-process.
 """
 
@@ -42,6 +43,8 @@ OPTIONAL = {
     "diffrax": ("ReversibleAdjoint", "Reversible"),
     "flowjax": ("Bijection",),
     "numpyro": ("Transform",),
+    "lineax": ("InverseAccumulation",),
+    "optimistix": ("Newton", "GaussNewton", "LevenbergMarquardt", "NewtonMinimiser"),
 }
 """Optional modules (`jaxrev.<name>`, importing the library of that name) and their names."""
 

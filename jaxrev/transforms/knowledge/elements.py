@@ -311,7 +311,10 @@ def _starts(w: R.Win, env: Env) -> list[Any]:
             var, k = o
             val = env.read(var)
             out.append(val if k is None else jnp.reshape(val, (-1,))[k])
-    return out
+    # one index dtype for all (lax.dynamic_slice requires it): a traced start in int64
+    # (x64: diffrax's step counter) beside the int32 ones written for static origins
+    dtype = jnp.result_type(*out) if out else jnp.int32
+    return [jnp.asarray(x, dtype) for x in out]
 
 
 def _in_bounds(w: R.Win, starts: Sequence[Any]) -> Any:

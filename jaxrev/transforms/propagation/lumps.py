@@ -19,6 +19,12 @@ k x k block each. For the others this module:
    the pivots and the growth factor; a tridiagonal `A` (a chained Rosenbrock's Hessian, a
    discretised Laplacian) by the same elimination in one LAPACK / cuSPARSE call;
 4. otherwise leaves it to the dense solve (n JVPs and a pivoted LU): one lump of size n.
+
+Before 2 and 3, the probe also finds whether `A`'s rows and columns fall into small
+independent blocks once reordered (the connected components of its pattern): strided slices
+read in and pads summed out make permutations of small coupled groups, whose band is as wide
+as the lump. Their entries come from one JVP per position within a block, and a batched
+elimination and a gather solve them in O(n · size²).
 """
 
 from __future__ import annotations
