@@ -51,6 +51,8 @@ __all__ = [
     "default_tolerance",
     "Status",
     "jacobian_solve",
+    "least_squares",
+    "gauss_newton_direction",
 ]
 
 STATUS = ("converged", "max_iterations", "stalled", "non_finite")
@@ -293,6 +295,78 @@ def _dense_direction(g_fn: Callable[[Any], Any], params: Any, grad: Any, damping
         lambda: dense.solve(H, gv),
     )
     return unravel(d)
+
+
+def gauss_newton_direction(
+    residual_fn: Callable[[Any], Any],
+    params: Any,
+    grad: Any | None = None,
+    *,
+    damping: Any = 0.0,
+    autodiff_mode: str = "bwd",
+) -> Any:
+    """``(JᵀJ + damping·I)⁻¹ grad`` for the Jacobian `J` of `residual_fn` at `params`: the
+    Gauss-Newton (damped: Levenberg-Marquardt) direction of ``½‖r‖²``, by inverse
+    accumulation over the normal map ``v ↦ Jᵀ(J v) + damping·v``.
+
+    The residual's structure is kept: `JᵀJ` is never formed unless its program's groups
+    are dense (a chained Rosenbrock's residuals give a tridiagonal one, solved in its band),
+    and the second-order terms ``Σ rᵢ ∇²rᵢ`` of the full Hessian are never computed.
+
+    **Arguments:**
+
+    - `residual_fn`: the residuals r, a function of one pytree returning a pytree of arrays
+      (any number of them: m ≥ n for a nonsingular `JᵀJ`).
+    - `params`: where J is taken.
+    - `grad`: the right-hand side, in `params`' structure (default: ``Jᵀr``, the gradient of
+      ``½‖r‖²``).
+    - `damping`: added to `JᵀJ`'s diagonal (default 0).
+    - `autodiff_mode`: "bwd" (the default: `Jᵀ` by transposing J's linear program) or
+      "fwd" (J formed by JVPs, one per unknown, and the normal system factored densely: for
+      residuals reverse mode cannot run).
+
+    **Returns:**
+
+    The direction, in `params`' structure; NaN where the system is singular.
+
+    **Example:**
+
+        >>> import jax.numpy as jnp, jaxrev as jr
+        >>> r = lambda x: jnp.array([x[0] - 1.0, 2.0 * (x[1] - x[0]), x[1]])
+        >>> d = jr.optim.gauss_newton_direction(r, jnp.zeros(2))  # the least-squares step
+        >>> [round(float(v), 4) for v in d]
+        [-0.5556, -0.4444]
+    """
+    _check_autodiff_mode("jaxrev.optim.gauss_newton_direction", autodiff_mode)
+    v, unravel = ravel_filtered(params)
+
+    def r_flat(u):
+        return ravel_pytree(traced_leaves(residual_fn(unravel(u))))[0].astype(u.dtype)
+
+    g = None if grad is None else ravel_pytree(traced_leaves(grad))[0].astype(v.dtype)
+    return unravel(_gauss_newton_direction(r_flat, v, g, damping, autodiff_mode))
+
+
+def _gauss_newton_direction(
+    r_flat: Callable[[Any], Any], v: Any, g: Any, damping: Any, autodiff_mode: str
+) -> Any:
+    """`gauss_newton_direction` on flat vectors."""
+    if autodiff_mode == "fwd":
+        r, J = r_flat(v), jax.jacfwd(r_flat)(v)
+        g = J.T @ r if g is None else g
+        normal = J.T @ J + damping * jnp.eye(v.size, dtype=v.dtype)
+        return dense.solve(normal, g)
+    r, lin = jax.linearize(r_flat, v)
+    lin_t = jax.linear_transpose(lin, v)
+    g = lin_t(r)[0] if g is None else g
+
+    def normal(u):
+        out = lin_t(lin(u))[0]
+        return out if _is_zero(damping) else out + damping * u
+
+    # a linear map: inverted on its own program, at any point (zero)
+    _, (d,) = inverse_jvp(normal, (jnp.zeros_like(v),), g, on_error="nan")
+    return d
 
 
 def _is_zero(x) -> bool:
@@ -620,6 +694,83 @@ def minimize(
     )
 
 
+def least_squares(
+    fun: Callable[[Any], Any],
+    x0: Any,
+    *,
+    method: str = "trust-region",
+    tol: float | None = None,
+    maxiter: int | None = None,
+    throw: bool = True,
+    args: Any = None,
+    has_aux: bool = False,
+    autodiff_mode: str = "bwd",
+) -> tuple[Any, Info]:
+    """Minimize ``½‖fun(x)‖²`` over x, `fun` returning residuals, by Gauss-Newton steps
+    ``(JᵀJ + λI)⁻¹Jᵀr`` (`gauss_newton_direction`): the residual's structure is kept (a
+    user writing ½‖r‖² for `minimize` gets steps from its full Hessian, second-order terms
+    included, and loses Gauss-Newton's behaviour on small-residual problems).
+
+    Jittable and vmappable (one `lax.while_loop`); an eager call is compiled, and a repeated
+    one reuses it.
+
+    **Arguments:**
+
+    - `fun`: the residuals, a function of one pytree returning a pytree of arrays (m ≥ n
+      numbers in all).
+    - `x0`: the starting point (a pytree of real arrays; integer and boolean leaves are taken
+      as JAX's default float).
+    - `method`: ``"trust-region"`` (the default): Levenberg-Marquardt, λ adapted by the
+      agreement of the actual and predicted decreases (as `minimize`'s trust region);
+      ``"newton"``: undamped Gauss-Newton steps with a backtracking (Armijo) line search.
+    - `tol`: stop when the gradient ``Jᵀr``'s largest entry is at most this (default: 1e-8
+      in float64, ``eps ** (2/3)`` of a lower precision).
+    - `maxiter`: the most iterations (default ``max(100, 4 n)``).
+    - `throw`: with True (the default), a solve short of the tolerance raises
+      `jr.NotConvergedError`; with False its status is in `info`.
+    - `args`: passed to `fun` as ``fun(x, args)`` when not None; ``fun(x)`` otherwise.
+    - `has_aux`: `fun` returns ``(residuals, aux)``; `aux` at the solution is ``info.aux``.
+    - `autodiff_mode`: "bwd" (the default) or "fwd" (J by JVPs, the normal system factored
+      densely: for residuals reverse mode cannot run).
+
+    **Returns:**
+
+    ``(x, info)``: the minimizer, in `x0`'s structure, and an `Info` (``info.value`` is
+    ``½‖r‖²``, ``info.residual`` the gradient's largest entry).
+
+    **Example:**
+
+        >>> import jax.numpy as jnp, jaxrev as jr
+        >>> r = lambda x: jnp.array([1 - x[0], 10 * (x[1] - x[0] ** 2)])
+        >>> x, info = jr.optim.least_squares(r, jnp.array([-1.2, 1.0]))
+        >>> [round(float(v), 4) for v in x], info.message
+        ([1.0, 1.0], 'converged')
+    """
+    who = "jaxrev.optim.least_squares"
+    if method not in ("newton", "trust-region"):
+        raise ValueError(f"{who}: method must be 'newton' or 'trust-region', got {method!r}")
+    _check_common(who, tol, maxiter)
+    _check_autodiff_mode(who, autodiff_mode)
+    return _eager_compiled(
+        (who, method, tol, maxiter, bool(throw), args is None, bool(has_aux), autodiff_mode),
+        fun,
+        partial(
+            _least_squares,
+            _Objective(fun, args is not None, bool(has_aux)),
+            method,
+            tol,
+            maxiter,
+            bool(throw),
+            autodiff_mode,
+        ),
+        (x0, args),
+    )
+
+
+def _least_squares(*settings: Any) -> tuple[Any, Info]:
+    return _minimize(*settings, model="gauss-newton")
+
+
 def _inexact_start(x0: Any) -> Any:
     """`x0` with its integer and boolean leaves as JAX's default floating dtype, as
     Optimistix takes a start (`jnp.arange(3)` is a start like any other)."""
@@ -642,17 +793,28 @@ def _minimize(
     autodiff_mode: str,
     x0: Any,
     args: Any,
+    model: str = "newton",
 ) -> tuple[Any, Info]:
-    who = "jaxrev.optim.minimize"
+    """`minimize` (`model` "newton": `fun` is the objective, steps from its Hessian) and
+    `least_squares` (`model` "gauss-newton": `fun` gives residuals r, the objective is
+    ``½‖r‖²`` and the steps come from ``JᵀJ``); one loop for both."""
+    who = "jaxrev.optim.minimize" if model == "newton" else "jaxrev.optim.least_squares"
     v0, unravel = ravel_filtered(_inexact_start(x0))
     if not jnp.issubdtype(v0.dtype, jnp.floating):
         raise no_result_for_dtype(
-            who, "x0", v0.dtype, "minimize takes real arguments (a complex x has no order)"
+            who, "x0", v0.dtype, "it takes real arguments (a complex x has no order)"
         )
     tol = default_tolerance(v0.dtype, MINIMIZE_TOL) if tol is None else tol
     maxiter = max(100, 4 * v0.size) if maxiter is None else maxiter
 
+    def residuals(v):
+        out = objective.value(unravel(v), args)
+        return ravel_pytree(traced_leaves(out))[0].astype(v.dtype)
+
     def f(v):
+        if model == "gauss-newton":
+            r = residuals(v)
+            return 0.5 * jnp.vdot(r, r)
         out = objective.value(unravel(v), args)
         if jnp.shape(out) != ():
             raise TypeError(f"{who}: fun must return a scalar, got shape {jnp.shape(out)}")
@@ -662,7 +824,13 @@ def _minimize(
         value_and_grad = jax.value_and_grad(f)
     else:
         value_and_grad = lambda v: (f(v), jax.jacfwd(f)(v))  # noqa: E731
-    direction = partial(newton_direction, f, autodiff_mode=autodiff_mode)
+    if model == "newton":
+        direction = partial(newton_direction, f, autodiff_mode=autodiff_mode)
+    else:
+
+        def direction(x, g, damping=0.0):
+            return _gauss_newton_direction(residuals, x, g, damping, autodiff_mode)
+
     try:
         f0, g0 = value_and_grad(v0)
     except ValueError as e:

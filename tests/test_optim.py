@@ -547,3 +547,62 @@ def test_forward_mode_newton_direction_matches_reverse_mode(damping):
     assert rel_error(d_fwd, dense_newton(f, x, damping)) < 1e-12
     with pytest.raises(ValueError, match="autodiff_mode"):
         jr.optim.newton_direction(f, x, autodiff_mode="forward")
+
+
+def chained_rosenbrock_residuals(x):
+    return jnp.concatenate([10.0 * (x[1:] - x[:-1] ** 2), 1.0 - x[:-1]])
+
+
+@pytest.mark.parametrize("damping", [0.0, 0.3])
+def test_gauss_newton_direction_keeps_the_residuals_structure(damping):
+    """JᵀJ of the chained Rosenbrock's residuals is tridiagonal: the Gauss-Newton direction is
+    the dense least-squares one, with no n x n matrix in its program."""
+    n = 1000
+    x = jnp.asarray(1.0 + 0.1 * rng.standard_normal(n))
+    direction = lambda x: jr.optim.gauss_newton_direction(
+        chained_rosenbrock_residuals, x, damping=damping
+    )
+    J = jax.jacfwd(chained_rosenbrock_residuals)(x)
+    r = chained_rosenbrock_residuals(x)
+    ref = jnp.linalg.solve(J.T @ J + damping * jnp.eye(n), J.T @ r)
+    assert rel_error(jax.jit(direction)(x), ref) < 1e-9
+    assert f"[{n},{n}]" not in str(jax.make_jaxpr(direction)(x))
+    fwd = jr.optim.gauss_newton_direction(
+        chained_rosenbrock_residuals, x[:50], damping=damping, autodiff_mode="fwd"
+    )
+    J = J[: 2 * 49][:, :50]
+    J = jax.jacfwd(chained_rosenbrock_residuals)(x[:50])
+    r = chained_rosenbrock_residuals(x[:50])
+    assert rel_error(fwd, jnp.linalg.solve(J.T @ J + damping * jnp.eye(50), J.T @ r)) < 1e-9
+
+
+def test_least_squares_pytree_aux_vmap_and_errors():
+    """Residuals as a pytree with an aux output, several starts under vmap, float32, and the
+    errors (method, a complex start)."""
+
+    def residuals(p, data):
+        r = {"fit": p["a"] * jnp.exp(-p["k"] * data[0]) - data[1], "prior": 0.01 * p["k"]}
+        return r, jnp.sum(r["fit"] ** 2)
+
+    t = jnp.linspace(0.0, 2.0, 20)
+    data = (t, 2.0 * jnp.exp(-0.7 * t))
+    p0 = {"a": jnp.array(1.0), "k": jnp.array(0.1)}
+    p, info = jr.optim.least_squares(residuals, p0, args=data, has_aux=True)
+    assert info.message == "converged" and abs(float(p["a"]) - 2.0) < 1e-3
+    assert float(info.aux) < 1e-6
+    starts = {"a": jnp.array([1.0, 3.0]), "k": jnp.array([0.1, 1.5])}
+    batch = jax.vmap(lambda p0: jr.optim.least_squares(residuals, p0, args=data, has_aux=True))
+    ps, infos = batch(starts)
+    assert bool(jnp.all(infos.status == jr.optim.Status.converged))
+    assert float(jnp.max(jnp.abs(ps["a"] - p["a"]))) < 1e-8
+    p32, info32 = jr.optim.least_squares(
+        residuals,
+        jax.tree.map(lambda v: v.astype(jnp.float32), p0),
+        args=jax.tree.map(lambda v: v.astype(jnp.float32), data),
+        has_aux=True,
+    )
+    assert p32["a"].dtype == jnp.float32 and info32.message == "converged"
+    with pytest.raises(ValueError, match="method"):
+        jr.optim.least_squares(residuals, p0, args=data, has_aux=True, method="dogleg")
+    with pytest.raises(jr.DtypeError):
+        jr.optim.least_squares(lambda z: z - 1.0, jnp.ones(2, jnp.complex128))
