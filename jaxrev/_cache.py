@@ -39,7 +39,7 @@ import numpy as np
 
 from jaxrev._compat import is_concrete, is_staged, tracing
 from jaxrev._program import Filtered, traced_mask
-from jaxrev._runtime import checked_jit, runtime_error
+from jaxrev._runtime import checked_jit, raise_runtime_errors, runtime_error
 
 __all__ = [
     "function_key",
@@ -386,7 +386,16 @@ def compiled(key: Any, fn: Callable, *args: Any) -> Any:
         return fn(*args)
     jitted = _COMPILED.get(key) or _COMPILED.put(key, [], checked_jit(fn, convert=False))
     ok, out = _run_quietly(jitted, *args)
-    return out if ok else fn(*args)
+    return out if ok else _eager(fn, *args)
+
+
+def _eager(fn: Callable, *args: Any) -> Any:
+    """`fn(*args)` eagerly (a first call, or a compiled call that failed a check): a check
+    outside any loop raises its own error at once; one inside a loop still runs compiled
+    (JAX compiles loops even eagerly), and its runtime error is converted to the check's
+    documented error, never left as JAX's `JaxRuntimeError`."""
+    with raise_runtime_errors():
+        return fn(*args)
 
 
 def cached_call(who: Any, fun: Any, impl: Callable[..., Any], args: tuple) -> Any:
@@ -411,11 +420,11 @@ def cached_call(who: Any, fun: Any, impl: Callable[..., Any], args: tuple) -> An
         return impl(*args)
     ck = call_key(fun, args)
     if ck is None:
-        return impl(*args)
+        return _eager(impl, *args)
     key, keep = (who, ck[0]), ck[1]
     if _SEEN.get(key) is None:
         _SEEN.put(key, keep, True)
-        return impl(*args)
+        return _eager(impl, *args)
     split = Filtered(tuple(args))
     hit = _COMPILED.get(key)
     if hit is None:
@@ -430,7 +439,7 @@ def cached_call(who: Any, fun: Any, impl: Callable[..., Any], args: tuple) -> An
     jitted, out_split = hit
     ok, res = _run_quietly(jitted, *split.flat, block=True)
     if not ok or not bool(res[1]):
-        return impl(*args)
+        return _eager(impl, *args)
     return out_split[0].rebuild(res[0])[0]
 
 

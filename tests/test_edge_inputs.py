@@ -116,6 +116,58 @@ def test_a_nan_input_is_named_as_the_cause_not_the_solver():
     assert np.isfinite(got[0]) and np.isnan(got[1])
 
 
+# ------------------------------------------------- reversible: the forward run's own NaN and inf
+
+
+def _newton_loop(x):  # each step's inverse is a Newton group per element
+    return jax.lax.fori_loop(0, 100, lambda i, x: x + 0.01 * jnp.tanh(x), x)
+
+
+def _coupled_scan(x):  # x[0] NaN makes the other stream's x[2] NaN in the forward run too
+    def body(carry, _):
+        a, b = carry
+        a = a + jnp.tanh(0.9 * b)
+        return (a, b + jnp.sin(1.1 * a)), None
+
+    return jax.lax.scan(body, (x[:2], x[2:]), None, length=50)[0]
+
+
+def _summed(f):
+    return lambda x: sum(jnp.sum(leaf) for leaf in jax.tree.leaves(f(x)))
+
+
+@pytest.mark.parametrize("special", [np.nan, np.inf, -np.inf], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("program", [_newton_loop, _coupled_scan], ids=["newton", "coupled"])
+def test_reversible_at_nan_and_inf_inputs_gives_jax_grads_gradient(program, special):
+    """A NaN or an infinity the forward run itself holds is not drift (issue 43 item 6): the
+    default's gradient is jax.grad's, NaN where jax.grad's is NaN, eagerly and under jit (an
+    eager call raised JAX's runtime error, blaming Newton's method for the input)."""
+    x = jnp.array([special, 1.0, 0.3, -0.5])
+    want = jax.grad(_summed(program))(x)
+    grad = jax.grad(_summed(jr.reversible(program)))
+    for got in (grad(x), jax.jit(grad)(x)):
+        np.testing.assert_allclose(got, want, rtol=1e-10, equal_nan=True)
+    got32 = grad(x.astype(jnp.float32))
+    want32 = jax.grad(_summed(program))(x.astype(jnp.float32))
+    np.testing.assert_array_equal(np.isnan(got32), np.isnan(want32))
+
+
+def test_reversible_at_a_superattracting_fixed_point_gives_jax_grads_gradient():
+    """x + sin(2x)/2 sits on pi/2, where its derivative vanishes: the backward run's Newton
+    step is singular there. Under the repairing default that is drift like any other (the
+    segment is recomputed) and the gradient is jax.grad's; `reverse`, which has nothing to
+    repair from, names the singular step, eagerly on every call (its first call, uncompiled,
+    runs the loop compiled all the same: JAX's runtime error is converted)."""
+    f = lambda x: jax.lax.fori_loop(0, 20, lambda i, x: x + 0.5 * jnp.sin(2 * x), x)  # noqa: E731
+    x = jnp.array([np.pi / 2, 0.3])
+    want = jax.grad(_summed(f))(x)
+    got = jax.grad(_summed(jr.reversible(f)))(x)
+    np.testing.assert_allclose(got, want, atol=1e-12)
+    for _ in range(2):  # the first call eager, the second compiled
+        with pytest.raises(jr.SingularJacobianError, match=rf"element \(0,\).*`mul` at .*{HERE}"):
+            jr.reverse(f)(f(x))
+
+
 def test_log_determinants_at_nan_points_are_nan():
     f = lambda x: 2.0 * x + 1.0  # noqa: E731  (pivots that do not read the point)
     p = jnp.array([jnp.nan, 1.0])

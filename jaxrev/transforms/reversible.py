@@ -251,7 +251,7 @@ def _checked_walk(
         else ""
     )
     log = drift.log_for(dial, dial.name, loops)
-    env.ctx = env.ctx.replace(drift=log)
+    env.ctx = env.ctx.replace(drift=log, rebuilds=True)
     walk(plan, env, ctenv, active, Residuals(plan, res), [])
     cts = read()
     if log is None:
@@ -474,7 +474,7 @@ def rebuild(
     env = _top_env(plan, bound.state, params, outs)
     sites: list[tuple[str, float]] = []
     log = drift.log_for(dial, dial.name)
-    env.ctx = env.ctx.replace(drift=log)
+    env.ctx = env.ctx.replace(drift=log, rebuilds=True)
     walk(plan, env, None, set(), Residuals(plan, res), [])
     if log is not None:
         for ratio, index in log.scopes[0]:

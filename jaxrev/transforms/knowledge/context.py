@@ -35,11 +35,14 @@ class Settings:
     """What a transform asks of its walks (hashable: part of cache keys, and of `reversible`'s
     dial, a primitive param). `who`: the transform's public name, which its errors say;
     `on_error` (`ON_ERROR`); `newton`: whether Newton's method is used at all (the inverse
-    transforms need only Jacobians, which linear lumps give exactly)."""
+    transforms need only Jacobians, which linear lumps give exactly); `rebuilds`: the walk
+    rebuilds values a forward run computed (`reversible`'s backward walk), so a NaN or an
+    infinity given to it is the program's own value, not a failure to report."""
 
     who: str = "jaxrev.reverse"
     on_error: str = "raise"
     newton: bool = True
+    rebuilds: bool = False
 
     def __post_init__(self) -> None:
         if self.on_error not in ON_ERROR:

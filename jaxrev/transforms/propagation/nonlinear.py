@@ -532,6 +532,18 @@ def _check(L: Lump, ok: Any, singular: Any, rn: Any, tol: Any, given_bad: Any, c
     (`given_bad`) is named as the cause, not the solver."""
     first = _first_line(L.eqns)
     who = ctx.who
+    if ctx.settings.rebuilds:
+        # reversible's backward run rebuilds what the forward run computed: a NaN or an
+        # infinity given here is the program's own value (jax.grad's gradient is NaN there
+        # too), not a failure; its preimage is NaN, and the drift check compares that with
+        # the true value (no drift where the forward run held a NaN as well)
+        ok = ok | given_bad
+        if ctx.drift is not None and ctx.drift.dial.repair:
+            # under the repairing dial a failed solve (a singular Jacobian where the forward
+            # run sits on a superattracting fixed point) is drift like any other: its NaN
+            # reaches the segment's check, which recomputes the segment from its checkpoint,
+            # or the call's inputs' check, which names the loop
+            return
 
     def error(ok, singular, rn, tol, given_bad):
         ok, singular, given_bad = np.asarray(ok), np.asarray(singular), np.asarray(given_bad)

@@ -183,16 +183,22 @@ class SegmentCheck(NamedTuple):
     budget: Budget  # the budget, the segment counted
 
 
+def _finite_abs(x: Any) -> Any:
+    """|x| where finite, 0 elsewhere: a NaN or an infinity the program holds makes jax.grad's
+    gradient NaN there whatever rounding does, so it weighs nothing in the budget."""
+    return where(jnp.isfinite(x), jnp.abs(x), 0)
+
+
 def weight(cts: Sequence[Any], vals: Sequence[Any]) -> Any:
-    """Σ over floating leaves of u·‖c̄‖₁·‖x‖∞: what one roundoff of each value moves the loss
-    by, at most (u: the leaf's unit roundoff)."""
+    """Σ over floating leaves of u·‖c̄‖₁·‖x‖∞ (finite elements): what one roundoff of each
+    value moves the loss by, at most (u: the leaf's unit roundoff)."""
     out = jnp.zeros((), budget_dtype())
     for ct, val in zip(cts, vals):
         if ct is None or not jnp.issubdtype(jnp.result_type(val), jnp.inexact):
             continue
         unit_roundoff = float(jnp.finfo(jnp.result_type(val)).eps) / 2
-        ct_norm = jnp.sum(jnp.abs(ct)).astype(out.dtype)
-        val_norm = jnp.max(jnp.abs(val), initial=0).astype(out.dtype)
+        ct_norm = jnp.sum(_finite_abs(ct)).astype(out.dtype)
+        val_norm = jnp.max(_finite_abs(val), initial=0).astype(out.dtype)
         out = out + unit_roundoff * (ct_norm * val_norm)
     return out
 
@@ -226,7 +232,7 @@ def grad_ratio(ends: SegmentEnds, budget: Budget, accumulate: bool = True) -> tu
         same = (rebuilt == stored) | (jnp.isnan(rebuilt) & jnp.isnan(stored))
         miss = jnp.max(where(same, 0.0, jnp.abs(rebuilt - stored)), initial=0).astype(dtype)
         miss = where(jnp.isnan(miss), jnp.inf, miss)
-        share = share + where(miss > 0, jnp.sum(jnp.abs(ct)).astype(dtype) * miss, 0.0)
+        share = share + where(miss > 0, jnp.sum(_finite_abs(ct)).astype(dtype) * miss, 0.0)
     share = share * max(n, 2) / 2
     scale = GRAD_SLACK * where(rounding > 0, rounding, jnp.finfo(dtype).tiny)
     drift_ratio = (drift + share) / scale
