@@ -616,6 +616,16 @@ def vma_union(*trees: Any) -> frozenset:
     return out
 
 
+def any_over(flag: Any, axes: frozenset) -> Any:
+    """`flag` (a boolean) made true on every device of the mesh `axes` where it is true on
+    any (`lax.pmax`), and so no longer varying over them: a decision all the devices that
+    hold one replicated value must take together. `flag` itself where `axes` is empty."""
+    if not axes:
+        return flag
+    names = tuple(sorted(axes, key=str))
+    return jax.lax.pmax(jax.numpy.asarray(flag, jax.numpy.int32), names) > 0
+
+
 def vary_to(tree: Any, axes: frozenset) -> Any:
     """Every leaf of `tree` cast to vary over `axes` (at least): the loop-carried bookkeeping
     of a backward run (its drift, its budget) typed alike in every iteration and branch."""

@@ -24,7 +24,16 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxrev._batching import select_batched, where
-from jaxrev._compat import match_vma, sds, trace_to_closed, vary_to, vma_union, zeros_of
+from jaxrev._compat import (
+    any_over,
+    match_vma,
+    sds,
+    trace_to_closed,
+    vary_to,
+    vma_of,
+    vma_union,
+    zeros_of,
+)
 from jaxrev._evaluate import eval_closed
 from jaxrev._program import avals_of
 from jaxrev.transforms.sweep.drift import Budget, budget_dtype, combine, finite, no_drift
@@ -230,6 +239,17 @@ def segmented(
     # inside shard_map the drift, the budget and the miss flag vary over every mesh axis the
     # loop's values vary over: typed so from the start, and at every branch's end
     axes = vma_union(carry0, slices, ckpts)
+    # ... but whether a segment is inverted or recomputed is decided by every device
+    # together: a tensor-parallel block's carry is replicated over "model" while its weights
+    # (and their cotangents) are split over it, and the body's VJP sums the weights'
+    # cotangents over "data" (a collective each device must join, in the same branch). A
+    # segment any device misses is recomputed on all (exact values, so no harm), and the
+    # decision, invariant over the mesh, keeps the type of whatever it selects
+
+    def agreed(flag):
+        """`flag` true on every device of the mesh where it is true on any."""
+        return any_over(flag, vma_of(flag))
+
     zero = vary_to(jnp.zeros((), budget_dtype()), axes)
     false = vary_to(jnp.zeros((), bool), axes)
     end = [jnp.asarray(a, ck.dtype) for a, ck in zip(final.carry, ckpts)]
@@ -267,7 +287,7 @@ def segmented(
         return check(rebuilt, stored, rebuilt_ct, state.carry, state.carry_ct, n, state.budget)
 
     def seg_back(state, seg, stored, n, probe):
-        new = one_segment(state, seg, stored, n, probe)
+        new = one_segment(state, seg, stored, n, agreed(probe))
         return new if new.growth is not None else new._replace(growth=state.growth)
 
     def one_segment(state, seg, stored, n, probe):
@@ -302,7 +322,7 @@ def segmented(
         def invert():
             back, bufs = run(state.back(), state.bufs, seg, n)
             checked = check_start(back.carry, back.carry_ct, stored, state, n)
-            bad = ~(checked.ratio <= 1.0) | ~finite([*back.carry_ct, *back.consts_ct])
+            bad = agreed(~(checked.ratio <= 1.0) | ~finite([*back.carry_ct, *back.consts_ct]))
             pulled = lax.cond(
                 bad,
                 lambda: redo(stored, state.carry_ct, state.consts_ct, seg, n, bufs),
@@ -358,12 +378,13 @@ def segmented(
             pre = check_start(start, grown, stored, state, n)
             # a value the inversion made non-finite inside the segment, where its start is
             # finite, is a miss however its start compares
-            bad = ~(pre.ratio <= 1.0) | (~finite(stacked) & finite(stored))
-            return like_stored(stacked), like_stored(start), inner, vary_to(bad, axes)
+            bad = agreed(~(pre.ratio <= 1.0) | (~finite(stacked) & finite(stored)))
+            return like_stored(stacked), like_stored(start), inner, bad
 
         def skipped():
             stacked = [jnp.zeros((n, *jnp.shape(a)), a.dtype) for a in stored]
-            return like_stored(stacked), list(stored), none, vary_to(jnp.ones((), bool), axes)
+            stacked, start = like_stored(stacked), list(stored)
+            return stacked, start, none, jnp.ones((), bool)
 
         stacked, start, inner, bad = lax.cond(probe, inverted, skipped)
         stacked = lax.cond(bad, lambda: like_stored(redo.carries(stored, seg, n)), lambda: stacked)
@@ -402,7 +423,7 @@ def segmented(
         arrays are never operands of a `cond`."""
         back, bufs = run(state.back(), state.bufs, seg, n, probe)
         checked = check_start(back.carry, back.carry_ct, stored, state, n)
-        bad = ~probe | ~(checked.ratio <= 1.0) | ~finite([*back.carry_ct, *back.consts_ct])
+        bad = agreed(~probe | ~(checked.ratio <= 1.0) | ~finite([*back.carry_ct, *back.consts_ct]))
         pulled = redo(stored, state.carry_ct, state.consts_ct, seg, n, bufs, on=bad)
         carry_ct = [
             None if a is None else where(bad, a, b) for a, b in zip(pulled.carry_ct, back.carry_ct)
@@ -434,10 +455,13 @@ def segmented(
         final.worst,
         Budget(zero, zero),
         false,
-        traced.out_buffers(length, axes)
+        # typed as the outputs are: written under decisions the mesh agrees on, they vary
+        # as each iteration's output does (a weight's cotangent: over "model", summed over
+        # "data" by the body's VJP)
+        traced.out_buffers(length)
         if traced is not None
         else _tmap(
-            lambda a: vary_to(jnp.zeros((length, *jnp.shape(a)), jnp.result_type(a)), axes),
+            lambda a: match_vma(jnp.zeros((length, *jnp.shape(a)), jnp.result_type(a)), a),
             redo.out_row(xs.read(0)),
         ),
         vary_to(jnp.ones((), budget_dtype()), axes),
