@@ -17,7 +17,7 @@ from jaxrev._runtime import jit, raise_runtime_errors
 from jaxrev import optim
 from jaxrev.primitives import apply_gate, rot, swap
 from jaxrev.transforms.control_flow import cond, while_loop
-from jaxrev.transforms.sweep.drift import DriftWarning
+from jaxrev.transforms.sweep.drift import DriftWarning, LoopRepair, RepairReport
 from jaxrev.transforms.custom_rules import (
     custom_inverse,
     forward_mode,
@@ -85,6 +85,8 @@ __all__ = [
     "SingularJacobianError",
     "DriftError",
     "DriftWarning",
+    "RepairReport",
+    "LoopRepair",
     "FailureWarning",
     "jit",
     "raise_runtime_errors",

@@ -182,4 +182,6 @@ def test_flax_nnx_state():
     np.testing.assert_allclose(jr.reverse(f)(f(X, state), state), X, atol=1e-13)
     g = jax.grad(lambda s: jnp.sum(jr.reversible(f)(X, s) ** 2))(state)
     ref = jax.grad(lambda s: jnp.sum(f(X, s) ** 2))(state)
-    assert leaves_close(g, ref)
+    # nnx.Linear's parameters are float32: their cotangents, summed over the iterations in
+    # another order (each segment's share, then the total), may differ by an ulp (1.2e-7)
+    assert leaves_close(g, ref, tol=1e-6)

@@ -53,6 +53,7 @@ from jaxrev.transforms.sweep.backward import (
     walk,
 )
 from jaxrev.transforms.sweep.dial import Dial
+from jaxrev.transforms.sweep.drift import RepairReport
 
 __all__ = [
     "reversible",
@@ -271,6 +272,7 @@ def _checked_walk(
         for v in state_vars
     ]
     drift.note(log, (drift.ratio(dial, rebuilt, true_state, steps), at))
+    drift.send_report(log)
     return log.finish(log.worst(), cts)
 
 
@@ -497,6 +499,7 @@ def reversible(
     drift_rtol: float | None = None,
     max_steps: int | None = None,
     on_error: str = "raise",
+    report: Callable[[RepairReport], Any] | None = None,
 ) -> Callable:
     """`fun` with a reverse-mode derivative that rebuilds intermediates by running backwards.
 
@@ -536,6 +539,10 @@ def reversible(
     - `on_error`: what a failure inside a rebuilt value does (a group solved by Newton's method
       that misses its tolerance, a state-dependent choice with no consistent branch), as for
       `reverse`: "raise" (the default), "nan" or "warn" (NaN and a `jr.FailureWarning`).
+    - `report`: a callable handed a `jr.RepairReport` each time the backward run runs
+      (eagerly, or when the compiled program runs): per checkpointed loop, its segments,
+      how many were repaired and the iterations recomputed, so that what the default cost
+      is visible. None (the default) stages nothing.
 
     **Returns:**
 
@@ -563,6 +570,7 @@ def reversible(
         max_steps,
         getattr(fun, "__name__", "fun"),
         Settings("jaxrev.reversible", resolve_on_error("jaxrev.reversible", on_error)),
+        report,
     )
     return reversible_with(fun, argnums, dial)
 

@@ -381,7 +381,7 @@ def _scan_sweep(P: Plan, i: int, env: Env, ctenv: dict | None, active: set, res:
             s = primal(c, None, ys_t, [], xs_t, res_t)
             return s.carry, s.drift
 
-        (c_first, c_first_ct, k_ct, w), (x_rec, x_ct) = segmented(
+        (c_first, c_first_ct, k_ct, w), (x_rec, x_ct), tally = segmented(
             bstep,
             (c0, c_ct0, k_ct0, w0),
             sl,
@@ -393,6 +393,7 @@ def _scan_sweep(P: Plan, i: int, env: Env, ctenv: dict | None, active: set, res:
             redo,
             invert if two_pass and redo is not None else None,
         )
+        drift.tally(env.ctx.drift, e, length, K, *tally)
     drift.note(env.ctx.drift, w)
     loop_cts_out(env, ctenv, LoopEnd(init, c_first, c_first_ct, consts, k_ct), act, nc)
     for v, val in zip([v for v, k in zip(xs, xk) if not k], x_rec):

@@ -62,7 +62,8 @@ class Dial:
     forward from it), "raise", "warn", "nan", "ignore"; `rtol` (default: `tol`); `max_steps`:
     the bound that lets a `while_loop` be checkpointed or store a lossy body per iteration;
     `walk`: the settings of its forward, planning and backward walks (the transform's name for
-    errors, `on_error` for failures inside rebuilt values).
+    errors, `on_error` for failures inside rebuilt values); `report`: None, or a callable
+    handed a `drift.RepairReport` each time the backward run runs (what it repaired).
 
     The dataclass's defaults are the strict, fully reversible dial that the inverse
     transforms use inside; `reversible`'s public defaults are "auto" and "repair"."""
@@ -74,6 +75,7 @@ class Dial:
     max_steps: int | None = None
     name: str = "fun"  # the user's function, for messages
     walk: Settings = Settings("jaxrev.reversible")  # its walks' settings (on_error, ...)
+    report: Any = None  # called with each backward run's `RepairReport`
 
     def __post_init__(self) -> None:
         if self.on_drift not in ON_DRIFT:
@@ -89,6 +91,13 @@ class Dial:
             )
         if self.max_steps is not None and self.max_steps < 1:
             raise ValueError(f"max_steps must be a positive int, got {self.max_steps!r}")
+        if self.report is not None and not callable(self.report):
+            raise TypeError(f"report must be a callable or None, got {self.report!r}")
+        if self.report is not None and self.on_drift == "ignore":
+            raise ValueError(
+                "report: on_drift='ignore' checks and repairs nothing, so there is nothing "
+                "to report; use another on_drift"
+            )
 
     @property
     def repair(self) -> bool:

@@ -24,6 +24,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -49,6 +50,10 @@ __all__ = [
     "finite",
     "budget_dtype",
     "Budget",
+    "LoopRepair",
+    "RepairReport",
+    "tally",
+    "send_report",
 ]
 
 
@@ -163,15 +168,79 @@ class Site:
     gradient: bool = False  # its ratio is the gradient's (dial.grad_ratio), not tol's
 
 
+class LoopRepair(NamedTuple):
+    """What the backward run of one checkpointed loop did (`reversible(..., report=)`).
+
+    **Fields:**
+
+    - `where`: the loop's user line.
+    - `iterations`: T, its length.
+    - `segment_length`: K, the iterations between two checkpoints.
+    - `segments`: ⌈T/K⌉.
+    - `repaired`: the segments recomputed forward from their checkpoints (a miss, or right
+      after one: `PROBE_EVERY`), under `on_drift="repair"`; 0 under the other dials.
+    - `recomputed`: the iterations those segments hold (the extra forward work).
+
+    **Example:**
+
+        >>> import jax, jax.numpy as jnp, jaxrev as jr
+        >>> leap = lambda qp: jax.lax.fori_loop(
+        ...     0, 900, lambda i, s: (s[0] + 0.01 * s[1], s[1] - 0.01 * (s[0] + 0.01 * s[1])), qp
+        ... )
+        >>> seen = []
+        >>> f = jr.reversible(leap, report=seen.append)
+        >>> g = jax.grad(lambda qp: f(qp)[0].sum())((jnp.ones(3), jnp.zeros(3)))
+        >>> (loop,) = seen[-1].loops
+        >>> loop.iterations, loop.segment_length, loop.segments, int(loop.repaired)
+        (900, 30, 30, 0)
+    """
+
+    where: str
+    iterations: int
+    segment_length: int
+    segments: int
+    repaired: Any
+    recomputed: Any
+
+
+class RepairReport(NamedTuple):
+    """What one backward run of `reversible(fun, report=callback)` repaired: `callback`
+    receives it each time the gradient is computed (eagerly, or when a compiled program
+    runs; under `vmap`, its counts carry the batch).
+
+    **Fields:**
+
+    - `function`: the name of the function `reversible` was given.
+    - `loops`: a `LoopRepair` per checkpointed top-level loop, in program order (a loop
+      nested in another's body has no checkpoints of its own under "auto").
+
+    **Example:**
+
+        >>> import jax, jax.numpy as jnp, jaxrev as jr
+        >>> loop = lambda y: jax.lax.fori_loop(0, 400, lambda i, y: y + 0.5 * jnp.sin(y), y)
+        >>> seen = []
+        >>> f = jr.reversible(loop, report=seen.append, drift_rtol=1e-9)  # a strict tolerance
+        >>> g = jax.grad(lambda y: f(y).sum())(jnp.array([0.3, 1.0], jnp.float32))
+        >>> it = seen[-1].loops[0]
+        >>> it.segments, int(it.repaired) > 0, int(it.recomputed) == 20 * int(it.repaired)
+        (20, True, True)
+    """
+
+    function: str
+    loops: tuple[LoopRepair, ...]
+
+
 @dataclass
 class Log:
-    """The comparisons of one top-level backward run, and what a miss does."""
+    """The comparisons of one top-level backward run, and what a miss does; the repairs of
+    its checkpointed top-level loops (`tallies`: a `LoopRepair` each, counts traced)."""
 
     dial: Any
     name: str
     loops: str = ""  # the program's loops, for the inputs' message
     sites: list[Site] = field(default_factory=list)
     scopes: list[list] = field(default_factory=lambda: [[]])
+    tallies: list[LoopRepair] = field(default_factory=list)
 
     def worst(self) -> tuple[Any, Any]:
         return _Scope(self.scopes[0]).worst()
@@ -276,6 +345,39 @@ def site(
     where = user_source(eqn)[2] if eqn is not None else ""
     log.sites.append(Site(what, where or "", tol, inputs, gradient))
     return len(log.sites) - 1
+
+
+def tally(
+    log: Log | None, eqn: Any, iterations: int, K: int, repaired: Any, recomputed: Any
+) -> None:
+    """Record what a checkpointed loop's backward run repaired, where the report can read
+    it: a top-level loop's counts (a nested loop's are values of its outer loop's body)."""
+    if log is None or log.dial.report is None or len(log.scopes) != 1:
+        return
+    where = user_source(eqn)[2] or ""
+    segments = -(-iterations // K)
+    log.tallies.append(LoopRepair(where, iterations, K, segments, repaired, recomputed))
+
+
+def send_report(log: Log | None) -> None:
+    """Hand the run's `RepairReport` to the dial's `report` callback when the program runs
+    (a `jax.debug.callback`; eagerly at once)."""
+    if log is None or log.dial.report is None:
+        return
+    loops, name, callback = tuple(log.tallies), log.dial.name, log.dial.report
+
+    def on_host(counts):
+        callback(
+            RepairReport(
+                name,
+                tuple(
+                    loop._replace(repaired=np.asarray(r), recomputed=np.asarray(c))
+                    for loop, (r, c) in zip(loops, counts)
+                ),
+            )
+        )
+
+    jax.debug.callback(on_host, [(loop.repaired, loop.recomputed) for loop in loops])
 
 
 def note(log: Log | None, pair: tuple[Any, Any]) -> None:

@@ -44,6 +44,7 @@ __all__ = [
     "StepInputs",
     "BackCarry",
     "SegmentState",
+    "Tally",
     "Pulled",
     "ForwardState",
     "Recompute",
@@ -159,6 +160,13 @@ class BackCarry(NamedTuple):
     worst: tuple  # the worst (ratio, site) of the comparisons inside the body
 
 
+class Tally(NamedTuple):
+    """What a segmented backward run repaired (counts, carried through its segment loop)."""
+
+    repaired: Any  # segments recomputed forward from their checkpoints
+    recomputed: Any  # the iterations they hold
+
+
 class SegmentState(NamedTuple):
     """The backward run's state at a segment boundary (the segment loop's carry: a pytree):
     what `segmented` hands from one segment to the one before it."""
@@ -171,6 +179,7 @@ class SegmentState(NamedTuple):
     missed: Any  # whether the segment swept last missed (the next one is recomputed at once)
     bufs: Any  # the per-iteration outputs written so far (arrays of the loop's length)
     growth: Any = None  # how much the carry's cotangent grew over the segment swept last
+    tally: Tally | None = None  # what was repaired so far
 
     def back(self) -> BackCarry:
         return BackCarry(self.carry, self.carry_ct, self.consts_ct, self.worst)
@@ -230,8 +239,8 @@ def segmented(
     without cotangents) lets the repairing dial decide before any cotangent is pulled
     (`two_pass`): the constants' cotangents, often the size of the parameters, are then
     accumulated in place, never kept twice for a segment that might be redone.
-    Returns the start's `BackCarry` (its carry: the first checkpoint) and the per-iteration
-    outputs."""
+    Returns the start's `BackCarry` (its carry: the first checkpoint), the per-iteration
+    outputs and the `Tally` of what was repaired."""
     # the first segment (in iteration order) has `rest` iterations, the `nseg` after it K
     rest, nseg = length % K, length // K
     primal_step = invert  # (`one_segment` defines its own `invert`)
@@ -302,7 +311,13 @@ def segmented(
             new = one_segment(state._replace(consts_ct=zeros), seg, stored, n, probe)
             summed = [None if t is None else t + c for t, c in zip(total, new.consts_ct)]
             new = new._replace(consts_ct=vary_to(summed, vma_union(total)))
-        return new if new.growth is not None else new._replace(growth=state.growth)
+        # a segment that comes back missed was recomputed (a miss, or right after one)
+        tally = Tally(
+            state.tally.repaired + new.missed.astype(jnp.int32),
+            state.tally.recomputed + jnp.where(new.missed, n, 0).astype(jnp.int32),
+        )
+        growth = state.growth if new.growth is None else new.growth
+        return new._replace(growth=growth, tally=vary_to(tally, axes))
 
     def one_segment(state, seg, stored, n, probe):
         """One segment of n iterations backwards from `state` (at its end): inverted and
@@ -479,6 +494,7 @@ def segmented(
             redo.out_row(xs.read(0)),
         ),
         vary_to(jnp.ones((), budget_dtype()), axes),
+        vary_to(Tally(jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32)), axes),
     )
     first = 1 if rest else 0  # the checkpoint of the first full segment
     if nseg:
@@ -493,7 +509,7 @@ def segmented(
     start = [ck[0] for ck in ckpts]
     if rest:
         state = seg_back(state, xs, start, rest, ~state.missed)
-    return state.back()._replace(carry=start), state.bufs
+    return state.back()._replace(carry=start), state.bufs, state.tally
 
 
 def _growth(end_ct: Sequence[Any], start_ct: Sequence[Any], last: Any) -> Any:
