@@ -673,24 +673,8 @@ def minimize(
         >>> [round(float(v), 4) for v in x], info.message
         ([1.0, 1.0], 'converged')
     """
-    who = "jaxrev.optim.minimize"
-    if method not in ("newton", "trust-region"):
-        raise ValueError(f"{who}: method must be 'newton' or 'trust-region', got {method!r}")
-    _check_common(who, tol, maxiter)
-    _check_autodiff_mode(who, autodiff_mode)
-    return _eager_compiled(
-        (who, method, tol, maxiter, bool(throw), args is None, bool(has_aux), autodiff_mode),
-        fun,
-        partial(
-            _minimize,
-            _Objective(fun, args is not None, bool(has_aux)),
-            method,
-            tol,
-            maxiter,
-            bool(throw),
-            autodiff_mode,
-        ),
-        (x0, args),
+    return _solve_minimum(
+        "newton", fun, x0, method, tol, maxiter, throw, args, has_aux, autodiff_mode
     )
 
 
@@ -746,7 +730,26 @@ def least_squares(
         >>> [round(float(v), 4) for v in x], info.message
         ([1.0, 1.0], 'converged')
     """
-    who = "jaxrev.optim.least_squares"
+    return _solve_minimum(
+        "gauss-newton", fun, x0, method, tol, maxiter, throw, args, has_aux, autodiff_mode
+    )
+
+
+def _solve_minimum(
+    model: str,
+    fun: Callable,
+    x0: Any,
+    method: str,
+    tol: float | None,
+    maxiter: int | None,
+    throw: bool,
+    args: Any,
+    has_aux: bool,
+    autodiff_mode: str,
+) -> tuple[Any, Info]:
+    """`minimize` (`model` "newton") and `least_squares` ("gauss-newton"): the arguments
+    checked, then one compiled `_minimize` per setting (an eager call reuses it)."""
+    who = "jaxrev.optim.minimize" if model == "newton" else "jaxrev.optim.least_squares"
     if method not in ("newton", "trust-region"):
         raise ValueError(f"{who}: method must be 'newton' or 'trust-region', got {method!r}")
     _check_common(who, tol, maxiter)
@@ -755,20 +758,17 @@ def least_squares(
         (who, method, tol, maxiter, bool(throw), args is None, bool(has_aux), autodiff_mode),
         fun,
         partial(
-            _least_squares,
+            _minimize,
             _Objective(fun, args is not None, bool(has_aux)),
             method,
             tol,
             maxiter,
             bool(throw),
             autodiff_mode,
+            model=model,
         ),
         (x0, args),
     )
-
-
-def _least_squares(*settings: Any) -> tuple[Any, Info]:
-    return _minimize(*settings, model="gauss-newton")
 
 
 def _inexact_start(x0: Any) -> Any:
