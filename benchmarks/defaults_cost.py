@@ -251,6 +251,12 @@ def measure(family: Family, size: int, reps: int) -> dict:
 
 def table(rows: list[dict]) -> str:
     head = (
+        "# What `jr.reversible`'s defaults cost\n\n"
+        'Every figure in the "default" columns and every ratio is `jr.reversible(f)` as a '
+        "user gets it (drift checked per segment, a segment that misses recomputed). The "
+        'fully reversible mode (`checkpoint_every=None, on_drift="ignore"`: nothing stored, '
+        "nothing checked) is opt-in and a peer here, as `jax.grad` is: what the default's "
+        "checks and repairs cost is measured against it.\n\n"
         "| family | T | time ms: jax.grad / fully rev. / default | default ÷ fully rev. | "
         "default ÷ jax.grad | memory MB: jax.grad / fully rev. / default | "
         "first call s: jax.grad / default | error vs jax.grad: fully rev. / default | "
