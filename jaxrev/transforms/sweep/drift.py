@@ -211,8 +211,10 @@ class RepairReport(NamedTuple):
     **Fields:**
 
     - `function`: the name of the function `reversible` was given.
-    - `loops`: a `LoopRepair` per checkpointed top-level loop, in program order (a loop
-      nested in another's body has no checkpoints of its own under "auto").
+    - `loops`: a `LoopRepair` per checkpointed top-level `scan` or `fori_loop`, in program
+      order (a loop nested in another's body has no checkpoints of its own under "auto"; a
+      `while_loop` checkpointed under `max_steps` repairs per segment too, but is not
+      counted here yet).
 
     **Example:**
 
