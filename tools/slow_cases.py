@@ -44,6 +44,13 @@ KEEP = {
     "tests/test_reversible.py::TestComposition::test_hessians": "second order",
     # one adaptive diffrax solve through ReversibleAdjoint
     "tests/test_reversible_rk.py::test_adaptive_steps_equal_direct_adjoint[t0-ts-t1]": "adaptive",
+    # every public transform on NaN/inf inputs (a property test, a few examples each run)
+    "tests/test_edge_inputs.py::"
+    "test_every_transform_on_edge_inputs_is_right_or_names_its_refusal": "edge inputs",
+    # what reversible(..., report=) says of a call
+    "tests/test_drift_repair.py::test_report_says_what_each_call_repaired": "repair report",
+    # tensor-parallel blocks inside shard_map under the default dial
+    "tests/test_shard_map.py::test_tensor_parallel_blocks_inside_shard_map[auto]": "tensor parallel",
 }
 
 HEADER = """\
