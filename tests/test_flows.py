@@ -472,3 +472,30 @@ def test_a_3x3_conv_is_refused_naming_it():
 def test_integer_state_is_refused():
     with pytest.raises(TypeError, match="floating"):
         jr.slogdet_jacobian(lambda x: x + 1, jnp.arange(3))
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_forward_and_slogdet_runs_a_scan_of_layers_once(reverse):
+    """A stack of coupling layers scanned over stacked weights (flowjax's `Scan`): the loop's
+    log-det rule runs it forward anyway, so its outputs are taken from that run: one loop in
+    the program, not one for the outputs and another for the log-det (issue 44 item 3)."""
+    n, layers = 4, 5
+    ws = jax.vmap(lambda k: _mlp_w(k, n // 2))(jax.random.split(jax.random.key(3), layers))
+
+    def flow(x):
+        def layer(x, w):
+            x1, x2 = x[: n // 2], x[n // 2 :]
+            h = w["b"] @ jnp.tanh(w["a"] @ x1)
+            x2 = x2 * jnp.exp(0.5 * jnp.tanh(h[: n // 2])) + h[n // 2 :]
+            return jnp.concatenate([x2, x1]), jnp.sum(x2)
+
+        return lax.scan(layer, x, ws, reverse=reverse)
+
+    x = jnp.linspace(-1.0, 1.0, n)
+    fwd = jr.forward_and_slogdet(lambda x: flow(x)[0])
+    jaxpr = jax.make_jaxpr(fwd)(x)
+    assert sum(e.primitive.name == "scan" for e in jaxpr.eqns) == 1
+    for call in (fwd, jax.jit(fwd)):
+        y, logdet = call(x)
+        np.testing.assert_array_equal(y, flow(x)[0])
+        np.testing.assert_allclose(logdet, _dense(lambda x: flow(x)[0], x)[1], rtol=0, atol=TOL)

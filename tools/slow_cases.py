@@ -50,7 +50,9 @@ KEEP = {
     # what reversible(..., report=) says of a call
     "tests/test_drift_repair.py::test_report_says_what_each_call_repaired": "repair report",
     # tensor-parallel blocks inside shard_map under the default dial
-    "tests/test_shard_map.py::test_tensor_parallel_blocks_inside_shard_map[auto]": "tensor parallel",
+    "tests/test_shard_map.py::test_tensor_parallel_blocks_inside_shard_map[auto]": (
+        "tensor parallel"
+    ),
 }
 
 HEADER = """\

@@ -49,6 +49,7 @@ from jaxrev.transforms.registry import (
     ELEMENTWISE,
     STRUCTURAL,
     LogdetContext,
+    LogdetResult,
     Unsupported,
     elementwise_in,
     index_args,
@@ -61,6 +62,9 @@ __all__ = [
     "Plan",
     "plan",
     "evaluate_plan",
+    "rule_step",
+    "rule_steps",
+    "LogdetResult",
     "LogdetContext",
     "DENSE_STEP",
     "UNSIGNED_RULE",
@@ -532,22 +536,47 @@ def evaluate_plan(
     dtype: Any,
     permutation: bool = True,
     per_step: list | None = None,
+    done: dict | None = None,
 ) -> tuple[Any, Any]:
     """(sign, log|det ∂outputs/∂inputs|) of the walk's program at the values `read` gives.
     (`sign` includes σ's when the plan knows it and `permutation` asks for it; `per_step`
     collects (equation, its log|det|, whether it is a group's first) for naming a singular
-    step.)"""
+    step; `done`: the `LogdetResult`s of rule steps already taken, by their equation's id.)"""
     sign = jnp.asarray(pl.perm_sign if permutation and pl.perm_sign is not None else 1, dtype)
     logabs = jnp.zeros((), dtype)
     for ps in pl.steps:
         before = logabs
-        sign, logabs = _eval_step(ps, read, sign, logabs, pl)
+        sign, logabs = _eval_step(ps, read, sign, logabs, pl, done)
         if per_step is not None and ps.how not in ("none", "structural"):
             per_step.append((ps.step.eqns[0], logabs - before, ps.step.kind != "eqn"))
     return sign, logabs
 
 
-def _eval_step(ps: _PStep, read: Callable, sign: Any, logabs: Any, pl: Plan) -> tuple[Any, Any]:
+def rule_step(ps: _PStep, read: Callable) -> LogdetResult:
+    """A plan step taken by its primitive's `logdet_rules` entry (`ps.how == "rule"`: a loop,
+    a product by a known matrix) at the values `read` gives, as a `LogdetResult` (its outputs
+    too, where the rule computed them)."""
+    (eqn,) = ps.step.eqns
+    rec = [any(k == j for j, _ in ps.parts) for k in range(len(eqn.invars))]
+    got = logdet_rules[eqn.primitive](LogdetContext(eqn, read, rec, ps.child))
+    return got if isinstance(got, LogdetResult) else LogdetResult(*got)
+
+
+def rule_steps(pl: Plan) -> dict:
+    """The plan's steps taken by a `logdet_rules` entry that may give the equation's outputs
+    (`LogdetResult.outs`; the rule's `gives_outputs` attribute: it reads no output), by their
+    equation's id: a forward run takes those steps in the program's order."""
+    return {
+        id(ps.step.eqns[0]): ps
+        for ps in pl.steps
+        if ps.how == "rule"
+        and getattr(logdet_rules[ps.step.eqns[0].primitive], "gives_outputs", False)
+    }
+
+
+def _eval_step(
+    ps: _PStep, read: Callable, sign: Any, logabs: Any, pl: Plan, done: dict | None = None
+) -> tuple[Any, Any]:
     st = ps.step
     if ps.how in ("none", "structural"):
         return sign, logabs
@@ -581,9 +610,10 @@ def _eval_step(ps: _PStep, read: Callable, sign: Any, logabs: Any, pl: Plan) -> 
         return sign, logabs
     if ps.how == "rule":
         (eqn,) = st.eqns
-        rec = [any(k == j for j, _ in ps.parts) for k in range(len(eqn.invars))]
-        s, la = logdet_rules[eqn.primitive](LogdetContext(eqn, read, rec, ps.child))
-        return sign * s, logabs + la
+        got = done.get(id(eqn)) if done is not None else None
+        if got is None:
+            got = rule_step(ps, read)
+        return sign * got.sign, logabs + got.logabs
     # groups and dense single steps: F maps the recovered inputs to the consumed outputs
     if st.kind == "eqn":
         (eqn,) = st.eqns

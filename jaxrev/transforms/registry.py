@@ -63,6 +63,7 @@ __all__ = [
     "register_inverse_jvp",
     "check_rule",
     "LogdetContext",
+    "LogdetResult",
     "DENSE_STEP",
 ]
 
@@ -323,9 +324,23 @@ DENSE_STEP = 1024
 """Unknowns of a step, at most, whose log-determinant is found from its dense Jacobian."""
 
 
+class LogdetResult(NamedTuple):
+    """What a `logdet_rules` entry may return instead of ``(sign, logabs)``: also the
+    equation's outputs, where it computed them on the way (a loop's rule runs the loop
+    forward over its recovered inputs), so that a forward run that asks for the log-det
+    (`forward_and_slogdet`) takes them from it instead of running the loop a second time;
+    `outs` None where it did not."""
+
+    sign: Any
+    logabs: Any
+    outs: list | None = None
+
+
 class LogdetContext:
-    """What a `logdet_rules` entry gets: the equation, its inputs' and outputs' values, which
-    inputs were recovered, and (for a loop or branch) the plan of its sub-jaxpr's walk."""
+    """What a `logdet_rules` entry gets: the equation, its inputs' and outputs' values (an
+    output not computed yet reads None: the forward sweep asks a loop's rule for them), which
+    inputs were recovered, and (for a loop or branch) the plan of its sub-jaxpr's walk. A rule
+    returns ``(sign, logabs)`` or a `LogdetResult`."""
 
     def __init__(
         self, eqn: JaxprEqn, read: Callable[[Any], Any], recovered: Sequence[bool], child: Any

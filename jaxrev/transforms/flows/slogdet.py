@@ -45,7 +45,7 @@ from jaxrev._program import (
 from jaxrev.transforms.knowledge import elements, records
 from jaxrev.transforms.knowledge.checks import check_at_run_time
 from jaxrev.transforms.knowledge.context import Settings, WalkContext, resolve_on_error
-from jaxrev.transforms.logdet import LogdetContext, evaluate_plan, plan
+from jaxrev.transforms.logdet import LogdetContext, evaluate_plan, plan, rule_step, rule_steps
 from jaxrev.transforms.propagation.walker import propagate, raise_stuck, seed
 from jaxrev.transforms.registry import Unsupported, check_rule, define
 from jaxrev.transforms.reverse import reverse_with, state_args
@@ -185,15 +185,30 @@ def _plan_abstract(t: _Traced):
     return plan(rec, rec.seeded, rec.goals)
 
 
-def _forward(t: _Traced) -> tuple[list, Env]:
+def _forward(t: _Traced, pl: Any = None) -> tuple[list, Env, dict]:
+    """The program run forward on its arguments: its outputs, the env of its values, and the
+    log-dets of `pl`'s rule steps taken on the way (by their equation's id). A loop whose
+    log-det rule runs it forward anyway (`LogdetResult.outs`) is run once, by that rule, not
+    once for its outputs and again for its log-det (the library flows: a `Scan` of layers)."""
     jaxpr = t.closed.jaxpr
     env = Env()
     for v, c in zip(jaxpr.constvars, t.closed.consts):
         env.write(v, c)
     for v, x in zip(jaxpr.invars, t.flat):
         env.write(v, x)
-    evaluate(jaxpr.eqns, env)
-    return [env.read(v) for v in jaxpr.outvars], env
+    by_rule = {} if pl is None else rule_steps(pl)
+    done: dict = {}
+    for eqn in jaxpr.eqns:
+        ps = by_rule.get(id(eqn))
+        if ps is not None:
+            got = rule_step(ps, env.read)
+            done[id(eqn)] = got
+            if got.outs is not None:
+                for o, val in zip(eqn.outvars, got.outs):
+                    env.write(o, val)
+                continue
+        evaluate([eqn], env)
+    return [env.read(v) for v in jaxpr.outvars], env, done
 
 
 # what JAX raises where forward mode cannot pass a primitive (a callback has no JVP rule)
@@ -216,10 +231,10 @@ class _Swept:
 
 def _sweep_forward(t: _Traced, how: str) -> _Swept:
     pl = _plan_abstract(t)
-    ys, env = _forward(t)
+    ys, env, done = _forward(t, pl)
     env.info = pl.info
     steps: list = []
-    sign, logabs = evaluate_plan(pl, env.read, t.dtype, per_step=steps)
+    sign, logabs = evaluate_plan(pl, env.read, t.dtype, per_step=steps, done=done)
     return _Swept(ys, None if pl.perm_sign is None else sign, logabs, steps, how, pl.unsigned)
 
 

@@ -25,7 +25,7 @@ from jaxrev._env import Env, Statics, Unknown, is_unknown
 from jaxrev._errors import NotInvertibleError
 from jaxrev._evaluate import evaluate
 from jaxrev._graph import forward_known, is_var, needed_vars, size_of, work_of
-from jaxrev.transforms.logdet import LogdetContext, evaluate_plan
+from jaxrev.transforms.logdet import LogdetContext, LogdetResult, evaluate_plan
 from jaxrev.transforms.propagation.walker import (
     Hints,
     RuleContext,
@@ -452,9 +452,11 @@ def _scan_forward(e: JaxprEqn, lp: LoopPlan, ins: Sequence[Any]) -> tuple[list, 
     return [*c, *ys], list(r)
 
 
-def _scan_logdet(ctx: LogdetContext) -> tuple[Any, Any]:
+def _scan_logdet(ctx: LogdetContext) -> LogdetResult:
     """Σ over iterations of the body's log-determinant, from a forward run of the loop over
-    the recovered inputs (the body's record says how each iteration inverts)."""
+    the recovered inputs (the body's record says how each iteration inverts); the run's
+    outputs come back with it (`LogdetResult.outs`), where the walked body has the loop's
+    outputs, so that `forward_and_slogdet` runs the loop once."""
     pl = ctx.child
     if pl is None:
         raise Unsupported("the loop's body was not inverted by a walk the record holds")
@@ -484,16 +486,24 @@ def _scan_logdet(ctx: LogdetContext) -> tuple[Any, Any]:
             for v in jaxpr.outvars[:ncar]
         ]
         c2 = [jnp.asarray(a, o.dtype) for a, o in zip(c2, c)]
-        return (c2, sign * s, la + ld), None
+        ys = [env.read(v) for v in jaxpr.outvars[ncar:]] if whole else []
+        return (c2, sign * s, la + ld), ys
 
-    (_, sign, la), _ = lax.scan(
+    # (the walked body's outputs are the loop's: its ys come back with its final carry)
+    body_avals = [(tuple(v.aval.shape), v.aval.dtype) for v in jaxpr.outvars]
+    loop_avals = [(tuple(a.shape), a.dtype) for a in ctx.eqn.params["jaxpr"].out_avals]
+    whole = body_avals == loop_avals
+    (final, sign, la), ys = lax.scan(
         body,
         (list(init), jnp.ones((), dtype), jnp.zeros((), dtype)),
         list(xs),
         length=sp.length,
         reverse=sp.reverse,
     )
-    return sign, la
+    return LogdetResult(sign, la, [*final, *ys] if whole else None)
+
+
+_scan_logdet.gives_outputs = True  # (it reads no output of the loop: `logdet.rule_steps`)
 
 
 define(
