@@ -41,7 +41,7 @@ from jaxrev._compat import DropVar, JaxprEqn, Var, is_concrete, prims, scan_info
 from jaxrev._env import Env
 from jaxrev._evaluate import apply, evaluate
 from jaxrev._graph import real_outvars, size_of
-from jaxrev.transforms.knowledge import records
+from jaxrev.transforms.knowledge import elements, records
 from jaxrev.transforms.knowledge import regions as R
 from jaxrev.transforms.propagation.lumps import slogdet_of
 from jaxrev.transforms.registry import (
@@ -63,6 +63,7 @@ __all__ = [
     "plan",
     "evaluate_plan",
     "rule_step",
+    "env_reader",
     "rule_steps",
     "LogdetResult",
     "LogdetContext",
@@ -550,6 +551,21 @@ def evaluate_plan(
         if per_step is not None and ps.how not in ("none", "structural"):
             per_step.append((ps.step.eqns[0], logabs - before, ps.step.kind != "eqn"))
     return sign, logabs
+
+
+def env_reader(env: Any) -> Callable[[Any], Any]:
+    """Values of a walk's env, for `evaluate_plan`; a value known on some elements only reads
+    as a benign filler elsewhere (the steps that read it only use the known elements)."""
+
+    def read(v: Any) -> Any:
+        if env.known(v):
+            return env.read(v)
+        val = elements.value_of(env, v, clean=True)
+        if val is None:
+            raise KeyError(v)
+        return val
+
+    return read
 
 
 def rule_step(ps: _PStep, read: Callable) -> LogdetResult:

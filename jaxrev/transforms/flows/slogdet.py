@@ -42,10 +42,17 @@ from jaxrev._program import (
     trace_program,
     traced_leaves,
 )
-from jaxrev.transforms.knowledge import elements, records
+from jaxrev.transforms.knowledge import records
 from jaxrev.transforms.knowledge.checks import check_at_run_time
 from jaxrev.transforms.knowledge.context import Settings, WalkContext, resolve_on_error
-from jaxrev.transforms.logdet import LogdetContext, evaluate_plan, plan, rule_step, rule_steps
+from jaxrev.transforms.logdet import (
+    LogdetContext,
+    env_reader,
+    evaluate_plan,
+    plan,
+    rule_step,
+    rule_steps,
+)
 from jaxrev.transforms.propagation.walker import propagate, raise_stuck, seed
 from jaxrev.transforms.registry import Unsupported, check_rule, define
 from jaxrev.transforms.reverse import reverse_with, state_args
@@ -150,9 +157,13 @@ def _state_fun(t: _Traced, closed: Any = None) -> tuple[Callable, list]:
     return of_state, [t.flat[i] for i in t.state_pos]
 
 
-def _walk(t: _Traced, ys: Sequence[Any], on_error: str = "raise") -> tuple[records.Recorder, Env]:
+def _walk(
+    t: _Traced, ys: Sequence[Any], on_error: str = "raise", logdets: bool = False
+) -> tuple[records.Recorder, Env]:
     """Recover the state from the outputs `ys`, recording every step (in a walk context of
-    the transform's own: its name and `on_error`)."""
+    the transform's own: its name and `on_error`). With `logdets`, a loop's inverse rule takes
+    the loop's log-det in the inverse loop itself (`Recorder.logdets`), so that it is not run
+    forward again for it."""
     jaxpr = t.closed.jaxpr
     ins = list(t.flat)
     for i in t.state_pos:
@@ -161,6 +172,8 @@ def _walk(t: _Traced, ys: Sequence[Any], on_error: str = "raise") -> tuple[recor
     jaxpr, env, _ = seed(t.closed, ins, ys, prepared=True, ctx=ctx)
     goals = [jaxpr.invars[i] for i in t.state_pos]
     rec = records.Recorder(env, jaxpr, None, range(len(jaxpr.outvars)), t.state_pos)
+    if logdets:
+        rec.logdets = {}
     ctx.recorder = rec
     stuck = propagate(jaxpr, env, goals)
     if any(not env.known(g) for g in goals):
@@ -538,21 +551,6 @@ def logdet_strategy(fun: Callable, *primals: Any, argnums: int | Sequence[int] =
     return f"{sw.how} (log|det| only: {sw.unsigned}; the sign from {where})"
 
 
-def _reader(env: Env) -> Callable[[Any], Any]:
-    """Values of the walk's env; a value known on some elements only reads as a benign
-    filler elsewhere (the steps that read it only use the known elements)."""
-
-    def read(v: Any) -> Any:
-        if env.known(v):
-            return env.read(v)
-        val = elements.value_of(env, v, clean=True)
-        if val is None:
-            raise KeyError(v)
-        return val
-
-    return read
-
-
 def _state_value(t: _Traced, leaves: Sequence[Any], nums: tuple[int, ...]) -> Any:
     return jax.tree_util.tree_unflatten(t.state_tree, list(leaves))
 
@@ -704,10 +702,12 @@ def _inverse_and_slogdet(
             t = _trace(fun, stand, nums, who, on_outputs=state is None)
             if state is None:
                 t.flat = traced_leaves(tuple(args))
-            rec, env = _walk(t, jax.tree_util.tree_leaves(ys_tree), on_error)
+            rec, env = _walk(t, jax.tree_util.tree_leaves(ys_tree), on_error, logdets=True)
             pl = plan(rec, rec.seeded, rec.goals)
             steps: list = []
-            _, logabs = evaluate_plan(pl, _reader(env), t.dtype, per_step=steps)
+            _, logabs = evaluate_plan(
+                pl, env_reader(env), t.dtype, per_step=steps, done=rec.logdets
+            )
             xs = [env.read(rec.jaxpr.invars[i]) for i in t.state_pos]
             return (_state_value(t, xs, nums), -_singular_check(logabs, who, on_error, steps))
 

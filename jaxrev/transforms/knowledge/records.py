@@ -52,6 +52,9 @@ class Recorder:
         self.seeded_pos, self.goal_pos = list(seeded), list(goals)
         self.steps: list[Step] = []
         self.children: dict[int, Recorder] = {}  # id(eqn) -> the last walk of its sub-jaxpr
+        # id(eqn) -> a loop's log-det, taken by its inverse rule in the same loop (None: this
+        # walk's log-det is not asked for; `inverse_and_slogdet` asks)
+        self.logdets: dict[int, Any] | None = None
         self.unsupported: list[str] = []
 
     @property

@@ -25,7 +25,14 @@ from jaxrev._env import Env, Statics, Unknown, is_unknown
 from jaxrev._errors import NotInvertibleError
 from jaxrev._evaluate import evaluate
 from jaxrev._graph import forward_known, is_var, needed_vars, size_of, work_of
-from jaxrev.transforms.logdet import LogdetContext, LogdetResult, evaluate_plan
+from jaxrev.transforms.knowledge import records
+from jaxrev.transforms.logdet import (
+    LogdetContext,
+    LogdetResult,
+    env_reader,
+    evaluate_plan,
+)
+from jaxrev.transforms.logdet import plan as logdet_plan
 from jaxrev.transforms.propagation.walker import (
     Hints,
     RuleContext,
@@ -110,6 +117,15 @@ def _scan_inverse(outs, *ins, ctx: RuleContext, **params):
     hints = loop_hints(sp, ctx.static)
     ys_known_idx = [j for j, y in enumerate(ys) if not is_unknown(y)]
 
+    # where the walk's log-det is asked for (`inverse_and_slogdet`), each iteration's is taken
+    # in the inverse loop, from the body walk's record and values, rather than by running
+    # the loop forward again from what it recovers (`_scan_logdet`)
+    parent = records.active(ctx.env)
+    logdets = parent.logdets if parent is not None else None
+    floats = [jnp.result_type(y) for y in [*carry_out, *ys] if not is_unknown(y)]
+    floats = [d for d in floats if jnp.issubdtype(d, jnp.inexact)]
+    ld_dtype = jnp.result_type(*floats) if floats else jnp.float32
+
     def ibody(c_unk, sl):
         kin_t, ys_t, xs_t = sl
         outs_t = [Unknown(v.aval) for v in bj.outvars]
@@ -120,10 +136,10 @@ def _scan_inverse(outs, *ins, ctx: RuleContext, **params):
         rec = invert_jaxpr(body, body_ins(kin_t, known_idx, xs_t), outs_t, hints, ctx=ctx)
         c_prev = [rec[nc + i] for i in unk]
         x_rec = [rec[nc + ncar + j] for j, kn in enumerate(xs_known) if not kn]
-        return c_prev, x_rec
+        return c_prev, (x_rec, _iteration_logdet(parent, logdets, ctx.eqn, ld_dtype))
 
     try:
-        c0, xs_rec = lax.scan(
+        c0, (xs_rec, per_iteration) = lax.scan(
             ibody,
             [carry_out[i] for i in unk],
             (kin, [ys[j] for j in ys_known_idx], xk),
@@ -134,6 +150,11 @@ def _scan_inverse(outs, *ins, ctx: RuleContext, **params):
         if waiting:  # may work once the chain's start is known
             raise NeedMore("the start of a carry that the loop also emits is not known yet")
         raise
+    if per_iteration is not None:
+        signs, lds = per_iteration
+        logdets[id(ctx.eqn)] = LogdetResult(jnp.prod(signs), jnp.sum(lds))
+    elif logdets is not None:
+        logdets.pop(id(ctx.eqn), None)
     res: list[Any] = [None] * len(ins)
     for i, c in zip(unk, c0):
         res[nc + i] = c
@@ -142,6 +163,23 @@ def _scan_inverse(outs, *ins, ctx: RuleContext, **params):
         if not kn:
             res[nc + ncar + j] = next(it)
     return res
+
+
+def _iteration_logdet(parent: Any, logdets: dict | None, eqn: Any, dtype: Any) -> Any:
+    """One iteration's (sign, log|det|) of a loop inverted in a recorded walk that asks for
+    log-dets (`logdets` not None), from the record its body's walk just filed under `eqn`
+    and that walk's values; None where not asked or where the record has no plan (the
+    log-det is then `_scan_logdet`'s, by a forward run)."""
+    if logdets is None:
+        return None
+    child = parent.children.get(id(eqn))
+    if child is None:
+        return None
+    try:
+        body_plan = logdet_plan(child, child.seeded, child.goals)
+        return evaluate_plan(body_plan, env_reader(child.env), dtype, permutation=False)
+    except (Unsupported, KeyError):
+        return None
 
 
 def _forward_carries(
