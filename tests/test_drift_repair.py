@@ -377,7 +377,7 @@ def test_checkpointed_scan_over_stacked_weights_copies_nothing_of_their_size(rev
     """A default (checkpointed, repairing) scan over a stack of weights reads each block's
     slice and writes its gradient in place: scratch does not grow by copies of the stack
     (reversed, split into segments, concatenated, or passed through the repair's cond). The
-    lengths leave a first segment shorter than the rest (20 % 5, 70 % 9)."""
+    lengths, primes, leave a first segment shorter than the rest (23 % 5, 71 % 9)."""
 
     def stack(c, W):
         return lax.scan(lambda c, w: (c + jnp.tanh(c @ w), None), c, W, reverse=reverse)[0]
@@ -390,8 +390,8 @@ def test_checkpointed_scan_over_stacked_weights_copies_nothing_of_their_size(rev
 
     block = 64 * 64 * 8
     # before: 270 KB more at T=64 than at T=16; a copy of the 50 extra blocks is 1.6 MB
-    assert scratch(70) - scratch(20) < 0.1 * 50 * block
-    W = 0.3 * jnp.asarray(np.random.default_rng(0).standard_normal((20, 8, 8))) / 8
+    assert scratch(71) - scratch(23) < 0.1 * 48 * block
+    W = 0.3 * jnp.asarray(np.random.default_rng(0).standard_normal((23, 8, 8))) / 8
     c = jnp.asarray(np.random.default_rng(1).standard_normal((2, 8)))
     L = lambda f: lambda c, W: jnp.sum(jnp.sin(f(c, W)))
     assert (
@@ -401,3 +401,23 @@ def test_checkpointed_scan_over_stacked_weights_copies_nothing_of_their_size(rev
         )
         < 1e-10
     )
+
+
+@pytest.mark.parametrize(
+    "length, K",
+    [(48, 8), (2000, 50), (1000, 25), (47, 7), (10_000, 100)],
+)
+def test_auto_segments_divide_the_loop_where_a_length_near_the_root_does(length, K):
+    """ "auto" takes a segment length within a quarter of its choice that divides the loop
+    (48 blocks: 8, not ⌈√48⌉ = 7), so the backward run has no shorter first segment, which it
+    emits as a second copy of the whole segment step; a prime length keeps ⌈√T⌉ (issue 43
+    item 4: the first call). Checked through the report of a call."""
+    reports = []
+
+    def loop(x):
+        return lax.fori_loop(0, length, lambda i, x: x + 1e-3 * jnp.sin(x), x)
+
+    jax.grad(lambda x: jnp.sum(jr.reversible(loop, report=reports.append)(x)))(jnp.ones(3))
+    (repair,) = reports[0].loops
+    assert (repair.iterations, repair.segment_length) == (length, K)
+    assert repair.segments == -(-length // K)

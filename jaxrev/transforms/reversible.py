@@ -522,9 +522,10 @@ def reversible(
       as many elements of each dtype.
     - `argnums`: the position (an int) or positions (a tuple) of the state arguments; the
       others are parameters (gradients are taken with respect to them too).
-    - `checkpoint_every`: "auto" (the default: ⌈√T⌉, or as `memory_budget` allows; none under
-      `on_drift="ignore"`), K (a checkpoint every K iterations; 1 is plain storage) or None
-      (fully reversible: no checkpoints).
+    - `checkpoint_every`: "auto" (the default: ⌈√T⌉, or a length within a quarter of it that
+      divides T, or as `memory_budget` allows; none under `on_drift="ignore"`), K (a
+      checkpoint every K iterations; 1 is plain storage) or None (fully reversible: no
+      checkpoints).
     - `memory_budget`: bytes of checkpoints each loop may keep (picks K per loop).
     - `on_drift`: what a miss does. A segment misses where its drift moves the gradient more
       than the forward run's own rounding does (the cotangents measure it), the call's inputs
