@@ -64,6 +64,7 @@ __all__ = [
     "check_rule",
     "LogdetContext",
     "LogdetResult",
+    "ElementResult",
     "DENSE_STEP",
 ]
 
@@ -83,12 +84,23 @@ forward_rules: dict[Primitive, Callable[..., tuple[list, list]]] = {}
 ``rule(eqn, loop_plan, invals) -> (outvals, residuals)``."""
 
 
+class ElementResult(NamedTuple):
+    """What an element rule may return instead of True / False / None: that (`learned`), and
+    what it found lost on the way (`losses`: an equation, its own or another's, mapped to the
+    `Lossy` reason its inversion is blocked by, or None: nothing lost there), which the walk
+    keeps in its knowledge (`elements.forward` / `backward`) and reports if it ends stuck."""
+
+    learned: bool | None
+    losses: dict
+
+
 class ElementRule(NamedTuple):
     """Element-level rules of one primitive: `forward(eqn, env)` computes outputs known on some
     elements from inputs known on some; `backward(eqn, env)` learns (some elements of) inputs
     from outputs. Each returns True (learned something), False (the equation is its: nothing
     new yet) or None (declined: the walker goes on with the generic handling and the primitive's
-    ordinary inverse rule)."""
+    ordinary inverse rule), or an `ElementResult`: one of those, with what it found lost. A
+    rule writes what it learned through `elements.learn`, never into the walk's state."""
 
     forward: Callable[..., bool | None] | None = None
     backward: Callable[..., bool | None] | None = None

@@ -38,6 +38,7 @@ from jaxrev._graph import is_var, real_outvars
 from jaxrev.transforms.knowledge import regions as R
 from jaxrev.transforms.registry import (
     STRUCTURAL,
+    ElementResult,
     Lossy,
     NeedMore,
     element_rules,
@@ -378,11 +379,20 @@ def is_case(env: Env, pred: Any, k: int, n: int, shape: tuple) -> R.Region:
 # --------------------------------------------------------------------------- entry points
 
 
+def _noted(result: Any, env: Env) -> bool | None:
+    """An element rule's answer; the losses an `ElementResult` reports go into the walk's
+    knowledge (`env.losses`), which the walker reads when it ends stuck."""
+    if isinstance(result, ElementResult):
+        env.losses.update(result.losses)
+        return result.learned
+    return result
+
+
 def forward(eqn: JaxprEqn, env: Env) -> bool:
     """Outputs known on some elements, from inputs known on some (or all)."""
     rule = element_rules.get(eqn.primitive)
     if rule is not None and rule.forward is not None:
-        r = rule.forward(eqn, env)
+        r = _noted(rule.forward(eqn, env), env)
         if r is not None:
             return r
     if not any(is_var(v) and is_partial(env, v) for v in eqn.invars):
@@ -400,7 +410,7 @@ def backward(eqn: JaxprEqn, env: Env) -> bool | None:
     declined, the ordinary inverse rule is the one to try."""
     rule = element_rules.get(eqn.primitive)
     if rule is not None and rule.backward is not None:
-        r = rule.backward(eqn, env)
+        r = _noted(rule.backward(eqn, env), env)
         if r is not None:
             return r
     outs = real_outvars(eqn)

@@ -37,6 +37,7 @@ from jaxrev.transforms.registry import (
     SMOOTH,
     STRUCTURAL,
     ChoiceRule,
+    ElementResult,
     ElementRule,
     LogdetContext,
     Lossy,
@@ -128,7 +129,7 @@ def _mul_forward(eqn: JaxprEqn, env: Env) -> bool | None:
     return learn(env, o, apply(eqn, vals)[0], region)
 
 
-def _mul_backward(eqn: JaxprEqn, env: Env) -> bool | None:
+def _mul_backward(eqn: JaxprEqn, env: Env) -> bool | ElementResult | None:
     z = _zero_factor(eqn, env)
     (o,) = eqn.outvars
     if z is None:
@@ -141,13 +142,12 @@ def _mul_backward(eqn: JaxprEqn, env: Env) -> bool | None:
     if R.implies(R.mask_region(nonzero), ro):
         # the output is known only where the factor is zero (forward, whatever the operand):
         # nothing to invert, and nothing lost here
-        env.losses[eqn] = None
-        return False
+        return ElementResult(False, {eqn: None})
     b = jnp.where(jnp.asarray(nonzero), env.read(eqn.invars[1 - k]), 1)
     region = R.union(ro, R.mask_region(~nonzero), env.info)
     # where the factor is zero the operand is lost, unless another equation gives it back
-    env.losses[eqn] = Lossy("the known factor is zero, which destroys the value", singular=True)
-    return learn(env, a, value_of(env, o, clean=True) / b, region)
+    lost = Lossy("the known factor is zero, which destroys the value", singular=True)
+    return ElementResult(learn(env, a, value_of(env, o, clean=True) / b, region), {eqn: lost})
 
 
 define(

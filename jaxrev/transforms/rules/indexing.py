@@ -49,6 +49,7 @@ from jaxrev.transforms.registry import (
     LINEAR,
     STRUCTURAL,
     ChoiceRule,
+    ElementResult,
     ElementRule,
     Lossy,
     NeedMore,
@@ -372,7 +373,7 @@ def _ds_window(eqn: JaxprEqn) -> R.Win:
     )
 
 
-def _ds_forward(eqn: JaxprEqn, env: Env) -> bool | None:
+def _ds_forward(eqn: JaxprEqn, env: Env) -> bool | ElementResult | None:
     x, *starts = eqn.invars
     o = eqn.outvars[0]
     if env.known(o) or not is_partial(env, x) or not all(env.known(s) for s in starts):
@@ -380,18 +381,20 @@ def _ds_forward(eqn: JaxprEqn, env: Env) -> bool | None:
     w = _ds_window(eqn)
     piece = read_window(env, x, w)
     if piece is None:
-        _note_undecided(env, x, w, eqn)
-        return None  # static starts: the structural handling may still know some of it
+        # (static starts: the structural handling may still know some of it)
+        return ElementResult(None, _undecided(env, x, w, eqn))
     env.write(o, piece)
     return True
 
 
-def _note_undecided(env: Env, x: Any, w: R.Win, read: JaxprEqn) -> None:
-    """A read that may overlap a write: say so for the write, whose inversion it blocks."""
+def _undecided(env: Env, x: Any, w: R.Win, read: JaxprEqn) -> dict:
+    """A read that may overlap a write: what the write loses, whose inversion it blocks (the
+    write's equation mapped to its `Lossy` reason)."""
     _, _, at = user_source(read)
+    losses = {}
     for wrote in R.undecided(region_of(env, x), w, env.info):
         if wrote.source is not None:
-            env.losses[wrote.source] = Lossy(
+            losses[wrote.source] = Lossy(
                 f"could not prove that the index it writes differs from the index read by "
                 f"`{read.primitive.name}` at {at or 'a line of library code'} (its update reads "
                 "the element it overwrites at some iteration, or the indices are not known "
@@ -400,6 +403,7 @@ def _note_undecided(env: Env, x: Any, w: R.Win, read: JaxprEqn) -> None:
                 "in a fori_loop with static bounds), or keep the overwritten element in the "
                 "state.",
             )
+    return losses
 
 
 def _ds_backward(eqn: JaxprEqn, env: Env) -> bool | None:
@@ -500,7 +504,7 @@ def _gather_window(eqn: JaxprEqn) -> R.Win | None:
     )
 
 
-def _gather_forward(eqn: JaxprEqn, env: Env) -> bool | None:
+def _gather_forward(eqn: JaxprEqn, env: Env) -> bool | ElementResult | None:
     x, idx = eqn.invars
     o = eqn.outvars[0]
     if env.known(o) or not is_partial(env, x) or not env.known(idx):
@@ -509,8 +513,7 @@ def _gather_forward(eqn: JaxprEqn, env: Env) -> bool | None:
     if w is None:
         return None
     if not R.window_known(region_of(env, x), w, env.info):
-        _note_undecided(env, x, w, eqn)
-        return None
+        return ElementResult(None, _undecided(env, x, w, eqn))
     env.write(o, apply(eqn, [value_of(env, x), env.read(idx)])[0])
     return True
 
