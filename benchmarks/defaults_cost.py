@@ -23,7 +23,7 @@ and what the default repaired (`jr.reversible(..., report=)`: segments recompute
 the share of the loop's iterations they hold, the extra forward work).
 Writes results/defaults_cost.{json,md,png}.
 
-    python benchmarks/defaults_cost.py          # every family and length (about 4 minutes)
+    python benchmarks/defaults_cost.py          # every family and length (about 1-4 minutes)
     python benchmarks/defaults_cost.py --quick  # the shortest length of each family
 """
 
