@@ -8,7 +8,9 @@ defaults a user gets. Flows:
 - flowjax `coupling_flow` with rational-quadratic splines (knots 8, interval 4) and with affine
   couplings, `masked_autoregressive_flow` with affine transformers, `planar_flow` (flowjax has
   no inverse for its tanh layers: its own forward map is timed in that column), and
-  `block_neural_autoregressive_flow` (forward and log-det only: jaxrev does not invert it);
+  `block_neural_autoregressive_flow`, each built with flowjax's defaults (`invert=True`: the
+  flow's `transform` is the bijection's inverse, which is what jaxrev is handed) and with
+  `invert=False`;
 - numpyro's `ComposeTransform` of affine-coupling-free transforms users chain:
   `AffineTransform`, `LowerCholeskyAffine`, a `PermuteTransform` and the (clipped)
   `SigmoidTransform`, and `InverseAutoregressiveTransform` over an `AutoregressiveNN`.
@@ -77,29 +79,30 @@ def flowjax_flows(layers: int) -> dict:
         )
 
     spline = fb.RationalQuadraticSpline(knots=8, interval=4)
-    return {
-        "flowjax coupling_flow (spline)": perturbed(
-            ff.coupling_flow(
-                key, base_dist=base, transformer=spline, flow_layers=layers, invert=False
-            ).bijection
+    constructors = {
+        "coupling_flow (spline)": lambda **kw: ff.coupling_flow(
+            key, base_dist=base, transformer=spline, flow_layers=layers, **kw
         ),
-        "flowjax coupling_flow (affine)": perturbed(
-            ff.coupling_flow(key, base_dist=base, flow_layers=layers, invert=False).bijection
+        "coupling_flow (affine)": lambda **kw: ff.coupling_flow(
+            key, base_dist=base, flow_layers=layers, **kw
         ),
-        "flowjax masked_autoregressive_flow (affine)": perturbed(
-            ff.masked_autoregressive_flow(
-                key, base_dist=base, flow_layers=layers, invert=False
-            ).bijection
+        "masked_autoregressive_flow (affine)": lambda **kw: ff.masked_autoregressive_flow(
+            key, base_dist=base, flow_layers=layers, **kw
         ),
-        "flowjax planar_flow (tanh)": perturbed(
-            ff.planar_flow(key, base_dist=base, flow_layers=layers, invert=False).bijection
+        "planar_flow (tanh)": lambda **kw: ff.planar_flow(
+            key, base_dist=base, flow_layers=layers, **kw
         ),
-        "flowjax block_neural_autoregressive_flow": perturbed(
-            ff.block_neural_autoregressive_flow(
-                key, base_dist=base, flow_layers=1, invert=False
-            ).bijection
+        "block_neural_autoregressive_flow": lambda **kw: ff.block_neural_autoregressive_flow(
+            key, base_dist=base, flow_layers=1, **kw
         ),
     }
+    # flowjax's defaults (`invert=True`: the flow's `transform` is the bijection's inverse,
+    # so that sampling is cheap) first, then the `invert=False` layout
+    flows = {}
+    for layout, kw in (("default", {}), ("invert=False", {"invert": False})):
+        for name, make in constructors.items():
+            flows[f"flowjax {name}, {layout}"] = perturbed(make(**kw).bijection)
+    return flows
 
 
 def numpyro_flows() -> dict:
@@ -173,7 +176,7 @@ def measure(name: str, kind: str, bij, reps: int) -> dict:
     calls["jaxrev inverse"] = jax.jit(jax.vmap(jr.inverse_and_slogdet(f)))
     args["jaxrev inverse"] = y
     row: dict = {"flow": name}
-    out = {}
+    out: dict = {}
     for k, c in calls.items():
         t0 = time.perf_counter()
         try:
@@ -193,8 +196,9 @@ def measure(name: str, kind: str, bij, reps: int) -> dict:
             )
         )
 
-    row["forward err"] = err(out["library forward"], out["jaxrev forward"])
-    row["forward ratio"] = t["jaxrev forward"] / t["library forward"]
+    if "jaxrev forward" in out:
+        row["forward err"] = err(out["library forward"], out["jaxrev forward"])
+        row["forward ratio"] = t["jaxrev forward"] / t["library forward"]
     # inverses against the input that made y (float32: both the library's inverse and
     # jaxrev's carry the map's conditioning), and the log-det against the library's forward
     ref = (x, -out["library forward"][1])
@@ -224,8 +228,10 @@ def table(rows: list[dict]) -> str:
         jr_inv = r.get("jaxrev inverse s")
         lines.append(
             f"| {r['flow']} | {fmt(1e3 * r['library forward s'])} | "
-            f"{fmt(1e3 * r['jaxrev forward s'])} | {fmt(r['forward ratio'])} | "
-            f"{fmt(r['forward err'], '.1e')} | "
+            f"{fmt(None if 'jaxrev forward s' not in r else 1e3 * r['jaxrev forward s'])}"
+            f"{' (refused)' if 'jaxrev forward refused' in r else ''} | "
+            f"{fmt(r.get('forward ratio'))} | "
+            f"{fmt(r.get('forward err'), '.1e')} | "
             f"{fmt(None if lib_inv is None else 1e3 * lib_inv)}"
             f"{'' if lib_inv is not None else ' (none)'} | "
             f"{fmt(None if jr_inv is None else 1e3 * jr_inv)}"
@@ -245,8 +251,9 @@ def table(rows: list[dict]) -> str:
         "y, relative to its largest entry."
     )
     for r in rows:
-        if "jaxrev inverse refused" in r:
-            lines.append(f"- {r['flow']}: inverse refused: {r['jaxrev inverse refused']}")
+        for way in ("forward", "inverse"):
+            if f"jaxrev {way} refused" in r:
+                lines.append(f"- {r['flow']}: {way} refused: {r[f'jaxrev {way} refused']}")
     return "\n".join(lines) + "\n"
 
 
@@ -256,7 +263,7 @@ def plot(rows: list[dict], path: str) -> None:
         return
     fig, ax = plt.subplots(figsize=(9, 4))
     names = [r["flow"].replace("flowjax ", "").replace("numpyro ", "np: ") for r in rows]
-    fw = [r["forward ratio"] for r in rows]
+    fw = [r.get("forward ratio", np.nan) for r in rows]
     iv = [r.get("inverse ratio", r.get("inverse ratio (vs library forward)", np.nan)) for r in rows]
     xs = np.arange(len(rows))
     ax.bar(xs - 0.2, fw, 0.4, label="forward + log-det")

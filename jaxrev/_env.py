@@ -64,6 +64,10 @@ class Statics:
     `enum(v)`: in the body of a loop whose iterations the loop rule enumerated, `v`'s value at
     every iteration (a leading axis of `length`), where it follows from the loop counter and
     static values. Both are derived on demand and memoized; None where not known at trace time.
+    `support(v)`: where `v` may be nonzero (a boolean array), where that is known at trace
+    time though `v` is not: a masked weight inside a loop over stacked layers, handed to a
+    nested loop's body (`support_in`), whose value differs from one outer iteration to the
+    next but whose zeros do not.
     """
 
     MAX_SIZE = 1 << 20
@@ -76,6 +80,7 @@ class Statics:
         static_in: dict | None = None,
         enum_in: dict | None = None,
         length: int | None = None,
+        support_in: dict | None = None,
     ) -> None:
         self.producer: dict[Var, JaxprEqn] = {}
         if jaxpr is not None:
@@ -90,6 +95,7 @@ class Statics:
         )
         self._static: dict[Var, Any] = dict(static_in or {})
         self._enum: dict[Var, Any] = dict(enum_in or {})
+        self._support: dict[Var, Any] = dict(support_in or {})
         self.length = length
 
     def static(self, v: Any) -> np.ndarray | None:
@@ -97,6 +103,61 @@ class Statics:
 
     def enum(self, v: Any) -> np.ndarray | None:
         return _numeric(self._enum_value(v))
+
+    def support(self, v: Any) -> np.ndarray | None:
+        s = self.static(v)
+        if s is not None:
+            return np.broadcast_to(np.asarray(s) != 0, tuple(v.aval.shape))
+        en = self.enum(v)
+        if en is not None:
+            return np.any(np.asarray(en) != 0, axis=0)
+        if not is_var(v):
+            return None
+        if v not in self._support:
+            self._support[v] = None  # (guards re-entry)
+            self._support[v] = self._derived_support(v)
+        return self._support[v]
+
+    def _derived_support(self, v: Var) -> np.ndarray | None:
+        """The zeros a weight masked by a static mask has, whatever its values: a select
+        by a static predicate (``where(mask, w, 0)``, how flowjax and paramax mask a layer), a
+        product by a static factor, and moves of such a value."""
+        e = self.producer.get(v)
+        if e is None or getattr(e, "effects", None):
+            return None
+        name = e.primitive.name
+        shape = tuple(v.aval.shape)
+
+        def of(u: Any) -> np.ndarray:  # unknown zeros: anything may be nonzero
+            sup = self.support(u)
+            full = np.ones(tuple(u.aval.shape), bool)
+            return full if sup is None else np.broadcast_to(sup, full.shape)
+
+        if name == "select_n":
+            which = self.static(e.invars[0])
+            if which is None and len(e.invars) == 3 and self.support(e.invars[0]) is not None:
+                # a predicate whose zeros alone are known (a mask handed to a nested loop):
+                # case 0 where it is surely 0, either case elsewhere
+                maybe = np.broadcast_to(self.support(e.invars[0]), shape)
+                return np.broadcast_to(of(e.invars[1]), shape) | (
+                    maybe & np.broadcast_to(of(e.invars[2]), shape)
+                )
+            if which is None:
+                return None
+            which = np.broadcast_to(np.asarray(which).astype(np.int64), shape)
+            out = np.zeros(shape, bool)
+            for i, case in enumerate(e.invars[1:]):
+                out |= (which == i) & np.broadcast_to(of(case), shape)
+            return out
+        if name == "mul":
+            return np.broadcast_to(of(e.invars[0]), shape) & np.broadcast_to(of(e.invars[1]), shape)
+        if name in ("convert_element_type", "copy", "copy_p"):
+            return of(e.invars[0])
+        if name == "transpose":
+            return np.transpose(of(e.invars[0]), e.params["permutation"])
+        if name == "reshape" and e.params.get("dimensions") is None:
+            return of(e.invars[0]).reshape(shape)
+        return None
 
     def _static_value(self, v: Any) -> Any:
         if isinstance(v, Literal):

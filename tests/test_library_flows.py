@@ -32,12 +32,11 @@ HOWS = ("eager", "jit", "vmap")
 
 # what jaxrev refuses, and the primitive its error names (issue 32's open items)
 REFUSED = {
-    # flowjax's inverse of a masked autoregressive layer: a scan that overwrites the carry's
-    # element `rank` with a function of the whole carry
-    "MaskedAutoregressive/affine@inverted": "dynamic_slice",
+    # flowjax's inverse of a masked autoregressive layer with spline transformers (a scan
+    # overwriting the carry's element `rank`): each step's spline inverse is a choice (a bin)
+    # on knots known only on some elements (those the masked network computes from the
+    # elements already known), which the choice groups do not split per element
     "MaskedAutoregressive/spline@inverted": "dynamic_slice",
-    "MaskedAutoregressive/conditional@inverted": "dynamic_slice",
-    "masked_autoregressive_flow/affine": "dynamic_slice",
     "masked_autoregressive_flow/spline": "dynamic_slice",
     # a spline whose knots the state computes, element by element (choices on partly known
     # parameters)
@@ -94,7 +93,7 @@ ONE_WAY = [
     "Scan",  # flowjax's layer stacking
     "coupling_flow/affine",  # a flow constructor
     "planar_flow",  # no library inverse: a round trip
-    "MaskedAutoregressive/affine@inverted",  # refused (`dynamic_slice`)
+    "MaskedAutoregressive/affine@inverted",  # flowjax's MAF inverse: a scan over elements
     "DiscreteCosine",  # refused (`real`)
 ]
 

@@ -9,7 +9,10 @@ is a union of conjunctions of atoms:
   predicate known only when the program runs: diffrax's ``where(keep, new, old)``);
 - `Win`: a box of positions whose corner is an index computed by the program (the element a
   loop's ``x.at[i].add(...)`` writes, a `dynamic_update_slice` window), and `CoWin`, its
-  complement.
+  complement;
+- `Spread`: the positions that read a window's positions through a relation known when traced
+  (the outputs of a product by a matrix with zeros, a masked autoregressive layer, whose input
+  is unknown in a window: the element a loop's step overwrites).
 
 Deciding whether a conjunction is empty is what makes partial knowledge useful: ``p`` and
 ``not p`` cover everything; a read window disjoint from the written one is known. Windows are
@@ -35,6 +38,7 @@ __all__ = [
     "Pred",
     "Win",
     "CoWin",
+    "Spread",
     "Region",
     "EMPTY",
     "FULL",
@@ -46,6 +50,7 @@ __all__ = [
     "intersect",
     "implies",
     "pullback",
+    "spread",
     "materialize",
     "relation",
     "has_windows",
@@ -213,6 +218,19 @@ class CoWin:
     win: Win
 
 
+@dataclass(frozen=True)
+class Spread:
+    """Positions p (of an array of `shape`) with ``rel[p, q]`` for some position q of the
+    window `win` (on another array, flattened): what a product by a matrix whose zeros are
+    known when traced makes of a window (a masked autoregressive network's outputs that read
+    the element a loop's step overwrites). Decided, as windows are, at every iteration of the
+    enclosing loop (`Statics.enum`); `spread` makes it."""
+
+    win: Win
+    rel: Mask  # (positions of `shape`, flattened) x (positions of the window's array)
+    shape: tuple
+
+
 Atom = Any
 Conj = frozenset
 Region = frozenset
@@ -378,6 +396,99 @@ def _window_meets_mask(w: Win, m: np.ndarray, statics: Any) -> bool | None:
     return bool(np.any(valid & (total > 0)))
 
 
+_MAX_ENUMERATED = 1 << 25
+"""Iterations x positions beyond which a region is not decided by enumerating its masks."""
+
+
+def _iteration_masks(a: Any, shape: tuple, statics: Any) -> np.ndarray | None:
+    """The atom's positions at every iteration, (T or 1, positions) flattened; None where
+    they are not known at trace time (a run-time predicate: it can only make a conjunction
+    smaller, so deciding emptiness without it is safe)."""
+    size = int(np.prod(shape, dtype=np.int64))
+    if isinstance(a, Mask):
+        return a.array.reshape(1, -1) if a.shape == tuple(shape) else None
+    if isinstance(a, CoWin):
+        inside = _iteration_masks(a.win, shape, statics)
+        return None if inside is None else ~inside
+    if isinstance(a, Win):
+        st = _starts(a, statics)
+        if st is None or a.shape != tuple(shape):
+            return None
+        starts, valid = st
+        T = max([np.size(x) for x in starts] + [np.size(valid)])
+        if T * size > _MAX_ENUMERATED:
+            return None
+        out = np.ones((T,) + tuple(shape), bool)
+        for d, (x, z, n) in enumerate(zip(starts, a.sizes, a.shape)):
+            x = np.broadcast_to(np.asarray(x, np.int64).reshape(-1), (T,))
+            pos = np.arange(n)
+            here = (pos[None, :] >= x[:, None]) & (pos[None, :] < x[:, None] + z)
+            view = [T] + [1] * len(shape)
+            view[d + 1] = n
+            out &= here.reshape(view)
+        fits = np.broadcast_to(np.asarray(valid).reshape(-1), (T,))
+        out &= fits.reshape((T,) + (1,) * len(shape))
+        return out.reshape(T, size)
+    if isinstance(a, Spread):
+        if a.shape != tuple(shape):
+            return None
+        box = _iteration_masks(a.win, a.win.shape, statics)
+        rel = a.rel.array
+        if box is None or box.shape[0] * size > _MAX_ENUMERATED:
+            return None
+        if np.all(box.sum(axis=1) <= 1):  # one position per iteration: a column of rel
+            return rel[:, box.argmax(axis=1)].T & box.any(axis=1)[:, None]
+        return (box.astype(np.float32) @ rel.T.astype(np.float32)) > 0
+    return None
+
+
+def _enumerated_empty(c: Conj, statics: Any) -> bool:
+    """Whether the conjunction's atoms known at every iteration have no position in common at
+    any iteration."""
+    shapes = [a.shape for a in c if isinstance(a, (Mask, Win, Spread))]
+    if not shapes:
+        return False
+    both = None
+    for a in c:
+        m = _iteration_masks(a, shapes[0], statics)
+        if m is None:
+            continue
+        rows = (both.shape[0], m.shape[0]) if both is not None else (1, 1)
+        if rows[0] != rows[1] and 1 not in rows:
+            return False  # (loops of different lengths: not comparable)
+        both = m if both is None else both & m
+    return both is not None and not both.any()
+
+
+def spread(r: Region, rel: np.ndarray, shape: tuple) -> Region:
+    """The positions of an array of `shape` that read a position of `r` through the static
+    relation `rel` (positions of `shape` x positions of `r`'s array, flattened): the unknown
+    outputs of a product by a matrix with zeros known when traced. A conjunction of static
+    masks gives a static mask; one with a window (or a spread window) gives a `Spread` of it;
+    atoms that cannot be carried through (run-time predicates, complements of windows) are
+    dropped, which only makes the region larger (safe: regions over-approximate)."""
+    rel = np.asarray(rel, bool)
+    out = []
+    for c in r:
+        keep = np.ones(rel.shape[1], bool)
+        carrier = None
+        for a in c:
+            if isinstance(a, Mask):
+                keep &= a.array.reshape(-1)
+            elif isinstance(a, (Win, Spread)) and carrier is None:
+                carrier = a
+        through = rel & keep[None, :]
+        if carrier is None:
+            out.append(frozenset({Mask.of(through.any(axis=1).reshape(shape))}))
+            continue
+        if isinstance(carrier, Spread):
+            through = (through.astype(np.float32) @ carrier.rel.array.astype(np.float32)) > 0
+            carrier = carrier.win
+        if through.any():
+            out.append(frozenset({Spread(carrier, Mask.of(through), tuple(shape))}))
+    return _simplify(out, None)
+
+
 # --------------------------------------------------------------------------- conjunctions
 
 
@@ -427,6 +538,13 @@ def _simplify_conj(c: Conj, statics: Any) -> Conj | None:
             meets = _window_meets_mask(w, m, statics)
             if meets is False:
                 return None
+    spreads = [a for a in c if isinstance(a, Spread)]
+    if spreads:
+        if any(not a.rel.array.any() for a in spreads):
+            return None
+        out.update(spreads)
+        if statics is not None and _enumerated_empty(frozenset(out), statics):
+            return None
     return frozenset(out)
 
 
@@ -558,19 +676,31 @@ def implies(a: Region, b: Region) -> bool:
 
 def pullback(r: Region, m: IndexMap) -> Region:
     """The region on the output of `m` (positions whose source position is in `r`; the map's
-    fill where the element comes from elsewhere). Windows do not survive it: a conjunction with one
-    becomes every position (still an over-approximation of the unknown)."""
+    fill where the element comes from elsewhere). A window becomes a `Spread` of it; the
+    complement of one does not survive it: a conjunction with one becomes every position
+    (still an over-approximation of the unknown)."""
     if r == EMPTY:
         return mask_region((m.index == -2).reshape(m.shape))
     out = []
     for c in r:
-        if any(isinstance(a, (Win, CoWin)) for a in c):
+        if any(isinstance(a, CoWin) for a in c):
             return FULL
         conjs: list[set] = [set()]
         for a in c:
+            if isinstance(a, Win):  # a window read through the map: a spread of it
+                size = int(np.prod(a.shape, dtype=np.int64))
+                if size * m.index.size > _MAX_ENUMERATED:
+                    return FULL
+                a = Spread(a, Mask.of(np.eye(size, dtype=bool)), a.shape)
             if isinstance(a, Mask):
                 for cj in conjs:
                     cj.add(Mask.of(m.apply(a.array)))
+            elif isinstance(a, Spread):
+                if (m.index == -2).any():
+                    return FULL
+                rows = a.rel.array[np.maximum(m.index, 0)] & (m.index >= 0)[:, None]
+                for cj in conjs:
+                    cj.add(Spread(a.win, Mask.of(rows), m.shape))
             else:
                 conjs = [
                     cj | alt
@@ -624,6 +754,17 @@ def _window_mask(w: Win, read: Callable[[Any], Any]) -> Any:
     return inside
 
 
+def _spread_mask(a: Spread, read: Callable[[Any], Any]) -> Any:
+    box = jnp.reshape(_window_mask(a.win, read), (-1,))
+    rel = a.rel.array
+    if int(np.prod(a.win.sizes, dtype=np.int64)) == 1:
+        # one position: the relation's column there (a window that does not fit: none)
+        col = lax.dynamic_index_in_dim(jnp.asarray(rel), jnp.argmax(box), 1, keepdims=False)
+        return jnp.reshape(col & jnp.any(box), a.shape)
+    hits = jnp.asarray(rel, jnp.float32) @ box.astype(jnp.float32)
+    return jnp.reshape(hits > 0, a.shape)
+
+
 def _pred_mask(a: Pred, read: Callable[[Any], Any]) -> Any:
     v = read(a.var)
     v = v.astype(jnp.int32) if v.dtype == jnp.bool_ else v
@@ -662,6 +803,8 @@ def materialize(
                 am = _pred_mask(a, read)
             elif isinstance(a, Win):
                 am = _window_mask(a, read)
+            elif isinstance(a, Spread):
+                am = _spread_mask(a, read)
             else:
                 am = ~_window_mask(a.win, read)
             m = am if m is None else m & am

@@ -109,11 +109,13 @@ class Window:
 class Hints:
     """What a loop or branch rule knows of a sub-jaxpr's inputs when it is traced: values
     `static` (numpy) per input position, and `enum`: per input position, its value at each of
-    the loop's `length` iterations (a loop counter), for element-level reasoning."""
+    the loop's `length` iterations (a loop counter), for element-level reasoning; `support`:
+    per input position whose value is not known, where it may be nonzero (`Statics.support`)."""
 
     static: dict[int, Any] = field(default_factory=dict)
     enum: dict[int, Any] = field(default_factory=dict)
     length: int | None = None
+    support: dict[int, Any] = field(default_factory=dict)
 
     def key(self) -> tuple:
         """A hashable summary (plans are cached on it)."""
@@ -121,7 +123,7 @@ class Hints:
         def k(d: dict) -> tuple:
             return tuple((i, a.shape, a.dtype.str, hash(a.tobytes())) for i, a in sorted(d.items()))
 
-        return (k(self.static), k(self.enum), self.length)
+        return (k(self.static), k(self.enum), self.length, k(self.support))
 
 
 def static_hints(n: int, static_of: Callable[[int], Any]) -> Hints | None:
@@ -144,6 +146,7 @@ def statics_for(jaxpr: Jaxpr, consts: Sequence[Any], hints: Hints | None) -> Sta
         {jaxpr.invars[k]: v for k, v in hints.static.items()},
         {jaxpr.invars[k]: v for k, v in hints.enum.items()},
         hints.length,
+        {jaxpr.invars[k]: v for k, v in hints.support.items()},
     )
 
 
@@ -162,6 +165,9 @@ class RuleContext:
 
     def static(self, k: int) -> Any:
         return self.env.info.static(self.eqn.invars[k])
+
+    def support(self, k: int) -> Any:
+        return self.env.info.support(self.eqn.invars[k])
 
 
 @dataclass(frozen=True, eq=False)

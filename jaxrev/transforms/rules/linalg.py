@@ -18,7 +18,7 @@ from jaxrev._compat import JaxprEqn, is_concrete, prims
 from jaxrev._env import Env, is_unknown
 from jaxrev._evaluate import apply
 from jaxrev.transforms.knowledge import regions as R
-from jaxrev.transforms.knowledge.elements import learn, region_of, static_of, value_of
+from jaxrev.transforms.knowledge.elements import learn, region_of, value_of
 from jaxrev.transforms.registry import (
     BILINEAR,
     ElementRule,
@@ -120,32 +120,52 @@ def _dot_forward(eqn: JaxprEqn, env: Env) -> bool | None:
         return None
     k = unknown[0]
     x, w = eqn.invars[k], eqn.invars[1 - k]
-    ws = static_of(env, w)
-    if ws is not None:
-        nz = np.asarray(ws) != 0
-    else:  # in a loop over stacked layers (flowjax's `Scan`): zeros at every iteration
-        en = env.info.enum(w)
-        if en is None:
-            return None
-        nz = np.any(np.asarray(en) != 0, axis=0)
+    # zeros known when traced: a static matrix's, or, in a loop over stacked layers
+    # (flowjax's `Scan`), those every layer has (`Statics.support`)
+    nz = env.info.support(w)
+    if nz is None:
+        return None
     if np.all(nz):
         return None
     rx = region_of(env, x)
     ux = R.static_mask(rx, tuple(x.aval.shape))
-    if ux is None:
-        return None
-    ops = [None, None]
-    ops[k], ops[1 - k] = np.asarray(ux, np.float32), np.asarray(nz, np.float32)
-    with jax.ensure_compile_time_eval():  # (masks known when traced, even under jit)
-        uo = np.asarray(lax.dot_general(ops[0], ops[1], eqn.params["dimension_numbers"])) > 0
-    if np.all(uo):
-        return False
+    if ux is not None:
+        ops = [None, None]
+        ops[k], ops[1 - k] = np.asarray(ux, np.float32), np.asarray(nz, np.float32)
+        with jax.ensure_compile_time_eval():  # (masks known when traced, even under jit)
+            uo = np.asarray(lax.dot_general(ops[0], ops[1], eqn.params["dimension_numbers"])) > 0
+        if np.all(uo):
+            return False
+        region = R.mask_region(uo)
+    else:
+        # unknown in a window at a computed index (the element a loop's step overwrites):
+        # the outputs that read it through nonzero entries, decided at every iteration
+        region = R.spread(rx, _reads(eqn, k, nz), tuple(o.aval.shape))
+        if region == R.FULL:
+            return False
     vals = [None, None]
     vals[k] = (
         jnp.zeros(x.aval.shape, x.aval.dtype) if rx == R.FULL else value_of(env, x, clean=True)
     )
     vals[1 - k] = env.read(w)
-    return learn(env, o, apply(eqn, vals)[0], R.mask_region(uo))
+    return learn(env, o, apply(eqn, vals)[0], region)
+
+
+def _reads(eqn: JaxprEqn, k: int, nz: np.ndarray) -> np.ndarray:
+    """Which elements of operand `k` each output element of the product reads through the
+    other operand's nonzero entries `nz`: (outputs, operand k's elements), flattened."""
+    x = eqn.invars[k]
+    size = int(np.prod(x.aval.shape, dtype=np.int64))
+    basis = np.eye(size, dtype=np.float32).reshape((size, *x.aval.shape))
+    w = np.asarray(nz, np.float32)
+
+    def one(e):
+        ops = (e, w) if k == 0 else (w, e)
+        return lax.dot_general(*ops, eqn.params["dimension_numbers"])
+
+    with jax.ensure_compile_time_eval():
+        hits = np.asarray(jax.vmap(one)(basis)) != 0
+    return hits.reshape(size, -1).T
 
 
 define(

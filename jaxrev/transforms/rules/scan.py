@@ -114,7 +114,7 @@ def _scan_inverse(outs, *ins, ctx: RuleContext, **params):
         _, kin_fwd = _run_forward_carries(sp, consts, init, xs, fwd_idx)
         kin_of.update(zip(fwd_idx, kin_fwd))
     kin = [kin_of[i] for i in known_idx]
-    hints = loop_hints(sp, ctx.static)
+    hints = loop_hints(sp, ctx.static, ctx.support)
     ys_known_idx = [j for j, y in enumerate(ys) if not is_unknown(y)]
 
     # where the walk's log-det is asked for (`inverse_and_slogdet`), each iteration's is taken
@@ -253,11 +253,15 @@ def _run_forward_carries(
     return list(final), list(per_iteration)
 
 
-def loop_hints(sp: ScanParams, static_of: Callable[[int], Any]) -> Hints | None:
+def loop_hints(
+    sp: ScanParams, static_of: Callable[[int], Any], support_of: Callable[[int], Any]
+) -> Hints | None:
     """What the loop's body knows when it is traced (`static_of(k)`: the static value of the
-    scan's operand k, or None): its static constants, and the value at every iteration of the
-    carries computed from static values alone (a `fori_loop`'s counter) and of static `xs`.
-    Element-level reasoning decides with them whether ``x[i - 1]`` and ``x.at[i]`` meet."""
+    scan's operand k, or None; `support_of(k)`: where it may be nonzero, or None): its static
+    constants, the zeros of the others (a masked weight of a layer, in flowjax's scan over
+    stacked layers), and the value at every iteration of the carries computed from static
+    values alone (a `fori_loop`'s counter) and of static `xs`. Element-level reasoning decides
+    with them whether ``x[i - 1]`` and ``x.at[i]`` meet."""
     nc, ncar, T = sp.nconsts, sp.ncarry, sp.length
     bj = sp.body.jaxpr
     nx = len(bj.invars) - nc - ncar
@@ -266,6 +270,10 @@ def loop_hints(sp: ScanParams, static_of: Callable[[int], Any]) -> Hints | None:
     for k in range(nc):
         if st[k] is not None:
             hints.static[k] = st[k]
+        else:
+            support = support_of(k)
+            if support is not None and not np.all(support):
+                hints.support[k] = support
     for j in range(nx):
         if st[nc + ncar + j] is not None:
             hints.enum[nc + ncar + j] = st[nc + ncar + j]
@@ -303,7 +311,7 @@ def loop_hints(sp: ScanParams, static_of: Callable[[int], Any]) -> Hints | None:
             jax.errors.TracerArrayConversionError,
         ):
             pass  # a carry computed from values known only when the program runs
-    return hints if hints.static or hints.enum else None
+    return hints if hints.static or hints.enum or hints.support else None
 
 
 def _emitted_carries(bj: Any, ncar: int, length: int, ys: Sequence[Any]) -> dict[int, int]:
@@ -342,7 +350,7 @@ def _scan_sweep(P: Plan, i: int, env: Env, ctenv: dict | None, active: set, res:
     _discarded_counters(sp, env, consts, init, xs, cout)
     outs_known(P, i, env, cout, res)
     yk = tuple(env.known(v) for v in ys)
-    hints = loop_hints(sp, lambda k: env.info.static(ins[k]))
+    hints = loop_hints(sp, lambda k: env.info.static(ins[k]), lambda k: env.info.support(ins[k]))
     bp = plan_for(
         body,
         (True,) * nc + (False,) * ncar + xk,

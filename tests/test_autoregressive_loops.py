@@ -1,0 +1,181 @@
+"""Loops that overwrite one element of their carry per step with a function of the others,
+through a network whose zeros are known when traced: a masked autoregressive flow's inverse as
+flowjax writes it (`MaskedAutoregressive.inverse_and_log_det`: a `scan` whose step sets
+element `rank` of the carry from a masked MLP of the whole carry). The element a step
+overwrites is a window at a computed index; the network's outputs that read it are a `Spread`
+of that window (`knowledge/regions.py`), decided at every iteration of the loop. Written here
+as a user would write it, without flowjax: its inverse is the masked autoregressive map in
+closed form, and its log-det the dense Jacobian's.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import jaxrev as jr
+
+jax.config.update("jax_enable_x64", True)
+
+HERE = os.path.basename(__file__)
+D, H = 5, 12  # dimensions, hidden units
+
+
+def _masks(d: int, h: int, strict_diag: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """MADE's masks: hidden unit j has rank j % (d - 1); output i reads hidden units of rank
+    < i (strictly autoregressive) or <= i (a network that also reads element i itself)."""
+    in_rank = np.arange(d)
+    hid_rank = np.arange(h) % (d - 1)
+    m1 = hid_rank[:, None] >= in_rank[None, :]
+    out = np.repeat(np.arange(d), 2)  # a shift and a log-scale per dimension
+    m2 = out[:, None] > hid_rank[None, :] if strict_diag else out[:, None] >= hid_rank[None, :]
+    return m1, m2
+
+
+def _params(key: jax.Array, d: int = D, h: int = H, strict: bool = True) -> dict:
+    k1, k2, k3, k4 = jax.random.split(key, 4)
+    m1, m2 = _masks(d, h, strict)
+    return {
+        "w1": 0.5 * jax.random.normal(k1, (h, d)),
+        "b1": 0.1 * jax.random.normal(k2, (h,)),
+        "w2": 0.3 * jax.random.normal(k3, (2 * d, h)),
+        "b2": 0.1 * jax.random.normal(k4, (2 * d,)),
+        "m1": jnp.asarray(m1),
+        "m2": jnp.asarray(m2),
+    }
+
+
+def _shift_log_scale(p: dict, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The masked MLP, its weights masked as flowjax (paramax) does: ``where(mask, w, 0)``."""
+    w1 = jnp.where(p["m1"], p["w1"], 0)
+    w2 = jnp.where(p["m2"], p["w2"], 0)
+    out = w2 @ jnp.tanh(w1 @ x + p["b1"]) + p["b2"]
+    out = out.reshape(-1, 2)
+    return out[:, 0], 0.5 * jnp.tanh(out[:, 1])
+
+
+def maf_forward(p: dict, x: jax.Array) -> jax.Array:
+    """The masked autoregressive map in closed form: y = x e^s(x) + t(x)."""
+    t, s = _shift_log_scale(p, x)
+    return x * jnp.exp(s) + t
+
+
+def maf_inverse_loop(p: dict, y: jax.Array) -> jax.Array:
+    """Its inverse as flowjax writes it: element `rank` recovered at step `rank`."""
+
+    def step(carry, _):
+        z, rank = carry
+        t, s = _shift_log_scale(p, z)
+        x = (z - t) * jnp.exp(-s)
+        return (z.at[rank].set(x[rank]), rank + 1), None
+
+    (x, _), _ = lax.scan(step, (y, 0), None, length=y.shape[0])
+    return x
+
+
+def _point(seed: int = 1, d: int = D) -> jax.Array:
+    return jax.random.normal(jax.random.PRNGKey(seed), (d,))
+
+
+@pytest.mark.parametrize("how", ["eager", "jit", "vmap"])
+def test_inverse_of_the_element_loop_is_the_closed_form(how):
+    p = _params(jax.random.PRNGKey(0))
+    x = _point()
+    y = maf_forward(p, x)
+    np.testing.assert_allclose(maf_inverse_loop(p, y), x, rtol=1e-12, atol=1e-12)
+    back = jr.reverse(lambda y: maf_inverse_loop(p, y))
+    if how == "jit":
+        back = jax.jit(back)
+    if how == "vmap":
+        xs = jnp.stack([x, _point(2)])
+        got = jax.vmap(back)(jax.vmap(lambda x: maf_inverse_loop(p, maf_forward(p, x)))(xs))
+        np.testing.assert_allclose(got, jax.vmap(lambda x: maf_forward(p, x))(xs), atol=1e-12)
+        return
+    # reversing the loop gives the forward map, without having it
+    np.testing.assert_allclose(back(x), maf_forward(p, x), rtol=1e-12, atol=1e-12)
+
+
+def test_log_dets_of_the_element_loop_against_the_dense_jacobian():
+    p = _params(jax.random.PRNGKey(3))
+    y = _point(4)
+    f = lambda y: maf_inverse_loop(p, y)  # noqa: E731
+    want = jnp.linalg.slogdet(jax.jacfwd(f)(y))[1]
+    out, ld = jax.jit(jr.forward_and_slogdet(f))(y)
+    np.testing.assert_allclose(out, f(y), atol=1e-12)
+    np.testing.assert_allclose(ld, want, rtol=1e-10, atol=1e-10)
+    x_back, ld_inv = jr.inverse_and_slogdet(f)(out)
+    np.testing.assert_allclose(x_back, y, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(ld_inv, -want, rtol=1e-10, atol=1e-10)
+
+
+def test_traced_weights_with_static_masks():
+    """Weights passed as arguments (traced, as while training), masked by static masks: the
+    zeros of ``where(mask, w, 0)`` are known when traced whatever w is."""
+    p = _params(jax.random.PRNGKey(5))
+    masks = {k: p[k] for k in ("m1", "m2")}
+    weights = {k: v for k, v in p.items() if k not in masks}
+    x = _point(6)
+
+    @jax.jit
+    def forward(weights, x):
+        return jr.reverse(lambda y: maf_inverse_loop({**weights, **masks}, y))(x)
+
+    np.testing.assert_allclose(forward(weights, x), maf_forward(p, x), rtol=1e-12, atol=1e-12)
+
+
+def test_layers_stacked_in_a_scan():
+    """Two such loops in a scan over stacked layers (flowjax's `Scan` of its flows' layers):
+    the masked weights differ per layer, their zeros do not (`Statics.support` handed to the
+    inner loop's body)."""
+    keys = jax.random.split(jax.random.PRNGKey(7), 2)
+    stacked = jax.tree.map(lambda *a: jnp.stack(a), *[_params(k) for k in keys])
+
+    def flow(y):
+        def layer(z, p):
+            return jnp.flip(maf_inverse_loop(p, z)), None
+
+        return lax.scan(layer, y, stacked)[0]
+
+    def closed_form(x):
+        for i in reversed(range(2)):
+            p = jax.tree.map(lambda a: a[i], stacked)
+            x = maf_forward(p, jnp.flip(x))
+        return x
+
+    x = _point(8)
+    np.testing.assert_allclose(flow(closed_form(x)), x, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(jr.reverse(flow)(x), closed_form(x), rtol=1e-12, atol=1e-12)
+    _, ld = jr.forward_and_slogdet(flow)(x)
+    np.testing.assert_allclose(ld, jnp.linalg.slogdet(jax.jacfwd(flow)(x))[1], atol=1e-10)
+
+
+def test_a_network_that_reads_the_overwritten_element_is_refused():
+    """Output i reading hidden units of rank i reads element i itself: the step's element is
+    then not recovered from the others, and the walk says where, never a wrong value."""
+    p = _params(jax.random.PRNGKey(9), strict=False)
+    with pytest.raises(jr.NotInvertibleError) as info:
+        jr.reverse(lambda y: maf_inverse_loop(p, y))(_point())
+    msg = str(info.value)
+    assert "`dynamic_slice`" in msg or "`scatter`" in msg, msg
+    assert f"{HERE}:" in msg, msg
+
+
+def test_masks_known_only_when_the_program_runs_are_refused():
+    """Masks passed as arguments: their zeros are not known when traced, so nothing tells
+    which outputs read the overwritten element: refused, naming the step."""
+    p = _params(jax.random.PRNGKey(10))
+    masks = {k: p[k] for k in ("m1", "m2")}
+    weights = {k: v for k, v in p.items() if k not in masks}
+
+    @jax.jit
+    def forward(masks, x):
+        return jr.reverse(lambda y: maf_inverse_loop({**weights, **masks}, y))(x)
+
+    with pytest.raises(jr.NotInvertibleError) as info:
+        forward(masks, _point())
+    assert f"{HERE}:" in str(info.value), str(info.value)
