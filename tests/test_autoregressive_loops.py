@@ -179,3 +179,33 @@ def test_masks_known_only_when_the_program_runs_are_refused():
     with pytest.raises(jr.NotInvertibleError) as info:
         forward(masks, _point())
     assert f"{HERE}:" in str(info.value), str(info.value)
+
+
+def test_a_condition_joined_to_the_carry():
+    """A conditional flow's network reads ``concatenate([z, condition])``: the overwritten
+    element's window, read through the concatenation, is a spread of it (`regions.pullback`)."""
+    p = _params(jax.random.PRNGKey(11))
+    cond = jnp.array([0.3, -1.2])
+    m1 = jnp.concatenate([p["m1"], jnp.ones((H, 2), bool)], axis=1)
+    w1 = jnp.concatenate([p["w1"], 0.4 * jnp.ones((H, 2))], axis=1)
+    pc = {**p, "m1": m1, "w1": w1}
+
+    def shift_log_scale(z, c):
+        hidden = jnp.tanh(jnp.where(pc["m1"], pc["w1"], 0) @ jnp.concatenate([z, c]) + p["b1"])
+        out = (jnp.where(p["m2"], p["w2"], 0) @ hidden + p["b2"]).reshape(-1, 2)
+        return out[:, 0], 0.5 * jnp.tanh(out[:, 1])
+
+    def inverse_loop(y, c):
+        def step(carry, _):
+            z, rank = carry
+            t, s = shift_log_scale(z, c)
+            return (z.at[rank].set(((z - t) * jnp.exp(-s))[rank]), rank + 1), None
+
+        return lax.scan(step, (y, 0), None, length=D)[0][0]
+
+    x = _point(12)
+    t, s = shift_log_scale(x, cond)
+    y = x * jnp.exp(s) + t
+    np.testing.assert_allclose(inverse_loop(y, cond), x, atol=1e-12)
+    got = jax.jit(jr.reverse(inverse_loop))(x, cond)
+    np.testing.assert_allclose(got, y, rtol=1e-12, atol=1e-12)
