@@ -150,8 +150,23 @@ def test_layers_stacked_in_a_scan():
     x = _point(8)
     np.testing.assert_allclose(flow(closed_form(x)), x, rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(jr.reverse(flow)(x), closed_form(x), rtol=1e-12, atol=1e-12)
-    _, ld = jr.forward_and_slogdet(flow)(x)
+    out, ld = jr.forward_and_slogdet(flow)(x)
+    np.testing.assert_allclose(out, flow(x), rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(ld, jnp.linalg.slogdet(jax.jacfwd(flow)(x))[1], atol=1e-10)
+    # each loop runs once: the layers' loop gives its outputs with its log-det, and so does
+    # the element loop inside each layer (`logdet.run_forward` on the outer loop's body)
+    assert _count(jax.make_jaxpr(jr.forward_and_slogdet(flow))(x).jaxpr, "scan") == 2
+
+
+def _count(jaxpr, name: str) -> int:
+    """Equations of primitive `name` at any depth."""
+    from jax.extend.core import jaxprs_in_params
+
+    n = 0
+    for eqn in jaxpr.eqns:
+        n += eqn.primitive.name == name
+        n += sum(_count(sub, name) for sub in jaxprs_in_params(eqn.params))
+    return n
 
 
 def test_a_network_that_reads_the_overwritten_element_is_refused():

@@ -65,6 +65,7 @@ __all__ = [
     "rule_step",
     "env_reader",
     "rule_steps",
+    "run_forward",
     "LogdetResult",
     "LogdetContext",
     "DENSE_STEP",
@@ -588,6 +589,28 @@ def rule_steps(pl: Plan) -> dict:
         if ps.how == "rule"
         and getattr(logdet_rules[ps.step.eqns[0].primitive], "gives_outputs", False)
     }
+
+
+def run_forward(pl: Plan, eqns: Sequence[JaxprEqn], env: Env) -> dict:
+    """`eqns` evaluated in `env` in order, where `pl` takes a step by its primitive's rule
+    that gives the equation's outputs (`rule_steps`: a loop of layers, whose rule runs it
+    forward anyway) its outputs taken from that rule: the loop runs once, for its outputs and
+    its log-det. Returns the rule steps' results by equation id (`evaluate_plan`'s `done`).
+    Used by the forward run of `forward_and_slogdet` and, inside a loop of loops, by the
+    outer loop's log-det rule on its body."""
+    by_rule = rule_steps(pl)
+    done: dict = {}
+    for eqn in eqns:
+        ps = by_rule.get(id(eqn))
+        if ps is not None:
+            got = rule_step(ps, env.read)
+            done[id(eqn)] = got
+            if got.outs is not None:
+                for o, val in zip(eqn.outvars, got.outs):
+                    env.write(o, val)
+                continue
+        evaluate([eqn], env)
+    return done
 
 
 def _eval_step(

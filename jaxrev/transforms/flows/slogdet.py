@@ -50,8 +50,7 @@ from jaxrev.transforms.logdet import (
     env_reader,
     evaluate_plan,
     plan,
-    rule_step,
-    rule_steps,
+    run_forward,
 )
 from jaxrev.transforms.propagation.walker import propagate, raise_stuck, seed
 from jaxrev.transforms.registry import Unsupported, check_rule, define
@@ -209,18 +208,11 @@ def _forward(t: _Traced, pl: Any = None) -> tuple[list, Env, dict]:
         env.write(v, c)
     for v, x in zip(jaxpr.invars, t.flat):
         env.write(v, x)
-    by_rule = {} if pl is None else rule_steps(pl)
-    done: dict = {}
-    for eqn in jaxpr.eqns:
-        ps = by_rule.get(id(eqn))
-        if ps is not None:
-            got = rule_step(ps, env.read)
-            done[id(eqn)] = got
-            if got.outs is not None:
-                for o, val in zip(eqn.outvars, got.outs):
-                    env.write(o, val)
-                continue
-        evaluate([eqn], env)
+    if pl is None:
+        evaluate(jaxpr.eqns, env)
+        done: dict = {}
+    else:
+        done = run_forward(pl, jaxpr.eqns, env)
     return [env.read(v) for v in jaxpr.outvars], env, done
 
 

@@ -464,28 +464,38 @@ def spread(r: Region, rel: np.ndarray, shape: tuple) -> Region:
     """The positions of an array of `shape` that read a position of `r` through the static
     relation `rel` (positions of `shape` x positions of `r`'s array, flattened): the unknown
     outputs of a product by a matrix with zeros known when traced. A conjunction of static
-    masks gives a static mask; one with a window (or a spread window) gives a `Spread` of it;
-    atoms that cannot be carried through (run-time predicates, complements of windows) are
+    masks gives a static mask; one with windows (or spread windows) the `Spread` of one of
+    them (each is a superset of what reads the conjunction's positions); atoms that cannot be
+    carried through (run-time predicates, complements of windows, the other windows) are
     dropped, which only makes the region larger (safe: regions over-approximate)."""
     rel = np.asarray(rel, bool)
     out = []
     for c in r:
         keep = np.ones(rel.shape[1], bool)
-        carrier = None
         for a in c:
             if isinstance(a, Mask):
                 keep &= a.array.reshape(-1)
-            elif isinstance(a, (Win, Spread)) and carrier is None:
-                carrier = a
         through = rel & keep[None, :]
-        if carrier is None:
+        carriers = [a for a in c if isinstance(a, (Win, Spread))]
+        if not carriers:
             out.append(frozenset({Mask.of(through.any(axis=1).reshape(shape))}))
             continue
-        if isinstance(carrier, Spread):
-            through = (through.astype(np.float32) @ carrier.rel.array.astype(np.float32)) > 0
-            carrier = carrier.win
-        if through.any():
-            out.append(frozenset({Spread(carrier, Mask.of(through), tuple(shape))}))
+        spreads = []
+        for a in carriers:
+            if isinstance(a, Spread):
+                spread_rel = (through.astype(np.float32) @ a.rel.array.astype(np.float32)) > 0
+                spreads.append(Spread(a.win, Mask.of(spread_rel), tuple(shape)))
+            else:
+                spreads.append(Spread(a, Mask.of(through), tuple(shape)))
+        # one of them (each is a superset; all of them would be more masks to make when the
+        # program runs), chosen by the relation's size and bits, not by the conjunction's order
+        # (its atoms' hashes, which vary between runs): the widest, since a narrower one lets
+        # the walk learn a few elements early, each a pass of the network more in the inverse
+        # program (flowjax's MAF inverse loop: 1 567 lines of HLO and 5 products a step with
+        # the narrowest, 1 338 and 3 with the widest; both invert it)
+        best = max(spreads, key=lambda a: (int(a.rel.array.sum()), a.rel.bits))
+        if best.rel.array.any():
+            out.append(frozenset({best}))
     return _simplify(out, None)
 
 

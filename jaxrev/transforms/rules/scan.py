@@ -31,6 +31,7 @@ from jaxrev.transforms.logdet import (
     LogdetResult,
     env_reader,
     evaluate_plan,
+    run_forward,
 )
 from jaxrev.transforms.logdet import plan as logdet_plan
 from jaxrev.transforms.propagation.walker import (
@@ -525,8 +526,10 @@ def _scan_logdet(ctx: LogdetContext) -> LogdetResult:
             env.write(v, a)
         for v, a in zip(jaxpr.invars, [*consts, *c, *x_t]):
             env.write(v, a)
-        evaluate(jaxpr.eqns, env)
-        s, ld = evaluate_plan(pl, env.read, dtype, permutation=False)
+        # (a loop inside, the layer's own loop in a scan of layers, runs once: its outputs
+        # come from its log-det rule)
+        done = run_forward(pl, jaxpr.eqns, env)
+        s, ld = evaluate_plan(pl, env.read, dtype, permutation=False, done=done)
         c2 = [
             env.read(v) if not isinstance(v, Literal) else jnp.asarray(v.val)
             for v in jaxpr.outvars[:ncar]
