@@ -121,7 +121,9 @@ class Statics:
     def _derived_support(self, v: Var) -> np.ndarray | None:
         """The zeros a weight masked by a static mask has, whatever its values: a select
         by a static predicate (``where(mask, w, 0)``, how flowjax and paramax mask a layer), a
-        product by a static factor, and moves of such a value."""
+        product by a static factor, and moves of such a value. (A product's zero may be NaN
+        where the other factor is infinite: only a rule that computes with the value itself,
+        as `dot_general`'s does, may rely on it.)"""
         e = self.producer.get(v)
         if e is None or getattr(e, "effects", None):
             return None

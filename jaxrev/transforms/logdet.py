@@ -592,12 +592,12 @@ def rule_steps(pl: Plan) -> dict:
 
 
 def run_forward(pl: Plan, eqns: Sequence[JaxprEqn], env: Env) -> dict:
-    """`eqns` evaluated in `env` in order, where `pl` takes a step by its primitive's rule
-    that gives the equation's outputs (`rule_steps`: a loop of layers, whose rule runs it
-    forward anyway) its outputs taken from that rule: the loop runs once, for its outputs and
-    its log-det. Returns the rule steps' results by equation id (`evaluate_plan`'s `done`).
-    Used by the forward run of `forward_and_slogdet` and, inside a loop of loops, by the
-    outer loop's log-det rule on its body."""
+    """`eqns` evaluated in `env` in order. An equation that `pl` takes by its primitive's
+    rule, where that rule also gives the equation's outputs (`rule_steps`: a loop of layers,
+    whose rule runs it forward anyway), is not evaluated: its outputs are the rule's, so the
+    loop runs once, for its outputs and its log-det. Returns the rule steps' results by
+    equation id (`evaluate_plan`'s `done`). Used by `forward_and_slogdet`'s forward run and by
+    the scan's log-det rule on its body (a loop inside each layer)."""
     by_rule = rule_steps(pl)
     done: dict = {}
     for eqn in eqns:

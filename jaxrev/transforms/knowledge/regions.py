@@ -399,6 +399,10 @@ def _window_meets_mask(w: Win, m: np.ndarray, statics: Any) -> bool | None:
 _MAX_ENUMERATED = 1 << 25
 """Iterations x positions beyond which a region is not decided by enumerating its masks."""
 
+MAX_RELATION = 1 << 24
+"""Positions x window positions beyond which no `Spread` is built (its relation is made when
+tracing, and kept as a constant of the program): the region is then every position."""
+
 
 def _iteration_masks(a: Any, shape: tuple, statics: Any) -> np.ndarray | None:
     """The atom's positions at every iteration, (T or 1, positions) flattened; None where
@@ -416,7 +420,7 @@ def _iteration_masks(a: Any, shape: tuple, statics: Any) -> np.ndarray | None:
             return None
         starts, valid = st
         T = max([np.size(x) for x in starts] + [np.size(valid)])
-        if T * size > _MAX_ENUMERATED:
+        if T == 0 or T * size > _MAX_ENUMERATED:
             return None
         out = np.ones((T,) + tuple(shape), bool)
         for d, (x, z, n) in enumerate(zip(starts, a.sizes, a.shape)):
@@ -482,6 +486,9 @@ def spread(r: Region, rel: np.ndarray, shape: tuple) -> Region:
             continue
         spreads = []
         for a in carriers:
+            size = rel.shape[0] * (a.rel.array.shape[1] if isinstance(a, Spread) else rel.shape[1])
+            if size > MAX_RELATION:
+                return FULL
             if isinstance(a, Spread):
                 spread_rel = (through.astype(np.float32) @ a.rel.array.astype(np.float32)) > 0
                 spreads.append(Spread(a.win, Mask.of(spread_rel), tuple(shape)))
@@ -491,8 +498,7 @@ def spread(r: Region, rel: np.ndarray, shape: tuple) -> Region:
         # program runs), chosen by the relation's size and bits, not by the conjunction's order
         # (its atoms' hashes, which vary between runs): the widest, since a narrower one lets
         # the walk learn a few elements early, each a pass of the network more in the inverse
-        # program (flowjax's MAF inverse loop: 1 567 lines of HLO and 5 products a step with
-        # the narrowest, 1 338 and 3 with the widest; both invert it)
+        # program (measured on flowjax's MAF inverse loop, which both invert)
         best = max(spreads, key=lambda a: (int(a.rel.array.sum()), a.rel.bits))
         if best.rel.array.any():
             out.append(frozenset({best}))
@@ -699,7 +705,7 @@ def pullback(r: Region, m: IndexMap) -> Region:
         for a in c:
             if isinstance(a, Win):  # a window read through the map: a spread of it
                 size = int(np.prod(a.shape, dtype=np.int64))
-                if size * m.index.size > _MAX_ENUMERATED:
+                if size * m.index.size > MAX_RELATION:
                     return FULL
                 a = Spread(a, Mask.of(np.eye(size, dtype=bool)), a.shape)
             if isinstance(a, Mask):

@@ -140,7 +140,10 @@ def _dot_forward(eqn: JaxprEqn, env: Env) -> bool | None:
     else:
         # unknown in a window at a computed index (the element a loop's step overwrites):
         # the outputs that read it through nonzero entries, decided at every iteration
-        region = R.spread(rx, _reads(eqn, k, nz), tuple(o.aval.shape))
+        reads = _reads(eqn, k, nz)
+        if reads is None:
+            return None
+        region = R.spread(rx, reads, tuple(o.aval.shape))
         if region == R.FULL:
             return False
     vals = [None, None]
@@ -151,11 +154,14 @@ def _dot_forward(eqn: JaxprEqn, env: Env) -> bool | None:
     return learn(env, o, apply(eqn, vals)[0], region)
 
 
-def _reads(eqn: JaxprEqn, k: int, nz: np.ndarray) -> np.ndarray:
+def _reads(eqn: JaxprEqn, k: int, nz: np.ndarray) -> np.ndarray | None:
     """Which elements of operand `k` each output element of the product reads through the
-    other operand's nonzero entries `nz`: (outputs, operand k's elements), flattened."""
+    other operand's nonzero entries `nz`: (outputs, operand k's elements), flattened; None
+    where that relation is too large to build when tracing (`regions.MAX_RELATION`)."""
     x = eqn.invars[k]
     size = int(np.prod(x.aval.shape, dtype=np.int64))
+    if size * int(np.prod(eqn.outvars[0].aval.shape, dtype=np.int64)) > R.MAX_RELATION:
+        return None
     basis = np.eye(size, dtype=np.float32).reshape((size, *x.aval.shape))
     w = np.asarray(nz, np.float32)
 
