@@ -24,6 +24,7 @@ over-approximate what is unknown, which is always safe).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
@@ -76,11 +77,15 @@ class Mask:
         m = np.asarray(m, bool)
         return Mask(np.packbits(m.ravel()).tobytes(), tuple(m.shape))
 
-    @property
+    @functools.cached_property
     def array(self) -> np.ndarray:
+        """The positions as a boolean array, unpacked once per atom (a spread's relation is
+        read at every simplification) and read-only, since every reader shares it."""
         n = int(np.prod(self.shape, dtype=np.int64))
         bits = np.unpackbits(np.frombuffer(self.bits, np.uint8), count=n)
-        return bits.astype(bool).reshape(self.shape)
+        out = bits.astype(bool).reshape(self.shape)
+        out.setflags(write=False)
+        return out
 
 
 class IndexMap:

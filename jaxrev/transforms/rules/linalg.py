@@ -14,6 +14,7 @@ import numpy as np
 from jax import lax
 
 import jaxrev._dense as dense
+from jaxrev._cache import memo
 from jaxrev._compat import JaxprEqn, is_concrete, prims
 from jaxrev._env import Env, is_unknown
 from jaxrev._evaluate import apply
@@ -162,16 +163,31 @@ def _reads(eqn: JaxprEqn, k: int, nz: np.ndarray) -> np.ndarray | None:
     size = int(np.prod(x.aval.shape, dtype=np.int64))
     if size * int(np.prod(eqn.outvars[0].aval.shape, dtype=np.int64)) > R.MAX_RELATION:
         return None
-    basis = np.eye(size, dtype=np.float32).reshape((size, *x.aval.shape))
+    # every learning pass over the product asks again (a layer's D passes, each trace): keyed
+    # on all that decides it, the zeros by content
+    dn = eqn.params["dimension_numbers"]
+    key = (k, tuple(x.aval.shape), dn, nz.shape, np.packbits(nz).tobytes())
+    cache = memo("linalg.reads", 256)
+    hit = cache.get(key)
+    if hit is None:
+        hit = cache.put(key, [], _reads_of(dn, k, tuple(x.aval.shape), nz))
+    return hit
+
+
+def _reads_of(dn: Any, k: int, x_shape: tuple, nz: np.ndarray) -> np.ndarray:
+    size = int(np.prod(x_shape, dtype=np.int64))
+    basis = np.eye(size, dtype=np.float32).reshape((size, *x_shape))
     w = np.asarray(nz, np.float32)
 
     def one(e):
         ops = (e, w) if k == 0 else (w, e)
-        return lax.dot_general(*ops, eqn.params["dimension_numbers"])
+        return lax.dot_general(*ops, dn)
 
     with jax.ensure_compile_time_eval():
         hits = np.asarray(jax.vmap(one)(basis)) != 0
-    return hits.reshape(size, -1).T
+    hits = hits.reshape(size, -1).T
+    hits.setflags(write=False)  # (shared by every caller through the cache)
+    return hits
 
 
 define(
