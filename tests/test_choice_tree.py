@@ -6,7 +6,9 @@
 - a clip that saturates an intermediate value is refused only where the output is the clip's
   end (when the program runs: eagerly, under `jit`, NaN on request), while a relu of the state
   is still refused when traced;
-- a ratio of quadratics in one unknown is solved by its roots, not by Newton's method;
+- a ratio of quadratics in one unknown is solved by its roots, not by Newton's method; so is
+  one square root of a quadratic (the spline's inverse as flowjax writes it, which flowjax's
+  default flows run forward);
 - a masked autoregressive layer inverts through the zeros of its masked weights, also with
   its layers stacked in a `scan`; with traced masks Newton's method solves the layer whole.
 """
@@ -50,6 +52,23 @@ def clipped_spline(x, xk, yk, d):
     return jnp.where(inb, y, x)
 
 
+def clipped_spline_inverse(y, xk, yk, d):
+    """flowjax's `inverse_and_log_det`, written out: the bin searched over the output knots,
+    the piece's quadratic solved by the stable root formula (a square root of a quadratic in
+    `y`)."""
+    inb = (y >= -B) & (y <= B)
+    yc = jnp.clip(y, -B, B)
+    k = jnp.clip(jnp.searchsorted(yk, yc) - 1, 0, len(xk) - 2)
+    s = (yk[k + 1] - yk[k]) / (xk[k + 1] - xk[k])
+    delta = (yc - yk[k]) * (d[k + 1] + d[k] - 2 * s)
+    a = (yk[k + 1] - yk[k]) * (s - d[k]) + delta
+    b = (yk[k + 1] - yk[k]) * d[k] - delta
+    c = -s * (yc - yk[k])
+    xi = (2 * c) / (-b - jnp.sqrt(b**2 - 4 * a * c))
+    x = jnp.clip(xi * (xk[k + 1] - xk[k]) + xk[k], -B, B)
+    return jnp.where(inb, x, y)
+
+
 # K = 3 by default; 6 and 10 bins (the same checks, about 1.5x and 2.5x as long) are `slow`
 @pytest.mark.parametrize(
     "K", [3, pytest.param(6, marks=pytest.mark.slow), pytest.param(10, marks=pytest.mark.slow)]
@@ -78,6 +97,47 @@ def test_flowjax_style_spline_inverts_with_combinations_linear_in_the_bins(K, mo
     x2, ld = jax.jit(jax.vmap(jr.inverse_and_slogdet(f)))(y)
     want = -jax.vmap(lambda v: jnp.log(jax.grad(f)(v)))(x)
     np.testing.assert_allclose(ld, want, rtol=1e-10)
+
+
+@pytest.mark.parametrize("how", ["eager", "jit"])
+def test_spline_inverse_with_a_square_root_is_solved_by_its_roots(how):
+    """Inverting flowjax's spline inverse (its default flows' forward map): every bin's piece
+    is one square root of a quadratic in the unknown, solved exactly (no Newton iterations);
+    the spurious root squaring adds (the bin's left knot) fails the consistency check."""
+    xk, yk, d = _spline_params(4, key=3)
+    g = lambda y: clipped_spline_inverse(y, xk, yk, d)  # noqa: E731
+    y = jnp.array([-4.0, -2.9, -1.0, 0.0, 1e-4, 0.3, 2.2, 2.99, 5.0])
+    x = jax.vmap(g)(y)
+    np.testing.assert_allclose(
+        jax.vmap(lambda v: clipped_spline(v, xk, yk, d))(x), y, rtol=1e-12, atol=1e-13
+    )
+    inv = jax.vmap(jr.inverse_and_slogdet(g))
+    with counting() as c:
+        got, ld = (jax.jit(inv) if how == "jit" else inv)(x)
+    assert c["roots"] > 0 and c["newton"] == 0, c
+    np.testing.assert_allclose(got, y, rtol=1e-12, atol=1e-13)
+    np.testing.assert_allclose(ld, -jax.vmap(lambda v: jnp.log(jax.grad(g)(v)))(y), rtol=1e-9)
+
+
+def test_one_square_root_outside_a_choice_keeps_the_root_that_solves():
+    """A group with a radical and no choice (one bin's piece): of the squared equation's two
+    roots, the one whose residual passes, not merely the one nearer Newton's start."""
+    a0, a1, b0, b1, c1 = 0.3, 0.4, 1.2, -0.2, -0.9
+
+    def g(y):
+        a, b, c = a0 + a1 * y, b0 + b1 * y, c1 * y
+        return (2 * c) / (-b - jnp.sqrt(b * b - 4 * a * c))
+
+    y = jnp.array([0.05, 0.4, 0.8])
+    with counting() as c:
+        got = jr.reverse(g)(g(y))
+    assert c["roots"] == 1 and c["newton"] == 0, c
+    np.testing.assert_allclose(got, y, rtol=1e-12)
+    # a second radical of another argument: declined, Newton's method solves it
+    k = lambda y: y + 0.1 * jnp.sqrt(2.0 + y * y) + 0.05 * jnp.sqrt(3.0 + y)  # noqa: E731
+    with counting() as c:
+        np.testing.assert_allclose(jr.reverse(k)(k(y)), y, rtol=1e-12)
+    assert c["roots"] == 0 and c["newton"] == 1, c
 
 
 def test_saturated_clip_of_an_intermediate_is_refused_only_at_its_end():

@@ -505,18 +505,26 @@ def _polish(system: _System, yp: Any, reads: list, only: Any, roots: tuple) -> A
     """The root `only` (0 or 1, as `choices` asks; None: the one Newton's method would reach)
     after one Newton step, kept where it lowers the residual."""
     resid = _residual(system, yp, reads)
+
+    def once(u0):
+        du = system.solve(system.jacobian(u0, reads), yp - system.F(u0, reads))
+        u1 = u0 + jnp.where(jnp.isfinite(du), du, 0.0)
+        return jnp.where(system.broadcast(resid(u1) < resid(u0)), u1, u0)
+
     r = [x[..., None].astype(yp.dtype) for x in roots]
-    if only is None:
-        # both roots may solve it (the map is not one-to-one on the reals): as Newton's
-        # method would, keep the one nearer the best of its usual starts
-        near = _best_start(system, yp, reads, resid)
-        u0 = jnp.where(jnp.abs(r[1] - near) < jnp.abs(r[0] - near), r[1], r[0])
-        u0 = jnp.where(jnp.isfinite(u0), u0, jnp.where(jnp.isfinite(r[0]), r[0], r[1]))
-    else:  # (no other start is evaluated: each root is its own candidate)
-        u0 = jnp.stack(r)[jnp.clip(jnp.asarray(only), 0, 1)]
-    du = system.solve(system.jacobian(u0, reads), yp - system.F(u0, reads))
-    u1 = u0 + jnp.where(jnp.isfinite(du), du, 0.0)
-    return jnp.where(system.broadcast(resid(u1) < resid(u0)), u1, u0)
+    if only is not None:  # (no other start is evaluated: each root is its own candidate)
+        return once(jnp.stack(r)[jnp.clip(jnp.asarray(only), 0, 1)])
+    # both roots may solve it (the map is not one-to-one on the reals): as Newton's method
+    # would, keep the one nearer the best of its usual starts; but a root that does not
+    # solve it (the conjugate branch a radical's squared equation adds) only where neither does
+    near = _best_start(system, yp, reads, resid)
+    u0, u1 = once(r[0]), once(r[1])
+    r0, r1 = resid(u0), resid(u1)
+    tol = _tolerance(system, yp)
+    good0, good1 = r0 <= tol, r1 <= tol
+    nearer1 = system.norm(u1 - near) < system.norm(u0 - near)
+    second = (good1 & (~good0 | nearer1)) | (~good0 & ~good1 & (r1 < r0))
+    return jnp.where(system.broadcast(second), u1, u0)
 
 
 def _pick(stacked: Any, best: Any) -> Any:

@@ -1,15 +1,23 @@
-"""Exact roots of groups that are ratios of quadratics in their one unknown (docs/design.md §3.6).
+"""Exact roots of groups that are ratios of quadratics in their one unknown, or of one square
+root of a quadratic (docs/design.md §3.6).
 
 A rational-quadratic spline's piece ``y = y_k + (y_{k+1} - y_k)(s ξ² + d_k ξ(1 - ξ)) /
 (s + (d_{k+1} + d_k - 2s) ξ(1 - ξ))`` with ξ affine in x, a Möbius map ``(a x + b) / (c x +
-d)``, an affine map: each element's output is P(u) / Q(u) with P and Q of degree at most two
-in the unknown u, coefficients computed from what is known. `quadratic_roots` finds that form
-by running the group's equations on polynomial coefficients (``+ - * /``, integer powers,
-negation, casts: any other step, or a degree past two, and it declines), and returns the two
-roots of ``y Q(u) - P(u) = 0`` per element: the stable formula; the linear root where the
-quadratic term vanishes; where there is no real root, the vertex, where the residual is least.
-Newton's step (`nonlinear`) takes them as its starts and polishes them once; the choice step's
-consistency picks the root inside the piece's bin, and the residual check stays.
+d)``, an affine map, and the same spline's inverse as flowjax and Durkan et al. write it,
+``ξ = 2c / (-b - sqrt(b² - 4ac))`` with a, b, c affine in y: each element's output lies in
+the field of ratios of polynomials in the unknown u and one radical t = √S(u), ``F(u) = (N₀(u)
++ N₁(u) t) / (D₀(u) + D₁(u) t)`` (t² = S reduces every product to that form). `quadratic_roots`
+finds that form by running the group's equations on polynomial coefficients (``+ - * /``,
+integer powers, squares, negation, casts, ``sqrt`` of one argument: any other
+step, a second radical, or a degree past `MAX_DEGREE`, and it declines). ``F(u) = y`` is
+``N₀ - y D₀ = (y D₁ - N₁) t``; without a radical that is a polynomial equation, with one its
+square ``(N₀ - y D₀)² - S (y D₁ - N₁)² = 0`` is (squaring adds the roots of the conjugate
+branch, -t, and a spline's inverse gains its bin's left knot, c = 0: the residual check drops
+them). Where that equation has degree two at most, its two roots are returned per element:
+the stable formula; the linear root where the quadratic term vanishes; where there is no real
+root, the vertex, where the residual is least. Newton's step (`nonlinear`) takes them as its
+starts and polishes them once; the choice step's consistency picks the root inside the
+piece's bin, and the residual check stays.
 """
 
 from __future__ import annotations
@@ -26,17 +34,11 @@ from jaxrev._graph import is_var, real_outvars
 __all__ = ["quadratic_roots"]
 
 MAX_DEGREE = 2
+"""Degree of the equation whose roots are taken."""
+MAX_INNER_DEGREE = 4
+"""Degree of the polynomials met on the way (a product with the radical's argument)."""
 
-Poly = tuple  # coefficients, lowest degree first (arrays or Python numbers)
-
-
-class _Rat:
-    """P(u) / Q(u); Q None means 1."""
-
-    __slots__ = ("p", "q")
-
-    def __init__(self, p: Poly, q: Poly | None = None) -> None:
-        self.p, self.q = p, q
+Poly = tuple  # coefficients, lowest degree first (arrays or Python numbers); () is zero
 
 
 class _Declined(Exception):
@@ -51,7 +53,9 @@ def _padd(a: Poly, b: Poly, sign: float = 1.0) -> Poly:
 
 
 def _pmul(a: Poly, b: Poly) -> Poly:
-    if len(a) + len(b) - 2 > MAX_DEGREE:
+    if not a or not b:
+        return ()
+    if len(a) + len(b) - 2 > MAX_INNER_DEGREE:
         raise _Declined
     out: list = [0] * (len(a) + len(b) - 1)
     for i, x in enumerate(a):
@@ -60,53 +64,120 @@ def _pmul(a: Poly, b: Poly) -> Poly:
     return tuple(out)
 
 
-def _q(r: _Rat) -> Poly:
-    return (1,) if r.q is None else r.q
+def _pscale(a: Poly, c: Any) -> Poly:
+    return tuple(x * c for x in a)
 
 
-def _add(a: _Rat, b: _Rat, sign: float) -> _Rat:
-    if a.q is None and b.q is None:
-        return _Rat(_padd(a.p, b.p, sign))
-    return _Rat(_padd(_pmul(a.p, _q(b)), _pmul(b.p, _q(a)), sign), _pmul(_q(a), _q(b)))
+class _Surd:
+    """A + B t, with t the group's radical √S (B = () without one)."""
+
+    __slots__ = ("a", "b")
+
+    def __init__(self, a: Poly, b: Poly = ()) -> None:
+        self.a, self.b = a, b
+
+    def plus(self, o: _Surd, sign: float = 1.0) -> _Surd:
+        return _Surd(_padd(self.a, o.a, sign), _padd(self.b, o.b, sign))
+
+    def times(self, o: _Surd, s: Poly | None) -> _Surd:
+        a = _pmul(self.a, o.a)
+        bb = _pmul(self.b, o.b)
+        if bb:
+            if s is None:  # (a radical part without a radical cannot arise)
+                raise _Declined
+            a = _padd(a, _pmul(bb, s))
+        return _Surd(a, _padd(_pmul(self.a, o.b), _pmul(self.b, o.a)))
+
+    def neg(self) -> _Surd:
+        return _Surd(_pscale(self.a, -1), _pscale(self.b, -1))
 
 
-def _mul(a: _Rat, b: _Rat) -> _Rat:
-    q = None if a.q is None and b.q is None else _pmul(_q(a), _q(b))
-    return _Rat(_pmul(a.p, b.p), q)
+_ONE = _Surd((1,))
 
 
-def _div(a: _Rat, b: _Rat) -> _Rat:
-    if b.q is None and len(b.p) == 1:  # by a known value
-        return _Rat(tuple(x / b.p[0] for x in a.p), a.q)
-    return _Rat(_pmul(a.p, _q(b)), _pmul(_q(a), b.p))
+class _Rat:
+    """num / den, two `_Surd`s in the unknown u."""
+
+    __slots__ = ("num", "den")
+
+    def __init__(self, num: _Surd, den: _Surd = _ONE) -> None:
+        self.num, self.den = num, den
 
 
-def _step(e: Any, ins: list) -> _Rat:
-    p = e.primitive
-    r = [x if isinstance(x, _Rat) else _Rat((x,)) for x in ins]
-    if p is prims.add:
-        return _add(r[0], r[1], 1.0)
-    if p is prims.sub:
-        return _add(r[0], r[1], -1.0)
-    if p is prims.mul:
-        return _mul(r[0], r[1])
-    if p is prims.div:
-        return _div(r[0], r[1])
-    if p is prims.neg:
-        return _Rat(tuple(-x for x in r[0].p), r[0].q)
-    if p is prims.integer_pow:
-        n, base = e.params["y"], r[0]
-        out = _Rat((1,))
-        for _ in range(abs(n)):
-            out = _mul(out, base)
-        return _div(_Rat((1,)), out) if n < 0 else out
-    if p in (prims.convert_element_type, prims.copy) and len(ins) == 1:
-        if p is prims.convert_element_type and not jnp.issubdtype(
-            e.params["new_dtype"], jnp.inexact
-        ):
+class _Field:
+    """Arithmetic on `_Rat`s, holding the group's one radical: S, and the variable it is
+    the square root of."""
+
+    def __init__(self) -> None:
+        self.s: Poly | None = None
+        self.of: Any = None
+
+    def add(self, x: _Rat, y: _Rat, sign: float) -> _Rat:
+        if x.den is _ONE and y.den is _ONE:
+            return _Rat(x.num.plus(y.num, sign))
+        num = x.num.times(y.den, self.s).plus(y.num.times(x.den, self.s), sign)
+        return _Rat(num, x.den.times(y.den, self.s))
+
+    def mul(self, x: _Rat, y: _Rat) -> _Rat:
+        den = _ONE if x.den is _ONE and y.den is _ONE else x.den.times(y.den, self.s)
+        return _Rat(x.num.times(y.num, self.s), den)
+
+    def div(self, x: _Rat, y: _Rat) -> _Rat:
+        if y.den is _ONE and len(y.num.a) == 1 and not y.num.b:  # by a known value
+            c = y.num.a[0]
+            return _Rat(_Surd(_pscale(x.num.a, 1 / c), _pscale(x.num.b, 1 / c)), x.den)
+        return _Rat(x.num.times(y.den, self.s), x.den.times(y.num, self.s))
+
+    def sqrt(self, x: _Rat, var: Any) -> _Rat:
+        """√x for x a polynomial (over a known value): the radical t, a second one declines."""
+        if x.num.b or x.den.b or len(x.den.a) > 1:
             raise _Declined
-        return r[0]
-    raise _Declined
+        if self.s is not None and var is not self.of:
+            raise _Declined
+        c = x.den.a[0] if x.den.a else 1
+        self.s, self.of = _pscale(x.num.a, 1 / c), var
+        return _Rat(_Surd((), (1,)))
+
+    def step(self, e: Any, ins: list) -> _Rat:
+        p = e.primitive
+        r = [x if isinstance(x, _Rat) else _Rat(_Surd((x,))) for x in ins]
+        if p is prims.add:
+            return self.add(r[0], r[1], 1.0)
+        if p is prims.sub:
+            return self.add(r[0], r[1], -1.0)
+        if p is prims.mul:
+            return self.mul(r[0], r[1])
+        if p is prims.div:
+            return self.div(r[0], r[1])
+        if p is prims.neg:
+            return _Rat(r[0].num.neg(), r[0].den)
+        if p is prims.square:
+            return self.mul(r[0], r[0])
+        if p is prims.sqrt:
+            return self.sqrt(r[0], e.invars[0])
+        if p is prims.integer_pow:
+            n, base = e.params["y"], r[0]
+            out = _Rat(_ONE)
+            for _ in range(abs(n)):
+                out = self.mul(out, base)
+            return self.div(_Rat(_ONE), out) if n < 0 else out
+        if p in (prims.convert_element_type, prims.copy) and len(ins) == 1:
+            if p is prims.convert_element_type and not jnp.issubdtype(
+                e.params["new_dtype"], jnp.inexact
+            ):
+                raise _Declined
+            return r[0]
+        raise _Declined
+
+    def equation(self, out: _Rat, y: Any) -> Poly:
+        """The polynomial in u whose roots hold F(u) = y (with the conjugate's, squared)."""
+        lhs = _padd(out.num.a, _pscale(out.den.a, y), -1.0)  # N0 - y D0
+        rad = _padd(_pscale(out.den.b, y), out.num.b, -1.0)  # y D1 - N1
+        if not out.num.b and not out.den.b:
+            return _pscale(lhs, -1)
+        if self.s is None:
+            raise _Declined
+        return _padd(_pmul(lhs, lhs), _pmul(_pmul(rad, rad), self.s), -1.0)
 
 
 def quadratic_roots(
@@ -118,10 +189,11 @@ def quadratic_roots(
     y: Any,
 ) -> tuple[Any, Any] | None:
     """The two roots u of ``F(u) = y`` per element, where the equations `eqns` compute
-    `output` from `unknown` (and the known `reads`) as P(u) / Q(u) of degree two at most;
-    None where they do not."""
+    `output` from `unknown` (and the known `reads`) in the form the module describes, with an
+    equation of degree two at most; None where they do not."""
     vals: dict = dict(zip(reads, read_vals))
-    vals[unknown] = _Rat((0, 1))
+    vals[unknown] = _Rat(_Surd((0, 1)))
+    field = _Field()
     try:
         for e in eqns:
             ins = [
@@ -133,14 +205,15 @@ def quadratic_roots(
             if not any(isinstance(x, _Rat) for x in ins):
                 vals[outs[0]] = apply(e, ins)[0]
                 continue
-            vals[outs[0]] = _step(e, ins)
+            vals[outs[0]] = field.step(e, ins)
+        out = vals.get(output)
+        if not isinstance(out, _Rat):
+            return None
+        coef = field.equation(out, y)
     except (_Declined, KeyError):
         return None
-    out = vals.get(output)
-    if not isinstance(out, _Rat):
+    if len(coef) > MAX_DEGREE + 1:
         return None
-    # y Q(u) - P(u) = c2 u^2 + c1 u + c0
-    coef = _padd(_pmul((y,), _q(out)), out.p, -1.0)
     coef = coef + (0,) * (3 - len(coef))
     dt = jnp.result_type(y)
     c0, c1, c2 = (jnp.broadcast_to(jnp.asarray(c, dt), jnp.shape(y)) for c in coef)
