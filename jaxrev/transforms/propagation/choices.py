@@ -32,7 +32,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from jaxrev._compat import JaxprEqn, Literal, Var, has_user_frame, is_concrete, prims
 from jaxrev._env import Env
@@ -456,50 +455,114 @@ def _solve(
     walk: SubWalk,
     state: Any,
 ) -> list[Any] | None:
-    cands, oks, tried, lost = [], [], [], []
+    # candidates stacked on a leading axis, one chunk per family of combinations
+    chunks: list[list[Any]] = [[] for _ in inputs]
+    oks: list[Any] = []
+    tried: list[tuple] = []
+    lost: list = []
     producer = {o: e for e in G for o in real_outvars(e)}
-    for combo in combos:
-        window = _branch_window(G, combo, env.copy())
-        if window is None:
-            return None
+
+    def branch(combo: dict, start: Any, bctx: Any) -> tuple:
+        return _branch(G, combo, inputs, outputs, env, shape, start, walk, bctx, producer, state)
+
+    def starts_for(bctx: Any) -> Any:
         # a branch solved by Newton's method may have several preimages (a spline piece
         # continued past its bin): Newton runs from every start at once (vmapped), each
-        # start's preimage is a candidate, and consistency picks
-        # (the branch walk's own context: whether Newton's method ran is asked of it alone)
-        # (traced once from the best start: a branch that needed no Newton step is one
-        # candidate; one solved by a quadratic's roots, two; else every start, vmapped)
+        # start's preimage is a candidate, and consistency picks; one solved by a
+        # quadratic's roots, both roots; one that needed neither, one candidate
+        if bctx.newton_uses:
+            return jnp.arange(-1, NEWTON_STARTS)
+        return jnp.arange(0, 2) if bctx.root_uses else None
+
+    def add(family: list[dict], starts: Any) -> None:
+        _batched(family, starts, branch, env, chunks, oks)
+        for combo in family:
+            tried.extend([_ks(combo, ch)] * (1 if starts is None else len(starts)))
+
+    def single(combo: dict) -> None:
+        # (the branch walk's own context: whether Newton's method ran, or a quadratic's roots
+        # were taken, is asked of it alone; NaN instead of errors)
         bctx = env.ctx.replace(on_error="nan")
-        vals, ok, amb = _branch(
-            G, combo, inputs, outputs, env, shape, -1, walk, bctx, producer, state
-        )
+        vals, ok, amb = branch(combo, -1, bctx)
         if amb is not None:  # a branch that loses the state, met only where it runs
             lost.append((_lossy_branch(combo, env)[0], amb))
+            return
+        starts = starts_for(bctx)
+        if starts is not None:
+            add([combo], starts)
+            return
+        for chunk, x in zip(chunks, vals):
+            chunk.append(x[None])
+        oks.append(ok[None])
+        tried.append(_ks(combo, ch))
+
+    for family in _families(combos):
+        if any(_branch_window(G, combo, env.copy()) is None for combo in family):
+            return None
+        if len(family) == 1:
+            single(family[0])
             continue
-        ks = tuple(combo[c.eqn][1] if c.eqn in combo else -1 for c in ch)
-        if bctx.newton_uses or bctx.root_uses:
-            starts = jnp.arange(0, 2) if not bctx.newton_uses else jnp.arange(-1, NEWTON_STARTS)
-            bctx = env.ctx.replace(on_error="nan")
-            many, oks_, _ = jax.vmap(
-                lambda start: _branch(
-                    G, combo, inputs, outputs, env, shape, start, walk, bctx, producer, state
-                )
-            )(starts)
-            for j in range(len(starts)):
-                cands.append([x[j] for x in many])
-                oks.append(oks_[j])
-                tried.append(ks)
+        # the combinations of one family (a spline's bins: the values of its bin index) are
+        # one program in those values: traced once, abstractly, to see what it needs, then
+        # vmapped over them
+        bctx = env.ctx.replace(on_error="nan")
+        first = family[0]
+        amb = jax.eval_shape(lambda first=first, bctx=bctx: branch(first, -1, bctx)[2])
+        if amb is not None:  # (each on its own: `lost` needs its combination's choice)
+            for combo in family:
+                single(combo)
             continue
-        cands.append(vals)
-        oks.append(ok)
-        tried.append(ks)
-    if not cands:
+        add(family, starts_for(bctx))
+    if not oks:
         return None
-    out, idx = _merge(ch, inputs, cands, oks, lost, env.ctx)
+    cands = [jnp.concatenate(c, axis=0) for c in chunks]
+    out, idx = _merge(ch, inputs, cands, jnp.concatenate(oks, axis=0), lost, env.ctx)
     if shape is not None and not all(
         elementwise_in(e, shape) or _pointwise_gather(e, shape) for e in G
     ):
         _recheck(G, ch, inputs, env, out, idx, tried)
     return out
+
+
+def _families(combos: list[dict]) -> list[list[dict]]:
+    """The combinations grouped by everything but the values assumed of integers (a spline's
+    bin index): a family's windows are one program in those values."""
+    fams: dict = {}
+    for combo in combos:
+        key = tuple((id(e), k if c.value is None else None) for e, (c, k) in combo.items())
+        fams.setdefault(key, []).append(combo)
+    return list(fams.values())
+
+
+def _ks(combo: dict, ch: list[_Choice]) -> tuple:
+    return tuple(combo[c.eqn][1] if c.eqn in combo else -1 for c in ch)
+
+
+def _batched(
+    family: list[dict], starts: Any, branch: Callable, env: Env, chunks: list, oks: list
+) -> None:
+    """The family's candidates, the branch walk traced once and vmapped over the integers'
+    assumed values (and Newton's starts or the roots, `starts`)."""
+    first = family[0]
+    varying = [e for e, (c, _) in first.items() if c.value is not None]
+    table = jnp.asarray([[combo[e][1] for e in varying] for combo in family], jnp.int32)
+
+    def one(row: Any, start: Any) -> tuple:
+        combo = dict(first)
+        for j, e in enumerate(varying):
+            combo[e] = (first[e][0], row[j])
+        vals, ok, _ = branch(combo, start, env.ctx.replace(on_error="nan"))
+        return vals, ok
+
+    if starts is None:
+        vals, ok = jax.vmap(lambda row: one(row, -1))(table)
+    else:
+        vals, ok = jax.vmap(lambda row: jax.vmap(lambda s: one(row, s))(starts))(table)
+        vals = [x.reshape((-1,) + x.shape[2:]) for x in vals]
+        ok = ok.reshape((-1,) + ok.shape[2:])
+    for chunk, x in zip(chunks, vals):
+        chunk.append(x)
+    oks.append(ok)
 
 
 def _fails(c: _Choice, k: int) -> bool:
@@ -703,36 +766,34 @@ def _lossy_step(stuck: Any, combo: dict) -> Any:
 
 
 def _merge(
-    ch: list[_Choice], inputs: list[Var], cands: list, oks: list, lost: list, ctx: Any
+    ch: list[_Choice], inputs: list[Var], cands: list[Any], ok: Any, lost: list, ctx: Any
 ) -> tuple[list[Any], Any]:
-    """Per element (or as a whole), the first consistent candidate; checks that one is
+    """Per element (or as a whole), the first consistent candidate (`cands`: per input, the
+    candidates stacked on a leading axis; `ok`: where each is consistent); checks that one is
     consistent, that the consistent ones agree, and that no branch that loses the state could
     have made the output (`lost`: ``(choice, where)``); what a failure does: `ctx.on_error`."""
     who = ctx.who
-    ok = jnp.stack(oks)
     idx = jnp.argmax(ok, axis=0).astype(jnp.int32)
     anyok = jnp.any(ok, axis=0)
-    picked = [
-        lax.select_n(idx, *[c[m] for c in cands])
-        if idx.ndim == 0 or idx.shape == tuple(v.aval.shape)
-        else lax.select_n(jnp.broadcast_to(idx, v.aval.shape), *[c[m] for c in cands])
-        for m, v in enumerate(inputs)
-    ]
+    which = jnp.arange(ok.shape[0], dtype=jnp.int32).reshape((-1,) + (1,) * idx.ndim)
+    others = ok & (which != idx)
+    picked = []
     apart = jnp.zeros(idx.shape, bool)
-    for c, o in enumerate(oks):
-        for m, p in enumerate(picked):
-            x = cands[c][m]
-            eps = (
-                jnp.finfo(jnp.result_type(p)).eps
-                if jnp.issubdtype(jnp.result_type(p), jnp.inexact)
-                else 0
-            )
-            # (floored at 1: a candidate near 0 computed through values of order 1, a knot
-            # of the bin, carries their rounding, not its own)
-            tol = _AGREE_ULPS * eps * jnp.maximum(jnp.maximum(jnp.abs(p), jnp.abs(x)), 1.0)
-            far = jnp.abs(x - p) > tol
-            far = far if idx.ndim else jnp.any(far)
-            apart = apart | (o & (idx != c) & far)
+    for c in cands:
+        p = (
+            c[idx]
+            if idx.ndim == 0
+            else jnp.take_along_axis(c, jnp.broadcast_to(idx, c.shape[1:])[None], axis=0)[0]
+        )
+        picked.append(p)
+        eps = jnp.finfo(c.dtype).eps if jnp.issubdtype(c.dtype, jnp.inexact) else 0
+        # (floored at 1: a candidate near 0 computed through values of order 1, a knot
+        # of the bin, carries their rounding, not its own)
+        tol = _AGREE_ULPS * eps * jnp.maximum(jnp.maximum(jnp.abs(p), jnp.abs(c)), 1.0)
+        far = jnp.abs(c - p) > tol
+        if idx.ndim == 0:
+            far = jnp.any(far.reshape(far.shape[0], -1), axis=1)
+        apart = apart | jnp.any(others & far, axis=0)
     first = next((c.eqn for c in ch if has_user_frame(c.eqn)), ch[0].eqn)
     gone = jnp.zeros(idx.shape, bool)
     for _, where in lost:

@@ -407,21 +407,23 @@ def _recover(system: _System, yp: Any, reads: list, only: Any, roots: tuple | No
     """u with F(u) = yp by damped Newton (from start `only`, the walk's `newton_start`), or
     from the exact `roots` polished; its derivative by the implicit function theorem."""
 
+    # (the start and the roots are arguments, not closed over: under a choice's vmap over its
+    # bins they are batched, and a derivative taken later must not find them leaked)
     @jax.custom_jvp
-    def recover(yp, reads):
+    def recover(yp, reads, only, roots):
         if roots is not None:
             return _polish(system, yp, reads, only, roots)
         return _iterate(system, yp, reads, only)
 
     @recover.defjvp
     def _ift(primals, tangents):
-        yp, reads = primals
-        dyp, dreads = tangents
-        u = recover(yp, reads)
+        yp, reads, only, roots = primals
+        dyp, dreads, _, _ = tangents
+        u = recover(yp, reads, only, roots)
         _, dF = jax.jvp(lambda rd: system.F(u, rd), (reads,), (dreads,))
         return u, system.solve(system.jacobian(u, reads), dyp - dF)
 
-    return recover(yp, reads)
+    return recover(yp, reads, only, roots)
 
 
 def _iterate(system: _System, yp: Any, reads: list, only: Any) -> Any:
