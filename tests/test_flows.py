@@ -528,3 +528,31 @@ def test_inverse_and_slogdet_takes_a_scan_of_layers_log_det_in_the_inverse_loop(
     got_x, logdets = jax.vmap(inv)(jax.vmap(f)(xs))
     np.testing.assert_allclose(got_x, xs, rtol=0, atol=1e-12)
     np.testing.assert_allclose(logdets, [-_dense(f, a)[1] for a in xs], rtol=0, atol=TOL)
+
+
+@pytest.mark.parametrize("third", [[0, 2, 1], [2, 0, 1]])
+def test_a_permutation_per_layer_of_a_scan_keeps_the_sweeps_sign(third):
+    """flowjax's `Scan` of layers carries each layer's permutation in the loop's `xs`: the
+    body's permutation differs per iteration (one is odd, the other even), known at trace time
+    all the same. The sweep follows the sign iteration by iteration (the loop's sign is their
+    product) instead of taking it from a dense Jacobian (issue 44 item 3)."""
+    n = 3
+    perms = jnp.array([[2, 1, 0], [1, 2, 0], third])  # odd, even, then odd or even
+    scales = jnp.array([[-1.5, 0.7, 2.0], [0.5, -2.0, 1.1], [1.2, 0.9, -0.4]])
+
+    def f(x):
+        def layer(x, p):
+            perm, s = p
+            x = x[perm]
+            return x * s + 0.1 * jnp.tanh(jnp.roll(x, 1)) * (jnp.arange(n) == 0), None
+
+        return lax.scan(layer, x, (perms, scales))[0]
+
+    x = jnp.array([0.3, -0.7, 1.1])
+    assert "dense" not in jr.logdet_strategy(f, x), jr.logdet_strategy(f, x)
+    sign, logabs = jr.slogdet_jacobian(f, x)
+    want_sign, want = _dense(f, x)
+    assert sign == want_sign
+    np.testing.assert_allclose(logabs, want, rtol=0, atol=TOL)
+    y, ld = jr.forward_and_slogdet(f)(x)
+    np.testing.assert_allclose(ld, want, rtol=0, atol=TOL)

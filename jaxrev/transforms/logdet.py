@@ -151,6 +151,10 @@ class _Slots:
         self.pairs: set = set()  # (recovered, output) taken over at run-time elements
         self.sign = 1  # the iterated permutations of loop bodies
         self.unsigned = False  # a step whose rule gives log|det| only
+        # a loop body's plan for one iteration: indices the body reads from the loop's
+        # static `xs` (flowjax's permutation between stacked layers) take that iteration's
+        # values (`Statics.enum`)
+        self.iteration: int | None = None
 
     def get(self, v: Var) -> np.ndarray:
         s = self.of.get(v)
@@ -234,14 +238,20 @@ def _positional_in(eqn: JaxprEqn, k: int) -> bool:
 
 
 def plan(
-    rec: records.Recorder, seeded: Sequence[Var], goals: Sequence[Var], pair: bool = True
+    rec: records.Recorder,
+    seeded: Sequence[Var],
+    goals: Sequence[Var],
+    pair: bool = True,
+    iteration: int | None = None,
 ) -> Plan:
     """The plan of a walk's record: `seeded` the outputs it started from (their slots in
     order), `goals` the inputs it recovered. With `pair`, the identity check pairs goal k with
-    seeded k (a loop body: carry in with carry out, x with y)."""
+    seeded k (a loop body: carry in with carry out, x with y). `iteration`: a loop body's plan
+    at that iteration (its permutation's sign there)."""
     if rec.unsupported:
         raise Unsupported(rec.unsupported[0])
     slots = _Slots()
+    slots.iteration = iteration
     off = 0
     for v in seeded:
         if _inexact(v):
@@ -313,7 +323,11 @@ def _plan_step(st: records.Step, rec: records.Recorder, slots: _Slots) -> _PStep
             if cplan.unsigned == UNSIGNED_RULE:
                 slots.unsigned = True
             elif cplan.perm_sign is None:
-                slots.exact = False
+                per = _per_iteration_sign(child)
+                if per is None:
+                    slots.exact = False
+                else:
+                    slots.sign *= per
             elif cplan.perm_sign < 0:
                 # σ of the loop is the product of each iteration's: the body's, `length` times
                 reps = _iterations(eqn)
@@ -368,6 +382,30 @@ def _plan_step(st: records.Step, rec: records.Recorder, slots: _Slots) -> _PStep
     return _PStep("dense", st, [(k, None) for k, _, _, _ in got])
 
 
+MAX_SIGNED_ITERATIONS = 256
+"""Iterations of a loop whose body's permutation is planned one by one, at most."""
+
+
+def _per_iteration_sign(child: records.Recorder) -> int | None:
+    """σ's sign of a loop whose body permutes by static values that differ per iteration (a
+    permutation between flowjax's stacked layers): the product of the body's plan at every
+    iteration; None where an iteration's is not known either."""
+    info = child.env.info if child.env is not None else None
+    length = getattr(info, "length", None)
+    if not length or length > MAX_SIGNED_ITERATIONS:
+        return None
+    sign = 1
+    for i in range(length):
+        try:
+            p = plan(child, child.seeded, child.goals, iteration=i)
+        except Unsupported:
+            return None
+        if p.perm_sign is None:
+            return None
+        sign *= p.perm_sign
+    return sign
+
+
 def _iterations(eqn: JaxprEqn) -> int | None:
     """How many times a loop runs its body, when known at trace time."""
     return scan_info(eqn.params).length if eqn.primitive is prims.scan else None
@@ -409,6 +447,9 @@ def _structural_slots(eqn: JaxprEqn, got: list, rec: records.Recorder, slots: _S
             or not jnp.issubdtype(v.aval.dtype, jnp.inexact)
         ):
             val = info.static(v)
+            if val is None and slots.iteration is not None:
+                en = info.enum(v)
+                val = None if en is None else en[slots.iteration]
             if val is None:
                 # indices known only when the program runs (a swap at a loop counter): the
                 # step moves elements (log|det| 0) but where to is not followed
