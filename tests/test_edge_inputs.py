@@ -570,6 +570,29 @@ HALF_PROGRAMS = {
 }
 
 
+@pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16", "complex128"])
+def test_one_by_one_blocks_are_divisions_as_jnp_linalg_answers(dtype):
+    """Batches of 1 x 1 systems (an elementwise Newton step) are divided, not LU-factored
+    (one LAPACK call per matrix on CPU): the same answers as `jnp.linalg`, zero and negative
+    pivots included."""
+    from jaxrev import _dense
+
+    a = jnp.array([2.0, -0.5, 0.0, 3.0]).astype(dtype).reshape(4, 1, 1)
+    b = jnp.array([1.0, 2.0, 1.0, -6.0]).astype(dtype)
+    want = jnp.linalg.solve(a.astype(_dense.solver_dtype(dtype)), b[:, None, None])
+    got = _dense.solve(a, b[:, None, None])
+    assert got.dtype == dtype and _dense.solve(a, b[:, None]).shape == (4, 1)
+    keep = np.array([0, 1, 3])
+    np.testing.assert_allclose(
+        np.asarray(got[keep], np.complex128), np.asarray(want[keep], np.complex128), rtol=1e-2
+    )
+    assert not np.isfinite(complex(got[2, 0, 0]))
+    sign, ld = _dense.slogdet(a)
+    ws, wl = jnp.linalg.slogdet(a.astype(_dense.solver_dtype(dtype)))
+    np.testing.assert_array_equal(np.asarray(sign, np.complex128), np.asarray(ws, np.complex128))
+    np.testing.assert_allclose(np.asarray(ld, np.float64), np.asarray(wl, np.float64), rtol=1e-2)
+
+
 @pytest.mark.parametrize("program", sorted(HALF_PROGRAMS))
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_dense_solves_run_in_half_precision(dtype, program):
