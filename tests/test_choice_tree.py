@@ -6,6 +6,9 @@
 - a clip that saturates an intermediate value is refused only where the output is the clip's
   end (when the program runs: eagerly, under `jit`, NaN on request), while a relu of the state
   is still refused when traced;
+- a spline's bin index is searched (the map evaluated at the knots it compares with), not
+  enumerated; an index computed from another function of the state is enumerated; a
+  non-monotone tabled map is named, not answered wrongly;
 - a ratio of quadratics in one unknown is solved by its roots, not by Newton's method; so is
   one square root of a quadratic (the spline's inverse as flowjax writes it, which flowjax's
   default flows run forward);
@@ -138,6 +141,71 @@ def test_one_square_root_outside_a_choice_keeps_the_root_that_solves():
     with counting() as c:
         np.testing.assert_allclose(jr.reverse(k)(k(y)), y, rtol=1e-12)
     assert c["roots"] == 0 and c["newton"] == 1, c
+
+
+def _spy_searched(monkeypatch) -> list:
+    found: list = []
+    real = choices._searched
+
+    def spy(*a):
+        out = real(*a)
+        found.append(out is not None)
+        return out
+
+    monkeypatch.setattr(choices, "_searched", spy)
+    return found
+
+
+@pytest.mark.parametrize("how", ["eager", "jit"])
+def test_spline_bin_is_searched_over_its_knots_not_enumerated(how, monkeypatch):
+    """The bins' family of combinations is one candidate: the map evaluated at the knots the
+    bin search compares with (and the clip's bounds), the output placed among those values,
+    the bin inside that piece assumed; both spline directions, eagerly and under jit."""
+    xk, yk, d = _spline_params(6, key=5)
+    for f, x in (
+        (lambda x: clipped_spline(x, xk, yk, d), jnp.array([-4.0, -2.9, -1.0, 0.0, 0.3, 2.99])),
+        (lambda y: clipped_spline_inverse(y, xk, yk, d), jnp.array([-2.95, -0.5, 1e-3, 2.5, 4.5])),
+    ):
+        found = _spy_searched(monkeypatch)
+        inv = jax.vmap(jr.reverse(f))
+        got = (jax.jit(inv) if how == "jit" else inv)(jax.vmap(f)(x))
+        np.testing.assert_allclose(got, x, rtol=1e-12, atol=1e-13)
+        assert found and all(found), found
+
+
+def test_bin_index_of_another_function_of_the_state_is_enumerated(monkeypatch):
+    """An index computed from ``0.5 x`` compares thresholds in another space than x's: the
+    search declines and the bins are enumerated (still right)."""
+    xk, yk, d = _spline_params(4, key=6)
+
+    def f(x):  # (flowjax's spline, its bin searched on half the knots and half of x)
+        inb = (x >= -B) & (x <= B)
+        xc = jnp.clip(x, -B, B)
+        k = jnp.clip(jnp.searchsorted(0.5 * xk, 0.5 * xc) - 1, 0, len(xk) - 2)
+        xi = (xc - xk[k]) / (xk[k + 1] - xk[k])
+        s = (yk[k + 1] - yk[k]) / (xk[k + 1] - xk[k])
+        num = (yk[k + 1] - yk[k]) * (s * xi**2 + d[k] * xi * (1 - xi))
+        den = s + (d[k + 1] + d[k] - 2 * s) * xi * (1 - xi)
+        return jnp.where(inb, jnp.clip(yk[k] + num / den, -B, B), x)
+
+    x = jnp.array([-2.5, -0.3, 0.8, 2.7])
+    found = _spy_searched(monkeypatch)
+    np.testing.assert_allclose(jax.vmap(jr.reverse(f))(jax.vmap(f)(x)), x, rtol=1e-12)
+    assert found and not any(found), found
+
+
+def test_non_monotone_tabled_map_is_named_not_answered(monkeypatch):
+    """Knot heights that go down in one bin: the map's values at the knots are not sorted,
+    so no piece is searched; the bin index is named (NaN on request), never a wrong input."""
+    xk, yk, d = _spline_params(4, key=7)
+    yk = yk.at[2].set(yk[1] - 0.5)  # bin 1 descends
+    f = lambda x: clipped_spline(x, xk, yk, d)  # noqa: E731
+    x = jnp.array([-2.0, 1.0])
+    with pytest.raises(jr.ReversibilityError, match="not monotone") as e:
+        jax.vmap(jr.reverse(f))(jax.vmap(f)(x))
+    assert "test_choice_tree.py" in str(e.value)
+    got = jax.vmap(jr.reverse(f, on_error="nan"))(jax.vmap(f)(x))
+    assert np.all(np.isnan(got))
 
 
 def test_saturated_clip_of_an_intermediate_is_refused_only_at_its_end():

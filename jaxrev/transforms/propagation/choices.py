@@ -32,6 +32,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from jaxrev._compat import JaxprEqn, Literal, Var, has_user_frame, is_concrete, prims
 from jaxrev._env import Env
@@ -97,24 +98,28 @@ def _choices(G: Sequence[JaxprEqn], env: Env) -> list[_Choice]:
         for e in G
         if e.primitive in (prims.select_n, prims.cond) and is_var(e.invars[0])
     }
+    # an integer of the outputs' shape (a search by comparing with every knot counts
+    # booleans of the knots' shape first: those are not the bin index)
+    shapes = {tuple(o.aval.shape) for e in G for o in real_outvars(e) if env.known(o)}
+
+    def index_like(v: Any) -> bool:
+        return (
+            jnp.issubdtype(v.aval.dtype, jnp.integer)
+            and tuple(v.aval.shape) in shapes
+            and v not in decisions
+        )
+
     values: list[_Choice] = []
     for e in G:
         outs = real_outvars(e)
-        if (
-            len(outs) != 1
-            or not jnp.issubdtype(outs[0].aval.dtype, jnp.integer)
-            or outs[0] in decisions
-        ):
+        if len(outs) != 1 or not index_like(outs[0]):
             continue
         r = int_range(outs[0], producer, env, {})
         if not _few(r) or r[1] <= r[0]:
             continue
         # the first such integer on its path: its integer inputs are not of a few values
         if any(
-            is_var(v)
-            and v in producer
-            and jnp.issubdtype(v.aval.dtype, jnp.integer)
-            and _few(int_range(v, producer, env, {}))
+            is_var(v) and v in producer and index_like(v) and _few(int_range(v, producer, env, {}))
             for v in e.invars
         ):
             continue
@@ -460,7 +465,11 @@ def _solve(
     oks: list[Any] = []
     tried: list[tuple] = []
     lost: list = []
+    searched: list = []  # (the bin indices searched, to name)
     producer = {o: e for e in G for o in real_outvars(e)}
+
+    def combo_int(combo: dict) -> JaxprEqn:
+        return next(e for e, (c, _) in combo.items() if c.value is not None)
 
     def branch(combo: dict, start: Any, bctx: Any) -> tuple:
         return _branch(G, combo, inputs, outputs, env, shape, start, walk, bctx, producer, state)
@@ -512,16 +521,190 @@ def _solve(
             for combo in family:
                 single(combo)
             continue
+        # a bin index of a monotone piecewise map (a spline's) is searched, not enumerated
+        found = _searched(G, family, inputs, outputs, env, shape, producer)
+        if found is not None:
+            combo, monotone = found
+            add([combo], starts_for(bctx))
+            oks[-1] = oks[-1] & monotone[None]
+            searched.append((combo_int(combo), ~monotone))
+            continue
         add(family, starts_for(bctx))
     if not oks:
         return None
     cands = [jnp.concatenate(c, axis=0) for c in chunks]
-    out, idx = _merge(ch, inputs, cands, jnp.concatenate(oks, axis=0), lost, env.ctx)
+    out, idx = _merge(ch, inputs, cands, jnp.concatenate(oks, axis=0), lost, env.ctx, searched)
     if shape is not None and not all(
         elementwise_in(e, shape) or _pointwise_gather(e, shape) for e in G
     ):
         _recheck(G, ch, inputs, env, out, idx, tried)
     return out
+
+
+MIN_SEARCHED = 3
+"""Values of a bin index from which its family of combinations is searched, not enumerated."""
+MAX_THRESHOLDS = 64
+"""Thresholds (bin edges) per element a search evaluates the map at, at most."""
+
+_PASSES_U = (
+    "max",
+    "min",
+    "clamp",
+    "copy",
+    "convert_element_type",
+    "broadcast_in_dim",
+    "reshape",
+    "squeeze",
+    "expand_dims",
+)
+"""What the bin index may compute from the unknown before comparing it: clips by known
+bounds, copies and casts, and moves (``x[..., None] >= knots``, a search by comparing all)."""
+
+
+def _searched(
+    G: Sequence[JaxprEqn],
+    family: list[dict],
+    inputs: list[Var],
+    outputs: list[Var],
+    env: Env,
+    shape: tuple | None,
+    producer: dict,
+) -> tuple[dict, Any] | None:
+    """A family of one bin index's values (a spline's bins) as one combination, its value
+    per element found by one search, as hand-written spline inverses find it: the map is
+    evaluated at the thresholds the index compares the unknown with (the knots, and a clip's
+    bounds, known values), the output's place among those values gives the piece, and the
+    index's value inside that piece is the one assumed. Returns the combination and where
+    the map is shown monotone (its values at the thresholds in order, its slopes there of
+    one sign: a rational-quadratic, quadratic or linear spline's pieces are then monotone, so
+    the preimage found is the only one); elsewhere the walk's `on_error` applies, naming the
+    index. None where the family is not of that kind (then it is enumerated).
+
+    The index must compare the unknown itself, or its clip by known bounds, with known
+    tables: a threshold in another space (``searchsorted(t, 2 u + 1)``) would place pieces
+    wrongly, so the family is enumerated instead."""
+    first = family[0]
+    varying = [e for e, (c, _) in first.items() if c.value is not None]
+    if (
+        shape is None
+        or len(family) < MIN_SEARCHED
+        or len(varying) != 1
+        or len(inputs) != 1
+        or len(outputs) != 1
+        or not jnp.issubdtype(inputs[0].aval.dtype, jnp.floating)
+        or tuple(inputs[0].aval.shape) != shape
+    ):
+        return None
+    e_int = varying[0]
+    choice = first[e_int][0]
+    u = inputs[0]
+    pts = _thresholds(G, e_int, u, env, shape, producer)
+    if pts is None:
+        return None
+    y = env.read(outputs[0])
+    reads = {
+        v: env.read(v)
+        for q in G
+        for v in q.invars
+        if is_var(v) and env.known(v) and v not in producer
+    }
+
+    def run(x: Any, want: Var) -> Any:
+        e = Env(info=env.info, ctx=env.ctx)
+        for v, val in reads.items():
+            e.write(v, val)
+        e.write(u, x)
+        evaluate(G, e, partial=True)
+        return e.read(want)
+
+    pts = lax.stop_gradient(pts)
+    # the map and its derivative at every threshold
+    at, slope = jax.vmap(
+        lambda x: jax.jvp(lambda x: run(x, outputs[0]), (x,), (jnp.ones_like(x),)),
+        in_axes=-1,
+        out_axes=-1,
+    )(pts)
+    # rising or falling, by the outermost thresholds; then the certificate that the search
+    # finds the one preimage: the values at the thresholds in that order (every pair: no sort,
+    # XLA:CPU's is slow on small rows), and the slopes there of that sign, which makes a
+    # rational-quadratic, quadratic or linear spline's pieces monotone between them
+    lowest, highest = jnp.argmin(pts, axis=-1), jnp.argmax(pts, axis=-1)
+    up = (
+        jnp.take_along_axis(at, highest[..., None], -1)
+        >= jnp.take_along_axis(at, lowest[..., None], -1)
+    )[..., 0]
+    before = pts[..., :, None] < pts[..., None, :]  # (*shape, m, m): t_i < t_j
+    # (out of order by more than rounding: a knot a few ulps from a clip's bound may come
+    # out either side of it; NaN is no evidence either way)
+    eps = jnp.finfo(at.dtype).eps
+    gap = at[..., None, :] - at[..., :, None]  # F(t_j) - F(t_i)
+    fuzz = (
+        _AGREE_ULPS
+        * eps
+        * jnp.maximum(jnp.maximum(jnp.abs(at[..., :, None]), jnp.abs(at[..., None, :])), 1.0)
+    )
+    wrong = jnp.where(up[..., None, None], gap < -fuzz, gap > fuzz)
+    steep = _AGREE_ULPS * eps * jnp.max(jnp.abs(jnp.where(jnp.isnan(slope), 0, slope)), -1)
+    against = jnp.where(up[..., None], slope < -steep[..., None], slope > steep[..., None])
+    monotone = ~jnp.any(before & wrong, axis=(-2, -1)) & ~jnp.any(against, axis=-1)
+    # the piece holding y: between the last threshold on y's near side and the first past it
+    near = jnp.where(up[..., None], at <= y[..., None], at >= y[..., None])
+    lo = jnp.max(jnp.where(near, pts, -jnp.inf), axis=-1)
+    hi = jnp.min(jnp.where(near, jnp.inf, pts), axis=-1)
+    reach = 1 + jnp.max(pts, axis=-1) - jnp.min(pts, axis=-1)
+    mid = jnp.where(jnp.isinf(lo), hi - reach, jnp.where(jnp.isinf(hi), lo + reach, (lo + hi) / 2))
+    (o,) = real_outvars(e_int)
+    k = run(mid.astype(u.aval.dtype), o).astype(jnp.int32) - choice.value
+    k = jnp.clip(k, 0, choice.n - 1)
+    combo = dict(first)
+    combo[e_int] = (choice, k)
+    return combo, monotone
+
+
+def _thresholds(
+    G: Sequence[JaxprEqn], e_int: JaxprEqn, u: Var, env: Env, shape: tuple, producer: dict
+) -> Any | None:
+    """The known floating values the bin index's computation compares the unknown `u` with,
+    per element: ``(*shape, m)``; None where it computes from `u` through anything but clips
+    by known bounds (or reads no such value)."""
+    eqns = _ancestors([e_int], producer) | {e_int}
+    passes = {u}  # u, or u clipped by known bounds
+    for q in G:
+        if q in eqns and q.primitive.name in _PASSES_U:
+            outs = real_outvars(q)
+            if (
+                len(outs) == 1
+                and jnp.issubdtype(outs[0].aval.dtype, jnp.floating)
+                and any(is_var(v) and v in passes for v in q.invars)
+                and all(not is_var(v) or v in passes or env.known(v) for v in q.invars)
+            ):
+                passes.add(outs[0])
+    cols: list = []
+    for q in G:
+        if q not in eqns:
+            continue
+        for v in q.invars:
+            floating = jnp.issubdtype(v.aval.dtype, jnp.floating)
+            if is_var(v) and not env.known(v):
+                if floating and v not in passes:
+                    return None  # the index reads another function of u
+                continue
+            if not floating:
+                continue
+            val = v.val if isinstance(v, Literal) else env.read(v)
+            vs = tuple(jnp.shape(val))
+            if vs == ():
+                cols.append(jnp.broadcast_to(val, shape)[..., None])
+            elif vs == shape:
+                cols.append(jnp.asarray(val)[..., None])
+                if len(vs) == 1:  # (or a table shared by every element: both, to be sure)
+                    cols.append(jnp.broadcast_to(val, shape + vs))
+            elif vs[:-1] == shape or len(vs) == 1:
+                cols.append(jnp.broadcast_to(val, shape + vs[-1:]))
+    if not cols or sum(c.shape[-1] for c in cols) > MAX_THRESHOLDS:
+        return None
+    dt = u.aval.dtype
+    return jnp.concatenate([c.astype(dt) for c in cols], axis=-1)
 
 
 def _families(combos: list[dict]) -> list[list[dict]]:
@@ -700,13 +883,18 @@ def _recheck(
     for v, x in zip(inputs, out):
         env_f.write(v, x)
     evaluate(G, env_f, partial=True)
-    table = np.asarray(tried, np.int32)  # (combinations, choices)
     ok = jnp.asarray(True)
     for j, c in enumerate(ch):
-        k = jnp.asarray(table[:, j])[idx]
+        # (combinations, *elements): the value each candidate assumed (a searched bin index
+        # assumes one per element), then the one of the candidate each element picked
+        ks = jnp.stack([jnp.broadcast_to(jnp.asarray(t[j], jnp.int32), idx.shape) for t in tried])
+        k = jnp.take_along_axis(ks, idx[None], axis=0)[0]
         held = k < 0  # (a choice the combination left dead: any branch)
-        for b in range(c.n):
-            held = held | ((k == b) & c.holds(env_f, b))
+        if c.value is not None:
+            held = held | c.holds(env_f, k)
+        else:
+            for b in range(c.n):
+                held = held | ((k == b) & c.holds(env_f, b))
         ok = ok & held
     first = next((c.eqn for c in ch if has_user_frame(c.eqn)), ch[0].eqn)
     together = jnp.all(
@@ -766,12 +954,20 @@ def _lossy_step(stuck: Any, combo: dict) -> Any:
 
 
 def _merge(
-    ch: list[_Choice], inputs: list[Var], cands: list[Any], ok: Any, lost: list, ctx: Any
+    ch: list[_Choice],
+    inputs: list[Var],
+    cands: list[Any],
+    ok: Any,
+    lost: list,
+    ctx: Any,
+    searched: Sequence[JaxprEqn] = (),
 ) -> tuple[list[Any], Any]:
     """Per element (or as a whole), the first consistent candidate (`cands`: per input, the
     candidates stacked on a leading axis; `ok`: where each is consistent); checks that one is
     consistent, that the consistent ones agree, and that no branch that loses the state could
-    have made the output (`lost`: ``(choice, where)``); what a failure does: `ctx.on_error`."""
+    have made the output (`lost`: ``(choice, where)``); what a failure does: `ctx.on_error`.
+    `searched`: ``(bin index, where)`` for the bin indices searched (`_searched`), where
+    the map was not shown monotone (named there)."""
     who = ctx.who
     idx = jnp.argmax(ok, axis=0).astype(jnp.int32)
     anyok = jnp.any(ok, axis=0)
@@ -799,7 +995,23 @@ def _merge(
     for _, where in lost:
         gone = gone | where
 
-    def error(anyok, apart, gone):
+    rough = jnp.zeros(idx.shape, bool)
+    for _, where in searched:
+        rough = rough | where
+
+    def error(anyok, apart, gone, rough):
+        if np.any(rough):
+            return at_eqn(
+                ReversibilityError,
+                searched[0][0],
+                "this bin index is searched (the map evaluated at the thresholds the index "
+                "compares the state with, its knots), but the map is not monotone there (its "
+                "values or its slopes at the knots), so the preimage found might not be the "
+                "only one",
+                "Ways out: make the pieces monotone (a spline's knots increasing, its "
+                "derivatives positive), or pass on_error='nan'.",
+                who=who,
+            )
         if np.any(gone):
             return not_invertible(
                 lost[0][0],
@@ -809,6 +1021,17 @@ def _merge(
                 "Ways out: the forward map was flat there (its input at or "
                 "past the clip's bound); keep inputs inside the range, or "
                 "pass on_error='nan'.",
+                who=who,
+            )
+        if not np.all(anyok) and searched:
+            return at_eqn(
+                ReversibilityError,
+                searched[0][0],
+                "no piece of the map holds the output: this bin index is searched (the map "
+                "evaluated at the thresholds the index compares the state with, its knots), "
+                "and the output is outside the map's range, or the map is not monotone there",
+                "Ways out: check the input; make the pieces monotone (a spline's knots "
+                "increasing, its derivatives positive); or pass on_error='nan'.",
                 who=who,
             )
         if not np.all(anyok):
@@ -845,9 +1068,10 @@ def _merge(
         anyok,
         apart,
         gone,
-        bad=~jnp.all(anyok) | jnp.any(apart) | jnp.any(gone),
+        rough,
+        bad=~jnp.all(anyok) | jnp.any(apart) | jnp.any(gone) | jnp.any(rough),
     )
-    good = anyok & ~apart & ~gone
+    good = anyok & ~apart & ~gone & ~rough
     out = []
     for p in picked:
         bad = jnp.broadcast_to(~good, jnp.shape(p)) if good.ndim else ~good
