@@ -633,20 +633,18 @@ def _searched(
         jnp.take_along_axis(at, highest[..., None], -1)
         >= jnp.take_along_axis(at, lowest[..., None], -1)
     )[..., 0]
-    before = pts[..., :, None] < pts[..., None, :]  # (*shape, m, m): t_i < t_j
-    # (out of order by more than rounding: a knot a few ulps from a clip's bound may come
-    # out either side of it; NaN is no evidence either way)
+    # (out of order by more than rounding, per element: a knot a few ulps from a clip's
+    # bound may come out either side of it; NaN is no evidence either way; as few operations
+    # per pair as can be, there are m² of them)
     eps = jnp.finfo(at.dtype).eps
-    gap = at[..., None, :] - at[..., :, None]  # F(t_j) - F(t_i)
-    fuzz = (
-        _AGREE_ULPS
-        * eps
-        * jnp.maximum(jnp.maximum(jnp.abs(at[..., :, None]), jnp.abs(at[..., None, :])), 1.0)
+    fuzz = _AGREE_ULPS * eps * jnp.maximum(jnp.max(jnp.abs(at), axis=-1), 1.0)
+    rising = jnp.where(up[..., None], at, -at)  # (falling maps compared as rising)
+    wrong = (pts[..., :, None] < pts[..., None, :]) & (
+        rising[..., None, :] < rising[..., :, None] - fuzz[..., None, None]
     )
-    wrong = jnp.where(up[..., None, None], gap < -fuzz, gap > fuzz)
-    steep = _AGREE_ULPS * eps * jnp.max(jnp.abs(jnp.where(jnp.isnan(slope), 0, slope)), -1)
-    against = jnp.where(up[..., None], slope < -steep[..., None], slope > steep[..., None])
-    monotone = ~jnp.any(before & wrong, axis=(-2, -1)) & ~jnp.any(against, axis=-1)
+    tilt = jnp.where(up[..., None], slope, -slope)
+    steep = _AGREE_ULPS * eps * jnp.max(jnp.abs(jnp.where(jnp.isnan(tilt), 0, tilt)), -1)
+    monotone = ~jnp.any(wrong, axis=(-2, -1)) & ~jnp.any(tilt < -steep[..., None], axis=-1)
     # the piece holding y: between the last threshold on y's near side and the first past it
     near = jnp.where(up[..., None], at <= y[..., None], at >= y[..., None])
     lo = jnp.max(jnp.where(near, pts, -jnp.inf), axis=-1)
