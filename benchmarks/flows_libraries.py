@@ -232,7 +232,7 @@ def table(rows: list[dict]) -> str:
     lines = [
         "| flow | library fwd ms | jaxrev fwd ms | fwd ratio | fwd err | library inv ms | "
         "jaxrev inv ms | inv ratio | inv err (jaxrev / library) | "
-        "first call s (jaxrev fwd / inv) |",
+        "first call s (jaxrev fwd / inv; library fwd / inv) |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -252,7 +252,9 @@ def table(rows: list[dict]) -> str:
             f"{fmt(inv_ratio)}{'*' if 'inverse ratio (vs library forward)' in r else ''} | "
             f"{fmt(r.get('inverse err'), '.1e')} / {fmt(r.get('library inverse err'), '.1e')} | "
             f"{fmt(r.get('jaxrev forward first s'), '.1f')} / "
-            f"{fmt(r.get('jaxrev inverse first s'), '.1f')} |"
+            f"{fmt(r.get('jaxrev inverse first s'), '.1f')}; "
+            f"{fmt(r.get('library forward first s'), '.1f')} / "
+            f"{fmt(r.get('library inverse first s'), '.1f')} |"
         )
     lines.append("")
     lines.append(

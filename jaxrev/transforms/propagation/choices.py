@@ -98,14 +98,15 @@ def _choices(G: Sequence[JaxprEqn], env: Env) -> list[_Choice]:
         for e in G
         if e.primitive in (prims.select_n, prims.cond) and is_var(e.invars[0])
     }
-    # an integer of the outputs' shape (a search by comparing with every knot counts
-    # booleans of the knots' shape first: those are not the bin index)
+    # an integer of the outputs' shape, or a scalar (a branch index for whole arrays): a
+    # search by comparing with every knot counts booleans of the knots' shape first, and
+    # those are not the bin index
     shapes = {tuple(o.aval.shape) for e in G for o in real_outvars(e) if env.known(o)}
 
     def index_like(v: Any) -> bool:
         return (
             jnp.issubdtype(v.aval.dtype, jnp.integer)
-            and tuple(v.aval.shape) in shapes
+            and (tuple(v.aval.shape) in shapes or v.aval.shape == ())
             and v not in decisions
         )
 
