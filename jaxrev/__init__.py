@@ -7,6 +7,7 @@ from jaxrev._errors import (
     DriftError,
     DtypeError,
     FailureWarning,
+    PerformanceWarning,
     JaxrevError,
     NotConvergedError,
     NotInvertibleError,
@@ -88,6 +89,7 @@ __all__ = [
     "RepairReport",
     "LoopRepair",
     "FailureWarning",
+    "PerformanceWarning",
     "jit",
     "raise_runtime_errors",
 ]

@@ -249,6 +249,25 @@ class FailureWarning(UserWarning):
     """
 
 
+class PerformanceWarning(UserWarning):
+    """A result that is right but costs far more than the usual way would: the log-determinant
+    (or only its sign) of a large state taken from its dense Jacobian, where the inversion
+    sweep could not give it. Warned once per function, size and reason.
+
+    **Arguments:**
+
+    - `message`: what is slow, how much, why, and the way out.
+
+    **Example:**
+
+        >>> import warnings, jaxrev as jr
+        >>> with warnings.catch_warnings():  # a dense fall-back as an error, in this block
+        ...     warnings.simplefilter("error", jr.PerformanceWarning)
+        ...     issubclass(jr.PerformanceWarning, UserWarning)
+        True
+    """
+
+
 WAYS_OUT = (
     "Ways out: keep the information the step drops as part of the state (or compute the step "
     "from parameters only), or register an inverse rule for the primitive with "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -556,3 +557,27 @@ def test_a_permutation_per_layer_of_a_scan_keeps_the_sweeps_sign(third):
     np.testing.assert_allclose(logabs, want, rtol=0, atol=TOL)
     y, ld = jr.forward_and_slogdet(f)(x)
     np.testing.assert_allclose(ld, want, rtol=0, atol=TOL)
+
+
+def test_a_large_dense_fallback_warns_once_naming_why():
+    """A log-determinant the sweep cannot give is taken from the dense Jacobian: right, but
+    n forward passes and an LU; past 64 unknowns a `PerformanceWarning` says so once (issue 44
+    item 3), naming the function and the step; `method="dense"`, asked for, does not warn."""
+    K = jnp.zeros((3, 3, 2, 2)).at[1, 1].set(jnp.eye(2)) + 0.05 * jax.random.normal(
+        KEY, (3, 3, 2, 2)
+    )
+
+    def conv(x):
+        return lax.conv_general_dilated(
+            x[None], K, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+        )[0]
+
+    x = jnp.linspace(-1, 1, 128).reshape(8, 8, 2)
+    with pytest.warns(jr.PerformanceWarning, match=r"conv.*128 unknowns.*conv_general_dilated"):
+        jr.slogdet_jacobian(conv, x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", jr.PerformanceWarning)
+        jr.slogdet_jacobian(conv, x)  # (once)
+        jr.slogdet_jacobian(conv, x, method="dense")
+        small = jnp.linspace(-1, 1, 32).reshape(4, 4, 2)
+        jr.slogdet_jacobian(conv, small)  # (below the size)

@@ -12,6 +12,7 @@ says which strategy a function gets and why.
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,10 +22,12 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxrev._dense as dense
+from jaxrev._cache import memo
 from jaxrev._compat import Primitive, is_concrete, staged_constants
 from jaxrev._env import Env, Unknown
 from jaxrev._errors import (
     NotInvertibleError,
+    PerformanceWarning,
     SingularJacobianError,
     at_eqn,
     fail,
@@ -293,14 +296,45 @@ def _sign_elsewhere(t: _Traced, sw: _Swept, dense_fallback: bool = True) -> tupl
                 return lin.sign, "the linearized sweep"
         except (Unsupported, NotInvertibleError):
             pass  # (a singular tangent step: the dense Jacobian's sign is then 0)
-    return (_dense(t)[0] if dense_fallback else None), "the dense Jacobian"
+    if not dense_fallback:
+        return None, "the dense Jacobian"
+    return _dense(t, f"its sign only: {sw.unsigned}")[0], "the dense Jacobian"
 
 
-def _dense(t: _Traced) -> tuple[Any, Any]:
+_ASKED = "method='dense' was asked for"
+
+DENSE_WARN_SIZE = 64
+"""State size from which taking the dense Jacobian (n forward passes and an n x n LU, against
+the sweep's one or two passes) warns (`PerformanceWarning`), once per function, size and
+reason (`memo("slogdet.dense_warned")`)."""
+
+
+def _warn_dense(t: _Traced, why: str) -> None:
+    n = sum(int(np.size(t.flat[i])) for i in t.state_pos)
+    name = fun_name(t.call[0]) if t.call is not None else "the function"
+    key = (t.who, name, n, why)
+    warned = memo("slogdet.dense_warned")
+    if n < DENSE_WARN_SIZE or warned.get(key):
+        return
+    warned.put(key, [], True)
+    warnings.warn(
+        f"{t.who}: the log-determinant of {name} is taken from its dense Jacobian of {n} "
+        f"unknowns ({n} forward passes and an {n} x {n} LU per call, about {max(n // 2, 1)}x "
+        f"the inversion sweep's cost): {why}. `jr.logdet_strategy` says the same; "
+        "method='sweep' makes it an error.",
+        PerformanceWarning,
+        stacklevel=4,
+    )
+
+
+def _dense(t: _Traced, why: str = _ASKED) -> tuple[Any, Any]:
     """slogdet of the Jacobian of the flattened output with respect to the flattened state:
-    the last resort. Forward mode through the primal computation of custom_vjp calls (the
-    sweep's view of them) and the rules of custom_jvp calls; reverse mode through the user's
-    VJP rules where forward mode is not available (a callback with no JVP rule)."""
+    the last resort (warned of past `DENSE_WARN_SIZE` unknowns, unless asked for: `why`).
+    Forward mode through the primal computation of custom_vjp calls (the sweep's view of them)
+    and the rules of custom_jvp calls; reverse mode through the user's VJP rules where forward
+    mode is not available (a callback with no JVP rule)."""
+    if why != _ASKED:
+        _warn_dense(t, why)
     state = [t.flat[i] for i in t.state_pos]
 
     def flat(g: Callable) -> Callable:
@@ -414,9 +448,6 @@ def _try_sweep(
         return None, str(e).splitlines()[0]
 
 
-_ASKED = "method='dense' was asked for"
-
-
 def _nan_where_nan(logdet: Any, *points: Any) -> Any:
     """`logdet` made NaN where a point's float leaves hold a NaN: a log-determinant at a NaN
     point is NaN, as `jnp.linalg.slogdet` of the Jacobian there is, also for a map (an affine
@@ -505,7 +536,7 @@ def _slogdet_jacobian(
         got, why = _try_sweep(run, method, on_error, who)
         if got is not None:
             return got
-    sign, logabs = _dense(t)
+    sign, logabs = _dense(t, why)
     return sign, _singular_check(logabs, who, on_error, at_run_time=False, dense=why)
 
 
@@ -611,7 +642,7 @@ def _forward_and_slogdet(
         got, why = _try_sweep(run, method, on_error, who)
         if got is not None:
             return got
-    _, logabs = _dense(t)
+    _, logabs = _dense(t, why)
     return fun(*args), _singular_check(logabs, who, on_error, at_run_time=False, dense=why)
 
 
@@ -724,7 +755,7 @@ def _inverse_and_slogdet(
     xl = [x] if len(nums) == 1 else list(x)
     for i, s in zip(nums, xl):
         a[i] = s
-    _, logabs = _dense(_trace(fun, a, nums, who))
+    _, logabs = _dense(_trace(fun, a, nums, who), why)
     return x, -_singular_check(logabs, who, on_error, dense=why)
 
 
