@@ -691,6 +691,8 @@ def _thresholds(
             if not floating:
                 continue
             val = v.val if isinstance(v, Literal) else env.read(v)
+            if isinstance(v, Literal) and not np.all(np.isfinite(np.asarray(val))):
+                continue  # (a NaN that a search's normalization writes: no threshold)
             vs = tuple(jnp.shape(val))
             if vs == ():
                 cols.append(jnp.broadcast_to(val, shape)[..., None])
@@ -703,7 +705,9 @@ def _thresholds(
     if not cols or sum(c.shape[-1] for c in cols) > MAX_THRESHOLDS:
         return None
     dt = u.aval.dtype
-    return jnp.concatenate([c.astype(dt) for c in cols], axis=-1)
+    pts = jnp.concatenate([c.astype(dt) for c in cols], axis=-1)
+    # (a non-finite known value is no threshold: 0 instead, one more piece boundary)
+    return jnp.where(jnp.isfinite(pts), pts, jnp.zeros((), dt))
 
 
 def _families(combos: list[dict]) -> list[list[dict]]:
