@@ -196,6 +196,28 @@ def test_bin_index_of_another_function_of_the_state_is_enumerated(monkeypatch):
     assert found and not any(found), found
 
 
+def test_spline_with_a_compare_all_search_inverts():
+    """``jnp.searchsorted(..., method="compare_all")`` counts booleans of the knots' shape
+    before the bin index: those are no choice of the group (before: a broadcast `ValueError`
+    out of the choice step). Its NaN normalizations keep the index off the search: the bins
+    are enumerated."""
+    xk, yk, d = _spline_params(5, key=8)
+
+    def f(x):
+        inb = (x >= -B) & (x <= B)
+        xc = jnp.clip(x, -B, B)
+        k = jnp.clip(jnp.searchsorted(xk, xc, method="compare_all") - 1, 0, len(xk) - 2)
+        xi = (xc - xk[k]) / (xk[k + 1] - xk[k])
+        s = (yk[k + 1] - yk[k]) / (xk[k + 1] - xk[k])
+        num = (yk[k + 1] - yk[k]) * (s * xi**2 + d[k] * xi * (1 - xi))
+        y = yk[k] + num / (s + (d[k + 1] + d[k] - 2 * s) * xi * (1 - xi))
+        return jnp.where(inb, jnp.clip(y, -B, B), x)
+
+    x = jnp.array([-4.0, -2.9, -1.0, 0.3, 2.2, 5.0])
+    got = jax.jit(jax.vmap(jr.reverse(f)))(jax.vmap(f)(x))
+    np.testing.assert_allclose(got, x, rtol=1e-12, atol=1e-13)
+
+
 def test_non_monotone_tabled_map_is_named_not_answered(monkeypatch):
     """Knot heights that go down in one bin: the map's values at the knots are not sorted,
     so no piece is searched; the bin index is named (NaN on request), never a wrong input."""
