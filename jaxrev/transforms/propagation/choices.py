@@ -665,7 +665,8 @@ def _thresholds(
 ) -> Any | None:
     """The known floating values the bin index's computation compares the unknown `u` with,
     per element: ``(*shape, m)``; None where it computes from `u` through anything but clips
-    by known bounds (or reads no such value)."""
+    by known bounds, copies, casts and moves (`_PASSES_U`), reads a known value laid out
+    otherwise, or reads no such value."""
     eqns = _ancestors([e_int], producer) | {e_int}
     passes = {u}  # u, or u clipped by known bounds
     for q in G:
@@ -702,6 +703,8 @@ def _thresholds(
                     cols.append(jnp.broadcast_to(val, shape + vs))
             elif vs[:-1] == shape or len(vs) == 1:
                 cols.append(jnp.broadcast_to(val, shape + vs[-1:]))
+            else:  # (a known value not laid out per element: its thresholds unknown)
+                return None
     if not cols or sum(c.shape[-1] for c in cols) > MAX_THRESHOLDS:
         return None
     dt = u.aval.dtype
