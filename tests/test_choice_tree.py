@@ -356,3 +356,18 @@ def test_searched_splines_invert_random_knots_both_directions(K, key, inverse, p
     x = jnp.array([p if abs(abs(p) - B) > 1e-6 else p / 2 for p in pts])
     got = jax.vmap(jr.reverse(f))(jax.vmap(f)(x))
     np.testing.assert_allclose(got, x, rtol=1e-10, atol=1e-10)
+
+
+def test_inputs_on_a_knot_invert():
+    """An input exactly on a knot: the root the bin on one side gives rounds into the other
+    bin, so no branch's decisions held (before, "no branch ... consistent"); the group run
+    forward from it gives the output back, and that makes it a preimage."""
+    xk, yk, d = _spline_params(6, key=5)
+    fwd = lambda v: clipped_spline(v, xk, yk, d)  # noqa: E731
+    inv = lambda v: clipped_spline_inverse(v, xk, yk, d)  # noqa: E731
+    # (the inverse formula's last knot maps to 1.6e-4: rounding of order 1 there is 1e-12 of
+    # it, past the tolerance relative to the output; left out)
+    for f, x in ((fwd, xk[1:-1]), (inv, yk[1:-2])):
+        y = jax.vmap(f)(x)
+        for call in (jax.vmap(jr.reverse(f)), jax.jit(jax.vmap(jr.reverse(f)))):
+            np.testing.assert_allclose(call(y), x, rtol=1e-12, atol=1e-13)

@@ -27,6 +27,7 @@ Derivatives differentiate the chosen candidate (the selection by consistency has
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import jax
@@ -34,11 +35,19 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxrev._compat import JaxprEqn, Literal, Var, has_user_frame, is_concrete, prims
+from jaxrev._compat import (
+    JaxprEqn,
+    Literal,
+    Var,
+    has_user_frame,
+    is_concrete,
+    is_host_callback,
+    prims,
+)
 from jaxrev._env import Env
 from jaxrev._errors import ReversibilityError, at_eqn, not_invertible
 from jaxrev._evaluate import evaluate
-from jaxrev._graph import is_var, real_outvars, size_of
+from jaxrev._graph import is_var, mentions, real_outvars, size_of
 from jaxrev.transforms.custom import custom_inverse
 from jaxrev.transforms.knowledge import records
 from jaxrev.transforms.knowledge.checks import NEWTON_STARTS, raise_where
@@ -57,6 +66,9 @@ MAX_VALUES = 16
 """Values of an integer decided by the state (a spline's bin index) tried, at most."""
 _AGREE_ULPS = 64
 _LOST_ULPS = 4
+_SAME_ULPS = 32
+"""A candidate whose forward run gives the outputs back within this many ulps is a preimage
+(the Newton step's own tolerance)."""
 
 
 class _Choice:
@@ -538,7 +550,7 @@ def _solve(
     if shape is not None and not all(
         elementwise_in(e, shape) or _pointwise_gather(e, shape) for e in G
     ):
-        _recheck(G, ch, inputs, env, out, idx, tried)
+        _recheck(G, ch, inputs, outputs, env, out, idx, tried)
     return out
 
 
@@ -603,17 +615,9 @@ def _searched(
     if pts is None:
         return None
     y = env.read(outputs[0])
-    reads = {
-        v: env.read(v)
-        for q in G
-        for v in q.invars
-        if is_var(v) and env.known(v) and v not in producer
-    }
 
     def run(x: Any, want: Var) -> Any:
-        e = Env(info=env.info, ctx=env.ctx)
-        for v, val in reads.items():
-            e.write(v, val)
+        e = _before(G, env)
         e.write(u, x)
         evaluate(G, e, partial=True)
         return e.read(want)
@@ -803,17 +807,59 @@ def _branch(
         raise _Lost(not_invertible(e, _LOST_REASON.format(k=k), _LOST_HINT, who=env.ctx.who))
     vals = [env_c.read(v) for v in inputs]
     # run the original group forward from the candidate: does it take these branches?
-    env_f = env.copy()
+    env_f, pure = _forward_env(G, env)
     for v, x in zip(inputs, vals):
         env_f.write(v, x)
     evaluate(G, env_f, partial=True)
     ok = jnp.asarray(True)
     for c, k in combo.values():
         ok = ok & c.holds(env_f, k)
+    if pure:
+        ok = ok | _reproduces(env_f, env, outputs, shape)
     for x in vals:
         fin = jnp.isfinite(x)
         ok = ok & (fin if shape is not None else jnp.all(fin))
     return vals, (ok if shape is None else jnp.broadcast_to(ok, shape)), None
+
+
+def _before(G: Sequence[JaxprEqn], env: Env) -> Env:
+    """An env holding what the group reads from outside it, none of its own values: the
+    group run forward in it recomputes its outputs (a copy of `env` holds them known, and
+    `evaluate` would keep them)."""
+    made = {o for q in G for o in real_outvars(q)}
+    out = Env(info=env.info, ctx=env.ctx)
+    for q in G:
+        for v in q.invars:
+            if is_var(v) and v not in made and env.known(v):
+                out.write(v, env.read(v))
+    return out
+
+
+def _forward_env(G: Sequence[JaxprEqn], env: Env) -> tuple[Env, bool]:
+    """The env to run the group forward from a candidate in, and whether its outputs are
+    recomputed there: they are where the group has no effects (`_before`); a group holding a
+    check (Equinox's `error_if`, a host callback) keeps its outputs known instead (a copy of
+    `env`), so that a candidate the check would refuse never runs it."""
+    if any(q.effects for q in G) or mentions(SimpleNamespace(eqns=G), is_host_callback):
+        return env.copy(), False
+    return _before(G, env), True
+
+
+def _reproduces(env_f: Env, env: Env, outputs: list[Var], shape: tuple | None) -> Any:
+    """Where the group, run forward from a candidate (`env_f`), gives the known outputs back
+    to a few ulps, whichever branches it took: a candidate on a bin's edge (an input on a
+    spline's knot) is found by the bin on one side and rounds into the other, and it is a
+    preimage all the same (before, no branch was consistent with it)."""
+    same = jnp.asarray(True)
+    for o in outputs:
+        y, got = env.read(o), env_f.read(o)
+        if jnp.issubdtype(jnp.result_type(y), jnp.inexact):
+            fi = jnp.finfo(jnp.result_type(y))
+            s = jnp.abs(got - y) <= _SAME_ULPS * fi.eps * jnp.maximum(jnp.abs(y), fi.tiny)
+        else:
+            s = got == y
+        same = same & (s if shape is not None else jnp.all(s))
+    return same
 
 
 _LOST_REASON = (
@@ -847,12 +893,7 @@ def _lossy(
     own, every = state  # (the walk's unknowns, the producers of the whole walk)
     if e is None or decided_on(e, k, {**every, **producer}, env, own, combo):
         return None
-    made = {o for q in G for o in real_outvars(q)}
-    env_q = Env(info=env.info, ctx=env.ctx)  # what is known before the group, no output
-    for q in G:
-        for v in q.invars:
-            if is_var(v) and v not in made and env.known(v):
-                env_q.write(v, env.read(v))
+    env_q = _before(G, env)  # what is known before the group, no output
     window = _branch_window(G, combo, env_q)
     if window is None:
         return None
@@ -877,6 +918,7 @@ def _recheck(
     G: Sequence[JaxprEqn],
     ch: list[_Choice],
     inputs: list[Var],
+    outputs: list[Var],
     env: Env,
     out: list[Any],
     idx: Any,
@@ -885,7 +927,7 @@ def _recheck(
     """Where a decision is not computed element by element (a search over a table), the
     candidates picked per element are checked together: from them, does every choice take the
     branch its element assumed?"""
-    env_f = env.copy()
+    env_f, pure = _forward_env(G, env)
     for v, x in zip(inputs, out):
         env_f.write(v, x)
     evaluate(G, env_f, partial=True)
@@ -902,6 +944,8 @@ def _recheck(
             for b in range(c.n):
                 held = held | ((k == b) & c.holds(env_f, b))
         ok = ok & held
+    if pure:
+        ok = ok | _reproduces(env_f, env, outputs, idx.shape)
     first = next((c.eqn for c in ch if has_user_frame(c.eqn)), ch[0].eqn)
     together = jnp.all(
         ok
