@@ -845,7 +845,9 @@ def _forward_env(G: Sequence[JaxprEqn], env: Env) -> tuple[Env, bool]:
     return _before(G, env), True
 
 
-def _reproduces(env_f: Env, env: Env, outputs: list[Var], shape: tuple | None) -> Any:
+def _reproduces(
+    env_f: Env, env: Env, outputs: list[Var], shape: tuple | None, ulps: int = _SAME_ULPS
+) -> Any:
     """Where the group, run forward from a candidate (`env_f`), gives the known outputs back
     to a few ulps, whichever branches it took: a candidate on a bin's edge (an input on a
     spline's knot) is found by the bin on one side and rounds into the other, and it is a
@@ -855,7 +857,7 @@ def _reproduces(env_f: Env, env: Env, outputs: list[Var], shape: tuple | None) -
         y, got = env.read(o), env_f.read(o)
         if jnp.issubdtype(jnp.result_type(y), jnp.inexact):
             fi = jnp.finfo(jnp.result_type(y))
-            s = jnp.abs(got - y) <= _SAME_ULPS * fi.eps * jnp.maximum(jnp.abs(y), fi.tiny)
+            s = jnp.abs(got - y) <= ulps * fi.eps * jnp.maximum(jnp.abs(y), fi.tiny)
         else:
             s = got == y
         same = same & (s if shape is not None else jnp.all(s))
@@ -900,17 +902,9 @@ def _lossy(
     evaluate(window, env_q, partial=True)
     if not all(env_q.known(o) for o in outputs):
         return None
-    amb = jnp.asarray(True)
-    for o in outputs:
-        # (within a few ulps: the forward run and this one may round steps after the clip
-        # differently)
-        y, made = env.read(o), env_q.read(o)
-        if jnp.issubdtype(jnp.result_type(y), jnp.inexact):
-            fi = jnp.finfo(jnp.result_type(y))
-            same = jnp.abs(y - made) <= _LOST_ULPS * fi.eps * jnp.maximum(jnp.abs(made), fi.tiny)
-        else:
-            same = y == made
-        amb = amb & (same if shape is not None else jnp.all(same))
+    # (within a few ulps: the forward run and this one may round steps after the clip
+    # differently)
+    amb = _reproduces(env_q, env, outputs, shape, _LOST_ULPS)
     return amb if shape is None else jnp.broadcast_to(amb, shape)
 
 
