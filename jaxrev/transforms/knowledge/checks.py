@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxrev._compat import at_call_site, call_site, debug_effect, is_concrete
+from jaxrev._compat import at_call_site, call_site, is_concrete, keep_in_dce
 from jaxrev._errors import FailureWarning, in_sample
 from jaxrev._primitive import make_primitive
 from jaxrev._runtime import note_check, raise_at_run_time
@@ -171,14 +171,16 @@ check_p = make_primitive(
     multiple_results=True,
     impl=_check_eager,
     lowering=_check_lowered,
-    effectful=True,
-    abstract=lambda *avals, **_: ([], {debug_effect}),
+    abstract=lambda *avals, **_: [],
     jvp=_check_jvp,
     batch=_check_batch,
 )
+keep_in_dce(check_p)
 """``check_p(bad, *flags, error, levels)``: when the program runs, if any element of `bad`
 holds, raise ``error(*flags)`` on the host. `levels` leading axes of every operand are vmap's
-batch axes (the first bad sample's flags are passed). It has the debug effect, so it is never
-removed as dead code, and it is lowered as a `cond`: no host call when nothing is bad. Eagerly
+batch axes (the first bad sample's flags are passed). It has no effect (an effect would turn
+off JAX's fast dispatch of the user's whole `jit` function) but JAX's dead-code elimination
+keeps it (`_compat.keep_in_dce`), and it is lowered as a `cond` calling the host (a call XLA
+keeps: it has a side effect) only when something is bad. Eagerly
 it raises at once; in a compiled program its error reaches the caller as JAX's runtime error,
 which `jr.jit` and `jr.raise_runtime_errors()` turn back into the error itself."""
