@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 
 from jaxrev._compat import (
@@ -110,3 +111,52 @@ def work_of(jaxpr: Jaxpr) -> int:
                 if isinstance(b, (ClosedJaxpr, Jaxpr)):
                     total += times * work_of(b.jaxpr if isinstance(b, ClosedJaxpr) else b)
     return total
+
+
+_VALUE_FREE = frozenset(
+    {"add", "add_any", "sub", "neg", "copy", "copy_p", "convert_element_type", "select_n"}
+)
+"""Equations whose derivative does not read the value of an operand that flows through them
+(`unread_carries`): sums, differences, negations, copies, conversions between floating
+types, and the cases (not the predicate) of a select."""
+
+
+def unread_carries(jaxpr: Jaxpr, nconsts: int, ncarry: int) -> list[bool]:
+    """Per carry of a loop body (inputs: `nconsts` constants, `ncarry` carries, then `xs`;
+    outputs: the carries, then `ys`), whether its value is read by nothing but its own next
+    value, through `_VALUE_FREE` equations: an accumulator ``acc + f(x)``. The backward run
+    never needs such a carry's value (no other value is computed from it, no VJP reads it):
+    its rebuilt value need not be checked against a checkpoint, and XLA drops what computes
+    it. Only floating carries are considered (the others are never compared)."""
+    out = []
+    for i in range(ncarry):
+        invar = jaxpr.invars[nconsts + i]
+        if not is_float(invar.aval):
+            out.append(False)
+            continue
+        reached = {invar}
+        free = True
+        for eqn in jaxpr.eqns:
+            hit = [k for k, v in enumerate(eqn.invars) if isinstance(v, Var) and v in reached]
+            if not hit:
+                continue
+            name = eqn.primitive.name
+            ok = name in _VALUE_FREE
+            if name == "select_n":
+                ok = 0 not in hit
+            elif name == "convert_element_type":
+                ok = all(is_float(v.aval) for v in eqn.outvars)
+            if not ok:
+                free = False
+                break
+            reached.update(eqn.outvars)
+        free = free and all(
+            pos == i for pos, v in enumerate(jaxpr.outvars) if isinstance(v, Var) and v in reached
+        )
+        out.append(free)
+    return out
+
+
+def is_float(aval: Any) -> bool:
+    """Whether `aval` holds floating (or complex) values."""
+    return jnp.issubdtype(aval.dtype, jnp.inexact)

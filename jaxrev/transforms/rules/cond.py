@@ -199,7 +199,7 @@ def _cond_sweep(P: Plan, i: int, env: Env, ctenv: dict | None, active: set, res:
                     walk(bp, benv, bct, bactive, Residuals(bp, lres[span[0] : span[1]]), goals)
             rec = [benv.read(v) for v in goals]
             g = [get_ct(bct, v) for v, a in zip(J.invars, act) if a] if want else []
-            return rec, g, sc.worst()
+            return rec, g, sc.worst() or drift.no_drift()
 
         return f
 

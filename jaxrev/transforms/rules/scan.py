@@ -24,7 +24,7 @@ from jaxrev._compat import JaxprEqn, Literal, ScanParams, Var, is_concrete, prim
 from jaxrev._env import Env, Statics, Unknown, is_unknown
 from jaxrev._errors import NotInvertibleError
 from jaxrev._evaluate import evaluate
-from jaxrev._graph import forward_known, is_var, needed_vars, size_of, work_of
+from jaxrev._graph import forward_known, is_var, needed_vars, size_of, unread_carries, work_of
 from jaxrev.transforms.knowledge import records
 from jaxrev.transforms.logdet import (
     LogdetContext,
@@ -372,7 +372,11 @@ def _scan_sweep(P: Plan, i: int, env: Env, ctenv: dict | None, active: set, res:
     two_pass = K is not None and 4 * size_of(floating) >= K * work
     if two_pass:
         K = P.dial.segment(length, carry_bytes, work)
-    lp = LoopPlan("scan", bp, length, every=K, carry=carry if K else ())
+    # an accumulator's value is read by nothing the backward run computes: it is stored once
+    # (its start), its drift moves no gradient and goes unchecked, and XLA drops what
+    # computes it
+    unread = tuple(unread_carries(body.jaxpr, nc, ncar)) if K else ()
+    lp = LoopPlan("scan", bp, length, every=K, carry=carry if K else (), unread=unread)
     lres = res.loop(i, lp) if res_avals(bp) or K else []
     nb = len(res_avals(bp))
     lres, ckpts = list(lres[:nb]), list(lres[nb:])
@@ -404,6 +408,7 @@ def _scan_sweep(P: Plan, i: int, env: Env, ctenv: dict | None, active: set, res:
             bstep, (c0, c_ct0, k_ct0, w0), sl, length=length, reverse=not rev
         )
     else:
+        compared = [not u for u in unread]
         # the body as the walks see it (calls inlined: a custom_jvp closing over the loop's
         # counter is not re-entered under the repair's VJP)
         check, redo = segment_checks(
@@ -419,6 +424,7 @@ def _scan_sweep(P: Plan, i: int, env: Env, ctenv: dict | None, active: set, res:
             yct,
             all(xk),
             res.planning,
+            compared,
         )
         # (two passes: the repair decides from an inversion without cotangents)
         primal = dataclasses.replace(step, active=None)
@@ -439,6 +445,8 @@ def _scan_sweep(P: Plan, i: int, env: Env, ctenv: dict | None, active: set, res:
             check,
             redo,
             invert if two_pass and redo is not None else None,
+            compared,
+            in_place=two_pass,
         )
         drift.tally(env.ctx.drift, e, length, K, *tally)
     drift.note(env.ctx.drift, w)
@@ -493,7 +501,9 @@ def _scan_forward(e: JaxprEqn, lp: LoopPlan, ins: Sequence[Any]) -> tuple[list, 
         return outs[:ncar], (outs[ncar:], r)
 
     if lp.every is not None:
-        c, (ys, r), ck = segmented_forward(f, init, list(xs), sp.length, lp.every, sp.reverse)
+        c, (ys, r), ck = segmented_forward(
+            f, init, list(xs), sp.length, lp.every, sp.reverse, lp.unread
+        )
         return [*c, *ys], [*r, *ck]
     c, (ys, r) = lax.scan(f, list(init), list(xs), length=sp.length, reverse=sp.reverse)
     return [*c, *ys], list(r)

@@ -35,7 +35,7 @@ from jaxrev._compat import (
 )
 from jaxrev._env import Env, fit_to_aval
 from jaxrev._errors import not_invertible
-from jaxrev._graph import is_var
+from jaxrev._graph import is_float, is_var
 from jaxrev._prepare import prepare
 from jaxrev.transforms.custom import recompute_p, store_p
 from jaxrev.transforms.knowledge.context import WalkContext
@@ -76,10 +76,6 @@ __all__ = [
 
 
 DEFAULT_DIAL = Dial()
-
-
-def is_float(aval: Any) -> bool:
-    return jnp.issubdtype(aval.dtype, jnp.inexact)
 
 
 def sds(aval: Any) -> jax.ShapeDtypeStruct:
@@ -137,6 +133,7 @@ class LoopPlan:
     count_shape: tuple = ()  # a while loop's trip count: one per element of a vmapped loop
     every: int | None = None  # a checkpoint of the carry every `every` iterations (the dial)
     carry: tuple = ()  # the carry's avals, when checkpointed
+    unread: tuple = ()  # per carry: read by nothing the backward run computes (stored once)
     max_steps: int | None = None  # a while loop's bound: its buffers' length
 
 
@@ -164,7 +161,12 @@ def loop_avals(loop_plan: LoopPlan) -> list[jax.ShapeDtypeStruct]:
         for branch in loop_plan.branches:
             out += res_avals(branch)
         return out
-    ckpts = [_sds(a, (n_checkpoints(loop_plan), *a.shape)) for a in loop_plan.carry]
+    # an unread carry (`_graph.unread_carries`) keeps only its value at the loop's start
+    unread = loop_plan.unread or (False,) * len(loop_plan.carry)
+    ckpts = [
+        _sds(a, (1 if u else n_checkpoints(loop_plan), *a.shape))
+        for a, u in zip(loop_plan.carry, unread)
+    ]
     body = res_avals(loop_plan.body)
     if loop_plan.kind == "while":
         count = [jax.ShapeDtypeStruct(loop_plan.count_shape, jnp.int32)]
@@ -563,7 +565,7 @@ class BodyStep:
     xs: list  # the iteration's unknown `xs`, rebuilt
     xs_ct: list | None  # the cotangents of the active `xs`
     consts_ct: list | None  # this iteration's share of the active constants' cotangents
-    drift: tuple  # the worst (ratio, site) of the loops inside the body
+    drift: tuple | None  # the worst (ratio, site) of the loops inside the body (None: none)
 
 
 @dataclass(eq=False)

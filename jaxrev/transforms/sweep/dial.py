@@ -286,6 +286,7 @@ def segment_checks(
     ys_ct_given: Sequence[bool],
     can_redo: bool,
     planning: bool,
+    compared: Sequence[bool] | None = None,
 ) -> tuple[Any, Any]:
     """A checkpointed loop's comparison `check(rebuilt, stored, rebuilt_ct, end, end_ct,
     length, budget) -> SegmentCheck` of each segment's rebuilt start with its checkpoint
@@ -294,9 +295,17 @@ def segment_checks(
     of a segment that missed; (None, None) where nothing is checked (the planning walk,
     on_drift="ignore"). `log`: the backward run's drift log (its walk context's); `body`'s
     inputs are `nconsts` constants, `ncarry` carries, then `xs`; `active`: which carry
-    cotangents, `ys_ct_given`: which of its outputs `ys` come with a cotangent."""
+    cotangents, `ys_ct_given`: which of its outputs `ys` come with a cotangent; `compared`
+    (None: all): which carries are compared, the others being read by nothing the backward
+    run computes (`_graph.unread_carries`: an accumulator's drift moves no gradient)."""
     if planning or not dial.checks:
         return None, None
+
+    def kept(values: Sequence[Any] | None) -> Any:
+        if values is None or compared is None:
+            return values
+        return [v for v, c in zip(values, compared) if c]
+
     redo = None
     if dial.repair and can_redo and active is not None and recomputable(body):
         redo = body_redo(body, nconsts, ncarry, consts, active, ys_ct_given)
@@ -307,7 +316,7 @@ def segment_checks(
         log,
         "the rebuilt start of a checkpointed segment of the loop",
         eqn,
-        values_tol(dial, [a.dtype for a in carry]),
+        values_tol(dial, [a.dtype for a in kept(carry)]),
         gradient=not fixed,
     )
     site_index = jnp.asarray(at, jnp.int32)
@@ -317,6 +326,8 @@ def segment_checks(
         its checkpoint `stored` (`grad_ratio`). Without cotangents (`check_reversible`'s
         rebuild) or with a relative tolerance: the relative drift against it."""
         budget = Budget(*budget)
+        rebuilt, stored, rebuilt_ct = kept(rebuilt), kept(stored), kept(rebuilt_ct)
+        end, end_ct = kept(end), kept(end_ct)
         if fixed or not rebuilt_ct or all(ct is None for ct in rebuilt_ct):
             return SegmentCheck(ratio(dial, rebuilt, stored), site_index, budget)
         ends = SegmentEnds(rebuilt, stored, rebuilt_ct, end, end_ct, length)

@@ -148,8 +148,14 @@ def ratio(dial: Any, rebuilt: Sequence[Any], true: Sequence[Any], steps: int = 1
     return worst
 
 
-def combine(a: tuple[Any, Any], b: tuple[Any, Any]) -> tuple[Any, Any]:
-    """The worse of two `(ratio, site)` pairs."""
+def combine(a: tuple[Any, Any] | None, b: tuple[Any, Any] | None) -> tuple[Any, Any] | None:
+    """The worse of two `(ratio, site)` pairs; None (no comparison: a body whose walk compares
+    nothing) leaves the other as it is, so that a loop of such bodies carries no per-iteration
+    selects (XLA cannot fold them: a NaN ratio is not "less")."""
+    if b is None:
+        return a
+    if a is None:
+        return b
     ratio_a, site_a = a
     ratio_b, site_b = b
     take = jnp.asarray(ratio_b, jnp.float32) > jnp.asarray(ratio_a, jnp.float32)
@@ -245,7 +251,7 @@ class Log:
     tallies: list[LoopRepair] = field(default_factory=list)
 
     def worst(self) -> tuple[Any, Any]:
-        return _Scope(self.scopes[0]).worst()
+        return _Scope(self.scopes[0]).worst() or no_drift()
 
     def message(self, drift_ratio: float, index: int) -> str:
         """The message of comparison `index`'s miss by `drift_ratio` (drift / tolerance)."""
@@ -392,8 +398,9 @@ class _Scope:
     def __init__(self, entries: list) -> None:
         self.entries = entries
 
-    def worst(self) -> tuple[Any, Any]:
-        worst = no_drift()
+    def worst(self) -> tuple[Any, Any] | None:
+        """The worst pair noted, None where nothing was compared."""
+        worst = None
         for pair in self.entries:
             worst = combine(worst, pair)
         return worst

@@ -224,6 +224,8 @@ def segmented(
     check: Any = None,
     redo: Recompute | None = None,
     invert: Callable | None = None,
+    compared: Sequence[bool] | None = None,
+    in_place: bool = False,
 ) -> tuple[BackCarry, Any]:
     """`lax.scan(bstep, carry0, slices, reverse=not rev)` (a loop's backward run, whose carry is
     a `BackCarry` or a tuple of its fields) in segments of K iterations: each segment starts
@@ -239,6 +241,17 @@ def segmented(
     without cotangents) lets the repairing dial decide before any cotangent is pulled
     (`two_pass`): the constants' cotangents, often the size of the parameters, are then
     accumulated in place, never kept twice for a segment that might be redone.
+    `compared` (None: all): the carries `check` compares, whose rebuilt values must also be
+    finite (the others' values nothing reads: `_graph.unread_carries`). `in_place`: the
+    constants' cotangents are accumulated in place in the first sweep (they outweigh a
+    segment's work: a share summed from zero per segment would cost their size per segment);
+    else each segment's share is summed from zero and then added (two levels of sums).
+
+    The sweep pays for drift only where it happens: every segment is first swept by the
+    fused step (the fully reversible mode's: inversion and VJP at once) and checked at its
+    start (`_swept`); only if one misses (or the cotangents come back non-finite), under the
+    repairing dial, is the loop swept again from its end by the repairing machinery
+    (`careful`), the segments the first sweep verified kept as they were.
     Returns the start's `BackCarry` (its carry: the first checkpoint), the per-iteration
     outputs and the `Tally` of what was repaired."""
     # the first segment (in iteration order) has `rest` iterations, the `nseg` after it K
@@ -264,8 +277,7 @@ def segmented(
     end = [jnp.asarray(a, ck.dtype) for a, ck in zip(final.carry, ckpts)]
     final = final._replace(carry=end, worst=vary_to(final.worst, axes))
     xs = Slices(slices, length, rev)
-    # the two-pass repair never runs `bstep` (its inversion and VJP are separate): not traced
-    traced = None if primal_step is not None else _Traced(bstep, final, xs.read(0))
+    traced = _Traced(bstep, final, xs.read(0))
 
     def step(carry, row):
         carry, out = traced(carry, row)
@@ -295,22 +307,16 @@ def segmented(
         """The segment's check: its start as rebuilt against `stored`, its end at `state`."""
         return check(rebuilt, stored, rebuilt_ct, state.carry, state.carry_ct, n, state.budget)
 
-    def seg_back(state, seg, stored, n, probe):
-        probe = agreed(probe)
-        if primal_step is not None or not state.consts_ct:
+    def seg_back(state, seg, stored, n, probe, trusted):
+        probe = agreed(probe | trusted)
+        if primal_step is not None:
             # the two-pass repair accumulates the constants' cotangents in place: they are
             # large there (a table read a little at a time), and touched a little per step
-            new = one_segment(state, seg, stored, n, probe)
+            new = one_segment(state, seg, stored, n, probe, trusted)
         else:
-            # the segment's share of the constants' cotangents is summed from zero and then
-            # added to the total: a sum of T per-step terms in two levels of about K and T/K
-            # (float32 sums of 10^4 steps lose 2e-6 sequentially, 1e-8 in two levels, so
-            # the gradient's error is its per-step terms', not the accumulation's)
-            total = state.consts_ct
-            zeros = [None if t is None else match_vma(jnp.zeros_like(t), t) for t in total]
-            new = one_segment(state._replace(consts_ct=zeros), seg, stored, n, probe)
-            summed = [None if t is None else t + c for t, c in zip(total, new.consts_ct)]
-            new = new._replace(consts_ct=vary_to(summed, vma_union(total)))
+            new = _in_two_levels(
+                state, lambda part: one_segment(part, seg, stored, n, probe, trusted)
+            )
         # a segment that comes back missed was recomputed (a miss, or right after one)
         tally = Tally(
             state.tally.repaired + new.missed.astype(jnp.int32),
@@ -319,32 +325,15 @@ def segmented(
         growth = state.growth if new.growth is None else new.growth
         return new._replace(growth=growth, tally=vary_to(tally, axes))
 
-    def one_segment(state, seg, stored, n, probe):
-        """One segment of n iterations backwards from `state` (at its end): inverted and
-        checked (`probe`), or, right after a miss, recomputed at once. Returns the state at
-        its start, whose carry is `stored`, its checkpoint."""
-        if check is None:
-            back, bufs = run(state.back(), state.bufs, seg, n)
-            worst = vary_to(back.worst, axes)
-            return SegmentState(
-                stored, back.carry_ct, back.consts_ct, worst, state.budget, false, bufs
-            )
-        if redo is None:
-            back, bufs = run(state.back(), state.bufs, seg, n)
-            checked = check_start(back.carry, back.carry_ct, stored, state, n)
-            return SegmentState(
-                stored,
-                back.carry_ct,
-                back.consts_ct,
-                vary_to(combine(back.worst, (checked.ratio, checked.site)), axes),
-                vary_to(checked.budget, axes),
-                false,
-                bufs,
-            )
+    def one_segment(state, seg, stored, n, probe, trusted):
+        """One segment of n iterations backwards from `state` (at its end), under the
+        repairing dial: inverted and checked (`probe`), or, right after a miss, recomputed at
+        once; where `trusted` (the first sweep verified it) kept whatever its check says.
+        Returns the state at its start, whose carry is `stored`, its checkpoint."""
         if primal_step is not None:
-            return two_pass(state, seg, stored, n, probe)
+            return two_pass(state, seg, stored, n, probe, trusted)
         if jax.tree_util.tree_leaves(state.bufs):
-            return gated(state, seg, stored, n, probe)
+            return gated(state, seg, stored, n, probe, trusted)
 
         # no per-iteration outputs: nothing large goes through the conds, which skip the
         # work not needed (a loop of small bodies pays for no per-iteration gating)
@@ -352,6 +341,7 @@ def segmented(
             back, bufs = run(state.back(), state.bufs, seg, n)
             checked = check_start(back.carry, back.carry_ct, stored, state, n)
             bad = agreed(~(checked.ratio <= 1.0) | ~finite([*back.carry_ct, *back.consts_ct]))
+            bad = bad & ~trusted
             pulled = lax.cond(
                 bad,
                 lambda: redo(stored, state.carry_ct, state.consts_ct, seg, n, bufs),
@@ -375,7 +365,7 @@ def segmented(
 
         return lax.cond(probe, invert, recompute)
 
-    def two_pass(state, seg, stored, n, probe):
+    def two_pass(state, seg, stored, n, probe, trusted):
         """`seg_back` under the repairing dial with `invert`: the segment's carries rebuilt
         by inversion alone (no cotangents), kept; its start checked against `stored`, with
         the cotangent at its end, grown as the last segment's grew, standing for the one at
@@ -407,8 +397,16 @@ def segmented(
             pre = check_start(start, grown, stored, state, n)
             # a value the inversion made non-finite inside the segment, where its start is
             # finite, is a miss however its start compares
-            bad = agreed(~(pre.ratio <= 1.0) | (~finite(stacked) & finite(stored)))
-            return like_stored(stacked), like_stored(start), inner, bad
+            watched = [
+                (a, b)
+                for k, (a, b) in enumerate(zip(stacked, stored))
+                if not compared or compared[k]
+            ]
+            bad = agreed(
+                ~(pre.ratio <= 1.0)
+                | (~finite([a for a, _ in watched]) & finite([b for _, b in watched]))
+            )
+            return like_stored(stacked), like_stored(start), inner, bad & ~trusted
 
         def skipped():
             stacked = [jnp.zeros((n, *jnp.shape(a)), a.dtype) for a in stored]
@@ -446,13 +444,14 @@ def segmented(
             growth,
         )
 
-    def gated(state, seg, stored, n, probe):
+    def gated(state, seg, stored, n, probe, trusted):
         """`seg_back` for a loop with per-iteration outputs: inversion and recomputation
         each run over the segment, each iteration doing its work or not, so that the output
         arrays are never operands of a `cond`."""
         back, bufs = run(state.back(), state.bufs, seg, n, probe)
         checked = check_start(back.carry, back.carry_ct, stored, state, n)
         bad = agreed(~probe | ~(checked.ratio <= 1.0) | ~finite([*back.carry_ct, *back.consts_ct]))
+        bad = bad & ~trusted
         pulled = redo(stored, state.carry_ct, state.consts_ct, seg, n, bufs, on=bad)
         carry_ct = [
             None if a is None else where(bad, a, b) for a, b in zip(pulled.carry_ct, back.carry_ct)
@@ -477,6 +476,87 @@ def segmented(
             pulled.bufs,
         )
 
+    def fused(carry, bufs, seg, n):
+        """n (a count, or a traced one) iterations of the segment `seg` backwards by the
+        fused step, from `carry` (a `BackCarry`)."""
+
+        def iteration(i, loop_carry):
+            carry, bufs = loop_carry
+            k = n - 1 - i
+            carry, out = step(carry, seg.read(k))
+            return carry, seg.write(bufs, k, out)
+
+        return lax.fori_loop(0, n, iteration, (carry, bufs))
+
+    def swept_segment(state, seg, stored, n, length):
+        """One segment of `length` iterations (n of them run: 0 skips it) by the fused
+        step, its rebuilt start compared with `stored`: a miss (under the repairing dial)
+        marks the state `missed`."""
+
+        def sweep(part):
+            back, bufs = fused(part.back(), part.bufs, seg, n)
+            return part._replace(
+                carry=back.carry,
+                carry_ct=back.carry_ct,
+                consts_ct=back.consts_ct,
+                worst=back.worst,
+                bufs=bufs,
+            )
+
+        swept = sweep(state) if in_place else _in_two_levels(state, sweep)
+        new = swept._replace(carry=stored, worst=vary_to(swept.worst, axes), missed=false)
+        if check is None:
+            return new
+        checked = check_start(swept.carry, swept.carry_ct, stored, state, length)
+        missed = false
+        if redo is not None:
+            missed = agreed(~(checked.ratio <= 1.0) | ~finite(swept.carry_ct))
+        return new._replace(
+            worst=vary_to(combine(swept.worst, (checked.ratio, checked.site)), axes),
+            budget=vary_to(checked.budget, axes),
+            missed=vary_to(missed, axes),
+        )
+
+    def _swept(state):
+        """Every segment swept by the fused step and checked, from the loop's end, until one
+        misses (under the repairing dial). Returns the state and the index of the segment
+        that missed (-1: the shorter first one; `nseg`: the constants' cotangents came back
+        non-finite, no segment verified)."""
+        j = jnp.asarray(nseg - 1)
+        if nseg:
+
+            def more(carry):
+                j, state = carry
+                return (j >= 0) & ~agreed(state.missed)
+
+            def one(carry):
+                j, state = carry
+                stored = stored_at(first + j)
+                return j - 1, swept_segment(state, xs.at(rest + j * K), stored, K, K)
+
+            if redo is None:  # nothing stops the sweep: a loop of known length
+                state, _ = lax.scan(
+                    lambda state, j: (one((j, state))[1], None),
+                    state,
+                    jnp.arange(nseg),
+                    reverse=True,
+                )
+                j = jnp.asarray(-1)
+            else:
+                j, state = lax.while_loop(more, one, (j, state))
+        if rest:
+            ran = where(agreed(state.missed), 0, rest) if redo is not None else rest
+            before = agreed(state.missed)  # (invariant over the mesh: it picks an index)
+            state = swept_segment(state, xs, start, ran, rest)
+            state = state._replace(missed=before | state.missed)
+            j = where(before, j, j - 1)
+        verified = j + 1  # the segment that missed (or -1 past the last)
+        if redo is not None and state.consts_ct:
+            bad = agreed(~finite(state.consts_ct))
+            verified = where(bad, nseg, verified)
+            state = state._replace(missed=vary_to(state.missed | bad, axes))
+        return state, verified
+
     state = SegmentState(
         end,
         final.carry_ct,
@@ -487,29 +567,66 @@ def segmented(
         # typed as the outputs are: written under decisions the mesh agrees on, they vary
         # as each iteration's output does (a weight's cotangent: over "model", summed over
         # "data" by the body's VJP)
-        traced.out_buffers(length)
-        if traced is not None
-        else _tmap(
-            lambda a: match_vma(jnp.zeros((length, *jnp.shape(a)), jnp.result_type(a)), a),
-            redo.out_row(xs.read(0)),
-        ),
+        traced.out_buffers(length),
         vary_to(jnp.ones((), budget_dtype()), axes),
         vary_to(Tally(jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32)), axes),
     )
     first = 1 if rest else 0  # the checkpoint of the first full segment
-    if nseg:
-
-        def outer(state, j):
-            # a segment ends where the next one's stored start is: carried, not copied
-            stored = [lax.dynamic_index_in_dim(ck, first + j, keepdims=False) for ck in ckpts]
-            probe = ~state.missed | (j % PROBE_EVERY == 0)
-            return seg_back(state, xs.at(rest + j * K), stored, K, probe), None
-
-        state, _ = lax.scan(outer, state, jnp.arange(nseg), reverse=True)
     start = [ck[0] for ck in ckpts]
-    if rest:
-        state = seg_back(state, xs, start, rest, ~state.missed)
+
+    def stored_at(row):
+        """The checkpoint `row`: a segment's stored start (an unread carry's, stored once:
+        its value at the loop's start, which nothing reads)."""
+        return [
+            ck[0] if compared and not compared[k] else lax.dynamic_index_in_dim(ck, row, 0, False)
+            for k, ck in enumerate(ckpts)
+        ]
+
+    def careful(state, verified):
+        """The repairing sweep from the loop's end: each segment inverted and checked, or
+        recomputed from its checkpoint; the segments above index `verified` (the first
+        sweep's, which checked them with their exact cotangents) are kept as inverted."""
+        if nseg:
+
+            def outer(state, j):
+                # a segment ends where the next one's stored start is: carried, not copied
+                stored = stored_at(first + j)
+                probe = ~state.missed | (j % PROBE_EVERY == 0)
+                seg = xs.at(rest + j * K)
+                return seg_back(state, seg, stored, K, probe, j > verified), None
+
+            state, _ = lax.scan(outer, state, jnp.arange(nseg), reverse=True)
+        if rest:
+            state = seg_back(state, xs, start, rest, ~state.missed, verified < -1)
+        return state
+
+    swept, verified = _swept(state)
+    if redo is not None:
+        # a miss: swept again from the end, the first sweep's per-iteration outputs
+        # overwritten in place (its verified segments' again, by the same inversion)
+        state = lax.cond(
+            swept.missed,
+            lambda: careful(state._replace(bufs=swept.bufs), verified),
+            lambda: swept,
+        )
+    else:
+        state = swept
     return state.back()._replace(carry=start), state.bufs, state.tally
+
+
+def _in_two_levels(state: SegmentState, segment: Callable) -> SegmentState:
+    """`segment(state)` with the constants' cotangents summed from zero over the segment and
+    then added to those of `state`: a sum of T per-step terms in two levels of about K and
+    T/K (float32 sums of 10^4 steps lose 2e-6 sequentially, 1e-8 in two levels, so the
+    gradient's error is its per-step terms', not the accumulation's). Costs their size per
+    segment: where they outweigh its work, they are accumulated in place instead."""
+    total = state.consts_ct
+    if not total:
+        return segment(state)
+    zeros = [None if t is None else match_vma(jnp.zeros_like(t), t) for t in total]
+    new = segment(state._replace(consts_ct=zeros))
+    summed = [None if t is None else t + c for t, c in zip(total, new.consts_ct)]
+    return new._replace(consts_ct=vary_to(summed, vma_union(total)))
 
 
 def _growth(end_ct: Sequence[Any], start_ct: Sequence[Any], last: Any) -> Any:
@@ -528,27 +645,40 @@ def _growth(end_ct: Sequence[Any], start_ct: Sequence[Any], last: Any) -> Any:
 
 
 def segmented_forward(
-    step: Any, init: Sequence[Any], xs: Any, length: int, K: int, rev: bool
+    step: Any,
+    init: Sequence[Any],
+    xs: Any,
+    length: int,
+    K: int,
+    rev: bool,
+    unread: Sequence[bool] = (),
 ) -> tuple[list, Any, list]:
     """`lax.scan(step, init, xs, reverse=rev)` that also returns the carry at the start of
-    every segment of K iterations, in iteration order (the layout `segmented` reads)."""
+    every segment of K iterations, in iteration order (the layout `segmented` reads); a
+    carry marked `unread` (`_graph.unread_carries`) only at the loop's start."""
     rest, nseg = length % K, length // K  # as in `segmented`
     carry = [jnp.asarray(a) for a in init]
+    unread = tuple(unread) or (False,) * len(carry)
     slices = Slices(xs, length, rev)
     traced = _Traced(step, carry, slices.read(0))
     axes = vma_union(carry, xs)
     bufs = traced.out_buffers(length, axes)
+    rows = nseg + (1 if rest else 0)
     ckpts = [
-        vary_to(zeros_of(sds(a, (nseg + (1 if rest else 0), *jnp.shape(a)))), axes) for a in carry
+        vary_to(zeros_of(sds(a, (1 if u else rows, *jnp.shape(a)))), axes)
+        for a, u in zip(carry, unread)
     ]
+    ckpts = [ck.at[0].set(a) if u else ck for ck, a, u in zip(ckpts, carry, unread)]
 
     def run(carry, bufs, seg, n):
-        def iteration(loop_carry, k):
+        # a counted loop, not a scan over `arange(n)`: that array, read per iteration, makes
+        # the segment loop too large for XLA:CPU to compile it as one small call
+        def iteration(k, loop_carry):
             carry, bufs = loop_carry
             carry, out = traced(carry, seg.read(k))
-            return (carry, seg.write(bufs, k, out)), None
+            return carry, seg.write(bufs, k, out)
 
-        return lax.scan(iteration, (carry, bufs), jnp.arange(n))[0]
+        return lax.fori_loop(0, n, iteration, (carry, bufs))
 
     if rest:
         ckpts = [ck.at[0].set(a) for ck, a in zip(ckpts, carry)]
@@ -559,8 +689,8 @@ def segmented_forward(
 
         def outer(state, j):
             ckpts = [
-                lax.dynamic_update_index_in_dim(ck, a, first + j, 0)
-                for ck, a in zip(state.ckpts, state.carry)
+                ck if u else lax.dynamic_update_index_in_dim(ck, a, first + j, 0)
+                for ck, a, u in zip(state.ckpts, state.carry, unread)
             ]
             carry, bufs = run(state.carry, state.bufs, slices.at(rest + j * K), K)
             return ForwardState(carry, bufs, ckpts), None
