@@ -1,5 +1,6 @@
 """Batching helpers of the control-flow rules: tangents instantiated, batch axes moved to the front,
-selects and switches whose predicate or index is batched, a closed jaxpr vmapped."""
+selects and switches whose predicate or index is batched, a closed jaxpr vmapped, a flag made
+one for the whole batch."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from jaxrev._compat import (
     trace_to_closed,
 )
 from jaxrev._evaluate import eval_closed
+from jaxrev._primitive import make_primitive
 
 
 def instantiate_tangents(primals: Sequence[Any], tangents: Sequence[Any]) -> tuple[Any, ...]:
@@ -104,3 +106,28 @@ def move_batch(x: Any, d: Any, size: int, force: bool) -> tuple[Any, Any]:
             return x, None
         return jnp.broadcast_to(x, (size,) + jnp.shape(x)), 0
     return jnp.moveaxis(x, d, 0), 0
+
+
+def _any_in_batch_batch(args: Sequence[Any], dims: Sequence[Any]) -> tuple[Any, Any]:
+    (flag,), (axis,) = args, dims
+    return any_in_batch(jnp.any(flag, axis=axis)), not_mapped
+
+
+any_in_batch_p = make_primitive(
+    "jaxrev_any_in_batch",
+    impl=lambda flag: flag,
+    abstract=lambda aval: aval,
+    lowering=lambda flag: flag,
+    batch=_any_in_batch_batch,
+)
+"""``any_in_batch_p(flag)``: `flag`, except under `vmap`, where it is true for every sample
+where it is true for any (the batch axis reduced by `any`): a decision of control flow that
+every sample takes together."""
+
+
+def any_in_batch(flag: Any) -> Any:
+    """`flag` (a boolean array), true for the whole batch where any sample's is, under any
+    number of `vmap`s; itself outside one. A loop whose trip count or stopping test is
+    decided so runs as one loop for the batch: where it differs per sample, `vmap` runs the
+    longest and selects every carried value per iteration."""
+    return any_in_batch_p.bind(jnp.asarray(flag, bool))

@@ -121,6 +121,35 @@ _VALUE_FREE = frozenset(
 types, and the cases (not the predicate) of a select."""
 
 
+def _value_free_reach(jaxpr: Jaxpr, sources: Sequence[int]) -> set[int] | None:
+    """The outputs of `jaxpr` its inputs `sources` reach through `_VALUE_FREE` equations
+    only (calls such as `jnp.where`'s `jit` followed inside); None where some other equation
+    reads them."""
+    reached = {jaxpr.invars[k] for k in sources}
+    for eqn in jaxpr.eqns:
+        hit = [k for k, v in enumerate(eqn.invars) if isinstance(v, Var) and v in reached]
+        if not hit:
+            continue
+        name = eqn.primitive.name
+        inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+        if name in ("pjit", "jit", "closed_call") and inner is not None:
+            inner = inner.jaxpr if isinstance(inner, ClosedJaxpr) else inner
+            outs = _value_free_reach(inner, hit)
+            if outs is None:
+                return None
+            reached.update(eqn.outvars[k] for k in outs)
+            continue
+        ok = name in _VALUE_FREE
+        if name == "select_n":
+            ok = 0 not in hit
+        elif name == "convert_element_type":
+            ok = all(is_float(v.aval) for v in eqn.outvars)
+        if not ok:
+            return None
+        reached.update(eqn.outvars)
+    return {k for k, v in enumerate(jaxpr.outvars) if isinstance(v, Var) and v in reached}
+
+
 def unread_carries(jaxpr: Jaxpr, nconsts: int, ncarry: int) -> list[bool]:
     """Per carry of a loop body (inputs: `nconsts` constants, `ncarry` carries, then `xs`;
     outputs: the carries, then `ys`), whether its value is read by nothing but its own next
@@ -130,30 +159,11 @@ def unread_carries(jaxpr: Jaxpr, nconsts: int, ncarry: int) -> list[bool]:
     it. Only floating carries are considered (the others are never compared)."""
     out = []
     for i in range(ncarry):
-        invar = jaxpr.invars[nconsts + i]
-        if not is_float(invar.aval):
+        if not is_float(jaxpr.invars[nconsts + i].aval):
             out.append(False)
             continue
-        reached = {invar}
-        free = True
-        for eqn in jaxpr.eqns:
-            hit = [k for k, v in enumerate(eqn.invars) if isinstance(v, Var) and v in reached]
-            if not hit:
-                continue
-            name = eqn.primitive.name
-            ok = name in _VALUE_FREE
-            if name == "select_n":
-                ok = 0 not in hit
-            elif name == "convert_element_type":
-                ok = all(is_float(v.aval) for v in eqn.outvars)
-            if not ok:
-                free = False
-                break
-            reached.update(eqn.outvars)
-        free = free and all(
-            pos == i for pos, v in enumerate(jaxpr.outvars) if isinstance(v, Var) and v in reached
-        )
-        out.append(free)
+        reach = _value_free_reach(jaxpr, [nconsts + i])
+        out.append(reach is not None and reach <= {i})
     return out
 
 

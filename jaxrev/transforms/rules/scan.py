@@ -11,7 +11,6 @@ Batching is JAX's own: `scan` stays a `scan` under `vmap`, and these rules see t
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -363,14 +362,13 @@ def _scan_sweep(P: Plan, i: int, env: Env, ctenv: dict | None, active: set, res:
     carry = tuple(sds(v.aval) for v in cout)
     carry_bytes = sum(size_of([a]) * a.dtype.itemsize for a in carry)
     K = P.dial.segment(length, carry_bytes)
-    # the repair sweeps a segment in two passes (`segments.two_pass`) where the constants'
-    # cotangents outweigh a quarter of a segment's work: the one-pass sweep keeps them twice
-    # per segment (a repair restarts from them), the two-pass one walks each iteration twice,
-    # and its segments are made long enough for their fixed cost (`dial.SEGMENT_WORK`)
+    # where the constants' cotangents outweigh a quarter of a segment's work, they are
+    # accumulated in place (a share summed from zero per segment would cost their size per
+    # segment), and the segments made long enough for their fixed cost (`dial.SEGMENT_WORK`)
     work = max(1, work_of(body.jaxpr))
     floating = [v.aval for v in consts if jnp.issubdtype(v.aval.dtype, jnp.inexact)]
-    two_pass = K is not None and 4 * size_of(floating) >= K * work
-    if two_pass:
+    large_consts = K is not None and 4 * size_of(floating) >= K * work
+    if large_consts:
         K = P.dial.segment(length, carry_bytes, work)
     # an accumulator's value is read by nothing the backward run computes: it is stored once
     # (its start), its drift moves no gradient and goes unchecked, and XLA drops what
@@ -426,14 +424,6 @@ def _scan_sweep(P: Plan, i: int, env: Env, ctenv: dict | None, active: set, res:
             res.planning,
             compared,
         )
-        # (two passes: the repair decides from an inversion without cotangents)
-        primal = dataclasses.replace(step, active=None)
-
-        def invert(c, sl):
-            ys_t, _, xs_t, res_t = sl
-            s = primal(c, None, ys_t, [], xs_t, res_t)
-            return s.carry, s.drift
-
         (c_first, c_first_ct, k_ct, w), (x_rec, x_ct), tally = segmented(
             bstep,
             (c0, c_ct0, k_ct0, w0),
@@ -444,9 +434,8 @@ def _scan_sweep(P: Plan, i: int, env: Env, ctenv: dict | None, active: set, res:
             rev,
             check,
             redo,
-            invert if two_pass and redo is not None else None,
             compared,
-            in_place=two_pass,
+            in_place=large_consts,
         )
         drift.tally(env.ctx.drift, e, length, K, *tally)
     drift.note(env.ctx.drift, w)

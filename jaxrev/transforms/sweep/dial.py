@@ -46,8 +46,8 @@ SEGMENT_WORK = 20_000
 """A checkpointed segment's fixed cost in elements computed (`Dial.segment`): measured on a
 2-core CPU, a segment's loops, branches and check take about 4 µs, what about 700 iterations
 of a 30-scalar body take (`benchmarks/defaults_cost.py`, the sparse-dot merge); "auto" makes
-a two-pass segment at least that many iterations long, so that the fixed cost stays a small
-share."""
+a segment whose constants' cotangents are accumulated in place (they outweigh its work) at
+least that many iterations long, so that the fixed cost stays a small share."""
 
 
 @dataclass(frozen=True)
@@ -111,12 +111,12 @@ class Dial:
         """K for a loop of `length` iterations whose carry takes `carry_bytes`; None: the loop
         is fully reversible (no checkpoints). "auto" takes ⌈√T⌉ (or, where one lies within a
         quarter of it, a length that divides T: `_dividing`); given `step_work`, the
-        elements its body computes an iteration (`_graph.work_of`: the two-pass repair,
-        `segments.segmented`), at least enough iterations that a segment's fixed cost (its
-        loops, branches and check: `SEGMENT_WORK`) stays a small share of theirs, up to
-        4⌈√T⌉, so that a segment's carries stay few beside the loop's length (under the
-        repairing dial only: a miss is recomputed there, where elsewhere the drift of a
-        longer segment would raise)."""
+        elements its body computes an iteration (`_graph.work_of`: a loop whose constants'
+        cotangents are accumulated in place, `rules.scan`), at least enough iterations that
+        a segment's fixed cost (its loops and check: `SEGMENT_WORK`) stays a small share of
+        theirs, up to 4⌈√T⌉, so that a segment's carries stay few beside the loop's length
+        (under the repairing dial only: a miss is recomputed there, where elsewhere the
+        drift of a longer segment would raise)."""
         if length <= 0:
             return None
         if isinstance(self.every, int):
@@ -164,11 +164,10 @@ class Dial:
 
 def _dividing(length: int, K: int) -> int:
     """K, or the nearest segment length within a quarter of it that divides `length`: a loop
-    whose length K divides has no shorter first segment, whose backward run `segments.
-    segmented` emits as a second copy of the whole segment step (its inversion, recomputation,
-    VJP and checks), so XLA compiles half as much (48 coupling blocks: K 7 -> 8, 1 327 -> 843
-    lines of HLO, the first call 1.01 -> 0.80 s). The checkpoints and a segment's carries,
-    ⌈T/K⌉ + K, change by at most a quarter."""
+    whose length K divides has no shorter first segment, so every segment of its backward run
+    (`segments.segmented`) runs K iterations, a count known when traced (with a shorter one the
+    count is a traced value, and the segment loops are while loops). The checkpoints and a
+    segment's carries, ⌈T/K⌉ + K, change by at most a quarter."""
     if length % K == 0:
         return K
     for d in range(1, max(1, K // 4) + 1):
@@ -255,7 +254,7 @@ def grad_ratio(ends: SegmentEnds, budget: Budget, accumulate: bool = True) -> tu
         at_start = weight(ends.rebuilt_ct, ends.stored)
         at_end = weight(ends.end_ct, ends.end)
         at_start = where(jnp.isfinite(at_start), at_start, at_end)
-        rounding = rounding + 0.5 * n * (at_start + at_end)
+        rounding = rounding + 0.5 * jnp.asarray(n, dtype) * (at_start + at_end)
     share = jnp.zeros((), dtype)
     for ct, rebuilt, stored in zip(ends.rebuilt_ct, ends.rebuilt, ends.stored):
         if ct is None or not jnp.issubdtype(jnp.result_type(stored), jnp.inexact):
@@ -266,7 +265,7 @@ def grad_ratio(ends: SegmentEnds, budget: Budget, accumulate: bool = True) -> tu
         miss = jnp.max(where(same, 0.0, jnp.abs(rebuilt - stored)), initial=0).astype(dtype)
         miss = where(jnp.isnan(miss), jnp.inf, miss)
         share = share + where(miss > 0, jnp.sum(_finite_abs(ct)).astype(dtype) * miss, 0.0)
-    share = share * max(n, 2) / 2
+    share = share * jnp.maximum(jnp.asarray(n, dtype), 2) / 2  # (n: traced or not)
     scale = GRAD_SLACK * where(rounding > 0, rounding, jnp.finfo(dtype).tiny)
     drift_ratio = (drift + share) / scale
     drift_ratio = where(jnp.isnan(drift_ratio), jnp.inf, drift_ratio).astype(jnp.float32)

@@ -1,6 +1,6 @@
-"""The repair's two-pass sweep (docs/design.md §3.8, `segments.segmented`'s `two_pass`): loops
-that read large constants a little at a time get gradients equal to `jax.grad`'s, drifting or
-not, without a copy of the constants' cotangents per segment."""
+"""Loops that read large constants a little at a time (docs/design.md §3.8: their cotangents
+are accumulated in place): gradients equal to `jax.grad`'s, drifting or not, without a copy of
+the constants' cotangents per segment."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from jax import lax
 
 import jaxrev as jr
 
-TABLE = 20_000  # constants far larger than a segment's work: the two-pass sweep
+TABLE = 20_000  # constants far larger than a segment's work: accumulated in place
 STEPS = 2_000
 
 
