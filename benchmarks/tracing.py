@@ -16,7 +16,8 @@ For each family, each transform (`reverse`, `reversible`'s gradient, `inverse_jv
 `forward_and_slogdet`) and k in 1, 2, 5, 10, 20, 50 it measures the seconds to trace
 (`jax.make_jaxpr`, with the defaults a user gets) and the walker's rule applications, and fits
 both against k on a log-log scale for k >= 10 (1 is linear; times are medians of three).
-Each result is checked in float64:
+For k up to `CHECK_UPTO` it also measures XLA's compile time of each transform's program
+beside `jax.grad`'s of the same program (issue 43 item 4). Each result is checked in float64:
 the round trip, the gradient against `jax.grad`, the inverse JVP against a dense solve and the
 log-determinant against `jnp.linalg.slogdet` of the dense Jacobian, up to k = 5 (see
 `CHECK_UPTO`). Writes results/tracing.{json,md,png}.
@@ -96,7 +97,9 @@ def _programs(name: str, k: int) -> dict:
 
 def measure(name: str, k: int, repeats: int = 3) -> dict:
     """Seconds to trace: the median of `repeats` traces of freshly built programs (a shared
-    machine adds noise, never removes it); rule applications: those of one trace."""
+    machine adds noise, never removes it); rule applications: those of one trace; for k up to
+    `CHECK_UPTO`, seconds to lower and compile (XLA) each transform's program and `jax.grad`'s
+    of the same program (once: a fresh `jit` each)."""
     out = {"family": name, "k": k}
     times: dict[str, list] = {}
     for rep in range(repeats):
@@ -107,7 +110,18 @@ def measure(name: str, k: int, repeats: int = 3) -> dict:
             times.setdefault(what, []).append(time.perf_counter() - t0)
             out[f"{what} rules"] = c["rules"] + c["elements"]
             if rep == 0:
-                out[f"{what} err"] = check(jax.jit(fn)(*args)) if k <= CHECK_UPTO else None
+                out[f"{what} err"], out[f"{what} compile s"] = None, None
+                if k <= CHECK_UPTO:
+                    t0 = time.perf_counter()
+                    compiled = jax.jit(fn).lower(*args).compile()
+                    out[f"{what} compile s"] = time.perf_counter() - t0
+                    out[f"{what} err"] = check(compiled(*args))
+    out["jax.grad compile s"] = None
+    if k <= CHECK_UPTO:  # the peer: XLA's compile of jax.grad of the same program
+        f, s, p = family(name, k)
+        t0 = time.perf_counter()
+        jax.jit(jax.grad(loss(f), argnums=(0, 1))).lower(s, p).compile()
+        out["jax.grad compile s"] = time.perf_counter() - t0
     for what, ts in times.items():
         out[f"{what} s"] = float(np.median(ts))
     return out
@@ -168,8 +182,9 @@ def make_table(d) -> str:
         "time exponential in k: its fusion duplicates their elementwise chains).",
         "",
         f"| family | transform | s at k = {kmax} | slope (time) | slope (rules) | "
-        f"rules at k = {kmax} | max error |",
-        "|---|---|---|---|---|---|---|",
+        f"rules at k = {kmax} | max error | compile s at k = {CHECK_UPTO} "
+        f"(jax.grad's) | compile slope, k <= {CHECK_UPTO} (jax.grad's) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     worst = {"s": 0.0, "slope": 0.0, "err": 0.0}
     for n, fit in d["log-log slopes"].items():
@@ -177,9 +192,16 @@ def make_table(d) -> str:
         last = [r for r in rs if r["k"] == kmax][0]
         for w in TRANSFORMS:
             e = max(r[f"{w} err"] for r in rs if r[f"{w} err"] is not None)
+            compiled = [r for r in rs if r.get(f"{w} compile s") is not None]
+            c_last = max(compiled, key=lambda r: r["k"])
+            ks_c = [r["k"] for r in compiled]
+            c_slope = slope(ks_c, [r[f"{w} compile s"] for r in compiled])
+            g_slope = slope(ks_c, [r["jax.grad compile s"] for r in compiled])
             out.append(
                 f"| {n} | {w} | {last[f'{w} s']:.2f} | {fit[w]['time']:.2f} | "
-                f"{fit[w]['rules']:.2f} | {last[f'{w} rules']} | {e:.1e} |"
+                f"{fit[w]['rules']:.2f} | {last[f'{w} rules']} | {e:.1e} | "
+                f"{c_last[f'{w} compile s']:.2f} ({c_last['jax.grad compile s']:.2f}) | "
+                f"{c_slope:.2f} ({g_slope:.2f}) |"
             )
             worst["s"] = max(worst["s"], last[f"{w} s"])
             worst["slope"] = max(worst["slope"], fit[w]["time"], fit[w]["rules"])

@@ -113,11 +113,17 @@ def _any_in_batch_batch(args: Sequence[Any], dims: Sequence[Any]) -> tuple[Any, 
     return any_in_batch(jnp.any(flag, axis=axis)), not_mapped
 
 
+def _any_in_batch_jvp(primals: Sequence[Any], tangents: Sequence[Any]) -> tuple[Any, Any]:
+    (flag,) = primals
+    return any_in_batch_p.bind(flag), np.zeros(jnp.shape(flag), jax.dtypes.float0)
+
+
 any_in_batch_p = make_primitive(
     "jaxrev_any_in_batch",
     impl=lambda flag: flag,
     abstract=lambda aval: aval,
     lowering=lambda flag: flag,
+    jvp=_any_in_batch_jvp,
     batch=_any_in_batch_batch,
 )
 """``any_in_batch_p(flag)``: `flag`, except under `vmap`, where it is true for every sample

@@ -26,6 +26,7 @@ from jaxrev.transforms.reversible import reversible_p, reversible_store_p
 PKG = pathlib.Path(jr.__file__).parent
 
 EXPECTED = {
+    "jaxrev_any_in_batch",
     "jaxrev_rot",
     "jaxrev_swap",
     "jaxrev_apply_gate",
