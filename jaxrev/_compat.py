@@ -411,7 +411,9 @@ def keep_in_dce(p: Any) -> None:
     effect and no output anything reads: a run-time check (`knowledge.checks.check_p`) whose
     lowering calls the host. An effect would do the same, but any effect in a jitted program
     turns off JAX's fast dispatch path (about half a millisecond of Python per call)."""
-    _pe.dce_rules[p] = lambda used_outs, eqn: ([True] * len(eqn.invars), eqn)
+    # (the rule's arguments end with the equation: JAX 0.10 passes the used outputs before
+    # it, newer JAX the live inputs too)
+    _pe.dce_rules[p] = lambda *args: ([True] * len(args[-1].invars), args[-1])
 
 
 def trace_to_closed(fun: Callable, *args: Any) -> tuple[ClosedJaxpr, list[Any], Any]:

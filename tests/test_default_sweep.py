@@ -13,6 +13,7 @@ from jax import lax
 
 import jaxrev as jr
 from jaxrev._batching import any_in_batch
+from jaxrev._compat import scan_info
 from jaxrev._graph import unread_carries
 
 
@@ -20,8 +21,8 @@ def _body_unread(step, carry, xs=None, length=4):
     """`unread_carries` of the scan body `step` traced with `carry` (and `xs`)."""
     closed = jax.make_jaxpr(lambda c: lax.scan(step, c, xs, length=length))(carry)
     (eqn,) = [e for e in closed.jaxpr.eqns if e.primitive.name == "scan"]
-    p = eqn.params
-    return unread_carries(p["jaxpr"].jaxpr, p["num_consts"], p["num_carry"])
+    info = scan_info(eqn.params)
+    return unread_carries(info.body.jaxpr, info.nconsts, info.ncarry)
 
 
 def test_unread_carries_are_the_accumulators():
