@@ -170,8 +170,7 @@ class SweepState(NamedTuple):
     bufs: Any  # the per-iteration outputs written so far (arrays of the loop's length)
     tally: Tally  # what was recomputed so far
     segment: Any  # the segment swept next (-1: the shorter first one), counting down
-    missed: Any  # whether a segment of the first sweep missed
-    redo_from: Any  # the segment that missed: it and those before it are recomputed
+    missed: Any  # whether the first sweep missed (its state is then the second's start)
 
     def back(self) -> BackCarry:
         return BackCarry(self.carry, self.carry_ct, self.consts_ct, self.worst)
@@ -278,9 +277,11 @@ def segmented(
         return lax.fori_loop(0, n, iteration, (back, bufs))
 
     def sweep_segment(state, repairing):
-        """The segment `state.segment`, from `state` at its end: swept by the fused step, or
-        (`repairing`: the second sweep, at or before the segment that missed) recomputed;
-        checked. Returns the state at its start, whose carry is its checkpoint."""
+        """The segment `state.segment`, from `state` at its end: swept by the fused step and
+        checked, or (`repairing`: the second sweep) recomputed from its checkpoint. Returns
+        the state at its start, whose carry is its checkpoint; a miss of the first sweep
+        returns `state` itself, marked `missed`, where each segment's share of the constants'
+        cotangents is summed on its own (the second sweep recomputes it from there)."""
         j = state.segment
         if rest:
             shorter = j < 0
@@ -289,81 +290,58 @@ def segmented(
             stored = stored_at(where(shorter, 0, first + j))
         else:
             seg, n, stored = xs.at(rest + j * K), K, stored_at(first + j)
-        recompute = (j <= state.redo_from) if repairing else None
 
         def pulled(part):
-            runs = n if recompute is None else where(recompute, 0, n)
-            back, bufs = fused(part.back(), part.bufs, seg, runs)
-            part = part._replace(
+            if repairing:
+                again = redo(stored, part.carry_ct, part.consts_ct, seg, n, part.bufs, rows=K)
+                return part._replace(
+                    carry=stored,
+                    carry_ct=again.carry_ct,
+                    consts_ct=again.consts_ct,
+                    bufs=again.bufs,
+                )
+            back, bufs = fused(part.back(), part.bufs, seg, n)
+            return part._replace(
                 carry=back.carry,
                 carry_ct=back.carry_ct,
                 consts_ct=back.consts_ct,
                 worst=back.worst,
                 bufs=bufs,
             )
-            if recompute is None:
-                return part
-            again = redo(
-                stored,
-                part.carry_ct,
-                part.consts_ct,
-                seg,
-                where(recompute, n, 0),
-                part.bufs,
-                rows=K,
-            )
-            return part._replace(
-                carry_ct=again.carry_ct, consts_ct=again.consts_ct, bufs=again.bufs
-            )
 
         new = pulled(state) if in_place else _in_two_levels(state, pulled)
-        rebuilt = new.carry
-        if recompute is not None:  # a recomputed segment's start is its checkpoint
-            rebuilt = [where(recompute, s, c) for s, c in zip(stored, rebuilt)]
+        rebuilt = new.carry  # (a recomputed segment's start is its checkpoint)
         new = new._replace(carry=stored, worst=vary_to(new.worst, axes), segment=j - 1)
         if check is None:
             return new
         checked = check(rebuilt, stored, new.carry_ct, state.carry, state.carry_ct, n, state.budget)
-        ratio = checked.ratio if recompute is None else where(recompute, 0.0, checked.ratio)
         new = new._replace(
-            worst=vary_to(combine(new.worst, (ratio, checked.site)), axes),
+            worst=vary_to(combine(new.worst, (checked.ratio, checked.site)), axes),
             budget=vary_to(checked.budget, axes),
         )
         if redo is None:
             return new
-        if recompute is None:
-            return new._replace(missed=decided(~(checked.ratio <= 1.0) | ~finite(new.carry_ct)))
-        tally = Tally(
-            state.tally.repaired + recompute.astype(jnp.int32),
-            state.tally.recomputed + where(recompute, n, 0).astype(jnp.int32),
+        if repairing:
+            tally = Tally(state.tally.repaired + 1, state.tally.recomputed + n)
+            return new._replace(tally=vary_to(_tmap(lambda a: a.astype(jnp.int32), tally), axes))
+        missed = decided(~(checked.ratio <= 1.0) | ~finite(new.carry_ct))
+        if in_place:  # the second sweep starts again from the loop's end
+            return new._replace(missed=missed)
+        # as before the segment: the second sweep starts with it (its rows of `bufs` are
+        # rewritten there)
+        kept = _tmap(
+            lambda a, b: where(missed, a, b),
+            state._replace(bufs=None, tally=None),
+            new._replace(bufs=None, tally=None),
         )
-        return new._replace(tally=vary_to(tally, axes))
+        return kept._replace(bufs=new.bufs, tally=new.tally, missed=missed)
 
     consts_zero = (
         None
         if final.consts_ct is None
         else [None if t is None else match_vma(jnp.zeros_like(t), t) for t in final.consts_ct]
     )
-
-    def one_sweep(state, repairing):
-        """A sweep from the loop's end, until the first segment or (the first sweep, under
-        the repairing dial) a miss; the constants' cotangents pulled back from zero."""
-        state = state._replace(
-            carry=end,
-            carry_ct=final.carry_ct,
-            consts_ct=consts_zero,
-            worst=final.worst,
-            budget=Budget(zero, zero),
-            segment=jnp.asarray(nseg - 1, jnp.int32),
-            missed=decided(false),
-        )
-        return lax.while_loop(
-            lambda s: (s.segment >= last) & ~s.missed,
-            lambda s: sweep_segment(s, repairing),
-            state,
-        )
-
-    state = SweepState(
+    initial = SweepState(
         end,
         final.carry_ct,
         consts_zero,
@@ -376,18 +354,39 @@ def segmented(
         vary_to(Tally(jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32)), axes),
         jnp.asarray(nseg - 1, jnp.int32),
         decided(false),
-        jnp.asarray(nseg, jnp.int32),
     )
+
+    def sweep(state, repairing):
+        """Segments from `state.segment` down to the first, or (the first sweep, under the
+        repairing dial) to a miss."""
+        return lax.while_loop(
+            lambda s: (s.segment >= last) & ~s.missed,
+            lambda s: sweep_segment(s, repairing),
+            state,
+        )
+
     # the first sweep holds no recomputation (a loop XLA:CPU compiles as one call where the
-    # body is small); the second, after a miss, its own
-    state = one_sweep(state, False)
+    # body is small); the second, after a miss, no fused step
+    state = sweep(initial, False)
     if redo is not None:
-        # a value made non-finite inside a segment whose start checked: no segment verified
+        # a value made non-finite inside a segment whose start checked (no segment known
+        # wrong), or constants' cotangents accumulated in place: from the loop's end again
         bad = decided(~finite(state.consts_ct or []) & ~state.missed)
-        redo_from = where(bad, nseg - 1, state.segment + 1).astype(jnp.int32)
+        again = state.missed | bad
+        if in_place:
+            restart = jnp.ones((), bool)
+        else:
+            restart = bad
         state = lax.cond(
-            state.missed | bad,
-            lambda: one_sweep(state._replace(redo_from=redo_from), True),
+            again,
+            lambda: sweep(
+                _tmap(
+                    lambda a, b: where(restart, a, b),
+                    initial._replace(bufs=None),
+                    state._replace(bufs=None, missed=decided(false)),
+                )._replace(bufs=state.bufs),
+                True,
+            ),
             lambda: state,
         )
     consts_ct = state.consts_ct
@@ -449,22 +448,23 @@ def segmented_forward(
 
         return lax.fori_loop(0, n, iteration, (carry, bufs))
 
-    if rest:
-        ckpts = [ck.at[0].set(a) for ck, a in zip(ckpts, carry)]
-        carry, bufs = run(carry, bufs, slices, rest)
-    state = ForwardState(carry, bufs, ckpts)
-    if nseg:
-        first = 1 if rest else 0
+    def outer(row, state):
+        """Segment `row` (in iteration order; with a shorter first one, row 0 is it): its
+        start stored, its iterations run (a count that is traced where the first is
+        shorter: one loop, one compiled copy of the step, for both lengths)."""
+        ckpts = [
+            ck if u else lax.dynamic_update_index_in_dim(ck, a, row, 0)
+            for ck, a, u in zip(state.ckpts, state.carry, unread)
+        ]
+        if rest:
+            seg = slices.at(where(row == 0, 0, rest + (row - 1) * K))
+            n = where(row == 0, rest, K)
+        else:
+            seg, n = slices.at(row * K), K
+        carry, bufs = run(state.carry, state.bufs, seg, n)
+        return ForwardState(carry, bufs, ckpts)
 
-        def outer(state, j):
-            ckpts = [
-                ck if u else lax.dynamic_update_index_in_dim(ck, a, first + j, 0)
-                for ck, a, u in zip(state.ckpts, state.carry, unread)
-            ]
-            carry, bufs = run(state.carry, state.bufs, slices.at(rest + j * K), K)
-            return ForwardState(carry, bufs, ckpts), None
-
-        state, _ = lax.scan(outer, state, jnp.arange(nseg))
+    state = lax.fori_loop(0, rows, outer, ForwardState(carry, bufs, ckpts))
     return list(state.carry), state.bufs, state.ckpts
 
 
