@@ -205,11 +205,15 @@ def test_store_keeps_values_and_costs_memory():
     entry = [e for e in rep.entries if e["what"] == "value kept by jr.store"]
     assert len(entry) == 1 and entry[0]["count"] == 50 and entry[0]["bytes"] == 512 * 8
     assert "test_custom.py" in entry[0]["where"]
-    loss = lambda f: jax.grad(
-        lambda c, th: jnp.sum(jr.reversible(f)(c, th)[0]),  # noqa: E731
+    loss = lambda f, **dial: jax.grad(  # noqa: E731
+        lambda c, th: jnp.sum(jr.reversible(f, **dial)(c, th)[0]),
         argnums=(0, 1),
     )
-    m_plain, m_kept = _temp(loss(plain), c, 0.5), _temp(loss(kept), c, 0.5)
+    # measured without checkpoints: with them (the default) the checkpoints' and a repair's
+    # buffers are not the same in both programs (170 kB without the store, 80 kB with it),
+    # which hides the store's own cost
+    bare = {"checkpoint_every": None, "on_drift": "ignore"}
+    m_plain, m_kept = _temp(loss(plain, **bare), c, 0.5), _temp(loss(kept, **bare), c, 0.5)
     assert m_kept > m_plain + 0.9 * 50 * 512 * 8
     # and the gradient is still jax.grad's
     assert (

@@ -4,9 +4,9 @@ The forward run stores the carry at the start of every segment of K iterations
 (`segmented_forward`); the backward run rebuilds each segment from the stored start of the
 next (`segmented`), so drift grows over K steps, not the loop. Each segment is swept by the
 fused step (inversion and VJP at once, the fully reversible mode's) and its rebuilt start
-checked against its checkpoint; under the repairing dial, a miss makes a second sweep from the
-loop's end, which sweeps the segments the first one verified again and recomputes the others
-forward from their checkpoints (`body_redo`): a loop that does not drift pays one sweep.
+checked against its checkpoint; under the repairing dial, a miss makes a second sweep that
+recomputes the segment that missed and those before it forward from their checkpoints
+(`body_redo`): a loop that does not drift pays one sweep.
 
 Both runs read each iteration's inputs (`xs`, residuals, the loop's outputs' cotangents) from
 the loop's own arrays by iteration number, and write each iteration's outputs into arrays of
@@ -220,13 +220,14 @@ def segmented(
 
     Every segment is swept by `bstep` (the fused step) and checked at its start, with its
     exact cotangent. Under the repairing dial a miss (a ratio above 1, a non-finite
-    cotangent) ends this first sweep, and a second one starts from the loop's end: the
-    segments after the one that missed are swept again as before (verified, the same values),
-    it and those before it are recomputed from their checkpoints. Both sweeps are one loop,
-    each segment running the fused step and the recomputation with a trip count of K or 0:
-    no `cond` (XLA would copy the constants' cotangents and the output buffers through it)
-    and one compiled copy of each. A loop that does not drift pays one fused sweep and the
-    checks. Returns the start's `BackCarry` (its carry: the first checkpoint), the
+    cotangent) ends this first sweep, and a second one (under a `cond`) recomputes the
+    segment that missed and those before it from their checkpoints: from the state before it
+    where each segment's share is summed on its own, else (constants accumulated in place,
+    or cotangents non-finite at the end) from the loop's end. Each sweep is one segment loop
+    (a shorter first segment a traced count of it): no `cond` around the constants'
+    cotangents or the output buffers (XLA would copy them through it), and one compiled copy
+    of the fused step and of the recomputation. A loop that does not drift pays one fused
+    sweep and the checks. Returns the start's `BackCarry` (its carry: the first checkpoint), the
     per-iteration outputs and the `Tally` of what was recomputed."""
     # the first segment (in iteration order) has `rest` iterations, the `nseg` after it K
     rest, nseg = length % K, length // K
