@@ -409,9 +409,8 @@ def test_checkpointed_scan_over_stacked_weights_copies_nothing_of_their_size(rev
 )
 def test_auto_segments_divide_the_loop_where_a_length_near_the_root_does(length, K):
     """ "auto" takes a segment length within a quarter of its choice that divides the loop
-    (48 blocks: 8, not ⌈√48⌉ = 7), so the backward run has no shorter first segment, which it
-    emits as a second copy of the whole segment step; a prime length keeps ⌈√T⌉ (issue 43
-    item 4: the first call). Checked through the report of a call."""
+    (48 blocks: 8, not ⌈√48⌉ = 7), so every segment runs K iterations, a count known when
+    traced; a prime length keeps ⌈√T⌉. Checked through the report of a call."""
     reports = []
 
     def loop(x):
