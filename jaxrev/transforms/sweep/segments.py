@@ -221,13 +221,14 @@ def segmented(
     Every segment is swept by `bstep` (the fused step) and checked at its start, with its
     exact cotangent. Under the repairing dial a miss (a ratio above 1, a non-finite
     cotangent) ends this first sweep, and a second one (a loop that runs no iteration
-    otherwise, not a `cond`) recomputes the segment that missed and those before it from
-    their checkpoints: from the state before it where each segment's share is summed on its
-    own, else (constants accumulated in place, or cotangents non-finite at the end) from the
-    loop's end. Each sweep is one segment loop (a shorter first segment a traced count of
-    it), with no `cond` around the constants' cotangents or the output buffers (XLA would copy
-    them through it), and one compiled copy of the fused step and of the recomputation. A
-    loop that does not drift pays one fused sweep and the checks. Returns the start's
+    otherwise; a `cond` where the constants' cotangents are accumulated in place)
+    recomputes the segment that missed and those before it from their checkpoints: from the
+    state before it where each segment's share is summed on its own, else (constants
+    accumulated in place, or cotangents non-finite at the end) from the loop's end. Each
+    sweep is one segment loop (a shorter first segment a traced count of it), with no `cond`
+    around the constants' cotangents or the output buffers inside (XLA would copy them
+    through it), and one compiled copy of the fused step and of the recomputation. A loop
+    that does not drift pays one fused sweep and the checks. Returns the start's
     `BackCarry` (its carry: the first checkpoint), the per-iteration outputs and the `Tally`
     of what was recomputed."""
     # the first segment (in iteration order) has `rest` iterations, the `nseg` after it K
@@ -361,8 +362,9 @@ def segmented(
     def sweep(state, repairing, go=None):
         """Segments from `state.segment` down to the first, or (the first sweep, under the
         repairing dial) to a miss; none where `go` (the second sweep's) is false: a loop of
-        no iteration rather than a `cond` (whose presence alone made the first sweep's
-        segments of the 10^4-step leapfrog 4 us slower)."""
+        no iteration rather than a `cond`, whose presence alone made the first sweep's
+        segments of the 10^4-step leapfrog 4 us slower (constants accumulated in place keep
+        the `cond`: their segments are long, and it spares a buffer their size)."""
         return lax.while_loop(
             lambda s: (s.segment >= last) & ~s.missed & (True if go is None else go),
             lambda s: sweep_segment(s, repairing),
@@ -377,13 +379,19 @@ def segmented(
         # wrong), or constants' cotangents accumulated in place: from the loop's end again
         bad = decided(~finite(state.consts_ct or []) & ~state.missed)
         again = state.missed | bad
-        restart = again if in_place else bad
-        start2 = _tmap(
-            lambda a, b: where(restart, a, b),
-            initial._replace(bufs=None),
-            state._replace(bufs=None, missed=decided(false)),
-        )
-        state = sweep(start2._replace(bufs=state.bufs), True, again)
+        if in_place:
+            # from the loop's end, under a `cond`: the constants' cotangents from zero would
+            # otherwise be a select beside those of the first sweep, a second buffer their
+            # size (the 10^6-step sparse merge's scratch 17.0 -> 20.0 MB)
+            restart = initial._replace(bufs=state.bufs)
+            state = lax.cond(again, lambda: sweep(restart, True), lambda: state)
+        else:
+            start2 = _tmap(
+                lambda a, b: where(bad, a, b),
+                initial._replace(bufs=None),
+                state._replace(bufs=None, missed=decided(false)),
+            )
+            state = sweep(start2._replace(bufs=state.bufs), True, again)
     consts_ct = state.consts_ct
     if final.consts_ct is not None:
         summed = [None if t is None else t + c for t, c in zip(final.consts_ct, consts_ct)]
