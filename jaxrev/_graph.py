@@ -121,11 +121,14 @@ _VALUE_FREE = frozenset(
 types, and the cases (not the predicate) of a select."""
 
 
-def _value_free_reach(jaxpr: Jaxpr, sources: Sequence[int]) -> set[int] | None:
+def _value_free_reach(
+    jaxpr: Jaxpr, sources: Sequence[int], reached: set | None = None
+) -> set[int] | None:
     """The outputs of `jaxpr` its inputs `sources` reach through `_VALUE_FREE` equations
     only (calls such as `jnp.where`'s `jit` followed inside); None where some other equation
-    reads them."""
-    reached = {jaxpr.invars[k] for k in sources}
+    reads them. `reached` (given) collects the variables reached."""
+    reached = set() if reached is None else reached
+    reached.update(jaxpr.invars[k] for k in sources)
     for eqn in jaxpr.eqns:
         hit = [k for k, v in enumerate(eqn.invars) if isinstance(v, Var) and v in reached]
         if not hit:
@@ -150,20 +153,27 @@ def _value_free_reach(jaxpr: Jaxpr, sources: Sequence[int]) -> set[int] | None:
     return {k for k, v in enumerate(jaxpr.outvars) if isinstance(v, Var) and v in reached}
 
 
-def unread_carries(jaxpr: Jaxpr, nconsts: int, ncarry: int) -> list[bool]:
+def unread_carries(
+    jaxpr: Jaxpr, nconsts: int, ncarry: int, stored: Sequence[Any] = ()
+) -> list[bool]:
     """Per carry of a loop body (inputs: `nconsts` constants, `ncarry` carries, then `xs`;
     outputs: the carries, then `ys`), whether its value is read by nothing but its own next
     value, through `_VALUE_FREE` equations: an accumulator ``acc + f(x)``. The backward run
     never needs such a carry's value (no other value is computed from it, no VJP reads it):
     its rebuilt value need not be checked against a checkpoint, and XLA drops what computes
-    it. Only floating carries are considered (the others are never compared)."""
+    it. Only floating carries are considered (the others are never compared). `stored`: the
+    variables the body's backward walk reads from storage (`Plan.store`): a carry any of them
+    is computed from is read (the walk may take a term of its sum as the difference of its
+    stored input and its output)."""
     out = []
+    stored = set(stored)
     for i in range(ncarry):
         if not is_float(jaxpr.invars[nconsts + i].aval):
             out.append(False)
             continue
-        reach = _value_free_reach(jaxpr, [nconsts + i])
-        out.append(reach is not None and reach <= {i})
+        reached: set = set()
+        reach = _value_free_reach(jaxpr, [nconsts + i], reached)
+        out.append(reach is not None and reach <= {i} and not (reached & stored))
     return out
 
 

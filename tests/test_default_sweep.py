@@ -148,8 +148,7 @@ def test_vmap_over_a_sample_that_drifts_and_one_that_does_not(batch):
 @pytest.mark.parametrize("steps", [401, 400])
 def test_a_miss_repairs_a_loop_with_a_shorter_first_segment(steps):
     """401 steps (prime: K = 21, a first segment of 2 iterations) and 400 (K = 20): the
-    second sweep recomputes the segment that missed and those before it, eager = jit =
-    jax.grad."""
+    second sweep recomputes the segments, eager = jit = jax.grad."""
     seen = []
 
     def train(wv, hp):
@@ -170,3 +169,30 @@ def test_a_miss_repairs_a_loop_with_a_shorter_first_segment(steps):
     (loop,) = seen[-1].loops
     assert loop.segment_length == (21 if steps == 401 else 20)
     assert 0 < int(loop.repaired) <= loop.segments
+
+
+def test_a_sum_whose_term_the_walk_takes_from_it_is_read():
+    """`acc + sin(x) w` over `xs` the loop must rebuild (they are the state's): the walk takes
+    sin(x) w as acc_out - acc_in, from acc's stored input, so acc is read (its checkpoints are
+    a segment's true starts). Before: stored once, the gradient 32.9 instead of 108.8."""
+
+    def f(state, w):
+        a0, xs = state
+
+        def body(c, x):
+            acc, q = c
+            acc = acc + jnp.sin(x) * w
+            q = q + 0.5 * jnp.cos(q) + 0.1 * w
+            return (acc, q), q
+
+        (acc, q), ys = lax.scan(body, (a0, jnp.asarray(0.2)), xs)
+        return acc, ys
+
+    def loss(g):
+        return lambda s, w: (lambda o: o[0] ** 2 + jnp.sum(o[1]))(g(s, w))
+
+    s, w = (jnp.asarray(0.1), jnp.linspace(0.1, 2.0, 12)), jnp.asarray(0.7)
+    ref = jax.grad(loss(f), 1)(s, w)
+    for every in ("auto", 6, 1):
+        got = jax.grad(loss(jr.reversible(f, checkpoint_every=every)), 1)(s, w)
+        np.testing.assert_allclose(got, ref, rtol=1e-10)

@@ -409,8 +409,8 @@ def test_checkpointed_scan_over_stacked_weights_copies_nothing_of_their_size(rev
 )
 def test_auto_segments_divide_the_loop_where_a_length_near_the_root_does(length, K):
     """ "auto" takes a segment length within a quarter of its choice that divides the loop
-    (48 blocks: 8, not ⌈√48⌉ = 7), so every segment runs K iterations, a count known when
-    traced; a prime length keeps ⌈√T⌉. Checked through the report of a call."""
+    (48 blocks: 8, not ⌈√48⌉ = 7), so the runs have no shorter first segment, a second copy
+    of their segment loops; a prime length keeps ⌈√T⌉. Checked through the report of a call."""
     reports = []
 
     def loop(x):

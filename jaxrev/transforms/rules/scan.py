@@ -373,7 +373,7 @@ def _scan_sweep(P: Plan, i: int, env: Env, ctenv: dict | None, active: set, res:
     # an accumulator's value is read by nothing the backward run computes: it is stored once
     # (its start), its drift moves no gradient and goes unchecked, and XLA drops what
     # computes it
-    unread = tuple(unread_carries(body.jaxpr, nc, ncar)) if K else ()
+    unread = tuple(unread_carries(bp.closed.jaxpr, nc, ncar, bp.store)) if K else ()
     lp = LoopPlan("scan", bp, length, every=K, carry=carry if K else (), unread=unread)
     lres = res.loop(i, lp) if res_avals(bp) or K else []
     nb = len(res_avals(bp))

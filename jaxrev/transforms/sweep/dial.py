@@ -164,10 +164,10 @@ class Dial:
 
 def _dividing(length: int, K: int) -> int:
     """K, or the nearest segment length within a quarter of it that divides `length`: a loop
-    whose length K divides has no shorter first segment, so every segment of its backward run
-    (`segments.segmented`) runs K iterations, a count known when traced (with a shorter one the
-    count is a traced value, and the segment loops are while loops). The checkpoints and a
-    segment's carries, ⌈T/K⌉ + K, change by at most a quarter."""
+    whose length K divides has no shorter first segment, which its forward and backward runs
+    (`segments.segmented`) emit as a second copy of their segment loops, which XLA compiles
+    again. The checkpoints and a segment's carries, ⌈T/K⌉ + K, change by at most a
+    quarter."""
     if length % K == 0:
         return K
     for d in range(1, max(1, K // 4) + 1):

@@ -183,9 +183,8 @@ class LoopRepair(NamedTuple):
     - `iterations`: T, its length.
     - `segment_length`: K, the iterations between two checkpoints.
     - `segments`: ⌈T/K⌉.
-    - `repaired`: the segments recomputed forward from their checkpoints (after a miss, the
-      segment that missed and every one before it), under `on_drift="repair"`; 0 under the
-      other dials.
+    - `repaired`: the segments recomputed forward from their checkpoints (after a miss, every
+      segment), under `on_drift="repair"`; 0 under the other dials.
     - `recomputed`: the iterations those segments hold (the extra forward work).
 
     **Example:**

@@ -5,8 +5,8 @@ The forward run stores the carry at the start of every segment of K iterations
 next (`segmented`), so drift grows over K steps, not the loop. Each segment is swept by the
 fused step (inversion and VJP at once, the fully reversible mode's) and its rebuilt start
 checked against its checkpoint; under the repairing dial, a miss makes a second sweep that
-recomputes the segment that missed and those before it forward from their checkpoints
-(`body_redo`): a loop that does not drift pays one sweep.
+recomputes every segment forward from its checkpoint (`body_redo`): a loop that does not
+drift pays one sweep.
 
 Both runs read each iteration's inputs (`xs`, residuals, the loop's outputs' cotangents) from
 the loop's own arrays by iteration number, and write each iteration's outputs into arrays of
@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxrev._batching import any_in_batch, select_batched, where
+from jaxrev._batching import any_in_batch, select_batched
 from jaxrev._compat import (
     any_over,
     match_vma,
@@ -169,8 +169,7 @@ class SweepState(NamedTuple):
     budget: Budget  # the gradient budget so far (`dial.grad_ratio`)
     bufs: Any  # the per-iteration outputs written so far (arrays of the loop's length)
     tally: Tally  # what was recomputed so far
-    segment: Any  # the segment swept next (-1: the shorter first one), counting down
-    missed: Any  # whether the first sweep missed (its state is then the second's start)
+    missed: Any  # whether a segment of the first sweep missed
 
     def back(self) -> BackCarry:
         return BackCarry(self.carry, self.carry_ct, self.consts_ct, self.worst)
@@ -219,21 +218,17 @@ def segmented(
     each segment's share is summed from zero, then added (two levels of sums).
 
     Every segment is swept by `bstep` (the fused step) and checked at its start, with its
-    exact cotangent. Under the repairing dial a miss (a ratio above 1, a non-finite
-    cotangent) ends this first sweep, and a second one (a loop that runs no iteration
-    otherwise; a `cond` where the constants' cotangents are accumulated in place)
-    recomputes the segment that missed and those before it from their checkpoints: from the
-    state before it where each segment's share is summed on its own, else (constants
-    accumulated in place, or cotangents non-finite at the end) from the loop's end. Each
-    sweep is one segment loop (a shorter first segment a traced count of it), with no `cond`
-    around the constants' cotangents or the output buffers inside (XLA would copy them
-    through it), and one compiled copy of the fused step and of the recomputation. A loop
-    that does not drift pays one fused sweep and the checks. Returns the start's
+    exact cotangent. Under the repairing dial, after a miss (a ratio above 1, a non-finite
+    cotangent, or constants' cotangents non-finite at the end) a second sweep under a `cond`
+    recomputes every segment from its checkpoint. Each sweep is a `scan` over the full
+    segments (a shorter first one a loop of its own) with loops of known length, so that the
+    backward run can itself be differentiated in reverse mode, and no `cond` around the
+    constants' cotangents or the output buffers inside (XLA would copy them through it). A
+    loop that does not drift pays one fused sweep and the checks. Returns the start's
     `BackCarry` (its carry: the first checkpoint), the per-iteration outputs and the `Tally`
     of what was recomputed."""
     # the first segment (in iteration order) has `rest` iterations, the `nseg` after it K
     rest, nseg = length % K, length // K
-    last = -1 if rest else 0  # the index of the segment swept last
     first = 1 if rest else 0  # the checkpoint of the first full segment
     final = BackCarry(*carry0)
     # inside shard_map the drift, the budget and the miss flag vary over every mesh axis the
@@ -279,24 +274,15 @@ def segmented(
 
         return lax.fori_loop(0, n, iteration, (back, bufs))
 
-    def sweep_segment(state, repairing):
-        """The segment `state.segment`, from `state` at its end: swept by the fused step and
-        checked, or (`repairing`: the second sweep) recomputed from its checkpoint. Returns
-        the state at its start, whose carry is its checkpoint; a miss of the first sweep
-        returns `state` itself, marked `missed`, where each segment's share of the constants'
-        cotangents is summed on its own (the second sweep recomputes it from there)."""
-        j = state.segment
-        if rest:
-            shorter = j < 0
-            seg = xs.at(where(shorter, 0, rest + j * K))
-            n = where(shorter, rest, K)
-            stored = stored_at(where(shorter, 0, first + j))
-        else:
-            seg, n, stored = xs.at(rest + j * K), K, stored_at(first + j)
+    def sweep_segment(state, repairing, seg, n, stored):
+        """The segment `seg` of n iterations (a count known when traced), from `state` at its
+        end: swept by the fused step and checked, or (`repairing`: the second sweep)
+        recomputed from its checkpoint `stored`. Returns the state at its start, whose carry
+        is its checkpoint."""
 
         def pulled(part):
             if repairing:
-                again = redo(stored, part.carry_ct, part.consts_ct, seg, n, part.bufs, rows=K)
+                again = redo(stored, part.carry_ct, part.consts_ct, seg, n, part.bufs)
                 return part._replace(
                     carry=stored,
                     carry_ct=again.carry_ct,
@@ -314,7 +300,7 @@ def segmented(
 
         new = pulled(state) if in_place else _in_two_levels(state, pulled)
         rebuilt = new.carry  # (a recomputed segment's start is its checkpoint)
-        new = new._replace(carry=stored, worst=vary_to(new.worst, axes), segment=j - 1)
+        new = new._replace(carry=stored, worst=vary_to(new.worst, axes))
         if check is None:
             return new
         checked = check(rebuilt, stored, new.carry_ct, state.carry, state.carry_ct, n, state.budget)
@@ -328,16 +314,22 @@ def segmented(
             tally = Tally(state.tally.repaired + 1, state.tally.recomputed + n)
             return new._replace(tally=vary_to(_tmap(lambda a: a.astype(jnp.int32), tally), axes))
         missed = decided(~(checked.ratio <= 1.0) | ~finite(new.carry_ct))
-        if in_place:  # the second sweep starts again from the loop's end
-            return new._replace(missed=missed)
-        # as before the segment: the second sweep starts with it (its rows of `bufs` are
-        # rewritten there)
-        kept = _tmap(
-            lambda a, b: where(missed, a, b),
-            state._replace(bufs=None, tally=None),
-            new._replace(bufs=None, tally=None),
-        )
-        return kept._replace(bufs=new.bufs, tally=new.tally, missed=missed)
+        return new._replace(missed=state.missed | missed)
+
+    def sweep(state, repairing):
+        """Every segment from the loop's end: a `scan` over the full ones, then the shorter
+        first one (loops of known length, so that the backward run can itself be
+        differentiated in reverse mode: `jax.grad` of a `jax.grad`)."""
+        if nseg:
+
+            def one(state, j):
+                seg, stored = xs.at(rest + j * K), stored_at(first + j)
+                return sweep_segment(state, repairing, seg, K, stored), None
+
+            state = lax.scan(one, state, jnp.arange(nseg), reverse=True)[0]
+        if rest:
+            state = sweep_segment(state, repairing, xs, rest, start)
+        return state
 
     consts_zero = (
         None
@@ -355,43 +347,17 @@ def segmented(
         # "data" by the body's VJP)
         traced.out_buffers(length),
         vary_to(Tally(jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32)), axes),
-        jnp.asarray(nseg - 1, jnp.int32),
         decided(false),
     )
-
-    def sweep(state, repairing, go=None):
-        """Segments from `state.segment` down to the first, or (the first sweep, under the
-        repairing dial) to a miss; none where `go` (the second sweep's) is false: a loop of
-        no iteration rather than a `cond`, whose presence alone made the first sweep's
-        segments of the 10^4-step leapfrog 4 us slower (constants accumulated in place keep
-        the `cond`: their segments are long, and it spares a buffer their size)."""
-        return lax.while_loop(
-            lambda s: (s.segment >= last) & ~s.missed & (True if go is None else go),
-            lambda s: sweep_segment(s, repairing),
-            state,
-        )
-
     # the first sweep holds no recomputation (a loop XLA:CPU compiles as one call where the
-    # body is small); the second, after a miss, no fused step
+    # body is small); after a miss, or constants' cotangents that are not finite, the
+    # second recomputes every segment from the loop's end
     state = sweep(initial, False)
     if redo is not None:
-        # a value made non-finite inside a segment whose start checked (no segment known
-        # wrong), or constants' cotangents accumulated in place: from the loop's end again
-        bad = decided(~finite(state.consts_ct or []) & ~state.missed)
-        again = state.missed | bad
-        if in_place:
-            # from the loop's end, under a `cond`: the constants' cotangents from zero would
-            # otherwise be a select beside those of the first sweep, a second buffer their
-            # size (the 10^6-step sparse merge's scratch 17.0 -> 20.0 MB)
-            restart = initial._replace(bufs=state.bufs)
-            state = lax.cond(again, lambda: sweep(restart, True), lambda: state)
-        else:
-            start2 = _tmap(
-                lambda a, b: where(bad, a, b),
-                initial._replace(bufs=None),
-                state._replace(bufs=None, missed=decided(false)),
-            )
-            state = sweep(start2._replace(bufs=state.bufs), True, again)
+        again = decided(state.missed | ~finite(state.consts_ct or []))
+        state = lax.cond(
+            again, lambda: sweep(initial._replace(bufs=state.bufs), True), lambda: state
+        )
     consts_ct = state.consts_ct
     if final.consts_ct is not None:
         summed = [None if t is None else t + c for t, c in zip(final.consts_ct, consts_ct)]
@@ -451,23 +417,21 @@ def segmented_forward(
 
         return lax.fori_loop(0, n, iteration, (carry, bufs))
 
-    def outer(row, state):
-        """Segment `row` (in iteration order; with a shorter first one, row 0 is it): its
-        start stored, its iterations run (a count that is traced where the first is
-        shorter: one loop, one compiled copy of the step, for both lengths)."""
+    if rest:  # (a loop of its own: known trip counts keep the run differentiable in reverse)
+        ckpts = [ck.at[0].set(a) for ck, a in zip(ckpts, carry)]
+        carry, bufs = run(carry, bufs, slices, rest)
+    state = ForwardState(carry, bufs, ckpts)
+    first = 1 if rest else 0
+
+    def outer(j, state):
         ckpts = [
-            ck if u else lax.dynamic_update_index_in_dim(ck, a, row, 0)
+            ck if u else lax.dynamic_update_index_in_dim(ck, a, first + j, 0)
             for ck, a, u in zip(state.ckpts, state.carry, unread)
         ]
-        if rest:
-            seg = slices.at(where(row == 0, 0, rest + (row - 1) * K))
-            n = where(row == 0, rest, K)
-        else:
-            seg, n = slices.at(row * K), K
-        carry, bufs = run(state.carry, state.bufs, seg, n)
+        carry, bufs = run(state.carry, state.bufs, slices.at(rest + j * K), K)
         return ForwardState(carry, bufs, ckpts)
 
-    state = lax.fori_loop(0, rows, outer, ForwardState(carry, bufs, ckpts))
+    state = lax.fori_loop(0, nseg, outer, state)
     return list(state.carry), state.bufs, state.ckpts
 
 
@@ -498,13 +462,12 @@ def body_redo(
         it = iter(new)
         return [next(it) if f else v for v, f in zip(vals, flags)]
 
-    def redo(start, carry_ct, consts_ct, seg, n, bufs=None, stop=None, rows=None):
+    def redo(start, carry_ct, consts_ct, seg, n, bufs=None, stop=None):
         """`start`: the segment's stored start; `carry_ct`, `consts_ct`: the cotangents at its
         end; `seg`: the segment's `Slices` (`NO_SLICES`: a while loop's), whose outputs (the
         `xs` cotangents) go into `bufs`; `stop` (a while loop's last segment, shorter than K):
-        iterations from `stop` on are not run; `rows` (None: n): the bound of a traced n (0
-        recomputes nothing: the cotangents come back as given). Returns a `Pulled`."""
-        stacked = carries(start, seg, n, stop, rows)
+        iterations from `stop` on are not run. Returns a `Pulled`."""
+        stacked = carries(start, seg, n, stop)
         return pull(stacked, carry_ct, consts_ct, seg, n, bufs, stop)
 
     def pull(stacked, carry_ct, consts_ct, seg, n, bufs=None, stop=None):
@@ -571,14 +534,10 @@ def body_redo(
         init = Pulled(list(carry_ct), list(consts_ct), bufs)
         return lax.fori_loop(0, n, back, init)
 
-    def carries(start, seg, n, stop=None, rows=None):
-        """The segment's n carries (each iteration's at its start, stacked in `rows` rows,
-        default n) recomputed forward from its stored start `start`; `stop` as for
-        `redo`."""
-        stacked = [
-            match_vma(jnp.zeros((n if rows is None else rows, *jnp.shape(a)), a.dtype), a)
-            for a in start
-        ]
+    def carries(start, seg, n, stop=None):
+        """The segment's n carries (each iteration's at its start, stacked) recomputed
+        forward from its stored start `start`; `stop` as for `redo`."""
+        stacked = [match_vma(jnp.zeros((n, *jnp.shape(a)), a.dtype), a) for a in start]
 
         def fwd(j, loop_carry):
             carry, stacked = loop_carry
