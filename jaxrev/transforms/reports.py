@@ -143,14 +143,19 @@ def _report_entries(plan: Plan, count: int, out: list[dict]) -> None:
                 _report_entries(branch, count, out)
         else:
             _report_entries(loop_plan.body, count * loop_plan.length, out)
-        for aval in loop_plan.carry:  # the dial's checkpoints
+        unread = loop_plan.unread or (False,) * len(loop_plan.carry)
+        for aval, once in zip(loop_plan.carry, unread):  # the dial's checkpoints
             out.append(
                 dict(
-                    what=f"checkpoint of the loop carry (every {loop_plan.every} iterations)",
+                    what=(
+                        "start of an accumulator the backward run does not read"
+                        if once
+                        else f"checkpoint of the loop carry (every {loop_plan.every} iterations)"
+                    ),
                     shape=tuple(aval.shape),
                     dtype=str(aval.dtype),
                     bytes=int(np.prod(aval.shape, dtype=np.int64)) * aval.dtype.itemsize,
-                    count=count * n_checkpoints(loop_plan),
+                    count=count * (1 if once else n_checkpoints(loop_plan)),
                     where=_describe(eqns[i]),
                     made=_describe(eqns[i]),
                 )

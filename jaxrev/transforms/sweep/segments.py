@@ -83,11 +83,6 @@ class Slices:
         row = self.pos(t)
         return _tmap(lambda a: lax.dynamic_index_in_dim(a, row, keepdims=False), self.xs)
 
-    def read_from(self, bufs: Any, t: Any) -> Any:
-        """Iteration t's row of output buffers."""
-        row = self.pos(t)
-        return _tmap(lambda buf: lax.dynamic_index_in_dim(buf, row, keepdims=False), bufs)
-
     def write(self, bufs: Any, t: Any, outs: Any) -> Any:
         """`bufs` with iteration t's row set to `outs`."""
         row = self.pos(t)
@@ -126,12 +121,6 @@ class _Traced:
         leaves = jax.tree_util.tree_leaves(args)
         outs = eval_closed(self.closed, *self.consts, *leaves)
         return jax.tree_util.tree_unflatten(self.out_tree, outs)
-
-    def zero_out(self) -> Any:
-        """Zeros of its second output (one iteration's), typed as it is."""
-        tree = self.out_tree.children()[1]
-        avals = self.closed.out_avals[len(self.closed.out_avals) - tree.num_leaves :]
-        return jax.tree_util.tree_unflatten(tree, [zeros_of(a) for a in avals])
 
     def out_buffers(self, length: int, axes: frozenset = frozenset()) -> Any:
         """Zeros for `length` iterations of its second output, typed (vma) as it is and at
