@@ -235,7 +235,12 @@ def weight(cts: Sequence[Any], vals: Sequence[Any]) -> Any:
     return out
 
 
-def grad_ratio(ends: SegmentEnds, budget: Budget, accumulate: bool = True) -> tuple[Any, Budget]:
+def grad_ratio(
+    ends: SegmentEnds,
+    budget: Budget,
+    accumulate: bool = True,
+    compared: Sequence[bool] | None = None,
+) -> tuple[Any, Budget]:
     """What a segment's drift does to the gradient, against what rounding alone does to
     jax.grad's (docs/design.md §3.8). The drift δ of its rebuilt start moves what the
     backward run computes there by about ‖c̄‖₁‖δ‖∞ (c̄: the carry's cotangent there); the
@@ -246,7 +251,9 @@ def grad_ratio(ends: SegmentEnds, budget: Budget, accumulate: bool = True) -> tu
     `accumulate=False`). The shares of the segments kept add up in the parameters' gradients:
     E (`budget.drift`) is their sum, B `budget.rounding`.
     Returns ((E + share) / (GRAD_SLACK·B), Budget(B, E + share)): a ratio above 1, or not
-    finite, is a miss (a repaired segment keeps the old E)."""
+    finite, is a miss (a repaired segment keeps the old E). `compared` (None: all): the
+    carries whose drift counts; the others (accumulators, whose value nothing reads) count in
+    B only, at their stored magnitude."""
     rounding, drift = budget
     dtype = budget_dtype()
     n = ends.length
@@ -256,8 +263,9 @@ def grad_ratio(ends: SegmentEnds, budget: Budget, accumulate: bool = True) -> tu
         at_start = where(jnp.isfinite(at_start), at_start, at_end)
         rounding = rounding + 0.5 * jnp.asarray(n, dtype) * (at_start + at_end)
     share = jnp.zeros((), dtype)
-    for ct, rebuilt, stored in zip(ends.rebuilt_ct, ends.rebuilt, ends.stored):
-        if ct is None or not jnp.issubdtype(jnp.result_type(stored), jnp.inexact):
+    counted = compared or [True] * len(ends.stored)
+    for ct, rebuilt, stored, c in zip(ends.rebuilt_ct, ends.rebuilt, ends.stored, counted):
+        if not c or ct is None or not jnp.issubdtype(jnp.result_type(stored), jnp.inexact):
             continue
         rebuilt = jnp.asarray(rebuilt, jnp.result_type(stored))
         # an infinity the program holds, rebuilt as that infinity, does not drift
@@ -325,12 +333,11 @@ def segment_checks(
         its checkpoint `stored` (`grad_ratio`). Without cotangents (`check_reversible`'s
         rebuild) or with a relative tolerance: the relative drift against it."""
         budget = Budget(*budget)
-        rebuilt, stored, rebuilt_ct = kept(rebuilt), kept(stored), kept(rebuilt_ct)
-        end, end_ct = kept(end), kept(end_ct)
-        if fixed or not rebuilt_ct or all(ct is None for ct in rebuilt_ct):
-            return SegmentCheck(ratio(dial, rebuilt, stored), site_index, budget)
+        if fixed or not rebuilt_ct or all(ct is None for ct in kept(rebuilt_ct)):
+            return SegmentCheck(ratio(dial, kept(rebuilt), kept(stored)), site_index, budget)
+        # (an unread carry's rounding still counts in B, at its stored magnitude)
         ends = SegmentEnds(rebuilt, stored, rebuilt_ct, end, end_ct, length)
-        drift_ratio, budget = grad_ratio(ends, budget, accumulate)
+        drift_ratio, budget = grad_ratio(ends, budget, accumulate, compared)
         return SegmentCheck(drift_ratio, site_index, budget)
 
     return check, redo
