@@ -194,6 +194,27 @@ def test_plain_cond_with_known_predicate():
         assert leaf_rel_error(jr.reverse(f)(f(x, flag), flag), x) < 1e-15
 
 
+def test_cond_waits_for_an_operand_forwarded_around_it():
+    """JAX forwards `c`, which the branch reads but returns unchanged, around the cond; the
+    walk learns it only afterwards, from the leaky ReLU's choice group (found by the grammar
+    soak: before, the cond's rule raised at its first try, naming the branch's `select_n`)."""
+
+    def f(s, w):
+        b, c = s
+
+        def mixed(b, c):
+            scaled = b * jnp.exp(0.3 * jnp.tanh(c)) + jnp.tanh(c)
+            return jnp.where(jnp.array([True, False]), b, scaled), c
+
+        b, c = lax.cond(w > 0, mixed, lambda b, c: (b * 1.25, c), b, c)
+        return b, jnp.where(c > 0, c, 0.125 * c)
+
+    s = (jnp.array([0.005, 0.0067]), jnp.array([0.0083, -0.01]))
+    for w in (0.8, -0.8):
+        for inv in (jr.reverse(f), jax.jit(jr.reverse(f))):
+            assert leaf_rel_error(inv(f(s, w), w), s) < 1e-14
+
+
 def test_jaxrev_cond_uses_post_condition():
     def f(x):
         return jr.cond(

@@ -768,11 +768,14 @@ def invert_jaxpr(
     hints: Hints | None = None,
     *,
     ctx: RuleContext,
+    more_may_follow: bool = False,
 ) -> list[Any]:
     """Recover the `Unknown` entries of `ins` from the known `outs` (`Unknown` where not known);
-    None for the inputs that were known. Raises `NotInvertibleError` where it cannot. `ctx`:
-    the rule context of the loop's or branch's rule that walks its body (the walk inherits its
-    walk's context; where that walk is recorded, it is recorded as the equation's child)."""
+    None for the inputs that were known. Raises `NotInvertibleError` where it cannot, or
+    `NeedMore` (naming where the body's walk stopped) if `more_may_follow`: the caller's walk
+    may still learn some unknown `ins` or `outs` by another route. `ctx`: the rule context of
+    the loop's or branch's rule that walks its body (the walk inherits its walk's context;
+    where that walk is recorded, it is recorded as the equation's child)."""
     jaxpr, env, goals = seed(closed, ins, outs, hints, ctx=None)
     env.ctx, attach = records.child(
         ctx.env,
@@ -793,5 +796,7 @@ def invert_jaxpr(
         i for i, (v, x) in enumerate(zip(jaxpr.invars, ins)) if is_unknown(x) and not env.known(v)
     ]
     if missing:
+        if more_may_follow:
+            raise NeedMore("its body cannot be inverted from what is known so far", stuck)
         raise_stuck(stuck, f"input(s) {missing}" if blame(stuck) is None else "", ctx.walk.who)
     return [env.read(v) if is_unknown(x) else None for v, x in zip(jaxpr.invars, ins)]

@@ -94,6 +94,9 @@ def _switch_inverse(
             "must be known from elsewhere"
         )
     known_vals = [x for x in ins if not is_unknown(x)]
+    # of several unknown operands, one a branch needs may come by another route (an operand
+    # JAX forwarded around the cond, recovered later by a choice group): the walk tries again
+    more = len(unknown) > 1 or any(is_unknown(y) for y in outs)
     off = len(ctx.eqn.invars) - len(ins)  # the branches' operands: the cond's last len(ins)
     hints = static_hints(len(ins), lambda k: ctx.static(off + k))
 
@@ -108,7 +111,7 @@ def _switch_inverse(
                 ]
             it = iter(known_)
             ins_ = [x if is_unknown(x) else next(it) for x in ins]
-            rec = invert_jaxpr(b, ins_, list(outs_), hints, ctx=ctx)
+            rec = invert_jaxpr(b, ins_, list(outs_), hints, ctx=ctx, more_may_follow=more)
             return [rec[k] for k in unknown]
 
         return f
