@@ -81,16 +81,22 @@ def size_of(avals: Iterable[Any]) -> int:
 def mentions(jaxpr: Jaxpr, match: Callable[[Any], bool]) -> bool:
     """Whether a primitive for which `match` holds occurs in `jaxpr` or any of its
     sub-jaxprs."""
+    return first_eqn(jaxpr, match) is not None
+
+
+def first_eqn(jaxpr: Jaxpr, match: Callable[[Any], bool]) -> JaxprEqn | None:
+    """The first equation of `jaxpr` or its sub-jaxprs (depth first) whose primitive `match`
+    holds for; None if none."""
     for e in jaxpr.eqns:
         if match(e.primitive):
-            return True
+            return e
         for p in e.params.values():
             for b in p if isinstance(p, (tuple, list)) else (p,):
-                if isinstance(b, (ClosedJaxpr, Jaxpr)) and mentions(
-                    b.jaxpr if isinstance(b, ClosedJaxpr) else b, match
-                ):
-                    return True
-    return False
+                if isinstance(b, (ClosedJaxpr, Jaxpr)):
+                    found = first_eqn(b.jaxpr if isinstance(b, ClosedJaxpr) else b, match)
+                    if found is not None:
+                        return found
+    return None
 
 
 def work_of(jaxpr: Jaxpr) -> int:

@@ -428,3 +428,37 @@ def test_check_reversible_propagates_not_invertible():
     with pytest.raises(jr.NotInvertibleError) as info:
         jr.check_reversible(f, X)
     _check(info.value, "floor", "check-floor")
+
+
+def test_dense_log_det_of_a_program_jax_cannot_differentiate_names_the_rule():
+    """A custom_jvp function closing over a scan's iteration value: `jax.jacfwd` and
+    `jax.grad` of the program fail in JAX itself (a leaked tracer). The sweep's log-det does
+    not need them; the dense Jacobian does, and says so, naming the rule and its line (found by
+    the grammar soak: before, JAX's `UnexpectedTracerError` came out of jaxrev)."""
+
+    def f(x):
+        def body(c, i):
+            def g(c):
+                return c + jnp.tanh(c[::-1]) * 0.1 * i
+
+            rule = jax.custom_jvp(g)
+            rule.defjvp(lambda primals, tangents: jax.jvp(g, primals, tangents))
+            return rule(c), None  # <closing-rule>
+
+        return lax.scan(body, x, jnp.arange(2.0))[0]
+
+    x = jnp.array([0.3, -0.2])
+    with pytest.raises(TypeError):
+        jax.jacfwd(f)(x)
+    J = jax.jacfwd(
+        lambda x: lax.scan(
+            lambda c, i: (c + jnp.tanh(c[::-1]) * 0.1 * i, None), x, jnp.arange(2.0)
+        )[0]
+    )(x)
+    sign, logdet = jr.slogdet_jacobian(f, x)  # the sweep: no JAX derivative needed
+    assert float(sign) == 1.0 and abs(float(logdet) - float(jnp.linalg.slogdet(J)[1])) < 1e-12
+    with pytest.raises(jr.JaxrevError) as info:
+        jr.slogdet_jacobian(f, x, method="dense")
+    msg = str(info.value)
+    assert "`custom_jvp_call` at" in msg and f"{HERE}:{_line('closing-rule')}" in msg, msg
+    assert "JAX cannot differentiate" in msg and "as an argument" in msg, msg

@@ -23,9 +23,10 @@ import numpy as np
 
 import jaxrev._dense as dense
 from jaxrev._cache import memo
-from jaxrev._compat import Primitive, is_concrete, staged_constants
+from jaxrev._compat import Primitive, is_concrete, staged_constants, user_source
 from jaxrev._env import Env, Unknown
 from jaxrev._errors import (
+    JaxrevError,
     NotInvertibleError,
     PerformanceWarning,
     SingularJacobianError,
@@ -35,6 +36,7 @@ from jaxrev._errors import (
     singular_jacobian,
 )
 from jaxrev._evaluate import eval_closed, evaluate
+from jaxrev._graph import first_eqn
 from jaxrev._prepare import fold_constants, prepare, without_custom_vjp
 from jaxrev._program import (
     Filtered,
@@ -359,13 +361,33 @@ def _dense(t: _Traced, why: str = _ASKED) -> tuple[Any, Any]:
         try:
             if J is None:
                 J = jax.jacfwd(flat(_state_fun(t, _differentiable(t))[0]))(x0)
-        except _NO_FORWARD_MODE as e:
+        except (*_NO_FORWARD_MODE, _LEAK) as e:
             # (where reverse mode fails too, its error says why, with forward mode's as cause)
             try:
                 J = jax.jacrev(flat(_state_fun(t, t.raw)[0]))(x0)
+            except _LEAK as e2:
+                raise _not_differentiable(t, why) from e2
             except Exception as e2:
                 raise e2 from e
         return dense.slogdet(J)
+
+
+_LEAK = jax.errors.UnexpectedTracerError
+
+
+def _not_differentiable(t: _Traced, why: str) -> JaxrevError:
+    """The dense Jacobian's error where JAX cannot differentiate the program either (`jax.grad`
+    and `jax.jacfwd` of the user's function fail the same way): a custom_jvp rule that closes
+    over a value traced inside a loop (an iteration's index) leaks it when re-traced. Not a
+    `NotInvertibleError`: the program inverts; its derivative is what no one can take."""
+    rule = first_eqn(t.raw.jaxpr, lambda p: p.name == "custom_jvp_call")
+    where = "" if rule is None else f" at `{rule.primitive.name}` at {user_source(rule)[2]}"
+    return JaxrevError(
+        f"{t.who}: the log-determinant needs the dense Jacobian ({why}), and JAX cannot "
+        f"differentiate the program{where}.\nJAX's own jax.grad and jax.jacfwd of it fail the "
+        "same way: a custom_jvp function that closes over a value traced inside a loop (pass "
+        "that value as an argument instead)."
+    )
 
 
 def _singular_check(
