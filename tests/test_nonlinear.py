@@ -174,3 +174,34 @@ def _line(tag: str) -> int:
     marker = f"# <{tag}>"
     with open(__file__, encoding="utf-8") as fh:
         return next(i for i, t in enumerate(fh, 1) if marker in t and "_line(" not in t)
+
+
+def _bratu(n: int):
+    """-u'' - exp(u) by central differences on n points, the neighbours read by `roll` and
+    the ends zeroed by `where`: F is of order 1/h² = (n + 1)²."""
+    h2 = 1.0 / (n + 1) ** 2
+
+    def F(u):
+        i = jnp.arange(n)
+        left = jnp.where(i == 0, 0.0, jnp.roll(u, 1))
+        right = jnp.where(i == n - 1, 0.0, jnp.roll(u, -1))
+        return (2 * u - left - right) / h2 - jnp.exp(u)
+
+    return F
+
+
+@pytest.mark.parametrize("n", [50, 1000])
+def test_what_a_group_determines_does_not_depend_on_its_unknowns_scales(n):
+    """The group ``y / h² - e = r`` (y, e unknown) determines neither unknown, whatever h. With
+    h² = 1e-6 (n = 1000) y's share of the null space is (h²)² = 1e-12, and the rank test, not
+    scaled, took y as determined: `reverse` returned NaN and wrong values without an error,
+    `inverse_jvp` a wrong Newton step (error 0.9). Columns are scaled to 1 first."""
+    F = _bratu(n)
+    u = jnp.linspace(0.1, 0.5, n)
+    with pytest.raises(jr.NotInvertibleError):
+        jr.reverse(F)(F(u))
+    v = jnp.cos(jnp.arange(n) + 1.0)
+    want = jnp.linalg.solve(jax.jacfwd(F)(u), v)
+    assert abs_error(jr.inverse_jvp(F, (u,), v)[1][0], want) < 1e-8 * float(
+        jnp.max(jnp.abs(want))
+    )

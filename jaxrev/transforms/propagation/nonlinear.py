@@ -197,6 +197,12 @@ def _rank_analysis(system: _System, env: Env) -> tuple[list[int], bool]:
         return [], False
     if not np.all(np.isfinite(M)):
         return [], False
+    # each unknown's column scaled to 1 first: whether e_j lies in the row space does not
+    # change, but the tests below become independent of the unknowns' scales (a system
+    # y / h² - e = r with h² = 1e-6 made y's share of the null space (h²)² = 1e-12, and y
+    # "determined" by one equation in two unknowns: a silently wrong inverse of Bratu's map)
+    size = np.max(np.abs(M), axis=-2, keepdims=True)
+    M = M / np.where(size > 0, size, 1.0)
     # null space of each block: right singular vectors with negligible singular values
     _, s, vt = dense.numpy_svd(M, full_matrices=True)
     k = M.shape[-1]
