@@ -13,7 +13,9 @@ One drawn program is checked for all properties at once (tracing dominates the c
 The default run draws `EXAMPLES` programs; ``pytest -m slow tests/test_grammar.py`` draws
 `SLOW_EXAMPLES` (``JAXREV_GRAMMAR_EXAMPLES`` overrides both: CI's slow run, `.ci/run`, sets 25;
 the 500 of a run without it are a soak of about half an hour on two cores, for a person to
-run). A failure prints the program's source, which runs as it is.
+run). With the count given, the slow run's programs are the same every run (derandomized:
+CI is reproducible); the soak explores new ones each time, and what it finds becomes a test of
+its own. A failure prints the program's source, which runs as it is.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ jax.config.update("jax_enable_x64", True)
 
 EXAMPLES = int(os.environ.get("JAXREV_GRAMMAR_EXAMPLES", "2"))
 SLOW_EXAMPLES = int(os.environ.get("JAXREV_GRAMMAR_EXAMPLES", "500"))
+EXPLORE = "JAXREV_GRAMMAR_EXAMPLES" not in os.environ  # the soak: new programs every run
 COMMON = dict(
     deadline=None,
     print_blob=True,
@@ -168,7 +171,10 @@ def test_grammar(prog):
 
 
 @pytest.mark.slow
-@settings(max_examples=SLOW_EXAMPLES, **COMMON)
+@settings(
+    max_examples=SLOW_EXAMPLES,
+    **{**COMMON, **({} if EXPLORE else {"derandomize": True, "database": None})},
+)
 @given(programs())
 def test_grammar_slow(prog):
     check(prog)
