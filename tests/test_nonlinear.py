@@ -202,6 +202,4 @@ def test_what_a_group_determines_does_not_depend_on_its_unknowns_scales(n):
         jr.reverse(F)(F(u))
     v = jnp.cos(jnp.arange(n) + 1.0)
     want = jnp.linalg.solve(jax.jacfwd(F)(u), v)
-    assert abs_error(jr.inverse_jvp(F, (u,), v)[1][0], want) < 1e-8 * float(
-        jnp.max(jnp.abs(want))
-    )
+    assert abs_error(jr.inverse_jvp(F, (u,), v)[1][0], want) < 1e-8 * float(jnp.max(jnp.abs(want)))
