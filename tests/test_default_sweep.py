@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
+from programs.momentum import momentum_sgd
 
 import jaxrev as jr
 from jaxrev._batching import any_in_batch
@@ -125,14 +126,7 @@ def test_vmap_over_a_sample_that_drifts_and_one_that_does_not(batch):
     """Momentum 0.9 drifts (run backwards, v is divided by 0.9 a step), momentum 1 does not:
     under vmap the batch recomputes together, each sample's gradient is jax.grad's."""
 
-    def train(wv, hp, beta):
-        def body(i, s):
-            w, v = s
-            v = beta * v + jnp.tanh(w) + 0.1 * w
-            return w - hp * v, v
-
-        return lax.fori_loop(0, 400, body, wv)
-
+    train = momentum_sgd(400)
     wv = (jnp.linspace(-1.0, 1.0, 8), jnp.zeros(8))
 
     def loss(f):

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from helpers import rel_error
 from jax import lax
+from programs.momentum import momentum_sgd
 
 import jaxrev as jr
 from tests.programs import marker_line
@@ -239,14 +240,8 @@ def test_momentum_hypergradient_default(beta):
     """SGD with momentum run backwards divides by the momentum each step (drift inf before):
     the default repairs every segment and returns jax.grad's hypergradient."""
 
-    def train(wv, hp):
-        def body(i, s):
-            w, v = s
-            v = beta * v + jnp.tanh(w) + 0.1 * w
-            return w - hp * v, v
-
-        return lax.fori_loop(0, 200, body, wv)
-
+    sgd = momentum_sgd(200)
+    train = lambda wv, hp: sgd(wv, hp, beta)  # noqa: E731
     wv = (jnp.linspace(-1.0, 1.0, 8), jnp.zeros(8))
     L = lambda f: lambda hp: jnp.sum(f(wv, hp)[0] ** 2)  # noqa: E731
     ref = jax.grad(L(train))(0.05)
@@ -257,18 +252,6 @@ def test_momentum_hypergradient_default(beta):
 # ---------------------------------------------------------------- what a call repaired
 
 
-def momentum_sgd(beta, steps):
-    def train(wv, hp):
-        def body(i, s):
-            w, v = s
-            v = beta * v + jnp.tanh(w) + 0.1 * w
-            return w - hp * v, v
-
-        return lax.fori_loop(0, steps, body, wv)
-
-    return train
-
-
 def test_report_says_what_each_call_repaired():
     """`report=` (issue 43 item 5): momentum SGD at 0.5 drifts (every segment after the
     first miss is recomputed), the leapfrog chain does not (nothing recomputed); the report
@@ -276,14 +259,18 @@ def test_report_says_what_each_call_repaired():
     sample), and the gradient is the same as without it."""
     seen = []
     wv = (jnp.linspace(-1.0, 1.0, 8), jnp.zeros(8))
-    train = momentum_sgd(0.5, 400)
+    sgd = momentum_sgd(400)
+
+    def train(wv, hp):  # (the report names the loop's function)
+        return sgd(wv, hp, 0.5)
+
     L = lambda f: lambda hp: jnp.sum(f(wv, hp)[0] ** 2)  # noqa: E731
     plain = jax.grad(L(jr.reversible(train)))(0.05)
     reported = jr.reversible(train, report=seen.append)
     got = jax.grad(L(reported))(0.05)
     assert float(got) == float(plain) and len(seen) == 1
     (loop,) = seen[0].loops
-    assert seen[0].function == "train" and "test_drift_repair.py" in loop.where
+    assert seen[0].function == "train" and "programs/momentum.py" in loop.where
     assert (loop.iterations, loop.segment_length, loop.segments) == (400, 20, 20)
     assert 10 <= int(loop.repaired) <= 20 and int(loop.recomputed) == 20 * int(loop.repaired)
     jitted = jax.jit(jax.grad(L(reported)))
