@@ -14,8 +14,9 @@ The default run draws `EXAMPLES` programs; ``pytest -m slow tests/test_grammar.p
 `SLOW_EXAMPLES` (``JAXREV_GRAMMAR_EXAMPLES`` overrides both: CI's slow run, `.ci/run`, sets 25;
 the 500 of a run without it are a soak of about half an hour on two cores, for a person to
 run). With the count given, the slow run's programs are the same every run (derandomized:
-CI is reproducible); the soak explores new ones each time, and what it finds becomes a test of
-its own. A failure prints the program's source, which runs as it is.
+CI is reproducible; ``JAXREV_GRAMMAR_EXPLORE=1`` draws new ones at that count); the soak
+explores new ones each time, and what it finds becomes a test of its own. A failure prints
+the program's source, which runs as it is.
 """
 
 from __future__ import annotations
@@ -40,7 +41,11 @@ jax.config.update("jax_enable_x64", True)
 
 EXAMPLES = int(os.environ.get("JAXREV_GRAMMAR_EXAMPLES", "2"))
 SLOW_EXAMPLES = int(os.environ.get("JAXREV_GRAMMAR_EXAMPLES", "500"))
-EXPLORE = "JAXREV_GRAMMAR_EXAMPLES" not in os.environ  # the soak: new programs every run
+# the soak explores new programs every run; a count given (CI's) draws the same ones, unless
+# JAXREV_GRAMMAR_EXPLORE=1 asks for new ones too
+EXPLORE = "JAXREV_GRAMMAR_EXAMPLES" not in os.environ or bool(
+    os.environ.get("JAXREV_GRAMMAR_EXPLORE")
+)
 COMMON = dict(
     deadline=None,
     print_blob=True,
