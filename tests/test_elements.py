@@ -322,27 +322,3 @@ def test_no_consistent_branch_is_a_run_time_error():
     with pytest.raises(jr.ReversibilityError, match="no branch"):
         jr.reverse(f)(bad, p)
     assert bool(jnp.all(jnp.isnan(jr.reverse(f, on_error="nan")(bad, p))))
-
-
-def test_a_concatenation_is_known_on_its_known_operands():
-    """A masked autoregressive layer whose input is ``hstack((x, condition))`` (a conditional
-    MAF, as flowjax writes it): the hidden units that read only the condition are known, so the
-    outputs of rank 0 are, and the solve proceeds element by element. Before, a concatenation
-    of an unknown and a known operand was unknown everywhere, and the walk stopped at `add`."""
-    D, C, H = 3, 2, 8
-    r_in = np.hstack([np.arange(D), -np.ones(C, int)])
-    r_hid = np.arange(H) % D - 1
-    r_out = np.repeat(np.arange(D), 2)
-    m1, m2 = r_hid[:, None] >= r_in[None, :], r_out[:, None] > r_hid[None, :]
-    k1, k2 = jax.random.split(jax.random.key(0))
-    W1 = jnp.where(m1, 0.3 * jax.random.normal(k1, (H, D + C)), 0.0)
-    W2 = jnp.where(m2, 0.3 * jax.random.normal(k2, (2 * D, H)), 0.0)
-
-    def f(x, cond):
-        h = jax.nn.relu(W1 @ jnp.concatenate([x, cond]) + 0.1)
-        p = (W2 @ h).reshape(D, 2)
-        return x * jnp.exp(p[:, 1]) + p[:, 0]
-
-    x, cond = jnp.array([0.5, -0.3, 0.8]), jnp.array([0.3, -0.2])
-    for inv in (jr.reverse(f), jax.jit(jr.reverse(f))):
-        assert scaled_error(inv(f(x, cond), cond), x) < 1e-14

@@ -42,6 +42,8 @@ REFUSED = {
     # parameters)
     "MaskedAutoregressive/spline": "select_n",
     "masked_autoregressive_flow/spline@inverted": "select_n",
+    # conditioned: the condition enters the masked network through a concatenation
+    "MaskedAutoregressive/conditional": "add",
     # block neural autoregressive networks: no closed form (Newton per dimension: not built)
     "BlockAutoregressiveNetwork": "dot_general",
     "block_neural_autoregressive_flow@inverted": "dot_general",

@@ -63,7 +63,6 @@ __all__ = [
     "read_window",
     "not_case",
     "token",
-    "joins_known",
 ]
 
 FILL = 0.5
@@ -396,27 +395,14 @@ def forward(eqn: JaxprEqn, env: Env) -> bool:
         r = _noted(rule.forward(eqn, env), env)
         if r is not None:
             return r
-    partial_in = any(is_var(v) and is_partial(env, v) for v in eqn.invars)
-    if is_kind(eqn.primitive, STRUCTURAL):
-        return (partial_in or joins_known(eqn, env)) and _structural_forward(eqn, env)
-    if not partial_in:
+    if not any(is_var(v) and is_partial(env, v) for v in eqn.invars):
         return False
+    if is_kind(eqn.primitive, STRUCTURAL):
+        return _structural_forward(eqn, env)
     outs = real_outvars(eqn)
     if len(outs) == 1 and elementwise_over(eqn, tuple(outs[0].aval.shape)):
         return _elementwise_forward(eqn, env)
     return False
-
-
-def joins_known(eqn: JaxprEqn, env: Env) -> bool:
-    """Whether `eqn` concatenates known operands with unknown ones: its output is known on the
-    known operands' elements (``hstack((x, condition))``, a conditional masked network's input).
-    (A `pad`'s padding value is not taken as such knowledge: the pads a gradient's transposed
-    slices make, added up, then form groups of equations the lump step takes for singular:
-    `jr.inverse_jvp` of Rosenbrock's gradient raised SingularJacobianError, its Newton step in
-    `jr.optim.newton` came out NaN.)"""
-    return eqn.primitive.name == "concatenate" and any(
-        not is_var(v) or env.known(v) for v in eqn.invars
-    )
 
 
 def backward(eqn: JaxprEqn, env: Env) -> bool | None:
