@@ -215,9 +215,6 @@ class _Prims:
         from jax._src.lax import linalg as _linalg
 
         self.triangular_solve = getattr(_linalg, "triangular_solve_p", None)
-        from jax._src.lax import fft as _fft
-
-        self.fft = getattr(_fft, "fft_p", None)
         from jax._src import dispatch as _dispatch
 
         self.device_put = getattr(_dispatch, "device_put_p", None)

@@ -53,6 +53,9 @@ REFUSED = {
     "triangular_spline_flow@inverted": "dot_general",
     # an inverted spline inside flowjax's layer scan: the scan body's choice is not split
     "triangular_spline_flow": "select_n",
+    # the discrete cosine transform goes through complex FFTs (`real` of a complex value)
+    "DiscreteCosine": "real",
+    "DiscreteCosine@inverted": "real",
 }
 
 
@@ -91,7 +94,7 @@ ONE_WAY = [
     "coupling_flow/affine",  # a flow constructor
     "planar_flow",  # no library inverse: a round trip
     "MaskedAutoregressive/affine@inverted",  # flowjax's MAF inverse: a scan over elements
-    "DiscreteCosine",  # through complex FFTs: real(fft(x) * w), a real-linear group
+    "DiscreteCosine",  # refused (`real`)
 ]
 
 
@@ -129,6 +132,7 @@ def test_flowjax_every_way(name, how):
 # --------------------------------------------------------------------------- numpyro
 
 NP_REFUSED = {
+    "DiscreteCosineTransform": "real",
     # the radius scales every coordinate: a scalar root (not built)
     "L1BallTransform": "mul",
     "BlockNeuralAutoregressiveTransform": "dot_general",
@@ -164,7 +168,7 @@ NP_ONE_WAY = [
     "LowerCholeskyAffine",  # a triangular solve
     "RecursiveLinearTransform",  # a scan
     "ComposeTransform",  # composition (affine, permutation, clipped sigmoid)
-    "DiscreteCosineTransform",  # through complex FFTs
+    "DiscreteCosineTransform",  # refused (`real`)
 ]
 
 

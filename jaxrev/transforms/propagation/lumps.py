@@ -459,15 +459,6 @@ def _is_affine(eqns: Sequence[JaxprEqn], active: set[Var]) -> bool:
     return True
 
 
-def _real_size(vs: Sequence[Var]) -> int:
-    """How many real numbers `vs` hold (a complex element is two): a group square in them is
-    square as a real-linear map too (`real(fft(x) * w)` from a complex input is not)."""
-    return sum(
-        size_of([v.aval]) * (2 if jnp.issubdtype(v.aval.dtype, jnp.complexfloating) else 1)
-        for v in vs
-    )
-
-
 def lump_step(
     eqns: Sequence[JaxprEqn], env: Env, pending: Sequence[int], cut: bool = False
 ) -> bool:
@@ -496,7 +487,7 @@ def lump_step(
                 ):
                     inputs.append(v)
         outputs = [v for i in lump for v in real_outvars(eqns[i]) if env.known(v)]
-        if not inputs or _real_size(inputs) != _real_size(outputs):
+        if not inputs or size_of(v.aval for v in inputs) != size_of(v.aval for v in outputs):
             continue
         lump_eqns = [eqns[i] for i in lump]
         # an equation whose element rules found it loses elements (a factor with zeros) makes

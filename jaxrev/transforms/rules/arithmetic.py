@@ -669,10 +669,7 @@ define(prims.cumsum, inverse=_cumsum, logdet=_cumsum_logdet, kind=(LINEAR,))
 
 
 def _real(out, x, **_):
-    # not `Lossy`: a group of equations may give the imaginary part back (a real-linear map
-    # through complex values, the DCT's ``real(fft(x) * w)``, is solved as a lump); alone, the
-    # walk ends stuck here and names this step
-    raise NeedMore("the real part drops the imaginary part")
+    raise Lossy("the real part drops the imaginary part")
 
 
 define(prims.real, inverse=_real, kind=(LINEAR,))

@@ -2,8 +2,7 @@
 and log-determinant), its element rule (a product by a matrix with zeros known when traced,
 a masked autoregressive network's layers: output elements are known where every input element
 they read is), and a triangular solve by a known matrix (flowjax's inverted
-`TriangularAffine`, ``solve_triangular(A, y - loc)``), inverted by the product it undoes; and
-the discrete Fourier transforms (`fft`), inverted by the opposite transform."""
+`TriangularAffine`, ``solve_triangular(A, y - loc)``), inverted by the product it undoes."""
 
 from __future__ import annotations
 
@@ -23,11 +22,9 @@ from jaxrev.transforms.knowledge import regions as R
 from jaxrev.transforms.knowledge.elements import learn, region_of, value_of
 from jaxrev.transforms.registry import (
     BILINEAR,
-    LINEAR,
     ElementRule,
     LogdetContext,
     Lossy,
-    NeedMore,
     Unsupported,
     define,
 )
@@ -245,23 +242,3 @@ def _triangular_solve_logdet(ctx: LogdetContext) -> tuple[Any, Any]:
 
 
 define(prims.triangular_solve, inverse=_triangular_solve, logdet=_triangular_solve_logdet)
-
-
-# --------------------------------------------------------------------------- Fourier transforms
-
-
-def _fft(out, x, *, fft_type, fft_lengths, **_):
-    """FFT and IFFT undo each other (JAX's IFFT divides by the length). A real FFT's output
-    holds its input's numbers in another dtype and count, and an inverse real FFT drops the
-    imaginary parts of its zero and Nyquist frequencies: neither is undone on its own, but
-    a group of equations from real numbers to as many real numbers may be (`lumps`)."""
-    kind = type(fft_type)
-    if int(fft_type) in (0, 1):
-        return [lax.fft(out, kind(1 - int(fft_type)), fft_lengths)]
-    raise NeedMore("a real FFT (or its inverse) changes how many numbers it holds")
-
-
-# linear (a group of equations holding one, with `real` after it, is solved as a real-linear
-# map: flowjax's and jax.scipy's DCT, `real(fft(x) * w)`); its log-determinant comes from
-# the step's dense Jacobian, or the group's
-define(prims.fft, inverse=_fft, kind=(LINEAR,))
