@@ -361,7 +361,7 @@ def _dense(t: _Traced, why: str = _ASKED) -> tuple[Any, Any]:
         try:
             if J is None:
                 J = jax.jacfwd(flat(_state_fun(t, _differentiable(t))[0]))(x0)
-        except (*_NO_FORWARD_MODE, _LEAK) as e:
+        except _NO_FORWARD_MODE as e:  # (JAX's UnexpectedTracerError is a TypeError)
             # (where reverse mode fails too, its error says why, with forward mode's as cause)
             try:
                 J = jax.jacrev(flat(_state_fun(t, t.raw)[0]))(x0)
@@ -380,7 +380,17 @@ def _not_differentiable(t: _Traced, why: str) -> JaxrevError:
     and `jax.jacfwd` of the user's function fail the same way): a custom_jvp rule that closes
     over a value traced inside a loop (an iteration's index) leaks it when re-traced. Not a
     `NotInvertibleError`: the program inverts; its derivative is what no one can take."""
-    rule = first_eqn(t.raw.jaxpr, lambda p: p.name == "custom_jvp_call")
+    # the rule inside a loop's body first (where an iteration's value can leak), then any
+    is_rule = lambda p: p.name == "custom_jvp_call"  # noqa: E731
+    in_loops = [
+        first_eqn(b.jaxpr if hasattr(b, "jaxpr") else b, is_rule)
+        for e in t.raw.jaxpr.eqns
+        if e.primitive.name in ("scan", "while")
+        for p in e.params.values()
+        for b in (p if isinstance(p, (tuple, list)) else (p,))
+        if hasattr(b, "eqns") or hasattr(getattr(b, "jaxpr", None), "eqns")
+    ]
+    rule = next((r for r in in_loops if r is not None), None) or first_eqn(t.raw.jaxpr, is_rule)
     where = "" if rule is None else f" at `{rule.primitive.name}` at {user_source(rule)[2]}"
     return JaxrevError(
         f"{t.who}: the log-determinant needs the dense Jacobian ({why}), and JAX cannot "

@@ -96,7 +96,8 @@ def _switch_inverse(
     known_vals = [x for x in ins if not is_unknown(x)]
     # of several unknown operands, one a branch needs may come by another route (an operand
     # JAX forwarded around the cond, recovered later by a choice group): the walk tries again
-    more = len(unknown) > 1 or any(is_unknown(y) for y in outs)
+    # (an unknown output never gets here: both callers ask for their outputs first)
+    more = len(unknown) > 1
     off = len(ctx.eqn.invars) - len(ins)  # the branches' operands: the cond's last len(ins)
     hints = static_hints(len(ins), lambda k: ctx.static(off + k))
 
