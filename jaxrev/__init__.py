@@ -19,6 +19,7 @@ from jaxrev import optim
 from jaxrev.primitives import apply_gate, rot, swap
 from jaxrev.transforms.control_flow import cond, while_loop
 from jaxrev.transforms.sweep.drift import DriftWarning, LoopRepair, RepairReport
+from jaxrev.transforms.sweep.exact import Exact
 from jaxrev.transforms.custom_rules import (
     custom_inverse,
     forward_mode,
@@ -87,6 +88,7 @@ __all__ = [
     "DriftError",
     "DriftWarning",
     "RepairReport",
+    "Exact",
     "LoopRepair",
     "FailureWarning",
     "PerformanceWarning",

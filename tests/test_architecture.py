@@ -155,6 +155,7 @@ LAYERS = [
             "jaxrev._primitive",
             "jaxrev._stats",
             "jaxrev._dense",
+            "jaxrev._bits",
             "jaxrev._runtime",
         ),
     ),

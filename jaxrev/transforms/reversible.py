@@ -54,6 +54,7 @@ from jaxrev.transforms.sweep.backward import (
 )
 from jaxrev.transforms.sweep.dial import Dial
 from jaxrev.transforms.sweep.drift import RepairReport
+from jaxrev.transforms.sweep.exact import Exact, run_exact
 
 __all__ = [
     "reversible",
@@ -500,6 +501,7 @@ def reversible(
     max_steps: int | None = None,
     on_error: str = "raise",
     report: Callable[[RepairReport], Any] | None = None,
+    exact: bool | Exact = False,
 ) -> Callable:
     """`fun` with a reverse-mode derivative that rebuilds intermediates by running backwards.
 
@@ -544,6 +546,16 @@ def reversible(
       (eagerly, or when the compiled program runs): per checkpointed loop, its segments,
       how many were repaired and the iterations recomputed, so that what the default cost
       is visible. None (the default) stages nothing.
+    - `exact`: True or a `jr.Exact` (settings): exact reversal (docs/design.md §3.8). Each
+      top-level `scan` / `fori_loop` runs its float carries in fixed point, updates them
+      exactly (additions of anything the body computes; multiplications by factors, whose
+      lost bits go to a small information buffer) and is undone bit for bit, so a loop that
+      drifts when run backwards (SGD with momentum) needs no checkpoints and no repair. The
+      values are those of the fixed-point run (within its resolution, about float64's for
+      carries within [-1, 1], of `fun`'s); reverse mode only (`grad`, `vjp`, under `jit` and
+      `vmap`); code outside the loops is differentiated by JAX, which stores what it needs
+      there. Bodies that update a carry otherwise are refused, naming the primitive and
+      line. The other settings but `on_error` do not apply.
 
     **Returns:**
 
@@ -563,6 +575,16 @@ def reversible(
         >>> bool(jnp.isfinite(g))
         True
     """
+    if exact is not False:
+        if checkpoint_every != "auto" or memory_budget is not None or report is not None:
+            raise ValueError(
+                "jaxrev.reversible(exact=...) keeps no checkpoints and repairs nothing: "
+                "checkpoint_every, memory_budget and report do not apply"
+            )
+        spec = exact if isinstance(exact, Exact) else Exact()
+        return _exact_reversible(
+            fun, argnums, spec, resolve_on_error("jaxrev.reversible", on_error)
+        )
     dial = Dial(
         checkpoint_every,
         memory_budget,
@@ -574,6 +596,23 @@ def reversible(
         report,
     )
     return reversible_with(fun, argnums, dial)
+
+
+def _exact_reversible(
+    fun: Callable, argnums: int | Sequence[int], spec: Exact, on_error: str
+) -> Callable:
+    """`reversible(fun, exact=spec)`: `fun` traced, its loops run by exact reversal."""
+
+    @wraps(fun)
+    def wrapped(*args: Any) -> Any:
+        nums = normalize_argnums(argnums, len(args), fun)
+        prog = trace_program(fun, args, nums)
+        closed, lifted = hoist_consts(prog.closed)
+        outs = run_exact(closed, [*lifted, *prog.flat], spec, on_error)
+        return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(prog.out_shape), outs)
+
+    wrapped.__name__ = f"reversible({getattr(fun, '__name__', 'fun')}, exact=True)"
+    return wrapped
 
 
 def reversible_with(fun: Callable, argnums: int | Sequence[int], dial: Dial) -> Callable:
