@@ -39,6 +39,8 @@ __all__ = [
     "push",
     "pop",
     "mul_exact",
+    "Alphabet",
+    "alphabet",
     "rational",
     "RationalFactor",
     "x64",
@@ -62,7 +64,7 @@ def x64() -> Any:
 class InfoBuffer(NamedTuple):
     """The bits exact reversal keeps, per element of a carry (flattened to `n` elements).
 
-    - `state`: uint64[n], the rANS state, in [2**31, 2**63);
+    - `state`: int64[n], the rANS state, in [2**31, 2**63);
     - `words`: uint32[n, capacity + 1], the stack the state spills into (the last column is
       scratch: where the elements that do not push write);
     - `top`: int32[n], words pushed so far (negative: words borrowed from an empty buffer);
@@ -83,7 +85,7 @@ def empty(n: int, capacity: int) -> InfoBuffer:
     """A buffer of `n` elements holding nothing, with room for `capacity` words each."""
     with x64():
         return InfoBuffer(
-            jnp.full((n,), LOW, jnp.uint64),
+            jnp.full((n,), LOW, jnp.int64),
             jnp.zeros((n, max(capacity, 1) + 1), jnp.uint32),
             jnp.zeros((n,), jnp.int32),
             jnp.zeros((n,), jnp.int32),
@@ -131,7 +133,7 @@ class _Part(NamedTuple):
         )
 
     def push_word(self, cond: Any, word: Any) -> _Part:
-        """Push `word` (uint64 below 2**32) where `cond` holds. The other elements write to
+        """Push `word` (int64 in [0, 2**32)) where `cond` holds. The other elements write to
         their row's spare last column, so that a push is one scatter and no gather."""
         capacity = self.words.shape[-1] - 1
         write = cond & (self.top >= 0) & (self.top < capacity)
@@ -141,76 +143,115 @@ class _Part(NamedTuple):
         return self._replace(words=words, top=top, peak=jnp.maximum(self.peak, top))
 
     def pop_word(self, cond: Any) -> tuple[_Part, Any]:
-        """Pop a word (uint64) where `cond` holds (0 elsewhere, and where the buffer is empty:
+        """Pop a word (int64) where `cond` holds (0 elsewhere, and where the buffer is empty:
         a borrowed word)."""
         capacity = self.words.shape[-1] - 1
         top = self.top - cond.astype(jnp.int32)
         held = cond & (top >= 0) & (top < capacity)
         col = jnp.clip(top, 0, capacity - 1)
         word = self.words.at[self.rows, col].get(mode="promise_in_bounds")
-        return self._replace(top=top), jnp.where(held, word, 0).astype(jnp.uint64)
+        return self._replace(top=top), jnp.where(held, word, 0).astype(jnp.int64)
 
 
-def _table(m: Any) -> tuple[Any, Any]:
-    """Quantized uniform frequencies over [0, m): the first `b` values have frequency a + 1,
-    the rest a (a * m + b == TOTAL)."""
-    m = m.astype(jnp.uint64)
-    return TOTAL // m, TOTAL % m
+class Alphabet(NamedTuple):
+    """Integers in [0, m) as the coder sees them, found once per factor (not per element, nor
+    per step where the factor is the loop's): the quantized uniform frequencies, the first `b`
+    values having frequency a + 1 and the rest a (a * m + b == TOTAL). Integer division is
+    most of a coding step's time (x86 has no vector instruction for it)."""
+
+    m: Any
+    a: Any
+    b: Any
+
+    def broadcast(self, shape: tuple[int, ...]) -> Alphabet:
+        return Alphabet(*(jnp.broadcast_to(v, shape).reshape(-1) for v in self))
 
 
-def _freq(x: Any, a: Any, b: Any) -> tuple[Any, Any]:
-    """(frequency, cumulative frequency) of value x."""
-    return a + (x < b).astype(jnp.uint64), x * a + jnp.minimum(x, b)
+def alphabet(m: Any) -> Alphabet:
+    """The `Alphabet` of [0, m), m int64 in [1, 2**31]."""
+    with x64():
+        m = jnp.asarray(m).astype(jnp.int64)
+        return Alphabet(m, TOTAL // m, TOTAL % m)
 
 
-def _push(p: _Part, x: Any, m: Any) -> _Part:
-    x = x.astype(jnp.uint64)
-    a, b = _table(m)
-    f, c = _freq(x, a, b)
+def _divmod(x: Any, y: Any) -> tuple[Any, Any]:
+    """floor(x / y) and x mod y (in [0, y)) for int64 x and y >= 1."""
+    return jnp.floor_divide(x, y), jnp.remainder(x, y)
+
+
+def _small_div(x: Any, y: Any) -> Any:
+    """floor(x / y) for 0 <= x < 2**32 and 1 <= y < 2**32, in 32 bits (x86 has no vector
+    64-bit division, and its scalar one is several times slower than the 32-bit one)."""
+    return (x.astype(jnp.uint32) // y.astype(jnp.uint32)).astype(jnp.int64)
+
+
+def _freq(x: Any, al: Alphabet) -> tuple[Any, Any]:
+    """Value x's frequency and cumulative frequency."""
+    return al.a + (x < al.b).astype(jnp.int64), x * al.a + jnp.minimum(x, al.b)
+
+
+def _push(p: _Part, x: Any, al: Alphabet) -> _Part:
+    f, c = _freq(x.astype(jnp.int64), al)
     s = p.state
-    spill = s >= (f << WORD)
+    spill = (s >> WORD) >= f  # s >= f * 2**32, without forming 2**63 (m = 1)
     p = p.push_word(spill, s & 0xFFFFFFFF)
     s = jnp.where(spill, s >> WORD, s)
-    return p._replace(state=(s // f) * TOTAL + (s % f) + c)
+    q, r = _divmod(s, f)
+    return p._replace(state=q * TOTAL + r + c)
 
 
-def _pop(p: _Part, m: Any) -> tuple[_Part, Any]:
-    a, b = _table(m)
+def _pop(p: _Part, al: Alphabet) -> tuple[_Part, Any]:
     s = p.state
     slot = s & (TOTAL - 1)
-    wide = b * (a + 1)  # the slots of the values of frequency a + 1
-    x = jnp.where(slot < wide, slot // (a + 1), b + (slot - wide) // a)
-    f, c = _freq(x, a, b)
+    wide = al.b * (al.a + 1)  # the slots of the values of frequency a + 1
+    x = jnp.where(
+        slot < wide,
+        _small_div(slot, al.a + 1),
+        al.b + _small_div(slot - wide, al.a),
+    )
+    f, c = _freq(x, al)
     s = f * (s >> PRECISION) + slot - c
     refill = s < LOW
     p, word = p.pop_word(refill)
     return p._replace(state=jnp.where(refill, (s << WORD) | word, s)), x
 
 
+def _elements(al: Alphabet | Any, n: int) -> Alphabet:
+    """An alphabet per element (an `Alphabet` broadcast, or made from integers m)."""
+    if not isinstance(al, Alphabet):
+        al = alphabet(al)
+    return al.broadcast((n,)) if al.m.shape != (n,) else al
+
+
 def push(buf: InfoBuffer, x: Any, m: Any, rows: Rows = None) -> InfoBuffer:
-    """Store x (integers in [0, m), one per element of `rows`; m in [1, 2**31])."""
+    """Store x (integers in [0, m), one per element of `rows`; m in [1, 2**31], or its
+    `Alphabet`)."""
     with x64():
-        return _push(_Part.of(buf, rows), x, m).back(buf)
+        part = _Part.of(buf, rows)
+        return _push(part, x, _elements(m, part.state.shape[0])).back(buf)
 
 
 def pop(buf: InfoBuffer, m: Any, rows: Rows = None) -> tuple[InfoBuffer, Any]:
-    """Take out the integers in [0, m) that `push(·, x, m)` stored last (uint64)."""
+    """Take out the integers in [0, m) that `push(·, x, m)` stored last (int64)."""
     with x64():
-        p, x = _pop(_Part.of(buf, rows), m)
+        part = _Part.of(buf, rows)
+        p, x = _pop(part, _elements(m, part.state.shape[0]))
         return p.back(buf), x
 
 
 def mul_exact(buf: InfoBuffer, c: Any, n: Any, d: Any, rows: Rows = None) -> tuple[InfoBuffer, Any]:
-    """c * n / d (c int64, n and d int64 in [1, 2**30], one per element of `rows`), exactly
-    reversible: r in [0, n) is popped from the buffer, c * n + r = c2 * d + s with s in
-    [0, d), and s pushed. The inverse is `mul_exact(buf, c2, d, n)`. No product exceeds 2**62
-    unless c2 does."""
+    """c * n / d (c int64, n and d in [1, 2**30] or their `Alphabet`s, one per element of
+    `rows`), exactly reversible: r in [0, n) is popped from the buffer, c * n + r = c2 * d + s
+    with s in [0, d), and s pushed. The inverse is `mul_exact(buf, c2, d, n)`. No product
+    exceeds 2**62 unless c2 does."""
     with x64():
-        p, r = _pop(_Part.of(buf, rows), n)
-        q = jnp.floor_divide(c, d)
-        t = (c - q * d) * n + r.astype(jnp.int64)  # in [0, d * n)
-        c2 = q * n + t // d
-        return _push(p, t % d, d).back(buf), c2
+        part = _Part.of(buf, rows)
+        size = part.state.shape[0]
+        n, d = _elements(n, size), _elements(d, size)
+        p, r = _pop(part, n)
+        q, rem = _divmod(c, d.m)
+        hi, s = _divmod(rem * n.m + r, d.m)  # rem * n + r in [0, d * n)
+        return _push(p, s, d).back(buf), q * n.m + hi
 
 
 def float_parts(x: Any) -> tuple[Any, Any]:

@@ -321,7 +321,8 @@ def test_bfloat16_runs_the_check():
 
 
 def test_hypergradients_example_runs(capsys):
-    """examples/hypergradients.py at 300 steps: the default's hypergradient is jax.grad's."""
+    """examples/hypergradients.py at 300 steps: the default's and exact reversal's
+    hypergradients are jax.grad's."""
     import importlib.util
     import os
     import re
@@ -334,8 +335,9 @@ def test_hypergradients_example_runs(capsys):
     spec.loader.exec_module(mod)
     mod.main(["--steps", "300", "--dtype", "float64", "--momentum", "0.5"])
     out = capsys.readouterr().out
-    errs = [float(e) for e in re.findall(r"jr.reversible .*error vs float64 jax.grad (\S+)", out)]
-    assert errs and errs[0] < 1e-10, out
+    for name in ("jr.reversible", "exact=True"):
+        errs = [float(e) for e in re.findall(rf"{name} .*error vs float64 jax.grad (\S+)", out)]
+        assert errs and errs[0] < 1e-10, out
 
 
 @pytest.mark.slow

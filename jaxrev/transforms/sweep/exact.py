@@ -35,7 +35,17 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxrev._bits import LOW, WORD, empty, float_parts, mul_exact, rational, x64
+from jaxrev._bits import (
+    LOW,
+    WORD,
+    Alphabet,
+    alphabet,
+    empty,
+    float_parts,
+    mul_exact,
+    rational,
+    x64,
+)
 from jaxrev._compat import (
     ClosedJaxpr,
     JaxprEqn,
@@ -489,6 +499,25 @@ def _or(a: Any, b: Any) -> Any:
     return a | jnp.any(b)
 
 
+class Factor(NamedTuple):
+    """A factor as ``sign * num / den``, with the alphabets of num and den (for the coder),
+    and where it could be held (`rational`)."""
+
+    sign: Any
+    num: Alphabet
+    den: Alphabet
+    ok: Any
+
+    @classmethod
+    def of(cls, g: Any) -> Factor:
+        r = rational(g)
+        return cls(r.sign, alphabet(r.num), alphabet(r.den), r.ok)
+
+
+def _cat(parts: list[Alphabet]) -> Alphabet:
+    return Alphabet(*(jnp.concatenate(fields) for fields in zip(*parts)))
+
+
 class _Fixed:
     """One iteration's fixed-point arithmetic: the carries' grids (per slot; None for an
     integer carry), the rationals of invariant factors, and the loop's buffer rows."""
@@ -505,14 +534,13 @@ class _Fixed:
         q, bad = _to_fixed(jnp.asarray(val), self.scales[s.slot])
         return q, flags._replace(range=_upd(flags.range, s.slot, bad))
 
-    def factor(self, s: ChainStep, val: Any, flags: _Flags) -> tuple[Any, _Flags]:
-        """The rational of a step's factor: an invariant one's found (and checked) once, before
-        the loop."""
-        r = self.factors.get(s.side) if isinstance(s.side, Var) else None
-        if r is not None:
-            return r, flags
-        r = rational(val)
-        return r, flags._replace(factor=_upd(flags.factor, s.slot, ~r.ok))
+    def factor(self, s: ChainStep, val: Any, flags: _Flags) -> tuple[Factor, _Flags]:
+        """A step's factor: an invariant one's found (and checked) once, before the loop."""
+        f = self.factors.get(s.side) if isinstance(s.side, Var) else None
+        if f is not None:
+            return f, flags
+        f = Factor.of(val)
+        return f, flags._replace(factor=_upd(flags.factor, s.slot, ~f.ok))
 
     def apply(self, s: ChainStep, c: Any, val: Any, flags: _Flags) -> tuple[Any, _Flags]:
         """One step that loses nothing, forward: the step's output on the grid."""
@@ -547,19 +575,17 @@ class _Fixed:
         with x64():
             ns, ds, signs = [], [], []
             for s, c, val in zip(batch, cs, vals):
-                r, flags = self.factor(s, val, flags)
-                n, d = (r.num, r.den) if s.kind == "mul" else (r.den, r.num)
+                f, flags = self.factor(s, val, flags)
+                n, d = (f.num, f.den) if s.kind == "mul" else (f.den, f.num)
                 if back:
                     n, d = d, n
-                ns.append(jnp.broadcast_to(n, c.shape).reshape(-1))
-                ds.append(jnp.broadcast_to(d, c.shape).reshape(-1))
-                signs.append(jnp.broadcast_to(r.sign, c.shape).reshape(-1))
+                ns.append(n.broadcast(c.shape))
+                ds.append(d.broadcast(c.shape))
+                signs.append(jnp.broadcast_to(f.sign, c.shape).reshape(-1))
             sign = jnp.concatenate(signs)
             flat = jnp.concatenate([c.reshape(-1) for c in cs])
             rows = np.concatenate([self.plan.rows[s.slot] for s in batch])
-            buf, out = mul_exact(
-                buf, flat * sign if back else flat, jnp.concatenate(ns), jnp.concatenate(ds), rows
-            )
+            buf, out = mul_exact(buf, flat * sign if back else flat, _cat(ns), _cat(ds), rows)
             out = out if back else out * sign
             outs, at = [], 0
             for s, c in zip(batch, cs):
@@ -735,7 +761,7 @@ class _Loop:
         factor_bad = [jnp.zeros(b.shape, bool) for b in bad]
         for s in plan.steps.values():
             if s.lossy and isinstance(s.side, Var) and s.side in hoisted:
-                r = factors[s.side] = rational(hoisted[s.side])
+                r = factors[s.side] = Factor.of(hoisted[s.side])
                 fb = factor_bad[s.slot]
                 factor_bad[s.slot] = fb | jnp.broadcast_to(~r.ok, fb.shape)
         fx = _Fixed(plan, scales, factors)
