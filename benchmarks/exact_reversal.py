@@ -19,7 +19,7 @@ Families (each differentiated four ways in one process):
 Reported: run time (median of interleaved calls, one XLA thread), XLA's planned scratch
 memory (`compile().memory_analysis()`), the first call (trace, compile, run), the gradient's
 relative error against the reference (`jax.grad` in float64, or float32 for the RevNet), and
-the exact mode's information buffer (bytes). Writes results/exact_reversal.{json,md,png}.
+Writes results/exact_reversal.{json,md,png} (--quick: exact_reversal_quick.*).
 
     python benchmarks/exact_reversal.py          # every family (about 2-3 minutes)
     python benchmarks/exact_reversal.py --quick  # shorter loops (2 000 training steps)
@@ -334,7 +334,8 @@ def main(argv: list[str] | None = None) -> None:
     rows = [measure(c, args.reps) for c in progress(todo, desc="exact_reversal", unit="case")]
     text = table(rows)
     print(text)
-    jpath, mpath = write_results("exact_reversal", {"device": device_info(), "rows": rows}, text)
+    name = "exact_reversal_quick" if args.quick else "exact_reversal"
+    jpath, mpath = write_results(name, {"device": device_info(), "rows": rows}, text)
     plot(rows, jpath[: -len(".json")] + ".png")
     print(f"wrote {jpath}, {mpath}")
 

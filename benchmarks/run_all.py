@@ -300,7 +300,33 @@ CHAIN, ATADD = "single-slot chain", "single-slot chain, fori_loop of .at[i].add"
 KG, COUPLING = "Klein-Gordon leapfrog, 200 steps", "coupling chain .at[1:].add"
 GR = "eager grad(reversible(f))"
 
+ER = "exact_reversal_quick.json"
+
+
+def _exact(key: str) -> Callable[[dict], Any]:
+    return lambda d: _row(d["rows"], case="SGD momentum 0.9, float64")["ratios"][key]
+
+
 BENCHMARKS: list[Bench] = [
+    Bench(
+        "exact_reversal",
+        "exact_reversal.py",
+        timeout=900,
+        headlines=[
+            Headline(
+                ER,
+                "exact / jax.grad time, momentum SGD 0.9, 2000 steps",
+                LOWER,
+                _exact("time exact/jax.grad"),
+            ),
+            Headline(
+                ER,
+                "exact / jax.grad memory, momentum SGD 0.9, 2000 steps",
+                LOWER,
+                _exact("memory exact/jax.grad"),
+            ),
+        ],
+    ),
     Bench(
         "eager_cache",
         "eager_cache.py",
