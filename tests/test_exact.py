@@ -374,3 +374,28 @@ def test_settings_that_do_not_apply_are_refused():
         jr.Exact(headroom_bits=0)
     with pytest.raises(ValueError, match="bits_per_step"):
         jr.Exact(bits_per_step=0.0)
+
+
+def test_memory_report_lists_the_fixed_point_carries_and_the_buffer():
+    """The buffer grows with the loop's length at `bits_per_step` per multiplied number; the
+    carries are stored once, in int64; the report names the loop's line."""
+
+    def reports(steps, bits):
+        train = momentum_sgd(steps)
+        wv = (jnp.ones(5), jnp.zeros(5))
+        return jr.memory_report(train, wv, 0.1, 0.9, exact=jr.Exact(bits_per_step=bits))
+
+    short, long, roomy = reports(1000, 2.0), reports(4000, 2.0), reports(4000, 4.0)
+    buf = [e for e in long.entries if "information buffer" in e["what"]]
+    assert len(buf) == 1 and buf[0]["shape"][0] == 5  # one row per element of v
+    assert "momentum.py" in buf[0]["where"]
+    carries = [e for e in long.entries if e["what"].startswith("carry")]
+    assert [e["bytes"] for e in carries if "fixed point" in e["what"]] == [40, 40]
+
+    def buffer_bytes(r):
+        return sum(e["bytes"] for e in r.entries if "buffer" in e["what"])
+
+    # 4 000 steps x 2 bits x 5 numbers = 5 000 bytes of words, and a few words of slack each
+    assert 5000 <= buffer_bytes(long) <= 5000 + 5 * 64
+    assert buffer_bytes(long) > 3.5 * buffer_bytes(short) - 5 * 64
+    assert abs(buffer_bytes(roomy) - 2 * buffer_bytes(long)) <= 5 * 64

@@ -14,7 +14,7 @@ from jaxrev._compat import JaxprEqn, Var, is_key, prims, user_source
 from jaxrev._env import Env
 from jaxrev._errors import NotInvertibleError, ReversibilityError
 from jaxrev._graph import is_var
-from jaxrev._program import normalize_argnums, traced_leaves
+from jaxrev._program import normalize_argnums, trace_program, traced_leaves
 from jaxrev.transforms.knowledge.context import Settings, WalkContext
 from jaxrev.transforms.propagation.walker import propagate
 from jaxrev.transforms.reverse import invert_call
@@ -22,6 +22,7 @@ from jaxrev.transforms.reversible import bind_reversible, rebuild
 from jaxrev.transforms.sweep.backward import Plan, n_checkpoints, top_plan
 from jaxrev.transforms.sweep.dial import Dial
 from jaxrev.transforms.sweep.drift import leaf_drift
+from jaxrev.transforms.sweep.exact import Exact, stored
 
 __all__ = ["memory_report", "MemoryReport", "check_reversible", "ReversibilityReport"]
 
@@ -170,9 +171,11 @@ def memory_report(
     memory_budget: int | None = None,
     max_steps: int | None = None,
     on_drift: str = "repair",
+    exact: bool | Exact = False,
 ) -> MemoryReport:
     """List what `reversible(fun, argnums, ...)` stores for its gradient, beyond inputs and
-    outputs: values lossy steps cannot rebuild, and the time-space dial's checkpoints.
+    outputs: values lossy steps cannot rebuild, and the time-space dial's checkpoints (with
+    `exact`: each loop's final carries in fixed point and its information buffer).
 
     A repair's scratch (one segment's carries) is not listed.
 
@@ -180,8 +183,8 @@ def memory_report(
 
     - `fun`: the function, as for `reversible`.
     - `*args`: its positional arguments (arrays or `jax.ShapeDtypeStruct`s of them).
-    - `argnums`, `checkpoint_every`, `memory_budget`, `max_steps`, `on_drift`: `reversible`'s
-      keywords, with its defaults.
+    - `argnums`, `checkpoint_every`, `memory_budget`, `max_steps`, `on_drift`, `exact`:
+      `reversible`'s keywords, with its defaults.
 
     **Returns:**
 
@@ -196,6 +199,11 @@ def memory_report(
         >>> [(e["count"], e["where"].split()[0]) for e in rep.entries]  # how often, what step
         [(10, '`max`')]
     """
+    if exact is not False:
+        spec = exact if isinstance(exact, Exact) else Exact()
+        prog = trace_program(fun, args, normalize_argnums(argnums, len(args), fun))
+        entries = stored(prog.closed, spec, _describe)
+        return MemoryReport(entries, getattr(fun, "__name__", "fun"))
     bound = bind_reversible(fun, args, argnums)
     plan = top_plan(
         bound.jaxpr,

@@ -61,7 +61,7 @@ from jaxrev._evaluate import eval_closed, evaluate
 from jaxrev._prepare import prepare
 from jaxrev.transforms.knowledge.checks import raise_where
 
-__all__ = ["Exact", "LoopPlan", "plan_loop", "exact_scan", "run_exact"]
+__all__ = ["Exact", "LoopPlan", "plan_loop", "exact_scan", "run_exact", "stored"]
 
 WHO = "reversible(exact=True)"
 LIMIT = 1 << 62  # the fixed-point values' bound: |value| < 2**62 keeps sums exact in int64
@@ -995,3 +995,52 @@ def run_exact(closed: ClosedJaxpr, args: Sequence[Any], spec: Exact, on_error: s
 
     evaluate(closed.jaxpr.eqns, env, rule=rule)
     return [env.read(v) for v in closed.jaxpr.outvars]
+
+
+def stored(closed: ClosedJaxpr, spec: Exact, describe: Any) -> list[dict]:
+    """What exact reversal keeps for the backward run of each top-level loop of `closed`, as
+    `memory_report` entries: the final carries on their grids (int64) and the information
+    buffer (`describe(eqn)` names the loop)."""
+    out: list[dict] = []
+    for eqn in closed.jaxpr.eqns:
+        if eqn.primitive in (prims.jit, prims.closed_call):
+            out += stored(call_jaxpr(eqn.params), spec, describe)
+            continue
+        if eqn.primitive is not prims.scan:
+            continue
+        info = scan_info(eqn.params)
+        plan = plan_loop(eqn, info.body, info.nconsts, info.ncarry)
+        loop = _Loop(eqn, plan, spec, info.length, info.reverse, "raise")
+        for j, v in enumerate(plan.carry_out):
+            shape = tuple(v.aval.shape)
+            size = int(np.prod(shape, dtype=int))
+            held = _is_float(v)
+            out.append(
+                dict(
+                    what=f"carry {j} at the loop's end" + (", in fixed point" if held else ""),
+                    shape=shape,
+                    dtype="int64" if held else str(v.aval.dtype),
+                    bytes=(8 if held else v.aval.dtype.itemsize) * size,
+                    count=1,
+                    where=describe(eqn),
+                    made=describe(eqn),
+                )
+            )
+        rows = sum(len(r) for r in plan.rows.values())
+        if rows:
+            words = rows * (loop.capacity + 1)
+            out.append(
+                dict(
+                    what=(
+                        f"information buffer: {spec.bits_per_step} bits per multiplication per "
+                        f"element per step, {loop.capacity} words of {WORD} bits per element"
+                    ),
+                    shape=(rows, loop.capacity + 1),
+                    dtype="uint32",
+                    bytes=4 * words + 16 * rows,  # the words; the state, top and peak
+                    count=1,
+                    where=describe(eqn),
+                    made=describe(eqn),
+                )
+            )
+    return out
