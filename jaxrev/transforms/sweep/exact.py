@@ -1,7 +1,7 @@
 """Exact reversal of loops (docs/design.md §3.8, "Exact reversal"): `jr.reversible(f, exact=True)`.
 
-A `scan`'s float carries are held in fixed point (int64, a scale per carry chosen from its
-start's magnitude and `Exact.headroom_bits`) while the loop runs forward, and every update of
+A `scan`'s float carries are held in fixed point (int64, int32 for 16-bit floats; a scale per
+carry chosen from its start's magnitude and `Exact.headroom_bits`) while the loop runs forward, and every update of
 a carry is applied exactly: additions and subtractions of any value the body computes (read by
 the body as the float that the fixed point stands for, rounded once to the carry's grid),
 negations, and multiplications or divisions by factors, which keep the bits they destroy in an
@@ -76,7 +76,8 @@ class Exact:
 
     - `headroom_bits`: how far a carry may grow beyond its start's magnitude (at least 1): a
       carry whose start is at most 2**E in magnitude (E >= 0) is held with 62 - headroom - E
-      fractional bits and may reach 2**(E + headroom). 10 (the default) allows growth by 1024
+      fractional bits (30 - headroom - E for bfloat16 and float16 carries, held in int32) and
+      may reach 2**(E + headroom). 10 (the default) allows growth by 1024
       and gives float64's resolution to carries within [-1, 1]. A carry that leaves its range
       raises a `jr.ReversibilityError` naming the loop and the carry.
     - `bits_per_step`: the information buffer's room per multiplication or division of a carry
@@ -444,27 +445,41 @@ def _undo_order(
 # ------------------------------------------------------------------ fixed point
 
 
+def _int_type(dtype: Any) -> tuple[Any, int]:
+    """The integers a float carry of `dtype` is held in, and their bound: int32 below 2**30
+    for 16-bit floats (8 or 11 significant bits: 20 fractional bits are already finer, and
+    the carry takes the fully reversible mode's memory), int64 below 2**62 otherwise."""
+    if jnp.dtype(dtype).itemsize <= 2:
+        return jnp.int32, 1 << 30
+    return jnp.int64, LIMIT
+
+
 def _scale_bits(x: Any, headroom: int) -> Any:
-    """Fractional bits of a float carry starting at `x`: 62 - headroom - E, 2**E bounding |x|
-    (E >= 0)."""
+    """Fractional bits of a float carry starting at `x`: log2(bound) - headroom - E, 2**E
+    bounding |x| (E >= 0)."""
     with x64():
+        bound = _int_type(x.dtype)[1].bit_length() - 1
         m = jnp.max(jnp.abs(x)).astype(jnp.float64) if x.size else jnp.float64(0)
         _, e = float_parts(jnp.where(jnp.isfinite(m), m, 0.0))  # m < 2**(e + 1)
-        return (62 - headroom - jnp.maximum(e + 1, 0)).astype(jnp.int32)
+        return (bound - headroom - jnp.maximum(e + 1, 0)).astype(jnp.int32)
 
 
 class Grid(NamedTuple):
     """A float carry's fixed-point grid: `bits` fractional bits; `up` = 2**bits and `down` =
-    2**-bits as float64 (exact), so that moving on and off the grid is one multiplication."""
+    2**-bits as float64 (exact), so that moving on and off the grid is one multiplication;
+    the integers it is held in (`_int_type`) and their bound."""
 
     bits: Any
     up: Any
     down: Any
+    dtype: Any
+    limit: int
 
 
-def _grid(bits: Any) -> Grid:
+def _grid(bits: Any, dtype: Any) -> Grid:
     with x64():
-        return Grid(bits, _power_of_two(bits), _power_of_two(-bits))
+        ints, limit = _int_type(dtype)
+        return Grid(bits, _power_of_two(bits), _power_of_two(-bits), ints, limit)
 
 
 def _power_of_two(k: Any) -> Any:
@@ -475,11 +490,12 @@ def _power_of_two(k: Any) -> Any:
 
 
 def _to_fixed(x: Any, g: Grid) -> tuple[Any, Any]:
-    """round(x * 2**bits) as int64, and where it is out of range (or not finite)."""
+    """round(x * 2**bits) on the grid's integers, and where it is out of range (or not
+    finite)."""
     with x64():
         y = x.astype(jnp.float64) * g.up
-        bad = ~(jnp.abs(y) < LIMIT)
-        return jnp.where(bad, 0, jnp.round(y)).astype(jnp.int64), bad
+        bad = ~(jnp.abs(y) < g.limit)
+        return jnp.where(bad, 0, jnp.round(y)).astype(g.dtype), bad
 
 
 def _view(c: Any, g: Grid, dtype: Any) -> Any:
@@ -566,7 +582,8 @@ class _Fixed:
     def _range(self, s: ChainStep, out: Any, flags: _Flags) -> _Flags:
         if not _is_float(s.out):
             return flags
-        return flags._replace(range=_upd(flags.range, s.slot, jnp.abs(out) >= LIMIT))
+        limit = self.scales[s.slot].limit
+        return flags._replace(range=_upd(flags.range, s.slot, jnp.abs(out) >= limit))
 
     def multiply(self, batch: list, cs: list, vals: list, buf: Any, flags: _Flags, back: bool):
         """The multiplications (and divisions) of a phase at once: ``c * factor`` forward, or
@@ -583,7 +600,7 @@ class _Fixed:
                 ds.append(d.broadcast(c.shape))
                 signs.append(jnp.broadcast_to(f.sign, c.shape).reshape(-1))
             sign = jnp.concatenate(signs)
-            flat = jnp.concatenate([c.reshape(-1) for c in cs])
+            flat = jnp.concatenate([c.reshape(-1).astype(jnp.int64) for c in cs])
             rows = np.concatenate([self.plan.rows[s.slot] for s in batch])
             buf, out = mul_exact(buf, flat * sign if back else flat, _cat(ns), _cat(ds), rows)
             out = out if back else out * sign
@@ -591,9 +608,9 @@ class _Fixed:
             for s, c in zip(batch, cs):
                 o = out[at : at + c.size].reshape(c.shape)
                 at += c.size
-                outs.append(o)
                 if not back:
-                    flags = self._range(s, o, flags)
+                    flags = self._range(s, o, flags)  # (before an int32 carry is narrowed)
+                outs.append(o.astype(c.dtype))
             return outs, buf, flags
 
     def view(self, v: Var, c: Any) -> Any:
@@ -729,7 +746,7 @@ class _Loop:
             for k in cycle[1:]:
                 f = jnp.minimum(f, own[k])
             for k in cycle:
-                out[k] = _grid(f)
+                out[k] = _grid(f, plan.carry_in[k].aval.dtype)
             seen.update(cycle)
         return out
 
@@ -1015,12 +1032,13 @@ def stored(closed: ClosedJaxpr, spec: Exact, describe: Any) -> list[dict]:
             shape = tuple(v.aval.shape)
             size = int(np.prod(shape, dtype=int))
             held = _is_float(v)
+            dtype = jnp.dtype(_int_type(v.aval.dtype)[0] if held else v.aval.dtype)
             out.append(
                 dict(
                     what=f"carry {j} at the loop's end" + (", in fixed point" if held else ""),
                     shape=shape,
-                    dtype="int64" if held else str(v.aval.dtype),
-                    bytes=(8 if held else v.aval.dtype.itemsize) * size,
+                    dtype=str(dtype),
+                    bytes=dtype.itemsize * size,
                     count=1,
                     where=describe(eqn),
                     made=describe(eqn),
