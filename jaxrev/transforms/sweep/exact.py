@@ -2,8 +2,9 @@
 
 A `scan`'s float carries are held in fixed point (int64, int32 for 16-bit floats; a scale per
 carry chosen from its start's magnitude and `Exact.headroom_bits`) while the loop runs
-forward, and every update of a carry is applied exactly: additions and subtractions of any value the body computes (read by
-the body as the float that the fixed point stands for, rounded once to the carry's grid),
+forward, and every update of a carry is applied exactly: additions and subtractions of any
+value the body computes (read by the body as the float that the fixed point stands for,
+rounded once to the carry's grid),
 negations, and multiplications or divisions by factors, which keep the bits they destroy in an
 information buffer (`jaxrev._bits`). The backward run undoes each iteration bit for bit from
 the final carry, so the rebuilt trajectory is the forward one exactly, whatever the loop's
