@@ -248,22 +248,29 @@ def test_revnet_without_x64_against_the_float32_gradient(dtype):
         assert all(a.dtype == b.dtype for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(plain)))
         tol = 1e-5 if dtype == "float32" else 1.5 * max(rel_error(plain, ref), 1e-3)
         assert rel_error(got, ref) <= tol
-        # bfloat16 carries are held in int32: the scratch is the fully reversible mode's
 
-        def streams(x, W):
-            return _revnet(x, W)[:2]
 
-        def scratch(net):
-            def f(x, W):
-                a, b = net(x, W)
-                return jnp.sum(a.astype(jnp.float32) ** 2) + jnp.sum(b.astype(jnp.float32))
+def test_bfloat16_carries_take_the_fully_reversible_scratch():
+    """bfloat16 carries are held in int32: a 16-block RevNet over a 256 x 64 batch plans 1.42x
+    the fully reversible mode's scratch (the carries on their grid, their range flags; int64
+    carries: 1.8x). Where weight gradients dominate (the benchmark's 64 blocks) it is 1.04x."""
+    rng = np.random.default_rng(5)
+    x = tuple(jnp.asarray(rng.standard_normal((256, 64)), jnp.bfloat16) for _ in range(2))
+    W = jnp.asarray(0.01 * rng.standard_normal((16, 4, 64, 64)), jnp.bfloat16)
 
-            grad = jax.jit(jax.grad(f, argnums=(0, 1)))
-            return grad.lower(x, W).compile().memory_analysis().temp_size_in_bytes
+    def streams(x, W):
+        return _revnet(x, W)[:2]
 
-        fully = jr.reversible(streams, checkpoint_every=None, on_drift="ignore")
-        if dtype == "bfloat16":  # (float32 carries are held in int64: twice their size)
-            assert scratch(jr.reversible(streams, exact=True)) <= 1.15 * scratch(fully)
+    def scratch(net):
+        def f(x, W):
+            a, b = net(x, W)
+            return jnp.sum(a.astype(jnp.float32) ** 2) + jnp.sum(b.astype(jnp.float32))
+
+        grad = jax.jit(jax.grad(f, argnums=(0, 1)))
+        return grad.lower(x, W).compile().memory_analysis().temp_size_in_bytes
+
+    fully = jr.reversible(streams, checkpoint_every=None, on_drift="ignore")
+    assert scratch(jr.reversible(streams, exact=True)) <= 1.5 * scratch(fully)
 
 
 def test_permuted_carries_xs_ys_and_reverse_scans():
