@@ -653,25 +653,8 @@ def forward_iteration(fx: _Fixed, consts, hoisted, ints, buf, flags, xs_t):  # n
     """One iteration in fixed point: (carries on their grids, buffer, flags, ys)."""
     plan = fx.plan
     env = _env(plan, consts, hoisted, xs_t)
-    held: dict[Var, Any] = {}
-    for v, c in zip(plan.carry_in, ints):
-        held[v] = c
-        env.write(v, fx.view(v, c))
-    for phase in plan.forward_phases:
-        for kind, item in phase.items:
-            if kind == "side":
-                evaluate([item], env)
-                continue
-            out, flags = fx.apply(item, held[item.chain], _side(env, item), flags)
-            held[item.out] = out
-            env.write(item.out, fx.view(item.out, out))
-        if phase.batch:
-            cs = [held[s.chain] for s in phase.batch]
-            vals = [_side(env, s) for s in phase.batch]
-            outs, buf, flags = fx.multiply(phase.batch, cs, vals, buf, flags, back=False)
-            for s, out in zip(phase.batch, outs):
-                held[s.out] = out
-                env.write(s.out, fx.view(s.out, out))
+    held = _start(fx, env, plan.carry_in, ints)
+    buf, flags = _run_phases(fx, env, held, plan.forward_phases, buf, flags, back=False)
     ys = [env.read(v) for v in plan.body.jaxpr.outvars[plan.ncarry :]]
     return [held[v] for v in plan.carry_out], buf, flags, ys
 
@@ -680,26 +663,47 @@ def backward_iteration(fx: _Fixed, consts, hoisted, ints, buf, flags, xs_t):  # 
     """One iteration undone: the carries before it, bit for bit, and the buffer."""
     plan = fx.plan
     env = _env(plan, consts, hoisted, xs_t)
+    held = _start(fx, env, plan.carry_out, ints)
+    buf, flags = _run_phases(fx, env, held, plan.backward_phases, buf, flags, back=True)
+    return [held[v] for v in plan.carry_in], buf, flags
+
+
+def _start(fx: _Fixed, env: Env, carries: Sequence[Var], ints: Sequence[Any]) -> dict:
+    """The chain values known first (the carries on their grids), their views in `env`."""
     held: dict[Var, Any] = {}
-    for v, c in zip(plan.carry_out, ints):
+    for v, c in zip(carries, ints):
         held[v] = c
         env.write(v, fx.view(v, c))
-    for phase in plan.backward_phases:
+    return held
+
+
+def _run_phases(
+    fx: _Fixed, env: Env, held: dict, phases: list, buf: Any, flags: _Flags, back: bool
+):  # noqa: ANN202
+    """Run one iteration's `phases` forward (each chain step's output from its chain operand)
+    or backward (`back`: each chain operand from its output), writing each chain value into
+    `held` (on its grid) and its float view into `env`."""
+
+    def known(v: Var, value: Any) -> None:
+        held[v] = value
+        env.write(v, fx.view(v, value))
+
+    for phase in phases:
         for kind, item in phase.items:
             if kind == "side":
                 evaluate([item], env)
                 continue
-            c, flags = fx.undo(item, held[item.out], _side(env, item), flags)
-            held[item.chain] = c
-            env.write(item.chain, fx.view(item.chain, c))
+            src, dst = (item.out, item.chain) if back else (item.chain, item.out)
+            step = fx.undo if back else fx.apply
+            value, flags = step(item, held[src], _side(env, item), flags)
+            known(dst, value)
         if phase.batch:
-            outs = [held[s.out] for s in phase.batch]
+            src = [held[s.out if back else s.chain] for s in phase.batch]
             vals = [_side(env, s) for s in phase.batch]
-            cs, buf, flags = fx.multiply(phase.batch, outs, vals, buf, flags, back=True)
-            for s, c in zip(phase.batch, cs):
-                held[s.chain] = c
-                env.write(s.chain, fx.view(s.chain, c))
-    return [held[v] for v in plan.carry_in], buf, flags
+            got, buf, flags = fx.multiply(phase.batch, src, vals, buf, flags, back=back)
+            for s, value in zip(phase.batch, got):
+                known(s.chain if back else s.out, value)
+    return buf, flags
 
 
 # ------------------------------------------------------------------ the loop
