@@ -513,10 +513,6 @@ class _Flags(NamedTuple):
     factor: Any
 
 
-def _or(a: Any, b: Any) -> Any:
-    return a | jnp.any(b)
-
-
 class Factor(NamedTuple):
     """A factor as ``sign * num / den``, with the alphabets of num and den (for the coder),
     and where it could be held (`rational`)."""
