@@ -104,7 +104,7 @@ def test_every_iteration_is_undone_bit_for_bit():
         ints, buf, flags, _ = ex.forward_iteration(fx, consts, hoisted, ints, buf, flags, [])
     assert not any(np.asarray(ints[k] == start[k]).all() for k in (1, 2))
     for _ in range(info.length):
-        ints, buf, flags = ex.backward_iteration(fx, consts, hoisted, ints, buf, flags, [])
+        ints, buf, flags, _ = ex.backward_iteration(fx, consts, hoisted, ints, buf, flags, [])
     for a, b in zip(ints, start):
         assert np.asarray(a).dtype == np.asarray(b).dtype
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -52,13 +52,14 @@ from jaxrev._compat import (
     JaxprEqn,
     Literal,
     Var,
+    bind_eqn,
     call_jaxpr,
     prims,
     scan_info,
 )
 from jaxrev._env import Env
 from jaxrev._errors import ReversibilityError, at_eqn, not_invertible
-from jaxrev._evaluate import eval_closed, evaluate
+from jaxrev._evaluate import evaluate
 from jaxrev._prepare import prepare
 from jaxrev.transforms.knowledge.checks import raise_where
 
@@ -144,8 +145,7 @@ class ChainStep(NamedTuple):
 class LoopPlan:
     """How one `scan` body runs in fixed point and backwards (found once, `plan_loop`)."""
 
-    body: ClosedJaxpr  # prepared: what the fixed-point run evaluates
-    vjp_body: ClosedJaxpr  # as traced: what each iteration's cotangents differentiate
+    body: ClosedJaxpr  # prepared: what the fixed-point run evaluates and its VJP differentiates
     nconsts: int
     ncarry: int
     origin: list[int]  # per carry output slot, the carry input slot its chain starts from
@@ -198,7 +198,6 @@ def _is_int(v: Any) -> bool:
 def plan_loop(scan_eqn: JaxprEqn, body: ClosedJaxpr, nconsts: int, ncarry: int) -> LoopPlan:
     """The plan of a `scan` body, or a `NotInvertibleError` naming the equation that computes
     a carry in a way exact reversal cannot undo."""
-    vjp_body = body
     body = prepare(body)
     jaxpr = body.jaxpr
     carry_in = jaxpr.invars[nconsts : nconsts + ncarry]
@@ -295,7 +294,6 @@ def plan_loop(scan_eqn: JaxprEqn, body: ClosedJaxpr, nconsts: int, ncarry: int) 
     forward = [("undo", steps[e]) if e in steps else ("side", e) for _, e in forward]
     return LoopPlan(
         body,
-        vjp_body,
         nconsts,
         ncarry,
         origin,
@@ -619,9 +617,10 @@ class _Fixed:
 
 
 def _upd(xs: tuple, i: int, flag: Any) -> tuple:
-    """Flags `xs` with slot i's flags or-ed with `flag` (elementwise: no reduction per step;
-    the flags are reduced once, after the loop)."""
-    return tuple(x | jnp.broadcast_to(flag, x.shape) if k == i else x for k, x in enumerate(xs))
+    """Flags `xs` with slot i's flag or-ed with any of `flag`. One boolean per slot, reduced
+    each step: elementwise flags would be a carry as large as the loop's own (a byte per
+    element beside a bfloat16 carry's two), in the forward and the backward scan."""
+    return tuple(x | jnp.any(flag) if k == i else x for k, x in enumerate(xs))
 
 
 # ------------------------------------------------------------------ one iteration
@@ -656,12 +655,13 @@ def forward_iteration(fx: _Fixed, consts, hoisted, ints, buf, flags, xs_t):  # n
 
 
 def backward_iteration(fx: _Fixed, consts, hoisted, ints, buf, flags, xs_t):  # noqa: ANN001, ANN201
-    """One iteration undone: the carries before it, bit for bit, and the buffer."""
+    """One iteration undone: the carries before it, bit for bit, the buffer, the flags, and
+    every chain value of the iteration on its grid (by variable: `_on_grid_iteration`)."""
     plan = fx.plan
     env = _env(plan, consts, hoisted, xs_t)
     held = _start(fx, env, plan.carry_out, ints)
     buf, flags = _run_phases(fx, env, held, plan.backward_phases, buf, flags, back=True)
-    return [held[v] for v in plan.carry_in], buf, flags
+    return [held[v] for v in plan.carry_in], buf, flags, held
 
 
 def _start(fx: _Fixed, env: Env, carries: Sequence[Var], ints: Sequence[Any]) -> dict:
@@ -772,7 +772,7 @@ class _Loop:
             else:
                 q, b = _to_fixed(x, f)
                 ints.append(q)
-                bad.append(b)
+                bad.append(jnp.any(b))
         env = _env(plan, consts, {}, [])
         evaluate(plan.invariant, env)
         hoisted = {o: env.read(o) for e in plan.invariant for o in e.outvars}
@@ -781,8 +781,7 @@ class _Loop:
         for s in plan.steps.values():
             if s.lossy and isinstance(s.side, Var) and s.side in hoisted:
                 r = factors[s.side] = Factor.of(hoisted[s.side])
-                fb = factor_bad[s.slot]
-                factor_bad[s.slot] = fb | jnp.broadcast_to(~r.ok, fb.shape)
+                factor_bad[s.slot] = factor_bad[s.slot] | jnp.any(~r.ok)
         fx = _Fixed(plan, scales, factors)
         rows = sum(len(r) for r in plan.rows.values())
         buf = empty(rows, self.capacity) if plan.rows else None
@@ -818,23 +817,23 @@ class _Loop:
         ys_float = [_is_float(v) for v in plan.body.jaxpr.outvars[plan.ncarry :]]
         carry_float = [_is_float(v) for v in plan.carry_in]
 
-        def body_floats(fc, fcar, fxs, ints_prev, x_t):  # noqa: ANN001, ANN202
-            args = [*_merge(consts, fc, float_const), *_merge(ints_prev, fcar, carry_float)]
-            args += _merge(x_t, fxs, float_xs)
-            outs = eval_closed(plan.vjp_body, *args)
-            carry_out = [o for o, f in zip(outs[: plan.ncarry], carry_float) if f]
-            ys = [o for o, f in zip(outs[plan.ncarry :], ys_float) if f]
-            return carry_out, ys
-
         def step(carry, inp):  # noqa: ANN001, ANN202
             ints, buf, flags, ct_carry, ct_consts = carry
             x_t, ct_y = inp
-            ints, buf, flags = backward_iteration(fx, consts, hoisted, ints, buf, flags, x_t)
+            ints, buf, flags, held = backward_iteration(fx, consts, hoisted, ints, buf, flags, x_t)
             views = [fx.view(v, c) for v, c in zip(plan.carry_in, ints)]
             fc = [c for c, f in zip(consts, float_const) if f]
             fcar = [c for c, f in zip(views, carry_float) if f]
             fxs = [x for x, f in zip(x_t, float_xs) if f]
-            _, vjp = jax.vjp(lambda a, b, c: body_floats(a, b, c, views, x_t), fc, fcar, fxs)
+            on_grid = {v: fx.view(v, c) for v, c in held.items()}
+
+            def iteration(fc, fcar, fxs):  # noqa: ANN001, ANN202
+                args = [*_merge(consts, fc, float_const), *_merge(views, fcar, carry_float)]
+                outs = _on_grid_iteration(plan, on_grid, [*args, *_merge(x_t, fxs, float_xs)])
+                carry_out = [o for o, f in zip(outs[: plan.ncarry], carry_float) if f]
+                return carry_out, [o for o, f in zip(outs[plan.ncarry :], ys_float) if f]
+
+            _, vjp = jax.vjp(iteration, fc, fcar, fxs)
             ct_out = [c for c, f in zip(ct_carry, carry_float) if f]
             g_c, g_car, g_xs = vjp((ct_out, list(ct_y)))
             ct_carry = _merge([None] * plan.ncarry, g_car, carry_float)
@@ -949,6 +948,40 @@ class _Loop:
             who=WHO,
             group=False,
         )
+
+
+def _on_grid_iteration(plan: LoopPlan, on_grid: dict, args: Sequence[Any]) -> list[Any]:
+    """One iteration of the body in floats, as the fixed-point run computes it: each chain
+    value is the float view of its value on the grid (`on_grid`, from the undo), so every
+    side value is evaluated at the same arguments as in the undo (XLA merges the two, and
+    no value is computed twice per backward step), while its derivative is the chain
+    equation's (rounding onto the grid differentiated as the identity). Differentiated by
+    `jax.vjp`, it gives the fixed-point program's derivative at the rebuilt carries."""
+    jaxpr = plan.body.jaxpr
+    env = Env()
+    for v, c in zip(jaxpr.constvars, plan.body.consts):
+        env.write(v, c)
+    for v, a in zip(jaxpr.invars, args):
+        env.write(v, a)
+
+    def rule(_: int, eqn: JaxprEqn, invals: list) -> list | None:
+        if eqn not in plan.steps or not _is_float(eqn.outvars[0]):
+            return None
+        return [_valued(bind_eqn(eqn, invals)[0], on_grid[eqn.outvars[0]])]
+
+    evaluate(jaxpr.eqns, env, rule=rule)
+    return [env.read(v) for v in jaxpr.outvars]
+
+
+@jax.custom_jvp
+def _valued(computed: Any, value: Any) -> Any:
+    """`value`, differentiated as `computed`."""
+    return value
+
+
+@_valued.defjvp
+def _valued_jvp(primals, tangents):  # noqa: ANN001, ANN202
+    return primals[1], tangents[0]
 
 
 def _is_float_val(x: Any) -> bool:
