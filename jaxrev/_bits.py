@@ -175,8 +175,20 @@ def alphabet(m: Any) -> Alphabet:
 
 
 def _divmod(x: Any, y: Any) -> tuple[Any, Any]:
-    """floor(x / y) and x mod y (in [0, y)) for int64 x and y >= 1."""
-    return jnp.floor_divide(x, y), jnp.remainder(x, y)
+    """floor(x / y) and x mod y (in [0, y)) for int64 x and y >= 1, by one division
+    instruction (`jnp.floor_divide` and `jnp.remainder` each compute both a quotient and a
+    remainder, and XLA:CPU does not merge them: four scalar 64-bit divisions where one
+    suffices)."""
+    q, r = _truncated(x, y)
+    neg = r < 0
+    return jnp.where(neg, q - 1, q), jnp.where(neg, r + y, r)
+
+
+def _truncated(x: Any, y: Any) -> tuple[Any, Any]:
+    """x / y rounded toward zero, and x minus y times it: floor(x / y) and x mod y where
+    x >= 0."""
+    q = lax.div(x, y)
+    return q, x - q * y
 
 
 def _small_div(x: Any, y: Any) -> Any:
@@ -196,7 +208,7 @@ def _push(p: _Part, x: Any, al: Alphabet) -> _Part:
     spill = (s >> WORD) >= f  # s >= f * 2**32, without forming 2**63 (m = 1)
     p = p.push_word(spill, s & 0xFFFFFFFF)
     s = jnp.where(spill, s >> WORD, s)
-    q, r = _divmod(s, f)
+    q, r = _truncated(s, f)
     return p._replace(state=q * TOTAL + r + c)
 
 
@@ -204,11 +216,9 @@ def _pop(p: _Part, al: Alphabet) -> tuple[_Part, Any]:
     s = p.state
     slot = s & (TOTAL - 1)
     wide = al.b * (al.a + 1)  # the slots of the values of frequency a + 1
-    x = jnp.where(
-        slot < wide,
-        _small_div(slot, al.a + 1),
-        al.b + _small_div(slot - wide, al.a),
-    )
+    first = slot < wide  # (one division for both cases)
+    q = _small_div(jnp.where(first, slot, slot - wide), jnp.where(first, al.a + 1, al.a))
+    x = jnp.where(first, q, al.b + q)
     f, c = _freq(x, al)
     s = f * (s >> PRECISION) + slot - c
     refill = s < LOW
@@ -250,7 +260,7 @@ def mul_exact(buf: InfoBuffer, c: Any, n: Any, d: Any, rows: Rows = None) -> tup
         n, d = _elements(n, size), _elements(d, size)
         p, r = _pop(part, n)
         q, rem = _divmod(c, d.m)
-        hi, s = _divmod(rem * n.m + r, d.m)  # rem * n + r in [0, d * n)
+        hi, s = _truncated(rem * n.m + r, d.m)  # rem * n + r in [0, d * n)
         return _push(p, s, d).back(buf), q * n.m + hi
 
 
