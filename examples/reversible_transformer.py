@@ -3,7 +3,9 @@
 Run with `python examples/reversible_transformer.py` (about 50 s on two CPU cores; it
 makes 4 CPU devices when JAX has not started yet). Options: `--flax` (the Flax linen model
 instead of the Equinox one), `--shard-map` (the data-parallel axis written with
-`jax.shard_map`, gradients `psum`med as JAX documents), `--steps N`, `--depth N`.
+`jax.shard_map`, gradients `psum`med as JAX documents), `--exact` (train with exact
+reversal: the residual streams held in fixed point and rebuilt bit for bit), `--steps N`,
+`--depth N`.
 
 Each block is a pair of additive couplings on two residual streams, as in RevViT:
 
@@ -164,14 +166,16 @@ def init(
     return params, block
 
 
-METHODS = ("reversible", "jax.grad", "remat", "remat (dots saveable)")
+METHODS = ("reversible", "exact reversal", "jax.grad", "remat", "remat (dots saveable)")
 
 
 def through(block: Callable, method: str, **reversible_kw: Any) -> Callable:
     """The block stack, `(streams, stacked block parameters) -> streams`, one `lax.scan` over
-    the blocks, as each method differentiates it: `jr.reversible` (the defaults), plain, or
-    `jax.checkpoint` around each block (the usual remat) with `nothing_saveable` or
-    `dots_saveable`. `reversible_kw`: `jr.reversible`'s settings (the time-space dial)."""
+    the blocks, as each method differentiates it: `jr.reversible` (the defaults), exact
+    reversal (`jr.reversible(..., exact=True)`: the streams in fixed point, rebuilt bit for
+    bit), plain, or `jax.checkpoint` around each block (the usual remat) with
+    `nothing_saveable` or `dots_saveable`. `reversible_kw`: `jr.reversible`'s settings (the
+    time-space dial)."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if method.startswith("remat"):
@@ -185,6 +189,8 @@ def through(block: Callable, method: str, **reversible_kw: Any) -> Callable:
     def stack(streams, blocks):
         return jax.lax.scan(lambda c, p: (block(c, p), None), streams, blocks)[0]
 
+    if method == "exact reversal":
+        return jr.reversible(stack, exact=True, **reversible_kw)
     return jr.reversible(stack, **reversible_kw) if method == "reversible" else stack
 
 
@@ -318,6 +324,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--flax", action="store_true")
     ap.add_argument("--shard-map", action="store_true")
+    ap.add_argument("--exact", action="store_true")
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--depth", type=int, default=24)
     ap.add_argument("--d", type=int, default=64)
@@ -342,7 +349,8 @@ def main() -> None:
 
     opt = optax.adamw(3e-3, weight_decay=1e-4)
     opt_state = opt.init(params)
-    vg = grad_fn(block, "reversible", jnp.bfloat16, mesh, args.shard_map)
+    method = "exact reversal" if args.exact else "reversible"
+    vg = grad_fn(block, method, jnp.bfloat16, mesh, args.shard_map)
 
     # the updated parameters keep their shardings (else the second step compiles again)
     p_sh = jax.tree.map(
@@ -377,7 +385,7 @@ def main() -> None:
     )
     print("per-device scratch of one gradient step (XLA's plan):")
     for m in METHODS:
-        print(f"  {m:<24} {mem[m] / 1e6:8.2f} MB   ({mem[m] / mem['reversible']:.2f}x reversible)")
+        print(f"  {m:<24} {mem[m] / 1e6:8.2f} MB   ({mem[m] / mem[method]:.2f}x {method})")
 
 
 if __name__ == "__main__":

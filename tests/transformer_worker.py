@@ -140,9 +140,13 @@ def main(mode: str) -> None:
     _, g_bf, _, _, _ = sharded_grads("equinox", 8, "jax.grad", jnp.bfloat16, ref_params=params32)
     _, g_rev, _, _, _ = sharded_grads("equinox", 8, "reversible", jnp.bfloat16, ref_params=params32)
     _, g_bf1 = local_grads("equinox", 8, "jax.grad", jnp.bfloat16, params32)
+    _, g_exact, _, _, _ = sharded_grads(
+        "equinox", 8, "exact reversal", jnp.bfloat16, ref_params=params32
+    )
     case(
         case="bf16",
         rev_err=rel_error(g_rev, g32),
+        exact_err=rel_error(g_exact, g32),
         grad_err=rel_error(g_bf, g32),
         grad_one_device_err=rel_error(g_bf1, g32),
     )

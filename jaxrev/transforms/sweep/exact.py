@@ -271,13 +271,16 @@ def plan_loop(scan_eqn: JaxprEqn, body: ClosedJaxpr, nconsts: int, ncarry: int) 
         if not (_is_float(v) or _is_int(v)) and (v is not carry_in[j]):
             raise _not_from_carry(scan_eqn, j)
 
-    # values of the constants alone: computed once, outside the loop
+    # values of the constants alone: computed once, outside the loop. Not those of literals
+    # alone (an iota, a mask of the shapes): free to compute where they are read, they would
+    # be held through the whole loop (a causal mask broadcast to the batch and the heads)
     outer = set(jaxpr.invars[:nconsts]) | set(jaxpr.constvars)
     invariant: list[JaxprEqn] = []
     for e in jaxpr.eqns:
         if e in steps or e.effects:
             continue
-        if all(isinstance(a, Literal) or a in outer for a in e.invars):
+        read = [a for a in e.invars if not isinstance(a, Literal)]
+        if read and all(a in outer for a in read):
             invariant.append(e)
             outer.update(e.outvars)
 
