@@ -399,6 +399,13 @@ def make_jaxpr(fun: Callable, *args: Any) -> tuple[ClosedJaxpr, Any]:
     return closed, out_shape
 
 
+def saved_residuals(fun: Callable, *args: Any) -> list[tuple[Any, str]]:
+    """What JAX's reverse mode stores to differentiate `fun` at `args` (arrays or
+    `jax.ShapeDtypeStruct`s): (aval, description) per value, the description "from the
+    argument ..." or "output of PRIMITIVE from FILE:LINE (FUNCTION)"."""
+    return list(_ad_checkpoint.saved_residuals(fun, *args))
+
+
 def dce(jaxpr: Jaxpr) -> Jaxpr:
     """`jaxpr` without the equations none of its outputs needs, by JAX's own rules (a `scan`'s
     carry that no output needs, flowjax's log-det accumulator behind `transform`, is dropped

@@ -458,3 +458,30 @@ def test_memory_report_lists_the_fixed_point_carries_and_the_buffer():
     assert 5000 <= buffer_bytes(long) <= 5000 + 5 * 64
     assert buffer_bytes(long) > 3.5 * buffer_bytes(short) - 5 * 64
     assert abs(buffer_bytes(roomy) - 2 * buffer_bytes(long)) <= 5 * 64
+
+
+def test_an_unrolled_program_is_said_to_be_left_to_jax():
+    """A Python loop of couplings has no loop for exact reversal to run: JAX differentiates it
+    (the gradient is `jax.grad`'s), a `PerformanceWarning` says so once, and `memory_report`
+    lists what JAX stores there, with the user's lines (it said "nothing" before)."""
+    W = jnp.asarray(0.1 * np.random.default_rng(0).standard_normal((4, 2, 8, 8)))
+
+    def unrolled(x1, x2, W):
+        for k in range(W.shape[0]):
+            x1 = x1 + jnp.tanh(x2 @ W[k, 0])
+            x2 = x2 + jnp.tanh(x1 @ W[k, 1])
+        return x1, x2
+
+    line = inspect.getsourcelines(unrolled)[1] + 2
+    x = jnp.ones((3, 8))
+
+    def loss(net):
+        return lambda W: sum(jnp.sum(jnp.sin(a)) for a in net(x, x, W))
+
+    with pytest.warns(jr.PerformanceWarning, match="no loop at its top level"):
+        got = jax.grad(loss(jr.reversible(unrolled, exact=True)))(W)
+    np.testing.assert_allclose(got, jax.grad(loss(unrolled))(W), rtol=1e-12)
+    rep = jr.memory_report(unrolled, x, x, W, exact=True)
+    outside = [e for e in rep.entries if "outside the loops" in e["what"]]
+    assert outside and rep.total_bytes >= 4 * 2 * 3 * 8 * 8  # a tanh per coupling at least
+    assert any(f"test_exact.py:{line}" in e["where"] for e in outside), str(rep)

@@ -8,9 +8,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from jaxrev._compat import JaxprEqn, Var, is_key, prims, user_source
+from jaxrev._compat import JaxprEqn, Var, hoist_consts, is_key, prims, user_source
 from jaxrev._env import Env
 from jaxrev._errors import NotInvertibleError, ReversibilityError
 from jaxrev._graph import is_var
@@ -22,7 +23,7 @@ from jaxrev.transforms.reversible import bind_reversible, rebuild
 from jaxrev.transforms.sweep.backward import Plan, n_checkpoints, top_plan
 from jaxrev.transforms.sweep.dial import Dial
 from jaxrev.transforms.sweep.drift import leaf_drift
-from jaxrev.transforms.sweep.exact import Exact, stored
+from jaxrev.transforms.sweep.exact import Exact, outside_loops, stored
 
 __all__ = ["memory_report", "MemoryReport", "check_reversible", "ReversibilityReport"]
 
@@ -202,7 +203,12 @@ def memory_report(
     if exact is not False:
         spec = exact if isinstance(exact, Exact) else Exact()
         prog = trace_program(fun, args, normalize_argnums(argnums, len(args), fun))
-        entries = stored(prog.closed, spec, _describe)
+        closed, lifted = hoist_consts(prog.closed)
+        leaves = [
+            *lifted,
+            *(jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for x in prog.flat),
+        ]
+        entries = stored(prog.closed, spec, _describe) + outside_loops(closed, leaves, spec)
         return MemoryReport(entries, getattr(fun, "__name__", "fun"))
     bound = bind_reversible(fun, args, argnums)
     plan = top_plan(

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial, wraps
@@ -36,6 +37,7 @@ from jaxrev._compat import (
     zeros_of,
 )
 from jaxrev._env import Env
+from jaxrev._errors import PerformanceWarning
 from jaxrev._evaluate import eval_closed
 from jaxrev._primitive import make_primitive
 from jaxrev._program import Filtered, check_sizes, check_structure, normalize_argnums, trace_program
@@ -54,7 +56,7 @@ from jaxrev.transforms.sweep.backward import (
 )
 from jaxrev.transforms.sweep.dial import Dial
 from jaxrev.transforms.sweep.drift import RepairReport
-from jaxrev.transforms.sweep.exact import Exact, run_exact
+from jaxrev.transforms.sweep.exact import Exact, has_loops, run_exact
 
 __all__ = [
     "reversible",
@@ -608,11 +610,35 @@ def _exact_reversible(
         nums = normalize_argnums(argnums, len(args), fun)
         prog = trace_program(fun, args, nums)
         closed, lifted = hoist_consts(prog.closed)
+        if not has_loops(closed):
+            _warn_no_loops(fun)
         outs = run_exact(closed, [*lifted, *prog.flat], spec, on_error)
         return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(prog.out_shape), outs)
 
     wrapped.__name__ = f"reversible({getattr(fun, '__name__', 'fun')}, exact=True)"
     return wrapped
+
+
+def _warn_no_loops(fun: Callable) -> None:
+    """Exact reversal runs loops; a function without one is differentiated by JAX as it is
+    (right, at `jax.grad`'s memory): said once per function."""
+    name = getattr(fun, "__name__", "fun")
+    key = (name, getattr(fun, "__code__", None))
+    warned = memo("exact.no_loops_warned")
+    if warned.get(key):
+        return
+    warned.put(key, [], True)
+    warnings.warn(
+        f"jaxrev.reversible({name}, exact=True): {name} has no loop at its top level "
+        "(`lax.scan`, `fori_loop` with static bounds; also inside `jit`). Exact reversal runs "
+        "loops, so JAX's reverse mode differentiates it as `jax.grad` does, storing its "
+        "intermediates (`jr.memory_report(..., exact=True)` lists them). Ways out: write the "
+        "repeated blocks as a `lax.scan` over their stacked parameters "
+        "(examples/reversible_transformer.py), or `jr.reversible` without `exact`, which "
+        "runs straight code backwards too.",
+        PerformanceWarning,
+        stacklevel=3,
+    )
 
 
 def reversible_with(fun: Callable, argnums: int | Sequence[int], dial: Dial) -> Callable:

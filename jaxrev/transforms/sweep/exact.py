@@ -27,7 +27,7 @@ order in which the backward step undoes the chains (a side value needs the value
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -55,6 +55,7 @@ from jaxrev._compat import (
     bind_eqn,
     call_jaxpr,
     prims,
+    saved_residuals,
     scan_info,
 )
 from jaxrev._env import Env
@@ -1018,9 +1019,17 @@ def exact_scan(loop: _Loop, consts: Sequence[Any], init: Sequence[Any], xs: Sequ
 # ------------------------------------------------------------------ the call
 
 
-def run_exact(closed: ClosedJaxpr, args: Sequence[Any], spec: Exact, on_error: str) -> list:
+def run_exact(
+    closed: ClosedJaxpr,
+    args: Sequence[Any],
+    spec: Exact,
+    on_error: str,
+    run_loop: Callable[..., list] | None = None,
+) -> list:
     """Evaluate a program with each top-level `scan` (inside calls too) run exactly: the rest
-    is left to JAX, whose reverse mode stores what it needs outside the loops."""
+    is left to JAX, whose reverse mode stores what it needs outside the loops. `run_loop(loop,
+    consts, init, xs)` runs a loop (`exact_scan` unless given)."""
+    run_loop = exact_scan if run_loop is None else run_loop
     env = Env()
     for v, c in zip(closed.jaxpr.constvars, closed.consts):
         env.write(v, c)
@@ -1034,10 +1043,10 @@ def run_exact(closed: ClosedJaxpr, args: Sequence[Any], spec: Exact, on_error: s
             plan = plan_loop(eqn, info.body, info.nconsts, info.ncarry)
             loop = _Loop(eqn, plan, spec, info.length, info.reverse, on_error)
             c, rest = invals[: info.nconsts], invals[info.nconsts :]
-            return exact_scan(loop, c, rest[: info.ncarry], rest[info.ncarry :])
+            return run_loop(loop, c, rest[: info.ncarry], rest[info.ncarry :])
         if p in (prims.jit, prims.closed_call):
             sub = call_jaxpr(eqn.params)
-            return run_exact(sub, invals, spec, on_error)
+            return run_exact(sub, invals, spec, on_error, run_loop)
         if p is prims.while_:
             raise not_invertible(
                 eqn,
@@ -1050,6 +1059,52 @@ def run_exact(closed: ClosedJaxpr, args: Sequence[Any], spec: Exact, on_error: s
 
     evaluate(closed.jaxpr.eqns, env, rule=rule)
     return [env.read(v) for v in closed.jaxpr.outvars]
+
+
+def has_loops(closed: ClosedJaxpr) -> bool:
+    """Whether exact reversal has a loop to run in `closed` (at its top level, or inside a
+    `jit` call there)."""
+    return any(
+        eqn.primitive is prims.scan
+        or (eqn.primitive in (prims.jit, prims.closed_call) and has_loops(call_jaxpr(eqn.params)))
+        for eqn in closed.jaxpr.eqns
+    )
+
+
+def _opaque_loop(loop: _Loop, consts: Sequence[Any], init: Sequence[Any], xs: Sequence[Any]):  # noqa: ANN202
+    """A loop's outputs as shapes only, differentiable but keeping nothing: what JAX stores
+    around it is then what the code outside the loops makes it store."""
+
+    @jax.custom_vjp
+    def run(consts, init, xs):  # noqa: ANN001, ANN202
+        return [jnp.zeros(v.aval.shape, v.aval.dtype) for v in loop.eqn.outvars]
+
+    run.defvjp(lambda *a: (run(*a), None), lambda _, cts: None)
+    return list(run(tuple(consts), tuple(init), tuple(xs)))
+
+
+def outside_loops(closed: ClosedJaxpr, args: Sequence[Any], spec: Exact) -> list[dict]:
+    """What JAX's reverse mode stores for the code of `closed` outside its exact loops (an
+    unrolled network, a loss after a loop), as `memory_report` entries; the arguments and
+    what the loops keep are not listed."""
+    saved = saved_residuals(lambda *a: run_exact(closed, a, spec, "raise", _opaque_loop), *args)
+    out = []
+    for aval, why in saved:
+        if why.startswith("from the argument"):
+            continue
+        dtype = jnp.dtype(aval.dtype)
+        out.append(
+            dict(
+                what="value outside the loops, stored by JAX's reverse mode",
+                shape=tuple(aval.shape),
+                dtype=str(dtype),
+                bytes=dtype.itemsize * int(np.prod(aval.shape, dtype=int)),
+                count=1,
+                where=why,
+                made="",
+            )
+        )
+    return out
 
 
 def stored(closed: ClosedJaxpr, spec: Exact, describe: Any) -> list[dict]:
