@@ -556,8 +556,9 @@ def reversible(
       values are those of the fixed-point run (within its resolution, about float64's for
       carries within [-1, 1], of `fun`'s); reverse mode only (`grad`, `vjp`, under `jit` and
       `vmap`); code outside the loops is differentiated by JAX, which stores what it needs
-      there. Bodies that update a carry otherwise are refused, naming the primitive and
-      line. The other settings but `on_error` do not apply.
+      there (`memory_report(..., exact=True)` lists it; a function with no loop warns once,
+      `PerformanceWarning`). Bodies that update a carry otherwise are refused, naming the
+      primitive and line. The other settings but `on_error` do not apply.
 
     **Returns:**
 
