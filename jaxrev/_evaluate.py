@@ -57,12 +57,12 @@ def apply(eqn: JaxprEqn, invals: Sequence[Any]) -> list[Any]:
     return bind_eqn(eqn, invals)
 
 
-def eval_closed(closed: ClosedJaxpr, *args: Any) -> list[Any]:
-    """Evaluate a closed jaxpr on values or tracers."""
+def eval_closed(closed: ClosedJaxpr, *args: Any, rule: EqnRule | None = None) -> list[Any]:
+    """Evaluate a closed jaxpr on values or tracers (`rule` as for `evaluate`)."""
     env = Env()
     for v, c in zip(closed.jaxpr.constvars, closed.consts):
         env.write(v, c)
     for v, a in zip(closed.jaxpr.invars, args):
         env.write(v, a)
-    evaluate(closed.jaxpr.eqns, env)
+    evaluate(closed.jaxpr.eqns, env, rule=rule)
     return [env.read(v) for v in closed.jaxpr.outvars]

@@ -60,7 +60,7 @@ from jaxrev._compat import (
 )
 from jaxrev._env import Env
 from jaxrev._errors import ReversibilityError, at_eqn, not_invertible
-from jaxrev._evaluate import evaluate
+from jaxrev._evaluate import eval_closed, evaluate
 from jaxrev._prepare import prepare
 from jaxrev.transforms.knowledge.checks import raise_where
 
@@ -961,20 +961,13 @@ def _on_grid_iteration(plan: LoopPlan, on_grid: dict, args: Sequence[Any]) -> li
     no value is computed twice per backward step), while its derivative is the chain
     equation's (rounding onto the grid differentiated as the identity). Differentiated by
     `jax.vjp`, it gives the fixed-point program's derivative at the rebuilt carries."""
-    jaxpr = plan.body.jaxpr
-    env = Env()
-    for v, c in zip(jaxpr.constvars, plan.body.consts):
-        env.write(v, c)
-    for v, a in zip(jaxpr.invars, args):
-        env.write(v, a)
 
     def rule(_: int, eqn: JaxprEqn, invals: list) -> list | None:
         if eqn not in plan.steps or not _is_float(eqn.outvars[0]):
             return None
         return [_valued(bind_eqn(eqn, invals)[0], on_grid[eqn.outvars[0]])]
 
-    evaluate(jaxpr.eqns, env, rule=rule)
-    return [env.read(v) for v in jaxpr.outvars]
+    return eval_closed(plan.body, *args, rule=rule)
 
 
 @jax.custom_jvp
@@ -1062,10 +1055,10 @@ def run_exact(
 
 
 def has_loops(closed: ClosedJaxpr) -> bool:
-    """Whether exact reversal has a loop to run in `closed` (at its top level, or inside a
-    `jit` call there)."""
+    """Whether `closed` has a loop for exact reversal (at its top level, or inside a `jit`
+    call there; a `while_loop`, which it refuses by name, counts)."""
     return any(
-        eqn.primitive is prims.scan
+        eqn.primitive in (prims.scan, prims.while_)
         or (eqn.primitive in (prims.jit, prims.closed_call) and has_loops(call_jaxpr(eqn.params)))
         for eqn in closed.jaxpr.eqns
     )
