@@ -52,7 +52,6 @@ from jaxrev._compat import (
     JaxprEqn,
     Literal,
     Var,
-    bind_eqn,
     call_jaxpr,
     prims,
     saved_residuals,
@@ -965,9 +964,24 @@ def _on_grid_iteration(plan: LoopPlan, on_grid: dict, args: Sequence[Any]) -> li
     def rule(_: int, eqn: JaxprEqn, invals: list) -> list | None:
         if eqn not in plan.steps or not _is_float(eqn.outvars[0]):
             return None
-        return [_valued(bind_eqn(eqn, invals)[0], on_grid[eqn.outvars[0]])]
+        return [_valued(_float_op(plan.steps[eqn].kind, *invals), on_grid[eqn.outvars[0]])]
 
     return eval_closed(plan.body, *args, rule=rule)
+
+
+def _float_op(kind: str, *operands: Any) -> Any:
+    """A chain equation's float operation (its `ChainStep.kind`) on its operands in order."""
+    if kind == "add":
+        return lax.add(*operands)
+    if kind in ("sub", "rsub"):  # (rsub: side - chain, the operands in the equation's order)
+        return lax.sub(*operands)
+    if kind == "mul":
+        return lax.mul(*operands)
+    if kind == "div":
+        return lax.div(*operands)
+    if kind == "neg":
+        return lax.neg(*operands)
+    return operands[0]  # a copy
 
 
 @jax.custom_jvp
