@@ -41,7 +41,10 @@ __all__ = [
     "mul_exact",
     "Alphabet",
     "alphabet",
+    "power_alphabet",
     "rational",
+    "dyadic",
+    "power_of_two",
     "RationalFactor",
     "x64",
     "FACTOR_BITS",
@@ -162,16 +165,38 @@ class Alphabet(NamedTuple):
     m: Any
     a: Any
     b: Any
+    log2: Any = None  # m = 2**log2 where known to be a power of two (divisions are shifts)
 
     def broadcast(self, shape: tuple[int, ...]) -> Alphabet:
-        return Alphabet(*(jnp.broadcast_to(v, shape).reshape(-1) for v in self))
+        def b(v: Any) -> Any:
+            return None if v is None else jnp.broadcast_to(v, shape).reshape(-1)
+
+        return Alphabet(*(b(v) for v in self))
 
 
 def alphabet(m: Any) -> Alphabet:
     """The `Alphabet` of [0, m), m int64 in [1, 2**31]."""
     with x64():
         m = jnp.asarray(m).astype(jnp.int64)
-        return Alphabet(m, TOTAL // m, TOTAL % m)
+        a, b = _truncated(jnp.int64(TOTAL), m)
+        return Alphabet(m, a, b)
+
+
+def power_alphabet(k: Any) -> Alphabet:
+    """The `Alphabet` of [0, 2**k), k int64 in [0, 31]: every value of frequency 2**(31 - k),
+    and every division by m or by a frequency a shift."""
+    with x64():
+        k = jnp.asarray(k).astype(jnp.int64)
+        one = jnp.ones_like(k)
+        return Alphabet(one << k, one << (PRECISION - k), jnp.zeros_like(k), k)
+
+
+def _div_by(x: Any, al: Alphabet) -> tuple[Any, Any]:
+    """floor(x / m) and x mod m for int64 x (of either sign) and m = `al.m`: a shift and a
+    mask where m is a power of two."""
+    if al.log2 is None:
+        return _divmod(x, al.m)
+    return x >> al.log2, x & (al.m - 1)
 
 
 def _divmod(x: Any, y: Any) -> tuple[Any, Any]:
@@ -208,17 +233,23 @@ def _push(p: _Part, x: Any, al: Alphabet) -> _Part:
     spill = (s >> WORD) >= f  # s >= f * 2**32, without forming 2**63 (m = 1)
     p = p.push_word(spill, s & 0xFFFFFFFF)
     s = jnp.where(spill, s >> WORD, s)
-    q, r = _truncated(s, f)
+    if al.log2 is None:
+        q, r = _truncated(s, f)
+    else:  # f = 2**(31 - log2) for every value
+        q, r = s >> (PRECISION - al.log2), s & (f - 1)
     return p._replace(state=q * TOTAL + r + c)
 
 
 def _pop(p: _Part, al: Alphabet) -> tuple[_Part, Any]:
     s = p.state
     slot = s & (TOTAL - 1)
-    wide = al.b * (al.a + 1)  # the slots of the values of frequency a + 1
-    first = slot < wide  # (one division for both cases)
-    q = _small_div(jnp.where(first, slot, slot - wide), jnp.where(first, al.a + 1, al.a))
-    x = jnp.where(first, q, al.b + q)
+    if al.log2 is not None:  # every value of frequency a = 2**(31 - log2)
+        x = slot >> (PRECISION - al.log2)
+    else:
+        wide = al.b * (al.a + 1)  # the slots of the values of frequency a + 1
+        first = slot < wide  # (one division for both cases)
+        q = _small_div(jnp.where(first, slot, slot - wide), jnp.where(first, al.a + 1, al.a))
+        x = jnp.where(first, q, al.b + q)
     f, c = _freq(x, al)
     s = f * (s >> PRECISION) + slot - c
     refill = s < LOW
@@ -259,8 +290,8 @@ def mul_exact(buf: InfoBuffer, c: Any, n: Any, d: Any, rows: Rows = None) -> tup
         size = part.state.shape[0]
         n, d = _elements(n, size), _elements(d, size)
         p, r = _pop(part, n)
-        q, rem = _divmod(c, d.m)
-        hi, s = _truncated(rem * n.m + r, d.m)  # rem * n + r in [0, d * n)
+        q, rem = _div_by(c, d)
+        hi, s = _div_by(rem * n.m + r, d)  # rem * n + r in [0, d * n)
         return _push(p, s, d).back(buf), q * n.m + hi
 
 
@@ -283,6 +314,35 @@ class RationalFactor(NamedTuple):
     num: Any
     den: Any
     ok: Any
+    den_log2: Any = None  # den = 2**den_log2 where known (`dyadic`)
+
+
+def dyadic(g: Any) -> RationalFactor:
+    """|g| (float) as n / 2**k with n of 30 bits where |g| >= 1/2 (k <= 30; 22 bits at
+    |g| = 2**-8): relative error at most 2**-30 there, 2**-22 at worst, finer than a float32
+    factor's own rounding but where |g| < 2**-6. A handful of vector operations per element,
+    where `rational`'s continued fraction takes 64 rounds of 64-bit divisions: for the factors
+    a loop computes anew every step and element (a gate), in 16- and 32-bit floats."""
+    with x64():
+        g = jnp.asarray(g).astype(jnp.float64)
+        mag = jnp.abs(g)
+        ok = jnp.isfinite(g) & (mag >= 2.0**-8) & (mag <= 2.0**8)
+        _, exp = float_parts(jnp.where(ok, mag, 1.0))  # mag in [2**exp, 2**(exp + 1))
+        k = jnp.minimum(FACTOR_BITS - 1 - exp, FACTOR_BITS)
+        num = jnp.round(mag * power_of_two(k)).astype(jnp.int64)
+        sign = jnp.where(g < 0, -1, 1).astype(jnp.int64)
+        good = ok & (num >= 1)
+        k = jnp.where(good, k, 0)
+        return RationalFactor(
+            sign, jnp.where(good, num, 1), jnp.left_shift(jnp.ones_like(k), k), good, k
+        )
+
+
+def power_of_two(k: Any) -> Any:
+    """2.0**k in float64 (|k| < 1023), from its bits (`jnp.ldexp`, an inner `jit`, lowers
+    with the wrong types inside a scoped x64 on JAX 0.12)."""
+    e = (jnp.asarray(k).astype(jnp.int64) + 1023) << 52
+    return lax.bitcast_convert_type(e, jnp.float64)
 
 
 def rational(g: Any) -> RationalFactor:

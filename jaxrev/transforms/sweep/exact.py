@@ -41,9 +41,12 @@ from jaxrev._bits import (
     WORD,
     Alphabet,
     alphabet,
+    dyadic,
     empty,
     float_parts,
     mul_exact,
+    power_alphabet,
+    power_of_two,
     rational,
     x64,
 )
@@ -482,14 +485,7 @@ class Grid(NamedTuple):
 def _grid(bits: Any, dtype: Any) -> Grid:
     with x64():
         ints, limit = _int_type(dtype)
-        return Grid(bits, _power_of_two(bits), _power_of_two(-bits), ints, limit)
-
-
-def _power_of_two(k: Any) -> Any:
-    """2.0**k in float64 (|k| < 1023), from its bits (`jnp.ldexp`, an inner `jit`, lowers with
-    the wrong types inside a scoped x64 on JAX 0.12)."""
-    e = (jnp.asarray(k).astype(jnp.int64) + 1023) << 52
-    return lax.bitcast_convert_type(e, jnp.float64)
+        return Grid(bits, power_of_two(bits), power_of_two(-bits), ints, limit)
 
 
 def _to_fixed(x: Any, g: Grid) -> tuple[Any, Any]:
@@ -524,13 +520,22 @@ class Factor(NamedTuple):
     ok: Any
 
     @classmethod
-    def of(cls, g: Any) -> Factor:
-        r = rational(g)
-        return cls(r.sign, alphabet(r.num), alphabet(r.den), r.ok)
+    def of(cls, g: Any, per_step: bool = False) -> Factor:
+        """The factor `g`: the closest fraction (`rational`), or, for a factor computed anew
+        each step (`per_step`: a gate) in a 16- or 32-bit float, n / 2**k (`dyadic`: as
+        fine as the float, and a few operations where the continued fraction takes 64
+        rounds of divisions per element; a 64 x 32 gate over 200 steps took 13 s)."""
+        fast = per_step and jnp.dtype(jnp.result_type(g)).itemsize <= 4
+        r = dyadic(g) if fast else rational(g)
+        den = alphabet(r.den) if r.den_log2 is None else power_alphabet(r.den_log2)
+        return cls(r.sign, alphabet(r.num), den, r.ok)
 
 
 def _cat(parts: list[Alphabet]) -> Alphabet:
-    return Alphabet(*(jnp.concatenate(fields) for fields in zip(*parts)))
+    """One alphabet for the elements of `parts` (a power of two only if all are)."""
+    log2 = [p.log2 for p in parts]
+    joint = None if any(k is None for k in log2) else jnp.concatenate(log2)
+    return Alphabet(*(jnp.concatenate(fields) for fields in zip(*(p[:3] for p in parts))), joint)
 
 
 class _Fixed:
@@ -554,7 +559,7 @@ class _Fixed:
         f = self.factors.get(s.side) if isinstance(s.side, Var) else None
         if f is not None:
             return f, flags
-        f = Factor.of(val)
+        f = Factor.of(val, per_step=True)
         return f, flags._replace(factor=_upd(flags.factor, s.slot, ~f.ok))
 
     def apply(self, s: ChainStep, c: Any, val: Any, flags: _Flags) -> tuple[Any, _Flags]:
