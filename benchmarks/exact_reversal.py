@@ -14,7 +14,9 @@ Families (each differentiated four ways in one process):
   nothing to keep; the fixed point holds the positions and momenta more finely than float32),
   against the float64 gradient;
 - a RevNet of 64 additive-coupling blocks scanned over stacked weights, in bfloat16 (error
-  against the float32 gradient, where `jax.grad`'s own bfloat16 rounding is the yardstick).
+  against the float32 gradient, where `jax.grad`'s own bfloat16 rounding is the yardstick);
+- a reversible GRU (MacKay et al. 2018) in float32 over 200 steps: a gate per element and step
+  multiplies each half (held as n / 2**k, its lost bits in the buffer).
 
 Reported: run time (median of interleaved calls, one XLA thread), XLA's planned scratch
 memory (`compile().memory_analysis()`), the first call (trace, compile, run), the gradient's
@@ -211,6 +213,47 @@ def revnet(blocks: int) -> Callable:
     return program
 
 
+def gru(steps: int) -> Callable:
+    """A reversible GRU (MacKay et al. 2018) over `steps` steps, batch 32, two halves of 64
+    units, inputs of 16, float32: each half's update ``z * h + (1 - z) * tanh(...)`` with a gate
+    z in [0.5, 1] from the other half (a factor per element and step); d loss / d weights,
+    the reference the same program in float64."""
+
+    def program(wrap: Callable) -> tuple[Callable, tuple, Callable[[], Any]]:
+        B, H, D = 32, 64, 16
+        rng = np.random.default_rng(1)
+        P = {k: 0.3 * rng.standard_normal((H + D, H)) for k in ("wz", "wg", "vz", "vg")}
+        xs = rng.standard_normal((steps, B, D))
+
+        def net(h, P, xs):
+            def step(c, x):
+                h1, h2 = c
+                u = jnp.concatenate([h2, x], -1)
+                z = 0.5 + 0.5 * jax.nn.sigmoid(u @ P["wz"])
+                h1 = z * h1 + (1 - z) * jnp.tanh(u @ P["wg"])
+                u = jnp.concatenate([h1, x], -1)
+                z = 0.5 + 0.5 * jax.nn.sigmoid(u @ P["vz"])
+                h2 = z * h2 + (1 - z) * jnp.tanh(u @ P["vg"])
+                return (h1, h2), None
+
+            return lax.scan(step, h, xs)[0]
+
+        def loss(P, net, xs):
+            dt = xs.dtype
+            h = (jnp.full((B, H), 0.1, dt), jnp.full((B, H), -0.1, dt))
+            a, b = net(h, P, xs)
+            return jnp.sum(jnp.sin(a)) + jnp.sum(b**2)
+
+        wrapped = wrap(net)
+        P32 = {k: jnp.asarray(v, jnp.float32) for k, v in P.items()}
+        xs32 = jnp.asarray(xs, jnp.float32)
+        P64 = {k: jnp.asarray(v, jnp.float64) for k, v in P.items()}
+        ref = lambda: jax.jit(jax.grad(loss), static_argnums=1)(P64, net, jnp.asarray(xs))
+        return lambda P: loss(P, wrapped, xs32), (P32,), ref
+
+    return program
+
+
 def cases(quick: bool) -> list[Case]:
     T = 2_000 if quick else 10_000
     return [
@@ -220,6 +263,7 @@ def cases(quick: bool) -> list[Case]:
         Case("SGD momentum 0.9, MLP (6 leaves)", 2_000, mlp_sgd(2_000)),
         Case("leapfrog, 10 masses, float32", T, leapfrog(T)),
         Case("RevNet 64 blocks, bfloat16", 64, revnet(64)),
+        Case("reversible GRU, float32 gates", 200, gru(200)),
     ]
 
 
