@@ -10,7 +10,8 @@ information buffer (`jaxrev._bits`). The backward run undoes each iteration bit 
 the final carry, so the rebuilt trajectory is the forward one exactly, whatever the loop's
 reversed dynamics do to rounding (SGD with momentum 0.9 divides by 0.9 every step backwards),
 and nothing of the loop's length is stored but the buffer's bits. Each iteration's cotangents
-are then the body's own VJP at the rebuilt carries.
+are then the VJP of the fixed-point iteration at the values its undo rebuilt
+(`_on_grid_iteration`).
 
 What the body may do to a carry (its *chain*: the equations from the carry's old value to its
 new one, each with one chain operand): ``add``, ``sub``, ``neg``, ``mul`` and ``div`` by a value
