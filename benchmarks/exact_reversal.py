@@ -53,6 +53,7 @@ jax.config.update("jax_enable_x64", True)
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "examples"))
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
 import hypergradients as hg  # noqa: E402
 from _common import (  # noqa: E402
@@ -62,6 +63,7 @@ from _common import (  # noqa: E402
     pyplot,
     write_results,
 )
+from programs.gru import WEIGHTS, reversible_gru  # noqa: E402
 
 import jaxrev as jr  # noqa: E402
 
@@ -222,21 +224,9 @@ def gru(steps: int) -> Callable:
     def program(wrap: Callable) -> tuple[Callable, tuple, Callable[[], Any]]:
         B, H, D = 32, 64, 16
         rng = np.random.default_rng(1)
-        P = {k: 0.3 * rng.standard_normal((H + D, H)) for k in ("wz", "wg", "vz", "vg")}
+        P = {k: 0.3 * rng.standard_normal((H + D, H)) for k in WEIGHTS}
         xs = rng.standard_normal((steps, B, D))
-
-        def net(h, P, xs):
-            def step(c, x):
-                h1, h2 = c
-                u = jnp.concatenate([h2, x], -1)
-                z = 0.5 + 0.5 * jax.nn.sigmoid(u @ P["wz"])
-                h1 = z * h1 + (1 - z) * jnp.tanh(u @ P["wg"])
-                u = jnp.concatenate([h1, x], -1)
-                z = 0.5 + 0.5 * jax.nn.sigmoid(u @ P["vz"])
-                h2 = z * h2 + (1 - z) * jnp.tanh(u @ P["vg"])
-                return (h1, h2), None
-
-            return lax.scan(step, h, xs)[0]
+        net = reversible_gru
 
         def loss(P, net, xs):
             dt = xs.dtype

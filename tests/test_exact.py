@@ -17,6 +17,7 @@ import optax
 import pytest
 from helpers import rel_error
 from jax import lax
+from programs.gru import WEIGHTS, reversible_gru
 from programs.momentum import momentum_sgd
 
 import jaxrev as jr
@@ -278,7 +279,10 @@ def test_bfloat16_carries_take_the_fully_reversible_scratch():
     assert scratch(jr.reversible(streams, exact=True)) <= 1.3 * scratch(fully)
 
 
-@pytest.mark.parametrize("kind", ["equinox", "flax"])
+@pytest.mark.parametrize(
+    "kind",
+    ["equinox", pytest.param("flax", marks=pytest.mark.slow)],  # (20 s: the slow tier)
+)
 def test_reversible_transformer_example_in_bfloat16(kind):
     """`examples/reversible_transformer.py`'s language model (Equinox or Flax blocks, bfloat16
     activations, float32 weights; attention, LayerNorm, GELU MLP as the libraries write them):
@@ -524,21 +528,9 @@ def test_reversible_gru_with_float32_gates():
     against float64, memory flat in the sequence's length but for the buffer."""
     B, H, D, T = 4, 8, 3, 60
     rng = np.random.default_rng(8)
-    P = {k: jnp.asarray(0.5 * rng.standard_normal((H + D, H))) for k in ("wz", "wg", "vz", "vg")}
+    P = {k: jnp.asarray(0.5 * rng.standard_normal((H + D, H))) for k in WEIGHTS}
     xs = jnp.asarray(rng.standard_normal((T, B, D)))
-
-    def gru(h, P, xs):
-        def step(c, x):
-            h1, h2 = c
-            u = jnp.concatenate([h2, x], -1)
-            z = 0.5 + 0.5 * jax.nn.sigmoid(u @ P["wz"])
-            h1 = z * h1 + (1 - z) * jnp.tanh(u @ P["wg"])
-            u = jnp.concatenate([h1, x], -1)
-            z = 0.5 + 0.5 * jax.nn.sigmoid(u @ P["vz"])
-            h2 = z * h2 + (1 - z) * jnp.tanh(u @ P["vg"])
-            return (h1, h2), None
-
-        return lax.scan(step, h, xs)[0]
+    gru = reversible_gru
 
     def loss(net, dt):
         def f(P):
