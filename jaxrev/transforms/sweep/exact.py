@@ -830,11 +830,11 @@ class _Loop:
             ints, buf, flags, ct_carry, ct_consts = carry
             x_t, ct_y = inp
             ints, buf, flags, held = backward_iteration(fx, consts, hoisted, ints, buf, flags, x_t)
-            views = [fx.view(v, c) for v, c in zip(plan.carry_in, ints)]
+            on_grid = {v: fx.view(v, c) for v, c in held.items()}  # (the carries' too)
+            views = [on_grid[v] for v in plan.carry_in]
             fc = [c for c, f in zip(consts, float_const) if f]
             fcar = [c for c, f in zip(views, carry_float) if f]
             fxs = [x for x, f in zip(x_t, float_xs) if f]
-            on_grid = {v: fx.view(v, c) for v, c in held.items()}
 
             def iteration(fc, fcar, fxs):  # noqa: ANN001, ANN202
                 args = [*_merge(consts, fc, float_const), *_merge(views, fcar, carry_float)]
