@@ -587,12 +587,44 @@ def evaluate_plan(
     step; `done`: the `LogdetResult`s of rule steps already taken, by their equation's id.)"""
     sign = jnp.asarray(pl.perm_sign if permutation and pl.perm_sign is not None else 1, dtype)
     logabs = jnp.zeros((), dtype)
+    merged = _merged_parts(pl.steps)
     for ps in pl.steps:
         before = logabs
-        sign, logabs = _eval_step(ps, read, sign, logabs, pl, done)
+        sign, logabs = _eval_step(ps, read, sign, logabs, pl, done, merged.get(id(ps)))
         if per_step is not None and ps.how not in ("none", "structural"):
             per_step.append((ps.step.eqns[0], logabs - before, ps.step.kind != "eqn"))
     return sign, logabs
+
+
+def _merged_parts(steps: Sequence[_PStep]) -> dict[int, list]:
+    """The positional steps' parts merged by equation and operand: an autoregressive map's
+    inverse recovers one element per step through the same equation (numpyro's IAF: D steps
+    of ``x * exp(s) + m``), and each step's pivots are the same JVP at the same values, so
+    the pivots are taken once, where the equation's first step is, over the union of the
+    steps' masks (disjoint: the plan checked that each element is recovered once). Returns,
+    by step id, the parts to evaluate: ``(operand index, masks)`` with `masks` a list of
+    static masks and run-time region pairs to be or-ed, or None for every element."""
+    first: dict[tuple, list] = {}
+    out: dict[int, list] = {}
+    for ps in steps:
+        if ps.how != "positional":
+            continue
+        (eqn,) = ps.step.eqns
+        mine = out.setdefault(id(ps), [])
+        for k, m in ps.parts:
+            key = (id(eqn), k)
+            if key in first:
+                masks = first[key][1]
+                if masks is not None:
+                    if m is None:
+                        first[key][1] = None
+                    else:
+                        masks.append(m)
+                continue
+            part = [k, None if m is None else [m]]
+            first[key] = part
+            mine.append(part)
+    return out
 
 
 def env_reader(env: Any) -> Callable[[Any], Any]:
@@ -654,26 +686,50 @@ def run_forward(pl: Plan, eqns: Sequence[JaxprEqn], env: Env) -> dict:
     return done
 
 
+def _union_mask(masks: list | None, shape: tuple, read: Callable) -> Any:
+    """The elements of a merged positional part (`_merged_parts`): None for all, else the
+    or of its static masks and run-time regions (a window at a loop counter: the elements
+    recovered after `before` and not after `after`)."""
+    if masks is None:
+        return None
+    static = [np.asarray(m) for m in masks if not isinstance(m, tuple)]
+    mask = np.logical_or.reduce(static) if static else None
+    if mask is not None and mask.all():
+        return None
+    out = None if mask is None else jnp.asarray(mask)
+    for m in masks:
+        if isinstance(m, tuple):  # known at run time
+            got = R.materialize(m[0], shape, read) & ~R.materialize(m[1], shape, read)
+            out = got if out is None else out | got
+    return out
+
+
 def _eval_step(
-    ps: _PStep, read: Callable, sign: Any, logabs: Any, pl: Plan, done: dict | None = None
+    ps: _PStep,
+    read: Callable,
+    sign: Any,
+    logabs: Any,
+    pl: Plan,
+    done: dict | None = None,
+    parts: list | None = None,
 ) -> tuple[Any, Any]:
     st = ps.step
     if ps.how in ("none", "structural"):
         return sign, logabs
     if ps.how == "positional":
         (eqn,) = st.eqns
+        if parts is None:
+            parts = [(k, None if m is None else [m]) for k, m in ps.parts]
+        if not parts:  # merged into an earlier step of the same equation
+            return sign, logabs
         # (an operand never known, a select's case it never picks, is not read where the
         # recovered one's pivots are)
         ins = [_try_read(read, v, zeros=True) for v in eqn.invars]
-        for k, m in ps.parts:
+        for k, masks in parts:
             unit = _unit_pivot(eqn, k)
             if unit == 1:  # volume-preserving: nothing to compute
                 continue
-            if isinstance(m, tuple):  # known at run time
-                shape = _shape(eqn.invars[k])
-                mask = R.materialize(m[0], shape, read) & ~R.materialize(m[1], shape, read)
-            else:
-                mask = None if m is None else jnp.asarray(m)
+            mask = _union_mask(masks, _shape(eqn.invars[k]), read)
             if unit == -1:  # each recovered element flips the sign
                 count = size_of([eqn.invars[k].aval]) if mask is None else jnp.sum(mask)
                 sign = sign * (1 - 2 * (count % 2))
