@@ -156,6 +156,15 @@ def test_layers_stacked_in_a_scan():
     # each loop runs once: the layers' loop gives its outputs with its log-det, and so does
     # the element loop inside each layer (`logdet.run_forward` on the outer loop's body)
     assert _count(jax.make_jaxpr(jr.forward_and_slogdet(flow))(x).jaxpr, "scan") == 2
+    # and inverted: the layers' inverse loop takes each layer's log-det from its body's
+    # walk, and that walk takes the element loop's from the element loop's own inverse (no
+    # loop run forward again for a log-det: the layers' inverse, and in its body the element
+    # loop's counter and inverse)
+    y = flow(x)
+    back, ld_inv = jr.inverse_and_slogdet(flow)(y)
+    np.testing.assert_allclose(back, x, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(ld_inv, -ld, atol=1e-10)
+    assert _count(jax.make_jaxpr(jr.inverse_and_slogdet(flow))(y).jaxpr, "scan") == 3
 
 
 def _count(jaxpr, name: str) -> int:
@@ -224,18 +233,6 @@ def test_a_condition_joined_to_the_carry():
     np.testing.assert_allclose(inverse_loop(y, cond), x, atol=1e-12)
     got = jax.jit(jr.reverse(inverse_loop))(x, cond)
     np.testing.assert_allclose(got, y, rtol=1e-12, atol=1e-12)
-
-
-def _count(jaxpr, name: str) -> int:
-    """Equations of primitive `name` in `jaxpr`, nested calls included."""
-    n = 0
-    for e in jaxpr.eqns:
-        n += e.primitive.name == name
-        for key in ("jaxpr", "call_jaxpr"):
-            sub = e.params.get(key)
-            if sub is not None:
-                n += _count(getattr(sub, "jaxpr", sub), name)
-    return n
 
 
 def test_pivots_of_one_equation_are_taken_once():

@@ -114,6 +114,10 @@ def child(
     if parent is None or eqn is None:
         return ctx.replace(recorder=None), _nothing
     rec = Recorder(env, jaxpr, hints, seeded, goals)
+    if parent.logdets is not None:
+        # a loop inside the sub-jaxpr (the element loop inside each of flowjax's stacked
+        # layers) takes its log-det in its own inverse loop too
+        rec.logdets = {}
 
     def attach() -> None:
         parent.children[id(eqn)] = rec

@@ -177,7 +177,9 @@ def _iteration_logdet(parent: Any, logdets: dict | None, eqn: Any, dtype: Any) -
         return None
     try:
         body_plan = logdet_plan(child, child.seeded, child.goals)
-        return evaluate_plan(body_plan, env_reader(child.env), dtype, permutation=False)
+        return evaluate_plan(
+            body_plan, env_reader(child.env), dtype, permutation=False, done=child.logdets
+        )
     except (Unsupported, KeyError):
         return None
 
