@@ -590,40 +590,45 @@ def evaluate_plan(
     merged = _merged_parts(pl.steps)
     for ps in pl.steps:
         before = logabs
-        sign, logabs = _eval_step(ps, read, sign, logabs, pl, done, merged.get(id(ps)))
+        sign, logabs = _eval_step(ps, read, sign, logabs, pl, done, merged.get(id(ps), ()))
         if per_step is not None and ps.how not in ("none", "structural"):
             per_step.append((ps.step.eqns[0], logabs - before, ps.step.kind != "eqn"))
     return sign, logabs
 
 
-def _merged_parts(steps: Sequence[_PStep]) -> dict[int, list]:
-    """The positional steps' parts merged by equation and operand: an autoregressive map's
+@dataclass
+class _Pivots:
+    """The pivots a positional step takes: those of its equation's operand `operand`, on the
+    elements `masks` (static masks and run-time region pairs, or-ed; None: every element)."""
+
+    operand: int
+    masks: list | None
+
+
+def _merged_parts(steps: Sequence[_PStep]) -> dict[int, list[_Pivots]]:
+    """The positional steps' pivots merged by equation and operand: an autoregressive map's
     inverse recovers one element per step through the same equation (numpyro's IAF: D steps
     of ``x * exp(s) + m``), and each step's pivots are the same JVP at the same values, so
     the pivots are taken once, where the equation's first step is, over the union of the
-    steps' masks (disjoint: the plan checked that each element is recovered once). Returns,
-    by step id, the parts to evaluate: ``(operand index, masks)`` with `masks` a list of
-    static masks and run-time region pairs to be or-ed, or None for every element."""
-    first: dict[tuple, list] = {}
-    out: dict[int, list] = {}
+    steps' masks (disjoint: each step's are the elements it recovered first). Returns, by
+    step id, the pivots it takes (none where an earlier step of its equation takes them)."""
+    first: dict[tuple, _Pivots] = {}
+    out: dict[int, list[_Pivots]] = {}
     for ps in steps:
         if ps.how != "positional":
             continue
         (eqn,) = ps.step.eqns
         mine = out.setdefault(id(ps), [])
         for k, m in ps.parts:
-            key = (id(eqn), k)
-            if key in first:
-                masks = first[key][1]
-                if masks is not None:
-                    if m is None:
-                        first[key][1] = None
-                    else:
-                        masks.append(m)
-                continue
-            part = [k, None if m is None else [m]]
-            first[key] = part
-            mine.append(part)
+            taken = first.get((id(eqn), k))
+            if taken is None:
+                first[(id(eqn), k)] = piv = _Pivots(k, None if m is None else [m])
+                mine.append(piv)
+            elif taken.masks is not None:
+                if m is None:
+                    taken.masks = None
+                else:
+                    taken.masks.append(m)
     return out
 
 
@@ -687,8 +692,8 @@ def run_forward(pl: Plan, eqns: Sequence[JaxprEqn], env: Env) -> dict:
 
 
 def _union_mask(masks: list | None, shape: tuple, read: Callable) -> Any:
-    """The elements of a merged positional part (`_merged_parts`): None for all, else the
-    or of its static masks and run-time regions (a window at a loop counter: the elements
+    """The elements of merged pivots (`_Pivots.masks`): None for all, else the or of the
+    static masks and run-time regions (a window at a loop counter: the elements
     recovered after `before` and not after `after`)."""
     if masks is None:
         return None
@@ -711,25 +716,24 @@ def _eval_step(
     logabs: Any,
     pl: Plan,
     done: dict | None = None,
-    parts: list | None = None,
+    pivots: Sequence[_Pivots] = (),
 ) -> tuple[Any, Any]:
     st = ps.step
     if ps.how in ("none", "structural"):
         return sign, logabs
     if ps.how == "positional":
         (eqn,) = st.eqns
-        if parts is None:
-            parts = [(k, None if m is None else [m]) for k, m in ps.parts]
-        if not parts:  # merged into an earlier step of the same equation
+        if not pivots:  # taken by an earlier step of the same equation (`_merged_parts`)
             return sign, logabs
         # (an operand never known, a select's case it never picks, is not read where the
         # recovered one's pivots are)
         ins = [_try_read(read, v, zeros=True) for v in eqn.invars]
-        for k, masks in parts:
+        for piv in pivots:
+            k = piv.operand
             unit = _unit_pivot(eqn, k)
             if unit == 1:  # volume-preserving: nothing to compute
                 continue
-            mask = _union_mask(masks, _shape(eqn.invars[k]), read)
+            mask = _union_mask(piv.masks, _shape(eqn.invars[k]), read)
             if unit == -1:  # each recovered element flips the sign
                 count = size_of([eqn.invars[k].aval]) if mask is None else jnp.sum(mask)
                 sign = sign * (1 - 2 * (count % 2))
