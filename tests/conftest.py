@@ -5,8 +5,9 @@
 - XLA compiles without its backend's expensive optimizations (``jax_disable_most_optimizations``:
   LLVM's level 0; the HLO passes, buffer assignment and so the memory figures tests assert on,
   are unchanged): a test runs each program once or twice, so compiling dominates, and this cuts
-  the default tier's time by about a fifth. Subprocess tests and the benchmarks compile as a
-  user does.
+  the default tier's time by about a fifth. The subprocesses tests start (the examples, the
+  sharded and multi-process workers) inherit it through ``JAX_DISABLE_MOST_OPTIMIZATIONS``
+  (a fifth of the slow tier's examples); the benchmarks compile as a user does.
 - This folder is on ``sys.path`` (in pytest's default ``prepend`` import mode, the folder of
   a ``conftest.py`` outside any package goes first), so tests import what they share by name:
   ``from helpers import rel_error`` (errors between results, `tests/helpers.py`),
@@ -26,6 +27,7 @@ import pytest
 
 jax.config.update("jax_enable_x64", True)
 jax.config.update("jax_disable_most_optimizations", True)
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "true")  # (for subprocesses)
 
 
 SLOW_CASES = Path(__file__).with_name("slow_cases.txt")

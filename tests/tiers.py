@@ -9,8 +9,9 @@ runs the rest. Two ways to say which:
   the first, for i below the longest axis's length: every value of every axis at least once),
   the rest of the product slow; two tests of the same matrix pass different shifts to
   cover different combinations;
-- `tiered(values, slow=...)`: one axis, the values named in `slow` marked slow (the costly
-  cases whose path other default cases already take).
+- `tiered(values, slow=..., soak=...)`: one axis, the values named in `slow` marked slow (the
+  costly cases whose path other default cases already take), those in `soak` soak (the
+  costliest, whose path a slow case takes).
 
 A matrix that is itself slow passes ``marks=pytest.mark.slow, rest=pytest.mark.soak`` to
 `cover`: the slow tier runs the covering subset and ``pytest -m soak`` the whole product.
@@ -25,6 +26,8 @@ Both return `pytest.param`s for `pytest.mark.parametrize`, with the ids pytest w
 6
 >>> [p.values[0] for p in tiered(["x", "y"], slow={"y"}) if p.marks]
 ['y']
+>>> [p.marks[0].name for p in tiered(["x", "y", "z"], slow={"y"}, soak={"z"}) if p.marks]
+['slow', 'soak']
 """
 
 from __future__ import annotations
@@ -62,9 +65,15 @@ def cover(*axes: Sequence, shift: int = 0, marks: Any = (), rest: Any = pytest.m
     ]
 
 
-def tiered(values: Sequence, slow: Collection = ()) -> list:
-    """`values` as `pytest.param`s, those in `slow` marked slow (the others run by default)."""
-    unknown = set(slow) - set(values)
+def tiered(values: Sequence, slow: Collection = (), soak: Collection = ()) -> list:
+    """`values` as `pytest.param`s, those in `slow` marked slow, those in `soak` soak (the
+    costliest, whose path a slow case takes already), the others run by default."""
+    unknown = (set(slow) | set(soak)) - set(values)
     if unknown:  # a renamed case must not leave its costly twin in the default tier
         raise ValueError(f"tiered: not among the values: {sorted(unknown)}")
-    return [pytest.param(v, marks=pytest.mark.slow if v in slow else ()) for v in values]
+    return [
+        pytest.param(
+            v, marks=pytest.mark.soak if v in soak else pytest.mark.slow if v in slow else ()
+        )
+        for v in values
+    ]
