@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import abs_error, rel_error
+from jax import lax
 from jax import test_util as jtu
 from programs.nonlinear import cases, heun, residual, simultaneous
 
@@ -203,3 +204,117 @@ def test_what_a_group_determines_does_not_depend_on_its_unknowns_scales(n):
     v = jnp.cos(jnp.arange(n) + 1.0)
     want = jnp.linalg.solve(jax.jacfwd(F)(u), v)
     assert abs_error(jr.inverse_jvp(F, (u,), v)[1][0], want) < 1e-8 * float(jnp.max(jnp.abs(want)))
+
+
+# --------------------------------------------------------------------------- torn groups
+
+
+def _planar(d: int, m: int, dtype=jnp.float64):
+    """m planar units ``y = x + U tanh(W x + b)`` (U: d x m, W: m x d), a contraction's
+    perturbation of the identity (‖U‖ ‖W‖ < 1), so one-to-one: a group of d unknowns that
+    its nonlinear part reads through m numbers."""
+    k = jax.random.split(jax.random.key(7), 3)
+    W = jax.random.normal(k[0], (m, d)) / np.sqrt(d)
+    U = 0.6 * jax.random.normal(k[1], (d, m)) / np.sqrt(d * m)
+    b = jax.random.normal(k[2], (m,))
+    W, U, b = (a.astype(dtype) for a in (W, U, b))
+
+    def f(x):
+        return x + U @ jnp.tanh(W @ x + b)  # <planar>
+
+    return f
+
+
+def _factored(jaxpr) -> set[int]:
+    """The sizes of the matrices a program LU-factors, at any depth."""
+    out = set()
+    for e in jaxpr.eqns:
+        if e.primitive.name == "lu":
+            out.add(e.invars[0].aval.shape[-1])
+        for p in e.params.values():
+            for sub in p if isinstance(p, (tuple, list)) else (p,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    out |= _factored(inner)
+    return out
+
+
+def test_a_group_read_through_a_few_nonlinear_values_is_torn():
+    """A planar group of 24 unknowns is solved by Newton's method on its m = 3 tanh values
+    alone (the affine rest gives x from them): no 24 x 24 factorization anywhere in the
+    inverse, its log-det or their derivatives; the values, the implicit-function-theorem
+    derivatives and the log-det (matrix determinant lemma) as the dense references."""
+    d, m = 24, 3
+    f = _planar(d, m)
+    x = jnp.linspace(-1.5, 1.3, d)
+    y = f(x)
+    inv = jr.reverse(f)
+    assert abs_error(inv(y), x) <= 1e-12
+    assert abs_error(jax.jit(inv)(y), x) <= 1e-12
+    for fn in (inv, jr.inverse_and_slogdet(f), jr.forward_and_slogdet(f)):
+        assert _factored(jax.make_jaxpr(fn)(y).jaxpr) <= {m}
+    want = np.linalg.inv(jax.jacfwd(f)(x))
+    np.testing.assert_allclose(jax.jit(jax.jacfwd(inv))(y), want, atol=1e-12)
+    np.testing.assert_allclose(jax.jit(jax.jacrev(inv))(y), want, atol=1e-12)
+    _, logdet = jnp.linalg.slogdet(jax.jacfwd(f)(x))
+    x_back, inv_logdet = jax.jit(jr.inverse_and_slogdet(f))(y)
+    assert abs_error(x_back, x) <= 1e-12 and abs(float(inv_logdet + logdet)) <= 1e-12
+    y_fwd, fwd_logdet = jr.forward_and_slogdet(f)(x)
+    assert abs_error(y_fwd, y) == 0 and abs(float(fwd_logdet - logdet)) <= 1e-12
+    sign, s_logdet = jr.slogdet_jacobian(f, x)
+    assert jr.logdet_strategy(f, x) == "sweep"
+    assert float(sign) == 1.0 and abs(float(s_logdet - logdet)) <= 1e-12
+    # the log-det's gradient: d/dy of -log|det J(x(y))| is -(d/dx log|det J|) J⁻¹
+    ref = -jax.grad(lambda x: jnp.linalg.slogdet(jax.jacfwd(f)(x))[1])(x) @ want
+    got = jax.jit(jax.grad(lambda y: jr.inverse_and_slogdet(f)(y)[1]))(y)
+    np.testing.assert_allclose(got, ref, atol=1e-12)
+
+
+def test_torn_groups_under_vmap_float32_and_reversible():
+    d = 12
+    f = _planar(d, 2)
+    xs = jax.random.normal(jax.random.key(1), (5, d))
+    ys = jax.vmap(f)(xs)
+    back, ld = jax.jit(jax.vmap(jr.inverse_and_slogdet(f)))(ys)
+    assert abs_error(back, xs) <= 1e-12
+    want = jax.vmap(lambda x: jnp.linalg.slogdet(jax.jacfwd(f)(x))[1])(xs)
+    assert abs_error(ld, -want) <= 1e-12
+    # float32: the float32 forward run's own accuracy
+    f32, x32 = _planar(d, 2, jnp.float32), xs[0].astype(jnp.float32)
+    back32 = jr.reverse(f32)(f32(x32))
+    assert back32.dtype == jnp.float32 and abs_error(back32, x32) < 1e-5
+
+    # a loop of torn layers: reversible's gradient (the backward walk solves them torn)
+    def layers(x, scale):
+        def step(c, s):
+            return f(c) * 1.0 + s, None
+
+        return lax.scan(step, x, scale)[0]
+
+    scale = 0.01 * jnp.arange(6.0)
+    loss = lambda g: lambda x, s: jnp.sum(jnp.sin(g(x, s)))  # noqa: E731
+    ref = jax.grad(loss(layers), argnums=(0, 1))(xs[0], scale)
+    got = jax.jit(jax.grad(loss(jr.reversible(layers)), argnums=(0, 1)))(xs[0], scale)
+    assert rel_error(got, ref) <= 1e-10
+
+
+def test_a_torn_group_without_a_preimage_raises_naming_the_line():
+    """``y = x + u exp(w.x)`` with u.w = -0.5: along w, s = w.x maps to s - 0.5 exp(s) <=
+    log 2 - 1, so a y with w.y = 1 has no preimage, and the torn solve says so (as the dense
+    one did), naming the group's line; NaN where asked, the other points of a batch still
+    inverted."""
+    w = jnp.array([1.0, 0.5, 0.5])
+    u = jnp.array([-1.0, 0.5, 0.5])
+
+    def f(x):
+        return x + u * jnp.exp(w @ x)  # <torn-no-preimage>
+
+    y = jnp.array([0.5, 0.5, 0.5])  # w.y = 1
+    assert not _factored(jax.make_jaxpr(jr.reverse(f))(y).jaxpr)
+    with pytest.raises(jr.ReversibilityError) as info:
+        jr.reverse(f)(y)
+    assert info.value.line == _line("torn-no-preimage") and "Newton" in str(info.value)
+    assert np.all(np.isnan(jr.reverse(f, on_error="nan")(y)))
+    ys = jnp.stack([y, f(jnp.array([0.3, -1.0, 0.2]))])
+    got = jax.vmap(jr.reverse(f, on_error="nan"))(ys)
+    assert np.all(np.isnan(got[0])) and abs_error(got[1], jnp.array([0.3, -1.0, 0.2])) <= 1e-12

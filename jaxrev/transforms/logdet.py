@@ -44,6 +44,8 @@ from jaxrev._graph import real_outvars, size_of
 from jaxrev.transforms.knowledge import elements, records
 from jaxrev.transforms.knowledge import regions as R
 from jaxrev.transforms.propagation.lumps import slogdet_of
+from jaxrev.transforms.propagation.nonlinear import torn_slogdet
+from jaxrev.transforms.propagation.walker import linear_walk
 from jaxrev.transforms.registry import (
     DENSE_STEP,
     ELEMENTWISE,
@@ -754,6 +756,8 @@ def _eval_step(
         if got is None:
             got = rule_step(ps, read)
         return sign * got.sign, logabs + got.logabs
+    if st.tear is not None and not ps.parts:
+        return _torn_step(st, read, sign, logabs, pl)
     # groups and dense single steps: F maps the recovered inputs to the consumed outputs
     if st.kind == "eqn":
         (eqn,) = st.eqns
@@ -803,6 +807,47 @@ def _eval_step(
         restricted(F), v0, probe, DENSE_STEP, f"a {st.kind} group at `{st.eqns[0].primitive}`"
     )
     return sign * s, logabs + la
+
+
+def _torn_step(
+    st: records.Step, read: Callable, sign: Any, logabs: Any, pl: Plan
+) -> tuple[Any, Any]:
+    """A torn Newton group's log|det|: its affine part's on the unknowns (the cut values
+    held; structured, as a lump's: a planar layer's is the identity) plus its cut's
+    (`nonlinear.torn_slogdet`, m x m for m cut numbers)."""
+    tear = st.tear
+    us = list(st.inputs)
+    os = list(st.outputs)
+    xs = [read(u) for u in us]
+    sizes = [size_of([u.aval]) for u in us]
+    x0 = jnp.concatenate([jnp.ravel(x) for x in xs])
+
+    def flat(G):
+        def f(v):
+            parts = jnp.split(v, np.cumsum(sizes)[:-1]) if len(sizes) > 1 else [v]
+            return jnp.concatenate(
+                [jnp.ravel(o) for o in G([p.reshape(_shape(u)) for p, u in zip(parts, us)])]
+            )
+
+        return f
+
+    # the cut values, from the recovered inputs (an inverse walk need not have computed
+    # them), held while the affine part's matrix is taken
+    held = dict(zip(tear.cut, _group_map(st.eqns, us, list(tear.cut), read, pl.info)(xs)))
+
+    def read_held(v: Any) -> Any:
+        return held[v] if v in held else read(v)
+
+    what = f"the affine part of a Newton group at `{st.eqns[0].primitive}`"
+    affine = flat(_group_map(tear.affine, us, os, read_held, pl.info))
+    probe = _stand_in_map(tear.affine, us, os, read_held, pl.info)
+    try:  # (structure first, whatever the size: a dense n x n factorization is what
+        # tearing saves)
+        s_a, la_a = slogdet_of(affine, x0, None if probe is None else flat(probe), 0, what)
+    except Unsupported:
+        s_a, la_a = slogdet_of(affine, x0, None, DENSE_STEP, what)
+    s_c, la_c = torn_slogdet(tear, st.eqns, us, os, read_held, pl.info, linear_walk)
+    return sign * s_a * s_c, logabs + la_a + la_c
 
 
 def _stand_in_map(

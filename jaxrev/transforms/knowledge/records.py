@@ -19,20 +19,31 @@ from typing import Any
 
 from jaxrev._compat import JaxprEqn, Var
 
-__all__ = ["Step", "Recorder", "active", "eqn_step", "group_step", "unsupported", "child"]
+__all__ = ["Step", "Tear", "Recorder", "active", "eqn_step", "group_step", "unsupported", "child"]
+
+
+@dataclass(frozen=True)
+class Tear:
+    """How a Newton group was torn: `cut`, the outputs of its nonlinear equations that its
+    `affine` equations read; given them, the affine equations determine the group's unknown
+    inputs from its known outputs, so Newton's method runs on `cut` alone."""
+
+    affine: tuple[JaxprEqn, ...]
+    cut: tuple[Var, ...]
 
 
 @dataclass
 class Step:
     """One recovery: `kind` "eqn" (`recovered`: (var, unknown region before, after) of the
     equation's inputs) or a group kind ("lump", "choice", "newton": `inputs` recovered from
-    `outputs` through `eqns`)."""
+    `outputs` through `eqns`; a Newton group solved on a few values of its own: its `tear`)."""
 
     kind: str
     eqns: tuple[JaxprEqn, ...]
     recovered: list[tuple[Var, Any, Any]] = field(default_factory=list)
     inputs: list[Var] = field(default_factory=list)
     outputs: list[Var] = field(default_factory=list)
+    tear: Tear | None = None
 
 
 class Recorder:
@@ -83,11 +94,18 @@ def eqn_step(env: Any, eqn: JaxprEqn, changes: Sequence[tuple[Var, Any, Any]]) -
 
 
 def group_step(
-    env: Any, kind: str, eqns: Sequence[JaxprEqn], inputs: Sequence[Var], outputs: Sequence[Var]
+    env: Any,
+    kind: str,
+    eqns: Sequence[JaxprEqn],
+    inputs: Sequence[Var],
+    outputs: Sequence[Var],
+    tear: Tear | None = None,
 ) -> None:
     rec = active(env)
     if rec is not None:
-        rec.steps.append(Step(kind, tuple(eqns), inputs=list(inputs), outputs=list(outputs)))
+        rec.steps.append(
+            Step(kind, tuple(eqns), inputs=list(inputs), outputs=list(outputs), tear=tear)
+        )
 
 
 def unsupported(env: Any, why: str) -> None:

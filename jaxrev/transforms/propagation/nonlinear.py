@@ -30,7 +30,7 @@ way: a primitive without an inverse rule of its own stays an error that names it
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -40,9 +40,10 @@ from jax import lax
 
 import jaxrev._dense as dense
 from jaxrev._cache import memo
-from jaxrev._compat import JaxprEqn, Var, has_user_frame, prims, scan_info
+from jaxrev._compat import JaxprEqn, Var, has_user_frame, prims, scan_info, sds
 from jaxrev._env import Env
 from jaxrev._errors import (
+    JaxrevError,
     ReversibilityError,
     SingularJacobianError,
     at_element,
@@ -52,11 +53,12 @@ from jaxrev._errors import (
 from jaxrev._graph import real_outvars, size_of
 from jaxrev.transforms.knowledge import records
 from jaxrev.transforms.knowledge.checks import NEWTON_STARTS, raise_where
+from jaxrev.transforms.knowledge.context import Settings, WalkContext
 from jaxrev.transforms.propagation.lumps import Lump, affine_eqn, singular_on_stand_ins, stand_ins
 from jaxrev.transforms.propagation.rational import quadratic_roots
 from jaxrev.transforms.registry import SMOOTH, elementwise_in, is_kind
 
-__all__ = ["eliminate_step", "newton_step"]
+__all__ = ["LinearWalk", "eliminate_step", "newton_step", "torn_slogdet"]
 
 MAX_GROUP_EQNS = 256
 """How many stuck equations a group may hold."""
@@ -306,10 +308,17 @@ def _affine_coefficients(L: Lump, sample: Sequence[Any], n: int) -> Any | None:
 
 
 def newton_step(
-    eqns: Sequence[JaxprEqn], env: Env, pending: Sequence[int], blocked: set[int], cut: bool = False
+    eqns: Sequence[JaxprEqn],
+    env: Env,
+    pending: Sequence[int],
+    blocked: set[int],
+    cut: bool = False,
+    linear: LinearWalk | None = None,
 ) -> bool:
     """Solve the smallest trailing square group of two or more smooth equations by Newton
-    (where equations before `eqns` are `cut` off, not one singular on stand-ins)."""
+    (where equations before `eqns` are `cut` off, not one singular on stand-ins); a dense
+    group that `linear` solves for its unknowns once a few of its nonlinear values are given
+    is torn there (`_tear`), and Newton runs on those values alone."""
     cand, stuck = _candidates(eqns, env, pending, blocked)
     if not stuck or not env.ctx.newton:
         return False
@@ -349,9 +358,11 @@ def newton_step(
         if cut and singular_on_stand_ins(L, env, nonlinear=True):
             continue
         system = _System(L, blocks, next(iter(shapes)) if blocks else ())
-        for v, val in zip(inputs, _newton(system, env)):
+        torn = None if blocks else _tear(L, env, linear)
+        for v, val in zip(inputs, _newton(system, env, torn)):
             env.write(v, val)
-        records.group_step(env, "newton", group, inputs, outputs)
+        tear = None if torn is None else torn.tear
+        records.group_step(env, "newton", group, inputs, outputs, tear=tear)
         return True
     return False
 
@@ -374,28 +385,36 @@ def _smooth(e: JaxprEqn, env: Env) -> bool:
     return True
 
 
-def _newton(system: _System, env: Env) -> list[Any]:
+def _newton(system: _System, env: Env, torn: _Torn | None = None) -> list[Any]:
     ctx = env.ctx
     L = system.lump
     reads = [env.read(v) for v in L.reads]
     yp = system.pack_out([env.read(o) for o in L.outputs])
     tol = _tolerance(system, yp)
-    # a ratio of quadratics in one unknown (a spline's piece): its two roots, each a start
-    # (`choices` keeps the one in the piece's bin), polished by one Newton step
-    roots = (
-        quadratic_roots(L.eqns, L.inputs[0], L.outputs[0], L.reads, reads, yp[..., 0])
-        if system.blocks and len(L.inputs) == 1 and len(L.outputs) == 1
-        else None
-    )
-    if roots is None:
+    if torn is not None:
         ctx.used_newton()
+        xs, J = _torn_recover(torn, [env.read(o) for o in L.outputs], reads, ctx.newton_start)
+        u = jnp.concatenate([jnp.ravel(jnp.asarray(x, system.dtype)) for x in xs])
     else:
-        ctx.used_roots()
-    u = _recover(system, yp, reads, ctx.newton_start, roots)
+        # a ratio of quadratics in one unknown (a spline's piece): its two roots, each a
+        # start (`choices` keeps the one in the piece's bin), polished by one Newton step
+        roots = (
+            quadratic_roots(L.eqns, L.inputs[0], L.outputs[0], L.reads, reads, yp[..., 0])
+            if system.blocks and len(L.inputs) == 1 and len(L.outputs) == 1
+            else None
+        )
+        if roots is None:
+            ctx.used_newton()
+        else:
+            ctx.used_roots()
+        u = _recover(system, yp, reads, ctx.newton_start, roots)
+        J = system.jacobian(u, reads)
     # the answer is checked where it is used: F(u) must give the known outputs back
     rn = system.norm(yp - system.F(u, reads))
     ok = jnp.isfinite(rn) & (rn <= tol)
-    _, logdet = dense.slogdet(system.jacobian(u, reads))
+    # (a torn group's Jacobian is singular where its cut's is: the affine part's matrix
+    # is not, or its walk would not have given the inputs back)
+    _, logdet = dense.slogdet(J)
     singular = ok & ~jnp.isfinite(logdet)
     good = ok & ~singular
     u = jnp.where(system.broadcast(good), u, jnp.nan)
@@ -744,3 +763,196 @@ class _System:
             return np.asarray(det)
         offs = np.cumsum([0] + self.in_sizes)
         return np.concatenate([np.arange(offs[m], offs[m + 1]) for m in det])
+
+
+# --------------------------------------------------------------------------- tearing
+
+LinearWalk = Callable[[Sequence[JaxprEqn], Env, Sequence[Var]], Any]
+"""``linear(eqns, env, goals)``: a soft walk over `eqns` alone with the linear steps only
+(`walker.Walk.linear_walk`), which recovers a torn group's unknowns from its cut values; no
+Newton inside Newton."""
+
+
+def _tear(L: Lump, env: Env, linear: LinearWalk | None) -> _Torn | None:
+    """The group torn at the outputs of its nonlinear equations that its affine ones read,
+    where those are fewer numbers than its unknowns and, given them, the affine equations
+    give every unknown back (a planar layer ``y = x + u tanh(w.x + b)``: one number, the
+    tanh, instead of x's D); None otherwise. Memoized per group, like `_determined`."""
+    if linear is None:
+        return None
+    aff, cut = _affine_part(L.eqns, env, None)
+    if aff is None or set(aff.outputs) != set(L.outputs):
+        return None  # (an output of a nonlinear equation is one more equation on the cut)
+    tear_cut = [v for v in aff.inputs if v in cut]
+    if not tear_cut or not _floats(tear_cut):
+        return None
+    if size_of(v.aval for v in tear_cut) >= size_of(v.aval for v in L.inputs):
+        return None
+    key = (tuple(L.eqns), tuple(L.inputs), tuple(L.outputs), tuple(tear_cut))
+    cache = memo("nonlinear.tear", 4096)
+    tear = cache.get(key)
+    if tear is None:
+        tear = cache.put(key, [], _tear_if_linear(L, aff, tear_cut, env, linear))
+    return None if tear is False else _Torn(tear, L, env.info, env.ctx, linear)
+
+
+def _tear_if_linear(
+    L: Lump, aff: Lump, tear_cut: list[Var], env: Env, linear: LinearWalk
+) -> records.Tear | bool:
+    """The tear, where the linear walk over the affine equations, with the cut values given,
+    gives every unknown back (tried on abstract values); False where it does not."""
+    tear = records.Tear(tuple(aff.eqns), tuple(tear_cut))
+    torn = _Torn(tear, L, env.info, env.ctx, linear)
+    found = []
+
+    def trial(cut_vals, out_vals, read_vals):
+        found.append(torn.inputs(cut_vals, out_vals, read_vals) is not None)
+        return 0
+
+    try:
+        jax.eval_shape(
+            trial,
+            [sds(v.aval) for v in tear_cut],
+            [sds(v.aval) for v in L.outputs],
+            [sds(v.aval) for v in L.reads],
+        )
+    except JaxrevError:
+        return False
+    return tear if found and found[0] else False
+
+
+class _Torn:
+    """A Newton group `lump` (unknown inputs from known outputs) torn at `tear.cut`: the
+    affine equations give the inputs from the cut values (`inputs`), the group run forward
+    gives the cut values from the inputs (`cut_of`); Newton's method solves
+    ``c - cut_of(inputs(c)) = 0`` (`_TornSystem`) in the cut's few numbers."""
+
+    def __init__(
+        self, tear: records.Tear, lump: Lump, info: Any, ctx: Any, linear: LinearWalk
+    ) -> None:
+        self.tear, self.lump, self.info, self.linear = tear, lump, info, linear
+        # the walks of the affine part are not recorded (the group's step is)
+        self.ctx = ctx.replace(recorder=None) if ctx is not None else None
+        self.forward = Lump(lump.eqns, lump.inputs, list(tear.cut))
+
+    def inputs(
+        self, cut_vals: Sequence[Any], out_vals: Sequence[Any], read_vals: Sequence[Any]
+    ) -> list[Any] | None:
+        walk_env = Env(info=self.info, ctx=self.ctx)
+        for vs, xs in ((self.lump.reads, read_vals), (self.lump.outputs, out_vals)):
+            for v, x in zip(vs, xs):
+                walk_env.write(v, x)
+        for v, c in zip(self.tear.cut, cut_vals):
+            walk_env.write(v, c)
+        self.linear(self.tear.affine, walk_env, self.lump.inputs)
+        if not all(walk_env.known(v) for v in self.lump.inputs):
+            return None
+        return [walk_env.read(v) for v in self.lump.inputs]
+
+    def cut_of(self, xs: Sequence[Any], read_vals: Sequence[Any]) -> list[Any]:
+        return self.forward.apply(xs, read_vals)
+
+
+class _TornSystem:
+    """A torn group as the map of its cut values ``F(c) = c - cut_of(inputs(c))`` (flat),
+    with the known outputs and the values read bound; solved for F(c) = 0 by `_iterate`."""
+
+    blocks = False
+
+    def __init__(self, torn: _Torn, out_vals: Sequence[Any], read_vals: Sequence[Any]) -> None:
+        self.torn, self.out_vals, self.read_vals = torn, list(out_vals), list(read_vals)
+        cut = torn.tear.cut
+        self.dtype = jnp.result_type(*[v.aval.dtype for v in cut])
+        self.sizes = [size_of([v.aval]) for v in cut]
+
+    def pack(self, vals: Sequence[Any]) -> Any:
+        return jnp.concatenate([jnp.ravel(jnp.asarray(x, self.dtype)) for x in vals])
+
+    def unpack(self, c: Any) -> list[Any]:
+        offs = np.cumsum([0] + self.sizes)
+        return [
+            jnp.reshape(c[offs[m] : offs[m + 1]], v.aval.shape).astype(v.aval.dtype)
+            for m, v in enumerate(self.torn.tear.cut)
+        ]
+
+    def inputs(self, c: Any) -> list[Any]:
+        xs = self.torn.inputs(self.unpack(c), self.out_vals, self.read_vals)
+        assert xs is not None  # (the tear was made where the affine walk gives them)
+        return xs
+
+    def F(self, c: Any, reads: Sequence[Any] = ()) -> Any:
+        return c - self.pack(self.torn.cut_of(self.inputs(c), self.read_vals))
+
+    def jacobian(self, c: Any, reads: Sequence[Any] = ()) -> Any:
+        basis = jnp.eye(c.shape[-1], dtype=c.dtype)
+        cols = jax.vmap(lambda e: jax.jvp(self.F, (c,), (e,))[1])(basis)
+        return jnp.moveaxis(cols, 0, -1)
+
+    solve = _System.solve
+    norm = _System.norm
+    broadcast = _System.broadcast
+
+    def guess(self, target: Any) -> Any | None:
+        """The cut values at the group's own start: its outputs, where they line up with
+        its inputs (a residual map ``x + g(x)`` starts next to its answer)."""
+        lump = self.torn.lump
+        if len(lump.inputs) != len(lump.outputs) or any(
+            tuple(a.aval.shape) != tuple(b.aval.shape) for a, b in zip(lump.inputs, lump.outputs)
+        ):
+            return None
+        return self.pack(self.torn.cut_of(self.out_vals, self.read_vals))
+
+    def read_guesses(self, reads: Sequence[Any], most: int = 4) -> list[Any]:
+        return []
+
+
+def _torn_recover(
+    torn: _Torn, out_vals: list[Any], read_vals: list[Any], only: Any
+) -> tuple[list[Any], Any]:
+    """The torn group's unknown inputs, and its cut's Jacobian at the solution (whose
+    determinant, times the affine part's, is the group's). The cut values come from Newton's
+    method; their derivative from the implicit function theorem on the cut's equations
+    alone (a solve of the cut's size); the inputs' from the affine walk."""
+
+    @jax.custom_jvp
+    def cut_values(out_vals, read_vals, only):
+        system = _TornSystem(torn, out_vals, read_vals)
+        target = jnp.zeros(sum(system.sizes), system.dtype)
+        return _iterate(system, target, [], only)
+
+    @cut_values.defjvp
+    def _ift(primals, tangents):
+        out_vals, read_vals, only = primals
+        d_out, d_read, _ = tangents
+        c = cut_values(out_vals, read_vals, only)
+        _, dF = jax.jvp(
+            lambda o, r: _TornSystem(torn, o, r).F(c), (out_vals, read_vals), (d_out, d_read)
+        )
+        J = _TornSystem(torn, out_vals, read_vals).jacobian(c)
+        return c, _System.solve(None, J, -dF)
+
+    c = cut_values(out_vals, read_vals, only)
+    system = _TornSystem(torn, out_vals, read_vals)
+    return system.inputs(c), lax.stop_gradient(system.jacobian(c))
+
+
+def torn_slogdet(
+    tear: records.Tear,
+    eqns: Sequence[JaxprEqn],
+    inputs: Sequence[Var],
+    outputs: Sequence[Var],
+    read: Callable[[Var], Any],
+    info: Any,
+    linear: LinearWalk,
+) -> tuple[Any, Any]:
+    """(sign, log|det|) of a torn group's cut Jacobian ``I + K A⁻¹ B`` at the values `read`
+    gives (A: the affine part's matrix on the unknowns, B: on the cut, K: the cut's
+    derivative by the unknowns). Times det A, it is the group's (the matrix determinant
+    lemma: det(A + B K) = det A det(I + K A⁻¹ B)), an m x m determinant for m cut numbers
+    instead of the group's n x n."""
+    lump = Lump(list(eqns), list(inputs), list(outputs))
+    ctx = WalkContext(Settings(on_error="nan"))
+    torn = _Torn(tear, lump, info, ctx, linear)
+    system = _TornSystem(torn, [read(o) for o in outputs], [read(v) for v in lump.reads])
+    c = system.pack([read(v) for v in tear.cut])
+    return dense.slogdet(system.jacobian(c))

@@ -71,6 +71,7 @@ __all__ = [
     "Hints",
     "RuleContext",
     "propagate",
+    "linear_walk",
     "seed",
     "invert_jaxpr",
     "raise_stuck",
@@ -300,8 +301,11 @@ def eliminate_group(walk: Walk, pending: list[int]) -> bool:
 
 
 def newton_group(walk: Walk, pending: list[int]) -> bool:
-    """Newton's method on the smallest square group of smooth equations (`nonlinear`)."""
-    return nonlinear.newton_step(walk.eqns, walk.env, pending, walk.lossy, walk.cut)
+    """Newton's method on the smallest square group of smooth equations (`nonlinear`; a
+    group torn at a few nonlinear values has its affine part walked by `walk.linear_walk`)."""
+    return nonlinear.newton_step(
+        walk.eqns, walk.env, pending, walk.lossy, walk.cut, walk.linear_walk
+    )
 
 
 GROUP_STEPS: tuple[GroupStep, ...] = (lump_group, choice_group, eliminate_group, newton_group)
@@ -441,6 +445,10 @@ class Walk:
                 for i in pending
                 if any(not env.known(v) for v in eqns[i].invars)
             ][:1]
+
+    def linear_walk(self, eqns: Sequence[JaxprEqn], env: Env, goals: Sequence[Var]) -> list[Stuck]:
+        """`linear_walk` with this walk's rules (`nonlinear.LinearWalk`)."""
+        return linear_walk(eqns, env, goals, self.rules)
 
     def subwalk(self, eqns: Sequence[JaxprEqn], env: Env, goals: Sequence[Var]) -> list[Stuck]:
         """The recursion handed to group steps: a soft walk over `eqns` alone (with this walk's
@@ -622,6 +630,15 @@ class Walk:
             and p not in self.rules.inverse
             and any(env.known(v) for v in real_outvars(eqn))
         )
+
+
+def linear_walk(
+    eqns: Sequence[JaxprEqn], env: Env, goals: Sequence[Var], rules: Rules = RULES
+) -> list[Stuck]:
+    """A soft walk over `eqns` alone, with `rules` and the linear lumps as its only group
+    step: what solves a torn Newton group's affine part for its unknowns once its cut values
+    are given (`nonlinear.LinearWalk`), in the group's solve and in its log-det's plan."""
+    return Walk(Window(eqns), env, rules=rules, steps=(lump_group,), soft=True).run(goals)
 
 
 def propagate(
