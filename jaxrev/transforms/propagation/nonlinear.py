@@ -451,7 +451,12 @@ def _recover(system: _System, yp: Any, reads: list, only: Any, roots: tuple | No
     return recover(yp, reads, only, roots)
 
 
-def _iterate(system: _System, yp: Any, reads: list, only: Any) -> Any:
+def _iterate(
+    system: _System, yp: Any, reads: list, only: Any, tol_of: Callable | None = None
+) -> Any:
+    """u with F(u) = yp by damped Newton from the best start (or start `only`); `tol_of(u0)`:
+    the residual's tolerance (default: a few ulps of yp), past which steps go on only while
+    they halve the residual."""
     F = lambda u: system.F(u, reads)  # noqa: E731
     resid = _residual(system, yp, reads)
     if only is None:
@@ -467,6 +472,8 @@ def _iterate(system: _System, yp: Any, reads: list, only: Any) -> Any:
         every = jnp.stack([_pick(jnp.stack(starts), jnp.argmin(rs, axis=0)), *alt])
         u0 = every[jnp.asarray(only) + 1]
         r0 = resid(u0)
+
+    tol = _tolerance(system, yp) if tol_of is None else tol_of(u0)
 
     def cond(s):
         _, rn, it, active = s
@@ -492,11 +499,13 @@ def _iterate(system: _System, yp: Any, reads: list, only: Any) -> Any:
         )
         better = active & (rt < rn)
         u = jnp.where(system.broadcast(better), u + system.broadcast(lam) * du, u)
+        halved = rt <= 0.5 * rn
         rn = jnp.where(better, rt, rn)
-        # past the tolerance, steps go on while they still reduce the residual (one or two
-        # at Newton's quadratic rate): the backward run should not add more rounding than
-        # the forward run did
-        return u, rn, it + 1, better & (rn > 0)
+        # past the tolerance, steps go on while they still halve the residual (one or two
+        # at Newton's quadratic rate: the backward run should not add more rounding than
+        # the forward run did), not while it wanders by an ulp at the rounding floor, which
+        # held a whole batch's loop (a vmapped planar flow's) for four more iterations
+        return u, rn, it + 1, better & (rn > 0) & ((rn > tol) | halved)
 
     u, *_ = lax.while_loop(cond, body, (u0, r0, 0, r0 > 0))
     return u
@@ -918,7 +927,8 @@ def _torn_recover(
     def cut_values(out_vals, read_vals, only):
         system = _TornSystem(torn, out_vals, read_vals)
         target = jnp.zeros(sum(system.sizes), system.dtype)
-        return _iterate(system, target, [], only)
+        # (the cut's equations c - cut(x(c)) = 0 hold to a few ulps of c)
+        return _iterate(system, target, [], only, lambda c: _tolerance(system, c))
 
     @cut_values.defjvp
     def _ift(primals, tangents):
