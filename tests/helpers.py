@@ -14,6 +14,9 @@ set for:
 - `scaled_error`: absolute below magnitude 1, relative above it;
 - `l2_rel_error`: the Euclidean norm of the difference relative to the reference's.
 
+`all_eqns` yields a program's equations at any depth (inside loops, branches, calls), for
+tests that count primitives.
+
 Tests import them by name (``from helpers import rel_error``): pytest puts ``tests/`` (the
 folder of ``tests/conftest.py``) on ``sys.path``, and so does a script run from it.
 
@@ -90,3 +93,13 @@ def l2_rel_error(a, b) -> float:
     num = sum(float(np.sum(np.abs(x - y) ** 2)) for x, y in pairs)
     den = sum(float(np.sum(np.abs(y) ** 2)) for _, y in pairs)
     return float(np.sqrt(num / max(den, TINY)))
+
+
+def all_eqns(jaxpr):
+    """Every equation of `jaxpr` and of the jaxprs in its equations' params, at any depth."""
+    from jax.extend.core import jaxprs_in_params
+
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in jaxprs_in_params(eqn.params):
+            yield from all_eqns(sub)

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import all_eqns
 from jax import lax
 
 import jaxrev as jr
@@ -169,13 +170,7 @@ def test_layers_stacked_in_a_scan():
 
 def _count(jaxpr, name: str) -> int:
     """Equations of primitive `name` at any depth."""
-    from jax.extend.core import jaxprs_in_params
-
-    n = 0
-    for eqn in jaxpr.eqns:
-        n += eqn.primitive.name == name
-        n += sum(_count(sub, name) for sub in jaxprs_in_params(eqn.params))
-    return n
+    return sum(e.primitive.name == name for e in all_eqns(jaxpr))
 
 
 def test_a_network_that_reads_the_overwritten_element_is_refused():

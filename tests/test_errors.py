@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import all_eqns
 from jax import lax
 from programs import marker_line
 
@@ -370,15 +371,7 @@ def _tripling(x):
 
 
 def _primitive_names(jaxpr) -> set[str]:
-    names = set()
-    for eqn in jaxpr.eqns:
-        names.add(eqn.primitive.name)
-        for p in eqn.params.values():
-            for sub in p if isinstance(p, (tuple, list)) else (p,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    names |= _primitive_names(inner)
-    return names
+    return {e.primitive.name for e in all_eqns(jaxpr)}
 
 
 def test_check_reversible_raises_on_float32_drift():

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import abs_error, rel_error
+from helpers import abs_error, all_eqns, rel_error
 from jax import lax
 from jax import test_util as jtu
 from programs.nonlinear import cases, heun, residual, simultaneous
@@ -227,16 +227,7 @@ def _planar(d: int, m: int, dtype=jnp.float64):
 
 def _factored(jaxpr) -> set[int]:
     """The sizes of the matrices a program LU-factors, at any depth."""
-    out = set()
-    for e in jaxpr.eqns:
-        if e.primitive.name == "lu":
-            out.add(e.invars[0].aval.shape[-1])
-        for p in e.params.values():
-            for sub in p if isinstance(p, (tuple, list)) else (p,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    out |= _factored(inner)
-    return out
+    return {e.invars[0].aval.shape[-1] for e in all_eqns(jaxpr) if e.primitive.name == "lu"}
 
 
 def test_a_group_read_through_a_few_nonlinear_values_is_torn():
