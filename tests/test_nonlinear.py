@@ -17,7 +17,7 @@ import pytest
 from helpers import abs_error, all_eqns, rel_error
 from jax import lax
 from jax import test_util as jtu
-from programs.nonlinear import cases, heun, residual, simultaneous
+from programs.nonlinear import ROUND_TRIP, cases, heun, residual, simultaneous
 
 import jaxrev as jr
 from jaxrev.transforms.knowledge.context import Settings
@@ -25,12 +25,6 @@ from jaxrev.transforms.reverse import reverse_with
 
 HERE = os.path.basename(__file__)
 CASES = cases()
-# the bounds: 1e-12 where elimination solves the group exactly (Heun), 1e-10 where
-# Newton's method does (it stops at the rounding floor, and the backward run of an expanding
-# map amplifies that floor: simultaneous-50 grows |x| from 1 to 46)
-# the 50-step simultaneous map's inverse amplifies rounding (|y| near 46 from |x| <= 1): its
-# round trip is 1e-10 compiled with optimizations and 4e-10 without (tests/conftest.py)
-ROUND_TRIP = {"heun-1000": 1e-12, "simultaneous-50": 1e-9}
 
 
 def _loss(f):

@@ -75,6 +75,15 @@ def midpoint(n: int, iterations: int = 30):
     return fun
 
 
+ROUND_TRIP = {"heun-1000": 1e-12, "simultaneous-50": 1e-9}
+"""The round trips' bounds by case, 1e-10 for the others: 1e-12 where elimination solves the
+group exactly (Heun), 1e-10 where Newton's method does (it stops at the rounding floor, and
+the backward run of an expanding map amplifies that floor). The 50-step simultaneous map's
+inverse grows |x| <= 1 to |y| near 46: its round trip is 1e-10 compiled with XLA's
+optimizations and 4e-10 without (as the tests compile, in process and in the subprocesses
+they start: tests/conftest.py)."""
+
+
 def cases(width: int = 16) -> dict:
     """name -> (fun, state, param), float64, states of `width` elements (Heun: 64)."""
     rng = np.random.default_rng(0)
