@@ -513,12 +513,15 @@ def _plan_group(st: records.Step, slots: _Slots) -> _PStep:
     if (
         len(shapes) == 1
         and len(us) == len(os)
-        and all(
-            elementwise_in(e, next(iter(shapes)))
-            or not any(_inexact(o) for o in real_outvars(e))
-            or e.primitive in _POSITIONAL
-            or e.primitive is prims.gather
-            for e in st.eqns
+        and (
+            st.elementwise
+            or all(
+                elementwise_in(e, next(iter(shapes)))
+                or not any(_inexact(o) for o in real_outvars(e))
+                or e.primitive in _POSITIONAL
+                or e.primitive is prims.gather
+                for e in st.eqns
+            )
         )
     ):
         for u, o in zip(us, os):

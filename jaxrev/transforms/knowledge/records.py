@@ -36,7 +36,10 @@ class Tear:
 class Step:
     """One recovery: `kind` "eqn" (`recovered`: (var, unknown region before, after) of the
     equation's inputs) or a group kind ("lump", "choice", "newton": `inputs` recovered from
-    `outputs` through `eqns`; a Newton group solved on a few values of its own: its `tear`)."""
+    `outputs` through `eqns`; a Newton group solved on a few values of its own: its `tear`).
+    `elementwise`: the group maps each element of its inputs to the same element of its
+    outputs, whatever its equations look like (a choice whose bin is searched over a table, but
+    whose pieces are computed element by element): its Jacobian is block diagonal by element."""
 
     kind: str
     eqns: tuple[JaxprEqn, ...]
@@ -44,6 +47,7 @@ class Step:
     inputs: list[Var] = field(default_factory=list)
     outputs: list[Var] = field(default_factory=list)
     tear: Tear | None = None
+    elementwise: bool = False
 
 
 class Recorder:
@@ -100,11 +104,19 @@ def group_step(
     inputs: Sequence[Var],
     outputs: Sequence[Var],
     tear: Tear | None = None,
+    elementwise: bool = False,
 ) -> None:
     rec = active(env)
     if rec is not None:
         rec.steps.append(
-            Step(kind, tuple(eqns), inputs=list(inputs), outputs=list(outputs), tear=tear)
+            Step(
+                kind,
+                tuple(eqns),
+                inputs=list(inputs),
+                outputs=list(outputs),
+                tear=tear,
+                elementwise=elementwise,
+            )
         )
 
 

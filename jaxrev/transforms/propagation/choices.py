@@ -458,7 +458,9 @@ def _split(
         return False
     for v, x in zip(inputs, xs):
         env.write(v, x)
-    records.group_step(env, "choice", G, inputs, outputs)
+    # (decided per element, computed per element: the log-det takes its Jacobian's diagonal
+    # blocks, not the dense matrix a search's table would otherwise call for)
+    records.group_step(env, "choice", G, inputs, outputs, elementwise=shape is not None)
     return True
 
 
