@@ -474,6 +474,7 @@ def _iterate(
         r0 = resid(u0)
 
     tol = _tolerance(system, yp) if tol_of is None else tol_of(u0)
+    eps = jnp.finfo(yp.dtype).eps
 
     def cond(s):
         _, rn, it, active = s
@@ -484,13 +485,19 @@ def _iterate(
         du = system.solve(system.jacobian(u, reads), yp - F(u))
         du = jnp.where(jnp.isfinite(du), du, 0.0)
 
+        # the step is damped only where the residual is still above the tolerance: below
+        # it, a full step is taken if it lowers the residual and the element stops if not
+        # (at the rounding floor no shorter step does better; halving it thirty times held
+        # a whole vmapped batch for each element that got there)
+        damp = active & (rn > tol)
+
         def bt_cond(b):
             lam, rt, h = b
-            return (h < MAX_HALVINGS) & jnp.any(active & ~(rt < rn))
+            return (h < MAX_HALVINGS) & jnp.any(damp & ~(rt < rn))
 
         def bt_body(b):
             lam, rt, h = b
-            lam = jnp.where(rt < rn, lam, lam / 2)
+            lam = jnp.where((rt < rn) | ~damp, lam, lam / 2)
             return lam, resid(u + system.broadcast(lam) * du), h + 1
 
         lam0 = jnp.ones_like(rn)
@@ -501,11 +508,17 @@ def _iterate(
         u = jnp.where(system.broadcast(better), u + system.broadcast(lam) * du, u)
         halved = rt <= 0.5 * rn
         rn = jnp.where(better, rt, rn)
+        # Newton's full step at least halves the residual near a root (quadratically at a
+        # simple one; by (1 - 1/m)^m <= 1/e at one of multiplicity m): a full step that
+        # does not, far below where the element started, is rounding, and the element stops
+        # (the group's own check then judges it: a torn group's cut, whose tolerance, ulps
+        # of c, is below the floor where c is small, crept on by ulps for many iterations)
+        stalled = (lam == 1) & ~halved & (rn <= jnp.sqrt(eps) * r0)
         # past the tolerance, steps go on while they still halve the residual (one or two
         # at Newton's quadratic rate: the backward run should not add more rounding than
-        # the forward run did), not while it wanders by an ulp at the rounding floor, which
-        # held a whole batch's loop (a vmapped planar flow's) for four more iterations
-        return u, rn, it + 1, better & (rn > 0) & ((rn > tol) | halved)
+        # the forward run did), not while it wanders by an ulp at the rounding floor
+        going = better & ~stalled & (rn > 0) & ((rn > tol) | halved)
+        return u, rn, it + 1, going
 
     u, *_ = lax.while_loop(cond, body, (u0, r0, 0, r0 > 0))
     return u
