@@ -485,11 +485,13 @@ def _iterate(
         du = system.solve(system.jacobian(u, reads), yp - F(u))
         du = jnp.where(jnp.isfinite(du), du, 0.0)
 
-        # the step is damped only where the residual is still above the tolerance: below
-        # it, a full step is taken if it lowers the residual and the element stops if not
-        # (at the rounding floor no shorter step does better; halving it thirty times held
-        # a whole vmapped batch for each element that got there)
-        damp = active & (rn > tol)
+        # the step is damped only far from the root: above the tolerance, and above √eps of
+        # the start's residual, where Newton's full step halves the residual or meets the
+        # rounding floor (below: a full step is taken if it lowers the residual, and the
+        # element stops if not: no shorter step does better at the floor, and halving it
+        # thirty times held a whole vmapped batch for each element that got there)
+        near = rn <= jnp.sqrt(eps) * r0
+        damp = active & (rn > tol) & ~near
 
         def bt_cond(b):
             lam, rt, h = b
@@ -513,7 +515,7 @@ def _iterate(
         # does not, far below where the element started, is rounding, and the element stops
         # (the group's own check then judges it: a torn group's cut, whose tolerance, ulps
         # of c, is below the floor where c is small, crept on by ulps for many iterations)
-        stalled = (lam == 1) & ~halved & (rn <= jnp.sqrt(eps) * r0)
+        stalled = near & ~halved
         # past the tolerance, steps go on while they still halve the residual (one or two
         # at Newton's quadratic rate: the backward run should not add more rounding than
         # the forward run did), not while it wanders by an ulp at the rounding floor
