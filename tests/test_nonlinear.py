@@ -356,3 +356,24 @@ def test_newton_stops_at_a_rounding_floor_above_its_tolerance():
     # (a start's residual, then each iteration's Jacobian-free step and its full-step
     # residual: 13 evaluations; the damped loop made 265)
     assert len(calls) <= 20, len(calls)
+
+
+def test_a_torn_groups_affine_part_is_taken_exactly_next_to_large_values():
+    # a planar layer whose u tanh(.) is of order 1e8 in float32: its affine part's matrix
+    # (the identity) taken as F(s) - F(0) rounded to 0 there, and the log-det raised
+    # "singular"; taken by a JVP, it is exact (and, being constant, XLA folds it)
+    D = 6
+    k = jax.random.split(jax.random.key(0), 3)
+    u = (1e9 * (1 + 0.1 * jax.random.normal(k[0], (D,)))).astype(jnp.float32)
+    w = (1e-9 * jnp.abs(jax.random.normal(k[1], (D,)))).astype(jnp.float32)
+
+    def layer(x):
+        return x + u * jnp.tanh(jnp.dot(w, x) + 0.3)
+
+    x = jax.random.normal(k[2], (D,), jnp.float32)
+    t = jnp.tanh(jnp.dot(w, x) + 0.3)
+    want = jnp.log(jnp.abs(1 + (1 - t**2) * jnp.dot(w, u)))
+    for g in (jr.forward_and_slogdet(layer), jax.jit(jr.forward_and_slogdet(layer))):
+        y, logdet = g(x)
+        np.testing.assert_allclose(y, layer(x), rtol=1e-6)
+        np.testing.assert_allclose(logdet, want, rtol=1e-5)

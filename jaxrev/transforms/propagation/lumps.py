@@ -177,6 +177,15 @@ def probe_band(F_probe: Callable[[Any], Any], n: int, dtype: Any) -> tuple[int, 
     return None if pattern is None else (pattern.lower, pattern.upper)
 
 
+def _linear_part(F: Callable[[Any], Any], seeds: Any, n: int, dtype: Any) -> Any:
+    """``A s`` for each row `s` of `seeds`, `A` the matrix of the affine `F`: its JVP at 0,
+    not ``F(s) - F(0)``, which rounds where F's constant part is large (a residual
+    ``x + u t`` with a large ``u t``) and which XLA cannot fold where `A` is constant (the
+    identity of a torn planar layer's affine part: its log-det is then a constant 0)."""
+    zero = jnp.zeros(n, dtype)
+    return jax.vmap(lambda s: jax.jvp(F, (zero,), (s,))[1])(seeds)
+
+
 def block_entries(F: Callable[[Any], Any], n: int, blocks: Blocks, dtype: Any) -> Any:
     """The blocks of the matrix `A` of the affine `F` (``A v = F(v) - F(0)``), from one JVP
     per column position within a block (columns of different blocks share no row), padded
@@ -186,8 +195,7 @@ def block_entries(F: Callable[[Any], Any], n: int, blocks: Blocks, dtype: Any) -
     for b in range(size):
         live = blocks.columns[:, b] >= 0
         seeds[b, blocks.columns[live, b]] = 1.0
-    f0 = F(jnp.zeros(n, dtype))
-    Y = jax.vmap(lambda s: F(s) - f0)(jnp.asarray(seeds))  # Y[b, i]: column b's entries
+    Y = _linear_part(F, jnp.asarray(seeds), n, dtype)  # Y[b, i]: column b's entries
     live_rows = blocks.rows >= 0
     rows = np.where(live_rows, blocks.rows, 0)
     B = jnp.moveaxis(Y[:, rows], 0, -1)  # (blocks, a, b)
@@ -268,10 +276,9 @@ def band_entries(F: Callable[[Any], Any], n: int, lo: int, up: int, dtype: Any) 
     w = lo + up + 1
     cols = np.arange(n)
     seeds = jnp.asarray(np.stack([(cols % w == c) for c in range(w)]).astype(np.dtype(dtype)))
-    f0 = F(jnp.zeros(n, dtype))
     # columns of one colour are w apart, so within a row of bandwidth < w at most one of them
     # is non-zero: Y[c, i] = A[i, j] for the j in row i's band with j % w == c
-    Y = jax.vmap(lambda s: F(s) - f0)(seeds)
+    Y = _linear_part(F, seeds, n, dtype)
     js = cols[:, None] - lo + np.arange(w)[None, :]
     valid = (js >= 0) & (js < n)
     return jnp.where(jnp.asarray(valid), Y[np.mod(js, w), cols[:, None]], 0.0)
