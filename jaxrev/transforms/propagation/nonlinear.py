@@ -456,7 +456,9 @@ def _iterate(
 ) -> Any:
     """u with F(u) = yp by damped Newton from the best start (or start `only`); `tol_of(u0)`:
     the residual's tolerance (default: a few ulps of yp), past which steps go on only while
-    they halve the residual."""
+    they halve the residual. Steps are damped only far from the root; an element whose
+    residual is below √eps of its start's stops once a full step no longer halves it (the
+    rounding floor), its answer left to the caller's check."""
     F = lambda u: system.F(u, reads)  # noqa: E731
     resid = _residual(system, yp, reads)
     if only is None:
