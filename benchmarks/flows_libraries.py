@@ -5,9 +5,10 @@ numpyro's forward maps against the libraries' own `transform_and_log_det` /
 Setup (the issue's): dimension 8, batch 256 (vmapped), float32, everything under `jit`, the
 defaults a user gets. Flows:
 
-- flowjax `coupling_flow` with rational-quadratic splines (knots 8, interval 4) and with affine
-  couplings, `masked_autoregressive_flow` with affine transformers, `planar_flow` (flowjax has
-  no inverse for its tanh layers: its own forward map is timed in that column), and
+- flowjax `coupling_flow` with rational-quadratic splines (knots 8, and 32 as a hard variant;
+  interval 4) and with affine couplings, `masked_autoregressive_flow` with affine
+  transformers, `planar_flow` (flowjax has no inverse for its tanh layers: its own forward
+  map is timed in that column), and
   `block_neural_autoregressive_flow`, each built with flowjax's defaults (`invert=True`: the
   flow's `transform` is the bijection's inverse, which is what jaxrev is handed) and with
   `invert=False`;
@@ -82,6 +83,14 @@ def flowjax_flows(layers: int) -> dict:
     constructors = {
         "coupling_flow (spline)": lambda **kw: ff.coupling_flow(
             key, base_dist=base, transformer=spline, flow_layers=layers, **kw
+        ),
+        # (the hard variant: 32 bins, 34 thresholds a searched bin evaluates the map at)
+        "coupling_flow (spline, 32 knots)": lambda **kw: ff.coupling_flow(
+            key,
+            base_dist=base,
+            transformer=fb.RationalQuadraticSpline(knots=32, interval=4),
+            flow_layers=layers,
+            **kw,
         ),
         "coupling_flow (affine)": lambda **kw: ff.coupling_flow(
             key, base_dist=base, flow_layers=layers, **kw

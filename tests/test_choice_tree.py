@@ -175,6 +175,66 @@ def test_spline_bin_is_searched_over_its_knots_not_enumerated(how, monkeypatch):
         assert found and all(found), found
 
 
+@pytest.mark.parametrize("K", [40])
+def test_spline_of_many_bins_is_searched(K, monkeypatch):
+    """A spline of 40 bins (more than the 16 values of a bin index that were enumerated
+    before: refused at the index, `NotInvertibleError`), both directions: its bin is
+    searched over its 41 knots, the answer right to 1e-11, its log-det too."""
+    xk, yk, d = _spline_params(K, key=11)
+    x = jnp.array([-3.5, -2.99, -1.3, -0.2, 0.05, 0.7, 1.9, 2.999, 4.0])
+    for f, xs in (
+        (lambda v: clipped_spline(v, xk, yk, d), x),
+        (
+            lambda v: clipped_spline_inverse(v, xk, yk, d),
+            jax.vmap(lambda v: clipped_spline(v, xk, yk, d))(x),
+        ),
+    ):
+        found = _spy_searched(monkeypatch)
+        got, ld = jax.jit(jax.vmap(jr.inverse_and_slogdet(f)))(jax.vmap(f)(xs))
+        np.testing.assert_allclose(got, xs, rtol=1e-11, atol=1e-11)
+        want = -jax.vmap(lambda v: jnp.log(jax.grad(f)(v)))(xs)
+        np.testing.assert_allclose(ld, want, rtol=1e-8, atol=1e-10)
+        assert found and all(found), found
+
+
+def test_spline_searched_over_a_table_padded_with_infinities():
+    """Open-ended bins written as a search over ``[-inf, inner knots, inf]`` (the padded ends
+    stand for the table's finite ends: it stays in order, and the map is shown monotone)."""
+    xk, yk, d = _spline_params(5, key=12)
+    edges = jnp.concatenate([jnp.array([-jnp.inf]), xk[1:-1], jnp.array([jnp.inf])])
+
+    def f(x):
+        inb = (x >= -B) & (x <= B)
+        xc = jnp.clip(x, -B, B)
+        k = jnp.clip(jnp.searchsorted(edges, xc) - 1, 0, len(xk) - 2)
+        xi = (xc - xk[k]) / (xk[k + 1] - xk[k])
+        s = (yk[k + 1] - yk[k]) / (xk[k + 1] - xk[k])
+        num = (yk[k + 1] - yk[k]) * (s * xi**2 + d[k] * xi * (1 - xi))
+        y = yk[k] + num / (s + (d[k + 1] + d[k] - 2 * s) * xi * (1 - xi))
+        return jnp.where(inb, jnp.clip(y, -B, B), x)
+
+    x = jnp.array([-3.2, -2.5, -0.4, 0.9, 2.6, 3.3])
+    np.testing.assert_allclose(jax.vmap(f)(x), jax.vmap(lambda v: clipped_spline(v, xk, yk, d))(x))
+    for call in (jax.vmap(jr.reverse(f)), jax.jit(jax.vmap(jr.reverse(f)))):
+        np.testing.assert_allclose(call(jax.vmap(f)(x)), x, rtol=1e-12, atol=1e-12)
+
+
+def test_a_tables_order_is_checked_in_one_walk_either_way():
+    """The certificate's walk along a searched table (`choices._table_in_order`): values
+    rising along thresholds in order, or in reverse order, pass; a value below an earlier
+    one by more than the rounding allowance, or a table out of order, does not."""
+    p = jnp.array([[-2.0], [-1.0], [-1.0], [0.5], [3.0]])
+    r = jnp.array([[-5.0], [-1.0], [-1.0], [2.0], [2.0]])
+    tiny = jnp.array([1e-9])
+    ok = choices._table_in_order
+    assert ok(p, r, tiny)[0] and ok(p[::-1], r[::-1], tiny)[0]
+    assert not ok(p, r.at[3, 0].set(-2.0), tiny)[0]  # falls below -1 after it
+    assert ok(p, r.at[3, 0].set(-1.0 - 1e-10), tiny)[0]  # (within the allowance)
+    assert not ok(p[::-1], r[::-1].at[1, 0].set(-3.0), tiny)[0]
+    assert not ok(p.at[0, 0].set(1.0), r, tiny)[0]  # thresholds in neither order
+    assert ok(p, r.at[2, 0].set(jnp.nan), tiny)[0]  # (NaN: no evidence)
+
+
 def test_bin_index_of_another_function_of_the_state_is_enumerated(monkeypatch):
     """An index computed from ``0.5 x`` compares thresholds in another space than x's: the
     search declines and the bins are enumerated (still right)."""

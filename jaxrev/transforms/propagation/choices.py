@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -62,7 +62,7 @@ SubWalk = Callable[[Sequence[JaxprEqn], Env, Sequence[Var]], Any]
 MAX_COMBOS = 64
 """Combinations of branches tried in one group, at most."""
 MAX_GROUP_EQNS = 256
-MAX_VALUES = 16
+MAX_VALUES = 64
 """Values of an integer decided by the state (a spline's bin index) tried, at most."""
 _AGREE_ULPS = 64
 _LOST_ULPS = 4
@@ -613,53 +613,35 @@ def _searched(
     e_int = varying[0]
     choice = first[e_int][0]
     u = inputs[0]
-    pts = _thresholds(G, e_int, u, env, shape, producer)
-    if pts is None:
+    found = _thresholds(G, e_int, u, env, shape, producer)
+    if found is None:
         return None
+    pts, tables = found
     y = env.read(outputs[0])
+    index_vars = {o for q in _ancestors([e_int], producer) | {e_int} for o in real_outvars(q)}
 
-    def run(x: Any, want: Var) -> Any:
+    def run(x: Any, want: Var, used: set | None = None) -> Any:
         e = _before(G, env)
         e.write(u, x)
-        evaluate(G, e, partial=True)
+        evaluate(G, e, partial=True, used=used)
         return e.read(want)
 
     pts = lax.stop_gradient(pts)
-    # the map and its derivative at every threshold
+    # the map and its derivative at every threshold (thresholds on the leading axis, kept
+    # there: moved last, each step of the search ran on transposed copies)
     at, slope = jax.vmap(
-        lambda x: jax.jvp(lambda x: run(x, outputs[0]), (x,), (jnp.ones_like(x),)),
-        in_axes=-1,
-        out_axes=-1,
+        lambda x: jax.jvp(lambda x: run(x, outputs[0]), (x,), (jnp.ones_like(x),))
     )(pts)
-    # rising or falling, by the outermost thresholds; then the certificate that the search
-    # finds the one preimage: the values at the thresholds in that order (every pair: no sort,
-    # XLA:CPU's is slow on small rows), and the slopes there of that sign, which makes a
-    # rational-quadratic, quadratic or linear spline's pieces monotone between them
-    lowest, highest = jnp.argmin(pts, axis=-1), jnp.argmax(pts, axis=-1)
-    up = (
-        jnp.take_along_axis(at, highest[..., None], -1)
-        >= jnp.take_along_axis(at, lowest[..., None], -1)
-    )[..., 0]
-    # (out of order by more than rounding, per element: a knot a few ulps from a clip's
-    # bound may come out either side of it; NaN is no evidence either way; as few operations
-    # per pair as can be, there are m² of them)
-    eps = jnp.finfo(at.dtype).eps
-    fuzz = _AGREE_ULPS * eps * jnp.maximum(jnp.max(jnp.abs(at), axis=-1), 1.0)
-    rising = jnp.where(up[..., None], at, -at)  # (falling maps compared as rising)
-    wrong = (pts[..., :, None] < pts[..., None, :]) & (
-        rising[..., None, :] < rising[..., :, None] - fuzz[..., None, None]
-    )
-    tilt = jnp.where(up[..., None], slope, -slope)
-    steep = _AGREE_ULPS * eps * jnp.max(jnp.abs(jnp.where(jnp.isnan(tilt), 0, tilt)), -1)
-    monotone = ~jnp.any(wrong, axis=(-2, -1)) & ~jnp.any(tilt < -steep[..., None], axis=-1)
+    up, monotone = _monotone(pts, at, slope, tables)
     # the piece holding y: between the last threshold on y's near side and the first past it
-    near = jnp.where(up[..., None], at <= y[..., None], at >= y[..., None])
-    lo = jnp.max(jnp.where(near, pts, -jnp.inf), axis=-1)
-    hi = jnp.min(jnp.where(near, jnp.inf, pts), axis=-1)
-    reach = 1 + jnp.max(pts, axis=-1) - jnp.min(pts, axis=-1)
+    near = jnp.where(up, at <= y, at >= y)
+    lo = jnp.max(jnp.where(near, pts, -jnp.inf), axis=0)
+    hi = jnp.min(jnp.where(near, jnp.inf, pts), axis=0)
+    reach = 1 + jnp.max(pts, axis=0) - jnp.min(pts, axis=0)
     mid = jnp.where(jnp.isinf(lo), hi - reach, jnp.where(jnp.isinf(hi), lo + reach, (lo + hi) / 2))
     (o,) = real_outvars(e_int)
-    k = run(mid.astype(u.aval.dtype), o).astype(jnp.int32) - choice.value
+    # (the index alone: the equations it is computed by)
+    k = run(mid.astype(u.aval.dtype), o, index_vars).astype(jnp.int32) - choice.value
     k = jnp.clip(k, 0, choice.n - 1)
     combo = dict(first)
     combo[e_int] = (choice, k)
@@ -670,9 +652,10 @@ def _thresholds(
     G: Sequence[JaxprEqn], e_int: JaxprEqn, u: Var, env: Env, shape: tuple, producer: dict
 ) -> Any | None:
     """The known floating values the bin index's computation compares the unknown `u` with,
-    per element: ``(*shape, m)``; None where it computes from `u` through anything but clips
-    by known bounds, copies, casts and moves (`_PASSES_U`), reads a known value laid out
-    otherwise, or reads no such value."""
+    ``(m, *shape)`` (thresholds first, per element), and the groups they come in
+    (`_Columns`); None where it computes from `u` through anything but clips by known bounds,
+    copies, casts and moves (`_PASSES_U`), reads a known value laid out otherwise, or reads
+    no such value."""
     eqns = _ancestors([e_int], producer) | {e_int}
     passes = {u}  # u, or u clipped by known bounds
     for q in G:
@@ -686,6 +669,7 @@ def _thresholds(
             ):
                 passes.add(outs[0])
     cols: list = []
+    kinds: list[str] = []  # per column group: "one", "table" (searched: sorted), "loose"
     for q in G:
         if q not in eqns:
             continue
@@ -702,21 +686,116 @@ def _thresholds(
                 continue  # (a NaN that a search's normalization writes: no threshold)
             vs = tuple(jnp.shape(val))
             if vs == ():
-                cols.append(jnp.broadcast_to(val, shape)[..., None])
+                cols.append(jnp.broadcast_to(val, (1,) + shape))
+                kinds.append("one")
             elif vs == shape:
-                cols.append(jnp.asarray(val)[..., None])
+                cols.append(jnp.asarray(val)[None])
+                kinds.append("one")
                 if len(vs) == 1:  # (or a table shared by every element: both, to be sure)
-                    cols.append(jnp.broadcast_to(val, shape + vs))
+                    cols.append(jnp.broadcast_to(jnp.asarray(val)[:, None], vs + shape))
+                    kinds.append("loose")
             elif vs[:-1] == shape or len(vs) == 1:
-                cols.append(jnp.broadcast_to(val, shape + vs[-1:]))
+                table = jnp.moveaxis(jnp.broadcast_to(val, shape + vs[-1:]), -1, 0)
+                # (a table padded with infinities, as searches over open-ended bins are
+                # written: those ends stand for its finite ends, which keeps it in order)
+                fin = jnp.isfinite(table)
+                ends = (
+                    jnp.min(jnp.where(fin, table, jnp.inf), axis=0),
+                    jnp.max(jnp.where(fin, table, -jnp.inf), axis=0),
+                )
+                cols.append(jnp.where(fin, table, jnp.where(table > 0, ends[1], ends[0])))
+                kinds.append("table")
             else:  # (a known value not laid out per element: its thresholds unknown)
                 return None
-    if not cols or sum(c.shape[-1] for c in cols) > MAX_THRESHOLDS:
+    if not cols or sum(c.shape[0] for c in cols) > MAX_THRESHOLDS:
         return None
     dt = u.aval.dtype
-    pts = jnp.concatenate([c.astype(dt) for c in cols], axis=-1)
+    pts = jnp.concatenate([c.astype(dt) for c in cols], axis=0)
     # (a non-finite known value is no threshold: 0 instead, one more piece boundary)
-    return jnp.where(jnp.isfinite(pts), pts, jnp.zeros((), dt))
+    pts = jnp.where(jnp.isfinite(pts), pts, jnp.zeros((), dt))
+    ends = np.cumsum([c.shape[0] for c in cols])
+    return pts, [_Columns(int(e - c.shape[0]), int(e), k) for c, e, k in zip(cols, ends, kinds)]
+
+
+class _Columns(NamedTuple):
+    """A group of thresholds, ``[start, stop)`` on their leading axis, read from one known
+    value: "one" (a scalar, or a value per element), a "table" a search reads (expected in
+    order), or a "loose" row of values in no known order."""
+
+    start: int
+    stop: int
+    kind: str
+
+
+def _monotone(pts: Any, at: Any, slope: Any, groups: Sequence[_Columns]) -> tuple[Any, Any]:
+    """Whether the map is rising (by its outermost thresholds), and where it is shown monotone:
+    its values `at` the thresholds `pts` in their order (every pair of thresholds, up to
+    rounding), its `slope`s there of the rising or falling sign, which makes a
+    rational-quadratic, quadratic or linear spline's pieces monotone between them.
+
+    Every pair is compared across groups and inside a loose group; a searched table (in
+    order, or in reverse order: checked, else not shown) is walked once with the running
+    maximum of the values before each threshold, so that a spline's m knots cost m
+    comparisons, not m² (the pairs were a sixth of a flowjax spline inverse's time)."""
+    # (the values at the lowest and the highest threshold, the first of ties: a knot equal
+    # to a clip's bound may come out a few ulps apart)
+    first = jnp.arange(pts.shape[0]).reshape((-1,) + (1,) * (pts.ndim - 1))
+    m = pts.shape[0]
+    lowest = jnp.min(jnp.where(pts == jnp.min(pts, axis=0), first, m), axis=0)
+    highest = jnp.min(jnp.where(pts == jnp.max(pts, axis=0), first, m), axis=0)
+    up = jnp.sum(jnp.where(first == highest, at, 0), 0) >= jnp.sum(
+        jnp.where(first == lowest, at, 0), 0
+    )
+    # (out of order by more than rounding, per element: a knot a few ulps from a clip's
+    # bound may come out either side of it; NaN is no evidence either way)
+    eps = jnp.finfo(at.dtype).eps
+    fuzz = _AGREE_ULPS * eps * jnp.maximum(jnp.max(jnp.abs(at), axis=0), 1.0)
+    rising = jnp.where(up, at, -at)  # (falling maps compared as rising)
+
+    def cols(g: _Columns) -> tuple[Any, Any]:
+        return pts[g.start : g.stop], rising[g.start : g.stop]
+
+    def pairs_out_of_order(a: _Columns, b: _Columns) -> Any:
+        (pa, ra), (pb, rb) = cols(a), cols(b)
+        lower = pa[:, None] < pb[None, :]
+        higher = pb[None, :] < pa[:, None]
+        wrong = (lower & (rb[None, :] < ra[:, None] - fuzz)) | (
+            higher & (ra[:, None] < rb[None, :] - fuzz)
+        )
+        return jnp.any(wrong, axis=(0, 1))
+
+    bad = jnp.zeros(up.shape, bool)
+    for i, a in enumerate(groups):
+        for b in groups[i + 1 :]:
+            bad = bad | pairs_out_of_order(a, b)
+        if a.stop - a.start < 2:
+            continue
+        if a.kind == "loose":
+            bad = bad | pairs_out_of_order(a, a)
+        else:
+            bad = bad | ~_table_in_order(*cols(a), fuzz)
+    tilt = jnp.where(up, slope, -slope)
+    steep = _AGREE_ULPS * eps * jnp.max(jnp.abs(jnp.where(jnp.isnan(tilt), 0, tilt)), 0)
+    return up, ~bad & ~jnp.any(tilt < -steep, axis=0)
+
+
+def _table_in_order(p: Any, r: Any, fuzz: Any) -> Any:
+    """Where a table's thresholds `p` (leading axis) are sorted, either way, and the rising
+    values `r` at them never fall, by more than `fuzz`, below a value at a lower threshold:
+    one walk along the table in its order, keeping the largest value so far (equal
+    thresholds have equal values, the map run on the same input; NaN is no evidence).
+    Unrolled: a running maximum by `lax.cummax` is 3-6x slower on XLA:CPU."""
+
+    def walk(rows: Any) -> Any:
+        upto, fine = rows[0], jnp.ones(rows.shape[1:], bool)
+        for row in rows[1:]:
+            fine = fine & ~(row < upto - fuzz)
+            upto = jnp.fmax(upto, row)
+        return fine
+
+    rises = jnp.all(p[1:] >= p[:-1], axis=0)
+    falls = jnp.all(p[1:] <= p[:-1], axis=0)
+    return (rises & walk(r)) | (falls & walk(r[::-1]))
 
 
 def _families(combos: list[dict]) -> list[list[dict]]:
