@@ -44,9 +44,6 @@ REFUSED = {
     "masked_autoregressive_flow/spline@inverted": "select_n",
     # conditioned: the condition enters the masked network through a concatenation
     "MaskedAutoregressive/conditional": "add",
-    # block neural autoregressive networks: no closed form (Newton per dimension: not built)
-    "BlockAutoregressiveNetwork": "dot_general",
-    "block_neural_autoregressive_flow@inverted": "dot_general",
     # its forward map is flowjax's bisection (`NumericalInverse`), a loop whose result only
     # the network it inverts gives back
     "block_neural_autoregressive_flow": "cond",

@@ -332,6 +332,12 @@ NO_INVERSE = frozenset(
 about 40 s at each test process's collection; `test_library_flows` checks it (slow)."""
 
 
+NUMERICAL_INVERSE = frozenset({"block_neural_autoregressive_flow@inverted"})
+"""The cases whose flowjax inverse is a numerical solve (bisection, to its own tolerance:
+1e-3 off the true input where the network saturates): jaxrev's inverse is checked against
+the true input instead."""
+
+
 def all_names() -> list[str]:
     """Every case, and ``X@inverted`` for those flowjax can invert."""
     out = []
@@ -367,7 +373,7 @@ def check(name: str, how: str, tol: float = 1e-8) -> str:
     np.testing.assert_allclose(y, y_ref, rtol=tol, atol=tol, err_msg="forward value")
     np.testing.assert_allclose(ld, ld_ref, rtol=tol, atol=tol, err_msg="forward log-det")
     xi, ldi = inv(y_ref, cond)
-    if has_inverse(bij):
+    if has_inverse(bij) and name not in NUMERICAL_INVERSE:
         xi_ref, ldi_ref = lib_i(y_ref, cond)
     else:
         xi_ref, ldi_ref = x, -ld_ref

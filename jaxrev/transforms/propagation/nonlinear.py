@@ -329,7 +329,7 @@ def newton_step(
         idx = [i for i in cand if i >= t]
         if len(idx) < 2 and eqns[idx[0]].primitive is not prims.scan:
             continue  # one primitive without an inverse rule of its own stays an error
-        group = [eqns[i] for i in idx]
+        group = _toward_known([eqns[i] for i in idx], env)
         produced = {v for e in group for v in real_outvars(e)}
         inputs = list(
             dict.fromkeys(
@@ -340,6 +340,8 @@ def newton_step(
             )
         )
         outputs = [v for e in group for v in real_outvars(e) if env.known(v)]
+        if len(group) < 2 and group[0].primitive is not prims.scan:
+            continue
         if not inputs or size_of(v.aval for v in inputs) != size_of(v.aval for v in outputs):
             continue
         if not _floats([*inputs, *outputs]) or not all(_smooth(e, env) for e in group):
@@ -365,6 +367,20 @@ def newton_step(
         records.group_step(env, "newton", group, inputs, outputs, tear=tear)
         return True
     return False
+
+
+def _toward_known(group: list[JaxprEqn], env: Env) -> list[JaxprEqn]:
+    """The equations of `group` that lead to its known outputs: what the unknowns feed only
+    elsewhere (a block neural autoregressive layer's log-Jacobian, computed beside its
+    output from the same values, through maxima and stop-gradients) is no equation Newton
+    solves, and is evaluated once the unknowns are found."""
+    need = {v for e in group for v in real_outvars(e) if env.known(v)}
+    kept = []
+    for e in reversed(group):
+        if any(o in need for o in real_outvars(e)):
+            kept.append(e)
+            need.update(v for v in e.invars if isinstance(v, Var))
+    return kept[::-1] or group
 
 
 def _smooth(e: JaxprEqn, env: Env) -> bool:

@@ -406,11 +406,15 @@ class Walk:
                 if isinstance(v, Var):
                     self.touching.setdefault(v, []).append(i)
         self.done = [False] * n
-        self.ready: deque[int] = deque()
+        # what runs forward from the seeds first: an equation left in `partial` behind one
+        # whose inputs became known whole (a loop reading weights computed from constants)
+        # was inverted before those weights were computed, and took them as unknowns
+        runs = [all(env.known(v) for v in e.invars) for e in self.eqns]
+        self.ready: deque[int] = deque(i for i in range(n) if runs[i])
         self.whole: deque[int] = deque()
-        self.partial: deque[int] = deque(range(n))
+        self.partial: deque[int] = deque(i for i in range(n) if not runs[i])
         self.queued = [True] * n
-        self.ahead = [False] * n
+        self.ahead = list(runs)
         self.stuck: dict[int, Stuck] = {}
         self.lossy: set[int] = set()
         self.rule_tried: dict[int, tuple] = {}

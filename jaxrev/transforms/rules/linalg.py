@@ -25,6 +25,7 @@ from jaxrev.transforms.registry import (
     ElementRule,
     LogdetContext,
     Lossy,
+    NeedMore,
     Unsupported,
     define,
 )
@@ -44,7 +45,9 @@ def _dot_general(out, lhs, rhs, *, dimension_numbers, **_):
     xb, wb = (lb, rb) if x_is_lhs else (rb, lb)
     w_free = [d for d in range(w.ndim) if d not in wc and d not in wb]
     if len(xc) != 1 or len(w_free) != 1 or w.shape[wc[0]] != w.shape[w_free[0]]:
-        raise Lossy(
+        # (not lost: a product by a rectangular matrix may be part of a square group that
+        # Newton's method solves, `W2 tanh(W1 x)`; alone, the walk ends stuck on it)
+        raise NeedMore(
             "multiplying by a matrix is invertible only for a known square matrix "
             f"contracted on one dimension (got operand shape {tuple(w.shape)})"
         )
