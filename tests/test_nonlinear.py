@@ -377,3 +377,35 @@ def test_a_torn_groups_affine_part_is_taken_exactly_next_to_large_values():
         y, logdet = g(x)
         np.testing.assert_allclose(y, layer(x), rtol=1e-6)
         np.testing.assert_allclose(logdet, want, rtol=1e-5)
+
+
+def test_a_rectangular_product_inside_a_square_group_is_solved_by_newton():
+    """``W2 tanh(W1 x)`` (4 -> 16 -> 4, a block neural autoregressive layer's shape): the
+    product by the wide W2 recovers nothing alone, but the group is square (before: refused
+    at that `dot_general` as losing information). Its weights come out of a loop over layers
+    whose stacked weights are computed from constants by a `where` (weight normalisation
+    behind a mask, as flowjax writes it): the walker computes them before it inverts the
+    loop (before: the loop was inverted first, with the weights taken as unknowns). The
+    layer's log-Jacobian, computed beside its output through a max, is left out of the
+    group."""
+    k1, k2 = jax.random.split(jax.random.key(3))
+    mask = jnp.arange(16)[:, None] % 4 >= jnp.arange(4)[None, :]
+    W1 = jnp.abs(jax.random.normal(k1, (1, 16, 4))) * 0.5
+    W2 = jnp.abs(jax.random.normal(k2, (1, 4, 16))) * 0.3
+
+    def f(x):
+        w1 = jnp.where(mask, W1, 0.0)
+        w1 = w1 / jnp.linalg.norm(w1, axis=-1, keepdims=True)
+
+        def layer(carry, w):
+            h, side = carry
+            a = w[0] @ h
+            side = side + jnp.max(jnp.log1p(a * a))  # (beside the output: not in the group)
+            return (w[1] @ jnp.tanh(a), side), None
+
+        (y, _), _ = jax.lax.scan(layer, (x, 0.0), (w1, W2))
+        return y
+
+    x = jnp.array([0.3, -0.2, 0.5, 0.1])
+    for call in (jr.reverse(f), jax.jit(jr.reverse(f))):
+        np.testing.assert_allclose(call(f(x)), x, rtol=1e-10, atol=1e-12)
