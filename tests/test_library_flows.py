@@ -47,9 +47,6 @@ REFUSED = {
     # its forward map is flowjax's bisection (`NumericalInverse`), a loop whose result only
     # the network it inverts gives back
     "block_neural_autoregressive_flow": "cond",
-    "triangular_spline_flow@inverted": "dot_general",
-    # an inverted spline inside flowjax's layer scan: the scan body's choice is not split
-    "triangular_spline_flow": "select_n",
     # the discrete cosine transform goes through complex FFTs (`real` of a complex value)
     "DiscreteCosine": "real",
     "DiscreteCosine@inverted": "real",
@@ -132,7 +129,6 @@ NP_REFUSED = {
     "DiscreteCosineTransform": "real",
     # the radius scales every coordinate: a scalar root (not built)
     "L1BallTransform": "mul",
-    "BlockNeuralAutoregressiveTransform": "dot_general",
 }
 
 

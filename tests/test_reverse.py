@@ -565,6 +565,32 @@ def test_scan_final_carry_recovered_from_its_per_iteration_output():
     assert jnp.max(jnp.abs(jr.reverse(f)(f(x)) - x)) == 0.0
 
 
+def test_a_step_whose_last_input_arrives_while_it_waits_runs_before_the_loop_reading_it():
+    # flowjax's triangular spline flow: the loop over layers reads matrices computed from
+    # constants; a step of that computation, woken when its first input was known, waited in
+    # the walk's `whole` queue behind the loop and ran only after the loop had been inverted
+    # with the matrix taken for unknown (refused at `triangular_solve`)
+    from jax.scipy.linalg import solve_triangular
+
+    W = jnp.arange(18.0, dtype=jnp.float32).reshape(2, 3, 3) / 10 + jnp.eye(3)
+
+    def f(x):
+        p = jnp.sin(W)  # known first: wakes the loop, which reads it
+        u = jnp.tril(W)  # wakes `m`, whose other input is computed later
+        v = jnp.exp(jnp.cos(jnp.tanh(W)))
+        m = u * jnp.tril(v) + jnp.eye(3)
+
+        def body(c, pm):
+            p_i, m_i = pm
+            return solve_triangular(m_i, c, lower=True) + p_i[0], None
+
+        return jax.lax.scan(body, x, (p, m))[0]
+
+    x = jnp.array([0.3, -1.2, 2.0])
+    np.testing.assert_allclose(jr.reverse(f)(f(x)), x, rtol=1e-5)
+    np.testing.assert_allclose(jax.jit(jr.reverse(f))(f(x)), x, rtol=1e-5)
+
+
 def single_slot_chain(n=30):
     w = jnp.linspace(-1.0, 1.0, n)
 

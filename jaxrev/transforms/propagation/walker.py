@@ -315,6 +315,10 @@ GROUP_STEPS: tuple[GroupStep, ...] = (lump_group, choice_group, eliminate_group,
 # --------------------------------------------------------------------------- the walk
 
 
+# where an equation waits ahead of `partial` (`Walk.ahead`): nowhere (0), in `whole`, in `ready`
+_WHOLE, _READY = 1, 2
+
+
 class Walk:
     """One walk: fill `env` from what it knows over `jaxpr`'s equations (a `Jaxpr` or a
     `Window`), with the inverse rules of `rules` and, when no single equation moves, the group
@@ -337,8 +341,9 @@ class Walk:
     looked at before `partial`, those woken by a change of partial knowledge. Spreading a value
     known on some elements through earlier steps before the step that completes it has run
     would intersect the regions of independent predicates, wave after wave (per-step masks:
-    exponential in the steps). `queued[i]`: waiting in a queue, `ahead[i]`: in `ready` or
-    `whole`; `done[i]`: every variable known. `stuck` maps equations to why they are stuck,
+    exponential in the steps). `queued[i]`: waiting in a queue, `ahead[i]`: in `ready`
+    (`_READY`) or `whole` (`_WHOLE`), an equation in `whole` moving to `ready` once its inputs
+    are all known; `done[i]`: every variable known. `stuck` maps equations to why they are stuck,
     `lossy` (per round of group steps) those whose rule said they lose information;
     `rule_tried` / `elements_tried` what was known around an equation when its inverse rule /
     its element rules were last tried (a rule, say a loop's, which traces its body, is tried
@@ -414,7 +419,7 @@ class Walk:
         self.whole: deque[int] = deque()
         self.partial: deque[int] = deque(i for i in range(n) if not runs[i])
         self.queued = [True] * n
-        self.ahead = list(runs)
+        self.ahead = [_READY if r else 0 for r in runs]
         self.stuck: dict[int, Stuck] = {}
         self.lossy: set[int] = set()
         self.rule_tried: dict[int, tuple] = {}
@@ -463,9 +468,12 @@ class Walk:
 
     def _next(self) -> int | None:
         """The next equation to look at (None: the one taken needs no look)."""
-        if self.ready or self.whole:
-            i = (self.ready or self.whole).popleft()
-            self.ahead[i] = False
+        if self.ready:
+            i = self.ready.popleft()
+            self.ahead[i] = 0
+        elif self.whole:
+            i = self.whole.popleft()
+            self.ahead[i] = 0
         else:
             i = self.partial.popleft()
         if not self.queued[i]:
@@ -496,18 +504,29 @@ class Walk:
     def _wake(self, vs: Sequence[Any], whole: set) -> None:
         """Queue the equations around the variables `vs` whose knowledge changed (`whole`:
         those now known whole)."""
-        env, eqns = self.env, self.eqns
         for v in vs:
             for j in self.touching.get(v, ()) if isinstance(v, Var) else ():
                 if self.done[j]:
                     continue
-                if v in whole and not self.ahead[j]:
-                    self.ahead[j] = self.queued[j] = True
-                    ready = all(env.known(u) for u in eqns[j].invars)
-                    (self.ready if ready else self.whole).append(j)
-                elif not self.queued[j]:
+                if v in whole and self._queue_ahead(j):
+                    continue
+                if not self.queued[j]:
                     self.queued[j] = True
                     self.partial.append(j)
+
+    def _queue_ahead(self, j: int) -> bool:
+        """Queue equation `j` ahead of `partial`: in `ready` if its inputs are all known now
+        (also when it already waits in `whole`, which `ready` goes before: a step whose
+        last input became known while it waited there, behind a loop woken by its known
+        outputs, would otherwise run only after that loop was inverted and took the value
+        this step computes for unknown), else in `whole`. False: it waits there already."""
+        runs = all(self.env.known(u) for u in self.eqns[j].invars)
+        place = _READY if runs else _WHOLE
+        if self.ahead[j] >= place:
+            return False
+        self.ahead[j], self.queued[j] = place, True
+        (self.ready if runs else self.whole).append(j)
+        return True
 
     def _wake_all(self, pending: Sequence[int]) -> None:
         """After a group step (which may write anywhere): look at every pending equation
@@ -518,9 +537,7 @@ class Walk:
             if self.done[j]:
                 continue
             if all(env.known(u) for u in eqns[j].invars):
-                if not self.ahead[j]:
-                    self.ahead[j] = self.queued[j] = True
-                    self.ready.append(j)
+                self._queue_ahead(j)
             elif not self.queued[j]:
                 self.queued[j] = True
                 self.partial.append(j)
