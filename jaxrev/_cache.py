@@ -27,10 +27,12 @@ import collections
 import functools
 import hashlib
 import logging
+import sys
 import types
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -38,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrev._compat import is_concrete, is_staged, tracing
+from jaxrev._errors import JaxrevError
 from jaxrev._program import Filtered, traced_mask
 from jaxrev._runtime import checked_jit, raise_runtime_errors, runtime_error
 
@@ -53,8 +56,8 @@ __all__ = [
 ]
 
 _MAX_ENTRIES = 256
-_MAX_NODES = 400  # values visited per key: past it, no key
-_MAX_DEPTH = 8
+_MAX_NODES = 4000  # values visited per key: past it, no key
+_MAX_DEPTH = 32  # (a flowjax flow nests its modules about 10 deep)
 _MAX_BYTES = 1 << 16  # NumPy arrays hashed by value up to this size
 
 
@@ -153,6 +156,8 @@ class _Keyer:
         for k, x in vars(c).items():
             if (k.startswith("__") and k.endswith("__")) or isinstance(x, _SLOTS):
                 continue
+            if k == "_abc_impl":  # an ABC's registry (a subclass cache), not the user's state
+                continue
             if isinstance(x, property):
                 x = (x.fget, x.fset)
             elif isinstance(x, (staticmethod, classmethod)):
@@ -223,9 +228,20 @@ _LIBRARIES = frozenset(
 def _library(v: Any) -> bool:
     """Whether `v` (a function, class or object) is defined by a library: its functions and
     classes are keyed by identity, as its modules are; its objects (an `eqx.nn.Lambda`, a
-    diffrax term, an nnx module) by their attributes, which may hold the user's code."""
+    diffrax term, an nnx module) by their attributes, which may hold the user's code. A
+    library is one of `_LIBRARIES` or a package installed in site-packages (flowjax,
+    paramax, numpyro: keyed by their attributes, their classes' methods and the globals
+    those name ran past `_MAX_NODES`, so an eager call on a flowjax flow had no key)."""
     mod = getattr(v, "__module__", None)
-    return isinstance(mod, str) and mod.split(".", 1)[0] in _LIBRARIES
+    return isinstance(mod, str) and _installed(mod.split(".", 1)[0])
+
+
+@functools.lru_cache(maxsize=1024)
+def _installed(root: str) -> bool:
+    if root in _LIBRARIES:
+        return True
+    path = getattr(sys.modules.get(root), "__file__", None) or ""
+    return any(part in ("site-packages", "dist-packages") for part in Path(path).parts)
 
 
 def _attributes(v: Any) -> dict | None:
@@ -337,6 +353,9 @@ class Cache:
         self.entries.move_to_end(key)
         return hit[1]
 
+    def drop(self, key: Any) -> None:
+        self.entries.pop(key, None)
+
     def put(self, key: Any, keep: list, value: Any) -> Any:
         self.entries[key] = (keep, value)
         if len(self.entries) > self.size:
@@ -346,6 +365,7 @@ class Cache:
 
 _COMPILED = Cache()
 _SEEN = Cache()
+_EAGER_ONLY = Cache()  # keys whose traced call raised: run eagerly
 _MEMOS: dict[str, Cache] = {}
 
 
@@ -369,8 +389,11 @@ def _run_quietly(jitted: Callable, *args: Any, block: bool = False) -> tuple[boo
     try:
         out = jitted(*args)
         return True, jax.block_until_ready(out) if block else out
-    except jax.errors.JaxRuntimeError as e:
-        runtime_error(e)  # the stashed error, not raised: the eager re-run raises it
+    except Exception as e:
+        # (a failed host callback comes as JAX's `JaxRuntimeError`, or a `ValueError` on
+        # some JAX versions and platforms: either carries the check's token)
+        if runtime_error(e) is None:  # the stashed error, not raised: the eager re-run raises it
+            raise
         return False, None
     finally:
         _QUIET.depth -= 1
@@ -403,12 +426,17 @@ def cached_call(who: Any, fun: Any, impl: Callable[..., Any], args: tuple) -> An
 
     An eager call (no transformation tracing, concrete arguments) whose key (`who`, the
     transform and its settings, and `call_key(fun, args)`) was seen before runs as one
-    compiled call, traced once per key; the first call runs `impl` as it is (a call made
-    once would pay a compilation for nothing). Other calls, and calls without a key, run
-    `impl` as it is. A compiled call whose run-time check fails, or whose result is not
-    finite, is re-run as `impl(*args)`: eagerly the rules see the values, and raise naming
-    the step where a pivot vanished (a division by a zero factor that, traced, would give an
-    infinity).
+    compiled call, traced once per key; the first call runs `impl` as it is. (Compiled from
+    the first call, a spline flow's inverse would take a third of its first call's time, run
+    operation by operation it compiles each operation apart; but a loop that calls the
+    transform with new weights each time, as training does, would then compile on every call
+    and keep every step's weights alive in its compiled entry.) Other calls, and calls
+    without a key, run `impl` as it is. A compiled call whose run-time check fails, or whose
+    result is not finite, is re-run as `impl(*args)`: eagerly the rules see the values, and
+    raise naming the step where a pivot vanished (a division by a zero factor that, traced,
+    would give an infinity). A key whose traced call raises a jaxrev error runs eagerly from
+    then on: on values its walk may go where a traced walk cannot (a branch taken on a known
+    predicate), and where it cannot either, the eager run raises its own error.
 
     Example:
         >>> import jax.numpy as jnp
@@ -422,6 +450,8 @@ def cached_call(who: Any, fun: Any, impl: Callable[..., Any], args: tuple) -> An
     if ck is None:
         return _eager(impl, *args)
     key, keep = (who, ck[0]), ck[1]
+    if _EAGER_ONLY.get(key) is not None:
+        return _eager(impl, *args)
     if _SEEN.get(key) is None:
         _SEEN.put(key, keep, True)
         return _eager(impl, *args)
@@ -437,7 +467,12 @@ def cached_call(who: Any, fun: Any, impl: Callable[..., Any], args: tuple) -> An
 
         hit = _COMPILED.put(key, keep, (checked_jit(flat_impl, convert=False), out_split))
     jitted, out_split = hit
-    ok, res = _run_quietly(jitted, *split.flat, block=True)
+    try:
+        ok, res = _run_quietly(jitted, *split.flat, block=True)
+    except JaxrevError:
+        _COMPILED.drop(key)
+        _EAGER_ONLY.put(key, keep, True)
+        return _eager(impl, *args)
     if not ok or not bool(res[1]):
         return _eager(impl, *args)
     return out_split[0].rebuild(res[0])[0]

@@ -295,3 +295,59 @@ def test_cache_entries_do_not_keep_arrays_alive():
         del W, h
     gc.collect()
     assert sum(r() is not None for r in refs) == 0
+
+
+def test_log_det_transforms_of_a_flowjax_flow_compile_from_the_second_eager_call(monkeypatch):
+    """A flowjax flow (modules of an installed library, nested ten deep, its classes ABCs)
+    has a key: before, it had none (its classes were keyed by their attributes, an ABC's
+    registry among them) and every eager call traced and ran operation by operation."""
+    pytest.importorskip("flowjax")
+    import flowjax.distributions as fd
+    import flowjax.flows as ff
+
+    flow = ff.coupling_flow(jax.random.key(0), base_dist=fd.Normal(jnp.zeros(3)), flow_layers=2)
+    bij = flow.bijection
+    x = jnp.array([0.3, -1.2, 0.8])
+    y, ld = bij.transform_and_log_det(x)
+    count = Counter(monkeypatch)
+    fwd = jr.forward_and_slogdet(lambda x: bij.transform(x))
+    inv = jr.inverse_and_slogdet(lambda y: bij.transform(y))
+    for _ in range(3):
+        got_y, got_ld = fwd(x)
+        got_x, got_ild = inv(y)
+        np.testing.assert_allclose(got_y, y, rtol=1e-12)
+        np.testing.assert_allclose(got_ld, ld, rtol=1e-12)
+        np.testing.assert_allclose(got_x, x, rtol=1e-10)
+        np.testing.assert_allclose(got_ild, -ld, rtol=1e-10)
+    first = count.n
+    for _ in range(3):
+        fwd(x), inv(y)
+    assert count.n == first  # compiled from the second call: nothing traced again
+    signs = []
+    for _ in range(3):  # a fresh lambda of the same code and closure: the same key
+        first = count.n
+        signs.append(jr.slogdet_jacobian(lambda x: bij.transform(x), x))
+    assert count.n == first  # the third call traced nothing
+    sign, logdet = jnp.linalg.slogdet(jax.jacfwd(bij.transform)(x))
+    for got in signs:
+        np.testing.assert_allclose(got, (sign, logdet), rtol=1e-12)
+
+
+def test_a_user_abc_is_keyed_by_its_attributes():
+    import abc
+
+    class Scale(abc.ABC):
+        factor = 2.0
+
+        @abc.abstractmethod
+        def apply(self, x): ...
+
+    class Double(Scale):
+        def apply(self, x):
+            return self.factor * x
+
+    m = Double()
+    assert call_key(lambda x: m.apply(x), (jnp.ones(2),)) is not None
+    k1 = call_key(lambda x: m.apply(x), (jnp.ones(2),))[0]
+    Scale.factor = 3.0  # a class-level setting changed between calls: a new key
+    assert call_key(lambda x: m.apply(x), (jnp.ones(2),))[0] != k1

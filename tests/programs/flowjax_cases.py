@@ -9,6 +9,7 @@ flowjax's own) and `benchmarks/flows_libraries.py`.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -309,6 +310,7 @@ def has_inverse(bij: Any) -> bool:
     return _implements(bij, "inverse_and_log_det")
 
 
+@functools.cache  # built once per test process: a case costs 30-60 small compilations
 def case(name: str, scale: float = 1.0) -> tuple[Any, jax.Array, jax.Array | None]:
     """``(bijection, x, condition)`` for a name of `all_names()`: ``"X@inverted"`` is
     `Invert(X)` with an input made by X's forward map (`scale` scales X's input: a second

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxrev._dense as dense
-from jaxrev._cache import memo
+from jaxrev._cache import cached_call, memo
 from jaxrev._compat import Primitive, is_concrete, staged_constants, user_source
 from jaxrev._env import Env, Unknown
 from jaxrev._errors import (
@@ -539,9 +539,18 @@ def slogdet_jacobian(
     on_error = resolve_on_error(who, on_error)
     _check_method(method, who)
     nums = normalize_argnums(argnums, len(primals), fun)
-    sign, logabs = _slogdet_jacobian(fun, primals, nums, method, on_error, who)
-    state = [primals[a] for a in nums]
-    return _nan_where_nan(sign, state), _nan_where_nan(logabs, state)
+
+    def impl(*primals: Any) -> tuple[Any, Any]:
+        sign, logabs = _slogdet_jacobian(fun, primals, nums, method, on_error, who)
+        state = [primals[a] for a in nums]
+        return _nan_where_nan(sign, state), _nan_where_nan(logabs, state)
+
+    # an eager call runs compiled, keyed like jax.jit's (`_cache`)
+    return cached_call((who, nums, method, on_error), fun, impl, primals)
+
+
+def _hashable(argnums: int | Sequence[int]) -> int | tuple[int, ...]:
+    return argnums if isinstance(argnums, int) else tuple(argnums)
 
 
 def _slogdet_jacobian(
@@ -650,11 +659,17 @@ def forward_and_slogdet(
     on_error = resolve_on_error(who, on_error)
     _check_method(method, who)
 
-    @functools.wraps(fun)
-    def fwd(*args: Any) -> tuple[Any, Any]:
+    def impl(*args: Any) -> tuple[Any, Any]:
         nums = normalize_argnums(argnums, len(args), fun)
         y, logabs = _forward_and_slogdet(fun, args, nums, method, on_error, who)
         return y, _nan_where_nan(logabs, [args[a] for a in nums], y)
+
+    settings = (who, _hashable(argnums), method, on_error)
+
+    @functools.wraps(fun)
+    def fwd(*args: Any) -> tuple[Any, Any]:
+        # eager calls run compiled, keyed like jax.jit's (`_cache`)
+        return cached_call(settings, fun, impl, args)
 
     return fwd
 
@@ -721,11 +736,18 @@ def inverse_and_slogdet(
     on_error = resolve_on_error(who, on_error)
     _check_method(method, who)
 
-    @functools.wraps(fun)
-    def inv(*args: Any) -> tuple[Any, Any]:
+    def impl(*args: Any) -> tuple[Any, Any]:
         x, logdet = _inverse_and_slogdet(fun, args, argnums, method, on_error, state, who)
         given = [args[a] for a in normalize_argnums(argnums, len(args), fun)]
         return x, _nan_where_nan(logdet, given)
+
+    settings = (who, _hashable(argnums), method, on_error)
+
+    @functools.wraps(fun)
+    def inv(*args: Any) -> tuple[Any, Any]:
+        # eager calls run compiled, keyed like jax.jit's (`_cache`); `state` is keyed with
+        # the function (it may be a pytree of shapes)
+        return cached_call(settings, (fun, state), impl, args)
 
     return inv
 
