@@ -351,3 +351,24 @@ def test_a_user_abc_is_keyed_by_its_attributes():
     k1 = call_key(lambda x: m.apply(x), (jnp.ones(2),))[0]
     Scale.factor = 3.0  # a class-level setting changed between calls: a new key
     assert call_key(lambda x: m.apply(x), (jnp.ones(2),))[0] != k1
+
+
+def test_a_key_whose_traced_call_raises_runs_eagerly_from_then_on():
+    """What works only on values (here: a transform that raises when traced) keeps working
+    on every eager call: the compiled attempt of the second call raises a jaxrev error, that
+    call and every later one of its key run eagerly, and nothing is traced again."""
+    from jaxrev._cache import cached_call
+
+    traced = []
+
+    def impl(x):
+        if isinstance(x, jax.core.Tracer):
+            traced.append(1)
+            raise jr.JaxrevError("needs values")
+        return 2 * x
+
+    f = lambda x: x  # noqa: E731  (what the key is built from)
+    outs = [cached_call("values-only", f, impl, (jnp.arange(3.0),)) for _ in range(4)]
+    for o in outs:
+        np.testing.assert_array_equal(o, 2 * jnp.arange(3.0))
+    assert len(traced) == 1  # the second call's compiled attempt only

@@ -468,11 +468,8 @@ class Walk:
 
     def _next(self) -> int | None:
         """The next equation to look at (None: the one taken needs no look)."""
-        if self.ready:
-            i = self.ready.popleft()
-            self.ahead[i] = 0
-        elif self.whole:
-            i = self.whole.popleft()
+        if self.ready or self.whole:
+            i = (self.ready or self.whole).popleft()
             self.ahead[i] = 0
         else:
             i = self.partial.popleft()
