@@ -416,3 +416,67 @@ def test_inputs_on_a_knot_invert():
         y = jax.vmap(f)(x)
         for call in (jax.vmap(jr.reverse(f)), jax.jit(jax.vmap(jr.reverse(f)))):
             np.testing.assert_allclose(call(y), x, rtol=1e-12, atol=1e-13)
+
+
+def _per_element_of(f, *args) -> bool:
+    """`choices._per_element` of `f`'s equations, what they compute from its first argument
+    laid out per element of that argument's shape."""
+    jaxpr = jax.make_jaxpr(f)(*args).jaxpr
+    return choices._per_element(jaxpr.eqns, {jaxpr.invars[0]}, tuple(args[0].shape))
+
+
+def test_what_is_computed_element_by_element_is_told_apart():
+    """`_per_element`: a search per element (a table of knots per element, as flowjax's
+    spline coupling writes it under `vmap`, or one table for all), a gather per element,
+    elementwise arithmetic and reductions over trailing axes are element by element; a
+    reduction over the elements, a reversal, a sort or a cumulative sum is not."""
+    x = jnp.linspace(-1.0, 1.0, 4)
+    tables = jnp.sort(jax.random.normal(jax.random.key(0), (4, 9)), axis=1)
+    per_row = jax.vmap(jnp.searchsorted)
+    assert _per_element_of(lambda x, t: per_row(t, x), x, tables)
+    assert _per_element_of(lambda x, t: jnp.searchsorted(t[0], x), x, tables)
+    assert _per_element_of(
+        lambda x, t: jnp.take_along_axis(t, per_row(t, x)[:, None] % 9, axis=1)[:, 0] * x,
+        x,
+        tables,
+    )
+    assert _per_element_of(lambda x, t: jnp.sum(t * x[:, None] ** 2, axis=1), x, tables)
+    for f in (
+        lambda x, t: x * jnp.sum(x),
+        lambda x, t: x[::-1],
+        lambda x, t: jnp.sort(x),
+        lambda x, t: jnp.cumsum(x),
+        lambda x, t: t[per_row(t, x) % 4, 0],  # (a row picked by another element's bin)
+    ):
+        assert not _per_element_of(f, x, tables)
+
+
+def test_a_spline_searched_per_element_is_checked_once_not_again_together(monkeypatch):
+    """A spline coupling's layout (a table of knots per element, the bin searched element by
+    element under `vmap`): the candidates are checked once, all at once (one forward run of
+    the group, vmapped over them), and the picked ones are not run forward again to check
+    them together; the inverse and its log-det are right."""
+    K, n = 6, 5
+    params = [_spline_params(K, key=k) for k in range(n)]
+    xk, yk, d = (jnp.stack(p) for p in zip(*params))
+
+    def f(v):
+        return jax.vmap(clipped_spline)(v, xk, yk, d)
+
+    calls = {"holds": 0, "recheck": 0}
+    real_holds = choices._holds
+
+    def holds(*a):
+        calls["holds"] += 1
+        return real_holds(*a)
+
+    monkeypatch.setattr(choices, "_holds", holds)
+    monkeypatch.setattr(
+        choices, "_recheck", lambda *a: calls.__setitem__("recheck", calls["recheck"] + 1)
+    )
+    x = jnp.array([-3.5, -1.3, 0.05, 1.9, 2.5])
+    got, ld = jax.jit(jr.inverse_and_slogdet(f))(f(x))
+    np.testing.assert_allclose(got, x, rtol=1e-11, atol=1e-11)
+    want = -jnp.linalg.slogdet(jax.jacfwd(f)(x))[1]
+    np.testing.assert_allclose(ld, want, rtol=1e-9)
+    assert calls == {"holds": 1, "recheck": 0}, calls

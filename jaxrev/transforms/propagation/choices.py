@@ -36,13 +36,16 @@ import numpy as np
 from jax import lax
 
 from jaxrev._compat import (
+    CALL_PRIMITIVES,
     JaxprEqn,
     Literal,
     Var,
+    call_jaxpr,
     has_user_frame,
     is_concrete,
     is_host_callback,
     prims,
+    scan_info,
 )
 from jaxrev._env import Env
 from jaxrev._errors import ReversibilityError, at_eqn, not_invertible
@@ -52,7 +55,13 @@ from jaxrev.transforms.custom import custom_inverse
 from jaxrev.transforms.knowledge import records
 from jaxrev.transforms.knowledge.checks import NEWTON_STARTS, raise_where
 from jaxrev.transforms.propagation.reach import decided_on, int_range, reachable
-from jaxrev.transforms.registry import choice_rules, elementwise_in
+from jaxrev.transforms.registry import (
+    ELEMENTWISE,
+    broadcasts_to,
+    choice_rules,
+    elementwise_in,
+    is_kind,
+)
 
 __all__ = ["choice_step", "MAX_COMBOS"]
 
@@ -338,6 +347,135 @@ def _pointwise_gather(e: JaxprEqn, shape: tuple) -> bool:
     )
 
 
+_ALSO_ELEMENTWISE = frozenset({"clamp", "le_to", "lt_to", "atan2", "nextafter", "erfc"})
+"""Elementwise primitives without an inverse rule of that kind (a total-order comparison that
+`searchsorted` writes, a clip), for `_per_element` alone."""
+_REARRANGES = frozenset({"reshape", "squeeze", "expand_dims", "copy"})
+_REDUCES = frozenset(
+    {
+        "reduce_sum",
+        "reduce_max",
+        "reduce_min",
+        "reduce_prod",
+        "reduce_and",
+        "reduce_or",
+        "argmax",
+        "argmin",
+    }
+)
+
+
+def _per_element(eqns: Sequence[JaxprEqn], dep: set, shape: tuple) -> bool:
+    """Whether `eqns` compute, element by element of `shape` (the leading axes), what they
+    compute from `dep` (values laid out so, the group's unknowns): element i of every such
+    value from element i of its operands alone, and known values (a table of knots) read
+    whole. Then candidates checked each on its own (`_branch`) stay right when picked element
+    by element, with no check of the picked ones together (`_recheck`). Elementwise
+    operations, moves of the trailing axes, reductions over them, a gather per element
+    (``take_along_axis`` of a spline's knots at its bin index), and loops and calls whose
+    bodies are so (`searchsorted`'s bisection): anything else answers False."""
+    return _reached(eqns, dep, shape) is not None
+
+
+def _reached(eqns: Sequence[JaxprEqn], dep: set, shape: tuple) -> set | None:
+    """What `eqns` compute from `dep`, where they compute it element by element of `shape`
+    (`_per_element`); None where they may not."""
+    dep = set(dep)
+    for e in eqns:
+        if not any(is_var(v) and v in dep for v in e.invars):
+            continue
+        outs = _per_element_outs(e, dep, shape)
+        if outs is None:
+            return None
+        dep.update(outs)
+    return dep
+
+
+def _per_element_outs(e: JaxprEqn, dep: set, shape: tuple) -> list | None:
+    """The outputs of `e` that depend on `dep`, where `e` computes them element by element
+    of `shape` (`_per_element`); None where it may not."""
+    k = len(shape)
+    name = e.primitive.name
+    outs = real_outvars(e)
+
+    def lead(v: Any) -> bool:
+        return tuple(v.aval.shape[:k]) == shape
+
+    mine = [v for v in e.invars if is_var(v) and v in dep]
+    if not all(lead(v) for v in mine):
+        return None
+    if name == "scan":
+        return _per_element_loop(e, dep, shape)
+    if e.primitive in CALL_PRIMITIVES:
+        sub = call_jaxpr(e.params).jaxpr
+        inner = {s for s, v in zip(sub.invars, e.invars) if is_var(v) and v in dep}
+        got = _reached(sub.eqns, inner, shape)
+        if got is None:
+            return None
+        mine_out = [o for o, s in zip(e.outvars, sub.outvars) if is_var(s) and s in got]
+        return mine_out if all(lead(o) for o in mine_out) else None
+    if not all(lead(o) for o in outs):
+        return None
+    out_shape = tuple(outs[0].aval.shape) if outs else shape
+    if is_kind(e.primitive, ELEMENTWISE) or name in _ALSO_ELEMENTWISE:
+        # (operands may broadcast over size-1 axes: the unknowns' only inside an element,
+        # their leading axes being the elements')
+        ok = all(broadcasts_to(tuple(v.aval.shape), out_shape) for v in e.invars)
+        return outs if ok else None
+    if name == "broadcast_in_dim":
+        return outs if tuple(e.params["broadcast_dimensions"][:k]) == tuple(range(k)) else None
+    if name in _REARRANGES:
+        # (the leading axes kept on both sides: a row-major move inside each element)
+        if e.params.get("dimensions") is not None and name == "reshape":
+            return None  # (a reshape that transposes first)
+        if name == "squeeze" and any(a < k for a in e.params["dimensions"]):
+            return None
+        return outs
+    if name in _REDUCES:
+        return outs if all(a >= k for a in e.params["axes"]) else None
+    if name == "gather":
+        d = e.params["dimension_numbers"]
+        if any(a < k for a in d.offset_dims):
+            return None
+        if is_var(e.invars[0]) and e.invars[0] in dep:  # (a table per element, paired)
+            pairs = (
+                tuple(getattr(d, "operand_batching_dims", ())[:k]),
+                tuple(getattr(d, "start_indices_batching_dims", ())[:k]),
+            )
+            if pairs != (tuple(range(k)), tuple(range(k))):
+                return None
+        return outs if len(e.invars[1].aval.shape) > k else None
+    return None
+
+
+def _per_element_loop(e: JaxprEqn, dep: set, shape: tuple) -> list | None:
+    """A `scan` whose body computes element by element (`_per_element`): the unknowns reach
+    its constants and carries only (laid out per element), never the stacked inputs or
+    outputs; the carries they reach found by iterating the body to a fixed point."""
+    info = scan_info(e.params)
+    body = info.body.jaxpr
+    n = len(e.invars)
+    nx = n - info.nconsts - info.ncarry
+    reached = [is_var(v) and v in dep for v in e.invars]
+    if any(reached[n - nx :]):
+        return None
+    for _ in range(info.ncarry + 1):
+        made = _reached(body.eqns, {b for b, r in zip(body.invars, reached) if r}, shape)
+        if made is None:
+            return None
+        outs_reached = [is_var(o) and o in made for o in body.outvars]
+        carry_in = reached[info.nconsts : info.nconsts + info.ncarry]
+        new = [a or b for a, b in zip(carry_in, outs_reached[: info.ncarry])]
+        if new == carry_in:
+            break
+        reached[info.nconsts : info.nconsts + info.ncarry] = new
+    else:
+        return None
+    if any(outs_reached[info.ncarry :]):
+        return None
+    return [o for o, r in zip(e.outvars[: info.ncarry], new) if r and is_var(o)]
+
+
 class _Lost(Exception):
     """A combination of branches that cannot be inverted (raised out of the traced solve)."""
 
@@ -475,9 +613,10 @@ def _solve(
     walk: SubWalk,
     state: Any,
 ) -> list[Any] | None:
-    # candidates stacked on a leading axis, one chunk per family of combinations
+    # candidates stacked on a leading axis, one block per family of combinations; `masks`:
+    # per block, where its candidates may be taken beyond consistency (None: everywhere)
     chunks: list[list[Any]] = [[] for _ in inputs]
-    oks: list[Any] = []
+    masks: list[Any] = []
     tried: list[tuple] = []
     lost: list = []
     searched: list = []  # (the bin indices searched, to name)
@@ -498,8 +637,9 @@ def _solve(
             return jnp.arange(-1, NEWTON_STARTS)
         return jnp.arange(0, 2) if bctx.root_uses else None
 
-    def add(family: list[dict], starts: Any) -> None:
-        _batched(family, starts, branch, env, chunks, oks)
+    def add(family: list[dict], starts: Any, mask: Any = None) -> None:
+        _batched(family, starts, branch, env, chunks)
+        masks.append(mask)
         for combo in family:
             tried.extend([_ks(combo, ch)] * (1 if starts is None else len(starts)))
 
@@ -507,7 +647,7 @@ def _solve(
         # (the branch walk's own context: whether Newton's method ran, or a quadratic's roots
         # were taken, is asked of it alone; NaN instead of errors)
         bctx = env.ctx.replace(on_error="nan")
-        vals, ok, amb = branch(combo, -1, bctx)
+        vals, amb = branch(combo, -1, bctx)
         if amb is not None:  # a branch that loses the state, met only where it runs
             lost.append((_lossy_branch(combo, env)[0], amb))
             return
@@ -517,7 +657,7 @@ def _solve(
             return
         for chunk, x in zip(chunks, vals):
             chunk.append(x[None])
-        oks.append(ok[None])
+        masks.append(None)
         tried.append(_ks(combo, ch))
 
     for family in _families(combos):
@@ -531,7 +671,7 @@ def _solve(
         # vmapped over them
         bctx = env.ctx.replace(on_error="nan")
         first = family[0]
-        amb = jax.eval_shape(lambda first=first, bctx=bctx: branch(first, -1, bctx)[2])
+        amb = jax.eval_shape(lambda first=first, bctx=bctx: branch(first, -1, bctx)[1])
         if amb is not None:  # (each on its own: `lost` needs its combination's choice)
             for combo in family:
                 single(combo)
@@ -540,20 +680,93 @@ def _solve(
         found = _searched(G, family, inputs, outputs, env, shape, producer)
         if found is not None:
             combo, monotone = found
-            add([combo], starts_for(bctx))
-            oks[-1] = oks[-1] & monotone[None]
+            add([combo], starts_for(bctx), monotone)
             searched.append((combo_int(combo), ~monotone))
             continue
         add(family, starts_for(bctx))
-    if not oks:
+    if not tried:
         return None
     cands = [jnp.concatenate(c, axis=0) for c in chunks]
-    out, idx = _merge(ch, inputs, cands, jnp.concatenate(oks, axis=0), lost, env.ctx, searched)
-    if shape is not None and not all(
-        elementwise_in(e, shape) or _pointwise_gather(e, shape) for e in G
-    ):
+    # every candidate checked at once: the group run forward from each (one program for
+    # all, vmapped over them), its choices asked whether they take the assumed branches
+    ok = _consistent(G, ch, inputs, outputs, env, shape, cands, tried)
+    if any(m is not None for m in masks):
+        ok = ok & jnp.concatenate(
+            [
+                jnp.broadcast_to(True if m is None else m, c.shape[:1] + ok.shape[1:])
+                for c, m in zip(chunks[0], masks)
+            ]
+        )
+    out, idx = _merge(ch, inputs, cands, ok, lost, env.ctx, searched)
+    if shape is not None and not _per_element(G, set(inputs), shape):
         _recheck(G, ch, inputs, outputs, env, out, idx, tried)
     return out
+
+
+def _holds(
+    G: Sequence[JaxprEqn],
+    ch: list[_Choice],
+    inputs: list[Var],
+    outputs: list[Var],
+    env: Env,
+    shape: tuple | None,
+    xs: Sequence[Any],
+    ks: Sequence[Any],
+) -> Any:
+    """Where the group, run forward from `xs` (a value per input), takes at every choice the
+    branch `ks` assumes (one per choice, per element or whole; below 0 for a choice its
+    combination left dead: any branch), or gives the outputs back to a few ulps whichever
+    branches it took (`_reproduces`), and `xs` are finite: per element of `shape`, or as a
+    whole where `shape` is None."""
+    env_f, pure = _forward_env(G, env)
+    for v, x in zip(inputs, xs):
+        env_f.write(v, x)
+    evaluate(G, env_f, partial=True)
+    ok = jnp.asarray(True)
+    for c, k in zip(ch, ks):
+        held = k < 0
+        if c.value is not None:
+            held = held | c.holds(env_f, k)
+        else:
+            for b in range(c.n):
+                held = held | ((k == b) & c.holds(env_f, b))
+        ok = ok & held
+    if pure:
+        ok = ok | _reproduces(env_f, env, outputs, shape)
+    for x in xs:
+        fin = jnp.isfinite(x)
+        ok = ok & (fin if shape is not None else jnp.all(fin))
+    return ok if shape is None else jnp.broadcast_to(ok, shape)
+
+
+def _assumed(tried: list[tuple], j: int, shape: tuple) -> Any:
+    """The branch each candidate assumed at choice `j`, ``(candidates, *shape)`` (a searched
+    bin index assumes one per element; -1 where its combination left the choice dead)."""
+    return jnp.stack([jnp.broadcast_to(jnp.asarray(t[j], jnp.int32), shape) for t in tried])
+
+
+def _consistent(
+    G: Sequence[JaxprEqn],
+    ch: list[_Choice],
+    inputs: list[Var],
+    outputs: list[Var],
+    env: Env,
+    shape: tuple | None,
+    cands: list[Any],
+    tried: list[tuple],
+) -> Any:
+    """`_holds` of every candidate (`cands`: per input, stacked on a leading axis; `tried`:
+    per candidate, the branch it assumed at each choice): ``(candidates, *shape)``. The
+    group runs forward once for all, vmapped over the candidates; a group holding a check
+    (Equinox's `error_if`, a host callback) runs once per candidate, as its checks ran."""
+    ks = [_assumed(tried, j, shape if shape is not None else ()) for j in range(len(ch))]
+
+    def one(xs: Sequence[Any], kk: Sequence[Any]) -> Any:
+        return _holds(G, ch, inputs, outputs, env, shape, xs, kk)
+
+    if _forward_env(G, env)[1]:
+        return jax.vmap(one)(cands, ks)
+    return jnp.stack([one([c[i] for c in cands], [k[i] for k in ks]) for i in range(len(tried))])
 
 
 MIN_SEARCHED = 3
@@ -812,9 +1025,7 @@ def _ks(combo: dict, ch: list[_Choice]) -> tuple:
     return tuple(combo[c.eqn][1] if c.eqn in combo else -1 for c in ch)
 
 
-def _batched(
-    family: list[dict], starts: Any, branch: Callable, env: Env, chunks: list, oks: list
-) -> None:
+def _batched(family: list[dict], starts: Any, branch: Callable, env: Env, chunks: list) -> None:
     """The family's candidates, the branch walk traced once and vmapped over the integers'
     assumed values (and Newton's starts or the roots, `starts`)."""
     first = family[0]
@@ -825,18 +1036,15 @@ def _batched(
         combo = dict(first)
         for j, e in enumerate(varying):
             combo[e] = (first[e][0], row[j])
-        vals, ok, _ = branch(combo, start, env.ctx.replace(on_error="nan"))
-        return vals, ok
+        return branch(combo, start, env.ctx.replace(on_error="nan"))[0]
 
     if starts is None:
-        vals, ok = jax.vmap(lambda row: one(row, -1))(table)
+        vals = jax.vmap(lambda row: one(row, -1))(table)
     else:
-        vals, ok = jax.vmap(lambda row: jax.vmap(lambda s: one(row, s))(starts))(table)
+        vals = jax.vmap(lambda row: jax.vmap(lambda s: one(row, s))(starts))(table)
         vals = [x.reshape((-1,) + x.shape[2:]) for x in vals]
-        ok = ok.reshape((-1,) + ok.shape[2:])
     for chunk, x in zip(chunks, vals):
         chunk.append(x)
-    oks.append(ok)
 
 
 def _fails(c: _Choice, k: int) -> bool:
@@ -857,11 +1065,12 @@ def _branch(
     bctx: Any,
     producer: dict,
     state: Any,
-) -> tuple[list[Any], Any, Any]:
+) -> tuple[list[Any], Any]:
     """One combination of branches: the candidate it inverts to (Newton's method starting
-    from start `start`, -1 for the best of all), where the group takes those branches, and
-    None; or, for a combination whose output does not depend on the state (a clip's
-    saturated branch after a spline), where the output is the one it makes (`_lossy`).
+    from start `start`, -1 for the best of all) and None (whether the group takes those
+    branches from it is asked of all candidates at once: `_consistent`); or, for a
+    combination whose output does not depend on the state (a clip's saturated branch after a
+    spline), NaN and where the output is the one it makes (`_lossy`).
     `bctx`: the branch walk's context (NaN instead of errors), derived from the group's."""
     env_c = env.copy()
     window = _live(_branch_window(G, combo, env_c), outputs)
@@ -875,7 +1084,7 @@ def _branch(
         )
         if amb is not None:
             nans = [jnp.full(v.aval.shape, jnp.nan, v.aval.dtype) for v in inputs]
-            return nans, jnp.zeros(shape or (), bool), amb
+            return nans, amb
         e, k = _lossy_branch(combo, env)
         inner = _lossy_step(stuck, combo) if e is None else None
         if inner is not None:  # the branch is fine, a step inside it loses information
@@ -886,21 +1095,7 @@ def _branch(
                 (next((q for q in G if q.primitive in choice_rules), G[0]), 0),
             )
         raise _Lost(not_invertible(e, _LOST_REASON.format(k=k), _LOST_HINT, who=env.ctx.who))
-    vals = [env_c.read(v) for v in inputs]
-    # run the original group forward from the candidate: does it take these branches?
-    env_f, pure = _forward_env(G, env)
-    for v, x in zip(inputs, vals):
-        env_f.write(v, x)
-    evaluate(G, env_f, partial=True)
-    ok = jnp.asarray(True)
-    for c, k in combo.values():
-        ok = ok & c.holds(env_f, k)
-    if pure:
-        ok = ok | _reproduces(env_f, env, outputs, shape)
-    for x in vals:
-        fin = jnp.isfinite(x)
-        ok = ok & (fin if shape is not None else jnp.all(fin))
-    return vals, (ok if shape is None else jnp.broadcast_to(ok, shape)), None
+    return [env_c.read(v) for v in inputs], None
 
 
 def _before(G: Sequence[JaxprEqn], env: Env) -> Env:
@@ -1002,25 +1197,13 @@ def _recheck(
     """Where a decision is not computed element by element (a search over a table), the
     candidates picked per element are checked together: from them, does every choice take the
     branch its element assumed?"""
-    env_f, pure = _forward_env(G, env)
-    for v, x in zip(inputs, out):
-        env_f.write(v, x)
-    evaluate(G, env_f, partial=True)
-    ok = jnp.asarray(True)
-    for j, c in enumerate(ch):
-        # (combinations, *elements): the value each candidate assumed (a searched bin index
-        # assumes one per element), then the one of the candidate each element picked
-        ks = jnp.stack([jnp.broadcast_to(jnp.asarray(t[j], jnp.int32), idx.shape) for t in tried])
-        k = jnp.take_along_axis(ks, idx[None], axis=0)[0]
-        held = k < 0  # (a choice the combination left dead: any branch)
-        if c.value is not None:
-            held = held | c.holds(env_f, k)
-        else:
-            for b in range(c.n):
-                held = held | ((k == b) & c.holds(env_f, b))
-        ok = ok & held
-    if pure:
-        ok = ok | _reproduces(env_f, env, outputs, idx.shape)
+    # (combinations, *elements): the value each candidate assumed (a searched bin index
+    # assumes one per element), then the one of the candidate each element picked
+    ks = [
+        jnp.take_along_axis(_assumed(tried, j, idx.shape), idx[None], axis=0)[0]
+        for j in range(len(ch))
+    ]
+    ok = _holds(G, ch, inputs, outputs, env, idx.shape, out, ks)
     first = next((c.eqn for c in ch if has_user_frame(c.eqn)), ch[0].eqn)
     together = jnp.all(
         ok
