@@ -480,3 +480,38 @@ def test_a_spline_searched_per_element_is_checked_once_not_again_together(monkey
     want = -jnp.linalg.slogdet(jax.jacfwd(f)(x))[1]
     np.testing.assert_allclose(ld, want, rtol=1e-9)
     assert calls == {"holds": 1, "recheck": 0}, calls
+
+
+def _primitives(closed) -> set:
+    """The names of every primitive in a jaxpr, its sub-jaxprs included."""
+    seen: set = set()
+
+    def walk(j):
+        for e in j.eqns:
+            seen.add(e.primitive.name)
+            for p in e.params.values():
+                for sub in p if isinstance(p, (tuple, list)) else (p,):
+                    inner = getattr(sub, "jaxpr", sub)
+                    if hasattr(inner, "eqns"):
+                        walk(inner)
+
+    walk(closed.jaxpr)
+    return seen
+
+
+def test_a_solve_is_wrapped_to_invert_again_only_where_its_program_may_be():
+    """`reverse`'s program may be inverted again (``reverse(reverse(f))``): a choice group's
+    solve is a `custom_inverse` step there, whose inverse is the group run forward; the
+    log-det transforms' programs only run, so their solve is emitted as it is (traced once,
+    not once more by every `vmap` around it). Both give the input back."""
+    xk, yk, d = _spline_params(3, key=5)
+    f = lambda v: clipped_spline(v, xk, yk, d)  # noqa: E731
+    x = jnp.array([-2.9, -1.0, 0.3, 2.5])
+    y = jax.vmap(f)(x)
+    rev = jax.vmap(jr.reverse(f))
+    assert "jaxrev_custom_inverse" in _primitives(jax.make_jaxpr(rev)(y))
+    np.testing.assert_allclose(jax.jit(jax.vmap(jr.reverse(jr.reverse(f))))(x), y, rtol=1e-12)
+    ild = jax.vmap(jr.inverse_and_slogdet(f))
+    assert "jaxrev_custom_inverse" not in _primitives(jax.make_jaxpr(ild)(y))
+    np.testing.assert_allclose(jax.jit(ild)(y)[0], x, rtol=1e-12, atol=1e-13)
+    np.testing.assert_allclose(jax.jit(rev)(y), x, rtol=1e-12, atol=1e-13)

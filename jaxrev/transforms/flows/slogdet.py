@@ -172,7 +172,8 @@ def _walk(
     ins = list(t.flat)
     for i in t.state_pos:
         ins[i] = Unknown(jaxpr.invars[i].aval)
-    ctx = WalkContext(Settings(t.who, on_error))
+    # (what it emits only runs: nothing walks it again)
+    ctx = WalkContext(Settings(t.who, on_error, reinverted=False))
     jaxpr, env, _ = seed(t.closed, ins, ys, prepared=True, ctx=ctx)
     goals = [jaxpr.invars[i] for i in t.state_pos]
     rec = records.Recorder(env, jaxpr, None, range(len(jaxpr.outvars)), t.state_pos)

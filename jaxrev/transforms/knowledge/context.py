@@ -37,12 +37,18 @@ class Settings:
     `on_error` (`ON_ERROR`); `newton`: whether Newton's method is used at all (the inverse
     transforms need only Jacobians, which linear lumps give exactly); `rebuilds`: the walk
     rebuilds values a forward run computed (`reversible`'s backward walk), so a NaN or an
-    infinity given to it is the program's own value, not a failure to report."""
+    infinity given to it is the program's own value, not a failure to report; `reinverted`:
+    the program the walk emits may be walked again (`reverse`'s: ``reverse(reverse(f))``),
+    so a choice group's solve is emitted as a `custom_inverse` step whose inverse is the
+    group run forward; a walk whose program only runs (the log-det transforms', `reversible`'s
+    backward) emits the solve's operations themselves, traced once (not traced into a
+    `custom_inverse`, then again by each `vmap` around it)."""
 
     who: str = "jaxrev.reverse"
     on_error: str = "raise"
     newton: bool = True
     rebuilds: bool = False
+    reinverted: bool = True
 
     def __post_init__(self) -> None:
         if self.on_error not in ON_ERROR:
@@ -103,6 +109,10 @@ class WalkContext:
     @property
     def newton(self) -> bool:
         return self.settings.newton
+
+    @property
+    def reinverted(self) -> bool:
+        return self.settings.reinverted
 
     def replace(
         self,

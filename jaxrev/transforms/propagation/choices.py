@@ -543,9 +543,10 @@ def _split(
     walk: SubWalk,
     state: Any,
 ) -> bool:
-    """Invert the group branch by branch and write the consistent candidate. The inverse is
-    emitted as one `custom_inverse` step whose own inverse is the group run forward, so that
-    the inverse program can be inverted again (``reverse(reverse(f))``)."""
+    """Invert the group branch by branch and write the consistent candidate. Where the walk's
+    program may be walked again (`WalkContext.reinverted`), the inverse is emitted as one
+    `custom_inverse` step whose own inverse is the group run forward, so that it can be
+    inverted again (``reverse(reverse(f))``)."""
     produced = {o for e in G for o in real_outvars(e)}
     reads = list(
         dict.fromkeys(
@@ -586,7 +587,7 @@ def _split(
     same = [(tuple(a.aval.shape), a.aval.dtype) for a in outputs] == [
         (tuple(a.aval.shape), a.aval.dtype) for a in inputs
     ]
-    if same and not all(is_concrete(x) for x in [*ys, *rs]):
+    if same and env.ctx.reinverted and not all(is_concrete(x) for x in [*ys, *rs]):
         step = custom_inverse(solve)
         step.definverse(forward)
         xs = step(ys, rs)
