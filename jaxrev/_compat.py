@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib as _contextlib
 import contextvars as _contextvars
+import functools
 import os as _os
 import sys as _sys
 from collections.abc import Callable, Sequence
@@ -313,6 +314,27 @@ def bind_eqn(eqn: JaxprEqn, invals: Sequence[Any]) -> list[Any]:
     return list(out) if eqn.primitive.multiple_results else [out]
 
 
+@functools.lru_cache(maxsize=64)
+def compiled_eqns(eqns: tuple, ins: tuple, outs: tuple) -> Callable:
+    """`eqns` (in order) as one jitted function of the variables `ins`, returning the
+    variables `outs`: what jaxrev evaluates from constants at once (one XLA program instead
+    of one per operation), kept for the same equations again (a walk of the same program)."""
+
+    def run(*vals: Any) -> list[Any]:
+        env = dict(zip(ins, vals))
+
+        def read(v: Any) -> Any:
+            return v.val if isinstance(v, Literal) else env[v]
+
+        for e in eqns:
+            for o, x in zip(e.outvars, bind_eqn(e, [read(v) for v in e.invars])):
+                if not isinstance(o, DropVar):
+                    env[o] = x
+        return [env[o] for o in outs]
+
+    return jax.jit(run)
+
+
 def _vary_constants(eqn: JaxprEqn, invals: Sequence[Any]) -> Sequence[Any]:
     """Inside shard_map, each operand typed to vary over the mesh axes the equation's own
     operand varies over, where it varies over fewer: a constant the walk folded (its `pvary`
@@ -539,6 +561,12 @@ def differentiation_depth() -> int:
         t = getattr(t, "parent_trace", None)
         seen += 1
     return depth
+
+
+def folding_constants() -> bool:
+    """Whether operations on constants are evaluated when traced (inside
+    `jax.ensure_compile_time_eval`), not staged into the program."""
+    return bool(_config.eager_constant_folding.value)
 
 
 def staged_constants():

@@ -18,6 +18,7 @@ from jaxrev._compat import (
     Literal,
     Var,
     bind_eqn,
+    compiled_eqns,
     is_concrete,
     is_key,
     zeros_of,
@@ -30,6 +31,11 @@ PartValue = Any  # a `knowledge.elements.Part`: a value known on some of its ele
 ElementRegion = Any  # a `knowledge.regions.Region`: a set of element positions
 LossReason = Any  # a `registry.Lossy`: why element rules could not give elements back
 WalkSettings = Any  # a `knowledge.context.WalkContext`: what steers the walk
+
+
+MIN_FOLDED = 3
+"""Operations on constants from which they are evaluated as one compiled program
+(`compiled_eqns`), not one by one."""
 
 
 class Unknown:
@@ -178,7 +184,7 @@ class Statics:
             self._static[v] = None
             return None
         # depth first over the producers, without recursion (chains of constants can be long)
-        stack = [e]
+        stack, order, ordered = [e], [], set()
         while stack:
             e = stack[-1]
             missing = [
@@ -188,28 +194,64 @@ class Statics:
                 and u not in self._static
                 and u not in self._consts
                 and u in self.producer
+                and self.producer[u] not in ordered
             ]
             if missing:
                 stack.append(self.producer[missing[0]])
                 continue
             stack.pop()
-            ins = [self._static_value(u) for u in e.invars]
-            outs = None
+            if e not in ordered:
+                ordered.add(e)
+                order.append(e)
+        self._evaluate_statics(order, v)
+        return self._static.get(v)
+
+    def _evaluate_statics(self, order: Sequence[JaxprEqn], want: Var) -> None:
+        """The static values of the outputs of `order` (producers before their readers) whose
+        inputs are all static, None for the rest: at once, one compiled program (op by op,
+        each operation on constants was an XLA program of its own, 50 of a flowjax flow's
+        first trace), which gives `want` and what equations outside it read (an intermediate
+        asked for later is derived again)."""
+        made: dict = {}  # (ordered: the outputs in the order their equations run)
+        group: list = []
+        for e in order:
             if (
-                all(x is not None for x in ins)
-                and not getattr(e, "effects", None)
+                not getattr(e, "effects", None)
+                and all(
+                    (is_var(u) and u in made) or self._static_value(u) is not None for u in e.invars
+                )
                 and all(
                     np.prod(o.aval.shape, dtype=np.int64) <= self.MAX_SIZE
                     for o in e.outvars
                     if is_var(o)
                 )
             ):
+                group.append(e)
+                made.update((o, None) for o in e.outvars if is_var(o))
+            else:
+                for o in e.outvars:
+                    if is_var(o):
+                        self._static[o] = None
+        if len(group) < MIN_FOLDED:  # (one by one: each operation's program is cached)
+            for e in group:
                 with jax.ensure_compile_time_eval():
-                    outs = [_host(o) for o in bind_eqn(e, ins)]
-            for o, val in zip(e.outvars, outs or [None] * len(e.outvars)):
-                if is_var(o):
-                    self._static[o] = val
-        return self._static.get(v)
+                    outs = bind_eqn(e, [self._static_value(u) for u in e.invars])
+                for o, val in zip(e.outvars, outs):
+                    if is_var(o):
+                        self._static[o] = _host(val)
+            return
+        ins = tuple(
+            dict.fromkeys(u for e in group for u in e.invars if is_var(u) and u not in made)
+        )
+        chosen = set(group)
+        read = {
+            u for e in set(self.producer.values()) if e not in chosen for u in e.invars if is_var(u)
+        }
+        outs = tuple(o for o in made if o is want or o in read)
+        with jax.ensure_compile_time_eval():
+            vals = compiled_eqns(tuple(group), ins, outs)(*[self._static[u] for u in ins])
+        for o, val in zip(outs, vals):
+            self._static[o] = _host(val)
 
     def _enum_value(self, v: Any) -> Any:
         if self.length is None or not is_var(v):

@@ -3,15 +3,21 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from types import SimpleNamespace
 from typing import Any
 
 from jaxrev._compat import (
     ClosedJaxpr,
     JaxprEqn,
+    Literal,
     bind_eqn,
+    compiled_eqns,
+    folding_constants,
+    is_concrete,
+    is_host_callback,
 )
-from jaxrev._env import Env
-from jaxrev._graph import real_outvars
+from jaxrev._env import MIN_FOLDED, Env
+from jaxrev._graph import mentions, real_outvars
 
 EqnRule = Callable[[int, JaxprEqn, list], "list | None"]
 
@@ -66,3 +72,56 @@ def eval_closed(closed: ClosedJaxpr, *args: Any, rule: EqnRule | None = None) ->
         env.write(v, a)
     evaluate(closed.jaxpr.eqns, env, rule=rule)
     return [env.read(v) for v in closed.jaxpr.outvars]
+
+
+def fold_known(
+    eqns: Sequence[JaxprEqn], env: Env, keep: Sequence[Any], used: set | None = None
+) -> set:
+    """Where JAX folds constants (`jax.ensure_compile_time_eval`, as the walks that read
+    masks and indices from the values they are traced with do), run the equations of `eqns`
+    computable from the concrete values `env` knows (and literals) as one compiled program,
+    writing into `env` the outputs that `keep` (a program's outputs) holds or that equations
+    not run read; `used` as for `evaluate`. Returns the equations run: their other outputs
+    are left unwritten (asking XLA for every intermediate tripled its compile time), so a
+    walk must not look at them again.
+
+    Evaluated one by one, each operation on constants was compiled as an XLA program of its
+    own, tens of them per flow layer traced. Equations with effects or host callbacks are left
+    to the walk, as are fewer than `MIN_FOLDED` of them."""
+    if not folding_constants():
+        return set()
+    picked: list[JaxprEqn] = []
+    reads: dict = {}
+    made: set = set()
+    for e in eqns:
+        outs = real_outvars(e)
+        if not outs or all(env.known(o) for o in outs):
+            continue
+        if used is not None and not any(o in used for o in outs):
+            continue
+        if e.effects or _calls_host(e):
+            continue
+        ins = [v for v in e.invars if not isinstance(v, Literal) and v not in made]
+        if not all(env.known(v) and is_concrete(env.read(v)) for v in ins):
+            continue
+        for v in ins:
+            reads.setdefault(v, None)
+        picked.append(e)
+        made.update(outs)
+    if len(picked) < MIN_FOLDED:
+        return set()
+    chosen = set(picked)
+    wanted = {v for v in keep if not isinstance(v, Literal)}
+    wanted.update(
+        v for e in eqns if e not in chosen for v in e.invars if not isinstance(v, Literal)
+    )
+    ins = tuple(reads)
+    outs = tuple(o for e in picked for o in real_outvars(e) if o in wanted)
+    vals = compiled_eqns(tuple(picked), ins, outs)(*[env.read(v) for v in ins])
+    for o, x in zip(outs, vals):
+        env.write(o, x)
+    return chosen
+
+
+def _calls_host(e: JaxprEqn) -> bool:
+    return is_host_callback(e.primitive) or mentions(SimpleNamespace(eqns=[e]), is_host_callback)

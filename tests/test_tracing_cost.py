@@ -5,6 +5,8 @@ walk. Counted in the walker's rule applications (never wall-clock time), per tra
 
 from __future__ import annotations
 
+import logging
+
 import jax
 import numpy as np
 import pytest
@@ -58,3 +60,48 @@ def test_families_invert_and_differentiate_right(name):
     want = jax.grad(loss(f), argnums=(0, 1))(s, p)
     for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
         np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
+
+
+class _Compiles(logging.Handler):
+    """Counts the XLA compilations JAX logs (`jax.log_compiles`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "Finished XLA compilation" in record.getMessage():
+            self.n += 1
+
+
+def test_what_constants_compute_is_compiled_at_once_not_op_by_op():
+    """Tracing a flow whose weights are computed from constants (flowjax's block neural
+    autoregressive flow: weight normalisation, masks, softplus of its diagonal blocks): the
+    walks read those values, and the static values of the loop over layers, computed from
+    constants as one compiled program each (`compiled_eqns`), not one XLA program per
+    operation: 116-117 compilations while tracing before, 64-65 now (JAX 0.10 and 0.12),
+    and the answer is flowjax's."""
+    ff = pytest.importorskip("flowjax.flows")
+    from flowjax.distributions import Normal
+
+    flow = ff.block_neural_autoregressive_flow(
+        jax.random.key(0), base_dist=Normal(jax.numpy.zeros(5)), invert=False
+    )
+    bij = flow.bijection
+    x = jax.numpy.linspace(-1.0, 1.0, 5)
+    want = bij.transform_and_log_det(x)
+    f = jr.forward_and_slogdet(lambda x: bij.transform(x))
+    counter, logger = _Compiles(), logging.getLogger("jax")
+    level = logger.level
+    logger.addHandler(counter)
+    logger.setLevel(logging.DEBUG)
+    try:
+        with jax.log_compiles():
+            jax.make_jaxpr(f)(x)
+    finally:
+        logger.removeHandler(counter)
+        logger.setLevel(level)
+    assert counter.n <= 80, counter.n
+    got = jax.jit(f)(x)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-12)

@@ -37,7 +37,7 @@ import jax
 from jaxrev._compat import ClosedJaxpr, Jaxpr, JaxprEqn, Var
 from jaxrev._env import Env, Statics, is_unknown
 from jaxrev._errors import WAYS_OUT, NotInvertibleError, not_invertible
-from jaxrev._evaluate import evaluate
+from jaxrev._evaluate import evaluate, fold_known
 from jaxrev._graph import real_outvars, used_vars
 from jaxrev._prepare import prepare
 from jaxrev.transforms.knowledge import elements, records
@@ -405,12 +405,19 @@ class Walk:
         self.eqns: Sequence[JaxprEqn] = jaxpr.eqns
         n = len(self.eqns)
         self.used: set[Var] = used_vars(jaxpr)
+        # what constants compute, at once (one compiled program, not one per operation; a
+        # window of a group walk, whose values the walk around it reads, goes one by one)
+        folded = (
+            set()
+            if isinstance(jaxpr, Window)
+            else fold_known(self.eqns, env, jaxpr.outvars, self.used)
+        )
         self.touching: dict[Var, list[int]] = {}
         for i, e in enumerate(self.eqns):
             for v in (*e.invars, *e.outvars):
                 if isinstance(v, Var):
                     self.touching.setdefault(v, []).append(i)
-        self.done = [False] * n
+        self.done = [e in folded for e in self.eqns]
         # what runs forward from the seeds first: an equation left in `partial` behind one
         # whose inputs became known whole (a loop reading weights computed from constants)
         # was inverted before those weights were computed, and took them as unknowns
