@@ -26,6 +26,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jaxrev as jr
+from jaxrev._compat import make_jaxpr
 from jaxrev._stats import counting
 from jaxrev.transforms.propagation import choices
 
@@ -420,8 +421,9 @@ def test_inputs_on_a_knot_invert():
 
 def _per_element_of(f, *args) -> bool:
     """`choices._per_element` of `f`'s equations, what they compute from its first argument
-    laid out per element of that argument's shape."""
-    jaxpr = jax.make_jaxpr(f)(*args).jaxpr
+    laid out per element of that argument's shape (traced as jaxrev traces: on JAX >= 0.12,
+    `searchsorted` lowered to its bisection)."""
+    jaxpr = make_jaxpr(f, *args)[0].jaxpr
     return choices._per_element(jaxpr.eqns, {jaxpr.invars[0]}, tuple(args[0].shape))
 
 
