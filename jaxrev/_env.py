@@ -102,6 +102,7 @@ class Statics:
         self._static: dict[Var, Any] = dict(static_in or {})
         self._enum: dict[Var, Any] = dict(enum_in or {})
         self._support: dict[Var, Any] = dict(support_in or {})
+        self._read_by: dict | None = None
         self.length = length
 
     def static(self, v: Any) -> np.ndarray | None:
@@ -244,14 +245,24 @@ class Statics:
             dict.fromkeys(u for e in group for u in e.invars if is_var(u) and u not in made)
         )
         chosen = set(group)
-        read = {
-            u for e in set(self.producer.values()) if e not in chosen for u in e.invars if is_var(u)
-        }
-        outs = tuple(o for o in made if o is want or o in read)
+        readers = self._readers()
+        outs = tuple(
+            o for o in made if o is want or any(r not in chosen for r in readers.get(o, ()))
+        )
         with jax.ensure_compile_time_eval():
             vals = compiled_eqns(tuple(group), ins, outs)(*[self._static[u] for u in ins])
         for o, val in zip(outs, vals):
             self._static[o] = _host(val)
+
+    def _readers(self) -> dict:
+        """The equations reading each variable (built once, on first need)."""
+        if self._read_by is None:
+            self._read_by = {}
+            for e in dict.fromkeys(self.producer.values()):
+                for u in e.invars:
+                    if is_var(u):
+                        self._read_by.setdefault(u, []).append(e)
+        return self._read_by
 
     def _enum_value(self, v: Any) -> Any:
         if self.length is None or not is_var(v):

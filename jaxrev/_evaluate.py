@@ -99,10 +99,10 @@ def fold_known(
             continue
         if used is not None and not any(o in used for o in outs):
             continue
-        if e.effects or _calls_host(e):
-            continue
         ins = [v for v in e.invars if not isinstance(v, Literal) and v not in made]
         if not all(env.known(v) and is_concrete(env.read(v)) for v in ins):
+            continue
+        if e.effects or _calls_host(e):  # (after the cheap test: this one reads sub-jaxprs)
             continue
         for v in ins:
             reads.setdefault(v, None)

@@ -448,7 +448,7 @@ def test_what_is_computed_element_by_element_is_told_apart():
         lambda x, t: x[::-1],
         lambda x, t: jnp.sort(x),
         lambda x, t: jnp.cumsum(x),
-        lambda x, t: t[per_row(t, x) % 4, 0],  # (a row picked by another element's bin)
+        lambda x, t: x[per_row(t, x) % 4],  # (another element of x, picked by x's bin)
     ):
         assert not _per_element_of(f, x, tables)
 

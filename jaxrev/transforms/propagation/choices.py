@@ -690,12 +690,13 @@ def _solve(
     cands = [jnp.concatenate(c, axis=0) for c in chunks]
     # every candidate checked at once: the group run forward from each (one program for
     # all, vmapped over them), its choices asked whether they take the assumed branches
-    ok = _consistent(G, ch, inputs, outputs, env, shape, cands, tried)
+    sizes = [c.shape[0] for c in chunks[0]]
+    ok = _consistent(G, ch, inputs, outputs, env, shape, cands, tried, sizes)
     if any(m is not None for m in masks):
         ok = ok & jnp.concatenate(
             [
-                jnp.broadcast_to(True if m is None else m, c.shape[:1] + ok.shape[1:])
-                for c, m in zip(chunks[0], masks)
+                jnp.broadcast_to(True if m is None else m, (n,) + ok.shape[1:])
+                for n, m in zip(sizes, masks)
             ]
         )
     out, idx = _merge(ch, inputs, cands, ok, lost, env.ctx, searched)
@@ -755,11 +756,13 @@ def _consistent(
     shape: tuple | None,
     cands: list[Any],
     tried: list[tuple],
+    sizes: Sequence[int],
 ) -> Any:
     """`_holds` of every candidate (`cands`: per input, stacked on a leading axis; `tried`:
-    per candidate, the branch it assumed at each choice): ``(candidates, *shape)``. The
-    group runs forward once for all, vmapped over the candidates; a group holding a check
-    (Equinox's `error_if`, a host callback) runs once per candidate, as its checks ran."""
+    per candidate, the branch it assumed at each choice; `sizes`: the blocks, one per branch
+    walk): ``(candidates, *shape)``. The group runs forward once for all, vmapped over the
+    candidates; a group holding a check (Equinox's `error_if`, a host callback) runs once per
+    block, as its branch walks ran."""
     ks = [_assumed(tried, j, shape if shape is not None else ()) for j in range(len(ch))]
 
     def one(xs: Sequence[Any], kk: Sequence[Any]) -> Any:
@@ -767,7 +770,15 @@ def _consistent(
 
     if _forward_env(G, env)[1]:
         return jax.vmap(one)(cands, ks)
-    return jnp.stack([one([c[i] for c in cands], [k[i] for k in ks]) for i in range(len(tried))])
+    # (a block of candidates vmapped, as its branch walk was; a lone candidate unbatched)
+    oks, at = [], 0
+    for n in sizes:
+        xs, kk = [c[at : at + n] for c in cands], [k[at : at + n] for k in ks]
+        oks.append(
+            jax.vmap(one)(xs, kk) if n > 1 else one([x[0] for x in xs], [k[0] for k in kk])[None]
+        )
+        at += n
+    return jnp.concatenate(oks, axis=0)
 
 
 MIN_SEARCHED = 3
