@@ -178,6 +178,9 @@ class _Prims:
         self.gather = _prim("gather_p")
         self.cumsum = _prim("cumsum_p")
         self.cumprod = _prim("cumprod_p")
+        from jax._src.lax import fft as _fft
+
+        self.fft = _prim("fft_p", modules=(_fft,))
         self.scan = _prim("scan_p")
         self.while_ = _prim("while_p")
         self.cond = _prim("cond_p")

@@ -539,6 +539,8 @@ _P = np.array([[0, 1, 0], [0, 0, 1], [1, 0, 0]])
         lambda x: x + 0.5 * jnp.conj(x[::-1]),
         lambda x: x + 0.5 * jnp.conj(jnp.asarray(_P, x.dtype) @ x),  # one dense group
         lambda x: x + 0.5j * jnp.imag(jnp.cumsum(x)),
+        # JAX 0.12.1 writes `0.5j * real` so: a factor zero whose product comes forward
+        lambda x: x + jax.lax.complex(0.0 * jnp.imag(x), 0.5 * jnp.imag(jnp.cumsum(x))),
     ],
 )
 def test_complex_groups_linear_over_the_reals_only_invert(f):
@@ -556,6 +558,73 @@ def test_complex_groups_linear_over_the_reals_only_invert(f):
 def test_a_complex_group_singular_over_the_reals_is_refused():
     with pytest.raises(jr.NotInvertibleError, match=f"add.*{HERE}.*singular linear map"):
         jr.reverse(lambda x: x + jnp.conj(x))(jnp.array([1 + 2j, 3.0]))
+
+
+@pytest.mark.parametrize("how", ["eager", "jit", "vmap"])
+@pytest.mark.parametrize(
+    "f",
+    [
+        jnp.fft.fft,
+        lambda x: jnp.fft.ifft(x * jnp.arange(1, 7)),
+        lambda x: jnp.fft.fft2(x.reshape(2, 3)).ravel(),
+    ],
+)
+def test_complex_ffts_invert_by_the_opposite_fft(f, how):
+    x = jnp.asarray(np.random.default_rng(0).standard_normal(6) + 1j * np.arange(6.0))
+    y = f(x)
+    inverse = {
+        "eager": jr.reverse(f),
+        "jit": jax.jit(jr.reverse(f)),
+        "vmap": jax.vmap(jr.reverse(f)),
+    }[how]
+    got = inverse(jnp.stack([y, 2 * y]))[1] / 2 if how == "vmap" else inverse(y)
+    np.testing.assert_allclose(got, x, atol=1e-12)
+    t = jnp.asarray(np.arange(6.0) - 1j)
+    _, (tx,) = jr.inverse_jvp(f, (x,), t)
+    np.testing.assert_allclose(jax.jvp(f, (x,), (tx,))[1], t, atol=1e-12)
+
+
+@pytest.mark.parametrize("how", ["eager", "jit", "vmap"])
+@pytest.mark.parametrize(
+    "f",
+    [
+        lambda x: jax.scipy.fft.dct(x, norm="ortho"),
+        lambda x: jax.scipy.fft.idct(x, norm="ortho"),
+        lambda x: jax.scipy.fft.dct(x),  # (no norm: not orthogonal)
+        lambda x: jax.scipy.fft.idct(x[::-1], type=2, norm="ortho") * 2.0,
+        lambda x: jax.scipy.fft.dct(x.reshape(2, 3), axis=0, norm="ortho").ravel(),
+    ],
+)
+def test_discrete_cosine_transforms_invert_as_one_real_lump(f, how):
+    """JAX writes a DCT as FFTs between real vectors, taking `real` and `imag` of complex
+    intermediates (a real FFT, or a complex one of the real input, by JAX version): `real` alone
+    loses the imaginary part, but the group from input to output is square over the reals and
+    regular on the twiddle factors' values (computed from constants, also under `jit`)."""
+    x = jnp.asarray(np.random.default_rng(1).standard_normal(6))
+    y = f(x)
+    inverse = {
+        "eager": jr.reverse(f),
+        "jit": jax.jit(jr.reverse(f)),
+        "vmap": jax.vmap(jr.reverse(f)),
+    }[how]
+    got = inverse(jnp.stack([y, 2 * y]))[1] / 2 if how == "vmap" else inverse(y)
+    np.testing.assert_allclose(got, x, atol=1e-12)
+    sign, logdet = jnp.linalg.slogdet(jax.jacfwd(f)(x))
+    np.testing.assert_allclose(jr.slogdet_jacobian(f, x)[1], logdet, atol=1e-12)
+    _, ld = jr.inverse_and_slogdet(f)(y)
+    np.testing.assert_allclose(ld, -logdet, atol=1e-12)
+
+
+def test_a_real_part_that_loses_what_the_group_needs_is_refused_naming_it():
+    """The real part of a real vector's FFT is symmetric (a cosine transform of both halves):
+    the group is square but singular, and `real` is named, not solved into garbage."""
+    with pytest.raises(jr.NotInvertibleError, match=f"`real` at .*{HERE}.*imaginary part"):
+        jr.reverse(lambda x: jnp.real(jnp.fft.fft(x)))(jnp.arange(4.0))
+    with pytest.raises(jr.NotInvertibleError, match=f"`fft` at .*{HERE}.*Nyquist"):
+        # the fourth number is the zero frequency's imaginary part, which irfft drops
+        jr.reverse(lambda x: jnp.fft.irfft(jax.lax.complex(x[:3], jnp.stack([x[3], 0.0, 0.0])), 4))(
+            jnp.arange(4.0)
+        )
 
 
 # --------------------------------------------------------------------------- half precision

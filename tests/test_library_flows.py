@@ -47,9 +47,6 @@ REFUSED = {
     # its forward map is flowjax's bisection (`NumericalInverse`), a loop whose result only
     # the network it inverts gives back
     "block_neural_autoregressive_flow": "cond",
-    # the discrete cosine transform goes through complex FFTs (`real` of a complex value)
-    "DiscreteCosine": "real",
-    "DiscreteCosine@inverted": "real",
 }
 
 
@@ -88,7 +85,7 @@ ONE_WAY = [
     "coupling_flow/affine",  # a flow constructor
     "planar_flow",  # no library inverse: a round trip
     "MaskedAutoregressive/affine@inverted",  # flowjax's MAF inverse: a scan over elements
-    "DiscreteCosine",  # refused (`real`)
+    "DiscreteCosine",  # FFTs and `real`: one lump over the reals
 ]
 
 
@@ -126,7 +123,6 @@ def test_flowjax_every_way(name, how):
 # --------------------------------------------------------------------------- numpyro
 
 NP_REFUSED = {
-    "DiscreteCosineTransform": "real",
     # the radius scales every coordinate: a scalar root (not built)
     "L1BallTransform": "mul",
 }
@@ -161,7 +157,7 @@ NP_ONE_WAY = [
     "LowerCholeskyAffine",  # a triangular solve
     "RecursiveLinearTransform",  # a scan
     "ComposeTransform",  # composition (affine, permutation, clipped sigmoid)
-    "DiscreteCosineTransform",  # refused (`real`)
+    "DiscreteCosineTransform",  # FFTs and `real`: one lump over the reals
 ]
 
 

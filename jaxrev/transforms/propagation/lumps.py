@@ -466,12 +466,32 @@ def _is_affine(eqns: Sequence[JaxprEqn], active: set[Var]) -> bool:
     return True
 
 
+def _degrees(avals: Any) -> int:
+    """Real degrees of freedom: a complex element holds two."""
+    return sum(int(np.prod(a.shape, dtype=np.int64)) * (2 if _is_complex(a) else 1) for a in avals)
+
+
 def lump_step(
-    eqns: Sequence[JaxprEqn], env: Env, pending: Sequence[int], cut: bool = False
+    eqns: Sequence[JaxprEqn],
+    env: Env,
+    pending: Sequence[int],
+    cut: bool = False,
+    dropping: frozenset[JaxprEqn] = frozenset(),
 ) -> bool:
-    """Solve the smallest trailing group of stuck equations that is square and affine (and,
-    where equations before `eqns` are `cut` off, not singular on stand-ins)."""
-    cand = [i for i in pending if any(not env.known(v) for v in eqns[i].invars)]
+    """Solve the smallest trailing group of stuck equations that is square (in real degrees of
+    freedom) and affine (and, where equations before `eqns` are `cut` off, not singular on
+    stand-ins). A lump holding one of the linear equations `dropping` dimensions (`real`, an
+    inverse real FFT: lossy alone, not in a group whose inputs have no more freedom, as the DCT
+    written by `jax.scipy.fft`) is solved only where its rank on stand-ins shows it regular."""
+    # an equation whose output came forward whatever its unknown input (`x * 0`, which JAX
+    # 0.12.1 writes beside `x * 0.5` for a complex scalar times a real array) says nothing of
+    # that input: it is no equation of a lump
+    cand = [
+        i
+        for i in pending
+        if any(not env.known(v) for v in eqns[i].invars)
+        and not (eqns[i] in env.losses and env.losses[eqns[i]] is None)
+    ]
     stuck = [i for i in cand if any(env.known(v) for v in real_outvars(eqns[i]))]
     if not stuck:
         return False
@@ -494,18 +514,25 @@ def lump_step(
                 ):
                     inputs.append(v)
         outputs = [v for i in lump for v in real_outvars(eqns[i]) if env.known(v)]
-        if not inputs or size_of(v.aval for v in inputs) != size_of(v.aval for v in outputs):
+        if not inputs or _degrees(v.aval for v in inputs) != _degrees(v.aval for v in outputs):
             continue
         lump_eqns = [eqns[i] for i in lump]
         # an equation whose element rules found it loses elements (a factor with zeros) makes
         # any lump holding it singular: leave it to be reported, naming it, at trace time
-        if any(e in env.losses for e in lump_eqns) or not _is_affine(lump_eqns, set(inputs)):
+        if any(env.losses.get(e) is not None for e in lump_eqns) or not _is_affine(
+            lump_eqns, set(inputs)
+        ):
             continue
         L = Lump(lump_eqns, inputs, outputs)
         # an input known on some elements: the lump ignores them, and may then be singular
         # (an overwritten operand's elements do not reach its output); such a lump is not
         # the one to solve
         if any(v in env.part for v in inputs) and _singular_at_trace_time(L, env) is not False:
+            continue
+        if any(e in dropping for e in lump_eqns) and (
+            size_of(v.aval for v in inputs) > _MAX_RANK_CHECK
+            or _singular_at_trace_time(L, env) is not False
+        ):
             continue
         # singular on random stand-ins: an input the lump takes as free may be fixed by
         # equations the window cuts off; solving would give NaN, so the window widens
@@ -531,12 +558,13 @@ def _singular_at_trace_time(L: Lump, env: Env) -> bool | None:
     dtype = jnp.result_type(*[v.aval.dtype for v in [*L.inputs, *L.outputs]])
     offs = np.cumsum([0] + [int(np.prod(v.aval.shape, dtype=np.int64)) for v in L.inputs])
     F = L.flat(offs, dtype, stand_in)
-    zero = jnp.zeros(n, dtype)
+    zero = np.zeros(n, dtype)  # (concrete: a `jnp` array is a tracer under `jit`)
     try:
         with jax.ensure_compile_time_eval():
             if n <= _MAX_RANK_CHECK:
-                J = np.asarray(jax.jacfwd(F)(zero))
-                return bool(np.linalg.matrix_rank(J) < n)
+                c = L.coordinates(stand_in)
+                J = np.asarray(_jacobian(c, np.zeros(c.n, c.dtype)))
+                return bool(np.linalg.matrix_rank(J) < c.n)
             cols = min(n, _PROBE_BLOCK)
             block = jax.jit(
                 lambda start: jax.vmap(lambda e: jax.jvp(F, (zero,), (e,))[1])(
@@ -583,9 +611,11 @@ class Lump:
         # a complex group through conj, real or imag is linear over the reals only: its
         # Jacobian is not one complex matrix (a holomorphic JVP of conj(x) is wrong), so it
         # is solved as the real system of twice the size
-        self.real_linear_only = any(
-            jnp.issubdtype(v.aval.dtype, jnp.complexfloating) for v in [*inputs, *outputs]
-        ) and any(e.primitive in _NOT_HOLOMORPHIC for e in self.eqns)
+        # (real unknowns of complex outputs, or complex ones of real outputs: the same)
+        ends = {_is_complex(v.aval) for v in [*inputs, *outputs]}
+        self.real_linear_only = True in ends and (
+            len(ends) > 1 or any(e.primitive in _NOT_HOLOMORPHIC for e in self.eqns)
+        )
 
     def __call__(self, *xs: Any, known: Env) -> list[Any]:
         return self.apply(xs, [known.read(v) for v in self.reads])
@@ -615,6 +645,62 @@ class Lump:
 
         return f
 
+    def coordinates(self, known: Env) -> Coordinates:
+        """The lump as a map of one vector to one vector (`Coordinates`), in real numbers
+        (each complex value as its real, then imaginary part) where it is linear over the
+        reals only, else in the ends' common dtype."""
+        dtype = jnp.result_type(*[v.aval.dtype for v in [*self.inputs, *self.outputs]])
+        split = self.real_linear_only
+        if split:
+            dtype = jnp.finfo(dtype).dtype
+
+        def pack(vals: Sequence[Any]) -> Any:
+            parts = []
+            for v, y in zip(self.outputs, vals):
+                y = jnp.ravel(y)
+                if split and _is_complex(v.aval):
+                    parts += [jnp.real(y).astype(dtype), jnp.imag(y).astype(dtype)]
+                else:  # (a real output held in a complex array: its real part)
+                    parts.append((jnp.real(y) if split else y).astype(dtype))
+            return jnp.concatenate(parts)
+
+        def unpack(u: Any) -> list[Any]:
+            vals, at = [], 0
+            for v in self.inputs:
+                size = int(np.prod(v.aval.shape, dtype=np.int64))
+                if split and _is_complex(v.aval):
+                    x = lax.complex(u[at : at + size], u[at + size : at + 2 * size])
+                    at += 2 * size
+                else:
+                    x = u[at : at + size]
+                    at += size
+                vals.append(jnp.reshape(x, v.aval.shape).astype(v.aval.dtype))
+            return vals
+
+        n = _degrees(v.aval for v in self.inputs) if split else size_of(v.aval for v in self.inputs)
+        return Coordinates(lambda u: pack(self(*unpack(u), known=known)), n, dtype, pack, unpack)
+
+
+class Coordinates(NamedTuple):
+    """A lump as ``F(u) = A u + c`` on vectors of `n` numbers of `dtype`: `pack` makes the
+    vector of output values, `unpack` the input values of a vector."""
+
+    F: Callable[[Any], Any]
+    n: int
+    dtype: Any
+    pack: Callable[[Sequence[Any]], Any]
+    unpack: Callable[[Any], list[Any]]
+
+
+def _is_complex(aval: Any) -> bool:
+    return bool(jnp.issubdtype(aval.dtype, jnp.complexfloating))
+
+
+def _jacobian(c: Coordinates, u: Any) -> Any:
+    """The dense matrix ``A`` of the lump in coordinates `c`, at `u` (holomorphic for a lump
+    linear over the complex numbers: `jax.jacfwd` refuses complex inputs otherwise)."""
+    return jax.jacfwd(c.F, holomorphic=jnp.issubdtype(c.dtype, jnp.complexfloating))(u)
+
 
 def _solve_lump(L: Lump, env: Env) -> None:
     inputs, outputs = L.inputs, L.outputs
@@ -626,14 +712,21 @@ def _solve_lump(L: Lump, env: Env) -> None:
     else:
         sizes = [int(np.prod(v.aval.shape, dtype=np.int64)) for v in inputs]
         offs = np.cumsum([0] + sizes)
-        Fflat = L.flat(offs, dtype, env)
-        u0 = jnp.zeros(int(offs[-1]), dtype)
-        r = jnp.concatenate([jnp.ravel(y) for y in ys]) - Fflat(u0)
-        u = None if L.real_linear_only else _structured_solve(L, env, offs, dtype, r)
-        if u is None:  # one dense lump: n JVPs and an LU
+        u = None
+        if not L.real_linear_only:
+            Fflat = L.flat(offs, dtype, env)
+            r = jnp.concatenate([jnp.ravel(y) for y in ys]) - Fflat(jnp.zeros(int(offs[-1]), dtype))
+            u = _structured_solve(L, env, offs, dtype, r)
+        if u is not None:
+            sols = [
+                jnp.reshape(u[offs[m] : offs[m + 1]], v.aval.shape) for m, v in enumerate(inputs)
+            ]
+        else:  # one dense lump: n JVPs and an LU
+            c = L.coordinates(env)
+            u0 = jnp.zeros(c.n, c.dtype)
             with staged_constants():  # else the n x n identity basis is folded into constants
-                u = _dense_solve(Fflat, u0, r, L.real_linear_only)
-        sols = [jnp.reshape(u[offs[m] : offs[m + 1]], v.aval.shape) for m, v in enumerate(inputs)]
+                A = _jacobian(c, u0)
+            sols = c.unpack(dense.solve(A, c.pack(ys) - c.F(u0)))
     if all(is_concrete(s) for s in sols) and not all(bool(jnp.all(jnp.isfinite(s))) for s in sols):
         # blame a reduction if there is one: it is where the information goes
         culprit = next((e for e in L.eqns if e.primitive is prims.reduce_sum), L.eqns[-1])
@@ -712,12 +805,9 @@ def singular_on_stand_ins(L: Lump, env: Env, nonlinear: bool = False) -> bool:
                 A = np.asarray(_blocks(L, stand_in, shape, dtype, at)[1])
                 A = A.reshape(-1, len(L.inputs), len(L.inputs))
             else:
-                offs = np.cumsum(
-                    [0] + [int(np.prod(v.aval.shape, dtype=np.int64)) for v in L.inputs]
-                )
-                u = (0.5 * rng.standard_normal(n) if nonlinear else np.zeros(n)).astype(dtype)
-                F = L.flat(offs, dtype, stand_in)
-                A = np.asarray(_flat_jacobian(F, jnp.asarray(u), L.real_linear_only))[None]
+                c = L.coordinates(stand_in)
+                u = (0.5 * rng.standard_normal(c.n) if nonlinear else np.zeros(c.n)).astype(c.dtype)
+                A = np.asarray(_jacobian(c, u))[None]
     except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
         return False
     if not np.all(np.isfinite(A)) or A.size == 0:
@@ -751,8 +841,9 @@ _SOURCE_DEPTH = 16
 
 def stand_ins(L: Lump, env: Env) -> Env | None:
     """Concrete values for what `L` reads, to find its structure at trace time: the known
-    values where concrete, random numbers for traced floats; None when a traced integer or
-    boolean (an index, a predicate) is read, since it may change the pattern.
+    values where concrete or computed from constants, random numbers for other traced floats;
+    None when a traced integer or boolean (an index, a predicate) is read, since it may change
+    the pattern.
 
     A traced float computed from other traced floats by equations `L.sources` holds (``dt``
     and ``dt / 2``, both read) is computed from their stand-ins: independent random values
@@ -767,8 +858,13 @@ def stand_ins(L: Lump, env: Env) -> Env | None:
         if v in memo:
             return memo[v]
         val = env.read(v) if env.known(v) else None
+        static = None if val is not None and is_concrete(val) else env.info.static(v)
         if val is not None and is_concrete(val):
             out = np.asarray(val)
+        elif static is not None:
+            # computed from constants (a DCT's twiddle factors, traced under `jit`): random
+            # values would change the lump's rank
+            out = np.broadcast_to(np.asarray(static, v.aval.dtype), v.aval.shape)
         elif not jnp.issubdtype(v.aval.dtype, jnp.inexact):
             out = None
         else:
@@ -790,32 +886,6 @@ def stand_ins(L: Lump, env: Env) -> Env | None:
             return None
         stand_in.write(v, val)
     return stand_in
-
-
-def _flat_jacobian(F: Callable[[Any], Any], u: Any, real_linear_only: bool) -> Any:
-    """The dense Jacobian of a lump's flattened map at `u`: holomorphic for a complex lump
-    that is linear over the complex numbers (`jax.jacfwd` refuses complex inputs otherwise),
-    and the real ``2n x 2n`` matrix of ``[re; im] -> [re F; im F]`` for one that is linear
-    over the reals only (through conj, real or imag)."""
-    if real_linear_only:
-        n = u.shape[0]
-
-        def as_real(v):
-            z = F(lax.complex(v[:n], v[n:]))
-            return jnp.concatenate([jnp.real(z), jnp.imag(z)])
-
-        return jax.jacfwd(as_real)(jnp.concatenate([jnp.real(u), jnp.imag(u)]))
-    return jax.jacfwd(F, holomorphic=jnp.issubdtype(u.dtype, jnp.complexfloating))(u)
-
-
-def _dense_solve(F: Callable[[Any], Any], u0: Any, r: Any, real_linear_only: bool) -> Any:
-    """The solution u of ``J u = r`` for the lump's Jacobian J (at `u0`), by one LU."""
-    J = _flat_jacobian(F, u0, real_linear_only)
-    if not real_linear_only:
-        return dense.solve(J, r)
-    n = u0.shape[0]
-    v = dense.solve(J, jnp.concatenate([jnp.real(r), jnp.imag(r)]))
-    return lax.complex(v[:n], v[n:]).astype(u0.dtype)
 
 
 def _structured_solve(L: Lump, env: Env, offs: Any, dtype: Any, r: Any) -> Any:

@@ -46,6 +46,7 @@ from jaxrev.transforms.knowledge.context import WalkContext
 from jaxrev.transforms.knowledge.elements import token
 from jaxrev.transforms.propagation import choices, lumps, nonlinear
 from jaxrev.transforms.registry import (
+    LINEAR,
     STRUCTURAL,
     WALKS,
     Lossy,
@@ -283,9 +284,19 @@ it wrote into `walk.env` (then the walk looks at every pending equation again)."
 
 
 def lump_group(walk: Walk, pending: list[int]) -> bool:
-    """Linear lumps (`lumps.lump_step`), of the equations not known to lose information."""
+    """Linear lumps (`lumps.lump_step`), of the equations not known to lose information but
+    for linear ones that drop dimensions (`real`), which a lump holds where it is regular."""
+    dropping = {
+        i
+        for i in walk.lossy
+        if is_kind(walk.eqns[i].primitive, LINEAR) and not walk.stuck[i].singular
+    }
     return lumps.lump_step(
-        walk.eqns, walk.env, [i for i in pending if i not in walk.lossy], walk.cut
+        walk.eqns,
+        walk.env,
+        [i for i in pending if i not in walk.lossy or i in dropping],
+        walk.cut,
+        frozenset(walk.eqns[i] for i in dropping),
     )
 
 

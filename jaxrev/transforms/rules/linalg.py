@@ -22,6 +22,7 @@ from jaxrev.transforms.knowledge import regions as R
 from jaxrev.transforms.knowledge.elements import learn, region_of, value_of
 from jaxrev.transforms.registry import (
     BILINEAR,
+    LINEAR,
     ElementRule,
     LogdetContext,
     Lossy,
@@ -245,3 +246,25 @@ def _triangular_solve_logdet(ctx: LogdetContext) -> tuple[Any, Any]:
 
 
 define(prims.triangular_solve, inverse=_triangular_solve, logdet=_triangular_solve_logdet)
+
+
+def _fft(out, x, *, fft_type, fft_lengths):
+    # a complex FFT is undone by the opposite one; a real FFT keeps every degree of freedom of
+    # its real input (the half spectrum it returns is Hermitian), so its inverse real FFT
+    # gives the input back exactly. The inverse real FFT drops the imaginary parts of the zero
+    # (and, for an even length, the Nyquist) frequency: a lump that knows them inverts it
+    # (the DCT as `jax.scipy.fft.idct` writes it)
+    kind = lax.FftType(fft_type)
+    if kind == lax.FftType.IRFFT:
+        raise Lossy(
+            "an inverse real FFT drops the imaginary parts of its zero (and Nyquist) frequency"
+        )
+    undo = {
+        lax.FftType.FFT: lax.FftType.IFFT,
+        lax.FftType.IFFT: lax.FftType.FFT,
+        lax.FftType.RFFT: lax.FftType.IRFFT,
+    }[kind]
+    return [lax.fft(out, undo, fft_lengths).astype(x.dtype)]
+
+
+define(prims.fft, inverse=_fft, kind=(LINEAR,))
