@@ -163,13 +163,19 @@ kinds: dict[Primitive, frozenset[str]] = {}
 
 
 class Lossy(Exception):
-    """Raised by an inverse rule when its equation destroys information."""
+    """Raised by an inverse rule when its equation destroys information: `singular`, it
+    divides by an exact zero; `subspace`, it is linear and drops dimensions (the real part of
+    a complex value), which a group of equations whose inputs have no more freedom may not
+    need (a linear lump then holds it where the lump is regular)."""
 
-    def __init__(self, reason: str, hint: str | None = None, singular: bool = False) -> None:
+    def __init__(
+        self, reason: str, hint: str | None = None, singular: bool = False, subspace: bool = False
+    ) -> None:
         super().__init__(reason)
         self.reason = reason
         self.hint = hint
         self.singular = singular
+        self.subspace = subspace
 
 
 class Unsupported(Exception):

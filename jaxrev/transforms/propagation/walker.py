@@ -46,7 +46,6 @@ from jaxrev.transforms.knowledge.context import WalkContext
 from jaxrev.transforms.knowledge.elements import token
 from jaxrev.transforms.propagation import choices, lumps, nonlinear
 from jaxrev.transforms.registry import (
-    LINEAR,
     STRUCTURAL,
     WALKS,
     Lossy,
@@ -93,6 +92,7 @@ class Stuck:
     no_rule: bool = False
     lossy: bool = False  # its rule said it destroys information (never part of a group)
     singular: bool = False  # it divides by an exact zero (a vanished pivot)
+    subspace: bool = False  # it is linear and drops dimensions (`Lossy.subspace`)
 
 
 class Window:
@@ -286,11 +286,7 @@ it wrote into `walk.env` (then the walk looks at every pending equation again)."
 def lump_group(walk: Walk, pending: list[int]) -> bool:
     """Linear lumps (`lumps.lump_step`), of the equations not known to lose information but
     for linear ones that drop dimensions (`real`), which a lump holds where it is regular."""
-    dropping = {
-        i
-        for i in walk.lossy
-        if is_kind(walk.eqns[i].primitive, LINEAR) and not walk.stuck[i].singular
-    }
+    dropping = {i for i in walk.lossy if walk.stuck[i].subspace}
     return lumps.lump_step(
         walk.eqns,
         walk.env,
@@ -591,7 +587,14 @@ class Walk:
                         "(the others are overwritten or selected away)",
                     )
                     if loss is _NO_LOSS
-                    else Stuck(eqn, loss.reason, hint=loss.hint, lossy=True, singular=loss.singular)
+                    else Stuck(
+                        eqn,
+                        loss.reason,
+                        hint=loss.hint,
+                        lossy=True,
+                        singular=loss.singular,
+                        subspace=loss.subspace,
+                    )
                 )
             return
         if eqn.primitive not in self.rules.inverse:
@@ -609,7 +612,9 @@ class Walk:
         except Lossy as e:
             # what this step loses may still be known by another route (a value computed
             # forward from elements a `where` kept): an error only if the walk ends without it
-            stuck[i] = Stuck(eqn, e.reason, hint=e.hint, lossy=True, singular=e.singular)
+            stuck[i] = Stuck(
+                eqn, e.reason, hint=e.hint, lossy=True, singular=e.singular, subspace=e.subspace
+            )
             return
         except NotInvertibleError as e:
             if not self.soft:
@@ -645,7 +650,9 @@ class Walk:
         try:
             claim = elements.backward(eqn, env)
         except Lossy as e:  # an error only if the walk ends without what it loses
-            self.stuck[i] = Stuck(eqn, e.reason, hint=e.hint, lossy=True, singular=e.singular)
+            self.stuck[i] = Stuck(
+                eqn, e.reason, hint=e.hint, lossy=True, singular=e.singular, subspace=e.subspace
+            )
             claim = False
         if claim is not None:
             self.claimed.add(i)

@@ -669,7 +669,7 @@ define(prims.cumsum, inverse=_cumsum, logdet=_cumsum_logdet, kind=(LINEAR,))
 
 
 def _real(out, x, **_):
-    raise Lossy("the real part drops the imaginary part")
+    raise Lossy("the real part drops the imaginary part", subspace=True)
 
 
 define(prims.real, inverse=_real, kind=(LINEAR,))

@@ -257,7 +257,8 @@ def _fft(out, x, *, fft_type, fft_lengths):
     kind = lax.FftType(fft_type)
     if kind == lax.FftType.IRFFT:
         raise Lossy(
-            "an inverse real FFT drops the imaginary parts of its zero (and Nyquist) frequency"
+            "an inverse real FFT drops the imaginary parts of its zero (and Nyquist) frequency",
+            subspace=True,
         )
     undo = {
         lax.FftType.FFT: lax.FftType.IFFT,
