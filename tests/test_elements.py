@@ -322,3 +322,38 @@ def test_no_consistent_branch_is_a_run_time_error():
     with pytest.raises(jr.ReversibilityError, match="no branch"):
         jr.reverse(f)(bad, p)
     assert bool(jnp.all(jnp.isnan(jr.reverse(f, on_error="nan")(bad, p))))
+
+
+@pytest.mark.parametrize("how", ["eager", "jit", "vmap"])
+def test_a_condition_concatenated_to_the_state_opens_a_masked_network(how):
+    """A conditional masked autoregressive layer as flowjax writes it: the condition enters the
+    masked network through `concatenate([x, c])`, with rank -1 (hidden units of rank -1 read
+    the condition alone). The concatenation's output is known on the condition's elements, so
+    the first outputs follow from the condition and each recovered element opens the next (D
+    passes); it was refused at the affine step's `add` (the concatenation was all unknown)."""
+    rng = np.random.default_rng(0)
+    D, C, H = 4, 2, 8
+    ranks_in = np.concatenate([np.arange(D), -np.ones(C)])
+    ranks_hidden = np.arange(H) % D - 1
+    ranks_out = np.repeat(np.arange(D), 2)
+    m1, m2 = ranks_hidden[:, None] >= ranks_in, ranks_out[:, None] > ranks_hidden
+    w1, w2 = rng.standard_normal((H, D + C)), rng.standard_normal((2 * D, H))
+
+    def layer(x, c):
+        h = jax.nn.relu(jnp.where(m1, w1, 0) @ jnp.concatenate([x, c]))
+        shift, scale = jnp.split((jnp.where(m2, w2, 0) @ h).reshape(D, 2), 2, axis=1)
+        return x * jax.nn.softplus(scale[:, 0]) + shift[:, 0]
+
+    x, c = jnp.asarray(rng.standard_normal(D)), jnp.asarray(rng.standard_normal(C))
+    inv = jr.inverse_and_slogdet(layer)
+    if how == "jit":
+        inv = jax.jit(inv)
+    if how == "vmap":
+        xs = jnp.stack([x, 0.5 * x])
+        got, ld = jax.vmap(inv, (0, None))(jax.vmap(layer, (0, None))(xs, c), c)
+        got, ld, x = got[1], ld[1], xs[1]
+    else:
+        got, ld = inv(layer(x, c), c)
+    np.testing.assert_allclose(got, x, atol=1e-12)
+    _, ref = jnp.linalg.slogdet(jax.jacfwd(layer)(x, c))
+    np.testing.assert_allclose(ld, -ref, atol=1e-12)

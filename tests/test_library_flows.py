@@ -42,8 +42,6 @@ REFUSED = {
     # parameters)
     "MaskedAutoregressive/spline": "select_n",
     "masked_autoregressive_flow/spline@inverted": "select_n",
-    # conditioned: the condition enters the masked network through a concatenation
-    "MaskedAutoregressive/conditional": "add",
     # its forward map is flowjax's bisection (`NumericalInverse`), a loop whose result only
     # the network it inverts gives back
     "block_neural_autoregressive_flow": "cond",

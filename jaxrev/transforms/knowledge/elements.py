@@ -55,6 +55,7 @@ __all__ = [
     "backward",
     "learn",
     "learn_piece",
+    "joins_known",
     "complete",
     "region_of",
     "value_of",
@@ -395,14 +396,22 @@ def forward(eqn: JaxprEqn, env: Env) -> bool:
         r = _noted(rule.forward(eqn, env), env)
         if r is not None:
             return r
-    if not any(is_var(v) and is_partial(env, v) for v in eqn.invars):
-        return False
-    if is_kind(eqn.primitive, STRUCTURAL):
+    partial_in = any(is_var(v) and is_partial(env, v) for v in eqn.invars)
+    if is_kind(eqn.primitive, STRUCTURAL) and (partial_in or joins_known(eqn, env)):
         return _structural_forward(eqn, env)
+    if not partial_in:
+        return False
     outs = real_outvars(eqn)
     if len(outs) == 1 and elementwise_over(eqn, tuple(outs[0].aval.shape)):
         return _elementwise_forward(eqn, env)
     return False
+
+
+def joins_known(eqn: JaxprEqn, env: Env) -> bool:
+    """Whether `eqn` joins known operands with unknown ones (a condition concatenated to the
+    state): its output is known on the known operands' elements."""
+    ins = [v for v in eqn.invars if is_var(v)]
+    return len(ins) > 1 and any(env.known(v) for v in ins) and not all(env.known(v) for v in ins)
 
 
 def backward(eqn: JaxprEqn, env: Env) -> bool | None:

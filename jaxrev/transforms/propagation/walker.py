@@ -660,7 +660,9 @@ class Walk:
 
     def _near_elements(self, eqn: JaxprEqn) -> bool:
         """Whether element-level rules may say something about `eqn`: it has some of them, or
-        a partly known operand or result, or it is a structural step with no inverse rule."""
+        a partly known operand or result, or it is a structural step with no inverse rule, or
+        one that joins known operands with unknown ones (a condition concatenated to the state:
+        the known elements of its output open a masked network's first outputs)."""
         env, p = self.env, eqn.primitive
         if p in self.rules.element:
             return True
@@ -668,11 +670,11 @@ class Walk:
             isinstance(v, Var) and v in env.part for v in (*eqn.invars, *eqn.outvars)
         ):
             return True
-        return (
-            is_kind(p, STRUCTURAL)
-            and p not in self.rules.inverse
-            and any(env.known(v) for v in real_outvars(eqn))
-        )
+        if not is_kind(p, STRUCTURAL):
+            return False
+        if p not in self.rules.inverse and any(env.known(v) for v in real_outvars(eqn)):
+            return True
+        return elements.joins_known(eqn, env)
 
 
 def linear_walk(
