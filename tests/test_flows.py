@@ -581,3 +581,42 @@ def test_a_large_dense_fallback_warns_once_naming_why():
         jr.slogdet_jacobian(conv, x, method="dense")
         small = jnp.linspace(-1, 1, 32).reshape(4, 4, 2)
         jr.slogdet_jacobian(conv, small)  # (below the size)
+
+
+def _one_hot_spline(x, xs, ys, d):
+    """A rational-quadratic spline of a scalar as distrax writes one: the bin by a one-hot mask
+    over bins (no index, no search: comparisons with both ends of every bin), its parameters
+    picked by masked sums, the ratio's argument clipped to [0, 1], linear tails by `where`."""
+    below, above = x <= xs[0], x >= xs[-1]
+    in_bin = (x >= xs[:-1]) & (x < xs[1:])
+    in_bin = jnp.where(jnp.any(in_bin), in_bin, jnp.arange(in_bin.shape[0]) == 0)
+    table = jnp.stack([xs, ys, d], axis=1)
+    left = jnp.sum(in_bin[:, None] * table[:-1], axis=0)
+    right = jnp.sum(in_bin[:, None] * table[1:], axis=0)
+    width, height = right[0] - left[0], right[1] - left[1]
+    s = height / width
+    z = jnp.clip((x - left[0]) / width, 0.0, 1.0)
+    y = left[1] + height * (s * z**2 + left[2] * z * (1 - z)) / (
+        s + (right[2] + left[2] - 2 * s) * z * (1 - z)
+    )
+    y = jnp.where(below, (x - xs[0]) * d[0] + ys[0], y)
+    return jnp.where(above, (x - xs[-1]) * d[-1] + ys[-1], y)  # <one-hot tails>
+
+
+def test_a_spline_binned_by_a_one_hot_mask_is_refused_naming_the_select():
+    """distrax's bin search (a one-hot mask over bins multiplied into the knot table) decides
+    the bin by comparisons whose booleans feed arithmetic, not by an index of a few values: no
+    choice group enumerates it (issue 44 leaves it open). The refusal names the tail's
+    `select_n` and the user's line, eagerly and under `jit`; the log-det still comes (the dense
+    Jacobian's, since the inverse cannot be walked)."""
+    xs = jnp.array([-3.0, -1.0, 0.5, 3.0])
+    ys = jnp.array([-3.0, -0.5, 1.0, 3.0])
+    d = jnp.array([1.0, 0.7, 1.6, 1.0])
+    f = jax.vmap(lambda x: _one_hot_spline(x, xs, ys, d))
+    x = jnp.array([-4.0, -1.2, 0.3, 2.5])
+    sign, ld = jr.slogdet_jacobian(f, x)
+    np.testing.assert_allclose(ld, _dense(f, x)[1], atol=TOL)
+    line = next(i for i, s in enumerate(open(__file__), 1) if "# <one-hot tails>" in s)
+    for inv in (jr.reverse(f), jax.jit(jr.reverse(f))):
+        with pytest.raises(jr.NotInvertibleError, match=f"`select_n` at .*{HERE}:{line}"):
+            inv(f(x))
