@@ -560,6 +560,19 @@ def test_a_complex_group_singular_over_the_reals_is_refused():
         jr.reverse(lambda x: x + jnp.conj(x))(jnp.array([1 + 2j, 3.0]))
 
 
+def _round_trip(f, x, how):
+    """`reverse(f)` gives `x` back from `f(x)` (returned), eagerly, under `jit` or `vmap`."""
+    y = f(x)
+    inverse = {
+        "eager": jr.reverse(f),
+        "jit": jax.jit(jr.reverse(f)),
+        "vmap": jax.vmap(jr.reverse(f)),
+    }
+    got = inverse[how](jnp.stack([y, 2 * y]))[1] / 2 if how == "vmap" else inverse[how](y)
+    np.testing.assert_allclose(got, x, atol=1e-12)
+    return y
+
+
 @pytest.mark.parametrize("how", ["eager", "jit", "vmap"])
 @pytest.mark.parametrize(
     "f",
@@ -571,14 +584,7 @@ def test_a_complex_group_singular_over_the_reals_is_refused():
 )
 def test_complex_ffts_invert_by_the_opposite_fft(f, how):
     x = jnp.asarray(np.random.default_rng(0).standard_normal(6) + 1j * np.arange(6.0))
-    y = f(x)
-    inverse = {
-        "eager": jr.reverse(f),
-        "jit": jax.jit(jr.reverse(f)),
-        "vmap": jax.vmap(jr.reverse(f)),
-    }[how]
-    got = inverse(jnp.stack([y, 2 * y]))[1] / 2 if how == "vmap" else inverse(y)
-    np.testing.assert_allclose(got, x, atol=1e-12)
+    _round_trip(f, x, how)
     t = jnp.asarray(np.arange(6.0) - 1j)
     _, (tx,) = jr.inverse_jvp(f, (x,), t)
     np.testing.assert_allclose(jax.jvp(f, (x,), (tx,))[1], t, atol=1e-12)
@@ -601,14 +607,7 @@ def test_discrete_cosine_transforms_invert_as_one_real_lump(f, how):
     loses the imaginary part, but the group from input to output is square over the reals and
     regular on the twiddle factors' values (computed from constants, also under `jit`)."""
     x = jnp.asarray(np.random.default_rng(1).standard_normal(6))
-    y = f(x)
-    inverse = {
-        "eager": jr.reverse(f),
-        "jit": jax.jit(jr.reverse(f)),
-        "vmap": jax.vmap(jr.reverse(f)),
-    }[how]
-    got = inverse(jnp.stack([y, 2 * y]))[1] / 2 if how == "vmap" else inverse(y)
-    np.testing.assert_allclose(got, x, atol=1e-12)
+    y = _round_trip(f, x, how)
     sign, logdet = jnp.linalg.slogdet(jax.jacfwd(f)(x))
     np.testing.assert_allclose(jr.slogdet_jacobian(f, x)[1], logdet, atol=1e-12)
     _, ld = jr.inverse_and_slogdet(f)(y)
