@@ -91,17 +91,52 @@ def test_what_constants_compute_is_compiled_at_once_not_op_by_op():
     x = jax.numpy.linspace(-1.0, 1.0, 5)
     want = bij.transform_and_log_det(x)
     f = jr.forward_and_slogdet(lambda x: bij.transform(x))
+    n = _compiles_while_tracing(f, x)
+    assert n <= 80, n
+    got = jax.jit(f)(x)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-12)
+
+
+NEWTON_COMPILES = 45
+"""Compilations allowed while tracing the planar flow's forward + log-det (72 op by op)."""
+
+
+def _compiles_while_tracing(f, *args) -> int:
+    """How many XLA compilations tracing `f` makes (an upper bound of a fresh process's: a
+    program compiled earlier in the process is not compiled again)."""
     counter, logger = _Compiles(), logging.getLogger("jax")
     level = logger.level
     logger.addHandler(counter)
     logger.setLevel(logging.DEBUG)
     try:
         with jax.log_compiles():
-            jax.make_jaxpr(f)(x)
+            jax.make_jaxpr(f)(*args)
     finally:
         logger.removeHandler(counter)
         logger.setLevel(level)
-    assert counter.n <= 80, counter.n
+    return counter.n
+
+
+def test_a_newton_groups_structure_is_probed_in_one_program_per_probe():
+    """flowjax's planar flow, forward + log-det: the log-det's plan walks the inverse, a Newton
+    group per layer, whose affine part, stand-ins and matrix are found at trace time on
+    concrete values. Each probe runs as one compiled program (the stand-ins' sources, the
+    matrix's columns) and its unit vectors are numpy constants: one XLA program per operation
+    before, 72 compilations while tracing this 6-dimensional 3-layer flow in a fresh process
+    (float64, JAX 0.10), 32 now."""
+    ff = pytest.importorskip("flowjax.flows")
+    from flowjax.distributions import Normal
+
+    flow = ff.planar_flow(
+        jax.random.key(0), base_dist=Normal(jax.numpy.zeros(6)), flow_layers=3, invert=False
+    )
+    bij = flow.bijection
+    x = jax.numpy.linspace(-1.0, 1.0, 6)
+    want = bij.transform_and_log_det(x)
+    f = jr.forward_and_slogdet(lambda x: bij.transform(x))
+    n = _compiles_while_tracing(f, x)
+    assert n <= NEWTON_COMPILES, n
     got = jax.jit(f)(x)
     np.testing.assert_allclose(got[0], want[0], rtol=1e-12, atol=1e-12)
-    np.testing.assert_allclose(got[1], want[1], rtol=1e-12)
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-10)

@@ -39,10 +39,10 @@ import numpy as np
 from jax import lax
 
 import jaxrev._dense as dense
-from jaxrev._compat import JaxprEqn, Var, is_concrete, prims, staged_constants
+from jaxrev._compat import JaxprEqn, Var, compiled_eqns, is_concrete, prims, staged_constants
 from jaxrev._env import Env
 from jaxrev._errors import not_invertible
-from jaxrev._evaluate import apply, evaluate
+from jaxrev._evaluate import evaluate
 from jaxrev._graph import real_outvars, size_of
 from jaxrev.transforms.knowledge import records
 from jaxrev.transforms.registry import BILINEAR, LINEAR, Unsupported, elementwise_in, is_kind
@@ -847,44 +847,57 @@ def stand_ins(L: Lump, env: Env) -> Env | None:
 
     A traced float computed from other traced floats by equations `L.sources` holds (``dt``
     and ``dt / 2``, both read) is computed from their stand-ins: independent random values
-    would break the relation a cancellation rests on."""
+    would break the relation a cancellation rests on. Those equations run as one compiled
+    program (`compiled_eqns`; op by op, where JAX folds constants, each was a program)."""
     stand_in = Env()
     rng = np.random.default_rng(0)
-    memo: dict = {}
+    given: dict = {}  # var -> its stand-in (numpy), or None (a traced integer)
+    chain: list[JaxprEqn] = []  # the sources to run, producers first
+    computed: set = set()  # the variables the chain computes
 
-    def value(v: Any, depth: int) -> Any:
+    def value(v: Any, depth: int) -> bool:
+        """Whether `v` has a stand-in (given, or computed by the chain)."""
         if not isinstance(v, Var):
-            return np.asarray(v.val)
-        if v in memo:
-            return memo[v]
+            return True
+        if v in computed:
+            return True
+        if v in given:
+            return given[v] is not None
         val = env.read(v) if env.known(v) else None
         static = None if val is not None and is_concrete(val) else env.info.static(v)
         if val is not None and is_concrete(val):
-            out = np.asarray(val)
+            given[v] = np.asarray(val)
         elif static is not None:
             # computed from constants (a DCT's twiddle factors, traced under `jit`): random
             # values would change the lump's rank
-            out = np.broadcast_to(np.asarray(static, v.aval.dtype), v.aval.shape)
+            given[v] = np.broadcast_to(np.asarray(static, v.aval.dtype), v.aval.shape)
         elif not jnp.issubdtype(v.aval.dtype, jnp.inexact):
-            out = None
+            given[v] = None
         else:
             e = L.sources.get(v) if depth < _SOURCE_DEPTH else None
-            ins = [value(u, depth + 1) for u in e.invars] if e is not None else [None]
-            if all(x is not None for x in ins):
-                with jax.ensure_compile_time_eval():
-                    out = np.asarray(
-                        apply(e, [jnp.asarray(x) for x in ins])[list(e.outvars).index(v)]
-                    )
-            else:
-                out = rng.standard_normal(v.aval.shape).astype(v.aval.dtype) + 1.5
-        memo[v] = out
-        return out
+            if e is not None and all([value(u, depth + 1) for u in e.invars]):
+                chain.append(e)
+                computed.update(o for o in e.outvars if isinstance(o, Var))
+                return True
+            given[v] = rng.standard_normal(v.aval.shape).astype(v.aval.dtype) + 1.5
+        return given[v] is not None
 
     for v in L.reads:
-        val = value(v, 0)
-        if val is None:
+        if not value(v, 0):
             return None
-        stand_in.write(v, val)
+    if chain:
+        leaves = tuple(
+            dict.fromkeys(
+                u for e in chain for u in e.invars if isinstance(u, Var) and u not in computed
+            )
+        )
+        wanted = tuple(v for v in L.reads if v in computed)
+        with jax.ensure_compile_time_eval():
+            run = compiled_eqns(tuple(chain), leaves, wanted)
+            for v, x in zip(wanted, run(*[given[u] for u in leaves])):
+                given[v] = np.asarray(x)
+    for v in L.reads:
+        stand_in.write(v, given[v])
     return stand_in
 
 

@@ -703,8 +703,8 @@ class _System:
 
     def zeros(self) -> Any:
         if self.blocks:
-            return jnp.zeros(self.shape + (len(self.lump.inputs),), self.dtype)
-        return jnp.zeros(sum(self.in_sizes), self.dtype)
+            return np.zeros(self.shape + (len(self.lump.inputs),), self.dtype)
+        return np.zeros(sum(self.in_sizes), self.dtype)
 
     def F(self, u: Any, reads: Sequence[Any]) -> Any:
         return self._pack(self.lump.apply(self.unpack(u), reads))
@@ -717,8 +717,9 @@ class _System:
         """Unit vectors, one per unknown, on every element at once (elements are
         independent): ``(k, *u.shape)``."""
         k = u.shape[-1]
-        return jnp.broadcast_to(
-            jnp.eye(k, dtype=u.dtype).reshape((k,) + (1,) * (u.ndim - 1) + (k,)), (k,) + u.shape
+        # (numpy: where JAX folds constants, each jnp operation here compiled a program)
+        return np.broadcast_to(
+            np.eye(k, dtype=u.dtype).reshape((k,) + (1,) * (u.ndim - 1) + (k,)), (k,) + u.shape
         )
 
     def jacobian(self, u: Any, reads: Sequence[Any]) -> Any:
@@ -733,8 +734,14 @@ class _System:
         equations are elementwise), whose shape recurs, so eager dispatch compiles once."""
         if not self.blocks:
             u0 = self.zeros()
-            cols = jax.vmap(lambda e: self.F(e, reads))(self._basis(u0)) - self.F(u0, reads)
-            return jnp.moveaxis(cols, 0, -1)
+
+            # (one program: op by op, each operation on the stand-ins compiled one)
+            @jax.jit
+            def probe(reads: Sequence[Any]) -> Any:
+                cols = jax.vmap(lambda e: self.F(e, reads))(self._basis(u0)) - self.F(u0, reads)
+                return jnp.moveaxis(cols, 0, -1)
+
+            return probe(list(reads))
         n = min(_SAMPLES, int(np.prod(self.shape, dtype=np.int64)))
         sample = [
             np.reshape(np.asarray(r), -1)[:n] if np.shape(r) == self.shape else np.asarray(r)
@@ -926,7 +933,7 @@ class _TornSystem:
         return c - self.pack(self.torn.cut_of(self.inputs(c), self.read_vals))
 
     def jacobian(self, c: Any, reads: Sequence[Any] = ()) -> Any:
-        basis = jnp.eye(c.shape[-1], dtype=c.dtype)
+        basis = np.eye(c.shape[-1], dtype=c.dtype)
         cols = jax.vmap(lambda e: jax.jvp(self.F, (c,), (e,))[1])(basis)
         return jnp.moveaxis(cols, 0, -1)
 
