@@ -31,7 +31,7 @@ import numpy as np
 from jax import lax
 
 from jaxrev._cache import memo
-from jaxrev._compat import DropVar, JaxprEqn, Var
+from jaxrev._compat import DropVar, JaxprEqn, Var, prims
 from jaxrev._env import Env, Unknown, fit_to_aval
 from jaxrev._evaluate import apply
 from jaxrev._graph import is_var, real_outvars
@@ -408,10 +408,14 @@ def forward(eqn: JaxprEqn, env: Env) -> bool:
 
 
 def joins_known(eqn: JaxprEqn, env: Env) -> bool:
-    """Whether `eqn` joins known operands with unknown ones (a condition concatenated to the
-    state): its output is known on the known operands' elements."""
+    """Whether `eqn` concatenates known operands with unknown ones (a condition concatenated
+    to the state): its output is known on the known operands' elements. (Only
+    `concatenate`: a pad's known padding value, marked known on the pad's zeros, sent the
+    extended Rosenbrock gradient's interleaved pads to a singular group.)"""
+    if eqn.primitive is not prims.concatenate:
+        return False
     ins = [v for v in eqn.invars if is_var(v)]
-    return len(ins) > 1 and any(env.known(v) for v in ins) and not all(env.known(v) for v in ins)
+    return any(env.known(v) for v in ins) and not all(env.known(v) for v in ins)
 
 
 def backward(eqn: JaxprEqn, env: Env) -> bool | None:
