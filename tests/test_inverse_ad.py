@@ -496,7 +496,13 @@ def test_groups_that_move_data_are_solved_as_small_blocks(n, program):
         x = jnp.asarray(rng.standard_normal(n))
     else:
         f = _interleaved_pairs_gradient
-        x = jnp.asarray(1.0 + 0.1 * rng.standard_normal(n))
+        # each 2 x 2 block of the Hessian has determinant 80 000 (x_2i² - x_2i+1) + 400: kept
+        # in [4 400, 8 400] (x near 1 drawn freely made some blocks nearly singular, where the
+        # pivot check rightly refuses, depending on what the shared generator drew before)
+        local = np.random.default_rng(45)
+        even = 1.0 + 0.1 * local.standard_normal(n // 2)
+        odd = even**2 - 0.05 - 0.05 * local.uniform(size=n // 2)
+        x = jnp.asarray(np.stack([even, odd], -1).reshape(n))
     v = jnp.asarray(rng.standard_normal(n))
     J = dense_jac(f, (x,))
     _, (t,) = jax.jit(lambda x, v: jr.inverse_jvp(f, (x,), v, method="linearize"))(x, v)
