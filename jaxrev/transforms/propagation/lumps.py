@@ -555,16 +555,17 @@ def _singular_at_trace_time(L: Lump, env: Env) -> bool | None:
     stand_in = stand_ins(L, env)
     if stand_in is None or n > MAX_PROBE_SIZE:
         return None
-    dtype = jnp.result_type(*[v.aval.dtype for v in [*L.inputs, *L.outputs]])
-    offs = np.cumsum([0] + [int(np.prod(v.aval.shape, dtype=np.int64)) for v in L.inputs])
-    F = L.flat(offs, dtype, stand_in)
-    zero = np.zeros(n, dtype)  # (concrete: a `jnp` array is a tracer under `jit`)
     try:
         with jax.ensure_compile_time_eval():
             if n <= _MAX_RANK_CHECK:
+                # (a numpy zero: a `jnp` array is a tracer under `jit`)
                 c = L.coordinates(stand_in)
                 J = np.asarray(_jacobian(c, np.zeros(c.n, c.dtype)))
                 return bool(np.linalg.matrix_rank(J) < c.n)
+            dtype = jnp.result_type(*[v.aval.dtype for v in [*L.inputs, *L.outputs]])
+            offs = np.cumsum([0] + [int(np.prod(v.aval.shape, dtype=np.int64)) for v in L.inputs])
+            F = L.flat(offs, dtype, stand_in)
+            zero = np.zeros(n, dtype)
             cols = min(n, _PROBE_BLOCK)
             block = jax.jit(
                 lambda start: jax.vmap(lambda e: jax.jvp(F, (zero,), (e,))[1])(
