@@ -1,6 +1,6 @@
 """Library flows taken as they are (issue 32): jaxrev's log-dets and inverses of flowjax's and
-numpyro's forward maps against the libraries' own `transform_and_log_det` /
-`inverse_and_log_det` (flowjax) and `inv` / `log_abs_det_jacobian` (numpyro).
+numpyro's (and distrax's) forward maps against the libraries' own `transform_and_log_det` /
+`inverse_and_log_det` (flowjax, distrax) and `inv` / `log_abs_det_jacobian` (numpyro).
 
 Setup (the issue's): dimension 8, batch 256 (vmapped), float32, everything under `jit`, the
 defaults a user gets. Flows:
@@ -14,7 +14,10 @@ defaults a user gets. Flows:
   `invert=False`;
 - numpyro's `ComposeTransform` of affine-coupling-free transforms users chain:
   `AffineTransform`, `LowerCholeskyAffine`, a `PermuteTransform` and the (clipped)
-  `SigmoidTransform`, and `InverseAutoregressiveTransform` over an `AutoregressiveNN`.
+  `SigmoidTransform`, and `InverseAutoregressiveTransform` over an `AutoregressiveNN`;
+- distrax's `SplitCoupling` layers with `RationalQuadraticSpline` bijectors, chained (its bin
+  found by a one-hot mask over bins; where distrax is installed), against its own
+  `forward_and_log_det` / `inverse_and_log_det`.
 
 Time is one jitted call on the batch (interleaved medians, one thread); the first call's
 seconds (tracing, jaxrev's walk and XLA's compilation) are reported beside it. Errors are
@@ -153,8 +156,42 @@ def numpyro_flows() -> dict:
     }
 
 
+def distrax_flows(layers: int) -> dict:
+    """distrax's spline coupling flow as its users write one: `SplitCoupling` layers
+    (alternating halves) whose bijector is a `RationalQuadraticSpline` (8 bins on [-4, 4],
+    distrax's default unconstrained boundary slopes) and whose conditioner is a small MLP,
+    chained; distrax finds each bin by a one-hot mask over bins, not a search. Empty where
+    distrax is not installed."""
+    try:
+        import distrax
+    except ImportError:
+        return {}
+    bins, hidden, half = 8, 32, D // 2
+    keys = jax.random.split(jax.random.key(3), 2 * layers)
+
+    def layer(i: int):
+        w1 = 0.3 * jax.random.normal(keys[2 * i], (half, hidden))
+        w2 = 0.05 * jax.random.normal(keys[2 * i + 1], (hidden, half * (3 * bins + 1)))
+
+        def conditioner(x):
+            h = jnp.tanh(x @ w1.astype(x.dtype))
+            return (h @ w2.astype(x.dtype)).reshape(x.shape[:-1] + (half, 3 * bins + 1))
+
+        return distrax.SplitCoupling(
+            split_index=half,
+            event_ndims=1,
+            conditioner=conditioner,
+            bijector=lambda p: distrax.RationalQuadraticSpline(p, range_min=-4.0, range_max=4.0),
+            swap=bool(i % 2),
+        )
+
+    return {"distrax SplitCoupling (spline)": distrax.Chain([layer(i) for i in range(layers)])}
+
+
 def _library_fns(kind: str, bij):
     """(forward+log-det, inverse+log-det or None) of the library, on one sample."""
+    if kind == "distrax":
+        return bij.forward_and_log_det, bij.inverse_and_log_det
     if kind == "flowjax":
         fwd = bij.transform_and_log_det
         try:
@@ -183,7 +220,10 @@ def _library_fns(kind: str, bij):
 
 
 def measure(name: str, kind: str, bij, reps: int) -> dict:
-    f = (lambda x: bij.transform(x)) if kind == "flowjax" else (lambda x: bij(x))  # noqa: E731
+    f = {  # (the forward map alone, as each library names it)
+        "flowjax": lambda x: bij.transform(x),
+        "distrax": lambda x: bij.forward(x),
+    }.get(kind, lambda x: bij(x))
     lib_f, lib_i = _library_fns(kind, bij)
     x = 0.8 * jax.random.normal(jax.random.key(7), (BATCH, D))
     y, _ = jax.vmap(lib_f)(x)
@@ -292,7 +332,10 @@ def plot(rows: list[dict], path: str) -> None:
     if plt is None:
         return
     fig, ax = plt.subplots(figsize=(9, 4))
-    names = [r["flow"].replace("flowjax ", "").replace("numpyro ", "np: ") for r in rows]
+    names = [
+        r["flow"].replace("flowjax ", "").replace("numpyro ", "np: ").replace("distrax ", "dx: ")
+        for r in rows
+    ]
     fw = [r.get("forward ratio", np.nan) for r in rows]
     iv = [r.get("inverse ratio", r.get("inverse ratio (vs library forward)", np.nan)) for r in rows]
     xs = np.arange(len(rows))
@@ -314,6 +357,7 @@ def main() -> None:
     layers, reps = (2, 3) if a.quick else (4, 15)
     cases = [(n, "flowjax", b) for n, b in flowjax_flows(layers).items()]
     cases += [(n, "numpyro", b) for n, b in numpyro_flows().items()]
+    cases += [(n, "distrax", b) for n, b in distrax_flows(layers).items()]
     # (the process's own first costs, JAX's and jaxrev's, paid once here: the first row's
     # first calls measured them otherwise)
     warm = jnp.linspace(-0.5, 0.5, D)

@@ -587,7 +587,7 @@ def _one_hot_spline(x, xs, ys, d):
     """A rational-quadratic spline of a scalar as distrax writes one: the bin by a one-hot mask
     over bins (no index, no search: comparisons with both ends of every bin), its parameters
     picked by masked sums, the ratio's argument clipped to [0, 1], linear tails by `where`."""
-    below, above = x <= xs[0], x >= xs[-1]
+    below, above = x <= xs[0], x >= xs[-1]  # <one-hot bins>
     in_bin = (x >= xs[:-1]) & (x < xs[1:])
     in_bin = jnp.where(jnp.any(in_bin), in_bin, jnp.arange(in_bin.shape[0]) == 0)
     table = jnp.stack([xs, ys, d], axis=1)
@@ -603,20 +603,59 @@ def _one_hot_spline(x, xs, ys, d):
     return jnp.where(above, (x - xs[-1]) * d[-1] + ys[-1], y)  # <one-hot tails>
 
 
-def test_a_spline_binned_by_a_one_hot_mask_is_refused_naming_the_select():
-    """distrax's bin search (a one-hot mask over bins multiplied into the knot table) decides
-    the bin by comparisons whose booleans feed arithmetic, not by an index of a few values: no
-    choice group enumerates it (issue 44 leaves it open). The refusal names the tail's
-    `select_n` and the user's line, eagerly and under `jit`; the log-det still comes (the dense
-    Jacobian's, since the inverse cannot be walked)."""
+def test_a_spline_binned_by_a_one_hot_mask_inverts_by_one_piece_search():
+    """distrax's bin search (a one-hot mask over bins from ``x >= x_pos[:-1]`` and
+    ``x < x_pos[1:]``, multiplied into the knot table) has no index to enumerate: its
+    comparisons with the knots are decided together by the piece the state lies in, found by
+    one search (`choices._Piece`). Inside the knots, on them (where the ratio's clip saturates
+    at the piece's end: no ambiguity) and on both linear tails; eager, `jit` and `vmap`; the
+    log-det against the dense Jacobian's."""
     xs = jnp.array([-3.0, -1.0, 0.5, 3.0])
     ys = jnp.array([-3.0, -0.5, 1.0, 3.0])
     d = jnp.array([1.0, 0.7, 1.6, 1.0])
     f = jax.vmap(lambda x: _one_hot_spline(x, xs, ys, d))
-    x = jnp.array([-4.0, -1.2, 0.3, 2.5])
-    sign, ld = jr.slogdet_jacobian(f, x)
-    np.testing.assert_allclose(ld, _dense(f, x)[1], atol=TOL)
-    line = next(i for i, s in enumerate(open(__file__), 1) if "# <one-hot tails>" in s)
+    x = jnp.array([-4.0, -3.0, -1.2, -1.0, 0.3, 0.5, 2.5, 3.0, 5.0])
+    y = f(x)
     for inv in (jr.reverse(f), jax.jit(jr.reverse(f))):
-        with pytest.raises(jr.NotInvertibleError, match=f"`select_n` at .*{HERE}:{line}"):
-            inv(f(x))
+        np.testing.assert_allclose(inv(y), x, rtol=1e-12, atol=1e-12)
+    batch = jnp.stack([x, x[::-1] * 0.9])
+    np.testing.assert_allclose(
+        jax.vmap(jr.reverse(f))(jax.vmap(f)(batch)), batch, rtol=1e-12, atol=1e-12
+    )
+    xr, ld = jax.jit(jr.inverse_and_slogdet(f))(y)
+    np.testing.assert_allclose(xr, x, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(ld, -_dense(f, x)[1], rtol=1e-10)
+
+
+def test_a_one_hot_spline_that_is_not_monotone_is_refused_naming_its_comparison():
+    """A knot table out of order: the piece search cannot show the map one-to-one, and says
+    so where it runs (eagerly; under `jit` by `jr.raise_runtime_errors`), naming the
+    comparison's line; with ``on_error="nan"``, NaN there and the answer elsewhere."""
+    xs = jnp.array([-3.0, -1.0, 0.5, 3.0])
+    ys = jnp.array([-3.0, 1.5, 1.0, 3.0])  # (falls on the second bin)
+    d = jnp.array([1.0, 0.7, 1.6, 1.0])
+    f = jax.vmap(lambda x: _one_hot_spline(x, xs, ys, d))
+    x = jnp.array([-2.0, 0.0, 2.0])
+    line = next(i for i, s in enumerate(open(__file__), 1) if "# <one-hot bins>" in s)
+    with pytest.raises(jr.ReversibilityError, match=f"at .*{HERE}:{line}"):
+        jr.reverse(f)(f(x))
+    with pytest.raises(jr.ReversibilityError, match=f"at .*{HERE}:{line}"):
+        with jr.raise_runtime_errors():
+            jax.jit(jr.reverse(f))(f(x)).block_until_ready()
+    got = jr.reverse(f, on_error="nan")(f(x))
+    assert bool(jnp.all(jnp.isnan(got) | (jnp.abs(got - x) < 1e-12)))
+    assert bool(jnp.any(jnp.isnan(got)))
+
+
+def test_a_flat_branch_after_a_one_hot_spline_is_still_refused_where_it_loses_the_state():
+    """A relu after the spline: its zero branch loses the state on an interval inside a
+    piece, which no knot explains; an output it could have made is refused (not one
+    preimage of many picked), while positive outputs invert."""
+    xs = jnp.array([-3.0, -1.0, 0.5, 3.0])
+    ys = jnp.array([-3.0, -0.5, 1.0, 3.0])
+    d = jnp.array([1.0, 0.7, 1.6, 1.0])
+    f = jax.vmap(lambda x: jax.nn.relu(_one_hot_spline(x, xs, ys, d) - 0.25))
+    x = jnp.array([0.3, 2.0])
+    np.testing.assert_allclose(jr.reverse(f)(f(x)), x, rtol=1e-12, atol=1e-12)
+    with pytest.raises(jr.JaxrevError):
+        jr.reverse(f)(f(jnp.array([-2.0, 2.0])))

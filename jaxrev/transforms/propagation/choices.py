@@ -96,6 +96,10 @@ class _Choice:
         e = self.eqn
         return choice_rules[e.primitive].holds(e, [env_f.read(v) for v in e.invars], k)
 
+    def decides(self) -> list[Var]:
+        """The variables an assumed value of this choice fixes (an integer's own output)."""
+        return real_outvars(self.eqn) if self.value is not None else []
+
     @property
     def whole(self) -> bool:
         """A decision made once for whole arrays (a scalar predicate or branch index)."""
@@ -109,9 +113,93 @@ class _Choice:
         )
 
 
-def _choices(G: Sequence[JaxprEqn], env: Env) -> list[_Choice]:
+class _Piece(_Choice):
+    """Every comparison of the state (or its clip by known bounds, a copy, a broadcast) with
+    known thresholds in a group, decided together by the piece of the line the state lies in:
+    distrax's spline picks its bin by a one-hot mask of ``x >= x_pos[:-1]`` and
+    ``x < x_pos[1:]`` multiplied into its knot table, not by an index of a few values, so no
+    branch of it can be enumerated. Between two consecutive thresholds every comparison keeps
+    its value, so a point of the piece (its midpoint: `_search_point`) stands for all of it.
+    Its assumed value is that point (NaN: no piece assumed); the comparisons then take their
+    values at it, and what they decide (masks, masked sums, selects' predicates) is known."""
+
+    __slots__ = ("comparisons", "chain", "u")
+
+    def __init__(self, comparisons: list[JaxprEqn], chain: list[JaxprEqn], u: Var) -> None:
+        super().__init__(comparisons[0], 1, 0)
+        self.comparisons, self.chain, self.u = comparisons, chain, u
+
+    def decides(self) -> list[Var]:
+        return [o for e in self.comparisons for o in real_outvars(e)]
+
+    def decide(self, env: Env, at: Any) -> dict:
+        """The comparisons' values where the state is `at` (the group's reads from `env`)."""
+        made = {o for q in self.chain for o in real_outvars(q)}
+        e = Env(info=env.info, ctx=env.ctx)
+        for q in self.chain:
+            for v in q.invars:
+                if is_var(v) and v is not self.u and v not in made:
+                    e.write(v, env.read(v))
+        e.write(self.u, jnp.asarray(at, self.u.aval.dtype))
+        evaluate(self.chain, e, partial=True)
+        return {o: e.read(o) for o in self.decides()}
+
+    def holds(self, env_f: Env, k: Any) -> Any:
+        lead = len(self.u.aval.shape)
+        ok = jnp.asarray(True)
+        for o, want in self.decide(env_f, k).items():
+            same = env_f.read(o) == want
+            ok = ok & jnp.all(same, axis=tuple(range(lead, same.ndim)))
+        return ok
+
+
+_COMPARISONS = ("lt", "le", "gt", "ge")
+
+
+def _piece(G: Sequence[JaxprEqn], env: Env) -> _Piece | None:
+    """The group's comparisons of its one floating unknown input with known values, as one
+    `_Piece`; None where there are none, or where a comparison reads another function of
+    the state, or lays its elements out otherwise than the state (elements first)."""
+    produced = {o for e in G for o in real_outvars(e)}
+    ins = list(
+        dict.fromkeys(
+            v for e in G for v in e.invars if is_var(v) and not env.known(v) and v not in produced
+        )
+    )
+    if len(ins) != 1 or not jnp.issubdtype(ins[0].aval.dtype, jnp.floating):
+        return None
+    u = ins[0]
+    lead = tuple(u.aval.shape)
+    passes, chain = {u}, []
+    for q in G:
+        outs = real_outvars(q)
+        reads = [v for v in q.invars if is_var(v) and v in passes]
+        if not reads or not all(not is_var(v) or v in passes or env.known(v) for v in q.invars):
+            continue
+        if q.primitive.name in _PASSES_U and len(outs) == 1:
+            if jnp.issubdtype(outs[0].aval.dtype, jnp.floating):
+                passes.add(outs[0])
+                chain.append(q)
+        elif q.primitive.name in _COMPARISONS and tuple(outs[0].aval.shape)[: len(lead)] == lead:
+            chain.append(q)
+    comparisons = [q for q in chain if q.primitive.name in _COMPARISONS]
+    if not comparisons:
+        return None
+    # (only the moves the comparisons read: a clip that also feeds the outputs is a choice)
+    need = {v for q in comparisons for v in q.invars if is_var(v)}
+    kept = []
+    for q in reversed(chain):
+        if q in comparisons or any(o in need for o in real_outvars(q)):
+            kept.append(q)
+            need.update(v for v in q.invars if is_var(v))
+    return _Piece(comparisons, kept[::-1], u)
+
+
+def _choices(G: Sequence[JaxprEqn], env: Env, pieces: bool = False) -> list[_Choice]:
     """The group's undecided choices: integers of a few values that the state decides, and the
-    equations with choice rules whose decision is not known and that do not only feed those."""
+    equations with choice rules whose decision is not known and that do not only feed those.
+    With `pieces`, and no such integer, the comparisons of the state with known thresholds
+    are one more choice (`_Piece`); empty where there are none."""
     producer = {o: e for e in G for o in real_outvars(e)}
     # a select's predicate or a cond's index is enumerated by the select or the cond itself
     decisions = {
@@ -146,21 +234,32 @@ def _choices(G: Sequence[JaxprEqn], env: Env) -> list[_Choice]:
         ):
             continue
         values.append(_Choice(e, int(r[1] - r[0] + 1), int(r[0])))
+    if pieces:
+        piece = None if values else _piece(G, env)
+        if piece is None:
+            return []
+        values.append(piece)
     # what only feeds the integers is decided with them (the clip of a bin index); what also
     # feeds the outputs otherwise is a choice of its own (a spline's clip of `x`, which the
     # bin search reads too)
-    mine = {c.eqn for c in values}
+    mine = {q for c in values for q in (c.comparisons if isinstance(c, _Piece) else [c.eqn])}
     outs = [v for e in G for v in real_outvars(e) if env.known(v)]
     feeds = _ancestors(list(mine), producer) - set(_live([e for e in G if e not in mine], outs))
     # what the assumed integers decide with the known values is no choice (the index
     # normalization of `jnp.take` at an assumed bin)
     det = _determined(G, values, env)
+    # (a select whose predicate a piece decides stays a choice where its cases are not
+    # decided too, a spline's linear tails: each branch walk then inverts one case, and
+    # consistency asks the candidate for its predicate)
+    counted = det if not pieces else _determined(G, values[:-1], env)
     out = list(values)
     for e in G:
         rule = choice_rules.get(e.primitive)
         if rule is None or e in feeds or e in mine:
             continue
-        n = rule.count(e, lambda v: env.known(v) or v in det)
+        if pieces and all(o in det for o in real_outvars(e)):
+            continue
+        n = rule.count(e, lambda v: env.known(v) or v in counted)
         if n > 1:
             out.append(_Choice(e, n))
     return out
@@ -168,7 +267,7 @@ def _choices(G: Sequence[JaxprEqn], env: Env) -> list[_Choice]:
 
 def _determined(G: Sequence[JaxprEqn], values: Sequence[_Choice], env: Env) -> set:
     """Variables of the group computed from known values and the assumed integers alone."""
-    det = {o for c in values for o in real_outvars(c.eqn)}
+    det = {o for c in values for o in c.decides()}
     for e in G:
         if all(env.known(v) or v in det for v in e.invars):
             det.update(real_outvars(e))
@@ -232,31 +331,16 @@ def choice_step(
         outputs = [v for e in G for v in real_outvars(e) if env.known(v)]
         if not inputs or size_of(v.aval for v in inputs) != size_of(v.aval for v in outputs):
             continue
-        ch = _choices(G, env)
-        if not ch:
-            continue
         shape = tuple(outputs[0].aval.shape)
-        # what each branch inverts must be elementwise; what decides the branch (a bin search)
-        # may be anything: the merged candidate is checked against every decision again
-        values = [c for c in ch if c.value is not None]
-        det = _determined(G, values, env)
-        # (what only decides a select's or a cond's case, an argmax over a `jnp.select`'s
-        # conditions, is not inverted: each branch replaces the choice by one case)
-        core = [
-            e
-            for e in _live(
-                [e for e in G if not any(c.eqn is e for c in values)],
-                outputs,
-                decided={c.eqn for c in ch if c.value is None},
-            )
-            if not all(o in det for o in real_outvars(e))
-        ]
-        per_element = all(tuple(v.aval.shape) == shape for v in [*inputs, *outputs]) and all(
-            elementwise_in(e, shape) or _pointwise_gather(e, shape) for e in core
-        )
-        whole = all(c.whole for c in ch)
-        if not (per_element or whole):
+        # (the comparisons of the state taken as one piece decision only where the choices
+        # alone leave a group that is not elementwise: distrax's one-hot bins)
+        for pieces in (False, True):
+            ch = _choices(G, env, pieces)
+            if ch and _decomposes(G, ch, inputs, outputs, env, shape):
+                break
+        else:
             continue
+        per_element = _decomposes(G, ch, inputs, outputs, env, shape, whole=False)
         combos = _combos(G, ch, outputs, env)
         if combos is None:
             continue
@@ -279,6 +363,45 @@ def choice_step(
     return False
 
 
+def _decomposes(
+    G: Sequence[JaxprEqn],
+    ch: list[_Choice],
+    inputs: list[Var],
+    outputs: list[Var],
+    env: Env,
+    shape: tuple,
+    whole: bool = True,
+) -> bool:
+    """Whether the group, its choices assumed, leaves per element an elementwise program to
+    invert (or, with `whole`, decides every choice once for whole arrays). What decides the
+    branch (a bin search) may be anything: the merged candidate is checked against every
+    decision again."""
+    values = [c for c in ch if c.value is not None]
+    det = _determined(G, values, env)
+    # (a piece's comparisons read moves of the state, `x[:, None] >= knots`, that feed
+    # nothing else: what only feeds decided values is not inverted either)
+    piece = any(isinstance(c, _Piece) for c in ch)
+
+    def decided(e: JaxprEqn) -> bool:
+        return all(o in det for o in real_outvars(e))
+
+    # (what only decides a select's or a cond's case, an argmax over a `jnp.select`'s
+    # conditions, is not inverted: each branch replaces the choice by one case)
+    core = [
+        e
+        for e in _live(
+            [e for e in G if not any(c.eqn is e for c in values) and not (piece and decided(e))],
+            outputs,
+            decided={c.eqn for c in ch if c.value is None},
+        )
+        if not decided(e)
+    ]
+    per_element = all(tuple(v.aval.shape) == shape for v in [*inputs, *outputs]) and all(
+        elementwise_in(e, shape) or _pointwise_gather(e, shape) for e in core
+    )
+    return per_element or (whole and all(c.whole for c in ch))
+
+
 def _combos(
     G: Sequence[JaxprEqn], ch: list[_Choice], outputs: Sequence[Var], env: Env
 ) -> list[dict] | None:
@@ -299,7 +422,15 @@ def _combos(
             return len(out) <= MAX_COMBOS
         undecided = {e for e in order if e not in combo and by_eqn[e].value is None}
         live = set(map(id, _live(window, outputs, decided=undecided)))
-        nxt = next((e for e in order if e not in combo and id(e) in live), None)
+        nxt = next(
+            (
+                e
+                for e in order
+                if e not in combo
+                and any(id(q) in live for q in getattr(by_eqn[e], "comparisons", [e]))
+            ),
+            None,
+        )
         if nxt is None:
             out.append(combo)
             return len(out) <= MAX_COMBOS
@@ -485,9 +616,20 @@ class _Lost(Exception):
 
 
 def _branch_window(G: Sequence[JaxprEqn], combo: dict, env_c: Env) -> list[JaxprEqn] | None:
-    """The group with each choice replaced by what its assumed branch computes."""
+    """The group with each choice replaced by what its assumed branch computes (a piece's
+    comparisons by their values at its assumed point; an integer placeholder, as `_combos`
+    assumes while it finds the combinations' structure: any point)."""
+    decided: dict = {}
+    for choice, k in combo.values():
+        if isinstance(choice, _Piece):
+            at = jnp.zeros(choice.u.aval.shape, choice.u.aval.dtype) if isinstance(k, int) else k
+            decided.update(choice.decide(env_c, at))
     window = []
     for e in G:
+        if decided and any(o in decided for o in real_outvars(e)):
+            for o in real_outvars(e):
+                env_c.write(o, decided[o])
+            continue
         c = combo.get(e)
         if c is None:
             window.append(e)
@@ -562,20 +704,11 @@ def _split(
                 e.write(v, x)
         return e
 
-    def solve(ys: Sequence[Any], rs: Sequence[Any]) -> tuple:
-        return tuple(
-            _solve(
-                G,
-                ch,
-                combos,
-                inputs,
-                outputs,
-                fresh([(reads, rs), (outputs, ys)]),
-                shape,
-                walk,
-                state,
-            )
+    def solve(ys: Sequence[Any], rs: Sequence[Any]) -> tuple | None:
+        xs = _solve(
+            G, ch, combos, inputs, outputs, fresh([(reads, rs), (outputs, ys)]), shape, walk, state
         )
+        return None if xs is None else tuple(xs)
 
     def forward(xs: Sequence[Any], rs: Sequence[Any]) -> tuple:
         e = fresh([(reads, rs), (inputs, xs)])
@@ -644,26 +777,47 @@ def _solve(
         for combo in family:
             tried.extend([_ks(combo, ch)] * (1 if starts is None else len(starts)))
 
-    def single(combo: dict) -> None:
+    def single(combo: dict, mask: Any = None, knot: Any = None) -> None:
         # (the branch walk's own context: whether Newton's method ran, or a quadratic's roots
         # were taken, is asked of it alone; NaN instead of errors)
         bctx = env.ctx.replace(on_error="nan")
         vals, amb = branch(combo, -1, bctx)
         if amb is not None:  # a branch that loses the state, met only where it runs
-            lost.append((_lossy_branch(combo, env)[0], amb))
+            # (inside a piece, a clip of the bin's ratio saturates only at the piece's end:
+            # an output that is the map's value there, at one knot, is no ambiguity)
+            lost.append((_lossy_branch(combo, env)[0], amb if knot is None else amb & ~knot))
             return
         starts = starts_for(bctx)
         if starts is not None:
-            add([combo], starts)
+            add([combo], starts, mask)
             return
         for chunk, x in zip(chunks, vals):
             chunk.append(x[None])
-        masks.append(None)
+        masks.append(mask)
         tried.append(_ks(combo, ch))
 
+    # a piece decision is searched once for all its families (the search runs the group
+    # itself, whatever the other choices assume)
+    piece = next((c for c in ch if isinstance(c, _Piece)), None)
+    point = _Lazy(
+        lambda: (
+            _search_point(G, set(piece.chain), inputs, outputs, env, shape)
+            if piece is not None
+            else None
+        )
+    )
     for family in _families(combos):
         if any(_branch_window(G, combo, env.copy()) is None for combo in family):
             return None
+        if piece is not None and piece.eqn in family[0]:
+            if point() is None:
+                return None  # (no search: the comparisons cannot be enumerated)
+            found = point()
+            if not searched:
+                searched.append((piece.eqn, ~found.monotone))
+            for combo in family:
+                single({**combo, piece.eqn: (piece, found.at)}, found.monotone, found.knot)
+            continue
         if len(family) == 1:
             single(family[0])
             continue
@@ -726,7 +880,7 @@ def _holds(
     evaluate(G, env_f, partial=True)
     ok = jnp.asarray(True)
     for c, k in zip(ch, ks):
-        held = k < 0
+        held = jnp.isnan(k) if isinstance(c, _Piece) else k < 0
         if c.value is not None:
             held = held | c.holds(env_f, k)
         else:
@@ -741,10 +895,18 @@ def _holds(
     return ok if shape is None else jnp.broadcast_to(ok, shape)
 
 
-def _assumed(tried: list[tuple], j: int, shape: tuple) -> Any:
+def _assumed(tried: list[tuple], j: int, shape: tuple, dtype: Any = jnp.int32) -> Any:
     """The branch each candidate assumed at choice `j`, ``(candidates, *shape)`` (a searched
-    bin index assumes one per element; -1 where its combination left the choice dead)."""
-    return jnp.stack([jnp.broadcast_to(jnp.asarray(t[j], jnp.int32), shape) for t in tried])
+    bin index assumes one per element; -1 where its combination left the choice dead; a
+    piece's point, of the state's `dtype`, NaN there)."""
+    return jnp.stack([jnp.broadcast_to(jnp.asarray(t[j], dtype), shape) for t in tried])
+
+
+def _assumed_all(ch: list[_Choice], tried: list[tuple], shape: tuple) -> list[Any]:
+    return [
+        _assumed(tried, j, shape, c.u.aval.dtype if isinstance(c, _Piece) else jnp.int32)
+        for j, c in enumerate(ch)
+    ]
 
 
 def _consistent(
@@ -763,7 +925,7 @@ def _consistent(
     walk): ``(candidates, *shape)``. The group runs forward once for all, vmapped over the
     candidates; a group holding a check (Equinox's `error_if`, a host callback) runs once per
     block, as its branch walks ran."""
-    ks = [_assumed(tried, j, shape if shape is not None else ()) for j in range(len(ch))]
+    ks = _assumed_all(ch, tried, shape if shape is not None else ())
 
     def one(xs: Sequence[Any], kk: Sequence[Any]) -> Any:
         return _holds(G, ch, inputs, outputs, env, shape, xs, kk)
@@ -811,52 +973,78 @@ def _searched(
     producer: dict,
 ) -> tuple[dict, Any] | None:
     """A family of one bin index's values (a spline's bins) as one combination, its value
-    per element found by one search, as hand-written spline inverses find it: the map is
-    evaluated at the thresholds the index compares the unknown with (the knots, and a clip's
-    bounds, known values), the output's place among those values gives the piece, and the
-    index's value inside that piece is the one assumed. Returns the combination and where
-    the map is shown monotone (its values at the thresholds in order, its slopes there of
-    one sign: a rational-quadratic, quadratic or linear spline's pieces are then monotone, so
-    the preimage found is the only one); elsewhere the walk's `on_error` applies, naming the
-    index. None where the family is not of that kind (then it is enumerated).
-
-    The index must compare the unknown itself, or its clip by known bounds, with known
-    tables: a threshold in another space (``searchsorted(t, 2 u + 1)``) would place pieces
-    wrongly, so the family is enumerated instead."""
+    per element found by one search (`_search_point`), as hand-written spline inverses find
+    it: the index's value at the point of the piece that holds the output is the one
+    assumed. Returns the combination and where the map is shown monotone (elsewhere the
+    walk's `on_error` applies, naming the index); None where the family is not of that
+    kind (then it is enumerated)."""
     first = family[0]
     varying = [e for e, (c, _) in first.items() if c.value is not None]
+    if len(family) < MIN_SEARCHED or len(varying) != 1:
+        return None
+    e_int = varying[0]
+    choice = first[e_int][0]
+    index = _ancestors([e_int], producer) | {e_int}
+    found = _search_point(G, index, inputs, outputs, env, shape)
+    if found is None:
+        return None
+    mid, monotone = found.at, found.monotone
+    (o,) = real_outvars(e_int)
+    e = _before(G, env)
+    e.write(inputs[0], mid)
+    # (the index alone: the equations it is computed by)
+    evaluate(G, e, partial=True, used={o for q in index for o in real_outvars(q)})
+    k = jnp.clip(e.read(o).astype(jnp.int32) - choice.value, 0, choice.n - 1)
+    combo = dict(first)
+    combo[e_int] = (choice, k)
+    return combo, monotone
+
+
+def _search_point(
+    G: Sequence[JaxprEqn],
+    decision: set,
+    inputs: list[Var],
+    outputs: list[Var],
+    env: Env,
+    shape: tuple | None,
+) -> _Point | None:
+    """Per element, a point of the piece of a monotone piecewise map that holds the output:
+    the map is evaluated at the thresholds the `decision` equations (a bin index's
+    computation, a piece's comparisons) compare the unknown with (the knots, and a clip's
+    bounds, known values), and the output's place among those values gives the piece; its
+    midpoint is returned, with where the map is shown monotone (its values at the
+    thresholds in order, its slopes there of one sign: a rational-quadratic, quadratic or
+    linear spline's pieces are then monotone, so the preimage found is the only one). None
+    where the decision is not of that kind.
+
+    The decision must compare the unknown itself, or its clip by known bounds, with known
+    tables: a threshold in another space (``searchsorted(t, 2 u + 1)``) would place pieces
+    wrongly."""
     if (
         shape is None
-        or len(family) < MIN_SEARCHED
-        or len(varying) != 1
         or len(inputs) != 1
         or len(outputs) != 1
         or not jnp.issubdtype(inputs[0].aval.dtype, jnp.floating)
         or tuple(inputs[0].aval.shape) != shape
     ):
         return None
-    e_int = varying[0]
-    choice = first[e_int][0]
     u = inputs[0]
-    found = _thresholds(G, e_int, u, env, shape, producer)
+    found = _thresholds(G, decision, u, env, shape)
     if found is None:
         return None
     pts, tables = found
     y = env.read(outputs[0])
-    index_vars = {o for q in _ancestors([e_int], producer) | {e_int} for o in real_outvars(q)}
 
-    def run(x: Any, want: Var, used: set | None = None) -> Any:
+    def run(x: Any) -> Any:
         e = _before(G, env)
         e.write(u, x)
-        evaluate(G, e, partial=True, used=used)
-        return e.read(want)
+        evaluate(G, e, partial=True)
+        return e.read(outputs[0])
 
     pts = lax.stop_gradient(pts)
     # the map and its derivative at every threshold (thresholds on the leading axis, kept
     # there: moved last, each step of the search ran on transposed copies)
-    at, slope = jax.vmap(
-        lambda x: jax.jvp(lambda x: run(x, outputs[0]), (x,), (jnp.ones_like(x),))
-    )(pts)
+    at, slope = jax.vmap(lambda x: jax.jvp(run, (x,), (jnp.ones_like(x),)))(pts)
     up, monotone = _monotone(pts, at, slope, tables)
     # the piece holding y: between the last threshold on y's near side and the first past it
     near = jnp.where(up, at <= y, at >= y)
@@ -864,24 +1052,31 @@ def _searched(
     hi = jnp.min(jnp.where(near, jnp.inf, pts), axis=0)
     reach = 1 + jnp.max(pts, axis=0) - jnp.min(pts, axis=0)
     mid = jnp.where(jnp.isinf(lo), hi - reach, jnp.where(jnp.isinf(hi), lo + reach, (lo + hi) / 2))
-    (o,) = real_outvars(e_int)
-    # (the index alone: the equations it is computed by)
-    k = run(mid.astype(u.aval.dtype), o, index_vars).astype(jnp.int32) - choice.value
-    k = jnp.clip(k, 0, choice.n - 1)
-    combo = dict(first)
-    combo[e_int] = (choice, k)
-    return combo, monotone
+    # (where y is the map's value at one threshold and no other: the piece's end, a knot)
+    hit = at == y
+    knot = jnp.any(hit, axis=0) & (
+        jnp.max(jnp.where(hit, pts, -jnp.inf), axis=0)
+        == jnp.min(jnp.where(hit, pts, jnp.inf), axis=0)
+    )
+    return _Point(mid.astype(u.aval.dtype), monotone, knot)
 
 
-def _thresholds(
-    G: Sequence[JaxprEqn], e_int: JaxprEqn, u: Var, env: Env, shape: tuple, producer: dict
-) -> Any | None:
-    """The known floating values the bin index's computation compares the unknown `u` with,
-    ``(m, *shape)`` (thresholds first, per element), and the groups they come in
-    (`_Columns`); None where it computes from `u` through anything but clips by known bounds,
-    copies, casts and moves (`_PASSES_U`), reads a known value laid out otherwise, or reads
-    no such value."""
-    eqns = _ancestors([e_int], producer) | {e_int}
+class _Point(NamedTuple):
+    """A search's answer, per element: `at`, a point of the piece that holds the output; where
+    the map is shown `monotone`; where the output is the map's value at one `knot` (an end
+    of the piece, and no other threshold's)."""
+
+    at: Any
+    monotone: Any
+    knot: Any
+
+
+def _thresholds(G: Sequence[JaxprEqn], eqns: set, u: Var, env: Env, shape: tuple) -> Any | None:
+    """The known floating values a decision's equations `eqns` (a bin index's computation, a
+    piece's comparisons) compare the unknown `u` with, ``(m, *shape)`` (thresholds first,
+    per element), and the groups they come in (`_Columns`); None where it computes from `u`
+    through anything but clips by known bounds, copies, casts and moves (`_PASSES_U`), reads
+    a known value laid out otherwise, or reads no such value."""
     passes = {u}  # u, or u clipped by known bounds
     for q in G:
         if q in eqns and q.primitive.name in _PASSES_U:
@@ -919,7 +1114,14 @@ def _thresholds(
                 if len(vs) == 1:  # (or a table shared by every element: both, to be sure)
                     cols.append(jnp.broadcast_to(jnp.asarray(val)[:, None], vs + shape))
                     kinds.append("loose")
-            elif vs[:-1] == shape or len(vs) == 1:
+            elif len(vs) <= len(shape) and _broadcasts(vs, shape):
+                cols.append(jnp.broadcast_to(val, shape)[None])
+                kinds.append("one")
+            elif (
+                vs[:-1] == shape
+                or len(vs) == 1
+                or (len(vs) == len(shape) + 1 and _broadcasts(vs[:-1], shape))
+            ):
                 table = jnp.moveaxis(jnp.broadcast_to(val, shape + vs[-1:]), -1, 0)
                 # (a table padded with infinities, as searches over open-ended bins are
                 # written: those ends stand for its finite ends, which keeps it in order)
@@ -940,6 +1142,11 @@ def _thresholds(
     pts = jnp.where(jnp.isfinite(pts), pts, jnp.zeros((), dt))
     ends = np.cumsum([c.shape[0] for c in cols])
     return pts, [_Columns(int(e - c.shape[0]), int(e), k) for c, e, k in zip(cols, ends, kinds)]
+
+
+def _broadcasts(vs: tuple, shape: tuple) -> bool:
+    """Whether a value of shape `vs` broadcasts to `shape` (aligned at the right)."""
+    return len(vs) <= len(shape) and all(a in (1, b) for a, b in zip(vs[::-1], shape[::-1]))
 
 
 class _Columns(NamedTuple):
@@ -1034,7 +1241,10 @@ def _families(combos: list[dict]) -> list[list[dict]]:
 
 
 def _ks(combo: dict, ch: list[_Choice]) -> tuple:
-    return tuple(combo[c.eqn][1] if c.eqn in combo else -1 for c in ch)
+    return tuple(
+        combo[c.eqn][1] if c.eqn in combo else (jnp.nan if isinstance(c, _Piece) else -1)
+        for c in ch
+    )
 
 
 def _batched(family: list[dict], starts: Any, branch: Callable, env: Env, chunks: list) -> None:
@@ -1042,7 +1252,18 @@ def _batched(family: list[dict], starts: Any, branch: Callable, env: Env, chunks
     assumed values (and Newton's starts or the roots, `starts`)."""
     first = family[0]
     varying = [e for e, (c, _) in first.items() if c.value is not None]
-    table = jnp.asarray([[combo[e][1] for e in varying] for combo in family], jnp.int32)
+    table = [
+        jnp.stack(
+            [
+                jnp.asarray(
+                    combo[e][1],
+                    first[e][0].u.aval.dtype if isinstance(first[e][0], _Piece) else jnp.int32,
+                )
+                for combo in family
+            ]
+        )
+        for e in varying
+    ]
 
     def one(row: Any, start: Any) -> tuple:
         combo = dict(first)
@@ -1050,10 +1271,11 @@ def _batched(family: list[dict], starts: Any, branch: Callable, env: Env, chunks
             combo[e] = (first[e][0], row[j])
         return branch(combo, start, env.ctx.replace(on_error="nan"))[0]
 
+    n = len(family)  # (a family of no integer: its rows are empty)
     if starts is None:
-        vals = jax.vmap(lambda row: one(row, -1))(table)
+        vals = jax.vmap(lambda row: one(row, -1), axis_size=n)(table)
     else:
-        vals = jax.vmap(lambda row: jax.vmap(lambda s: one(row, s))(starts))(table)
+        vals = jax.vmap(lambda row: jax.vmap(lambda s: one(row, s))(starts), axis_size=n)(table)
         vals = [x.reshape((-1,) + x.shape[2:]) for x in vals]
     for chunk, x in zip(chunks, vals):
         chunk.append(x)
@@ -1211,10 +1433,7 @@ def _recheck(
     branch its element assumed?"""
     # (combinations, *elements): the value each candidate assumed (a searched bin index
     # assumes one per element), then the one of the candidate each element picked
-    ks = [
-        jnp.take_along_axis(_assumed(tried, j, idx.shape), idx[None], axis=0)[0]
-        for j in range(len(ch))
-    ]
+    ks = [jnp.take_along_axis(k, idx[None], axis=0)[0] for k in _assumed_all(ch, tried, idx.shape)]
     ok = _holds(G, ch, inputs, outputs, env, idx.shape, out, ks)
     first = next((c.eqn for c in ch if has_user_frame(c.eqn)), ch[0].eqn)
     together = jnp.all(
@@ -1324,10 +1543,10 @@ def _merge(
             return at_eqn(
                 ReversibilityError,
                 searched[0][0],
-                "this bin index is searched (the map evaluated at the thresholds the index "
-                "compares the state with, its knots), but the map is not monotone there (its "
-                "values or its slopes at the knots), so the preimage found might not be the "
-                "only one",
+                "this decision (a bin index, or comparisons of the state with knots) is "
+                "searched (the map evaluated at the thresholds it compares the state with, "
+                "its knots), but the map is not monotone there (its values or its slopes at "
+                "the knots), so the preimage found might not be the only one",
                 "Ways out: make the pieces monotone (a spline's knots increasing, its "
                 "derivatives positive), or pass on_error='nan'.",
                 who=who,
@@ -1347,9 +1566,10 @@ def _merge(
             return at_eqn(
                 ReversibilityError,
                 searched[0][0],
-                "no piece of the map holds the output: this bin index is searched (the map "
-                "evaluated at the thresholds the index compares the state with, its knots), "
-                "and the output is outside the map's range, or the map is not monotone there",
+                "no piece of the map holds the output: this decision (a bin index, or "
+                "comparisons of the state with knots) is searched (the map evaluated at the "
+                "thresholds it compares the state with, its knots), and the output is "
+                "outside the map's range, or the map is not monotone there",
                 "Ways out: check the input; make the pieces monotone (a spline's knots "
                 "increasing, its derivatives positive); or pass on_error='nan'.",
                 who=who,
