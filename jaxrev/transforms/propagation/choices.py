@@ -123,11 +123,14 @@ class _Piece(_Choice):
     Its assumed value is that point (NaN: no piece assumed); the comparisons then take their
     values at it, and what they decide (masks, masked sums, selects' predicates) is known."""
 
-    __slots__ = ("comparisons", "chain", "u")
+    __slots__ = ("comparisons", "chain", "u", "producer")
 
     def __init__(self, comparisons: list[JaxprEqn], chain: list[JaxprEqn], u: Var) -> None:
         super().__init__(comparisons[0], 1, 0)
         self.comparisons, self.chain, self.u = comparisons, chain, u
+        # (the walk's producers, lazily: where a threshold is a slice of a known table, the
+        # table is searched once, not each of its slices)
+        self.producer: Callable[[], dict] = dict
 
     def decides(self) -> list[Var]:
         return [o for e in self.comparisons for o in real_outvars(e)]
@@ -303,11 +306,12 @@ def choice_step(
     walker's recursion (a soft propagation over `eqns`), handed in by the walker."""
     # the walk's own unknowns (what no equation of it makes): a branch that loses the state
     # on an interval of these is surely taken, and refused when traced (`_lossy`)
+    every = _Lazy(lambda: {o: e for e in eqns for o in real_outvars(e)})
     state = _Lazy(
         lambda: (
             frozenset(v for e in eqns for v in e.invars if is_var(v))
             - {o for e in eqns for o in e.outvars},
-            {o: e for e in eqns for o in real_outvars(e)},
+            every(),
         )
     )
     cand = [i for i in pending if any(not env.known(v) for v in eqns[i].invars)]
@@ -340,6 +344,9 @@ def choice_step(
                 break
         else:
             continue
+        for c in ch:
+            if isinstance(c, _Piece):
+                c.producer = every
         per_element = _decomposes(G, ch, inputs, outputs, env, shape, whole=False)
         combos = _combos(G, ch, outputs, env)
         if combos is None:
@@ -564,6 +571,8 @@ def _per_element_outs(e: JaxprEqn, dep: set, shape: tuple) -> list | None:
         return outs
     if name in _REDUCES:
         return outs if all(a >= k for a in e.params["axes"]) else None
+    if name == "slice":  # (its leading axes whole on both sides: a slice inside each element,
+        return outs  # a one-hot spline's masked sums taken apart)
     if name == "gather":
         d = e.params["dimension_numbers"]
         if any(a < k for a in d.offset_dims):
@@ -801,7 +810,7 @@ def _solve(
     piece = next((c for c in ch if isinstance(c, _Piece)), None)
     point = _Lazy(
         lambda: (
-            _search_point(G, set(piece.chain), inputs, outputs, env, shape)
+            _search_point(G, set(piece.chain), inputs, outputs, env, shape, piece.producer())
             if piece is not None
             else None
         )
@@ -1007,6 +1016,7 @@ def _search_point(
     outputs: list[Var],
     env: Env,
     shape: tuple | None,
+    sources: dict | None = None,
 ) -> _Point | None:
     """Per element, a point of the piece of a monotone piecewise map that holds the output:
     the map is evaluated at the thresholds the `decision` equations (a bin index's
@@ -1029,7 +1039,7 @@ def _search_point(
     ):
         return None
     u = inputs[0]
-    found = _thresholds(G, decision, u, env, shape)
+    found = _thresholds(G, decision, u, env, shape, sources)
     if found is None:
         return None
     pts, tables = found
@@ -1071,12 +1081,21 @@ class _Point(NamedTuple):
     knot: Any
 
 
-def _thresholds(G: Sequence[JaxprEqn], eqns: set, u: Var, env: Env, shape: tuple) -> Any | None:
+def _thresholds(
+    G: Sequence[JaxprEqn], eqns: set, u: Var, env: Env, shape: tuple, sources: dict | None = None
+) -> Any | None:
     """The known floating values a decision's equations `eqns` (a bin index's computation, a
     piece's comparisons) compare the unknown `u` with, ``(m, *shape)`` (thresholds first,
     per element), and the groups they come in (`_Columns`); None where it computes from `u`
     through anything but clips by known bounds, copies, casts and moves (`_PASSES_U`), reads
-    a known value laid out otherwise, or reads no such value."""
+    a known value laid out otherwise, or reads no such value.
+
+    `sources` (a piece's: the walk's producers) says the values are read element for element
+    with `u` (comparisons), never as a table shared by all, and where some are slices of one
+    table along its last axis (``x_pos[..., :-1]``, ``x_pos[..., 1:]``, ``x_pos[..., 0]``),
+    each column they hold is a threshold once (distrax's one-hot bins compare with four
+    slices of one knot table: 9 thresholds, not 18)."""
+    aligned = sources is not None
     passes = {u}  # u, or u clipped by known bounds
     for q in G:
         if q in eqns and q.primitive.name in _PASSES_U:
@@ -1090,6 +1109,44 @@ def _thresholds(G: Sequence[JaxprEqn], eqns: set, u: Var, env: Env, shape: tuple
                 passes.add(outs[0])
     cols: list = []
     kinds: list[str] = []  # per column group: "one", "table" (searched: sorted), "loose"
+
+    def add(val: Any) -> bool:
+        vs = tuple(jnp.shape(val))
+        if vs == ():
+            cols.append(jnp.broadcast_to(val, (1,) + shape))
+            kinds.append("one")
+        elif vs == shape:
+            cols.append(jnp.asarray(val)[None])
+            kinds.append("one")
+            if len(vs) == 1 and not aligned:
+                # (or a table shared by every element, read by a search's loop: both, to be
+                # sure; a piece's comparisons are elementwise)
+                cols.append(jnp.broadcast_to(jnp.asarray(val)[:, None], vs + shape))
+                kinds.append("loose")
+        elif len(vs) <= len(shape) and _broadcasts(vs, shape):
+            cols.append(jnp.broadcast_to(val, shape)[None])
+            kinds.append("one")
+        elif (
+            vs[:-1] == shape
+            or len(vs) == 1
+            or (len(vs) == len(shape) + 1 and _broadcasts(vs[:-1], shape))
+        ):
+            table = jnp.moveaxis(jnp.broadcast_to(val, shape + vs[-1:]), -1, 0)
+            # (a table padded with infinities, as searches over open-ended bins are written:
+            # those ends stand for its finite ends, which keeps it in order)
+            fin = jnp.isfinite(table)
+            ends = (
+                jnp.min(jnp.where(fin, table, jnp.inf), axis=0),
+                jnp.max(jnp.where(fin, table, -jnp.inf), axis=0),
+            )
+            cols.append(jnp.where(fin, table, jnp.where(table > 0, ends[1], ends[0])))
+            kinds.append("table")
+        else:  # (a known value not laid out per element: its thresholds unknown)
+            return False
+        return True
+
+    # (slices of one known table, by its column ranges: {table: [(start, stop, slice)]})
+    sliced: dict = {}
     for q in G:
         if q not in eqns:
             continue
@@ -1101,39 +1158,24 @@ def _thresholds(G: Sequence[JaxprEqn], eqns: set, u: Var, env: Env, shape: tuple
                 continue
             if not floating:
                 continue
+            part = _slice_of(v, sources, shape) if aligned and is_var(v) else None
+            if part is not None:
+                sliced.setdefault(part[0], []).append((*part[1:], v))
+                continue
             val = v.val if isinstance(v, Literal) else env.read(v)
             if isinstance(v, Literal) and not np.all(np.isfinite(np.asarray(val))):
                 continue  # (a NaN that a search's normalization writes: no threshold)
-            vs = tuple(jnp.shape(val))
-            if vs == ():
-                cols.append(jnp.broadcast_to(val, (1,) + shape))
-                kinds.append("one")
-            elif vs == shape:
-                cols.append(jnp.asarray(val)[None])
-                kinds.append("one")
-                if len(vs) == 1:  # (or a table shared by every element: both, to be sure)
-                    cols.append(jnp.broadcast_to(jnp.asarray(val)[:, None], vs + shape))
-                    kinds.append("loose")
-            elif len(vs) <= len(shape) and _broadcasts(vs, shape):
-                cols.append(jnp.broadcast_to(val, shape)[None])
-                kinds.append("one")
-            elif (
-                vs[:-1] == shape
-                or len(vs) == 1
-                or (len(vs) == len(shape) + 1 and _broadcasts(vs[:-1], shape))
-            ):
-                table = jnp.moveaxis(jnp.broadcast_to(val, shape + vs[-1:]), -1, 0)
-                # (a table padded with infinities, as searches over open-ended bins are
-                # written: those ends stand for its finite ends, which keeps it in order)
-                fin = jnp.isfinite(table)
-                ends = (
-                    jnp.min(jnp.where(fin, table, jnp.inf), axis=0),
-                    jnp.max(jnp.where(fin, table, -jnp.inf), axis=0),
-                )
-                cols.append(jnp.where(fin, table, jnp.where(table > 0, ends[1], ends[0])))
-                kinds.append("table")
-            else:  # (a known value not laid out per element: its thresholds unknown)
+            if not add(val):
                 return None
+    for parts in sliced.values():
+        # every column any slice holds, once, in the table's order (sorted if it is)
+        column = {}
+        for a, b, v in parts:
+            val = env.read(v)
+            for c in range(a, b):
+                column.setdefault(c, val if b - a == 1 and val.shape == shape else val[..., c - a])
+        if not add(jnp.stack([column[c] for c in sorted(column)], axis=-1)):
+            return None
     if not cols or sum(c.shape[0] for c in cols) > MAX_THRESHOLDS:
         return None
     dt = u.aval.dtype
@@ -1142,6 +1184,30 @@ def _thresholds(G: Sequence[JaxprEqn], eqns: set, u: Var, env: Env, shape: tuple
     pts = jnp.where(jnp.isfinite(pts), pts, jnp.zeros((), dt))
     ends = np.cumsum([c.shape[0] for c in cols])
     return pts, [_Columns(int(e - c.shape[0]), int(e), k) for c, e, k in zip(cols, ends, kinds)]
+
+
+def _slice_of(v: Var, producer: dict, shape: tuple) -> tuple[Var, int, int] | None:
+    """``(table, start, stop)`` where `v` is columns ``[start, stop)`` of a table of shape
+    ``(*shape, m)`` along its last axis (``t[..., a:b]``; ``t[..., i]``, a slice then a
+    squeeze, is ``[i, i + 1)``), else None."""
+    e = producer.get(v)
+    if e is not None and e.primitive.name == "squeeze":
+        src = e.invars[0]
+        if tuple(e.params.get("dimensions", ())) != (src.aval.ndim - 1,) or not is_var(src):
+            return None
+        e = producer.get(src)
+    if e is None or e.primitive.name != "slice" or not is_var(e.invars[0]):
+        return None
+    src = e.invars[0]
+    strides = e.params.get("strides")
+    starts, limits = e.params["start_indices"], e.params["limit_indices"]
+    if (
+        tuple(src.aval.shape[:-1]) != shape
+        or (strides is not None and any(st != 1 for st in strides))
+        or any(a != 0 or b != n for a, b, n in zip(starts[:-1], limits[:-1], shape))
+    ):
+        return None
+    return src, int(starts[-1]), int(limits[-1])
 
 
 def _broadcasts(vs: tuple, shape: tuple) -> bool:
