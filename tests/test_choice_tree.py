@@ -213,17 +213,23 @@ def test_spline_searched_over_a_table_padded_with_infinities():
 def test_a_tables_order_is_checked_in_one_walk_either_way():
     """The certificate's walk along a searched table (`choices._table_in_order`): values
     rising along thresholds in order, or in reverse order, pass; a value below an earlier
-    one by more than the rounding allowance, or a table out of order, does not."""
+    one by more than the rounding allowance, a value equal to the one before it at a
+    threshold apart (a flat stretch), or a table out of order, does not."""
     p = jnp.array([[-2.0], [-1.0], [-1.0], [0.5], [3.0]])
-    r = jnp.array([[-5.0], [-1.0], [-1.0], [2.0], [2.0]])
+    r = jnp.array([[-5.0], [-1.0], [-1.0], [2.0], [2.5]])
     tiny = jnp.array([1e-9])
-    ok = choices._table_in_order
-    assert ok(p, r, tiny)[0] and ok(p[::-1], r[::-1], tiny)[0]
-    assert not ok(p, r.at[3, 0].set(-2.0), tiny)[0]  # falls below -1 after it
-    assert ok(p, r.at[3, 0].set(-1.0 - 1e-10), tiny)[0]  # (within the allowance)
-    assert not ok(p[::-1], r[::-1].at[1, 0].set(-3.0), tiny)[0]
-    assert not ok(p.at[0, 0].set(1.0), r, tiny)[0]  # thresholds in neither order
-    assert ok(p, r.at[2, 0].set(jnp.nan), tiny)[0]  # (NaN: no evidence)
+
+    def ok(p, r):
+        return choices._table_in_order(p, r, tiny, tiny)[0]
+
+    assert ok(p, r) and ok(p[::-1], r[::-1])  # (equal thresholds, equal values: fine)
+    assert not ok(p, r.at[3, 0].set(-2.0))  # falls below -1 after it
+    assert not ok(p, r.at[4, 0].set(2.0))  # flat from 0.5 to 3
+    assert not ok(p[::-1], r[::-1].at[0, 0].set(2.0))
+    assert ok(p, r.at[4, 0].set(2.0 + 1e-6))  # (rising, however little)
+    assert not ok(p[::-1], r[::-1].at[1, 0].set(-3.0))
+    assert not ok(p.at[0, 0].set(1.0), r)  # thresholds in neither order
+    assert ok(p, r.at[2, 0].set(jnp.nan))  # (NaN: no evidence here; `_monotone` refuses it)
 
 
 def test_bin_index_of_another_function_of_the_state_is_enumerated(monkeypatch):

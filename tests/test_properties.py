@@ -452,3 +452,65 @@ def test_inverse_jvp_and_vjp_match_dense_solve(prog, method):
     _, ivjp = jr.inverse_vjp(g, x, method=method)
     w = ivjp((jnp.asarray(v),))
     assert rel_error(np.ravel(w), np.linalg.solve(J.T, v.ravel())) <= 1e-8, (steps, method)
+
+
+# --------------------------------------------------------------------------- one-hot splines
+
+
+def _one_hot_rqs(x, xs, ys, d):
+    """A rational-quadratic spline of each element, its bin by a one-hot mask as distrax
+    writes it (``x >= xs[:-1]`` and ``x < xs[1:]`` multiplied into the knot table), linear
+    tails outside the knots."""
+
+    def one(x):
+        below, above = x <= xs[0], x >= xs[-1]
+        in_bin = (x >= xs[:-1]) & (x < xs[1:])
+        in_bin = jnp.where(jnp.any(in_bin), in_bin, jnp.arange(in_bin.shape[0]) == 0)
+        table = jnp.stack([xs, ys, d], axis=1)
+        left = jnp.sum(in_bin[:, None] * table[:-1], axis=0)
+        right = jnp.sum(in_bin[:, None] * table[1:], axis=0)
+        width, height = right[0] - left[0], right[1] - left[1]
+        s = height / width
+        z = jnp.clip((x - left[0]) / width, 0.0, 1.0)
+        y = left[1] + height * (s * z**2 + left[2] * z * (1 - z)) / (
+            s + (right[2] + left[2] - 2 * s) * z * (1 - z)
+        )
+        y = jnp.where(below, (x - xs[0]) * d[0] + ys[0], y)
+        return jnp.where(above, (x - xs[-1]) * d[-1] + ys[-1], y)
+
+    return jax.vmap(one)(x)
+
+
+_ONE_HOT = jax.jit(jr.reverse(_one_hot_rqs, on_error="nan"))
+
+
+@settings(max_examples=n_examples(12), **COMMON)
+@given(
+    widths=hnp.arrays(np.float64, 5, elements=st.floats(0.2, 3.0)),
+    heights=hnp.arrays(
+        np.float64,
+        5,
+        elements=st.one_of(st.floats(0.05, 3.0), st.floats(-1.0, -0.05), st.just(0.0)),
+    ),
+    slopes=hnp.arrays(np.float64, 6, elements=st.floats(0.05, 4.0)),
+    at=hnp.arrays(np.float64, 7, elements=st.floats(-1.2, 1.2)),
+    knot=st.integers(0, 5),
+)
+def test_one_hot_splines_invert_or_say_so(widths, heights, slopes, at, knot):
+    """Random one-hot splines (5 bins, some heights negative or zero: maps that are not
+    one-to-one), inputs inside, on a knot and on both tails: every element comes back, or is
+    NaN (with ``on_error="nan"``) where the map is not shown one-to-one; never another
+    preimage (a flat bin's far end was returned for an input inside it before its values'
+    equality counted against the certificate). A monotone map (every height positive) gives
+    every element back."""
+    xs = jnp.concatenate([jnp.zeros(1), jnp.cumsum(widths)]) - 4.0
+    ys = jnp.concatenate([jnp.zeros(1), jnp.cumsum(heights)]) - 4.0
+    span = xs[-1] - xs[0]
+    x = jnp.concatenate([xs[0] + (at * 0.5 + 0.5) * span, xs[knot : knot + 1]])
+    x = x.at[0].set(xs[0] - 1.5).at[1].set(xs[-1] + 0.5)  # (both tails)
+    y = _one_hot_rqs(x, xs, ys, slopes)
+    got = _ONE_HOT(y, xs, ys, slopes)
+    ok = jnp.isnan(got) | (jnp.abs(got - x) <= 1e-8 * (1 + jnp.abs(x)))
+    assert bool(jnp.all(ok)), (got, x)
+    if bool(jnp.all(heights > 0)):
+        np.testing.assert_allclose(got, x, rtol=1e-8, atol=1e-8)

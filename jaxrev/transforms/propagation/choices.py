@@ -1248,6 +1248,9 @@ def _monotone(pts: Any, at: Any, slope: Any, groups: Sequence[_Columns]) -> tupl
     # bound may come out either side of it; NaN is no evidence either way)
     eps = jnp.finfo(at.dtype).eps
     fuzz = _AGREE_ULPS * eps * jnp.maximum(jnp.max(jnp.abs(at), axis=0), 1.0)
+    # (thresholds apart by more than rounding whose values are equal: a flat stretch, where
+    # the map is not one-to-one, a spline's bin of zero height)
+    apart = _AGREE_ULPS * jnp.finfo(pts.dtype).eps * jnp.maximum(jnp.max(jnp.abs(pts), 0), 1.0)
     rising = jnp.where(up, at, -at)  # (falling maps compared as rising)
 
     def cols(g: _Columns) -> tuple[Any, Any]:
@@ -1260,7 +1263,8 @@ def _monotone(pts: Any, at: Any, slope: Any, groups: Sequence[_Columns]) -> tupl
         wrong = (lower & (rb[None, :] < ra[:, None] - fuzz)) | (
             higher & (ra[:, None] < rb[None, :] - fuzz)
         )
-        return jnp.any(wrong, axis=(0, 1))
+        flat = (jnp.abs(pa[:, None] - pb[None, :]) > apart) & (ra[:, None] == rb[None, :])
+        return jnp.any(wrong | flat, axis=(0, 1))
 
     bad = jnp.zeros(up.shape, bool)
     for i, a in enumerate(groups):
@@ -1271,29 +1275,34 @@ def _monotone(pts: Any, at: Any, slope: Any, groups: Sequence[_Columns]) -> tupl
         if a.kind == "loose":
             bad = bad | pairs_out_of_order(a, a)
         else:
-            bad = bad | ~_table_in_order(*cols(a), fuzz)
+            bad = bad | ~_table_in_order(*cols(a), fuzz, apart)
     tilt = jnp.where(up, slope, -slope)
     steep = _AGREE_ULPS * eps * jnp.max(jnp.abs(jnp.where(jnp.isnan(tilt), 0, tilt)), 0)
+    # (a map undefined at a threshold, 0/0 at a flat bin's knot, shows nothing there)
+    bad = bad | jnp.any(jnp.isnan(at), axis=0)
     return up, ~bad & ~jnp.any(tilt < -steep, axis=0)
 
 
-def _table_in_order(p: Any, r: Any, fuzz: Any) -> Any:
+def _table_in_order(p: Any, r: Any, fuzz: Any, apart: Any) -> Any:
     """Where a table's thresholds `p` (leading axis) are sorted, either way, and the rising
-    values `r` at them never fall, by more than `fuzz`, below a value at a lower threshold:
-    one walk along the table in its order, keeping the largest value so far (equal
+    values `r` at them never fall, by more than `fuzz`, below a value at a lower threshold,
+    nor stay equal from one threshold to the next one more than `apart` away (a flat
+    stretch): one walk along the table in its order, keeping the largest value so far (equal
     thresholds have equal values, the map run on the same input; NaN is no evidence).
     Unrolled: a running maximum by `lax.cummax` is 3-6x slower on XLA:CPU."""
 
-    def walk(rows: Any) -> Any:
+    def walk(ps: Any, rows: Any) -> Any:
         upto, fine = rows[0], jnp.ones(rows.shape[1:], bool)
-        for row in rows[1:]:
-            fine = fine & ~(row < upto - fuzz)
+        for i in range(1, rows.shape[0]):
+            row = rows[i]
+            flat = (row == rows[i - 1]) & (jnp.abs(ps[i] - ps[i - 1]) > apart)
+            fine = fine & ~(row < upto - fuzz) & ~flat
             upto = jnp.fmax(upto, row)
         return fine
 
     rises = jnp.all(p[1:] >= p[:-1], axis=0)
     falls = jnp.all(p[1:] <= p[:-1], axis=0)
-    return (rises & walk(r)) | (falls & walk(r[::-1]))
+    return (rises & walk(p, r)) | (falls & walk(p[::-1], r[::-1]))
 
 
 def _families(combos: list[dict]) -> list[list[dict]]:
