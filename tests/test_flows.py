@@ -21,7 +21,9 @@ from jax import lax
 import jaxrev as jr
 
 sys.path.insert(0, os.path.dirname(__file__))
+from programs import marker_line, splines  # noqa: E402
 from programs.elements import programs  # noqa: E402
+from programs.splines import one_hot_spline  # noqa: E402
 from tiers import tiered  # noqa: E402
 
 TOL = 1e-10
@@ -583,26 +585,6 @@ def test_a_large_dense_fallback_warns_once_naming_why():
         jr.slogdet_jacobian(conv, small)  # (below the size)
 
 
-def _one_hot_spline(x, xs, ys, d):
-    """A rational-quadratic spline of a scalar as distrax writes one: the bin by a one-hot mask
-    over bins (no index, no search: comparisons with both ends of every bin), its parameters
-    picked by masked sums, the ratio's argument clipped to [0, 1], linear tails by `where`."""
-    below, above = x <= xs[0], x >= xs[-1]  # <one-hot bins>
-    in_bin = (x >= xs[:-1]) & (x < xs[1:])
-    in_bin = jnp.where(jnp.any(in_bin), in_bin, jnp.arange(in_bin.shape[0]) == 0)
-    table = jnp.stack([xs, ys, d], axis=1)
-    left = jnp.sum(in_bin[:, None] * table[:-1], axis=0)
-    right = jnp.sum(in_bin[:, None] * table[1:], axis=0)
-    width, height = right[0] - left[0], right[1] - left[1]
-    s = height / width
-    z = jnp.clip((x - left[0]) / width, 0.0, 1.0)
-    y = left[1] + height * (s * z**2 + left[2] * z * (1 - z)) / (
-        s + (right[2] + left[2] - 2 * s) * z * (1 - z)
-    )
-    y = jnp.where(below, (x - xs[0]) * d[0] + ys[0], y)
-    return jnp.where(above, (x - xs[-1]) * d[-1] + ys[-1], y)  # <one-hot tails>
-
-
 def test_a_spline_binned_by_a_one_hot_mask_inverts_by_one_piece_search():
     """distrax's bin search (a one-hot mask over bins from ``x >= x_pos[:-1]`` and
     ``x < x_pos[1:]``, multiplied into the knot table) has no index to enumerate: its
@@ -613,7 +595,7 @@ def test_a_spline_binned_by_a_one_hot_mask_inverts_by_one_piece_search():
     xs = jnp.array([-3.0, -1.0, 0.5, 3.0])
     ys = jnp.array([-3.0, -0.5, 1.0, 3.0])
     d = jnp.array([1.0, 0.7, 1.6, 1.0])
-    f = jax.vmap(lambda x: _one_hot_spline(x, xs, ys, d))
+    f = jax.vmap(lambda x: one_hot_spline(x, xs, ys, d))
     x = jnp.array([-4.0, -3.0, -1.2, -1.0, 0.3, 0.5, 2.5, 3.0, 5.0])
     y = f(x)
     for inv in (jr.reverse(f), jax.jit(jr.reverse(f))):
@@ -634,12 +616,12 @@ def test_a_one_hot_spline_that_is_not_monotone_is_refused_naming_its_comparison(
     xs = jnp.array([-3.0, -1.0, 0.5, 3.0])
     ys = jnp.array([-3.0, 1.5, 1.0, 3.0])  # (falls on the second bin)
     d = jnp.array([1.0, 0.7, 1.6, 1.0])
-    f = jax.vmap(lambda x: _one_hot_spline(x, xs, ys, d))
+    f = jax.vmap(lambda x: one_hot_spline(x, xs, ys, d))
     x = jnp.array([-2.0, 0.0, 2.0])
-    line = next(i for i, s in enumerate(open(__file__), 1) if "# <one-hot bins>" in s)
-    with pytest.raises(jr.ReversibilityError, match=f"at .*{HERE}:{line}"):
+    line = marker_line(splines.__file__, "one-hot bins")
+    with pytest.raises(jr.ReversibilityError, match=f"at .*splines.py:{line}"):
         jr.reverse(f)(f(x))
-    with pytest.raises(jr.ReversibilityError, match=f"at .*{HERE}:{line}"):
+    with pytest.raises(jr.ReversibilityError, match=f"at .*splines.py:{line}"):
         with jr.raise_runtime_errors():
             jax.jit(jr.reverse(f))(f(x)).block_until_ready()
     got = jr.reverse(f, on_error="nan")(f(x))
@@ -654,7 +636,7 @@ def test_a_flat_branch_after_a_one_hot_spline_is_still_refused_where_it_loses_th
     xs = jnp.array([-3.0, -1.0, 0.5, 3.0])
     ys = jnp.array([-3.0, -0.5, 1.0, 3.0])
     d = jnp.array([1.0, 0.7, 1.6, 1.0])
-    f = jax.vmap(lambda x: jax.nn.relu(_one_hot_spline(x, xs, ys, d) - 0.25))
+    f = jax.vmap(lambda x: jax.nn.relu(one_hot_spline(x, xs, ys, d) - 0.25))
     x = jnp.array([0.3, 2.0])
     np.testing.assert_allclose(jr.reverse(f)(f(x)), x, rtol=1e-12, atol=1e-12)
     with pytest.raises(jr.JaxrevError):

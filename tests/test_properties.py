@@ -37,6 +37,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 from jax import lax
+from programs.splines import one_hot_spline
 
 import jaxrev as jr
 
@@ -458,27 +459,7 @@ def test_inverse_jvp_and_vjp_match_dense_solve(prog, method):
 
 
 def _one_hot_rqs(x, xs, ys, d):
-    """A rational-quadratic spline of each element, its bin by a one-hot mask as distrax
-    writes it (``x >= xs[:-1]`` and ``x < xs[1:]`` multiplied into the knot table), linear
-    tails outside the knots."""
-
-    def one(x):
-        below, above = x <= xs[0], x >= xs[-1]
-        in_bin = (x >= xs[:-1]) & (x < xs[1:])
-        in_bin = jnp.where(jnp.any(in_bin), in_bin, jnp.arange(in_bin.shape[0]) == 0)
-        table = jnp.stack([xs, ys, d], axis=1)
-        left = jnp.sum(in_bin[:, None] * table[:-1], axis=0)
-        right = jnp.sum(in_bin[:, None] * table[1:], axis=0)
-        width, height = right[0] - left[0], right[1] - left[1]
-        s = height / width
-        z = jnp.clip((x - left[0]) / width, 0.0, 1.0)
-        y = left[1] + height * (s * z**2 + left[2] * z * (1 - z)) / (
-            s + (right[2] + left[2] - 2 * s) * z * (1 - z)
-        )
-        y = jnp.where(below, (x - xs[0]) * d[0] + ys[0], y)
-        return jnp.where(above, (x - xs[-1]) * d[-1] + ys[-1], y)
-
-    return jax.vmap(one)(x)
+    return jax.vmap(lambda x: one_hot_spline(x, xs, ys, d))(x)
 
 
 _ONE_HOT = jax.jit(jr.reverse(_one_hot_rqs, on_error="nan"))
