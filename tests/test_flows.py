@@ -641,3 +641,21 @@ def test_a_flat_branch_after_a_one_hot_spline_is_still_refused_where_it_loses_th
     np.testing.assert_allclose(jr.reverse(f)(f(x)), x, rtol=1e-12, atol=1e-12)
     with pytest.raises(jr.JaxrevError):
         jr.reverse(f)(f(jnp.array([-2.0, 2.0])))
+
+
+def test_a_one_hot_spline_clipped_to_its_range_is_refused_at_the_range_end():
+    """Tails clipped to the spline's range (as flowjax clips its spline's output): every input
+    below the first knot gives the first knot's value. The output at that knot is made by the
+    clip's saturated branch on the whole tail, where the piece is dead, so the knot's
+    exemption for the bin ratio's own clip (`_Point.knot`) does not apply: it is refused, as
+    flowjax's clip at its interval's end is; outputs inside the range invert."""
+    xs = jnp.array([-3.0, -1.0, 0.5, 3.0])
+    ys = jnp.array([-3.0, -0.5, 1.0, 3.0])
+    d = jnp.array([1.0, 0.7, 1.6, 1.0])
+    f = jax.vmap(lambda x: jnp.clip(one_hot_spline(x, xs, ys, d), ys[0], ys[-1]))
+    x = jnp.array([-1.2, 0.3, 2.5])
+    np.testing.assert_allclose(jr.reverse(f)(f(x)), x, rtol=1e-12, atol=1e-12)
+    with pytest.raises(jr.JaxrevError):
+        jr.reverse(f)(f(jnp.array([-4.0, 0.3, 2.5])))
+    got = jr.reverse(f, on_error="nan")(f(jnp.array([-4.0, 0.3, 2.5])))
+    assert bool(jnp.isnan(got[0])) and bool(jnp.all(jnp.abs(got[1:] - x[1:]) < 1e-12))
