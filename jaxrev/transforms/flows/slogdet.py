@@ -162,18 +162,22 @@ def _state_fun(t: _Traced, closed: Any = None) -> tuple[Callable, list]:
 
 
 def _walk(
-    t: _Traced, ys: Sequence[Any], on_error: str = "raise", logdets: bool = False
+    t: _Traced,
+    ys: Sequence[Any],
+    on_error: str = "raise",
+    logdets: bool = False,
+    values: bool = True,
 ) -> tuple[records.Recorder, Env]:
     """Recover the state from the outputs `ys`, recording every step (in a walk context of
     the transform's own: its name and `on_error`). With `logdets`, a loop's inverse rule takes
     the loop's log-det in the inverse loop itself (`Recorder.logdets`), so that it is not run
-    forward again for it."""
+    forward again for it. Without `values`, a planning walk (`Settings.values`)."""
     jaxpr = t.closed.jaxpr
     ins = list(t.flat)
     for i in t.state_pos:
         ins[i] = Unknown(jaxpr.invars[i].aval)
     # (what it emits only runs: nothing walks it again)
-    ctx = WalkContext(Settings(t.who, on_error, reinverted=False))
+    ctx = WalkContext(Settings(t.who, on_error, reinverted=False, values=values))
     jaxpr, env, _ = seed(t.closed, ins, ys, prepared=True, ctx=ctx)
     goals = [jaxpr.invars[i] for i in t.state_pos]
     rec = records.Recorder(env, jaxpr, None, range(len(jaxpr.outvars)), t.state_pos)
@@ -194,8 +198,9 @@ def _plan_abstract(t: _Traced):
     def go(ys):
         # values computed from constants alone (indices, masks) stay concrete, as in the
         # inverse transforms: lumps see their structure on them
+        # (only the steps are read: the solves write stand-ins, `Settings.values`)
         with jax.ensure_compile_time_eval():
-            box.append(_walk(t, ys)[0])
+            box.append(_walk(t, ys, values=False)[0])
         return 0
 
     jax.eval_shape(go, out_avals)

@@ -20,9 +20,12 @@ from dataclasses import dataclass
 from dataclasses import replace as _replace
 from typing import Any
 
+import jax.numpy as jnp
+
+from jaxrev._compat import staged_constants
 from jaxrev._stats import observers
 
-__all__ = ["ON_ERROR", "Settings", "WalkContext", "resolve_on_error"]
+__all__ = ["ON_ERROR", "Settings", "WalkContext", "placeholders", "resolve_on_error"]
 
 ON_ERROR = ("raise", "nan", "warn")
 """What a failure a transform cannot rule out when it traces does: "raise" (eagerly an error
@@ -42,13 +45,18 @@ class Settings:
     so a choice group's solve is emitted as a `custom_inverse` step whose inverse is the
     group run forward; a walk whose program only runs (the log-det transforms', `reversible`'s
     backward) emits the solve's operations themselves, traced once (not traced into a
-    `custom_inverse`, then again by each `vmap` around it)."""
+    `custom_inverse`, then again by each `vmap` around it); `values`: False in a planning
+    walk, whose values no one reads (`slogdet`'s plan of the forward log-det, walked on
+    stand-ins under `eval_shape`): a group's solve still walks what decides whether it
+    inverts, but writes a traced stand-in of the preimage's shape instead of computing it
+    (no search, no candidates checked, no Newton iterations traced)."""
 
     who: str = "jaxrev.reverse"
     on_error: str = "raise"
     newton: bool = True
     rebuilds: bool = False
     reinverted: bool = True
+    values: bool = True
 
     def __post_init__(self) -> None:
         if self.on_error not in ON_ERROR:
@@ -114,6 +122,10 @@ class WalkContext:
     def reinverted(self) -> bool:
         return self.settings.reinverted
 
+    @property
+    def values(self) -> bool:
+        return self.settings.values
+
     def replace(
         self,
         *,
@@ -173,3 +185,11 @@ def resolve_on_error(who: str, on_error: str | None) -> str:
     if on_error not in ON_ERROR:
         raise ValueError(f"{who}: on_error must be one of {ON_ERROR}, got {on_error!r}")
     return on_error
+
+
+def placeholders(variables: Any) -> list[Any]:
+    """What a planning walk's solve writes for `variables` (`Settings.values` False): zeros of
+    their shapes and dtypes, traced (staged even where the walk folds constants), so that no
+    later step takes them for known constants."""
+    with staged_constants():
+        return [jnp.zeros(v.aval.shape, v.aval.dtype) for v in variables]

@@ -46,6 +46,7 @@ from jaxrev._compat import (
     is_host_callback,
     prims,
     scan_info,
+    staged_constants,
 )
 from jaxrev._env import Env
 from jaxrev._errors import ReversibilityError, at_eqn, not_invertible
@@ -54,6 +55,7 @@ from jaxrev._graph import is_var, mentions, real_outvars, size_of
 from jaxrev.transforms.custom import custom_inverse
 from jaxrev.transforms.knowledge import records
 from jaxrev.transforms.knowledge.checks import NEWTON_STARTS, raise_where
+from jaxrev.transforms.knowledge.context import placeholders
 from jaxrev.transforms.propagation.reach import decided_on, int_range, reachable
 from jaxrev.transforms.registry import (
     ELEMENTWISE,
@@ -646,7 +648,10 @@ def _branch_window(G: Sequence[JaxprEqn], combo: dict, env_c: Env) -> list[Jaxpr
         choice, k = c
         (o,) = real_outvars(e)
         if choice.value is not None:  # the integer's value, assumed
-            env_c.write(o, jnp.full(o.aval.shape, choice.value + k, o.aval.dtype))
+            # (a value assumed for all, on the host: a walk folding constants would compile
+            # a program for it)
+            full = np.full if isinstance(k, int) else jnp.full
+            env_c.write(o, full(o.aval.shape, choice.value + k, o.aval.dtype))
             continue
         r = choice_rules[e.primitive].branch(e, k)
         if isinstance(r, JaxprEqn):
@@ -781,7 +786,10 @@ def _solve(
         return jnp.arange(0, 2) if bctx.root_uses else None
 
     def add(family: list[dict], starts: Any, mask: Any = None) -> None:
-        _batched(family, starts, branch, env, chunks)
+        if env.ctx.values:
+            _batched(family, starts, branch, env, chunks)
+        else:  # (a planning walk: the family's program walked once, no candidates)
+            branch(family[0], -1, env.ctx.replace(on_error="nan"))
         masks.append(mask)
         for combo in family:
             tried.extend([_ks(combo, ch)] * (1 if starts is None else len(starts)))
@@ -797,7 +805,7 @@ def _solve(
             lost.append((_lossy_branch(combo, env)[0], amb if knot is None else amb & ~knot))
             return
         starts = starts_for(bctx)
-        if starts is not None:
+        if starts is not None and env.ctx.values:
             add([combo], starts, mask)
             return
         for chunk, x in zip(chunks, vals):
@@ -850,6 +858,33 @@ def _solve(
         add(family, starts_for(bctx))
     if not tried:
         return None
+    if not env.ctx.values:  # (a planning walk: the preimage's shape only)
+        return placeholders(inputs)
+    with staged_constants():
+        return _pick(G, ch, inputs, outputs, env, shape, chunks, masks, tried, lost, searched)
+
+
+def _pick(
+    G: Sequence[JaxprEqn],
+    ch: list[_Choice],
+    inputs: list[Var],
+    outputs: list[Var],
+    env: Env,
+    shape: tuple | None,
+    chunks: list[list[Any]],
+    masks: list[Any],
+    tried: list[tuple],
+    lost: list,
+    searched: list,
+) -> list[Any]:
+    """The candidates `_solve` gathered (`chunks`: per input, one block per branch walk;
+    `masks`: per block, where it may be taken; `tried`: per candidate, the branches it
+    assumed), checked and merged into the preimage.
+
+    Run-time work only, staged into the program even where the walk folds constants: each
+    operation on constants alone (a block's assumed branch broadcast, a candidate index)
+    would otherwise be compiled and run on its own while the walk traces, tens of XLA
+    programs in a flow's first call."""
     cands = [jnp.concatenate(c, axis=0) for c in chunks]
     # every candidate checked at once: the group run forward from each (one program for
     # all, vmapped over them), its choices asked whether they take the assumed branches
@@ -1039,9 +1074,25 @@ def _search_point(
     ):
         return None
     u = inputs[0]
+    with staged_constants():  # (run-time work: see `_pick`)
+        return _search(G, decision, u, outputs, env, shape, sources)
+
+
+def _search(
+    G: Sequence[JaxprEqn],
+    decision: set,
+    u: Var,
+    outputs: list[Var],
+    env: Env,
+    shape: tuple,
+    sources: dict | None,
+) -> _Point | None:
     found = _thresholds(G, decision, u, env, shape, sources)
     if found is None:
         return None
+    if not env.ctx.values:  # (a planning walk: a stand-in point, its value unread)
+        (at,) = placeholders([u])
+        return _Point(at, jnp.ones(shape, bool), jnp.zeros(shape, bool))
     pts, tables = found
     y = env.read(outputs[0])
 

@@ -40,7 +40,15 @@ from jax import lax
 
 import jaxrev._dense as dense
 from jaxrev._cache import memo
-from jaxrev._compat import JaxprEqn, Var, has_user_frame, prims, scan_info, sds
+from jaxrev._compat import (
+    JaxprEqn,
+    Var,
+    has_user_frame,
+    prims,
+    scan_info,
+    sds,
+    staged_constants,
+)
 from jaxrev._env import Env
 from jaxrev._errors import (
     JaxrevError,
@@ -53,7 +61,7 @@ from jaxrev._errors import (
 from jaxrev._graph import real_outvars, size_of
 from jaxrev.transforms.knowledge import records
 from jaxrev.transforms.knowledge.checks import NEWTON_STARTS, raise_where
-from jaxrev.transforms.knowledge.context import Settings, WalkContext
+from jaxrev.transforms.knowledge.context import Settings, WalkContext, placeholders
 from jaxrev.transforms.propagation.lumps import Lump, affine_eqn, singular_on_stand_ins, stand_ins
 from jaxrev.transforms.propagation.rational import quadratic_roots
 from jaxrev.transforms.registry import SMOOTH, elementwise_in, is_kind
@@ -402,6 +410,17 @@ def _smooth(e: JaxprEqn, env: Env) -> bool:
 
 
 def _newton(system: _System, env: Env, torn: _Torn | None = None) -> list[Any]:
+    # (run-time work, staged even where the walk folds constants: an operation on
+    # constants alone, a start's index, would be compiled and run on its own while traced)
+    if not env.ctx.values:  # (a planning walk: the preimage's shape only)
+        return placeholders(system.lump.inputs)
+    with staged_constants():
+        return _solve_group(system, env, torn)
+
+
+def _solve_group(system: _System, env: Env, torn: _Torn | None) -> list[Any]:
+    """`_newton`'s work: the group's inputs from its outputs, by the exact roots of a
+    quadratic piece (polished) or damped Newton, checked against the outputs."""
     ctx = env.ctx
     L = system.lump
     reads = [env.read(v) for v in L.reads]
