@@ -861,7 +861,21 @@ def _solve(
     if not env.ctx.values:  # (a planning walk: the preimage's shape only)
         return placeholders(inputs)
     with staged_constants():
-        return _pick(G, ch, inputs, outputs, env, shape, chunks, masks, tried, lost, searched)
+        got = _Gathered(chunks, masks, tried, lost, searched)
+        return _pick(G, ch, inputs, outputs, env, shape, got)
+
+
+class _Gathered(NamedTuple):
+    """What `_solve`'s branch walks gathered: `chunks`, per input, one block of candidates
+    per branch walk; `masks`, per block, where it may be taken (None: everywhere); `tried`,
+    per candidate, the branches it assumed; `lost`, ``(choice, where)`` of branches that lose
+    the state; `searched`, ``(bin index, where not shown monotone)``."""
+
+    chunks: list[list[Any]]
+    masks: list[Any]
+    tried: list[tuple]
+    lost: list
+    searched: list
 
 
 def _pick(
@@ -871,20 +885,15 @@ def _pick(
     outputs: list[Var],
     env: Env,
     shape: tuple | None,
-    chunks: list[list[Any]],
-    masks: list[Any],
-    tried: list[tuple],
-    lost: list,
-    searched: list,
+    got: _Gathered,
 ) -> list[Any]:
-    """The candidates `_solve` gathered (`chunks`: per input, one block per branch walk;
-    `masks`: per block, where it may be taken; `tried`: per candidate, the branches it
-    assumed), checked and merged into the preimage.
+    """The candidates `_solve` gathered (`got`), checked and merged into the preimage.
 
     Run-time work only, staged into the program even where the walk folds constants: each
     operation on constants alone (a block's assumed branch broadcast, a candidate index)
     would otherwise be compiled and run on its own while the walk traces, tens of XLA
     programs in a flow's first call."""
+    chunks, masks, tried = got.chunks, got.masks, got.tried
     cands = [jnp.concatenate(c, axis=0) for c in chunks]
     # every candidate checked at once: the group run forward from each (one program for
     # all, vmapped over them), its choices asked whether they take the assumed branches
@@ -897,7 +906,7 @@ def _pick(
                 for n, m in zip(sizes, masks)
             ]
         )
-    out, idx = _merge(ch, inputs, cands, ok, lost, env.ctx, searched)
+    out, idx = _merge(ch, inputs, cands, ok, got.lost, env.ctx, got.searched)
     if shape is not None and not _per_element(G, set(inputs), shape):
         _recheck(G, ch, inputs, outputs, env, out, idx, tried)
     return out
