@@ -329,10 +329,13 @@ def compiled_eqns(eqns: tuple, ins: tuple, outs: tuple) -> Callable:
         def read(v: Any) -> Any:
             return v.val if isinstance(v, Literal) else env[v]
 
-        for e in eqns:
-            for o, x in zip(e.outvars, bind_eqn(e, [read(v) for v in e.invars])):
-                if not isinstance(o, DropVar):
-                    env[o] = x
+        # (staged, all of it: this is the compiled program; folding inside it would run an
+        # operation on literals alone, a cast, as an XLA program of its own)
+        with _config.eager_constant_folding(False):
+            for e in eqns:
+                for o, x in zip(e.outvars, bind_eqn(e, [read(v) for v in e.invars])):
+                    if not isinstance(o, DropVar):
+                        env[o] = x
         return [env[o] for o in outs]
 
     return jax.jit(run)

@@ -148,8 +148,8 @@ def test_the_forward_log_dets_plan_solves_nothing():
     a flowjax spline coupling's bins are neither searched nor their roots taken, no
     candidate is checked, and what the solves would run is not traced. 58 compilations while
     tracing this 2-d layer before (fresh process, JAX 0.10: the search's and the
-    candidates' operations on constants, each compiled on its own), 27 now; the answer is
-    flowjax's."""
+    candidates' operations on constants, each compiled on its own), 24 now; the answer
+    is flowjax's."""
     ff = pytest.importorskip("flowjax.flows")
     fb = pytest.importorskip("flowjax.bijections")
     from flowjax.distributions import Normal
