@@ -785,10 +785,10 @@ def _solve(
             return jnp.arange(-1, NEWTON_STARTS)
         return jnp.arange(0, 2) if bctx.root_uses else None
 
-    def add(family: list[dict], starts: Any, mask: Any = None) -> None:
+    def add(family: list[dict], starts: Any, mask: Any = None, walked: bool = False) -> None:
         if env.ctx.values:
             _batched(family, starts, branch, env, chunks)
-        else:  # (a planning walk: the family's program walked once, no candidates)
+        elif not walked:  # (a planning walk: the family's program walked once, no candidates)
             branch(family[0], -1, env.ctx.replace(on_error="nan"))
         masks.append(mask)
         for combo in family:
@@ -855,7 +855,7 @@ def _solve(
             add([combo], starts_for(bctx), monotone)
             searched.append((combo_int(combo), ~monotone))
             continue
-        add(family, starts_for(bctx))
+        add(family, starts_for(bctx), walked=True)  # (walked above, abstractly)
     if not tried:
         return None
     if not env.ctx.values:  # (a planning walk: the preimage's shape only)

@@ -410,10 +410,10 @@ def _smooth(e: JaxprEqn, env: Env) -> bool:
 
 
 def _newton(system: _System, env: Env, torn: _Torn | None = None) -> list[Any]:
-    # (run-time work, staged even where the walk folds constants: an operation on
-    # constants alone, a start's index, would be compiled and run on its own while traced)
     if not env.ctx.values:  # (a planning walk: the preimage's shape only)
         return placeholders(system.lump.inputs)
+    # (run-time work, staged even where the walk folds constants: an operation on
+    # constants alone, a start's index, would be compiled and run on its own while traced)
     with staged_constants():
         return _solve_group(system, env, torn)
 
