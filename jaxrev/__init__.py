@@ -3,6 +3,11 @@
 >>> import jaxrev as jr
 """
 
+import contextlib as _contextlib
+import importlib as _importlib
+import sys as _sys
+
+from jaxrev._compat import on_trace as _on_trace
 from jaxrev._errors import (
     DriftError,
     DtypeError,
@@ -95,3 +100,21 @@ __all__ = [
     "jit",
     "raise_runtime_errors",
 ]
+
+
+# Optional libraries whose code jaxrev's traces see marked (`_compat.on_trace`): while jaxrev
+# traces, once the library is imported, its integration module (imported then, by name: it
+# imports the library, which jaxrev does not require) supplies a context manager.
+_LIBRARY_MARKS = {"flowjax": ("jaxrev.flowjax", "numerical_inverses_marked")}
+
+
+@_contextlib.contextmanager
+def _library_marks():
+    with _contextlib.ExitStack() as stack:
+        for library, (module, marks) in _LIBRARY_MARKS.items():
+            if library in _sys.modules:
+                stack.enter_context(getattr(_importlib.import_module(module), marks)())
+        yield
+
+
+_on_trace(_library_marks)

@@ -12,7 +12,7 @@ import contextvars as _contextvars
 import functools
 import os as _os
 import sys as _sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -406,6 +406,24 @@ def at_call_site(site: tuple[str, int, str] | None):
         _CALL_SITE.reset(token)
 
 
+_TRACE_MARKS: list[Callable[[], Any]] = []
+
+
+def on_trace(marks: Callable[[], Any]) -> None:
+    """Register `marks()`, a context manager every trace of `make_jaxpr` enters: how a
+    library's code is seen by jaxrev while jaxrev traces it (flowjax's root-finders as
+    `custom_inverse` steps: `jaxrev.flowjax`), and only then."""
+    _TRACE_MARKS.append(marks)
+
+
+@_contextlib.contextmanager
+def _trace_marks() -> Iterator[None]:
+    with _contextlib.ExitStack() as stack:
+        for marks in _TRACE_MARKS:
+            stack.enter_context(marks())
+        yield
+
+
 def make_jaxpr(fun: Callable, *args: Any) -> tuple[ClosedJaxpr, Any]:
     """`jax.make_jaxpr(fun, return_shape=True)(*args)` in low-level primitives only.
 
@@ -419,7 +437,7 @@ def make_jaxpr(fun: Callable, *args: Any) -> tuple[ClosedJaxpr, Any]:
     `error_if` raises on good inputs). What is computed from constants alone stays known to
     the walks all the same (`_jaxpr.Statics`).
     """
-    with _config.eager_constant_folding(False):
+    with _config.eager_constant_folding(False), _trace_marks():
         closed, out_shape = jax.make_jaxpr(fun, return_shape=True)(*args)
     if getattr(closed.jaxpr, "is_high", False):
         lo = _pe.lower_jaxpr2(closed.jaxpr)

@@ -5,20 +5,34 @@ An optional module (it imports flowjax). Drop it into a flowjax `Transformed` di
 a `Chain` as any flowjax bijection; flowjax's `fit_to_data` trains the arrays `fun` holds
 (an Equinox module's weights), since `fun` is a field of the module. The other direction,
 `jr.reverse` / `jr.inverse_and_slogdet` of a function that calls a flowjax bijection's
-`transform`, needs nothing from here (`tests/test_library_flows.py`).
+`transform`, needs nothing from the user (`tests/test_library_flows.py`).
+
+One flowjax map is a loop jaxrev cannot run backwards from its equations: a
+`NumericalInverse` (the inverse of a block neural autoregressive flow, which flowjax's
+defaults make the flow's `transform`) finds ``x`` with ``bijection.transform(x) = y`` by
+bisection. Its inverse is the map it solves. While jaxrev traces a user's function
+(`numerical_inverses_marked`, entered by every trace once flowjax is imported), flowjax's
+`NumericalInverse.inverse_and_log_det` runs its root-finder as a `jr.custom_inverse` whose
+inverse is that map and whose log-determinant is the map's, negated, at the root
+(``deflogdet(..., of_inverse=True)``): the values are flowjax's own, and outside jaxrev's
+traces flowjax is untouched.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
+import equinox as eqx
 import jax.numpy as jnp
-from flowjax.bijections import AbstractBijection
+from flowjax.bijections import AbstractBijection, NumericalInverse
 
+from jaxrev.transforms.custom import custom_inverse
 from jaxrev.transforms.flows.slogdet import forward_and_slogdet, inverse_and_slogdet
 
-__all__ = ["Bijection"]
+__all__ = ["Bijection", "numerical_inverses_marked"]
 
 
 def _call(x: Any, fun: Callable, condition: Any) -> Any:
@@ -70,3 +84,67 @@ class Bijection(AbstractBijection):
     def inverse_and_log_det(self, y: Any, condition: Any = None) -> tuple[Any, Any]:
         x, ld = _INVERSE(y, self.fun, condition)
         return x, jnp.asarray(ld)
+
+
+# --------------------------------------------------------------------------- NumericalInverse
+
+_FLOWJAX_INVERSE = NumericalInverse.inverse_and_log_det
+"""flowjax's own `NumericalInverse.inverse_and_log_det` (the root-finder)."""
+
+_marking = threading.Lock()
+_depth = [0]
+
+
+def _marked_inverse_and_log_det(self: Any, y: Any, condition: Any = None) -> tuple[Any, Any]:
+    """`NumericalInverse.inverse_and_log_det` while jaxrev traces: flowjax's root-finder as
+    a `custom_inverse` whose inverse is the bijection it solves (its arrays are arguments, so
+    that the step is one program whatever traces them)."""
+    arrays, static = eqx.partition(self, eqx.is_array)
+
+    def solve(y: Any, arrays: Any, condition: Any) -> Any:
+        return _FLOWJAX_INVERSE(eqx.combine(arrays, static), y, condition)[0]
+
+    def forward(x: Any, arrays: Any, condition: Any) -> Any:
+        return eqx.combine(arrays, static).bijection.transform(x, condition)
+
+    def forward_log_det(x: Any, arrays: Any, condition: Any) -> Any:
+        return eqx.combine(arrays, static).bijection.transform_and_log_det(x, condition)[1]
+
+    step = custom_inverse(solve)
+    step.definverse(forward)
+    step.deflogdet(forward_log_det, of_inverse=True)
+    x = step(y, arrays, condition)
+    _, log_det = self.bijection.transform_and_log_det(x, condition)
+    return x, -log_det
+
+
+@contextlib.contextmanager
+def numerical_inverses_marked() -> Iterator[None]:
+    """While inside, flowjax's `NumericalInverse` bijections trace as `jr.custom_inverse`
+    steps inverted by the map they solve (see the module). Reentrant; every trace jaxrev makes
+    enters it once flowjax is imported (`jaxrev._compat.on_trace`), so users do nothing.
+
+    **Returns:**
+
+    A context manager; on leaving the outermost one, flowjax's own method is back.
+
+    **Example:**
+
+        >>> from flowjax.bijections import NumericalInverse
+        >>> from jaxrev.flowjax import numerical_inverses_marked
+        >>> with numerical_inverses_marked():
+        ...     inside = NumericalInverse.inverse_and_log_det.__module__
+        >>> inside, NumericalInverse.inverse_and_log_det.__module__.split(".")[0]
+        ('jaxrev.flowjax', 'flowjax')
+    """
+    with _marking:
+        _depth[0] += 1
+        if _depth[0] == 1:
+            NumericalInverse.inverse_and_log_det = _marked_inverse_and_log_det
+    try:
+        yield
+    finally:
+        with _marking:
+            _depth[0] -= 1
+            if _depth[0] == 0:
+                NumericalInverse.inverse_and_log_det = _FLOWJAX_INVERSE

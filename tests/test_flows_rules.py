@@ -127,6 +127,61 @@ def test_deflogdet_rule_is_used_by_every_entry_point(signed):
     assert how == "sweep" if signed else how.startswith("sweep (log|det| only: a `deflogdet`")
 
 
+def _solve_bump(rule):
+    """The inverse of `_bump`'s map as the function (Newton's method: the costly direction),
+    the map itself as its inverse, and `rule` the log-determinant of that inverse at the
+    outputs (``deflogdet(..., of_inverse=True)``)."""
+
+    @jr.custom_inverse
+    def f(y):
+        return lax.fori_loop(
+            0, 40, lambda i, x: x - (x + 0.5 * jnp.sin(x) - y) / (1 + 0.5 * jnp.cos(x)), y
+        )
+
+    f.definverse(lambda x: x + 0.5 * jnp.sin(x))
+    f.deflogdet(rule, of_inverse=True)
+    return f
+
+
+def test_an_inverse_rule_at_the_outputs_gives_the_functions_log_det():
+    """The default tier's check of ``of_inverse=True`` (the slow test below takes every entry
+    point): forward eagerly, inverse under jit, a vmapped `slogdet_jacobian`."""
+    f = _solve_bump(lambda x: _true_logdet(x) + OFFSET)
+    want = [-float(_true_logdet(f(x))) - OFFSET for x in XS]
+    y, ld = jr.forward_and_slogdet(f)(XS[0])
+    assert abs(float(ld) - want[0]) < TOL
+    x, ldi = jax.jit(jr.inverse_and_slogdet(f))(y)
+    assert abs(float(ldi) + want[0]) < TOL and float(jnp.max(jnp.abs(x - XS[0]))) < TOL
+    s, lds = jax.vmap(lambda x: jr.slogdet_jacobian(f, x))(XS)
+    np.testing.assert_allclose(lds, want, rtol=TOL, atol=TOL)
+    assert np.all(np.asarray(s) == 1.0)
+
+
+@pytest.mark.slow  # every entry point, each three ways (about 13 s each)
+@pytest.mark.parametrize("signed", [False, True])
+def test_an_inverse_rule_at_the_outputs_is_used_by_every_entry_point(signed):
+    """`deflogdet(rule, of_inverse=True)`: `rule` takes the outputs and gives the inverse's
+    log|det|; every entry point uses its negative (the sign as stated), eagerly, under jit
+    and vmap, alone and inside a larger program."""
+    if signed:
+        f = _solve_bump(lambda x: (-1.0, _true_logdet(x) + OFFSET))
+    else:
+        f = _solve_bump(lambda x: _true_logdet(x) + OFFSET)
+    sign = [-1.0 if signed else 1.0] * len(XS)
+    _check(_entry_points(f), [-float(_true_logdet(f(x))) - OFFSET for x in XS], sign)
+    want = []
+    for x in XS:
+        rest, inner = _rest(x)
+        want.append(rest - float(_true_logdet(f(inner))) - OFFSET)
+    _check(_entry_points(_composed(f)), want, sign)
+    # a correct rule is the dense Jacobian's
+    g = _solve_bump(lambda x: (1.0, _true_logdet(x)))
+    ref = [jnp.linalg.slogdet(jax.jacfwd(g)(x)) for x in XS]
+    got = [jr.slogdet_jacobian(g, x) for x in XS]
+    for (s_ref, l_ref), (s_got, l_got) in zip(ref, got):
+        assert float(s_got) == float(s_ref) and abs(float(l_got) - float(l_ref)) < TOL
+
+
 @pytest.mark.parametrize("signed", [False, True])
 def test_correct_rule_matches_the_dense_slogdet(signed):
     f = _bump((lambda x: (1.0, _true_logdet(x))) if signed else _true_logdet)

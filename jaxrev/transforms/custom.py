@@ -91,12 +91,18 @@ class custom_inverse:
         self.argnums = argnums
         self.inv_fun: Callable | None = None
         self.logdet_fun: Callable | None = None
+        self.logdet_of_inverse = False
 
-    def deflogdet(self, logdet_fun: Callable) -> Callable:
+    def deflogdet(self, logdet_fun: Callable, *, of_inverse: bool = False) -> Callable:
         """Register `logdet_fun(*args)`: log|det| of `fun`'s Jacobian with respect to its state
         at `args` (or ``(sign, log|det|)``), used by every log-determinant entry point
         (`slogdet_jacobian`, `forward_and_slogdet`, `inverse_and_slogdet`, `Bijector`)
         instead of a dense Jacobian. Returns it (usable as a decorator).
+
+        With ``of_inverse=True``, `logdet_fun` takes `inv_fun`'s arguments (the outputs in the
+        state positions) and gives log|det| of the inverse's Jacobian there; `fun`'s is its
+        negative (the same sign). That is the cheap one where `fun` is the costly direction
+        (a root-finder whose inverse is the map it solves: flowjax's `NumericalInverse`).
 
         Example:
             >>> import jax.numpy as jnp, jaxrev as jr
@@ -112,6 +118,7 @@ class custom_inverse:
         if not callable(logdet_fun):
             raise TypeError(f"deflogdet of {self.__name__} expects a callable, got {logdet_fun!r}")
         self.logdet_fun = logdet_fun
+        self.logdet_of_inverse = bool(of_inverse)
         return logdet_fun
 
     def definverse(self, inv_fun: Callable) -> Callable:
@@ -179,7 +186,12 @@ class custom_inverse:
         logdet = None
         if self.logdet_fun is not None:
             shape = jax.eval_shape(self.logdet_fun, *args)
-            logdet = _Logdet(self.logdet_fun, in_tree, isinstance(shape, (tuple, list)))
+            logdet = _Logdet(
+                self.logdet_fun,
+                in_tree,
+                isinstance(shape, (tuple, list)),
+                of_inverse=self.logdet_of_inverse,
+            )
         outs = custom_inverse_p.bind(
             *fconsts,
             *iconsts,
@@ -195,15 +207,25 @@ class custom_inverse:
 
 
 class _Logdet:
-    """A `deflogdet` rule as the primitive's (hashable) param, called on the flat arguments;
-    each batching level (`levels`, innermost first) vmaps it and sums over the batch."""
+    """A `deflogdet` rule as the primitive's (hashable) param, called on the flat arguments
+    (`of_inverse`: the inverse's rule, called with the outputs in the state positions; the
+    caller negates it); each batching level (`levels`, innermost first) vmaps it and sums
+    over the batch."""
 
-    def __init__(self, fn: Callable, in_tree: Any, signed: bool, levels: tuple = ()) -> None:
+    def __init__(
+        self,
+        fn: Callable,
+        in_tree: Any,
+        signed: bool,
+        levels: tuple = (),
+        of_inverse: bool = False,
+    ) -> None:
         self.fn, self.in_tree, self.signed, self.levels = fn, in_tree, signed, levels
+        self.of_inverse = of_inverse
 
     def __call__(self, *leaves: Any) -> tuple[Any, Any]:
         if self.levels:
-            inner = _Logdet(self.fn, self.in_tree, self.signed, self.levels[:-1])
+            inner = _Logdet(self.fn, self.in_tree, self.signed, self.levels[:-1], self.of_inverse)
             s, la = jax.vmap(inner, in_axes=self.levels[-1])(*leaves)
             return jnp.prod(s), jnp.sum(la)
         out = self.fn(*jax.tree_util.tree_unflatten(self.in_tree, list(leaves)))
@@ -212,10 +234,12 @@ class _Logdet:
         return jnp.ones_like(out), jnp.asarray(out)
 
     def batched(self, axes: Sequence[Any]) -> _Logdet:
-        return _Logdet(self.fn, self.in_tree, self.signed, (*self.levels, tuple(axes)))
+        return _Logdet(
+            self.fn, self.in_tree, self.signed, (*self.levels, tuple(axes)), self.of_inverse
+        )
 
     def _key(self) -> tuple:
-        return (self.fn, self.in_tree, self.signed, self.levels)
+        return (self.fn, self.in_tree, self.signed, self.levels, self.of_inverse)
 
     def __hash__(self) -> int:
         return hash(self._key())
@@ -318,14 +342,23 @@ def _inverse_rule(outs, *ins, fun_jaxpr, inv_jaxpr, n_fconsts, n_iconsts, state,
 
 
 def _logdet_rule(ctx: LogdetContext) -> tuple[Any, Any]:
-    """The user's `deflogdet`, else `fun`'s Jacobian with respect to the state, dense (at
-    most `DENSE_STEP` numbers)."""
+    """The user's `deflogdet` (at the inputs, or the inverse's at the outputs, negated), else
+    `fun`'s Jacobian with respect to the state, dense (at most `DENSE_STEP` numbers)."""
     p = ctx.eqn.params
     _, _, xs = _split(ctx.invals, p["n_fconsts"], p["n_iconsts"])
-    if p["logdet"] is not None:
-        s, la = p["logdet"](*xs)
-        return jnp.asarray(s, ctx.dtype), jnp.asarray(la, ctx.dtype)
     fc = ctx.invals[: p["n_fconsts"]]
+    rule = p["logdet"]
+    if rule is not None and rule.of_inverse:
+        # the inverse's rule at the outputs (computed here where the sweep has not yet)
+        outs = ctx.outvals
+        if any(o is None for o in outs):
+            outs = eval_closed(p["fun_jaxpr"], *fc, *xs)
+        it = iter(outs)
+        s, la = rule(*[next(it) if st else x for x, st in zip(xs, p["state"])])
+        return jnp.asarray(s, ctx.dtype), -jnp.asarray(la, ctx.dtype)
+    if rule is not None:
+        s, la = rule(*xs)
+        return jnp.asarray(s, ctx.dtype), jnp.asarray(la, ctx.dtype)
     state = [x for x, s in zip(xs, p["state"]) if s]
     if sum(int(np.size(x)) for x in state) > DENSE_STEP:
         raise Unsupported("a custom_inverse function with no log-determinant rule (.deflogdet)")
