@@ -103,17 +103,26 @@ __all__ = [
 
 
 # Optional libraries whose code jaxrev's traces see marked (`_compat.on_trace`): while jaxrev
-# traces, once the library is imported, its integration module (imported then, by name: it
-# imports the library, which jaxrev does not require) supplies a context manager.
+# traces, once the library is imported, its integration module supplies a context manager.
+# That module imports the library, which jaxrev does not require, so it is imported by name
+# then (after jaxrev itself: no import circle), once; one that fails to import (a library
+# version without what it marks) marks nothing.
 _LIBRARY_MARKS = {"flowjax": ("jaxrev.flowjax", "numerical_inverses_marked")}
+_library_mark_fns: dict = {}
 
 
 @_contextlib.contextmanager
 def _library_marks():
     with _contextlib.ExitStack() as stack:
-        for library, (module, marks) in _LIBRARY_MARKS.items():
-            if library in _sys.modules:
-                stack.enter_context(getattr(_importlib.import_module(module), marks)())
+        for library, (module, name) in _LIBRARY_MARKS.items():
+            if library not in _sys.modules:
+                continue
+            if library not in _library_mark_fns:
+                try:
+                    _library_mark_fns[library] = getattr(_importlib.import_module(module), name)
+                except ImportError:
+                    _library_mark_fns[library] = _contextlib.nullcontext
+            stack.enter_context(_library_mark_fns[library]())
         yield
 
 

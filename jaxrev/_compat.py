@@ -410,9 +410,13 @@ _TRACE_MARKS: list[Callable[[], Any]] = []
 
 
 def on_trace(marks: Callable[[], Any]) -> None:
-    """Register `marks()`, a context manager every trace of `make_jaxpr` enters: how a
-    library's code is seen by jaxrev while jaxrev traces it (flowjax's root-finders as
-    `custom_inverse` steps: `jaxrev.flowjax`), and only then."""
+    """Register `marks`, called for a context manager that every trace of `make_jaxpr`
+    enters: how a library's code is seen by jaxrev while jaxrev traces it (flowjax's
+    root-finders as `custom_inverse` steps: `jaxrev.flowjax`), and only then.
+
+    **Arguments:** `marks`, a callable of no arguments returning a context manager.
+
+    **Returns:** None. (`jaxrev/__init__.py` registers the optional libraries' marks.)"""
     _TRACE_MARKS.append(marks)
 
 

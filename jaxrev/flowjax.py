@@ -14,8 +14,10 @@ bisection. Its inverse is the map it solves. While jaxrev traces a user's functi
 (`numerical_inverses_marked`, entered by every trace once flowjax is imported), flowjax's
 `NumericalInverse.inverse_and_log_det` runs its root-finder as a `jr.custom_inverse` whose
 inverse is that map and whose log-determinant is the map's, negated, at the root
-(``deflogdet(..., of_inverse=True)``): the values are flowjax's own, and outside jaxrev's
-traces flowjax is untouched.
+(``deflogdet(..., of_inverse=True)``): the values are flowjax's own, and in every thread
+that is not tracing, flowjax's own method runs. A function `jax.jit` traced before, outside
+jaxrev, keeps its unmarked program in JAX's cache: jaxrev refuses it (at Equinox's `cond` in
+the bisection), as it did before.
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import equinox as eqx
+import flowjax.bijections as flowjax_bijections
 import jax.numpy as jnp
-from flowjax.bijections import AbstractBijection, NumericalInverse
+from flowjax.bijections import AbstractBijection
 
 from jaxrev.transforms.custom import custom_inverse
 from jaxrev.transforms.flows.slogdet import forward_and_slogdet, inverse_and_slogdet
@@ -88,21 +91,29 @@ class Bijection(AbstractBijection):
 
 # --------------------------------------------------------------------------- NumericalInverse
 
-_FLOWJAX_INVERSE = NumericalInverse.inverse_and_log_det
-"""flowjax's own `NumericalInverse.inverse_and_log_det` (the root-finder)."""
+_NumericalInverse = getattr(flowjax_bijections, "NumericalInverse", None)
+"""flowjax's `NumericalInverse` (None in a flowjax without it: nothing is marked)."""
 
-_marking = threading.Lock()
-_depth = [0]
+_mark = threading.local()  # `depth`: this thread's jaxrev traces, nested
+_install = threading.Lock()
+_installed: list = []  # [flowjax's method while marked, traces of every thread]
 
 
 def _marked_inverse_and_log_det(self: Any, y: Any, condition: Any = None) -> tuple[Any, Any]:
-    """`NumericalInverse.inverse_and_log_det` while jaxrev traces: flowjax's root-finder as
-    a `custom_inverse` whose inverse is the bijection it solves (its arrays are arguments, so
-    that the step is one program whatever traces them)."""
+    """`NumericalInverse.inverse_and_log_det` while jaxrev traces (in this thread): flowjax's
+    root-finder as a `custom_inverse` whose inverse is the bijection it solves (its arrays
+    are arguments, so that the step is one program whatever traces them); elsewhere the
+    method it replaced."""
+    own = _installed[0] if _installed else _NumericalInverse.inverse_and_log_det
+    if not getattr(_mark, "depth", 0):
+        return own(self, y, condition)
+    y = jnp.asarray(y)
+    if not jnp.issubdtype(y.dtype, jnp.inexact):  # (as flowjax casts its inputs)
+        y = y.astype(jnp.result_type(float))
     arrays, static = eqx.partition(self, eqx.is_array)
 
     def solve(y: Any, arrays: Any, condition: Any) -> Any:
-        return _FLOWJAX_INVERSE(eqx.combine(arrays, static), y, condition)[0]
+        return own(eqx.combine(arrays, static), y, condition)[0]
 
     def forward(x: Any, arrays: Any, condition: Any) -> Any:
         return eqx.combine(arrays, static).bijection.transform(x, condition)
@@ -120,13 +131,16 @@ def _marked_inverse_and_log_det(self: Any, y: Any, condition: Any = None) -> tup
 
 @contextlib.contextmanager
 def numerical_inverses_marked() -> Iterator[None]:
-    """While inside, flowjax's `NumericalInverse` bijections trace as `jr.custom_inverse`
-    steps inverted by the map they solve (see the module). Reentrant; every trace jaxrev makes
-    enters it once flowjax is imported (`jaxrev._compat.on_trace`), so users do nothing.
+    """While inside (in this thread), flowjax's `NumericalInverse` bijections trace as
+    `jr.custom_inverse` steps inverted by the map they solve (see the module). Reentrant;
+    every trace jaxrev makes enters it once flowjax is imported (`jaxrev._compat.on_trace`),
+    so users do nothing. The class holds jaxrev's method while any thread is inside, which
+    calls the method it replaced in the threads that are not; the outermost exit puts that
+    method back.
 
     **Returns:**
 
-    A context manager; on leaving the outermost one, flowjax's own method is back.
+    A context manager.
 
     **Example:**
 
@@ -137,14 +151,21 @@ def numerical_inverses_marked() -> Iterator[None]:
         >>> inside, NumericalInverse.inverse_and_log_det.__module__.split(".")[0]
         ('jaxrev.flowjax', 'flowjax')
     """
-    with _marking:
-        _depth[0] += 1
-        if _depth[0] == 1:
-            NumericalInverse.inverse_and_log_det = _marked_inverse_and_log_det
+    if _NumericalInverse is None:
+        yield
+        return
+    with _install:
+        if not _installed:
+            _installed[:] = [_NumericalInverse.inverse_and_log_det, 0]
+            _NumericalInverse.inverse_and_log_det = _marked_inverse_and_log_det
+        _installed[1] += 1
+    _mark.depth = getattr(_mark, "depth", 0) + 1
     try:
         yield
     finally:
-        with _marking:
-            _depth[0] -= 1
-            if _depth[0] == 0:
-                NumericalInverse.inverse_and_log_det = _FLOWJAX_INVERSE
+        _mark.depth -= 1
+        with _install:
+            _installed[1] -= 1
+            if not _installed[1]:
+                _NumericalInverse.inverse_and_log_det = _installed[0]
+                _installed.clear()

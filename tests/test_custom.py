@@ -67,6 +67,35 @@ def test_reverse_uses_the_inverse():
     assert leaf_rel_error(jax.jit(jax.vmap(jr.reverse(program), (0, None)))(Yb, W), Xb) < 1e-12
 
 
+def test_state_arguments_out_of_order():
+    """`argnums=(1, 0)`: `fun` returns, and `inv_fun` takes in the state positions and
+    returns, the state in `argnums`' order; the inverse, the log-det rule (at the inputs,
+    or the inverse's at the outputs) and `vmap` put each leaf where it belongs (they were
+    swapped, silently: a wrong inverse and log-det)."""
+    a, b = jnp.asarray(0.7), jnp.asarray(1.3)
+    for of_inverse in (False, True):
+        f = jr.custom_inverse(lambda a, b: (2.0 * b, jnp.exp(a)), argnums=(1, 0))
+        f.definverse(lambda p0, p1: (p1 / 2.0, jnp.log(p0)))  # p0 = exp(a), p1 = 2 b
+        if of_inverse:
+            f.deflogdet(lambda p0, p1: -jnp.log(2.0) - jnp.log(p0), of_inverse=True)
+        else:
+            f.deflogdet(lambda a, b: jnp.log(2.0) + a)
+        g = lambda v, f=f: jnp.stack(f(v[0], v[1]))  # noqa: E731
+        v = jnp.stack([a, b])
+        y = g(v)
+        np.testing.assert_allclose(y, [2.6, np.exp(0.7)], rtol=1e-14)
+        np.testing.assert_allclose(jr.reverse(g)(y), v, rtol=1e-14)
+        want = jnp.linalg.slogdet(jax.jacfwd(g)(v))[1]
+        np.testing.assert_allclose(jr.forward_and_slogdet(g)(v)[1], want, rtol=1e-14)
+        np.testing.assert_allclose(jr.inverse_and_slogdet(g)(y)[1], -want, rtol=1e-14)
+        vs = jnp.stack([v, 0.5 * v])
+        np.testing.assert_allclose(
+            jax.vmap(jr.forward_and_slogdet(g))(vs)[1],
+            jax.vmap(lambda v: jnp.linalg.slogdet(jax.jacfwd(g)(v))[1])(vs),
+            rtol=1e-14,
+        )
+
+
 def test_reversible_gradients():
     loss = lambda f: lambda x, w: jnp.sum(f(x, w)[0] ** 2) + jnp.sum(jnp.sin(f(x, w)[1]))  # noqa
     g_ref = jax.grad(loss(program), argnums=(0, 1))(X, W)

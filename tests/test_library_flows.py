@@ -328,6 +328,37 @@ def test_flowjax_numerical_inverse_is_inverted_by_the_map_it_solves(how):
     assert fb.NumericalInverse.inverse_and_log_det.__module__.startswith("flowjax")
 
 
+def test_the_numerical_inverse_mark_holds_in_the_tracing_thread_only():
+    """While one thread is inside `numerical_inverses_marked` (a jaxrev trace), another
+    thread's flowjax calls are flowjax's own (no `custom_inverse` step); the class's own
+    method is back after."""
+    import threading
+
+    import flowjax.bijections as fb
+    import flowjax.flows as ff
+    from flowjax.distributions import Normal
+
+    from jaxrev.flowjax import numerical_inverses_marked
+
+    bij = ff.block_neural_autoregressive_flow(
+        jax.random.key(2), base_dist=Normal(jnp.zeros(2)), flow_layers=1, nn_block_dim=2
+    ).bijection
+    y = jnp.array([0.2, -0.3])
+
+    def names(out: list) -> None:  # (the program's text: the solve sits inside a `jit`)
+        out.append(str(jax.make_jaxpr(bij.transform)(y)))
+
+    here, there = [], []
+    with numerical_inverses_marked():
+        names(here)
+        other = threading.Thread(target=names, args=(there,))
+        other.start()
+        other.join()
+    assert "jaxrev_custom_inverse" in here[0]
+    assert there and "jaxrev_custom_inverse" not in there[0]
+    assert fb.NumericalInverse.inverse_and_log_det.__module__.startswith("flowjax")
+
+
 def test_jaxrev_bijection_in_a_flowjax_distribution():
     """`jaxrev.flowjax.Bijection` is a flowjax bijection: in a `Transformed` distribution its
     log-density is the change of variables with the dense log-det (float64), it samples, and

@@ -149,6 +149,13 @@ class custom_inverse:
                 fn(*jax.tree_util.tree_unflatten(in_tree, list(leaves)))
             )
 
+        # the primitive's jaxprs return the state's leaves in the order they have among the
+        # arguments (`state`'s flags); `fun` and `inv_fun` return them in `argnums`' order
+        order = sorted(range(len(state_pos)), key=state_pos.__getitem__)
+
+        def flat_order(out: list) -> list:
+            return [out[k] for k in order] if len(out) == len(order) else out
+
         trees: list = []
 
         def fun_flat(*leaves):  # traced once: its output's structure is kept on the way
@@ -156,16 +163,22 @@ class custom_inverse:
                 self.fun(*jax.tree_util.tree_unflatten(in_tree, list(leaves)))
             )
             trees.append(tree)
-            return out
+            return flat_order(out)
 
         fj, fconsts, _ = trace_to_closed(fun_flat, *avals_of(flat))
+        out_avals = list(fj.out_avals)
+        if len(out_avals) == len(order):
+            out_avals = [out_avals[order.index(k)] for k in range(len(order))]
         out_shape = jax.tree_util.tree_unflatten(
-            trees[0], [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in fj.out_avals]
+            trees[0], [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in out_avals]
         )
         s_tree = check_structure(self.fun, args, nums, out_shape, who="jaxrev.custom_inverse")
         inv_name = getattr(self.inv_fun, "__name__", "inv_fun")
+        inv_flat = flat_of(self.inv_fun)
         try:
-            ij, iconsts, _ = trace_to_closed(flat_of(self.inv_fun), *avals_of(flat))
+            ij, iconsts, _ = trace_to_closed(
+                lambda *leaves: flat_order(inv_flat(*leaves)), *avals_of(flat)
+            )
         except TypeError as e:
             if "positional argument" not in str(e) and "argument" not in str(e):
                 raise
@@ -174,7 +187,7 @@ class custom_inverse:
                 f"arguments ({len(args)} of them, the outputs in the state positions): {e}"
             ) from None
         inv_out = ij.out_avals
-        want = [fj.in_avals[len(fconsts) + i] for i in state_pos]
+        want = [fj.in_avals[len(fconsts) + i] for i in sorted(state_pos)]
         if len(inv_out) != len(want) or any(
             tuple(a.shape) != tuple(b.shape) or a.dtype != b.dtype for a, b in zip(inv_out, want)
         ):
@@ -203,7 +216,9 @@ class custom_inverse:
             state=tuple(i in state_pos for i in range(len(flat))),
             logdet=logdet,
         )
-        return jax.tree_util.tree_unflatten(s_tree, outs)
+        return jax.tree_util.tree_unflatten(
+            s_tree, [outs[order.index(k)] for k in range(len(order))]
+        )
 
 
 class _Logdet:
