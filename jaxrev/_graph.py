@@ -78,22 +78,29 @@ def size_of(avals: Iterable[Any]) -> int:
     return int(sum(int(np.prod(a.shape, dtype=np.int64)) for a in avals))
 
 
-def mentions(jaxpr: Jaxpr, match: Callable[[Any], bool]) -> bool:
+def mentions(
+    jaxpr: Jaxpr, match: Callable[[Any], bool], opaque: Callable[[Any], bool] | None = None
+) -> bool:
     """Whether a primitive for which `match` holds occurs in `jaxpr` or any of its
-    sub-jaxprs."""
-    return first_eqn(jaxpr, match) is not None
+    sub-jaxprs (but those of equations whose primitive is `opaque`)."""
+    return first_eqn(jaxpr, match, opaque) is not None
 
 
-def first_eqn(jaxpr: Jaxpr, match: Callable[[Any], bool]) -> JaxprEqn | None:
+def first_eqn(
+    jaxpr: Jaxpr, match: Callable[[Any], bool], opaque: Callable[[Any], bool] | None = None
+) -> JaxprEqn | None:
     """The first equation of `jaxpr` or its sub-jaxprs (depth first) whose primitive `match`
-    holds for; None if none."""
+    holds for; None if none. The sub-jaxprs of an equation whose primitive `opaque` holds
+    for are not searched."""
     for e in jaxpr.eqns:
         if match(e.primitive):
             return e
+        if opaque is not None and opaque(e.primitive):
+            continue
         for p in e.params.values():
             for b in p if isinstance(p, (tuple, list)) else (p,):
                 if isinstance(b, (ClosedJaxpr, Jaxpr)):
-                    found = first_eqn(b.jaxpr if isinstance(b, ClosedJaxpr) else b, match)
+                    found = first_eqn(b.jaxpr if isinstance(b, ClosedJaxpr) else b, match, opaque)
                     if found is not None:
                         return found
     return None

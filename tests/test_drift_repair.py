@@ -409,3 +409,25 @@ def test_auto_segments_divide_the_loop_where_a_length_near_the_root_does(length,
     (repair,) = reports[0].loops
     assert (repair.iterations, repair.segment_length) == (length, K)
     assert repair.segments == -(-length // K)
+
+
+def test_a_while_loop_inside_a_custom_jvp_leaves_a_body_recomputable():
+    """A segment is recomputed through JAX's VJP of the body, which a bare `while_loop`
+    refuses but one inside a `custom_jvp` (a root-finder differentiated implicitly, as
+    flowjax's bisection is) passes: only the bare one keeps its loop from recomputation."""
+    from jaxrev.transforms.sweep.dial import recomputable
+
+    @jax.custom_jvp
+    def cbrt(y):
+        step = lambda z: z - (z**3 - y) / (3 * z**2)  # noqa: E731
+        return lax.while_loop(lambda z: jnp.abs(z**3 - y) > 1e-12, step, jnp.maximum(y, 1.0))
+
+    @cbrt.defjvp
+    def _(primals, tangents):
+        z = cbrt(primals[0])
+        return z, tangents[0] / (3 * z**2)
+
+    implicit = jax.make_jaxpr(lambda c: cbrt(c) + 1.0)(2.0)
+    bare = jax.make_jaxpr(lambda c: lax.while_loop(lambda z: z < 3.0, lambda z: z + 1.0, c))(1.0)
+    assert recomputable(implicit) and not recomputable(bare)
+    assert float(jax.grad(cbrt)(8.0)) == pytest.approx(1 / 12)

@@ -328,6 +328,28 @@ def test_flowjax_numerical_inverse_is_inverted_by_the_map_it_solves(how):
     assert fb.NumericalInverse.inverse_and_log_det.__module__.startswith("flowjax")
 
 
+@pytest.mark.slow  # about 10 s
+def test_reversible_through_flowjax_bisection_equals_jax_grad():
+    """`jr.reversible` over flowjax's default block neural autoregressive flow: the backward
+    run rebuilds each layer's input by the network (`jaxrev.flowjax`), to the bisection's
+    tolerance only; the default sees that drift and recomputes the layers' loop from its
+    checkpoint through JAX's VJP, which passes the bisection by flowjax's implicit
+    derivative (a `while_loop` inside a `custom_jvp`): the gradient is `jax.grad`'s."""
+    import flowjax.flows as ff
+    from flowjax.distributions import Normal
+
+    bij = ff.block_neural_autoregressive_flow(
+        jax.random.key(0), base_dist=Normal(jnp.zeros(3)), flow_layers=2, nn_block_dim=3
+    ).bijection
+    x = jnp.array([0.3, -0.4, 0.9])
+    want = jax.grad(lambda x: jnp.sum(jnp.sin(bij.transform(x))))(x)
+    seen = []
+    run = jr.reversible(lambda x: bij.transform(x), report=seen.append)
+    got = jax.grad(lambda x: jnp.sum(jnp.sin(run(x))))(x)
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+    assert seen and sum(loop.repaired for loop in seen[0].loops) >= 1
+
+
 def test_the_numerical_inverse_mark_holds_in_the_tracing_thread_only():
     """While one thread is inside `numerical_inverses_marked` (a jaxrev trace), another
     thread's flowjax calls are flowjax's own (no `custom_inverse` step); the class's own

@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 import jax.numpy as jnp
 
 from jaxrev._batching import where
+from jaxrev._compat import prims
 from jaxrev._graph import mentions
 from jaxrev.transforms.knowledge.context import Settings
 from jaxrev.transforms.sweep.drift import Budget, budget_dtype, ratio, site, values_tol
@@ -179,8 +180,14 @@ def _dividing(length: int, K: int) -> int:
 
 def recomputable(closed: Any) -> bool:
     """Whether "auto" can recompute a segment of a loop with this body: JAX's VJP of the body,
-    which a `while_loop` inside refuses (that loop then stays checkpointed and checked)."""
-    return not mentions(closed.jaxpr, lambda p: p.name in ("while", "jaxrev_while"))
+    which a `while_loop` inside refuses (that loop then stays checkpointed and checked), but
+    one inside a `custom_jvp` or `custom_vjp` call, whose rule differentiates it instead (a
+    root-finder differentiated implicitly: flowjax's bisection, as `jax.grad` passes it)."""
+    return not mentions(
+        closed.jaxpr,
+        lambda p: p.name in ("while", "jaxrev_while"),
+        opaque=lambda p: p in (prims.custom_jvp_call, prims.custom_vjp_call),
+    )
 
 
 GRAD_SLACK = 4.0
