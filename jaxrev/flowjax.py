@@ -17,7 +17,10 @@ inverse is that map and whose log-determinant is the map's, negated, at the root
 (``deflogdet(..., of_inverse=True)``): the values are flowjax's own, and in every thread
 that is not tracing, flowjax's own method runs. A function `jax.jit` traced before, outside
 jaxrev, keeps its unmarked program in JAX's cache: jaxrev refuses it (at Equinox's `cond` in
-the bisection), as it did before.
+the bisection), as it did before. Where JAX traces the solve to "high" primitives (JAX
+0.12.1 does, for flowjax 19), which jaxrev lowers, the lowering drops flowjax's implicit
+JVP: a derivative through the marked step would be the bisection's own, zero, so the solve
+is left unmarked there (`_compat.traces_high`) and jaxrev refuses it as before.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import flowjax.bijections as flowjax_bijections
 import jax.numpy as jnp
 from flowjax.bijections import AbstractBijection
 
+from jaxrev._compat import traces_high
 from jaxrev.transforms.custom import custom_inverse
 from jaxrev.transforms.flows.slogdet import forward_and_slogdet, inverse_and_slogdet
 
@@ -114,6 +118,12 @@ def _marked_inverse_and_log_det(self: Any, y: Any, condition: Any = None) -> tup
 
     def solve(y: Any, arrays: Any, condition: Any) -> Any:
         return own(eqx.combine(arrays, static), y, condition)[0]
+
+    if traces_high(solve, y, arrays, condition):
+        # (JAX >= 0.12: the solve's jaxpr, lowered, would lose flowjax's implicit JVP, and
+        # derivatives through the step would be the bisection's own, zero: flowjax's method
+        # as it is, which jaxrev refuses to invert, rather than a wrong derivative)
+        return own(self, y, condition)
 
     def forward(x: Any, arrays: Any, condition: Any) -> Any:
         return eqx.combine(arrays, static).bijection.transform(x, condition)

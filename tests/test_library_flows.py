@@ -12,6 +12,7 @@ one way (eager, `jit` or `vmap`, in turn); ``-m slow`` takes every case every wa
 
 from __future__ import annotations
 
+import functools
 import re
 
 import jax
@@ -20,6 +21,7 @@ import numpy as np
 import pytest
 
 import jaxrev as jr
+from jaxrev._compat import traces_high
 
 jax.config.update("jax_enable_x64", True)
 pytest.importorskip("flowjax")
@@ -43,6 +45,22 @@ REFUSED = {
     "MaskedAutoregressive/spline": "select_n",
     "masked_autoregressive_flow/spline@inverted": "select_n",
 }
+# where JAX traces flowjax's bisection to "high" primitives (JAX 0.12), which jaxrev
+# lowers, the lowering drops flowjax's implicit JVP: `jaxrev.flowjax` leaves the solve
+# unmarked there (a derivative through it would be the bisection's, zero): refused
+REFUSED_WHERE_HIGH = {"block_neural_autoregressive_flow": "cond"}
+
+
+@functools.cache
+def bisection_traces_high() -> bool:
+    """Whether this JAX traces flowjax's bisection (a `NumericalInverse`) to high primitives."""
+    import flowjax.flows as ff
+    from flowjax.distributions import Normal
+
+    bij = ff.block_neural_autoregressive_flow(
+        jax.random.key(0), base_dist=Normal(jnp.zeros(2)), flow_layers=1, nn_block_dim=2
+    ).bijection
+    return traces_high(bij.transform, jnp.zeros(2))
 
 
 NAMES = fc.all_names()
@@ -56,6 +74,8 @@ def test_flowjax_cases_without_an_inverse_are_those_listed():
 
 def _expect(name: str, run) -> None:
     prim = REFUSED.get(name)
+    if prim is None and name in REFUSED_WHERE_HIGH and bisection_traces_high():
+        prim = REFUSED_WHERE_HIGH[name]
     if prim is None:
         assert run() == "ok"
         return
@@ -303,6 +323,10 @@ def test_flowjax_numerical_inverse_is_inverted_by_the_map_it_solves(how):
     )
     bij = flow.bijection
     x, c = jnp.array([0.4, -1.1, 0.7]), jnp.array([0.3, -0.5])
+    if bisection_traces_high():  # (unmarked there: see REFUSED_WHERE_HIGH)
+        with pytest.raises(jr.JaxrevError, match="`cond`"):
+            jr.inverse_and_slogdet(lambda v, c: bij.transform(v, c))(x, c)
+        return
     fwd = jr.forward_and_slogdet(lambda v, c: bij.transform(v, c))
     inv = jr.inverse_and_slogdet(lambda v, c: bij.transform(v, c))
     lib_f, lib_i = bij.transform_and_log_det, bij.inverse_and_log_det
@@ -338,6 +362,8 @@ def test_reversible_through_flowjax_bisection_equals_jax_grad():
     import flowjax.flows as ff
     from flowjax.distributions import Normal
 
+    if bisection_traces_high():
+        pytest.skip("flowjax's bisection is left unmarked here (see REFUSED_WHERE_HIGH)")
     bij = ff.block_neural_autoregressive_flow(
         jax.random.key(0), base_dist=Normal(jnp.zeros(3)), flow_layers=2, nn_block_dim=3
     ).bijection
@@ -348,6 +374,31 @@ def test_reversible_through_flowjax_bisection_equals_jax_grad():
     got = jax.grad(lambda x: jnp.sum(jnp.sin(run(x))))(x)
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
     assert seen and sum(loop.repaired for loop in seen[0].loops) >= 1
+
+
+def test_derivatives_through_the_marked_bisection_are_flowjaxs():
+    """The marked solve is differentiated by flowjax's implicit JVP, not through the
+    bisection's iterations (whose own derivative is zero): Jacobians of jaxrev's forward
+    value and log-det equal `jax`'s of flowjax's own."""
+    import flowjax.flows as ff
+    from flowjax.distributions import Normal
+
+    if bisection_traces_high():
+        pytest.skip("flowjax's bisection is left unmarked here (see REFUSED_WHERE_HIGH)")
+    bij = ff.block_neural_autoregressive_flow(
+        jax.random.key(0), base_dist=Normal(jnp.zeros(3)), flow_layers=1, nn_block_dim=3
+    ).bijection
+    x = jnp.array([0.3, -0.4, 0.9])
+    fwd = jax.jit(jr.forward_and_slogdet(lambda v: bij.transform(v)))
+    np.testing.assert_allclose(
+        jax.jacfwd(lambda v: fwd(v)[0])(x), jax.jacfwd(bij.transform)(x), rtol=1e-10, atol=1e-12
+    )
+    np.testing.assert_allclose(
+        jax.grad(lambda v: fwd(v)[1])(x),
+        jax.grad(lambda v: bij.transform_and_log_det(v)[1])(x),
+        rtol=1e-10,
+        atol=1e-12,
+    )
 
 
 def test_the_numerical_inverse_mark_holds_in_the_tracing_thread_only():
@@ -376,7 +427,8 @@ def test_the_numerical_inverse_mark_holds_in_the_tracing_thread_only():
         other = threading.Thread(target=names, args=(there,))
         other.start()
         other.join()
-    assert "jaxrev_custom_inverse" in here[0]
+    marked = not bisection_traces_high()  # (see REFUSED_WHERE_HIGH)
+    assert ("jaxrev_custom_inverse" in here[0]) == marked
     assert there and "jaxrev_custom_inverse" not in there[0]
     assert fb.NumericalInverse.inverse_and_log_det.__module__.startswith("flowjax")
 
