@@ -352,6 +352,19 @@ def test_flowjax_numerical_inverse_is_inverted_by_the_map_it_solves(how):
     assert fb.NumericalInverse.inverse_and_log_det.__module__.startswith("flowjax")
 
 
+def _marked_bnaf(layers: int) -> object:
+    """flowjax's default block neural autoregressive flow of dimension 3 (its `transform`
+    the bisection); the test is skipped where jaxrev leaves the bisection unmarked."""
+    import flowjax.flows as ff
+    from flowjax.distributions import Normal
+
+    if bisection_traces_high():
+        pytest.skip("flowjax's bisection is left unmarked here (see REFUSED_WHERE_HIGH)")
+    return ff.block_neural_autoregressive_flow(
+        jax.random.key(0), base_dist=Normal(jnp.zeros(3)), flow_layers=layers, nn_block_dim=3
+    ).bijection
+
+
 @pytest.mark.slow  # about 10 s
 def test_reversible_through_flowjax_bisection_equals_jax_grad():
     """`jr.reversible` over flowjax's default block neural autoregressive flow: the backward
@@ -359,14 +372,7 @@ def test_reversible_through_flowjax_bisection_equals_jax_grad():
     tolerance only; the default sees that drift and recomputes the layers' loop from its
     checkpoint through JAX's VJP, which passes the bisection by flowjax's implicit
     derivative (a `while_loop` inside a `custom_jvp`): the gradient is `jax.grad`'s."""
-    import flowjax.flows as ff
-    from flowjax.distributions import Normal
-
-    if bisection_traces_high():
-        pytest.skip("flowjax's bisection is left unmarked here (see REFUSED_WHERE_HIGH)")
-    bij = ff.block_neural_autoregressive_flow(
-        jax.random.key(0), base_dist=Normal(jnp.zeros(3)), flow_layers=2, nn_block_dim=3
-    ).bijection
+    bij = _marked_bnaf(layers=2)
     x = jnp.array([0.3, -0.4, 0.9])
     want = jax.grad(lambda x: jnp.sum(jnp.sin(bij.transform(x))))(x)
     seen = []
@@ -380,14 +386,7 @@ def test_derivatives_through_the_marked_bisection_are_flowjaxs():
     """The marked solve is differentiated by flowjax's implicit JVP, not through the
     bisection's iterations (whose own derivative is zero): Jacobians of jaxrev's forward
     value and log-det equal `jax`'s of flowjax's own."""
-    import flowjax.flows as ff
-    from flowjax.distributions import Normal
-
-    if bisection_traces_high():
-        pytest.skip("flowjax's bisection is left unmarked here (see REFUSED_WHERE_HIGH)")
-    bij = ff.block_neural_autoregressive_flow(
-        jax.random.key(0), base_dist=Normal(jnp.zeros(3)), flow_layers=1, nn_block_dim=3
-    ).bijection
+    bij = _marked_bnaf(layers=1)
     x = jnp.array([0.3, -0.4, 0.9])
     fwd = jax.jit(jr.forward_and_slogdet(lambda v: bij.transform(v)))
     np.testing.assert_allclose(
