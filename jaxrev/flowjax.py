@@ -119,7 +119,7 @@ def _marked_inverse_and_log_det(self: Any, y: Any, condition: Any = None) -> tup
     def solve(y: Any, arrays: Any, condition: Any) -> Any:
         return own(eqx.combine(arrays, static), y, condition)[0]
 
-    if traces_high(solve, y, arrays, condition):
+    if _solve_traces_high(self, solve, y, arrays, condition):
         # (JAX >= 0.12: the solve's jaxpr, lowered, would lose flowjax's implicit JVP, and
         # derivatives through the step would be the bisection's own, zero: flowjax's method
         # as it is, which jaxrev refuses to invert, rather than a wrong derivative)
@@ -137,6 +137,28 @@ def _marked_inverse_and_log_det(self: Any, y: Any, condition: Any = None) -> tup
     x = step(y, arrays, condition)
     _, log_det = self.bijection.transform_and_log_det(x, condition)
     return x, -log_det
+
+
+_HIGH: dict = {}
+"""Whether a `NumericalInverse`'s solve traces high (`_compat.traces_high`), by its
+bijection's type, its inverter and the shapes: asked once, not at every jaxrev trace."""
+
+
+def _solve_traces_high(self: Any, solve: Callable, y: Any, arrays: Any, condition: Any) -> bool:
+    key = (
+        type(self.bijection),
+        self.inverter,
+        jnp.shape(y),
+        jnp.result_type(y),
+        None if condition is None else (jnp.shape(condition), jnp.result_type(condition)),
+    )
+    try:
+        return _HIGH[key]
+    except TypeError:  # (an inverter that does not hash: asked each time)
+        return traces_high(solve, y, arrays, condition)
+    except KeyError:
+        _HIGH[key] = traces_high(solve, y, arrays, condition)
+        return _HIGH[key]
 
 
 @contextlib.contextmanager
