@@ -362,3 +362,35 @@ def test_fresh_differentiates_as_the_identity():
     # and the reversible walks invert it
     g = lambda x: fresh_p.bind(x * 2.0, jnp.ones(1), n=1)[0]  # noqa: E731
     assert jnp.allclose(jr.reverse(g)(g(x)), x)
+
+
+def test_small_parameter_values_are_not_tied():
+    """Only parameter values of more than `SMALL` elements pass through `fresh_p`: a
+    scalar's tie (its bits shifted by a run-time zero at every use) would cost XLA more
+    instructions than keeping it alive costs bytes. A scan whose body reads a float32 scalar
+    and a float32 16x16 kernel, both cast to float64: only the kernel's casts are tied, and
+    the gradient is jax.grad's."""
+    from jaxrev.transforms.sweep.params import SMALL
+
+    def f(x, w, a):
+        def body(c, _):
+            return jnp.tanh(w.astype(c.dtype) @ c) * a.astype(c.dtype) + c, None
+
+        return jax.lax.scan(body, x, None, length=5)[0]
+
+    x = jnp.linspace(-1.0, 1.0, 16)
+    a = jnp.float32(0.5)
+    loss = lambda fn: lambda x, w, a: jnp.sum(fn(x, w, a) ** 2)  # noqa: E731
+
+    def ties(x, w):
+        grad = jax.jit(jax.grad(loss(jr.reversible(f)), argnums=(0, 1, 2)))
+        return grad.lower(x, w, a).as_text().count("shift_right_logical")
+
+    w = 0.1 * jax.random.normal(jax.random.PRNGKey(0), (16, 16), jnp.float32)
+    assert w.size > SMALL >= a.size
+    assert ties(x, w) > 0  # the kernel's casts are tied
+    # a kernel of SMALL elements (and the scalar) are not
+    assert ties(x[:4], w[:4, :4]) == 0
+    ref = jax.grad(loss(f), argnums=(0, 1, 2))(x, w, a)
+    got = jax.grad(loss(jr.reversible(f)), argnums=(0, 1, 2))(x, w, a)
+    assert l2_rel_error(got, ref) < 1e-6  # float32 gradients of the float32 parameters

@@ -110,17 +110,27 @@ another computation of `xs` nor computes before `tie`."""
 define(fresh_p, inverse=lambda outs, *ins, n: [*outs, None])
 
 
+# Values of at most this many elements are not passed through `fresh_p`: kept alive they cost
+# a few bytes each, while each tie costs XLA a handful of instructions at every use (on a
+# diffrax solve, whose tableau coefficients and step sizes are scalars: 43 000 of its
+# gradient's optimized HLO instructions with every value tied, 30 000 without the small ones).
+SMALL = 16
+
+
 def fresh(xs: Sequence[Any], tie: Any) -> list:
-    """`xs` through `fresh_p` with `tie` (PRNG keys by their bits); unchanged without a tie."""
-    if tie is None or not xs:
-        return list(xs)
-    keys = [is_key(x) for x in xs]
-    plain = [jax.random.key_data(x) if key else x for x, key in zip(xs, keys)]
-    outs = fresh_p.bind(*plain, tie, n=len(plain))
-    return [
-        jax.random.wrap_key_data(out, impl=jax.random.key_impl(x)) if key else out
-        for x, out, key in zip(xs, outs, keys)
-    ]
+    """`xs` through `fresh_p` with `tie` (PRNG keys by their bits); unchanged without a tie,
+    and values of at most `SMALL` elements unchanged."""
+    out = list(xs)
+    if tie is None:
+        return out
+    big = [k for k, x in enumerate(xs) if jnp.size(x) > SMALL]
+    if not big:
+        return out
+    keys = {k: is_key(xs[k]) for k in big}
+    plain = [jax.random.key_data(xs[k]) if keys[k] else xs[k] for k in big]
+    for k, val in zip(big, fresh_p.bind(*plain, tie, n=len(plain))):
+        out[k] = jax.random.wrap_key_data(val, impl=jax.random.key_impl(xs[k])) if keys[k] else val
+    return out
 
 
 def tie_of(vals: Sequence[Any]) -> Any:
