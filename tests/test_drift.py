@@ -246,7 +246,7 @@ def scan_ys(rev):
 @pytest.mark.parametrize(
     "kind,every",
     # every checkpoint interval (one step, one dividing the length or not, longer than the
-    # loop, the automatic one, none) and every layout by default, the full product slowly
+    # loop, the automatic one, none) and every layout by default, the full product in soak
     cover(["xs", "ys", "xs-reverse", "ys-reverse"], [1, 3, 7, 20, 23, "auto", None]),
 )
 def test_checkpointed_scan_with_xs_and_ys(kind, every):

@@ -2,18 +2,19 @@
 
 The default tier (`python -m pytest -q`) must stay near ten minutes on two cores, so a matrix
 runs a subset by default that still exercises every value of every axis; `pytest -m slow`
-runs the rest. Two ways to say which:
+runs the costly cases, `pytest -m soak` the whole products. Two ways to say which:
 
 - `cover(*axes, shift=0)`: the product of several axes, the default tier running a covering
   subset (combination i takes value i modulo each axis's length, i + shift for the axes after
   the first, for i below the longest axis's length: every value of every axis at least once),
-  the rest of the product slow; two tests of the same matrix pass different shifts to
-  cover different combinations;
+  the rest of the product soak (the slow tier, which CI runs once on two cores, has no room
+  for whole products: it holds the costly tests whose paths no default test takes); two
+  tests of the same matrix pass different shifts to cover different combinations;
 - `tiered(values, slow=..., soak=...)`: one axis, the values named in `slow` marked slow (the
   costly cases whose path other default cases already take), those in `soak` soak (the
   costliest, whose path a slow case takes).
 
-A matrix that is itself slow passes ``marks=pytest.mark.slow, rest=pytest.mark.soak`` to
+A matrix that is itself slow passes ``marks=pytest.mark.slow`` to
 `cover`: the slow tier runs the covering subset and ``pytest -m soak`` the whole product.
 
 Both return `pytest.param`s for `pytest.mark.parametrize`, with the ids pytest would give.
@@ -45,9 +46,9 @@ def _id(value) -> str:
     return value if isinstance(value, str) else repr(value)
 
 
-def cover(*axes: Sequence, shift: int = 0, marks: Any = (), rest: Any = pytest.mark.slow) -> list:
+def cover(*axes: Sequence, shift: int = 0, marks: Any = (), rest: Any = pytest.mark.soak) -> list:
     """The product of `axes`, as `pytest.param`s: the covering subset (see the module) with
-    `marks` (none: the default tier), the rest with `rest` (the slow tier). Each param's
+    `marks` (none: the default tier), the rest with `rest` (the soak tier). Each param's
     values are one combination, in the order of `axes`; its id joins the values' ids with
     "-"."""
     longest = max(len(axis) for axis in axes)
