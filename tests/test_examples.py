@@ -11,11 +11,13 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _run(script: str) -> str:
+def _run(script: str, *args: str) -> str:
+    """Run `examples/script` with command-line `args` (the long examples' tests pass smaller
+    sizes than the README's runs: the same code, less compiling and training)."""
     env = dict(os.environ)
     env.setdefault("JAX_PLATFORMS", "cpu")
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / script)],
+        [sys.executable, str(ROOT / "examples" / script), *args],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -102,7 +104,7 @@ def revnet() -> str:
     return _run("revnet.py")
 
 
-@pytest.mark.slow  # about 12 s; test_reversible checks reversible nets' gradients in-process
+@pytest.mark.slow  # 37 s in a slow run; test_reversible checks reversible nets' gradients
 def test_revnet_gradient_memory_and_training(revnet):
     # the tape-free gradient is jax.grad's, in a fraction of the temporary memory
     assert _number(revnet, "gradient vs jax.grad, relative error:") < 1e-9
@@ -142,7 +144,7 @@ def realnvp_reversible() -> str:
     return _run("realnvp_reversible.py")
 
 
-@pytest.mark.slow  # about 12 s; test_elements checks RealNVP couplings in-process
+@pytest.mark.slow  # 30 s in a slow run; test_elements checks RealNVP couplings in-process
 def test_realnvp_reversible_gradient_and_memory(realnvp_reversible):
     out = realnvp_reversible
     assert _number(out, "gradient vs jax.grad, relative error:") < 1e-9
@@ -165,10 +167,10 @@ def test_realnvp_reversible_trains_and_samples_backwards(realnvp_reversible):
 
 @pytest.fixture(scope="module")
 def flow() -> str:
-    return _run("flow.py")
+    return _run("flow.py", "--steps", "250")
 
 
-@pytest.mark.slow  # about 25 s; test_flows checks the sweep's log-dets in-process
+@pytest.mark.slow  # 44 s in a slow run; test_flows checks the sweep's log-dets in-process
 def test_flow_logdet_is_the_sweep_and_exact(flow):
     # no dense Jacobian anywhere, and the log-det is slogdet(jacfwd) to rounding
     assert re.search(r"^logdet strategy: sweep$", flow, re.MULTILINE), flow
@@ -196,7 +198,7 @@ def newton() -> str:
     return _run("newton.py")
 
 
-@pytest.mark.slow  # about 15 s; test_optim checks the same optimizers in-process
+@pytest.mark.slow  # 32 s in a slow run; test_optim checks the same optimizers in-process
 def test_newton_example(newton):
     m = re.search(r"steps to \|x - \(1, 1\)\| < 1e-8: (\d+); error ([0-9.e+-]+)", newton)
     assert m, newton
@@ -210,7 +212,7 @@ def test_newton_example(newton):
     assert m and float(m.group(1)) < 1e-10, newton
 
 
-@pytest.mark.slow  # the same functions are tested in-process by test_optim
+@pytest.mark.slow  # 38 s in a slow run; test_optim tests the same functions in-process
 def test_graph_embedding_example():
     out = _run("graph_embedding.py")
     assert _number(out, "reversible gradient vs jax.grad, relative error:") < 1e-12
@@ -222,9 +224,9 @@ def test_graph_embedding_example():
 # ------------------------------------------------------------------ quantum circuit
 
 
-@pytest.mark.slow  # the same circuit is tested in-process by test_primitives
+@pytest.mark.slow  # 40 s in a slow run at 4 qubits; test_primitives tests the circuit
 def test_quantum_circuit_example():
-    out = _run("quantum_circuit.py")
+    out = _run("quantum_circuit.py", "--qubits", "4", "--layers", "3", "--steps", "100")
     assert _number(out, "gradient vs jax.grad, relative error:") < 1e-9
     line = (
         r"depth (\d+): gradient temp memory: reversible ([0-9,]+) B, jax.grad ([0-9,]+) B, "
@@ -256,25 +258,25 @@ def test_fixed_point_example():
     assert out.rstrip().endswith("fixed_point finished")
 
 
-@pytest.mark.slow  # about 40 s; the same solves are checked in-process by test_diffrax
+@pytest.mark.slow  # 53 s in a slow run; test_diffrax checks the same solves in-process
 def test_neural_ode_example():
-    out = _run("neural_ode.py")
+    out = _run("neural_ode.py", "--steps", "100")
     assert _number(out, "gradient vs DirectAdjoint, max relative error:") < 1e-10
     m = re.search(r"first batch ([0-9.]+), whole dataset after training ([0-9.]+)", out)
     assert m, out
     assert float(m.group(2)) < 0.1 * float(m.group(1))
 
 
-@pytest.mark.slow  # about 40 s on two cores; tests/test_transformer.py checks its functions
+@pytest.mark.slow  # 52 s in a slow run at 8 blocks; test_transformer checks its functions
 def test_reversible_transformer_trains():
-    out = _run("reversible_transformer.py")
+    out = _run("reversible_transformer.py", "--depth", "8", "--steps", "40")
     m = re.search(r"loss: ([0-9.]+) at step 1 -> ([0-9.]+)", out)
     assert m, out
     assert float(m.group(2)) < 0.7 * float(m.group(1)), out
     assert "per-device scratch" in out and "remat" in out
 
 
-@pytest.mark.slow  # about 50 s; tests/test_reversible_rk.py checks the adaptive solves
+@pytest.mark.slow  # 100 s in a slow run; test_reversible_rk checks the adaptive solves
 def test_continuous_flow_trains():
     out = _run("continuous_flow.py")
     m = re.search(
