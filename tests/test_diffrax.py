@@ -72,7 +72,7 @@ def _solve_with(adjoint, y0, args, saveat, dt=1.0 / STEPS, field=None, controlle
         args=args,
         saveat=saveat,
         adjoint=adjoint,
-        max_steps=4096,
+        max_steps=256,  # 50 steps at most; DirectAdjoint compiles for max_steps
         stepsize_controller=controller or diffrax.ConstantStepSize(),
     )
 
