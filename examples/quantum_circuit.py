@@ -13,8 +13,9 @@ own jaxpr. `jax.grad` stores a state per gate.
     python examples/quantum_circuit.py     # about 2 minutes on a 2-core CPU
     python examples/quantum_circuit.py --qubits 4 --layers 3 --steps 60   # smaller
 
-Most of the time is XLA compiling the gradient programs (seven of them: the check, the
-memory figures at two depths and the training step), each a layer's gates unrolled.
+Most of the time is XLA compiling the gradient programs (nine of them: the check against
+jax.grad, three ways at two depths for the memory figures, the training step), each with a
+layer's gates unrolled.
 """
 
 from __future__ import annotations
