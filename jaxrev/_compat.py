@@ -475,6 +475,32 @@ def dce(jaxpr: Jaxpr) -> Jaxpr:
     return _pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars), instantiate=True)[0]
 
 
+def dce_outputs(closed: ClosedJaxpr, used: Sequence[bool]) -> ClosedJaxpr:
+    """`closed` returning only its `used` outputs, without what none of them needs (JAX's own
+    rules: a loop's carry that no output needs leaves the loop, and the loops it nests);
+    every input is kept."""
+    jaxpr = _pe.dce_jaxpr(closed.jaxpr, list(used), instantiate=True)[0]
+    return ClosedJaxpr(jaxpr, closed.consts)
+
+
+def drop_unused_outputs(p: Any, params_for: Callable[[dict, tuple], dict | None]) -> None:
+    """Make JAX's dead-code elimination drop the outputs of `p`'s equations that nothing reads:
+    `params_for(params, used)` gives the equation's parameters for the outputs `used` (its
+    abstract evaluation and its implementation then return only those), or None to keep the
+    equation as it is. Every input stays used."""
+
+    def rule(*args: Any) -> tuple[list[bool], Any]:
+        # (as in `keep_in_dce`: the used outputs first, the equation last)
+        used, eqn = tuple(args[0]), args[-1]
+        params = None if all(used) or not any(used) else params_for(dict(eqn.params), used)
+        if params is None:
+            return [True] * len(eqn.invars), eqn
+        outvars = [v for v, u in zip(eqn.outvars, used) if u]
+        return [True] * len(eqn.invars), eqn.replace(outvars=outvars, params=params)
+
+    _pe.dce_rules[p] = rule
+
+
 def keep_in_dce(p: Any) -> None:
     """Make JAX's dead-code elimination keep every equation of primitive `p`, though it has no
     effect and no output anything reads: a run-time check (`knowledge.checks.check_p`) whose

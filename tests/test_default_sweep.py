@@ -5,6 +5,8 @@ batch under `vmap`."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -99,6 +101,41 @@ def test_accumulator_is_stored_once_and_gradient_is_jax_grads():
     # K = 100: the accumulator's 100 checkpoints would be 3.3 MB; stored once, 33 kB
     temp = got_fn.lower(q0, k).compile().memory_analysis().temp_size_in_bytes
     assert temp < 1_000_000, temp
+
+
+def _forward_loop(fun, *args):
+    """The first while loop of `jit(fun)`'s lowered program (after JAX's dead-code
+    elimination): the forward run, its carried types on the line."""
+    text = jax.jit(fun).lower(*args).as_text()
+    return next(line for line in text.splitlines() if "stablehlo.while" in line)
+
+
+def test_the_forward_run_drops_an_accumulator_only_the_loss_reads():
+    """`jax.grad` reads no output of the forward run but its residuals: an accumulator that
+    only the loss reads (the value of a sparse dot product, an energy) is not computed at
+    all (JAX's dead-code elimination through the checkpointing loop and the segment loops it
+    nests, which XLA does not do); `value_and_grad` reads the loss, and computes it."""
+
+    def run(state):
+        def step(c, w):
+            x, acc = c
+            x = x + 0.01 * jnp.tanh(x) * w
+            return (x, acc + x[:7] ** 2), None
+
+        return lax.scan(step, state, jnp.linspace(0.5, 1.5, 400))[0]
+
+    default = jr.reversible(run)
+
+    def loss(x, run=default):
+        # (the accumulator's type, 7 float64s, is found in the loops' signatures)
+        return jnp.sum(run((x, jnp.zeros(7)))[1])
+
+    x = jnp.linspace(-1.0, 1.0, 16)
+    np.testing.assert_allclose(jax.grad(loss)(x), jax.grad(partial(loss, run=run))(x), rtol=1e-12)
+    # (the forward run carries x and its checkpoints, 20 x 16; with the loss, the 7 more)
+    assert "tensor<20x16xf64>" in _forward_loop(jax.grad(loss), x)
+    assert "tensor<7xf64>" not in _forward_loop(jax.grad(loss), x)
+    assert "tensor<7xf64>" in _forward_loop(jax.value_and_grad(loss), x)
 
 
 def test_a_default_call_has_no_effect():

@@ -29,6 +29,8 @@ from jaxrev._batching import batch_front, instantiate_tangents
 from jaxrev._cache import call_key, compiled, is_eager, memo
 from jaxrev._compat import (
     ClosedJaxpr,
+    dce_outputs,
+    drop_unused_outputs,
     hoist_consts,
     is_key,
     is_symbolic_zero,
@@ -40,7 +42,14 @@ from jaxrev._env import Env
 from jaxrev._errors import PerformanceWarning
 from jaxrev._evaluate import eval_closed
 from jaxrev._primitive import make_primitive
-from jaxrev._program import Filtered, check_sizes, check_structure, normalize_argnums, trace_program
+from jaxrev._program import (
+    Filtered,
+    avals_of,
+    check_sizes,
+    check_structure,
+    normalize_argnums,
+    trace_program,
+)
 from jaxrev.transforms.knowledge.context import Settings, WalkContext, resolve_on_error
 from jaxrev.transforms.sweep import drift
 from jaxrev.transforms.sweep.backward import (
@@ -85,7 +94,7 @@ def _forward(primals, jaxpr, state, dial):
     """The known part of the split: the forward run, and what the linear part
     `reversible_lin_p` reads besides the tangents (outputs, residuals, parameters and, where
     drift is checked, the true state the caller holds); with the residuals' count."""
-    outs = reversible_store_p.bind(*primals, jaxpr=jaxpr, state=state, dial=dial)
+    outs = reversible_store_p.bind(*primals, jaxpr=jaxpr, state=state, dial=dial, keep=None)
     n_out = len(jaxpr.out_avals)
     outputs, res = outs[:n_out], outs[n_out:]
     params = [x for x, s in zip(primals, state) if not s]
@@ -155,17 +164,40 @@ split into `reversible_store_p` (the forward run) and `reversible_lin_p` (the li
 # --------------------------------------------------------------------------- reversible_store_p
 
 
-def _store_impl(*args, jaxpr, state, dial):
-    return compiled(("store", jaxpr, state, dial), partial(_store_run, jaxpr, state, dial), *args)
+def _store_impl(*args, jaxpr, state, dial, keep):
+    return compiled(
+        ("store", jaxpr, state, dial, keep), partial(_store_run, jaxpr, state, dial, keep), *args
+    )
 
 
-def _store_run(jaxpr, state, dial, *args):
-    outs, res = forward_with_residuals(top_plan(jaxpr, state, dial), args)
-    return [*outs, *res]
+def _store_run(jaxpr, state, dial, keep, *args):
+    plan = top_plan(jaxpr, state, dial)
+
+    def run(*args):
+        outs, res = forward_with_residuals(plan, args)
+        return [*outs, *res]
+
+    if keep is None:
+        return run(*args)
+    # (traced, then without what the outputs kept do not need: JAX's rules drop a loop's
+    # carry that none of them reads from the loop and from the loops it nests, where XLA
+    # drops it from one loop only)
+    closed, consts, _ = trace_to_closed(run, *avals_of(args))
+    return eval_closed(dce_outputs(closed, keep), *consts, *args)
 
 
-def _store_abstract(*avals, jaxpr, state, dial):
-    return [*jaxpr.out_avals, *(shaped(a) for a in res_avals(top_plan(jaxpr, state, dial)))]
+def _store_abstract(*avals, jaxpr, state, dial, keep):
+    avals = [*jaxpr.out_avals, *(shaped(a) for a in res_avals(top_plan(jaxpr, state, dial)))]
+    return avals if keep is None else [a for a, k in zip(avals, keep) if k]
+
+
+def _store_keep(params: dict, used: tuple) -> dict:
+    """The store's parameters for the outputs `used` of those it returns: `jax.grad` reads
+    no output of the forward run but the residuals, and what computes only the others (an
+    accumulator carried to the loss) is not run."""
+    kept = iter(used)
+    keep = params["keep"] or (True,) * len(used)
+    return {**params, "keep": tuple(next(kept) if k else False for k in keep)}
 
 
 def _store_jvp(primals, tangents, **params):
@@ -189,8 +221,10 @@ reversible_store_p = make_primitive(
     jvp=_store_jvp,
     batch=_store_batch,
 )
-"""``reversible_store_p(*operands, jaxpr, state, dial)``: `reversible_p`'s forward run that
-also returns the residuals its backward sweep reads (outputs, then residuals)."""
+"""``reversible_store_p(*operands, jaxpr, state, dial, keep)``: `reversible_p`'s forward run
+that also returns the residuals its backward sweep reads (outputs, then residuals); `keep`
+(None: all) the ones it returns, set by JAX's dead-code elimination."""
+drop_unused_outputs(reversible_store_p, _store_keep)
 
 
 # --------------------------------------------------------------------------- reversible_lin_p

@@ -235,7 +235,14 @@ def segmented(
 
     zero = vary_to(jnp.zeros((), budget_dtype()), axes)
     false = vary_to(jnp.zeros((), bool), axes)
-    end = [jnp.asarray(a, ck.dtype) for a, ck in zip(final.carry, ckpts)]
+    # (an unread carry's rebuilt values nothing reads: swept from its stored start, not the
+    # loop's final value, so that the backward run never reads that value, and the forward
+    # run drops what computes it where the caller does not read it either: `jax.grad`'s
+    # loss, an accumulator: `reversible._store_keep`)
+    end = [
+        ck[0] if compared and not compared[k] else jnp.asarray(a, ck.dtype)
+        for k, (a, ck) in enumerate(zip(final.carry, ckpts))
+    ]
     final = final._replace(carry=end, worst=vary_to(final.worst, axes))
     xs = Slices(slices, length, rev)
     traced = _Traced(bstep, final, xs.read(0))
