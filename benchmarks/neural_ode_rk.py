@@ -299,6 +299,25 @@ def table(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def one_state_plot(rows: list[dict]) -> None:
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
+    steps = [r["steps"] for r in rows]
+    for m, style in zip(ONE_STATE, ("-o", "--s")):
+        axes[0].plot(steps, [r["mem"][m] / 1e6 for r in rows], style, label=m)
+        axes[1].plot(steps, [r["time"][m] for r in rows], style, label=m)
+    for ax, title, unit in ((axes[0], "scratch memory", "MB"), (axes[1], "time", "s")):
+        ax.set_xscale("log")
+        ax.set_xlabel("steps")
+        ax.set_ylabel(unit)
+        ax.set_title(f"{title}, batch as one state")
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(RESULTS, "neural_ode_rk_one_state.png"), dpi=120)
+
+
 def plot(res: dict) -> None:
     plt = pyplot()
     if plt is None:
@@ -335,6 +354,7 @@ def main(argv=None) -> None:
         text = "\n".join(one_state_table(rows)[1:]) + "\n"
         print(text)
         write_results("neural_ode_rk_one_state", {"device": device_info(), "rows": rows}, text)
+        one_state_plot(rows)
         return
     res = run((500,), 2000, reps=2) if a.quick else run()
     text = table(res)
