@@ -19,7 +19,16 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxrev._compat import JaxprEqn, Literal, ScanParams, Var, is_concrete, prims, scan_info
+from jaxrev._compat import (
+    JaxprEqn,
+    Literal,
+    ScanParams,
+    Var,
+    is_concrete,
+    prims,
+    scan_info,
+    user_source,
+)
 from jaxrev._env import Env, Statics, Unknown, is_unknown
 from jaxrev._errors import NotInvertibleError
 from jaxrev._evaluate import evaluate
@@ -363,7 +372,8 @@ def _scan_sweep(P: Plan, i: int, env: Env, ctenv: dict | None, active: set, res:
     )
     carry = tuple(sds(v.aval) for v in cout)
     carry_bytes = sum(size_of([a]) * a.dtype.itemsize for a in carry)
-    K = P.dial.segment(length, carry_bytes)
+    where = f" at {user_source(e)[2]}"  # (named by a budget that cannot be met)
+    K = P.dial.segment(length, carry_bytes, where=where)
     # where the constants' cotangents outweigh a quarter of a segment's work, they are
     # accumulated in place (a share summed from zero per segment would cost their size per
     # segment), and the segments made long enough for their fixed cost (`dial.SEGMENT_WORK`)
@@ -371,7 +381,7 @@ def _scan_sweep(P: Plan, i: int, env: Env, ctenv: dict | None, active: set, res:
     floating = [v.aval for v in consts if jnp.issubdtype(v.aval.dtype, jnp.inexact)]
     large_consts = K is not None and 4 * size_of(floating) >= K * work
     if large_consts:
-        K = P.dial.segment(length, carry_bytes, work)
+        K = P.dial.segment(length, carry_bytes, work, where)
     # an accumulator's value is read by nothing the backward run computes: it is stored once
     # (its start), its drift moves no gradient and goes unchecked, and XLA drops what
     # computes it

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxrev._batching import instantiate_tangents, move_batch, select_batched, vmap_closed, where
-from jaxrev._compat import JaxprEqn, prims, trace_to_closed
+from jaxrev._compat import JaxprEqn, prims, trace_to_closed, user_source
 from jaxrev._env import Env, Unknown, is_unknown
 from jaxrev._errors import not_invertible
 from jaxrev._evaluate import eval_closed
@@ -202,7 +202,8 @@ def _stored_plan(P: Plan, e: JaxprEqn, bp: Plan) -> LoopPlan | None:
     if N is None:
         return None
     carry = tuple(sds(v.aval) for v in e.outvars)
-    K = P.dial.segment(N, sum(size_of([a]) * a.dtype.itemsize for a in carry))
+    carry_bytes = sum(size_of([a]) * a.dtype.itemsize for a in carry)
+    K = P.dial.segment(N, carry_bytes, where=f" at {user_source(e)[2]}")
     if not res_avals(bp) and K is None:
         return None
     return LoopPlan(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -22,6 +23,7 @@ import jax.numpy as jnp
 
 from jaxrev._batching import where
 from jaxrev._compat import prims
+from jaxrev._errors import PerformanceWarning
 from jaxrev._graph import mentions
 from jaxrev.transforms.knowledge.context import Settings
 from jaxrev.transforms.sweep.drift import Budget, budget_dtype, ratio, site, values_tol
@@ -108,7 +110,9 @@ class Dial:
     def checks(self) -> bool:
         return self.on_drift != "ignore"
 
-    def segment(self, length: int, carry_bytes: int, step_work: int | None = None) -> int | None:
+    def segment(
+        self, length: int, carry_bytes: int, step_work: int | None = None, where: str = ""
+    ) -> int | None:
         """K for a loop of `length` iterations whose carry takes `carry_bytes`; None: the loop
         is fully reversible (no checkpoints). "auto" takes ⌈√T⌉ (or, where one lies within a
         quarter of it, a length that divides T: `_dividing`); given `step_work`, the
@@ -117,7 +121,9 @@ class Dial:
         a segment's fixed cost (its loops and check: `SEGMENT_WORK`) stays a small share of
         theirs, up to 4⌈√T⌉, so that a segment's carries stay few beside the loop's length
         (under the repairing dial only: a miss is recomputed there, where elsewhere the
-        drift of a longer segment would raise)."""
+        drift of a longer segment would raise). A `memory_budget` too small for the repairing
+        dial's least (`_repair_slots`) gets that least and a `PerformanceWarning` naming the
+        loop (`where`: " at <its line>")."""
         if length <= 0:
             return None
         if isinstance(self.every, int):
@@ -126,11 +132,28 @@ class Dial:
             slots = max(1, int(self.budget // max(carry_bytes, 1)))
             if not self.repair:
                 return max(1, math.ceil(length / slots))
-            # a repair stores a segment's K carries besides the ⌈T/K⌉ checkpoints
-            for K in range(1, math.isqrt(length) + 2):  # ⌈T/K⌉ + K is least near √T
-                if math.ceil(length / K) + K <= slots:
-                    return K
-            return max(1, math.ceil(length / max(1, slots // 2)))
+            # the most checkpoints that leave room for a repair (a segment's carries)
+            K = next(
+                (K for K in range(1, min(slots, length) + 1) if _repair_slots(length, K) <= slots),
+                None,
+            )
+            if K is None:
+                K = min(
+                    range(1, min(length, 2 * math.isqrt(length) + 2) + 1),
+                    key=lambda K: _repair_slots(length, K),
+                )
+                warnings.warn(
+                    f"jaxrev.reversible({self.name}): memory_budget={self.budget} bytes holds "
+                    f"{slots} carries of {carry_bytes} bytes for the loop{where}, whose "
+                    f"{length} iterations checkpointed with repairs need at least "
+                    f"{_repair_slots(length, K)} (the checkpoints and one segment's carries, "
+                    f"K = {K}): it takes those, {_repair_slots(length, K) * carry_bytes} "
+                    "bytes. Ways out: a larger budget, on_drift='raise' (the checkpoints "
+                    "alone, no repair), or checkpoint_every=None (fully reversible).",
+                    PerformanceWarning,
+                    stacklevel=2,
+                )
+            return K
         if self.every == "auto" and self.on_drift != "ignore":
             K = math.ceil(math.sqrt(length))
             if step_work and self.repair:  # (elsewhere a longer segment raises sooner)
@@ -161,6 +184,14 @@ class Dial:
             return float(self.rtol)
         eps = float(jnp.finfo(dtype).eps)
         return max(math.sqrt(eps), min(steps * eps / 2, 0.5))
+
+
+def _repair_slots(length: int, K: int) -> int:
+    """The carries a loop of `length` iterations holds under the repairing dial with segments
+    of K: ⌈T/K⌉ checkpoints and a recomputed segment's K carries, plus the shorter first
+    segment's (T mod K), which is recomputed by a loop of its own whose carries XLA keeps
+    apart (`segments.segmented`)."""
+    return math.ceil(length / K) + K + length % K
 
 
 def _dividing(length: int, K: int) -> int:
