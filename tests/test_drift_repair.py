@@ -431,3 +431,42 @@ def test_a_while_loop_inside_a_custom_jvp_leaves_a_body_recomputable():
     bare = jax.make_jaxpr(lambda c: lax.while_loop(lambda z: z < 3.0, lambda z: z + 1.0, c))(1.0)
     assert recomputable(implicit) and not recomputable(bare)
     assert float(jax.grad(cbrt)(8.0)) == pytest.approx(1 / 12)
+
+
+def test_the_shorter_first_segment_is_repaired_in_the_full_segments_loop():
+    """With K not dividing T the first segment is shorter (T mod K iterations); a repair
+    recomputes it in the full segments' loop (as a full segment from the loop's start, its
+    first T mod K iterations pulled back), so its carries are not held apart from theirs:
+    at T = 400, K = 30 holds 14 checkpoints and 30 carries, fewer than K = 40's 10 and 40
+    (with the shorter segment's 10 apart, more). Every segment is recomputed (the coupled
+    scan drifts), each iteration once, and the gradients, the per-iteration inputs' included,
+    are jax.grad's."""
+    T, n = 400, 256
+
+    def f(c, ws, th):
+        def body(c, w):
+            x = c[0] + jnp.tanh(th[0] * c[1] + w)
+            return (x, c[1] + jnp.sin(th[1] * x)), None
+
+        return lax.scan(body, c, ws)[0]
+
+    def loss(fn):
+        return lambda c, ws, th: jnp.sum(fn(c, ws, th)[0] ** 2)
+
+    c = (jnp.linspace(0.0, 1.0, n), jnp.linspace(1.0, 2.0, n))
+    ws = 0.01 * jnp.sin(jnp.arange(T * n, dtype=jnp.float64)).reshape(T, n)
+    th = jnp.array([0.9, 1.1])
+    ref = jax.jit(jax.grad(loss(f), (0, 1, 2)))(c, ws, th)
+
+    def temp(K):
+        g = jax.jit(jax.grad(loss(jr.reversible(f, checkpoint_every=K)), (0, 1, 2)))
+        return g.lower(c, ws, th).compile().memory_analysis().temp_size_in_bytes
+
+    seen = []
+    g = jax.jit(
+        jax.grad(loss(jr.reversible(f, checkpoint_every=30, report=seen.append)), (0, 1, 2))
+    )
+    assert rel_error(g(c, ws, th), ref) < 1e-10
+    (loop,) = seen[-1].loops
+    assert (int(loop.repaired), int(loop.recomputed), loop.segments) == (14, T, 14)
+    assert temp(30) < temp(40)

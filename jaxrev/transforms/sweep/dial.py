@@ -188,18 +188,17 @@ class Dial:
 
 def _repair_slots(length: int, K: int) -> int:
     """The carries a loop of `length` iterations holds under the repairing dial with segments
-    of K: ⌈T/K⌉ checkpoints and a recomputed segment's K carries, plus the shorter first
-    segment's (T mod K), which is recomputed by a loop of its own whose carries XLA keeps
-    apart (`segments.segmented`)."""
-    return math.ceil(length / K) + K + length % K
+    of K: ⌈T/K⌉ checkpoints and a recomputed segment's K carries (the shorter first segment
+    is recomputed in the same loop: `segments.segmented`)."""
+    return math.ceil(length / K) + K
 
 
 def _dividing(length: int, K: int) -> int:
     """K, or the nearest segment length within a quarter of it that divides `length`: a loop
-    whose length K divides has no shorter first segment, which its forward and backward runs
-    (`segments.segmented`) emit as a second copy of their segment loops, which XLA compiles
-    again. The checkpoints and a segment's carries, ⌈T/K⌉ + K, change by at most a
-    quarter."""
+    whose length K divides has no shorter first segment, which its forward run and its first
+    backward sweep (`segments.segmented`) emit as a second copy of their segment loops,
+    which XLA compiles again. The checkpoints and a segment's carries, ⌈T/K⌉ + K, change by
+    at most a quarter."""
     if length % K == 0:
         return K
     for d in range(1, max(1, K // 4) + 1):

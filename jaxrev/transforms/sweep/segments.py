@@ -210,10 +210,10 @@ def segmented(
     exact cotangent. Under the repairing dial, after a miss (a ratio above 1, a non-finite
     cotangent, or constants' cotangents non-finite at the end) a second sweep under a `cond`
     recomputes every segment from its checkpoint. Each sweep is a `scan` over the full
-    segments (a shorter first one a loop of its own) with loops of known length, so that the
-    backward run can itself be differentiated in reverse mode, and no `cond` around the
-    constants' cotangents or the output buffers inside (XLA would copy them through it). A
-    loop that does not drift pays one fused sweep and the checks. Returns the start's
+    segments (the first sweep's shorter first one a loop of its own) with loops of known
+    length, so that the backward run can itself be differentiated in reverse mode, and no
+    `cond` around the constants' cotangents or the output buffers inside (XLA would copy them
+    through it). A loop that does not drift pays one fused sweep and the checks. Returns the start's
     `BackCarry` (its carry: the first checkpoint), the per-iteration outputs and the `Tally`
     of what was recomputed."""
     # the first segment (in iteration order) has `rest` iterations, the `nseg` after it K
@@ -270,15 +270,18 @@ def segmented(
 
         return lax.fori_loop(0, n, iteration, (back, bufs))
 
-    def sweep_segment(state, repairing, seg, n, stored):
+    def sweep_segment(state, repairing, seg, n, stored, live=None):
         """The segment `seg` of n iterations (a count known when traced), from `state` at its
         end: swept by the fused step and checked, or (`repairing`: the second sweep)
-        recomputed from its checkpoint `stored`. Returns the state at its start, whose carry
-        is its checkpoint."""
+        recomputed from its checkpoint `stored`. `live` (repairing only; None: n): the
+        iterations that are the segment's, the rest the next segment's, recomputed and
+        pulled back through with nothing (the shorter first segment, in the full segments'
+        loop). Returns the state at its start, whose carry is its checkpoint."""
+        steps = n if live is None else live
 
         def pulled(part):
             if repairing:
-                again = redo(stored, part.carry_ct, part.consts_ct, seg, n, part.bufs)
+                again = redo(stored, part.carry_ct, part.consts_ct, seg, n, part.bufs, live=live)
                 return part._replace(
                     carry=stored,
                     carry_ct=again.carry_ct,
@@ -299,7 +302,9 @@ def segmented(
         new = new._replace(carry=stored, worst=vary_to(new.worst, axes))
         if check is None:
             return new
-        checked = check(rebuilt, stored, new.carry_ct, state.carry, state.carry_ct, n, state.budget)
+        checked = check(
+            rebuilt, stored, new.carry_ct, state.carry, state.carry_ct, steps, state.budget
+        )
         new = new._replace(
             worst=vary_to(combine(new.worst, (checked.ratio, checked.site)), axes),
             budget=vary_to(checked.budget, axes),
@@ -307,7 +312,7 @@ def segmented(
         if redo is None:
             return new
         if repairing:
-            tally = Tally(state.tally.repaired + 1, state.tally.recomputed + n)
+            tally = Tally(state.tally.repaired + 1, state.tally.recomputed + steps)
             return new._replace(tally=vary_to(_tmap(lambda a: a.astype(jnp.int32), tally), axes))
         missed = decided(~(checked.ratio <= 1.0) | ~finite(new.carry_ct))
         return new._replace(missed=state.missed | missed)
@@ -315,7 +320,18 @@ def segmented(
     def sweep(state, repairing):
         """Every segment from the loop's end: a `scan` over the full ones, then the shorter
         first one (loops of known length, so that the backward run can itself be
-        differentiated in reverse mode: `jax.grad` of a `jax.grad`)."""
+        differentiated in reverse mode: `jax.grad` of a `jax.grad`). The repair takes the
+        shorter one in the same `scan`, as a full segment from the loop's start of which
+        the first `rest` iterations are pulled back: as a loop of its own, its carries
+        would be held apart from the full segments' (XLA does not share the two)."""
+        if repairing and rest and nseg:
+
+            def any_one(state, j):  # (j = 0: the shorter first segment)
+                seg = xs.at(jnp.where(j == 0, 0, rest + (j - 1) * K))
+                live = jnp.where(j == 0, rest, K)
+                return sweep_segment(state, True, seg, K, stored_at(j), live), None
+
+            return lax.scan(any_one, state, jnp.arange(nseg + 1), reverse=True)[0]
         if nseg:
 
             def one(state, j):
@@ -458,13 +474,15 @@ def body_redo(
         it = iter(new)
         return [next(it) if f else v for v, f in zip(vals, flags)]
 
-    def redo(start, carry_ct, consts_ct, seg, n, bufs=None, stop=None):
+    def redo(start, carry_ct, consts_ct, seg, n, bufs=None, stop=None, live=None):
         """`start`: the segment's stored start; `carry_ct`, `consts_ct`: the cotangents at its
         end; `seg`: the segment's `Slices` (`NO_SLICES`: a while loop's), whose outputs (the
         `xs` cotangents) go into `bufs`; `stop` (a while loop's last segment, shorter than K):
-        iterations from `stop` on are not run. Returns a `Pulled`."""
+        iterations from `stop` on are not run; `live` (a scan's shorter first segment, run
+        as a full one): iterations from `live` on run, as the loop runs them, but nothing is
+        pulled back through them (they are the next segment's). Returns a `Pulled`."""
         stacked = carries(start, seg, n, stop)
-        return pull(stacked, carry_ct, consts_ct, seg, n, bufs, stop)
+        return pull(stacked, carry_ct, consts_ct, seg, n, bufs, stop if live is None else live)
 
     def pull(stacked, carry_ct, consts_ct, seg, n, bufs=None, stop=None):
         """The cotangents pulled back through the segment `seg` of n iterations by the body's
@@ -488,7 +506,13 @@ def body_redo(
                 ]
             bufs = pulled.bufs
             if bufs is not None:
-                bufs = seg.write(bufs, j, ([], list(g_xs)))
+                outs = ([], list(g_xs))
+                if live is not None:  # (a row past the segment is the next segment's)
+                    kept = Slices(bufs, seg.length, seg.rev, seg.start).read(j)
+                    outs = _tmap(
+                        lambda a, b: select_batched(live, a.astype(b.dtype), b), outs, kept
+                    )
+                bufs = seg.write(bufs, j, outs)
             return Pulled(g_carry, g_consts, bufs)
 
         def pull_back(pulled, carry_j, row, live):
