@@ -137,8 +137,10 @@ class ReversibleAdjoint(diffrax.AbstractAdjoint):
         buf0 = jtu.tree_map(
             lambda y: jnp.zeros((s_all.shape[0],) + jnp.shape(y), jnp.result_type(y)), y0
         )
+        solve = partial(_run, template=jax.eval_shape(lambda: full0))
+        solve.__name__ = "ReversibleAdjoint"  # (what jaxrev's messages call the solve)
         run = reversible(
-            partial(_run, template=jax.eval_shape(lambda: full0)),
+            solve,
             checkpoint_every=self.checkpoint_every,
             memory_budget=self.memory_budget,
             on_drift=self.on_drift,

@@ -298,6 +298,24 @@ def _temp(g, *a):
     return jax.jit(g).lower(*a).compile().memory_analysis().temp_size_in_bytes
 
 
+def test_a_memory_budget_picks_the_most_checkpoints_that_leave_room_for_a_repair():
+    """`Dial.segment` under `memory_budget`: the repairing dial takes the smallest K whose
+    ⌈T/K⌉ checkpoints and K carries of a recomputed segment fit; below the least (64
+    carries for T = 1000, K = 28) it takes that least and warns, naming the loop; the
+    dials that do not repair store ⌈T/slots⌉-long segments, all slots checkpoints."""
+    from jaxrev.transforms.sweep.dial import Dial
+
+    carry = 8000
+    repairing = Dial(every="auto", budget=125 * carry, on_drift="repair")
+    assert repairing.segment(1000, carry) == 9  # 112 + 9 carries
+    with pytest.warns(jr.PerformanceWarning, match=r"at here\.py:1, whose 1000 iterations"):
+        assert (
+            Dial(budget=25 * carry, on_drift="repair").segment(1000, carry, where=" at here.py:1")
+            == 28
+        )
+    assert Dial(budget=25 * carry, on_drift="raise").segment(1000, carry) == 40
+
+
 def test_memory_follows_the_dial():
     """Checkpoints are T / K carries; a budget bounds them; memory_report lists them."""
 

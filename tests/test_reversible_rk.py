@@ -19,6 +19,7 @@ jax.config.update("jax_enable_x64", True)
 diffrax = pytest.importorskip("diffrax")
 eqx = pytest.importorskip("equinox")
 
+import jaxrev as jr  # noqa: E402
 from jaxrev.diffrax import Reversible, ReversibleAdjoint  # noqa: E402
 
 SOLVERS = ["Euler", "Heun", "Midpoint", "Ralston", "Bosh3", "Tsit5", "Dopri5", "Dopri8"]
@@ -215,6 +216,19 @@ def test_memory_is_flat_in_the_number_of_steps():
 
     small, large = temp(1000), temp(16000)
     assert large <= small * 1.05 + 1024, (small, large)
+
+
+@pytest.mark.slow  # (its two compiles; the dial's choice itself: tests/test_drift.py)
+def test_a_memory_budget_the_repair_cannot_meet_is_said_and_the_gradient_kept():
+    """`ReversibleAdjoint(memory_budget=...)` below what a repairing solve needs (the
+    checkpoints and one segment's carries) takes that least and warns, naming the adjoint;
+    the gradient is diffrax's (RecursiveCheckpointAdjoint through the same solve)."""
+    solver = Reversible(diffrax.Tsit5())
+    steps = dict(dt0=1.0 / 50, max_steps=50)
+    ref = value_and_grads(diffrax.RecursiveCheckpointAdjoint(), solver, **steps)
+    with pytest.warns(jr.PerformanceWarning, match=r"ReversibleAdjoint.*memory_budget=200 "):
+        got = value_and_grads(ReversibleAdjoint(memory_budget=200), solver, **steps)
+    assert_close(got, ref, 1e-10)
 
 
 def test_solvers_that_cannot_be_made_reversible_are_refused():
