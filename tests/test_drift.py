@@ -300,14 +300,17 @@ def _temp(g, *a):
 
 def test_a_memory_budget_picks_the_most_checkpoints_that_leave_room_for_a_repair():
     """`Dial.segment` under `memory_budget`: the repairing dial takes the smallest K whose
-    ⌈T/K⌉ checkpoints and K carries of a recomputed segment fit; below the least (64
-    carries for T = 1000, K = 28) it takes that least and warns, naming the loop; the
-    dials that do not repair store ⌈T/slots⌉-long segments, all slots checkpoints."""
+    ⌈T/K⌉ checkpoints and K carries of a recomputed segment fit, or a length within a
+    quarter of it that divides T and fits (no shorter first segment: one copy of the
+    segment loops); below the least (64 carries for T = 1000, K = 28) it takes that least
+    and warns, naming the loop; the dials that do not repair store ⌈T/slots⌉-long segments,
+    all slots checkpoints."""
     from jaxrev.transforms.sweep.dial import Dial
 
     carry = 8000
     repairing = Dial(every="auto", budget=125 * carry, on_drift="repair")
-    assert repairing.segment(1000, carry) == 9  # 112 + 9 carries
+    assert repairing.segment(1000, carry) == 10  # 100 + 10 carries (K = 9: 112 + 9)
+    assert repairing.segment(997, carry) == 9  # (997 is prime: 111 + 9)
     with pytest.warns(jr.PerformanceWarning, match=r"at here\.py:1, whose 1000 iterations"):
         assert (
             Dial(budget=25 * carry, on_drift="repair").segment(1000, carry, where=" at here.py:1")

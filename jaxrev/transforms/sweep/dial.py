@@ -137,22 +137,31 @@ class Dial:
                 (K for K in range(1, min(slots, length) + 1) if _repair_slots(length, K) <= slots),
                 None,
             )
-            if K is None:
-                K = min(
-                    range(1, min(length, 2 * math.isqrt(length) + 2) + 1),
-                    key=lambda K: _repair_slots(length, K),
+            if K is not None:  # (or a length within a quarter that divides T and fits too)
+                return next(
+                    (
+                        d
+                        for d in range(K, min(K + K // 4, length) + 1)
+                        if length % d == 0 and _repair_slots(length, d) <= slots
+                    ),
+                    K,
                 )
-                warnings.warn(
-                    f"jaxrev.reversible({self.name}): memory_budget={self.budget} bytes holds "
-                    f"{slots} carries of {carry_bytes} bytes for the loop{where}, whose "
-                    f"{length} iterations checkpointed with repairs need at least "
-                    f"{_repair_slots(length, K)} (the checkpoints and one segment's carries, "
-                    f"K = {K}): it takes those, {_repair_slots(length, K) * carry_bytes} "
-                    "bytes. Ways out: a larger budget, on_drift='raise' (the checkpoints "
-                    "alone, no repair), or checkpoint_every=None (fully reversible).",
-                    PerformanceWarning,
-                    stacklevel=2,
-                )
+            # (the least, a length that divides T first among those: `_dividing`)
+            K = min(
+                range(1, min(length, 2 * math.isqrt(length) + 2) + 1),
+                key=lambda K: (_repair_slots(length, K), length % K != 0, K),
+            )
+            warnings.warn(
+                f"jaxrev.reversible({self.name}): memory_budget={self.budget} bytes holds "
+                f"{slots} carries of {carry_bytes} bytes for the loop{where}, whose "
+                f"{length} iterations checkpointed with repairs need at least "
+                f"{_repair_slots(length, K)} (the checkpoints and one segment's carries, "
+                f"K = {K}): it takes those, {_repair_slots(length, K) * carry_bytes} "
+                "bytes. Ways out: a larger budget, on_drift='raise' (the checkpoints "
+                "alone, no repair), or checkpoint_every=None (fully reversible).",
+                PerformanceWarning,
+                stacklevel=2,
+            )
             return K
         if self.every == "auto" and self.on_drift != "ignore":
             K = math.ceil(math.sqrt(length))
