@@ -299,24 +299,32 @@ def _temp(g, *a):
 
 
 def test_a_memory_budget_picks_the_most_checkpoints_that_leave_room_for_a_repair():
-    """`Dial.segment` under `memory_budget`: the repairing dial takes the smallest K whose
+    """`Dial.levels` under `memory_budget`: the repairing dial takes the smallest K whose
     ⌈T/K⌉ checkpoints and K carries of a recomputed segment fit, or a length within a
     quarter of it that divides T and fits (no shorter first segment: one copy of the
-    segment loops); below the least (64 carries for T = 1000, K = 28) it takes that least
-    and warns, naming the loop; the dials that do not repair store ⌈T/slots⌉-long segments,
-    all slots checkpoints."""
+    segment loops); below that (about 2√T carries: 64 for T = 1000), segments of L²
+    recomputed L at a time, ⌈T/L²⌉ + 2L carries, the least L that fits; below those (30 at
+    L = 10) the least, and a warning naming the loop; the dials that do not repair store
+    ⌈T/slots⌉-long segments, all slots checkpoints."""
     from jaxrev.transforms.sweep.dial import Dial
 
     carry = 8000
-    repairing = Dial(every="auto", budget=125 * carry, on_drift="repair")
-    assert repairing.segment(1000, carry) == 10  # 100 + 10 carries (K = 9: 112 + 9)
-    assert repairing.segment(997, carry) == 9  # (997 is prime: 111 + 9)
-    with pytest.warns(jr.PerformanceWarning, match=r"at here\.py:1, whose 1000 iterations"):
-        assert (
-            Dial(budget=25 * carry, on_drift="repair").segment(1000, carry, where=" at here.py:1")
-            == 28
-        )
-    assert Dial(budget=25 * carry, on_drift="raise").segment(1000, carry) == 40
+
+    def levels(slots, T=1000, on_drift="repair", where=""):
+        return Dial(budget=slots * carry, on_drift=on_drift).levels(T, carry, where)
+
+    assert levels(125) == (10, None)  # 100 + 10 carries (K = 9: 112 + 9)
+    assert levels(125, T=997) == (9, None)  # (997 is prime: 111 + 9)
+    assert levels(64) == (28, None)  # 36 + 28
+    assert levels(50) == (25, 5)  # 40 + 5 + 5
+    assert levels(40) == (36, 6)  # 28 + 6 + 6
+    with pytest.warns(jr.PerformanceWarning, match=r"at here\.py:1, whose 1000 iterations.*30"):
+        assert levels(25, where=" at here.py:1") == (100, 10)
+    assert levels(25, on_drift="raise") == (40, None)
+    with pytest.warns(jr.PerformanceWarning):
+        assert Dial(budget=25 * carry, on_drift="repair").segment(1000, carry) == 100
+    assert Dial(budget=25 * carry, on_drift="repair").sub_segment(1000, 100, carry) == 10
+    assert Dial(budget=64 * carry, on_drift="repair").sub_segment(1000, 28, carry) is None
 
 
 def test_memory_follows_the_dial():
@@ -346,11 +354,11 @@ def test_memory_follows_the_dial():
     rbudget = 80 * carry  # repairing: the checkpoints and one segment's carries fit
     mb = _temp(grad(memory_budget=rbudget), c, 0.5)
     assert mb - m[None] <= rbudget * 1.25
-    # repairing under a budget below its least (⌈T/K⌉ + K carries, 64 at K = 28): that least,
-    # and a warning naming the loop's line
-    with pytest.warns(jr.PerformanceWarning, match=r"test_drift.py:\d+.*need at least 64"):
+    # repairing under a budget below its least (segments of L² recomputed L at a time,
+    # ⌈T/L²⌉ + 2L carries, 30 at L = 10): that least, and a warning naming the loop's line
+    with pytest.warns(jr.PerformanceWarning, match=r"test_drift.py:\d+.*need at least 30"):
         small = _temp(grad(memory_budget=budget), c, 0.5)
-    assert small - m[None] <= 64 * carry * 1.25
+    assert small - m[None] <= 30 * carry * 1.25
     # the default: ⌈√T⌉ checkpoints and a segment's carries, 2√T carries in all
     md = _temp(grad(), c, 0.5)
     assert md - m[None] <= 2 * 32 * carry * 1.25

@@ -470,3 +470,62 @@ def test_the_shorter_first_segment_is_repaired_in_the_full_segments_loop():
     (loop,) = seen[-1].loops
     assert (int(loop.repaired), int(loop.recomputed), loop.segments) == (14, T, 14)
     assert temp(30) < temp(40)
+
+
+def test_a_budget_below_one_segments_carries_recomputes_in_two_levels():
+    """`memory_budget` too small for the checkpoints and one segment's carries (⌈T/K⌉ + K,
+    21 carries at least for T = 103): segments of L² = 16 iterations, each recomputed 4 at
+    a time from 4 marks (⌈103/16⌉ + 4 + 4 = 15 carries), the shorter first one (7
+    iterations) among them. The coupled scan drifts, so every segment is recomputed, each
+    iteration once; the gradients, its per-iteration inputs' included, are jax.grad's, under
+    jit, eagerly, second order and vmapped; a bounded while loop recomputes alike."""
+    T, n = 103, 16
+    budget = 16 * 2 * n * 8  # 16 carries of 2 x 16 float64
+
+    def f(c, ws, th):
+        def body(c, w):
+            x = c[0] + jnp.tanh(th[0] * c[1] + w)
+            return (x, c[1] + jnp.sin(th[1] * x)), None
+
+        return lax.scan(body, c, ws)[0]
+
+    def loss(fn):
+        return lambda c, ws, th: jnp.sum(fn(c, ws, th)[0] ** 2) + jnp.sum(jnp.cos(fn(c, ws, th)[1]))
+
+    c = (jnp.linspace(0.0, 1.0, n), jnp.linspace(1.0, 2.0, n))
+    ws = 0.01 * jnp.sin(jnp.arange(T * n, dtype=jnp.float64)).reshape(T, n)
+    th = jnp.array([0.9, 1.1])
+    ref = jax.grad(loss(f), (0, 1, 2))(c, ws, th)
+    seen = []
+    rev = jr.reversible(f, memory_budget=budget, report=seen.append)
+    for g in (jax.jit(jax.grad(loss(rev), (0, 1, 2))), jax.grad(loss(rev), (0, 1, 2))):
+        assert rel_error(g(c, ws, th), ref) < 1e-10
+        (lp,) = seen[-1].loops
+        assert (lp.segments, int(lp.repaired), int(lp.recomputed)) == (7, 7, T)
+    plain = jr.reversible(f, memory_budget=budget)
+
+    def second(fn):
+        return jax.grad(lambda th: jnp.sum(jax.grad(loss(fn), 2)(c, ws, th) ** 2))(th)
+
+    assert rel_error(jax.jit(lambda: second(plain))(), second(f)) < 1e-8
+    ths = jnp.stack([th, 0.5 * th])
+    got = jax.jit(jax.vmap(lambda t: jax.grad(loss(plain), 2)(c, ws, t)))(ths)
+    assert rel_error(got, jax.vmap(lambda t: jax.grad(loss(f), 2)(c, ws, t))(ths)) < 1e-10
+
+    def w(c, th, bounded=True):
+        def body(s):
+            i, (x, y) = s
+            x = x + jnp.tanh(th[0] * y)
+            return i + 1, (x, y + jnp.sin(th[1] * x))
+
+        if not bounded:  # (the reference: jax.grad of a while loop is refused)
+            return lax.fori_loop(0, T, lambda i, s: body(s), (0, c))[1]
+        return lax.while_loop(lambda s: s[0] < T, body, (0, c))[1]
+
+    def wloss(fn):
+        return lambda c, th: jnp.sum(fn(c, th)[0] ** 2)
+
+    # (16 carries of the counter and 2 x 16 float64: 128 steps in segments of 16, by 4)
+    wrev = jr.reversible(w, memory_budget=16 * 264, max_steps=128)
+    wref = jax.grad(wloss(lambda c, th: w(c, th, False)), (0, 1))(c, th)
+    assert rel_error(jax.jit(jax.grad(wloss(wrev), (0, 1)))(c, th), wref) < 1e-10

@@ -435,6 +435,7 @@ def _scan_sweep(P: Plan, i: int, env: Env, ctenv: dict | None, active: set, res:
             all(xk),
             res.planning,
             compared,
+            P.dial.sub_segment(length, K, carry_bytes),
         )
         (c_first, c_first_ct, k_ct, w), (x_rec, x_ct), tally = segmented(
             bstep,

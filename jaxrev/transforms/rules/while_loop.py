@@ -195,6 +195,11 @@ def _masked_step(
     )
 
 
+def _bytes(avals: Any) -> int:
+    """The bytes of a carry's avals (what the dial's budget counts)."""
+    return sum(size_of([a]) * a.dtype.itemsize for a in avals)
+
+
 def _stored_plan(P: Plan, e: JaxprEqn, bp: Plan) -> LoopPlan | None:
     """The plan of a `lax.while_loop` bounded by the dial's `max_steps`, when it stores
     anything: its body's residuals per iteration (a lossy body), checkpoints of its carry."""
@@ -202,8 +207,7 @@ def _stored_plan(P: Plan, e: JaxprEqn, bp: Plan) -> LoopPlan | None:
     if N is None:
         return None
     carry = tuple(sds(v.aval) for v in e.outvars)
-    carry_bytes = sum(size_of([a]) * a.dtype.itemsize for a in carry)
-    K = P.dial.segment(N, carry_bytes, where=f" at {user_source(e)[2]}")
+    K = P.dial.segment(N, _bytes(carry), where=f" at {user_source(e)[2]}")
     if not res_avals(bp) and K is None:
         return None
     return LoopPlan(
@@ -264,6 +268,7 @@ def _stored_sweep(
             (),
             True,
             res.planning,
+            sub=P.dial.sub_segment(lp.max_steps, K, _bytes(lp.carry)),
         )
         if K is not None
         else (None, None)

@@ -121,48 +121,14 @@ class Dial:
         a segment's fixed cost (its loops and check: `SEGMENT_WORK`) stays a small share of
         theirs, up to 4⌈√T⌉, so that a segment's carries stay few beside the loop's length
         (under the repairing dial only: a miss is recomputed there, where elsewhere the
-        drift of a longer segment would raise). A `memory_budget` too small for the repairing
-        dial's least (`_repair_slots`) gets that least and a `PerformanceWarning` naming the
-        loop (`where`: " at <its line>")."""
+        drift of a longer segment would raise). Under `memory_budget`, `levels`' K (`where`:
+        " at <the loop's line>", for its warning)."""
         if length <= 0:
             return None
         if isinstance(self.every, int):
             return min(self.every, length)
         if self.budget is not None:
-            slots = max(1, int(self.budget // max(carry_bytes, 1)))
-            if not self.repair:
-                return max(1, math.ceil(length / slots))
-            # the most checkpoints that leave room for a repair (a segment's carries)
-            K = next(
-                (K for K in range(1, min(slots, length) + 1) if _repair_slots(length, K) <= slots),
-                None,
-            )
-            if K is not None:  # (or a length within a quarter that divides T and fits too)
-                return next(
-                    (
-                        d
-                        for d in range(K, min(K + K // 4, length) + 1)
-                        if length % d == 0 and _repair_slots(length, d) <= slots
-                    ),
-                    K,
-                )
-            # (the least, a length that divides T first among those: `_dividing`)
-            K = min(
-                range(1, min(length, 2 * math.isqrt(length) + 2) + 1),
-                key=lambda K: (_repair_slots(length, K), length % K != 0, K),
-            )
-            warnings.warn(
-                f"jaxrev.reversible({self.name}): memory_budget={self.budget} bytes holds "
-                f"{slots} carries of {carry_bytes} bytes for the loop{where}, whose "
-                f"{length} iterations checkpointed with repairs need at least "
-                f"{_repair_slots(length, K)} (the checkpoints and one segment's carries, "
-                f"K = {K}): it takes those, {_repair_slots(length, K) * carry_bytes} "
-                "bytes. Ways out: a larger budget, on_drift='raise' (the checkpoints "
-                "alone, no repair), or checkpoint_every=None (fully reversible).",
-                PerformanceWarning,
-                stacklevel=2,
-            )
-            return K
+            return self.levels(length, carry_bytes, where)[0]
         if self.every == "auto" and self.on_drift != "ignore":
             K = math.ceil(math.sqrt(length))
             if step_work and self.repair:  # (elsewhere a longer segment raises sooner)
@@ -170,6 +136,63 @@ class Dial:
                 K = max(K, min(4 * K, math.ceil(SEGMENT_WORK / step_work)))
             return _dividing(length, max(1, min(K, length)))
         return None
+
+    def levels(self, length: int, carry_bytes: int, where: str = "") -> tuple[int, int | None]:
+        """(K, L) under `memory_budget`: segments of K iterations, and the stretch L by which
+        the repairing dial recomputes a segment in two levels (`segments.body_redo`), None
+        where it keeps the segment's K carries. The budget holds ⌊budget / carry_bytes⌋
+        carries; a dial that does not repair stores ⌈T/slots⌉-long segments. The repairing
+        dial takes the most checkpoints that leave room for one segment's K carries (or a
+        length within a quarter of it that divides T and fits: no shorter first segment);
+        where none fits (⌈T/K⌉ + K is at least about 2√T), K = L² recomputed in two levels,
+        ⌈T/K⌉ + 2L carries (about 3·T^(1/3) at least), the least L that fits; where nothing
+        fits, the least of those, and a `PerformanceWarning` naming the loop (`where`)."""
+        slots = max(1, int(self.budget // max(carry_bytes, 1)))
+        if not self.repair:
+            return max(1, math.ceil(length / slots)), None
+        # the most checkpoints that leave room for a repair (a segment's carries)
+        K = next(
+            (K for K in range(1, min(slots, length) + 1) if _repair_slots(length, K) <= slots),
+            None,
+        )
+        if K is not None:  # (or a length within a quarter that divides T and fits too)
+            return next(
+                (
+                    d
+                    for d in range(K, min(K + K // 4, length) + 1)
+                    if length % d == 0 and _repair_slots(length, d) <= slots
+                ),
+                K,
+            ), None
+        # two levels: segments of L² iterations, each recomputed L at a time
+        squares = range(2, math.isqrt(length) + 1)
+        L = next((L for L in squares if _two_level_slots(length, L) <= slots), None)
+        if L is not None:
+            return L * L, L
+        L = min(squares, key=lambda L: _two_level_slots(length, L), default=1)
+        least = _two_level_slots(length, L) if L > 1 else _repair_slots(length, 1)
+        warnings.warn(
+            f"jaxrev.reversible({self.name}): memory_budget={self.budget} bytes holds "
+            f"{slots} carries of {carry_bytes} bytes for the loop{where}, whose "
+            f"{length} iterations checkpointed with repairs need at least {least} (the "
+            "checkpoints and a segment's carries, recomputed in two levels): it takes "
+            f"those, {least * carry_bytes} bytes. Ways out: a larger budget, "
+            "on_drift='raise' (the checkpoints alone, no repair), or checkpoint_every=None "
+            "(fully reversible).",
+            PerformanceWarning,
+            stacklevel=2,
+        )
+        return (L * L, L) if L > 1 else (1, None)
+
+    def sub_segment(self, length: int, K: int | None, carry_bytes: int) -> int | None:
+        """The stretch L by which a repair recomputes a segment of K iterations in two levels
+        (`levels`), or None (one level: its K carries kept)."""
+        if K is None or self.budget is None or not self.repair:
+            return None
+        with warnings.catch_warnings():  # (`segment` warned already)
+            warnings.simplefilter("ignore", PerformanceWarning)
+            K_budget, L = self.levels(length, carry_bytes)
+        return L if K_budget == K else None
 
     def inner(self, iterations: int | None) -> Dial:
         """The dial of a loop body that runs `iterations` times and whose residuals (an inner
@@ -200,6 +223,12 @@ def _repair_slots(length: int, K: int) -> int:
     of K: ⌈T/K⌉ checkpoints and a recomputed segment's K carries (the shorter first segment
     is recomputed in the same loop: `segments.segmented`)."""
     return math.ceil(length / K) + K
+
+
+def _two_level_slots(length: int, L: int) -> int:
+    """The carries of segments of L² iterations each recomputed in two levels: ⌈T/L²⌉
+    checkpoints, the L starts of a segment's stretches, one stretch's L carries."""
+    return math.ceil(length / (L * L)) + 2 * L
 
 
 def _dividing(length: int, K: int) -> int:
@@ -340,6 +369,7 @@ def segment_checks(
     can_redo: bool,
     planning: bool,
     compared: Sequence[bool] | None = None,
+    sub: int | None = None,
 ) -> tuple[Any, Any]:
     """A checkpointed loop's comparison `check(rebuilt, stored, rebuilt_ct, end, end_ct,
     length, budget) -> SegmentCheck` of each segment's rebuilt start with its checkpoint
@@ -350,7 +380,8 @@ def segment_checks(
     inputs are `nconsts` constants, `ncarry` carries, then `xs`; `active`: which carry
     cotangents, `ys_ct_given`: which of its outputs `ys` come with a cotangent; `compared`
     (None: all): which carries are compared, the others being read by nothing the backward
-    run computes (`_graph.unread_carries`: an accumulator's drift moves no gradient)."""
+    run computes (`_graph.unread_carries`: an accumulator's drift moves no gradient); `sub`:
+    the stretch of a two-level recomputation (`Dial.levels`), or None."""
     if planning or not dial.checks:
         return None, None
 
@@ -361,7 +392,7 @@ def segment_checks(
 
     redo = None
     if dial.repair and can_redo and active is not None and recomputable(body):
-        redo = body_redo(body, nconsts, ncarry, consts, active, ys_ct_given)
+        redo = body_redo(body, nconsts, ncarry, consts, active, ys_ct_given, sub)
     # a segment that cannot be recomputed is held to the relative tolerance, as the call's
     # inputs are: what a repair would fix is not what must raise
     fixed = dial.rtol is not None or (dial.repair and redo is None)

@@ -454,13 +454,19 @@ def body_redo(
     consts: Sequence[Any],
     active: Sequence[bool],
     ys_ct_given: Sequence[bool],
+    sub: int | None = None,
 ) -> Callable:
     """The repairing dial's recomputation of one segment of a loop (for `segmented`): run the
     body forward from the segment's stored start, keeping each iteration's carry (K carries at
     most), then pull the cotangents back by the body's VJP at those exact values, one
-    iteration at a time. Needs every `xs` known (a loop that rebuilds its `xs` is not
-    recomputed). `body`'s inputs are `nconsts` constants, `ncarry` carries, then `xs`;
-    `active`: which of them carry cotangents; `ys_ct_given`: which outputs `ys` have one."""
+    iteration at a time. With `sub` (a length L that divides K: `Dial.levels`, where a
+    `memory_budget` cannot hold K carries), in two levels: the forward run keeps the carry
+    every L iterations (K/L of them), then each stretch of L, from the last, is run again
+    from its start, its L carries kept and pulled back through: K/L + L carries, at the cost
+    of one more forward run of the segment. Needs every `xs` known (a loop that rebuilds its
+    `xs` is not recomputed). `body`'s inputs are `nconsts` constants, `ncarry` carries, then
+    `xs`; `active`: which of them carry cotangents; `ys_ct_given`: which outputs `ys` have
+    one."""
     consts_active = active[:nconsts]
     carry_active = active[nconsts : nconsts + ncarry]
     xs_active = active[nconsts + ncarry :]
@@ -481,8 +487,24 @@ def body_redo(
         iterations from `stop` on are not run; `live` (a scan's shorter first segment, run
         as a full one): iterations from `live` on run, as the loop runs them, but nothing is
         pulled back through them (they are the next segment's). Returns a `Pulled`."""
-        stacked = carries(start, seg, n, stop)
-        return pull(stacked, carry_ct, consts_ct, seg, n, bufs, stop if live is None else live)
+        limit = stop if live is None else live  # (iterations from it on pull nothing back)
+        if sub is None or sub >= n:
+            stacked = carries(start, seg, n, stop)
+            return pull(stacked, carry_ct, consts_ct, seg, n, bufs, limit)
+        stretches = n // sub  # (`sub` divides n: `Dial.levels`)
+        marks = carries(start, seg, n, stop, every=sub)
+
+        def stretch(i, pulled):
+            s = stretches - 1 - i
+            at = s * sub
+            part = seg.at(seg.start + at)
+            begin = [lax.dynamic_index_in_dim(m, s, 0, False) for m in marks]
+            stacked = carries(begin, part, sub, None if stop is None else stop - at)
+            lim = None if limit is None else limit - at
+            return pull(stacked, pulled.carry_ct, pulled.consts_ct, part, sub, pulled.bufs, lim)
+
+        init = Pulled(list(carry_ct), list(consts_ct), bufs)
+        return lax.fori_loop(0, stretches, stretch, init)
 
     def pull(stacked, carry_ct, consts_ct, seg, n, bufs=None, stop=None):
         """The cotangents pulled back through the segment `seg` of n iterations by the body's
@@ -554,20 +576,39 @@ def body_redo(
         init = Pulled(list(carry_ct), list(consts_ct), bufs)
         return lax.fori_loop(0, n, back, init)
 
-    def carries(start, seg, n, stop=None):
-        """The segment's n carries (each iteration's at its start, stacked) recomputed
-        forward from its stored start `start`; `stop` as for `redo`."""
-        stacked = [match_vma(jnp.zeros((n, *jnp.shape(a)), a.dtype), a) for a in start]
+    def carries(start, seg, n, stop=None, every=1):
+        """The segment's n carries (each iteration's at its start, stacked; with `every`,
+        every `every`-th: n / every of them) recomputed forward from its stored start
+        `start`; `stop` as for `redo`."""
+        kept = n // every
+        stacked = [match_vma(jnp.zeros((kept, *jnp.shape(a)), a.dtype), a) for a in start]
 
-        def fwd(j, loop_carry):
-            carry, stacked = loop_carry
-            stacked = [lax.dynamic_update_index_in_dim(s, c, j, 0) for s, c in zip(stacked, carry)]
+        def fwd(j, carry):
             xs_j = StepInputs(*seg.read(j)).xs
             new = list(eval_closed(body, *consts, *carry, *xs_j)[:ncarry])
             if stop is not None:  # per element under vmap
                 new = [select_batched(j < stop, a, b) for a, b in zip(new, carry)]
-            return new, stacked
+            return new
 
-        return lax.fori_loop(0, n, fwd, (list(start), stacked))[1]
+        def keep(stacked, carry, r):
+            return [lax.dynamic_update_index_in_dim(s, c, r, 0) for s, c in zip(stacked, carry)]
+
+        if every == 1:
+
+            def one(j, loop_carry):
+                carry, stacked = loop_carry
+                return fwd(j, carry), keep(stacked, carry, j)
+
+            return lax.fori_loop(0, n, one, (list(start), stacked))[1]
+
+        def stretch(r, loop_carry):  # (counted loops: the run stays differentiable)
+            carry, stacked = loop_carry
+            stacked = keep(stacked, carry, r)
+            carry = lax.fori_loop(0, every, lambda k, c: fwd(r * every + k, c), carry)
+            return carry, stacked
+
+        # (the last stretch is not run: nothing after it is kept)
+        carry, stacked = lax.fori_loop(0, kept - 1, stretch, (list(start), stacked))
+        return keep(stacked, carry, kept - 1)
 
     return redo
