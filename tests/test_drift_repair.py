@@ -526,6 +526,10 @@ def test_a_budget_below_one_segments_carries_recomputes_in_two_levels():
         return lambda c, th: jnp.sum(fn(c, th)[0] ** 2)
 
     # (16 carries of the counter and 2 x 16 float64: 128 steps in segments of 16, by 4)
-    wrev = jr.reversible(w, memory_budget=16 * 264, max_steps=128)
+    wrev = jr.reversible(w, memory_budget=16 * 264, max_steps=128, report=seen.append)
     wref = jax.grad(wloss(lambda c, th: w(c, th, False)), (0, 1))(c, th)
     assert rel_error(jax.jit(jax.grad(wloss(wrev), (0, 1)))(c, th), wref) < 1e-10
+    # (the while loop's repairs reported: segments of its bound, each repaired on its own)
+    (lp,) = seen[-1].loops
+    assert (lp.iterations, lp.segment_length, lp.segments) == (128, 16, 8)
+    assert int(lp.repaired) >= 1 and 0 < int(lp.recomputed) <= 16 * int(lp.repaired)

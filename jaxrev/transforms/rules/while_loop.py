@@ -275,7 +275,7 @@ def _stored_sweep(
     )
 
     def back(s):
-        k, c, c_ct, k_ct, w, snap, B = (
+        k, c, c_ct, k_ct, w, snap, B, tally = (
             s.count,
             s.carry,
             s.carry_ct,
@@ -283,6 +283,7 @@ def _stored_sweep(
             s.worst,
             s.snap,
             s.budget,
+            s.tally,
         )
         t = k - 1
         c2, c_ct2, k_ct2, w = _masked_step(
@@ -319,20 +320,30 @@ def _stored_sweep(
                         lambda: (c_ct2, k_ct2),
                     )
                     rho = where(bad, 0.0, rho)
+                    # (per element under vmap: a segment any element recomputed, its most)
+                    tally = (
+                        tally[0] + jnp.any(bad).astype(jnp.int32),
+                        tally[1] + jnp.max(where(bad, m, 0)).astype(jnp.int32),
+                    )
                 w = drift.combine(w, (where(start, rho, 0.0), at))
             c2 = [where(start, a, b) for a, b in zip(ck_j, c2)]
             if redo is not None:
                 snap = jax.tree_util.tree_map(lambda a, b: where(start, a, b), (c_ct2, k_ct2), snap)
-        return WhileBack(k - 1, c2, c_ct2, k_ct2, w, snap, B)
+        return WhileBack(k - 1, c2, c_ct2, k_ct2, w, snap, B, tally)
 
     w0 = drift.no_drift()
     snap0 = (c_ct0, k_ct0) if redo is not None else ()
     B0 = (jnp.zeros((), budget_dtype()), jnp.zeros((), budget_dtype()))
+    tally0 = (jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32))
     end = lax.while_loop(
-        lambda s: s.count > 0, back, WhileBack(jnp.max(n), c0, c_ct0, k_ct0, w0, snap0, B0)
+        lambda s: s.count > 0,
+        back,
+        WhileBack(jnp.max(n), c0, c_ct0, k_ct0, w0, snap0, B0, tally0),
     )
     c_first, c_first_ct, k_ct, w = end.carry, end.carry_ct, end.consts_ct, end.worst
     drift.note(env.ctx.drift, w)
+    if K is not None:  # (its length: the bound, `max_steps`)
+        drift.tally(env.ctx.drift, e, lp.max_steps, K, *end.tally)
     init = e.invars[p["cond_nconsts"] + nbc :]
     loop_cts_out(env, ctenv, LoopEnd(init, c_first, c_first_ct, bc, k_ct), act, nbc)
 
@@ -347,6 +358,7 @@ class WhileBack(NamedTuple):
     worst: tuple  # the worst (ratio, site) so far
     snap: tuple  # (carry_ct, consts_ct) at the last segment's end: a repair restarts there
     budget: tuple  # the gradient budget (rounding, drift), summed per iteration
+    tally: tuple  # (segments recomputed, the iterations they hold) so far
 
 
 # --------------------------------------------------------------------------- lax.while_loop

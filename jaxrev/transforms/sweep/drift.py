@@ -183,7 +183,7 @@ class LoopRepair(NamedTuple):
     **Fields:**
 
     - `where`: the loop's user line.
-    - `iterations`: T, its length.
+    - `iterations`: T, its length (a bounded `while_loop`'s: its bound, `max_steps`).
     - `segment_length`: K, the iterations between two checkpoints.
     - `segments`: ⌈T/K⌉.
     - `repaired`: the segments recomputed forward from their checkpoints (after a miss, every
