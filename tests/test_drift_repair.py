@@ -433,15 +433,9 @@ def test_a_while_loop_inside_a_custom_jvp_leaves_a_body_recomputable():
     assert float(jax.grad(cbrt)(8.0)) == pytest.approx(1 / 12)
 
 
-def test_the_shorter_first_segment_is_repaired_in_the_full_segments_loop():
-    """With K not dividing T the first segment is shorter (T mod K iterations); a repair
-    recomputes it in the full segments' loop (as a full segment from the loop's start, its
-    first T mod K iterations pulled back), so its carries are not held apart from theirs:
-    at T = 400, K = 30 holds 14 checkpoints and 30 carries, fewer than K = 40's 10 and 40
-    (with the shorter segment's 10 apart, more). Every segment is recomputed (the coupled
-    scan drifts), each iteration once, and the gradients, the per-iteration inputs' included,
-    are jax.grad's."""
-    T, n = 400, 256
+def coupled_with_inputs(T, n):
+    """The coupled scan ``x += tanh(0.9 y + w_t); y += sin(1.1 x)`` (it drifts) over T
+    per-iteration inputs w_t of n elements: the function and its arguments (c, ws, th)."""
 
     def f(c, ws, th):
         def body(c, w):
@@ -450,12 +444,25 @@ def test_the_shorter_first_segment_is_repaired_in_the_full_segments_loop():
 
         return lax.scan(body, c, ws)[0]
 
+    c = (jnp.linspace(0.0, 1.0, n), jnp.linspace(1.0, 2.0, n))
+    ws = 0.01 * jnp.sin(jnp.arange(T * n, dtype=jnp.float64)).reshape(T, n)
+    return f, (c, ws, jnp.array([0.9, 1.1]))
+
+
+def test_the_shorter_first_segment_is_repaired_in_the_full_segments_loop():
+    """With K not dividing T the first segment is shorter (T mod K iterations); a repair
+    recomputes it in the full segments' loop (as a full segment from the loop's start, its
+    first T mod K iterations pulled back), so its carries are not held apart from theirs:
+    at T = 400, K = 30 holds 14 checkpoints and 30 carries, fewer than K = 40's 10 and 40
+    (with the shorter segment's 10 apart, more). Every segment is recomputed (the coupled
+    scan drifts), each iteration once, and the gradients, the per-iteration inputs' included,
+    are jax.grad's."""
+    T = 400
+    f, (c, ws, th) = coupled_with_inputs(T, 256)
+
     def loss(fn):
         return lambda c, ws, th: jnp.sum(fn(c, ws, th)[0] ** 2)
 
-    c = (jnp.linspace(0.0, 1.0, n), jnp.linspace(1.0, 2.0, n))
-    ws = 0.01 * jnp.sin(jnp.arange(T * n, dtype=jnp.float64)).reshape(T, n)
-    th = jnp.array([0.9, 1.1])
     ref = jax.jit(jax.grad(loss(f), (0, 1, 2)))(c, ws, th)
 
     def temp(K):
@@ -481,20 +488,11 @@ def test_a_budget_below_one_segments_carries_recomputes_in_two_levels():
     jit, eagerly, second order and vmapped; a bounded while loop recomputes alike."""
     T, n = 103, 16
     budget = 16 * 2 * n * 8  # 16 carries of 2 x 16 float64
-
-    def f(c, ws, th):
-        def body(c, w):
-            x = c[0] + jnp.tanh(th[0] * c[1] + w)
-            return (x, c[1] + jnp.sin(th[1] * x)), None
-
-        return lax.scan(body, c, ws)[0]
+    f, (c, ws, th) = coupled_with_inputs(T, n)
 
     def loss(fn):
         return lambda c, ws, th: jnp.sum(fn(c, ws, th)[0] ** 2) + jnp.sum(jnp.cos(fn(c, ws, th)[1]))
 
-    c = (jnp.linspace(0.0, 1.0, n), jnp.linspace(1.0, 2.0, n))
-    ws = 0.01 * jnp.sin(jnp.arange(T * n, dtype=jnp.float64)).reshape(T, n)
-    th = jnp.array([0.9, 1.1])
     ref = jax.grad(loss(f), (0, 1, 2))(c, ws, th)
     seen = []
     rev = jr.reversible(f, memory_budget=budget, report=seen.append)
