@@ -321,6 +321,8 @@ def test_a_memory_budget_picks_the_most_checkpoints_that_leave_room_for_a_repair
     with pytest.warns(jr.PerformanceWarning, match=r"at here\.py:1, whose 1000 iterations.*30"):
         assert levels(25, where=" at here.py:1") == (100, 10)
     assert levels(25, on_drift="raise") == (40, None)
+    with pytest.warns(jr.PerformanceWarning, match=r"need at least 5 .*recomputed at once"):
+        assert levels(4, T=5) == (2, None)  # (short: one level's 3 + 2, not two levels' 6)
     with pytest.warns(jr.PerformanceWarning):
         assert Dial(budget=25 * carry, on_drift="repair").segment(1000, carry) == 100
     assert Dial(budget=25 * carry, on_drift="repair").sub_segment(1000, 100, carry) == 10

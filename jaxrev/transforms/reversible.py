@@ -319,7 +319,7 @@ def _steps(jaxpr: Any, dial: Dial) -> int:
     steps = 0
     for eqn in jaxpr.eqns:
         length = eqn.params.get("length", 0) if eqn.primitive.name == "scan" else 0
-        steps += length if length and dial.segment(length, 1) is None else 1
+        steps += length if length and not dial.checkpoints(length) else 1
     return steps
 
 

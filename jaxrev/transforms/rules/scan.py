@@ -372,7 +372,8 @@ def _scan_sweep(P: Plan, i: int, env: Env, ctenv: dict | None, active: set, res:
     )
     carry = tuple(sds(v.aval) for v in cout)
     carry_bytes = sum(size_of([a]) * a.dtype.itemsize for a in carry)
-    where = f" at {user_source(e)[2]}"  # (named by a budget that cannot be met)
+    site = user_source(e)[2]
+    where = f" at {site}" if site else ""  # (named by a budget that cannot be met)
     K = P.dial.segment(length, carry_bytes, where=where)
     # where the constants' cotangents outweigh a quarter of a segment's work, they are
     # accumulated in place (a share summed from zero per segment would cost their size per

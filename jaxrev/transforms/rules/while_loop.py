@@ -207,7 +207,8 @@ def _stored_plan(P: Plan, e: JaxprEqn, bp: Plan) -> LoopPlan | None:
     if N is None:
         return None
     carry = tuple(sds(v.aval) for v in e.outvars)
-    K = P.dial.segment(N, _bytes(carry), where=f" at {user_source(e)[2]}")
+    site = user_source(e)[2]
+    K = P.dial.segment(N, _bytes(carry), where=f" at {site}" if site else "")
     if not res_avals(bp) and K is None:
         return None
     return LoopPlan(

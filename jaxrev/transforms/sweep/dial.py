@@ -137,6 +137,13 @@ class Dial:
             return _dividing(length, max(1, min(K, length)))
         return None
 
+    def checkpoints(self, length: int) -> bool:
+        """Whether a loop of `length` iterations is checkpointed (`segment` gives a K)."""
+        if length <= 0:
+            return False
+        auto = self.every == "auto" and self.on_drift != "ignore"
+        return isinstance(self.every, int) or self.budget is not None or auto
+
     def levels(self, length: int, carry_bytes: int, where: str = "") -> tuple[int, int | None]:
         """(K, L) under `memory_budget`: segments of K iterations, and the stretch L by which
         the repairing dial recomputes a segment in two levels (`segments.body_redo`), None
@@ -146,7 +153,8 @@ class Dial:
         length within a quarter of it that divides T and fits: no shorter first segment);
         where none fits (⌈T/K⌉ + K is at least about 2√T), K = L² recomputed in two levels,
         ⌈T/K⌉ + 2L carries (about 3·T^(1/3) at least), the least L that fits; where nothing
-        fits, the least of those, and a `PerformanceWarning` naming the loop (`where`)."""
+        fits, the least of either layout (one level where T is short), and a
+        `PerformanceWarning` naming the loop (`where`)."""
         slots = max(1, int(self.budget // max(carry_bytes, 1)))
         if not self.repair:
             return max(1, math.ceil(length / slots)), None
@@ -169,20 +177,26 @@ class Dial:
         L = next((L for L in squares if _two_level_slots(length, L) <= slots), None)
         if L is not None:
             return L * L, L
-        L = min(squares, key=lambda L: _two_level_slots(length, L), default=1)
-        least = _two_level_slots(length, L) if L > 1 else _repair_slots(length, 1)
+        # the least of either layout (one level, a length dividing T first, where T is short)
+        one = min(
+            range(1, min(length, 2 * math.isqrt(length) + 2) + 1),
+            key=lambda K: (_repair_slots(length, K), length % K != 0, K),
+        )
+        L = min(squares, key=lambda L: _two_level_slots(length, L), default=None)
+        two = L is not None and _two_level_slots(length, L) < _repair_slots(length, one)
+        least = _two_level_slots(length, L) if two else _repair_slots(length, one)
+        how = "recomputed in two levels" if two else "recomputed at once"
         warnings.warn(
             f"jaxrev.reversible({self.name}): memory_budget={self.budget} bytes holds "
             f"{slots} carries of {carry_bytes} bytes for the loop{where}, whose "
             f"{length} iterations checkpointed with repairs need at least {least} (the "
-            "checkpoints and a segment's carries, recomputed in two levels): it takes "
-            f"those, {least * carry_bytes} bytes. Ways out: a larger budget, "
-            "on_drift='raise' (the checkpoints alone, no repair), or checkpoint_every=None "
-            "(fully reversible).",
+            f"checkpoints and a segment's carries, {how}): it takes those, "
+            f"{least * carry_bytes} bytes. Ways out: a larger budget, on_drift='raise' (the "
+            "checkpoints alone, no repair), or checkpoint_every=None (fully reversible).",
             PerformanceWarning,
             stacklevel=2,
         )
-        return (L * L, L) if L > 1 else (1, None)
+        return (L * L, L) if two else (one, None)
 
     def sub_segment(self, length: int, K: int | None, carry_bytes: int) -> int | None:
         """The stretch L by which a repair recomputes a segment of K iterations in two levels

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxrev._batching import any_in_batch, select_batched
+from jaxrev._batching import any_in_batch, select_batched, where
 from jaxrev._compat import (
     any_over,
     match_vma,
@@ -327,8 +327,8 @@ def segmented(
         if repairing and rest and nseg:
 
             def any_one(state, j):  # (j = 0: the shorter first segment)
-                seg = xs.at(jnp.where(j == 0, 0, rest + (j - 1) * K))
-                live = jnp.where(j == 0, rest, K)
+                seg = xs.at(where(j == 0, 0, rest + (j - 1) * K))
+                live = where(j == 0, rest, K)
                 return sweep_segment(state, True, seg, K, stored_at(j), live), None
 
             return lax.scan(any_one, state, jnp.arange(nseg + 1), reverse=True)[0]
