@@ -54,11 +54,18 @@ SCRIPT = textwrap.dedent(r"""
             a, b = c
             a = a + jnp.tanh(b @ W1[i])
             return a, b + jnp.tanh(a @ W2[i])
+        if net_kind == "while" and bounded[0]:  # (a bounded while loop: max_steps)
+            return lax.while_loop(lambda s: s[0] < W1.shape[0],
+                                  lambda s: (s[0] + 1, body(s[0], s[1])), (0, (x1, x2)))[1]
         return lax.fori_loop(0, W1.shape[0], body, (x1, x2))
 
+    bounded = [True]  # (the reference, jax.grad's, runs the while loop's body in a fori_loop)
+
     def make(rev):
+        bounded[0] = rev
         f = (jr.reversible(net, argnums=(0, 1),
-                           checkpoint_every=None if ckpt == "none" else "auto")
+                           checkpoint_every=None if ckpt == "none" else "auto",
+                           max_steps=64 if net_kind == "while" else None)
              if rev else net)
 
         def local_loss(params, x1, x2):
@@ -110,7 +117,17 @@ def _run(*argv: str) -> dict:
     return {int(k): v for k, v in json.loads(line[len("RESULT ") :]).items()}
 
 
-@pytest.mark.parametrize("net,ckpt,mesh", [("fori", "auto", "4"), ("scan", "none", "2x2")])
+@pytest.mark.parametrize(
+    "net,ckpt,mesh",
+    [
+        ("fori", "auto", "4"),
+        ("scan", "none", "2x2"),
+        # a bounded while loop, checkpointed: its forward buffers and its backward run's
+        # bookkeeping typed to vary over the mesh (it did not trace), its repairs decided by
+        # every device together
+        pytest.param("while", "auto", "4", marks=pytest.mark.slow),
+    ],
+)
 def test_reversible_gradient_inside_shard_map_equals_jax_grad(net, ckpt, mesh):
     r = _run(net, ckpt, mesh, "8")
     for n in (8, 32):

@@ -22,7 +22,16 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxrev._batching import instantiate_tangents, move_batch, select_batched, vmap_closed, where
-from jaxrev._compat import JaxprEqn, prims, trace_to_closed, user_source
+from jaxrev._compat import (
+    JaxprEqn,
+    any_over,
+    prims,
+    trace_to_closed,
+    user_source,
+    vary_to,
+    vma_of,
+    vma_union,
+)
 from jaxrev._env import Env, Unknown, is_unknown
 from jaxrev._errors import not_invertible
 from jaxrev._evaluate import eval_closed
@@ -311,6 +320,9 @@ def _stored_sweep(
                 keep = ~start  # the drift's share counts at a segment's start, if kept
                 if redo is not None:
                     bad = start & (~(rho <= 1.0) | ~drift.finite([*c_ct2, *k_ct2]))
+                    # (inside shard_map: a repair every device of the mesh joins, as the
+                    # segments' of a scan: `segments.segmented`'s `decided`)
+                    bad = any_over(bad, vma_of(bad))
                     keep = keep | bad
                 B = (B[0], where(keep, B[1], B2[1]))
                 if redo is not None:
@@ -332,10 +344,13 @@ def _stored_sweep(
                 snap = jax.tree_util.tree_map(lambda a, b: where(start, a, b), (c_ct2, k_ct2), snap)
         return WhileBack(k - 1, c2, c_ct2, k_ct2, w, snap, B, tally)
 
-    w0 = drift.no_drift()
+    # inside shard_map the bookkeeping varies over every mesh axis the loop's values do:
+    # typed so from the start (the while loop's carry keeps its types)
+    axes = vma_union(c0, c_ct0, k_ct0, bvals, n, bufs, ck)
+    w0 = vary_to(drift.no_drift(), axes)
     snap0 = (c_ct0, k_ct0) if redo is not None else ()
-    B0 = (jnp.zeros((), budget_dtype()), jnp.zeros((), budget_dtype()))
-    tally0 = (jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32))
+    B0 = vary_to((jnp.zeros((), budget_dtype()), jnp.zeros((), budget_dtype())), axes)
+    tally0 = vary_to((jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32)), axes)
     end = lax.while_loop(
         lambda s: s.count > 0,
         back,
@@ -485,8 +500,10 @@ def _bounded_forward(
     e: JaxprEqn, lp: LoopPlan, pred: Callable, bc: Sequence[Any], init: Sequence[Any]
 ) -> tuple[list, list]:
     N, K = lp.max_steps, lp.every
-    bufs = [jnp.zeros((N, *a.shape), a.dtype) for a in res_avals(lp.body)]
-    ck = [jnp.zeros((n_checkpoints(lp), *a.shape), a.dtype) for a in lp.carry]
+    # (inside shard_map: typed to vary as the values written into them do)
+    axes = vma_union(init, bc)
+    bufs = vary_to([jnp.zeros((N, *a.shape), a.dtype) for a in res_avals(lp.body)], axes)
+    ck = vary_to([jnp.zeros((n_checkpoints(lp), *a.shape), a.dtype) for a in lp.carry], axes)
 
     def body(s):
         k, n, c, bufs, ck = s
@@ -501,7 +518,7 @@ def _bounded_forward(
             outs = [select_batched(go, a, b) for a, b in zip(outs, c)]
         return k + 1, n + go.astype(jnp.int32), outs, [b.at[k].set(x) for b, x in zip(bufs, r)], ck
 
-    n0 = jnp.zeros(lp.count_shape, jnp.int32)
+    n0 = vary_to(jnp.zeros(lp.count_shape, jnp.int32), axes)
     k, n, c, bufs, ck = lax.while_loop(
         lambda s: (s[0] < N) & jnp.any(pred(s[2])),
         body,
