@@ -78,6 +78,11 @@ def size_of(avals: Iterable[Any]) -> int:
     return int(sum(int(np.prod(a.shape, dtype=np.int64)) for a in avals))
 
 
+def bytes_of(avals: Iterable[Any]) -> int:
+    """The bytes `avals` take (a loop's carry, as the dial's `memory_budget` counts it)."""
+    return int(sum(int(np.prod(a.shape, dtype=np.int64)) * a.dtype.itemsize for a in avals))
+
+
 def mentions(
     jaxpr: Jaxpr, match: Callable[[Any], bool], opaque: Callable[[Any], bool] | None = None
 ) -> bool:

@@ -32,7 +32,15 @@ from jaxrev._compat import (
 from jaxrev._env import Env, Statics, Unknown, is_unknown
 from jaxrev._errors import NotInvertibleError
 from jaxrev._evaluate import evaluate
-from jaxrev._graph import forward_known, is_var, needed_vars, size_of, unread_carries, work_of
+from jaxrev._graph import (
+    bytes_of,
+    forward_known,
+    is_var,
+    needed_vars,
+    size_of,
+    unread_carries,
+    work_of,
+)
 from jaxrev.transforms.knowledge import records
 from jaxrev.transforms.logdet import (
     LogdetContext,
@@ -371,7 +379,7 @@ def _scan_sweep(P: Plan, i: int, env: Env, ctenv: dict | None, active: set, res:
         P.dial.inner(length),
     )
     carry = tuple(sds(v.aval) for v in cout)
-    carry_bytes = sum(size_of([a]) * a.dtype.itemsize for a in carry)
+    carry_bytes = bytes_of(carry)
     site = user_source(e)[2]
     where = f" at {site}" if site else ""  # (named by a budget that cannot be met)
     K = P.dial.segment(length, carry_bytes, where=where)

@@ -35,7 +35,7 @@ from jaxrev._compat import (
 from jaxrev._env import Env, Unknown, is_unknown
 from jaxrev._errors import not_invertible
 from jaxrev._evaluate import eval_closed
-from jaxrev._graph import is_var, needed_vars, restrict, size_of
+from jaxrev._graph import bytes_of, is_var, needed_vars, restrict
 from jaxrev._primitive import make_primitive
 from jaxrev._program import avals_of
 from jaxrev.transforms.knowledge.checks import raise_where
@@ -204,11 +204,6 @@ def _masked_step(
     )
 
 
-def _bytes(avals: Any) -> int:
-    """The bytes of a carry's avals (what the dial's budget counts)."""
-    return sum(size_of([a]) * a.dtype.itemsize for a in avals)
-
-
 def _stored_plan(P: Plan, e: JaxprEqn, bp: Plan) -> LoopPlan | None:
     """The plan of a `lax.while_loop` bounded by the dial's `max_steps`, when it stores
     anything: its body's residuals per iteration (a lossy body), checkpoints of its carry."""
@@ -217,7 +212,7 @@ def _stored_plan(P: Plan, e: JaxprEqn, bp: Plan) -> LoopPlan | None:
         return None
     carry = tuple(sds(v.aval) for v in e.outvars)
     site = user_source(e)[2]
-    K = P.dial.segment(N, _bytes(carry), where=f" at {site}" if site else "")
+    K = P.dial.segment(N, bytes_of(carry), where=f" at {site}" if site else "")
     if not res_avals(bp) and K is None:
         return None
     return LoopPlan(
@@ -278,7 +273,7 @@ def _stored_sweep(
             (),
             True,
             res.planning,
-            sub=P.dial.sub_segment(lp.max_steps, K, _bytes(lp.carry)),
+            sub=P.dial.sub_segment(lp.max_steps, K, bytes_of(lp.carry)),
         )
         if K is not None
         else (None, None)
