@@ -428,18 +428,6 @@ def _trace_marks() -> Iterator[None]:
         yield
 
 
-def traces_high(fun: Callable, *args: Any) -> bool:
-    """Whether JAX (>= 0.12) traces `fun` to a jaxpr holding "high" primitives, which
-    `make_jaxpr` lowers: a `custom_jvp` call inside one comes out as its primal computation
-    alone (JAX's lowering keeps no JVP rule), so what differentiates the lowered jaxpr does
-    not see the rule. False on JAX versions without high primitives (no trace then)."""
-    if not hasattr(_pe, "lower_jaxpr2"):
-        return False
-    with _config.eager_constant_folding(False):
-        closed = jax.make_jaxpr(fun)(*args)
-    return bool(getattr(closed.jaxpr, "is_high", False))
-
-
 def make_jaxpr(fun: Callable, *args: Any) -> tuple[ClosedJaxpr, Any]:
     """`jax.make_jaxpr(fun, return_shape=True)(*args)` in low-level primitives only.
 

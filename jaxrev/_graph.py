@@ -87,7 +87,7 @@ def mentions(
     jaxpr: Jaxpr, match: Callable[[Any], bool], opaque: Callable[[Any], bool] | None = None
 ) -> bool:
     """Whether a primitive for which `match` holds occurs in `jaxpr` or any of its
-    sub-jaxprs (but those of equations whose primitive is `opaque`)."""
+    sub-jaxprs (but those of equations for which `opaque` holds)."""
     return first_eqn(jaxpr, match, opaque) is not None
 
 
@@ -95,12 +95,12 @@ def first_eqn(
     jaxpr: Jaxpr, match: Callable[[Any], bool], opaque: Callable[[Any], bool] | None = None
 ) -> JaxprEqn | None:
     """The first equation of `jaxpr` or its sub-jaxprs (depth first) whose primitive `match`
-    holds for; None if none. The sub-jaxprs of an equation whose primitive `opaque` holds
-    for are not searched."""
+    holds for; None if none. The sub-jaxprs of an equation for which `opaque` holds (it is
+    given the equation) are not searched."""
     for e in jaxpr.eqns:
         if match(e.primitive):
             return e
-        if opaque is not None and opaque(e.primitive):
+        if opaque is not None and opaque(e):
             continue
         for p in e.params.values():
             for b in p if isinstance(p, (tuple, list)) else (p,):

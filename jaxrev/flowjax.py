@@ -17,10 +17,11 @@ inverse is that map and whose log-determinant is the map's, negated, at the root
 (``deflogdet(..., of_inverse=True)``): the values are flowjax's own, and in every thread
 that is not tracing, flowjax's own method runs. A function `jax.jit` traced before, outside
 jaxrev, keeps its unmarked program in JAX's cache: jaxrev refuses it (at Equinox's `cond` in
-the bisection), as it did before. Where JAX traces the solve to "high" primitives (JAX
-0.12.1 does, for flowjax 19), which jaxrev lowers, the lowering drops flowjax's implicit
-JVP: a derivative through the marked step would be the bisection's own, zero, so the solve
-is left unmarked there (`_compat.traces_high`) and jaxrev refuses it as before.
+the bisection), as it did before. The step's derivatives are taken through the map it solves
+(``custom_inverse(..., differentiate="inverse")``: the implicit function theorem, as
+flowjax's own implicit JVP does), never through the bisection's equations: where JAX traces
+the solve to "high" primitives (JAX 0.12.1 does, for flowjax 19), which jaxrev lowers, the
+lowering drops flowjax's implicit JVP, and the bisection's own derivative is zero.
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ import flowjax.bijections as flowjax_bijections
 import jax.numpy as jnp
 from flowjax.bijections import AbstractBijection
 
-from jaxrev._compat import traces_high
 from jaxrev.transforms.custom import custom_inverse
 from jaxrev.transforms.flows.slogdet import forward_and_slogdet, inverse_and_slogdet
 
@@ -119,46 +119,20 @@ def _marked_inverse_and_log_det(self: Any, y: Any, condition: Any = None) -> tup
     def solve(y: Any, arrays: Any, condition: Any) -> Any:
         return own(eqx.combine(arrays, static), y, condition)[0]
 
-    if _solve_traces_high(self, solve, y, arrays, condition):
-        # (JAX >= 0.12: the solve's jaxpr, lowered, would lose flowjax's implicit JVP, and
-        # derivatives through the step would be the bisection's own, zero: flowjax's method
-        # as it is, which jaxrev refuses to invert, rather than a wrong derivative)
-        return own(self, y, condition)
-
     def forward(x: Any, arrays: Any, condition: Any) -> Any:
         return eqx.combine(arrays, static).bijection.transform(x, condition)
 
     def forward_log_det(x: Any, arrays: Any, condition: Any) -> Any:
         return eqx.combine(arrays, static).bijection.transform_and_log_det(x, condition)[1]
 
-    step = custom_inverse(solve)
+    # (differentiated through the map it solves: on JAX >= 0.12 the solve's jaxpr, lowered,
+    # has lost flowjax's implicit JVP, and the bisection's own derivative is zero)
+    step = custom_inverse(solve, differentiate="inverse")
     step.definverse(forward)
     step.deflogdet(forward_log_det, of_inverse=True)
     x = step(y, arrays, condition)
     _, log_det = self.bijection.transform_and_log_det(x, condition)
     return x, -log_det
-
-
-_HIGH: dict = {}
-"""Whether a `NumericalInverse`'s solve traces high (`_compat.traces_high`), by its
-bijection's type, its inverter and the shapes: asked once, not at every jaxrev trace."""
-
-
-def _solve_traces_high(self: Any, solve: Callable, y: Any, arrays: Any, condition: Any) -> bool:
-    key = (
-        type(self.bijection),
-        self.inverter,
-        jnp.shape(y),
-        jnp.result_type(y),
-        None if condition is None else (jnp.shape(condition), jnp.result_type(condition)),
-    )
-    try:
-        return _HIGH[key]
-    except TypeError:  # (an inverter that does not hash: asked each time)
-        return traces_high(solve, y, arrays, condition)
-    except KeyError:
-        _HIGH[key] = traces_high(solve, y, arrays, condition)
-        return _HIGH[key]
 
 
 @contextlib.contextmanager

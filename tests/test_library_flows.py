@@ -21,7 +21,6 @@ import numpy as np
 import pytest
 
 import jaxrev as jr
-from jaxrev._compat import traces_high
 
 jax.config.update("jax_enable_x64", True)
 pytest.importorskip("flowjax")
@@ -45,24 +44,6 @@ REFUSED = {
     "MaskedAutoregressive/spline": "select_n",
     "masked_autoregressive_flow/spline@inverted": "select_n",
 }
-# where JAX traces flowjax's bisection to "high" primitives (JAX 0.12), which jaxrev
-# lowers, the lowering drops flowjax's implicit JVP: `jaxrev.flowjax` leaves the solve
-# unmarked there (a derivative through it would be the bisection's, zero): refused
-REFUSED_WHERE_HIGH = {"block_neural_autoregressive_flow": "cond"}
-
-
-@functools.cache
-def bisection_traces_high() -> bool:
-    """Whether this JAX traces flowjax's bisection (a `NumericalInverse`) to high primitives."""
-    import flowjax.flows as ff
-    from flowjax.distributions import Normal
-
-    bij = ff.block_neural_autoregressive_flow(
-        jax.random.key(0), base_dist=Normal(jnp.zeros(2)), flow_layers=1, nn_block_dim=2
-    ).bijection
-    return traces_high(bij.transform, jnp.zeros(2))
-
-
 NAMES = fc.all_names()
 
 
@@ -74,8 +55,6 @@ def test_flowjax_cases_without_an_inverse_are_those_listed():
 
 def _expect(name: str, run) -> None:
     prim = REFUSED.get(name)
-    if prim is None and name in REFUSED_WHERE_HIGH and bisection_traces_high():
-        prim = REFUSED_WHERE_HIGH[name]
     if prim is None:
         assert run() == "ok"
         return
@@ -323,10 +302,6 @@ def test_flowjax_numerical_inverse_is_inverted_by_the_map_it_solves(how):
     )
     bij = flow.bijection
     x, c = jnp.array([0.4, -1.1, 0.7]), jnp.array([0.3, -0.5])
-    if bisection_traces_high():  # (unmarked there: see REFUSED_WHERE_HIGH)
-        with pytest.raises(jr.JaxrevError, match="`cond`"):
-            jr.inverse_and_slogdet(lambda v, c: bij.transform(v, c))(x, c)
-        return
     fwd = jr.forward_and_slogdet(lambda v, c: bij.transform(v, c))
     inv = jr.inverse_and_slogdet(lambda v, c: bij.transform(v, c))
     lib_f, lib_i = bij.transform_and_log_det, bij.inverse_and_log_det
@@ -354,12 +329,10 @@ def test_flowjax_numerical_inverse_is_inverted_by_the_map_it_solves(how):
 
 def _marked_bnaf(layers: int) -> object:
     """flowjax's default block neural autoregressive flow of dimension 3 (its `transform`
-    the bisection); the test is skipped where jaxrev leaves the bisection unmarked."""
+    the bisection)."""
     import flowjax.flows as ff
     from flowjax.distributions import Normal
 
-    if bisection_traces_high():
-        pytest.skip("flowjax's bisection is left unmarked here (see REFUSED_WHERE_HIGH)")
     return ff.block_neural_autoregressive_flow(
         jax.random.key(0), base_dist=Normal(jnp.zeros(3)), flow_layers=layers, nn_block_dim=3
     ).bijection
@@ -383,9 +356,14 @@ def test_reversible_through_flowjax_bisection_equals_jax_grad():
 
 
 def test_derivatives_through_the_marked_bisection_are_flowjaxs():
-    """The marked solve is differentiated by flowjax's implicit JVP, not through the
-    bisection's iterations (whose own derivative is zero): Jacobians of jaxrev's forward
-    value and log-det equal `jax`'s of flowjax's own."""
+    """The marked solve is differentiated through the network it solves (the implicit
+    function theorem, `custom_inverse(..., differentiate="inverse")`), never through the
+    bisection's iterations, whose own derivative is zero (what JAX 0.12's lowering of the
+    solve left: flowjax's implicit JVP dropped): Jacobians of jaxrev's forward value and
+    log-det equal `jax`'s of flowjax's own, in the input and in the weights, one sample and
+    a batch (`grad` of a `vmap`: one dense block per sample)."""
+    import equinox as eqx
+
     bij = _marked_bnaf(layers=1)
     x = jnp.array([0.3, -0.4, 0.9])
     fwd = jax.jit(jr.forward_and_slogdet(lambda v: bij.transform(v)))
@@ -398,6 +376,22 @@ def test_derivatives_through_the_marked_bisection_are_flowjaxs():
         rtol=1e-10,
         atol=1e-12,
     )
+    xs = jnp.stack([x, -0.5 * x, jnp.array([1.1, 0.2, -0.7])])
+    arrays, static = eqx.partition(bij, eqx.is_inexact_array)
+
+    def loss(arrays, which):
+        b = eqx.combine(arrays, static)
+        if which == "jaxrev":
+            y, ld = jax.vmap(jr.forward_and_slogdet(lambda v: b.transform(v)))(xs)
+        else:
+            y, ld = jax.vmap(b.transform_and_log_det)(xs)
+        return jnp.sum(jnp.sin(y)) + jnp.sum(ld)
+
+    got = jax.jit(jax.grad(loss), static_argnums=1)(arrays, "jaxrev")
+    want = jax.grad(loss)(arrays, "flowjax")
+    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_allclose(g, w, rtol=1e-8, atol=1e-10)
+    assert any(float(jnp.max(jnp.abs(w))) > 1e-3 for w in jax.tree_util.tree_leaves(want))
 
 
 def test_the_numerical_inverse_mark_holds_in_the_tracing_thread_only():
@@ -426,8 +420,7 @@ def test_the_numerical_inverse_mark_holds_in_the_tracing_thread_only():
         other = threading.Thread(target=names, args=(there,))
         other.start()
         other.join()
-    marked = not bisection_traces_high()  # (see REFUSED_WHERE_HIGH)
-    assert ("jaxrev_custom_inverse" in here[0]) == marked
+    assert "jaxrev_custom_inverse" in here[0]
     assert there and "jaxrev_custom_inverse" not in there[0]
     assert fb.NumericalInverse.inverse_and_log_det.__module__.startswith("flowjax")
 

@@ -61,6 +61,12 @@ class custom_inverse:
     - `fun`: the function; `fun(*args)` returns the structure, shapes and dtypes of its state
       `args[argnums]` (as for `reverse`).
     - `argnums`: the position (an int) or positions (a tuple) of the state arguments.
+    - `differentiate`: how `jvp` and `grad` differentiate `fun`: "fun" (default), through
+      its own equations; "inverse", through `inv_fun` by the implicit function theorem (the
+      outputs' tangent solves ``J dy = dx - (d inv_fun / d params) dparams``, with `J` the
+      inverse's Jacobian in the state, dense per sample of a `vmap`): for a root-finder,
+      whose own derivative is wrong (a bisection's is zero) or costly. Tangents of what
+      `fun` closes over, and `inv_fun` does not take, are refused there.
 
     `inv_fun` (given to `.definverse`) has `fun`'s signature with the outputs in the state
     positions: ``inv_fun(fun(x, theta), theta) == x``.
@@ -85,10 +91,18 @@ class custom_inverse:
         True
     """
 
-    def __init__(self, fun: Callable, argnums: int | Sequence[int] = 0) -> None:
+    def __init__(
+        self, fun: Callable, argnums: int | Sequence[int] = 0, *, differentiate: str = "fun"
+    ) -> None:
+        if differentiate not in ("fun", "inverse"):
+            raise ValueError(
+                f"jaxrev.custom_inverse: differentiate must be 'fun' or 'inverse', got "
+                f"{differentiate!r}"
+            )
         functools.update_wrapper(self, fun)
         self.fun = fun
         self.argnums = argnums
+        self.differentiate = differentiate
         self.inv_fun: Callable | None = None
         self.logdet_fun: Callable | None = None
         self.logdet_of_inverse = False
@@ -215,6 +229,7 @@ class custom_inverse:
             n_iconsts=len(iconsts),
             state=tuple(i in state_pos for i in range(len(flat))),
             logdet=logdet,
+            implicit=0 if self.differentiate == "inverse" else None,
         )
         return jax.tree_util.tree_unflatten(
             s_tree, [outs[order.index(k)] for k in range(len(order))]
@@ -271,18 +286,87 @@ def _split(args, n_fconsts, n_iconsts):
     )
 
 
-def _impl(*args, fun_jaxpr, inv_jaxpr, n_fconsts, n_iconsts, state, logdet=None):
+def _impl(*args, fun_jaxpr, inv_jaxpr, n_fconsts, n_iconsts, state, logdet=None, implicit=None):
     fc, _, xs = _split(args, n_fconsts, n_iconsts)
     return eval_closed(fun_jaxpr, *fc, *xs)
 
 
 def _jvp(primals, tangents, **params):
-    return jax.jvp(
-        functools.partial(_impl, **params), tuple(primals), instantiate_tangents(primals, tangents)
+    if params["implicit"] is None:
+        return jax.jvp(
+            functools.partial(_impl, **params),
+            tuple(primals),
+            instantiate_tangents(primals, tangents),
+        )
+    return _implicit_jvp(primals, tangents, **params)
+
+
+def _implicit_jvp(
+    primals, tangents, *, fun_jaxpr, inv_jaxpr, n_fconsts, n_iconsts, state, logdet, implicit
+):
+    """`differentiate="inverse"`: the outputs `y` of ``y = fun(x, p)`` differentiated through
+    ``inv(y, p) = x``: ``J dy = dx - (d inv / d p) dp``, `J` the inverse's Jacobian in `y`,
+    one dense block per sample of the `implicit` leading batch axes (`vmap` keeps samples
+    apart: n tangents of the inverse, n the state's size per sample, whatever the batch)."""
+    params = dict(
+        fun_jaxpr=fun_jaxpr,
+        inv_jaxpr=inv_jaxpr,
+        n_fconsts=n_fconsts,
+        n_iconsts=n_iconsts,
+        state=state,
+        logdet=logdet,
+        implicit=implicit,
     )
+    if any(not is_symbolic_zero(t) for t in tangents[:n_fconsts]):
+        raise TypeError(
+            "jaxrev.custom_inverse(differentiate='inverse'): the function closes over a value "
+            "being differentiated that its inverse does not take; pass it as an argument"
+        )
+    ys = custom_inverse_p.bind(*primals, **params)
+    tangents = instantiate_tangents(primals, tangents)
+    _, ic, xs = _split(list(primals), n_fconsts, n_iconsts)
+    _, dic, dxs = _split(list(tangents), n_fconsts, n_iconsts)
+
+    def inverse(outs, ic, params):
+        it, pt = iter(outs), iter(params)
+        return eval_closed(inv_jaxpr, *ic, *[next(it) if s else next(pt) for s in state])
+
+    own = [x for x, s in zip(xs, state) if not s]
+    d_own = [d for d, s in zip(dxs, state) if not s]
+    d_state = [d for d, s in zip(dxs, state) if s]
+    # what moving the parameters (and the inverse's constants) does to the recovered state
+    _, moved = jax.jvp(lambda ic, own: inverse(ys, ic, own), (list(ic), own), (list(dic), d_own))
+    lead = tuple(jnp.shape(ys[0])[:implicit])
+    per = [int(np.prod(jnp.shape(y)[implicit:], dtype=int)) for y in ys]
+    n = sum(per)
+
+    def flat(vs):  # (*batch, n): the state per sample, its leaves side by side
+        return jnp.concatenate([jnp.reshape(v, lead + (-1,)) for v in vs], axis=-1)
+
+    def unflat(v):
+        out, at = [], 0
+        for y, k in zip(ys, per):
+            out.append(jnp.reshape(v[..., at : at + k], jnp.shape(y)).astype(y.dtype))
+            at += k
+        return out
+
+    def column(e):  # the inverse's Jacobian times the basis vector `e`, in every sample
+        _, t = jax.jvp(
+            lambda outs: inverse(outs, ic, own),
+            (list(ys),),
+            (unflat(jnp.broadcast_to(e, lead + (n,))),),
+        )
+        return flat(t)
+
+    dtype = jnp.result_type(*ys)
+    J = jnp.moveaxis(jax.vmap(column)(jnp.eye(n, dtype=dtype)), 0, -1)
+    rhs = flat(d_state) - flat(moved)
+    return ys, unflat(jnp.linalg.solve(J, rhs[..., None])[..., 0])
 
 
-def _batch(args, dims, *, fun_jaxpr, inv_jaxpr, n_fconsts, n_iconsts, state, logdet=None):
+def _batch(
+    args, dims, *, fun_jaxpr, inv_jaxpr, n_fconsts, n_iconsts, state, logdet=None, implicit=None
+):
     size, args, axes = batch_front(args, dims)
     fc, ic, xs = _split(args, n_fconsts, n_iconsts)
     fa, ia, xa = _split(axes, n_fconsts, n_iconsts)
@@ -313,6 +397,7 @@ def _batch(args, dims, *, fun_jaxpr, inv_jaxpr, n_fconsts, n_iconsts, state, log
         n_iconsts=len(ik) + len(ic),
         state=state,
         logdet=None if logdet is None else logdet.batched(xa),
+        implicit=None if implicit is None else implicit + 1,
     )
     return out, [0] * len(out)
 
@@ -322,7 +407,9 @@ def _compiled(fun_jaxpr: Any) -> Callable:
     return checked_jit(functools.partial(eval_closed, fun_jaxpr))
 
 
-def _eager_impl(*args, fun_jaxpr, inv_jaxpr, n_fconsts, n_iconsts, state, logdet=None):
+def _eager_impl(
+    *args, fun_jaxpr, inv_jaxpr, n_fconsts, n_iconsts, state, logdet=None, implicit=None
+):
     # called eagerly, the function runs as one compiled program, not equation by equation
     # (a choice group's Newton loops would each be compiled on their own)
     fc, _, xs = _split(args, n_fconsts, n_iconsts)
@@ -341,7 +428,9 @@ custom_inverse_p = make_primitive(
 )
 
 
-def _inverse_rule(outs, *ins, fun_jaxpr, inv_jaxpr, n_fconsts, n_iconsts, state, logdet=None):
+def _inverse_rule(
+    outs, *ins, fun_jaxpr, inv_jaxpr, n_fconsts, n_iconsts, state, logdet=None, implicit=None
+):
     fc, ic, xs = _split(list(ins), n_fconsts, n_iconsts)
     if any(is_unknown(c) for c in [*fc, *ic]) or any(
         is_unknown(x) for x, s in zip(xs, state) if not s

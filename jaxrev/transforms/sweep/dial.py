@@ -25,6 +25,7 @@ from jaxrev._batching import where
 from jaxrev._compat import prims
 from jaxrev._errors import PerformanceWarning
 from jaxrev._graph import mentions
+from jaxrev.transforms.custom import custom_inverse_p
 from jaxrev.transforms.knowledge.context import Settings
 from jaxrev.transforms.sweep.drift import Budget, budget_dtype, ratio, site, values_tol
 from jaxrev.transforms.sweep.segments import body_redo
@@ -264,12 +265,23 @@ def recomputable(closed: Any) -> bool:
     """Whether "auto" can recompute a segment of a loop with this body: JAX's VJP of the body,
     which a `while_loop` inside refuses (that loop then stays checkpointed and checked), but
     one inside a `custom_jvp` or `custom_vjp` call, whose rule differentiates it instead (a
-    root-finder differentiated implicitly: flowjax's bisection, as `jax.grad` passes it)."""
-    return not mentions(
-        closed.jaxpr,
-        lambda p: p.name in ("while", "jaxrev_while"),
-        opaque=lambda p: p in (prims.custom_jvp_call, prims.custom_vjp_call),
-    )
+    root-finder differentiated implicitly: flowjax's bisection, as `jax.grad` passes it), or
+    inside a `custom_inverse` differentiated through its inverse (jaxrev's mark of that
+    bisection), whose inverse is then what must hold no loop."""
+
+    def looping(p: Any) -> bool:
+        return p.name in ("while", "jaxrev_while")
+
+    def opaque(e: Any) -> bool:
+        if e.primitive in (prims.custom_jvp_call, prims.custom_vjp_call):
+            return True
+        return (
+            e.primitive is custom_inverse_p
+            and e.params["implicit"] is not None
+            and not mentions(e.params["inv_jaxpr"].jaxpr, looping, opaque)
+        )
+
+    return not mentions(closed.jaxpr, looping, opaque)
 
 
 GRAD_SLACK = 4.0
