@@ -202,6 +202,8 @@ class _Prims:
             from jax._src.lax.control_flow import loops as _loops
 
             self.cumsum = self.cumsum or getattr(_loops, "cumsum_p", None)
+            self.cumprod = self.cumprod or getattr(_loops, "cumprod_p", None)
+            self.cumlogsumexp = getattr(_loops, "cumlogsumexp_p", None)
         except ImportError:  # pragma: no cover
             pass
         try:

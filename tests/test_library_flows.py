@@ -12,7 +12,6 @@ one way (eager, `jit` or `vmap`, in turn); ``-m slow`` takes every case every wa
 
 from __future__ import annotations
 
-import functools
 import re
 
 import jax
@@ -117,7 +116,10 @@ def test_flowjax_every_way(name, how):
 # --------------------------------------------------------------------------- numpyro
 
 NP_REFUSED = {
-    # the radius scales every coordinate: a scalar root (not built)
+    # stick-breaking, ``t * pad(cumprod(1 - |t[:-1]|))``: triangular in t, but each
+    # coordinate's sign (the `abs`) is a decision per element of a group its cumulative
+    # product couples, which the choice groups do not split (the signs are the output's,
+    # where the product is positive: a range fact the walk does not derive)
     "L1BallTransform": "mul",
 }
 

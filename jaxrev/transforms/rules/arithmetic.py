@@ -668,6 +668,14 @@ def _cumsum_logdet(ctx: LogdetContext) -> tuple[Any, Any]:
 define(prims.cumsum, inverse=_cumsum, logdet=_cumsum_logdet, kind=(LINEAR,))
 
 
+# A cumulative product or log-sum-exp has no inverse rule of its own here; smooth, it may sit
+# inside a group Newton's method solves (numpyro's `L1BallTransform`, a stick-breaking map
+# ``t * pad(cumprod(1 - |t[:-1]|))``, triangular in its state)
+for _cumulative in (prims.cumprod, prims.cumlogsumexp):
+    if _cumulative is not None:
+        define(_cumulative, kind=(SMOOTH,))
+
+
 def _real(out, x, **_):
     raise Lossy("the real part drops the imaginary part", subspace=True)
 
