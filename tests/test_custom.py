@@ -447,3 +447,22 @@ def test_differentiate_through_the_inverse_refuses_what_only_the_function_sees()
         jax.grad(f)(a)
     with pytest.raises(ValueError, match="differentiate must be 'fun' or 'inverse'"):
         jr.custom_inverse(jnp.sin, differentiate="implicit")
+    # (an integer state leaf beside a float one: nothing to solve for)
+    both = jr.custom_inverse(
+        lambda y, k: (_bisection_cube(y, a), k), argnums=(0, 1), differentiate="inverse"
+    )
+    both.definverse(lambda x, k: (x**3 + a * x, k))
+    with pytest.raises(TypeError, match="integer leaf"):
+        jax.jvp(lambda y: both(y, jnp.arange(2))[0], (jnp.array([0.7, 2.0]),), (jnp.ones(2),))
+
+
+def test_differentiate_through_the_inverse_in_low_precision():
+    """bfloat16 and float16 states: the implicit derivative's linear solve runs in float32
+    (XLA has no LU below it) and comes back in the state's dtype, to its precision."""
+    solve = _implicit_root()
+    for dt, tol in ((jnp.bfloat16, 1e-2), (jnp.float16, 2e-3)):
+        y, a = jnp.array([0.7, -2.0, 5.0], dt), jnp.asarray(1.3, dt)
+        g = jax.grad(lambda y: jnp.sum(solve(y, a)).astype(jnp.float32))(y)
+        x = _bisection_cube(y.astype(jnp.float32), jnp.float32(1.3))
+        assert g.dtype == dt
+        np.testing.assert_allclose(g.astype(jnp.float32), 1 / (3 * x**2 + 1.3), rtol=tol)

@@ -323,6 +323,11 @@ def _implicit_jvp(
             "being differentiated that its inverse does not take; pass it as an argument"
         )
     ys = custom_inverse_p.bind(*primals, **params)
+    if not all(jnp.issubdtype(jnp.result_type(y), jnp.inexact) for y in ys):
+        raise TypeError(
+            "jaxrev.custom_inverse(differentiate='inverse'): the state has an integer leaf, "
+            "which has no derivative to solve for; differentiate='fun' instead"
+        )
     tangents = instantiate_tangents(primals, tangents)
     _, ic, xs = _split(list(primals), n_fconsts, n_iconsts)
     _, dic, dxs = _split(list(tangents), n_fconsts, n_iconsts)
@@ -361,7 +366,9 @@ def _implicit_jvp(
     dtype = jnp.result_type(*ys)
     J = jnp.moveaxis(jax.vmap(column)(jnp.eye(n, dtype=dtype)), 0, -1)
     rhs = flat(d_state) - flat(moved)
-    return ys, unflat(jnp.linalg.solve(J, rhs[..., None])[..., 0])
+    # (solved in float32 at least: XLA has no LU in bfloat16 or float16)
+    wide = jnp.promote_types(dtype, jnp.float32)
+    return ys, unflat(jnp.linalg.solve(J.astype(wide), rhs.astype(wide)[..., None])[..., 0])
 
 
 def _batch(
