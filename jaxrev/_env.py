@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import jaxrev._host as host
 from jaxrev._compat import (
     DropVar,
     Jaxpr,
@@ -294,8 +295,16 @@ class Statics:
             axes.append(0)
         if all(a is None for a in axes):
             return None
-        with jax.ensure_compile_time_eval():
-            outs = jax.vmap(lambda *a: bind_eqn(e, a), in_axes=tuple(axes))(*args)
+        # (integer bookkeeping on the host: through JAX, each primitive compiled on its own)
+        lead = [
+            a if ax == 0 or np.ndim(a) == 0 else np.asarray(a)[None] for a, ax in zip(args, axes)
+        ]
+        done = host.elementwise(e, lead)
+        if done is not None:
+            outs = [done]
+        else:
+            with jax.ensure_compile_time_eval():
+                outs = jax.vmap(lambda *a: bind_eqn(e, a), in_axes=tuple(axes))(*args)
         for o, val in zip(e.outvars, outs):
             if is_var(o):
                 self._enum[o] = _host(val)

@@ -6,6 +6,10 @@ from collections.abc import Callable, Sequence
 from types import SimpleNamespace
 from typing import Any
 
+import jax
+import numpy as np
+
+import jaxrev._host as host
 from jaxrev._compat import (
     ClosedJaxpr,
     JaxprEqn,
@@ -61,6 +65,20 @@ def apply(eqn: JaxprEqn, invals: Sequence[Any]) -> list[Any]:
     """One equation on the given input values (element-level rules run an equation on partly
     known arrays, or on positions, through this): the evaluator's single-equation form."""
     return bind_eqn(eqn, invals)
+
+
+def apply_on_host(eqn: JaxprEqn, invals: Sequence[Any]) -> list[Any]:
+    """`apply` for an equation that moves elements, run on host (numpy) arrays of positions
+    (what the element-level and log-det walks compute when traced: which operand element
+    each output element copies): numpy for the moves it knows, exactly as XLA computes
+    them, and JAX otherwise (a gather). Through JAX, each new primitive, shape and params
+    was compiled as an XLA program of its own when the walk traced, about 20 ms each, ten of
+    them in a spline flow's first call."""
+    out = host.moves(eqn, invals)
+    if out is not None:
+        return [out]
+    with jax.ensure_compile_time_eval():
+        return [np.asarray(x) for x in apply(eqn, invals)]
 
 
 def eval_closed(closed: ClosedJaxpr, *args: Any, rule: EqnRule | None = None) -> list[Any]:

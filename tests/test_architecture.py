@@ -156,6 +156,7 @@ LAYERS = [
             "jaxrev._stats",
             "jaxrev._dense",
             "jaxrev._bits",
+            "jaxrev._host",
             "jaxrev._runtime",
         ),
     ),

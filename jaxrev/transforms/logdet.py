@@ -39,7 +39,7 @@ import numpy as np
 import jaxrev._dense as dense
 from jaxrev._compat import DropVar, JaxprEqn, Var, is_concrete, prims, scan_info
 from jaxrev._env import Env
-from jaxrev._evaluate import apply, evaluate
+from jaxrev._evaluate import apply, apply_on_host, evaluate
 from jaxrev._graph import real_outvars, size_of
 from jaxrev.transforms.knowledge import elements, records
 from jaxrev.transforms.knowledge import regions as R
@@ -466,8 +466,7 @@ def _structural_slots(eqn: JaxprEqn, got: list, rec: records.Recorder, slots: _S
         ids.append(a)
         off += size
     try:
-        with jax.ensure_compile_time_eval():
-            res = [np.asarray(r) for r in apply(eqn, ins)]
+        res = apply_on_host(eqn, ins)
     except Exception:  # a primitive that will not run on integers
         _opaque(got, eqn, slots)
         return

@@ -25,7 +25,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -33,7 +32,7 @@ from jax import lax
 from jaxrev._cache import memo
 from jaxrev._compat import DropVar, JaxprEqn, Var, prims
 from jaxrev._env import Env, Unknown, fit_to_aval
-from jaxrev._evaluate import apply
+from jaxrev._evaluate import apply, apply_on_host
 from jaxrev._graph import is_var, real_outvars
 from jaxrev.transforms.knowledge import regions as R
 from jaxrev.transforms.registry import (
@@ -555,8 +554,7 @@ def _index_maps(eqn: JaxprEqn, key: tuple, statics: tuple) -> tuple[list, list] 
     for k, s in statics:
         args[k] = s
     try:
-        with jax.ensure_compile_time_eval():
-            outs = [np.asarray(o).astype(np.int64) for o in apply(eqn, args)]
+        outs = [np.asarray(o).astype(np.int64) for o in apply_on_host(eqn, args)]
     except Exception:  # a primitive that does not take integers: no structural knowledge
         return None
     fwd, inv = [], []
