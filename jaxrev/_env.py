@@ -300,7 +300,7 @@ class Statics:
             a if ax == 0 or np.ndim(a) == 0 else np.asarray(a)[None] for a, ax in zip(args, axes)
         ]
         done = host.elementwise(e, lead)
-        if done is not None:
+        if done is not None and done.shape == (T, *e.outvars[0].aval.shape):
             outs = [done]
         else:
             with jax.ensure_compile_time_eval():
