@@ -298,25 +298,16 @@ def _jvp(primals, tangents, **params):
             tuple(primals),
             instantiate_tangents(primals, tangents),
         )
-    return _implicit_jvp(primals, tangents, **params)
+    return _implicit_jvp(primals, tangents, params)
 
 
-def _implicit_jvp(
-    primals, tangents, *, fun_jaxpr, inv_jaxpr, n_fconsts, n_iconsts, state, logdet, implicit
-):
+def _implicit_jvp(primals, tangents, params: dict):
     """`differentiate="inverse"`: the outputs `y` of ``y = fun(x, p)`` differentiated through
     ``inv(y, p) = x``: ``J dy = dx - (d inv / d p) dp``, `J` the inverse's Jacobian in `y`,
     one dense block per sample of the `implicit` leading batch axes (`vmap` keeps samples
     apart: n tangents of the inverse, n the state's size per sample, whatever the batch)."""
-    params = dict(
-        fun_jaxpr=fun_jaxpr,
-        inv_jaxpr=inv_jaxpr,
-        n_fconsts=n_fconsts,
-        n_iconsts=n_iconsts,
-        state=state,
-        logdet=logdet,
-        implicit=implicit,
-    )
+    n_fconsts, n_iconsts, state = params["n_fconsts"], params["n_iconsts"], params["state"]
+    inv_jaxpr, implicit = params["inv_jaxpr"], params["implicit"]
     if any(not is_symbolic_zero(t) for t in tangents[:n_fconsts]):
         raise TypeError(
             "jaxrev.custom_inverse(differentiate='inverse'): the function closes over a value "
