@@ -63,6 +63,25 @@ def is_unknown(x: Any) -> bool:
     return isinstance(x, Unknown)
 
 
+def _on_host(args: Sequence[Any]) -> bool:
+    """Whether `args` are host arrays of plain dtypes (a PRNG key array is not)."""
+    return all(isinstance(a, (np.ndarray, np.generic)) and a.dtype.kind in "biuf" for a in args)
+
+
+def _iterations_first(args: Sequence[Any], axes: Sequence[Any], e: Any) -> list:
+    """`args` laid out for numpy's broadcasting over every iteration at once: each operand
+    ``(T or 1, 1..., *its own shape)``, its own shape aligned at the right of the output's
+    (an operand given at every iteration has T first; a per-iteration scalar would
+    otherwise meet the output's last axis)."""
+    rank = len(e.outvars[0].aval.shape)
+    out = []
+    for a, ax in zip(args, axes):
+        own = a.shape[1:] if ax == 0 else a.shape
+        lead = a.shape[:1] if ax == 0 else (1,)
+        out.append(np.reshape(a, lead + (1,) * (rank - len(own)) + tuple(own)))
+    return out
+
+
 class Statics:
     """What is known of a jaxpr's values when it is traced, shared by an `Env` and its copies.
 
@@ -296,10 +315,7 @@ class Statics:
         if all(a is None for a in axes):
             return None
         # (integer bookkeeping on the host: through JAX, each primitive compiled on its own)
-        lead = [
-            a if ax == 0 or np.ndim(a) == 0 else np.asarray(a)[None] for a, ax in zip(args, axes)
-        ]
-        done = host.elementwise(e, lead)
+        done = host.elementwise(e, _iterations_first(args, axes, e)) if _on_host(args) else None
         if done is not None and done.shape == (T, *e.outvars[0].aval.shape):
             outs = [done]
         else:

@@ -61,7 +61,21 @@ def _broadcast(x: np.ndarray, *, shape: Sequence[int], broadcast_dimensions, **_
 
 
 def _select(which: np.ndarray, *cases: np.ndarray) -> np.ndarray:
-    return np.choose(np.asarray(which, np.int64), np.broadcast_arrays(*cases))
+    """`select_n` as XLA lowers it: a boolean picks case 1 where true; an integer halves the
+    cases by ``which < mid`` (so an index past the end takes the last case, a negative one
+    the first), with no limit on the number of cases."""
+    if np.asarray(which).dtype == bool:
+        return np.where(which, cases[1], cases[0])
+
+    def pick(offset: int, part: Sequence[np.ndarray]) -> np.ndarray:
+        if len(part) == 1:
+            return np.asarray(part[0])
+        mid = len(part) // 2
+        return np.where(
+            which < offset + mid, pick(offset, part[:mid]), pick(offset + mid, part[mid:])
+        )
+
+    return pick(0, cases)
 
 
 _ON_HOST: dict[str, Callable[..., Any]] = {
@@ -88,6 +102,10 @@ _ON_HOST: dict[str, Callable[..., Any]] = {
 """numpy forms of the primitives that move elements (`moves`)."""
 
 
+_DATA = {"pad": 2, "dynamic_slice": 1, "dynamic_update_slice": 2}
+"""How many leading operands are data (the rest: indices), where not all are."""
+
+
 def _numpy(xs: Sequence[Any]) -> bool:
     return all(isinstance(x, (np.ndarray, np.generic)) for x in xs)
 
@@ -96,8 +114,14 @@ def moves(eqn: JaxprEqn, invals: Sequence[Any]) -> np.ndarray | None:
     """The output of `eqn`, a primitive that moves elements, on host arrays (positions), in
     their dtype (the equation's own is the program's, often a float); None where this
     module does not know it."""
-    rule = _ON_HOST.get(eqn.primitive.name)
+    name = eqn.primitive.name
+    rule = _ON_HOST.get(name)
     if rule is None or not _numpy(invals) or len(eqn.outvars) != 1:
+        return None
+    # (operands of different dtypes, a float padding value beside integer positions: JAX
+    # refuses them, and the caller's fallback says so; numpy would cast one silently)
+    data = invals[1:] if name == "select_n" else invals[: _DATA.get(name, len(invals))]
+    if len({np.asarray(x).dtype for x in data}) > 1:
         return None
     out = rule(*invals, **eqn.params)
     if out is None:
@@ -105,7 +129,7 @@ def moves(eqn: JaxprEqn, invals: Sequence[Any]) -> np.ndarray | None:
     out = np.asarray(out)
     if out.shape != tuple(eqn.outvars[0].aval.shape):
         return None
-    return out.astype((invals[1] if eqn.primitive.name == "select_n" else invals[0]).dtype)
+    return out.astype(np.asarray(data[0]).dtype)
 
 
 _ELEMENTWISE: dict[str, Callable[..., Any]] = {
@@ -128,9 +152,7 @@ _ELEMENTWISE: dict[str, Callable[..., Any]] = {
     "xor": np.bitwise_xor,
     "not": np.invert,
     "clamp": lambda lo, x, hi: np.minimum(np.maximum(x, lo), hi),
-    "select_n": lambda which, *cases: np.choose(
-        np.asarray(which, np.int64), np.broadcast_arrays(which, *cases)[1:]
-    ),
+    "select_n": _select,
     "convert_element_type": lambda x: x,  # (cast to the output's dtype below)
 }
 """Elementwise integer and boolean primitives (no division: XLA's truncates, numpy floors)."""

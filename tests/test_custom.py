@@ -452,7 +452,7 @@ def test_differentiate_through_the_inverse_refuses_what_only_the_function_sees()
         lambda y, k: (_bisection_cube(y, a), k), argnums=(0, 1), differentiate="inverse"
     )
     both.definverse(lambda x, k: (x**3 + a * x, k))
-    with pytest.raises(TypeError, match="integer leaf"):
+    with pytest.raises(TypeError, match="integer or a complex leaf"):
         jax.jvp(lambda y: both(y, jnp.arange(2))[0], (jnp.array([0.7, 2.0]),), (jnp.ones(2),))
 
 
@@ -466,3 +466,16 @@ def test_differentiate_through_the_inverse_in_low_precision():
         x = _bisection_cube(y.astype(jnp.float32), jnp.float32(1.3))
         assert g.dtype == dt
         np.testing.assert_allclose(g.astype(jnp.float32), 1 / (3 * x**2 + 1.3), rtol=tol)
+
+
+def test_differentiate_through_the_inverse_edges():
+    """A complex state is refused (its inverse need not be holomorphic: `conj`); an empty
+    batch differentiates to an empty gradient, as `differentiate="fun"` does."""
+    c = jr.custom_inverse(lambda x, p: jnp.conj(x) * p, differentiate="inverse")
+    c.definverse(lambda y, p: jnp.conj(y / p))
+    x = jnp.array([1.0 + 2.0j, 0.5 - 1.0j])
+    with pytest.raises(TypeError, match="integer or a complex leaf"):
+        jax.jvp(c, (x, 0.7), (jnp.array([1j, 1.0 + 0j]), 0.0))
+    solve = _implicit_root()
+    g = jax.grad(lambda Y: jnp.sum(jax.vmap(solve, (0, None))(Y, 1.3)))(jnp.zeros((0, 3)))
+    assert g.shape == (0, 3)

@@ -106,3 +106,49 @@ def test_what_the_host_does_not_know_is_declined():
     assert host.elementwise(e, ins) is None
     e, ins = _run(lax.add, np.float32(1), np.float32(2))[0]
     assert host.elementwise(e, ins) is None
+
+
+def test_select_n_as_xla_lowers_it():
+    """An integer `which` past the last case takes the last one, a negative one the first
+    (XLA halves the cases by ``which < mid``), with any number of cases (numpy's `choose`
+    stops at 64 and raises out of range)."""
+    which = np.array([-1, 0, 1, 2, 5], np.int32)
+    for n in (2, 3, 70):
+        cases = [np.full(5, 10 * k, np.int32) for k in range(n)]
+        e, ins = _run(lambda w, *c: lax.select_n(w, *c), which, *cases)[0]
+        np.testing.assert_array_equal(host.elementwise(e, ins), np.asarray(bind_eqn(e, ins)[0]))
+        np.testing.assert_array_equal(host.moves(e, ins), np.asarray(bind_eqn(e, ins)[0]))
+
+
+def test_operands_of_different_dtypes_are_declined():
+    """A float padding value beside integer positions: JAX refuses the pad (the caller then
+    knows nothing of the step), where numpy would cast the value into a position."""
+    x = np.arange(3, dtype=np.int32)
+    e = jax.make_jaxpr(lambda x: lax.pad(x, np.int32(1), ((0, 2, 0),)))(x).jaxpr.eqns[0]
+    assert host.moves(e, [x, np.float32(1.0)]) is None
+
+
+@pytest.mark.parametrize("case", ["clamp", "select", "key"])
+def test_every_iteration_at_once_aligns_on_the_iterations(case):
+    """`Statics.enum` of a step whose operand is a scalar at every iteration (a loop counter)
+    beside an array: the counter's values meet the iterations, not the array's last axis
+    (T == n made it silently wrong); a PRNG key operand stays with JAX."""
+    from jaxrev._env import Statics
+
+    T = 3
+    f = {
+        "clamp": lambda i: lax.clamp(np.int32(0), jnp.arange(3, dtype=jnp.int32) + i, i),
+        "select": lambda i: lax.select_n(
+            i > 0, jnp.arange(3, dtype=jnp.int32) + i, jnp.arange(3, dtype=jnp.int32) - i
+        ),
+        "key": lambda i: jax.random.key_data(
+            jax.vmap(jax.random.fold_in)(jax.random.split(jax.random.key(0), 2), jnp.stack([i, i]))
+        ),
+    }[case]
+    closed = jax.make_jaxpr(f)(jnp.int32(0))
+    jaxpr = closed.jaxpr
+    st = Statics(
+        jaxpr, closed.consts, enum_in={jaxpr.invars[0]: np.arange(T, dtype=np.int32)}, length=T
+    )
+    want = np.stack([np.asarray(f(jnp.int32(t))) for t in range(T)])
+    np.testing.assert_array_equal(st.enum(jaxpr.outvars[0]), want)

@@ -65,8 +65,9 @@ class custom_inverse:
       its own equations; "inverse", through `inv_fun` by the implicit function theorem (the
       outputs' tangent solves ``J dy = dx - (d inv_fun / d params) dparams``, with `J` the
       inverse's Jacobian in the state, dense per sample of a `vmap`): for a root-finder,
-      whose own derivative is wrong (a bisection's is zero) or costly. Tangents of what
-      `fun` closes over, and `inv_fun` does not take, are refused there.
+      whose own derivative is wrong (a bisection's is zero) or costly. Real floating
+      states only; a value being differentiated that `fun` closes over (rather than takes
+      as an argument) is refused there.
 
     `inv_fun` (given to `.definverse`) has `fun`'s signature with the outputs in the state
     positions: ``inv_fun(fun(x, theta), theta) == x``.
@@ -311,13 +312,17 @@ def _implicit_jvp(primals, tangents, params: dict):
     if any(not is_symbolic_zero(t) for t in tangents[:n_fconsts]):
         raise TypeError(
             "jaxrev.custom_inverse(differentiate='inverse'): the function closes over a value "
-            "being differentiated that its inverse does not take; pass it as an argument"
+            "being differentiated; pass it as an argument (to the function and its inverse)"
         )
     ys = custom_inverse_p.bind(*primals, **params)
-    if not all(jnp.issubdtype(jnp.result_type(y), jnp.inexact) for y in ys):
+    if not all(jnp.issubdtype(jnp.result_type(y), jnp.floating) for y in ys):
+        # (an integer has no derivative to solve for; a complex state would need the
+        # inverse's Jacobian over real and imaginary parts apart, where it is not
+        # holomorphic: conj, abs, real, imag)
         raise TypeError(
-            "jaxrev.custom_inverse(differentiate='inverse'): the state has an integer leaf, "
-            "which has no derivative to solve for; differentiate='fun' instead"
+            "jaxrev.custom_inverse(differentiate='inverse'): the state has an integer or a "
+            "complex leaf; the implicit derivative takes real floating states only: "
+            "differentiate='fun' instead"
         )
     tangents = instantiate_tangents(primals, tangents)
     _, ic, xs = _split(list(primals), n_fconsts, n_iconsts)
@@ -337,7 +342,7 @@ def _implicit_jvp(primals, tangents, params: dict):
     n = sum(per)
 
     def flat(vs):  # (*batch, n): the state per sample, its leaves side by side
-        return jnp.concatenate([jnp.reshape(v, lead + (-1,)) for v in vs], axis=-1)
+        return jnp.concatenate([jnp.reshape(v, lead + (k,)) for v, k in zip(vs, per)], axis=-1)
 
     def unflat(v):
         out, at = [], 0
