@@ -353,11 +353,15 @@ def plot(rows: list[dict], path: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--dim", type=int, default=D, help="the flows' dimension (default 8)")
+    ap.add_argument("--only", default="", help="only the flows whose name holds this text")
     a = ap.parse_args()
+    globals()["D"] = a.dim
     layers, reps = (2, 3) if a.quick else (4, 15)
     cases = [(n, "flowjax", b) for n, b in flowjax_flows(layers).items()]
     cases += [(n, "numpyro", b) for n, b in numpyro_flows().items()]
     cases += [(n, "distrax", b) for n, b in distrax_flows(layers).items()]
+    cases = [c for c in cases if a.only in c[0]]
     # (the process's own first costs, JAX's and jaxrev's, paid once here: the first row's
     # first calls measured them otherwise)
     warm = jnp.linspace(-0.5, 0.5, D)
@@ -365,7 +369,7 @@ def main() -> None:
     rows = []
     for name, kind, bij in progress(cases, desc="flows"):
         rows.append(measure(name, kind, bij, reps))
-    name = "flows_libraries" + ("_quick" if a.quick else "")
+    name = "flows_libraries" + (f"_d{a.dim}" if a.dim != 8 else "") + ("_quick" if a.quick else "")
     md = table(rows)
     write_results(name, {"rows": rows, "layers": layers, "device": device_info()}, md)
     plot(rows, os.path.join(RESULTS, name + ".png"))

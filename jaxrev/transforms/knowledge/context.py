@@ -49,7 +49,12 @@ class Settings:
     walk, whose values no one reads (`slogdet`'s plan of the forward log-det, walked on
     stand-ins under `eval_shape`): a group's solve still walks what decides whether it
     inverts, but writes a traced stand-in of the preimage's shape instead of computing it
-    (no search, no candidates checked, no Newton iterations traced)."""
+    (no search, no candidates checked, no Newton iterations traced); `fill`: unknown elements
+    are replaced by `elements.FILL` before they enter a computation (False in the walk of a
+    loop's iterations undone all at once, whose unknown elements hold the loop's final values:
+    finite data, the same at every iteration, so that what the iterations compute from them is
+    computed once; the loop rule catches a non-finite result and undoes the loop one
+    iteration at a time instead)."""
 
     who: str = "jaxrev.reverse"
     on_error: str = "raise"
@@ -57,6 +62,7 @@ class Settings:
     rebuilds: bool = False
     reinverted: bool = True
     values: bool = True
+    fill: bool = True
 
     def __post_init__(self) -> None:
         if self.on_error not in ON_ERROR:

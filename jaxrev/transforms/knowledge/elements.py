@@ -149,7 +149,7 @@ def value_of(env: Env, v: Any, clean: bool = False) -> Any:
     if not is_var(v) or not is_partial(env, v):
         return None
     p = _assembled(env, v)
-    if not clean:
+    if not clean or (env.ctx is not None and not env.ctx.settings.fill):
         return p.value
     if p.clean is None:
         fill = jnp.asarray(FILL if jnp.issubdtype(v.aval.dtype, jnp.inexact) else 1, v.aval.dtype)

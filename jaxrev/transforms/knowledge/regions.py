@@ -12,7 +12,10 @@ is a union of conjunctions of atoms:
   complement;
 - `Spread`: the positions that read a window's positions through a relation known when traced
   (the outputs of a product by a matrix with zeros, a masked autoregressive layer, whose input
-  is unknown in a window: the element a loop's step overwrites).
+  is unknown in a window: the element a loop's step overwrites);
+- `PerIteration`: a static set of positions at each iteration of the enclosing loop (the
+  elements a loop's later iterations overwrite, when `rules.scan` asks whether its iterations
+  can be undone all at once from the loop's final carry).
 
 Deciding whether a conjunction is empty is what makes partial knowledge useful: ``p`` and
 ``not p`` cover everything; a read window disjoint from the written one is known. Windows are
@@ -40,6 +43,7 @@ __all__ = [
     "Win",
     "CoWin",
     "Spread",
+    "PerIteration",
     "Region",
     "EMPTY",
     "FULL",
@@ -59,6 +63,7 @@ __all__ = [
     "static_mask",
     "undecided",
     "IndexMap",
+    "iteration_masks",
 ]
 
 
@@ -234,6 +239,28 @@ class Spread:
     win: Win
     rel: Mask  # (positions of `shape`, flattened) x (positions of the window's array)
     shape: tuple
+
+
+@dataclass(frozen=True)
+class PerIteration:
+    """Positions (of an array of `shape`) that depend on the iteration of the enclosing loop, all
+    known when traced: ``table.array[t]`` at iteration t (`Mask` of shape (iterations, *shape)).
+    Only a dry run's regions hold one (`rules.scan`'s check that each iteration's results read
+    nothing a later iteration overwrites): no value is computed under it."""
+
+    table: Mask
+
+    @property
+    def shape(self) -> tuple:
+        return self.table.shape[1:]
+
+    @property
+    def length(self) -> int:
+        return self.table.shape[0]
+
+    def rows(self) -> np.ndarray:
+        """The table as (iterations, positions), flattened."""
+        return self.table.array.reshape(self.length, -1)
 
 
 Atom = Any
@@ -416,6 +443,8 @@ def _iteration_masks(a: Any, shape: tuple, statics: Any) -> np.ndarray | None:
     size = int(np.prod(shape, dtype=np.int64))
     if isinstance(a, Mask):
         return a.array.reshape(1, -1) if a.shape == tuple(shape) else None
+    if isinstance(a, PerIteration):
+        return a.rows() if a.shape == tuple(shape) else None
     if isinstance(a, CoWin):
         inside = _iteration_masks(a.win, shape, statics)
         return None if inside is None else ~inside
@@ -454,7 +483,7 @@ def _iteration_masks(a: Any, shape: tuple, statics: Any) -> np.ndarray | None:
 def _enumerated_empty(c: Conj, statics: Any) -> bool:
     """Whether the conjunction's atoms known at every iteration have no position in common at
     any iteration."""
-    shapes = [a.shape for a in c if isinstance(a, (Mask, Win, Spread))]
+    shapes = [a.shape for a in c if isinstance(a, (Mask, Win, Spread, PerIteration))]
     if not shapes:
         return False
     both = None
@@ -485,6 +514,17 @@ def spread(r: Region, rel: np.ndarray, shape: tuple) -> Region:
             if isinstance(a, Mask):
                 keep &= a.array.reshape(-1)
         through = rel & keep[None, :]
+        staged = [a for a in c if isinstance(a, PerIteration)]
+        if staged:  # (static at every iteration: preferred to a window's spread, made at run time)
+            rows = staged[0].rows()
+            for a in staged[1:]:
+                rows = rows & a.rows()
+            if rows.shape[0] * rel.shape[0] > _MAX_ENUMERATED:
+                return FULL
+            hit = (rows.astype(np.float32) @ through.T.astype(np.float32)) > 0
+            if hit.any():
+                out.append(frozenset({PerIteration(Mask.of(hit.reshape((-1, *shape))))}))
+            continue
         carriers = [a for a in c if isinstance(a, (Win, Spread))]
         if not carriers:
             out.append(frozenset({Mask.of(through.any(axis=1).reshape(shape))}))
@@ -559,12 +599,23 @@ def _simplify_conj(c: Conj, statics: Any) -> Conj | None:
             meets = _window_meets_mask(w, m, statics)
             if meets is False:
                 return None
+    staged = [a for a in c if isinstance(a, PerIteration)]
+    if staged:
+        rows = staged[0].rows()
+        for a in staged[1:]:
+            if a.length != rows.shape[0]:
+                return frozenset(c)  # (loops of different lengths: kept as they are)
+            rows = rows & a.rows()
+        if not rows.any():
+            return None
+        out.add(PerIteration(Mask.of(rows.reshape((-1, *staged[0].shape)))))
     spreads = [a for a in c if isinstance(a, Spread)]
     if spreads:
         if any(not a.rel.array.any() for a in spreads):
             return None
         out.update(spreads)
-        if statics is not None and _enumerated_empty(frozenset(out), statics):
+    if (spreads and statics is not None) or staged:
+        if _enumerated_empty(frozenset(out), statics):
             return None
     return frozenset(out)
 
@@ -584,6 +635,13 @@ def _merge_pair(a: Conj, b: Conj) -> Conj | None:
     if isinstance(x, Mask) and isinstance(y, Mask) and x.shape == y.shape:
         m = x.array | y.array
         return rest if m.all() else rest | {Mask.of(m)}
+    if (
+        isinstance(x, PerIteration)
+        and isinstance(y, PerIteration)
+        and x.table.shape == y.table.shape
+    ):
+        m = x.table.array | y.table.array
+        return rest if m.all() else rest | {PerIteration(Mask.of(m))}
     if isinstance(x, Win) and isinstance(y, CoWin) and y.win == x:
         return rest
     if isinstance(y, Win) and isinstance(x, CoWin) and x.win == y:
@@ -716,6 +774,11 @@ def pullback(r: Region, m: IndexMap) -> Region:
             if isinstance(a, Mask):
                 for cj in conjs:
                     cj.add(Mask.of(m.apply(a.array)))
+            elif isinstance(a, PerIteration):
+                idx = m.index
+                rows = np.where(idx >= 0, a.rows()[:, np.maximum(idx, 0)], idx == -2)
+                for cj in conjs:
+                    cj.add(PerIteration(Mask.of(rows.reshape((a.length, *m.shape)))))
             elif isinstance(a, Spread):
                 if (m.index == -2).any():
                     return FULL
@@ -826,12 +889,33 @@ def materialize(
                 am = _window_mask(a, read)
             elif isinstance(a, Spread):
                 am = _spread_mask(a, read)
+            elif isinstance(a, PerIteration):
+                # no iteration is current outside the dry run that made it: every position
+                # some iteration names (an over-approximation of the unknown, always safe)
+                am = jnp.asarray(a.table.array.any(axis=0))
             else:
                 am = ~_window_mask(a.win, read)
             m = am if m is None else m & am
         m = jnp.ones(shape, bool) if m is None else jnp.broadcast_to(m, shape)
         out = m if out is None else out | m
     return out
+
+
+def iteration_masks(r: Region, shape: tuple, length: int, statics: Any) -> np.ndarray:
+    """The region's positions at each of `length` iterations of the enclosing loop, as a
+    (length, *shape) boolean array: each conjunction's atoms known at every iteration
+    intersected, an atom that is not (a run-time predicate) taken as every position (an
+    over-approximation)."""
+    size = int(np.prod(shape, dtype=np.int64))
+    out = np.zeros((length, size), bool)
+    for c in r:
+        m = np.ones((length, size), bool)
+        for a in c:
+            am = _iteration_masks(a, tuple(shape), statics)
+            if am is not None and am.shape[0] in (1, length):
+                m &= am
+        out |= m
+    return out.reshape((length, *shape))
 
 
 def static_mask(r: Region, shape: tuple) -> np.ndarray | None:

@@ -831,13 +831,15 @@ def invert_jaxpr(
     *,
     ctx: RuleContext,
     more_may_follow: bool = False,
+    settings: dict | None = None,
 ) -> list[Any]:
     """Recover the `Unknown` entries of `ins` from the known `outs` (`Unknown` where not known);
     None for the inputs that were known. Raises `NotInvertibleError` where it cannot, or
     `NeedMore` (naming where the body's walk stopped) if `more_may_follow`: the caller's walk
     may still learn some unknown `ins` or `outs` by another route. `ctx`: the rule context of
     the loop's or branch's rule that walks its body (the walk inherits its walk's context;
-    where that walk is recorded, it is recorded as the equation's child)."""
+    where that walk is recorded, it is recorded as the equation's child); `settings`: changes
+    to its context's `Settings` (the walks it starts inherit them)."""
     jaxpr, env, goals = seed(closed, ins, outs, hints, ctx=None)
     env.ctx, attach = records.child(
         ctx.env,
@@ -852,6 +854,8 @@ def invert_jaxpr(
         ],
         [i for i, x in enumerate(ins) if is_unknown(x)],
     )
+    if settings:
+        env.ctx = env.ctx.replace(**settings)
     stuck = propagate(jaxpr, env, goals)
     attach()
     missing = [

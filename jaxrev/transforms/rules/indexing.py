@@ -57,7 +57,7 @@ from jaxrev.transforms.registry import (
 )
 from jaxrev.transforms.rules.arithmetic import check_nonzero
 
-__all__: list[str] = []
+__all__ = ["written_region"]
 
 
 def _zeros(v: Any) -> Any:
@@ -357,6 +357,18 @@ for _p in (prims.scatter, prims.scatter_add, prims.scatter_mul):
         element=ElementRule(_scatter_forward, _scatter_backward),
         kind=(LINEAR,),
     )
+
+
+def written_region(eqn: JaxprEqn, env: Env) -> R.Region | None:
+    """Where a scatter (of any kind) or a `dynamic_update_slice` writes into its operand, as a
+    region decided at each iteration of the enclosing loop (a window at a loop counter, or a
+    static mask); None for another equation, or where that is not known when traced."""
+    if eqn.primitive is prims.dynamic_update_slice:
+        return R.win_region(_dus_window(eqn), env.info)
+    if eqn.primitive in (prims.scatter, prims.scatter_add, prims.scatter_mul):
+        t = _scatter_targets(eqn, env)
+        return None if t is None else t[0]
+    return None
 
 
 # --------------------------------------------------------------------------- dynamic slices

@@ -41,7 +41,10 @@ from jaxrev._graph import (
     unread_carries,
     work_of,
 )
+from jaxrev._prepare import prepare
 from jaxrev.transforms.knowledge import records
+from jaxrev.transforms.knowledge import regions as R
+from jaxrev.transforms.knowledge.elements import learn, region_of
 from jaxrev.transforms.logdet import (
     LogdetContext,
     LogdetResult,
@@ -59,7 +62,8 @@ from jaxrev.transforms.propagation.walker import (
     seed,
     statics_for,
 )
-from jaxrev.transforms.registry import NeedMore, Unsupported, define
+from jaxrev.transforms.registry import Lossy, NeedMore, Unsupported, define
+from jaxrev.transforms.rules.indexing import written_region
 from jaxrev.transforms.sweep import drift
 from jaxrev.transforms.sweep.backward import (
     BodyWalk,
@@ -143,26 +147,35 @@ def _scan_inverse(outs, *ins, ctx: RuleContext, **params):
     floats = [d for d in floats if jnp.issubdtype(d, jnp.inexact)]
     ld_dtype = jnp.result_type(*floats) if floats else jnp.float32
 
-    def ibody(c_unk, sl):
+    def ibody(c_unk, sl, settings=None):
         kin_t, ys_t, xs_t = sl
         outs_t = [Unknown(v.aval) for v in bj.outvars]
         for i, c in zip(unk, c_unk):
             outs_t[i] = c
         for j, y in zip(ys_known_idx, ys_t):
             outs_t[ncar + j] = y
-        rec = invert_jaxpr(body, body_ins(kin_t, known_idx, xs_t), outs_t, hints, ctx=ctx)
+        rec = invert_jaxpr(
+            body, body_ins(kin_t, known_idx, xs_t), outs_t, hints, ctx=ctx, settings=settings
+        )
         c_prev = [rec[nc + i] for i in unk]
         x_rec = [rec[nc + ncar + j] for j, kn in enumerate(xs_known) if not kn]
         return c_prev, (x_rec, _iteration_logdet(parent, logdets, ctx.eqn, ld_dtype))
 
+    final = [carry_out[i] for i in unk]
+    per_t = (kin, [ys[j] for j in ys_known_idx], xk)
+
+    writers = None
+    if not ctx.walk.settings.reinverted and not ctx.walk.settings.rebuilds:
+        writers = _undone_at_once(sp, consts, unk, known_idx, xs_known, hints, ctx)
     try:
-        c0, (xs_rec, per_iteration) = lax.scan(
-            ibody,
-            [carry_out[i] for i in unk],
-            (kin, [ys[j] for j in ys_known_idx], xk),
-            length=length,
-            reverse=not rev,
-        )
+        if writers is None:
+            c0, (xs_rec, per_iteration) = lax.scan(
+                ibody, final, per_t, length=length, reverse=not rev
+            )
+        else:
+            c0, (xs_rec, per_iteration) = _at_once(
+                ibody, final, per_t, [writers[i] for i in unk], length
+            )
     except NotInvertibleError:
         if waiting:  # may work once the chain's start is known
             raise NeedMore("the start of a carry that the loop also emits is not known yet")
@@ -180,6 +193,138 @@ def _scan_inverse(outs, *ins, ctx: RuleContext, **params):
         if not kn:
             res[nc + ncar + j] = next(it)
     return res
+
+
+def _undone_at_once(
+    sp: ScanParams,
+    consts: Sequence[Any],
+    unk: Sequence[int],
+    known_idx: Sequence[int],
+    xs_known: Sequence[bool],
+    hints: Hints | None,
+    ctx: RuleContext,
+) -> dict[int, np.ndarray] | None:
+    """Whether the loop's iterations can all be undone at once, each from the loop's final
+    carry rather than from the carry the iterations after it left (masked autoregressive
+    inverses: flowjax's MAF loop writes element `rank` from a network whose masks hide the
+    elements later iterations write): where each unknown carry is written, in each iteration,
+    only by scatters and dynamic updates at positions known when traced, no position by two
+    iterations, and where what an iteration writes and emits reads nothing a later iteration
+    writes. Decided by a dry run of the body forward on element-level knowledge (under
+    `eval_shape`: nothing of it is emitted): each unknown carry known but for the positions
+    later iterations write (a `PerIteration` region); the outputs must then be known but
+    there. Returns, per unknown carry, the iteration writing each position (-1: none), or
+    None."""
+    T, nc, ncar = sp.length, sp.nconsts, sp.ncarry
+    if T < 2 or not unk or hints is None or hints.length != T:
+        return None
+    closed = prepare(sp.body)
+    bj = closed.jaxpr
+    if any(size_of([bj.invars[nc + i].aval]) * T > Statics.MAX_SIZE for i in unk):
+        return None
+    writes = {}
+    shown = Env(info=statics_for(bj, closed.consts, hints))
+    for i in unk:
+        w = _per_iteration_writes(bj, shown, nc + i, i, T)
+        if w is None or (w.sum(axis=0) > 1).any():
+            return None
+        writes[i] = w
+    found: dict[int, np.ndarray] = {}
+
+    def dry() -> None:
+        stand_ins = [jnp.zeros(v.aval.shape, v.aval.dtype) for v in bj.invars]
+        ins = list(consts) + stand_ins[nc:]
+        for i in unk:
+            ins[nc + i] = Unknown(bj.invars[nc + i].aval)
+        jaxpr, env, _ = seed(
+            closed,
+            ins,
+            [Unknown(v.aval) for v in bj.outvars],
+            hints,
+            prepared=True,
+            ctx=ctx.walk.replace(recorder=None),
+        )
+        later = {}
+        for i, w in writes.items():
+            # what the iterations that run after iteration t write
+            none = np.zeros_like(w[:1])
+            if sp.reverse:
+                after = np.concatenate([none, np.cumsum(w, axis=0)[:-1] > 0])
+            else:
+                after = np.concatenate([(np.cumsum(w[::-1], axis=0)[::-1] > 0)[1:], none])
+            later[i] = after
+            v = jaxpr.invars[nc + i]
+            if after.any():
+                learn(
+                    env,
+                    v,
+                    stand_ins[nc + i],
+                    frozenset({frozenset({R.PerIteration(R.Mask.of(after))})}),
+                )
+            else:
+                env.write(v, stand_ins[nc + i])
+        propagate(jaxpr, env, None, forward_only=True)
+        for i in unk:
+            o = jaxpr.outvars[i]
+            shape = tuple(o.aval.shape)
+            unknown = R.iteration_masks(region_of(env, o), shape, T, env.info)
+            if (unknown & ~later[i]).any():
+                return
+        for o in jaxpr.outvars[ncar:]:
+            if region_of(env, o) != R.EMPTY:
+                return
+        for i, w in writes.items():
+            writer = np.where(w.any(axis=0), np.argmax(w, axis=0), -1)
+            found[i] = writer
+
+    try:
+        jax.eval_shape(dry)
+    except (NotInvertibleError, NeedMore, Unsupported, Lossy):
+        return None
+    return found if len(found) == len(unk) else None
+
+
+def _per_iteration_writes(jaxpr: Any, env: Env, k: int, i: int, T: int) -> np.ndarray | None:
+    """The positions of carry `i` (the body's input `k`) that each iteration may change, as a
+    (T, *shape) boolean array: its output is its input written by a chain of scatters and
+    dynamic updates whose positions are known when traced; None otherwise."""
+    v, x = jaxpr.outvars[i], jaxpr.invars[k]
+    shape = tuple(x.aval.shape)
+    out = np.zeros((T, *shape), bool)
+    producer = env.info.producer
+    while v is not x:
+        e = producer.get(v) if is_var(v) else None
+        r = None if e is None else written_region(e, env)
+        if r is None or tuple(e.invars[0].aval.shape) != shape:
+            return None
+        out |= R.iteration_masks(r, shape, T, env.info)
+        v = e.invars[0]
+    return out
+
+
+def _at_once(
+    ibody: Callable, final: list, per_t: tuple, writers: Sequence[np.ndarray], length: int
+) -> tuple:
+    """The loop undone all at once (`_undone_at_once`): every iteration's body inverted from
+    the final carry, under `vmap` over the iterations, and each position of the first carry
+    taken from the iteration that writes it (the final carry's where none does).
+
+    The body's walk computes with the final carry's values where it knows nothing, rather
+    than `elements.FILL` (`Settings.fill`): so what the iterations compute from the carry
+    alone is the same at every iteration, and computed once (a masked network: the loop then
+    costs what one pass of it costs). Those values are the loop's own, of the kind its
+    iterations compute with where they do know the carry (the elements earlier iterations
+    wrote), and reach a known result only through the zeros that hide them (a masked weight,
+    a select's other case), which keep them out exactly where they are finite; a non-finite
+    input makes every result non-finite, as the loop itself does."""
+    stacked, (xs_rec, per_iteration) = jax.vmap(
+        lambda sl: ibody(final, sl, {"fill": False}), axis_size=length
+    )(per_t)
+    c0 = []
+    for c, st, writer in zip(final, stacked, writers):
+        taken = jnp.take_along_axis(st, np.maximum(writer, 0)[None], axis=0)[0]
+        c0.append(jnp.where(writer >= 0, taken, c))
+    return c0, (xs_rec, per_iteration)
 
 
 def _iteration_logdet(parent: Any, logdets: dict | None, eqn: Any, dtype: Any) -> Any:
