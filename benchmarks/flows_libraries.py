@@ -139,7 +139,7 @@ def numpyro_flows() -> dict:
     L = jnp.tril(0.3 * jax.random.normal(k[0], (D, D)), -1) + jnp.diag(
         jnp.exp(0.2 * jax.random.normal(k[1], (D,)))
     )
-    init, apply = AutoregressiveNN(D, [32], permutation=jnp.arange(D))
+    init, apply = AutoregressiveNN(D, [max(32, 2 * D)], permutation=jnp.arange(D))
     _, params = init(k[2], (D,))
     params = jax.tree_util.tree_map(lambda p: p + 0.1 * jax.random.normal(k[3], p.shape), params)
     arn = lambda x: apply(params, x)  # noqa: E731
@@ -369,7 +369,12 @@ def main() -> None:
     rows = []
     for name, kind, bij in progress(cases, desc="flows"):
         rows.append(measure(name, kind, bij, reps))
-    name = "flows_libraries" + (f"_d{a.dim}" if a.dim != 8 else "") + ("_quick" if a.quick else "")
+    name = (
+        "flows_libraries"
+        + (f"_d{a.dim}" if a.dim != 8 else "")
+        + ("_some" if a.only else "")  # (a part of the table does not replace the whole)
+        + ("_quick" if a.quick else "")
+    )
     md = table(rows)
     write_results(name, {"rows": rows, "layers": layers, "device": device_info()}, md)
     plot(rows, os.path.join(RESULTS, name + ".png"))

@@ -30,7 +30,7 @@ import numpy as np
 from jax import lax
 
 from jaxrev._cache import memo
-from jaxrev._compat import DropVar, JaxprEqn, Var, prims
+from jaxrev._compat import DropVar, JaxprEqn, ShapedArray, Var, prims
 from jaxrev._env import Env, Unknown, fit_to_aval
 from jaxrev._evaluate import apply, apply_on_host
 from jaxrev._graph import is_var, real_outvars
@@ -70,8 +70,13 @@ FILL = 0.5
 of a one-to-one map makes a NaN or an infinity of it (log, arctanh, 1/x, logit, sqrt)."""
 
 MAX_LEARN = 32
-"""Updates of one variable's partial knowledge, at most, per walk (a guard, never reached by a
-program that makes progress: each update shrinks the unknown region)."""
+"""Updates of one variable's partial knowledge, at most, per walk, beyond one per element (a
+guard, never reached by a program that makes progress: each update shrinks the unknown region;
+an autoregressive map learns one element per update, D of them)."""
+
+
+def _learn_cap(v: Any) -> int:
+    return MAX_LEARN + int(np.prod(v.aval.shape, dtype=np.int64))
 
 
 @dataclass
@@ -177,7 +182,7 @@ def learn(env: Env, v: Any, value: Any, region: R.Region) -> bool:
             return False
         env.part[v] = Part(value, region, (), region)
         return True
-    if p.learned >= MAX_LEARN:
+    if p.learned >= _learn_cap(v):
         return False
     new = R.intersect(p.region, region, st)
     if R.implies(p.region, new) or R.too_complex(new):
@@ -230,7 +235,7 @@ def learn_piece(env: Env, v: Any, w: R.Win, piece: Any) -> bool:
         else:
             env.part[v] = Part(None, R.FULL, ((w, piece),), rest)
         return True
-    if p.learned >= MAX_LEARN or R.window_known(p.region, w, st):
+    if p.learned >= _learn_cap(v) or R.window_known(p.region, w, st):
         return False
     new = R.intersect(p.region, R.cowin_region(w, st), st)
     if new == R.EMPTY:
@@ -475,6 +480,10 @@ def _elementwise_backward(eqn: JaxprEqn, env: Env) -> bool | None:
         if not all(env.known(v) or is_partial(env, v) for v in others):
             continue
         involved = True
+        on_window = _window_backward(eqn, env, k)
+        if on_window is not None:
+            wrote = on_window or wrote
+            continue
         region = region_of(env, o)
         for v in others:
             region = R.union(region, region_on(env, v, o.aval.shape), env.info)
@@ -491,6 +500,43 @@ def _elementwise_backward(eqn: JaxprEqn, env: Env) -> bool | None:
         if rec is not None and rec[k] is not None:
             wrote = learn(env, eqn.invars[k], rec[k], region) or wrote
     return wrote if involved else None
+
+
+def _window_backward(eqn: JaxprEqn, env: Env, k: int) -> bool | None:
+    """Operand `k` on the one window where the output is known (a piece over no base value),
+    from the other operands there: a loop's step writes one element, which is then recovered
+    alone, not on arrays of the whole carry's size (what the steps of a loop undone at once
+    would each make, under their `vmap`). None where the output is known otherwise, or an
+    operand is not known on the window (then the whole arrays are inverted)."""
+    o = eqn.outvars[0]
+    p = env.part.get(o) if is_var(o) else None
+    if p is None or p.value is not None or len(p.pieces) != 1:
+        return None
+    w, piece = p.pieces[0]
+    target = eqn.invars[k]
+    if R.window_known(region_of(env, target), w, env.info):
+        return False
+    ins: list[Any] = []
+    for j, v in enumerate(eqn.invars):
+        shape = tuple(v.aval.shape)
+        if j == k:
+            x = Unknown(ShapedArray(tuple(w.sizes), v.aval.dtype))
+        elif shape == tuple(o.aval.shape):
+            x = read_window(env, v, w)
+        elif not shape and env.known(v):  # a scalar broadcast over the output
+            x = jnp.broadcast_to(env.read(v), tuple(w.sizes))
+        else:
+            x = None
+        if x is None:
+            return None
+        ins.append(x)
+    try:
+        rec = inverse_rules[eqn.primitive](piece, *ins, **eqn.params)
+    except (NeedMore, Lossy):
+        return None
+    if rec is None or rec[k] is None:
+        return None
+    return learn_piece(env, target, w, rec[k])
 
 
 # --------------------------------------------------------------------------- structural
