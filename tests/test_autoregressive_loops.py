@@ -393,3 +393,19 @@ def test_an_autoregressive_map_of_many_dimensions_inverts_element_by_element():
     back, ld_inv = jax.jit(jr.inverse_and_slogdet(f))(y)
     np.testing.assert_allclose(back, x, rtol=1e-10, atol=1e-12)
     np.testing.assert_allclose(ld_inv, -ld, rtol=1e-10)
+
+
+def test_the_element_loops_log_det_takes_one_pivot_per_step():
+    """Run forward for its log-det, each step of the element loop recovers one element: its
+    pivot is taken on that element's window (one log per step), not over the whole carry
+    masked to it (D logs per step, D² in all: 2.6x flowjax's forward at D = 64, now 1.3x)."""
+    d = 12
+    p = _params(jax.random.PRNGKey(33), d, 16)
+    f = lambda y: maf_inverse_loop(p, y)  # noqa: E731
+    x = _point(34, d)
+    out, ld = jax.jit(jr.forward_and_slogdet(f))(x)
+    np.testing.assert_allclose(out, f(x), rtol=1e-12)
+    np.testing.assert_allclose(ld, jnp.linalg.slogdet(jax.jacfwd(f)(x))[1], rtol=1e-10)
+    (loop,) = _looped_with_net(jax.make_jaxpr(jr.forward_and_slogdet(f))(x).jaxpr)
+    logs = [e for e in all_eqns(loop.params["jaxpr"].jaxpr) if e.primitive.name == "log"]
+    assert logs and all(np.size(np.zeros(e.invars[0].aval.shape)) == 1 for e in logs), logs

@@ -713,6 +713,43 @@ def _union_mask(masks: list | None, shape: tuple, read: Callable) -> Any:
     return out
 
 
+def _window_pivots(
+    eqn: JaxprEqn, k: int, ins: Sequence[Any], piv: _Pivots, read: Callable, statics: Any
+) -> tuple[Any, Any] | None:
+    """(pivots, where they count) of an elementwise step whose recovered elements are one
+    window at a loop counter (a loop's step writes one element), on that window alone: not
+    the whole operand's pivots masked (one log per element per step, D² for an autoregressive
+    loop of D steps). None otherwise."""
+    if not is_kind(eqn.primitive, ELEMENTWISE) or not piv.masks or len(piv.masks) != 1:
+        return None
+    (m,) = piv.masks
+    if not isinstance(m, tuple):
+        return None
+    w = R.window_between(m[0], m[1], statics)
+    shape = _shape(eqn.outvars[0])
+    if w is None or tuple(w.shape) != shape or ins[k] is None:
+        return None
+    starts, fits = R.window_starts(w, read)
+    parts = []
+    for x in ins:
+        if x is None:
+            return None
+        if tuple(jnp.shape(x)) == shape:
+            parts.append(jax.lax.dynamic_slice(x, starts, w.sizes))
+        elif not jnp.shape(x):
+            parts.append(x)
+        else:
+            return None
+
+    def f(x):
+        a = list(parts)
+        a[k] = x
+        return apply(eqn, a)[0]
+
+    _, d = jax.jvp(f, (parts[k],), (jnp.ones_like(parts[k]),))
+    return d, None if fits is True else jnp.broadcast_to(fits, d.shape)
+
+
 def _eval_step(
     ps: _PStep,
     read: Callable,
@@ -736,6 +773,10 @@ def _eval_step(
             k = piv.operand
             unit = _unit_pivot(eqn, k)
             if unit == 1:  # volume-preserving: nothing to compute
+                continue
+            on_window = _window_pivots(eqn, k, ins, piv, read, pl.info)
+            if on_window is not None:
+                sign, logabs = _acc(sign, logabs, *on_window)
                 continue
             mask = _union_mask(piv.masks, _shape(eqn.invars[k]), read)
             if unit == -1:  # each recovered element flips the sign

@@ -64,6 +64,8 @@ __all__ = [
     "undecided",
     "IndexMap",
     "iteration_masks",
+    "window_starts",
+    "window_between",
 ]
 
 
@@ -816,6 +818,42 @@ def _pred_pulled(a: Pred, im: IndexMap) -> list[set]:
 
 
 # --------------------------------------------------------------------------- run-time masks
+
+
+def window_starts(w: Win, read: Callable[[Any], Any]) -> tuple[list[Any], Any]:
+    """The window's corner when the program runs (`read` gives a variable's value), clamped
+    as its mode says, and whether it is a position at all (True, or a boolean scalar for a
+    "drop" window that may not fit)."""
+    starts, fits = [], True
+    for o, z, n in zip(w.origin, w.sizes, w.shape):
+        if isinstance(o, (int, np.integer)):
+            s = jnp.asarray(int(o), jnp.int32)
+        else:
+            var, k = o
+            v = read(var)
+            s = (v if k is None else jnp.reshape(v, (-1,))[k]).astype(jnp.int32)
+        if w.mode == "clamp":
+            s = jnp.clip(s, 0, max(n - z, 0))
+        else:
+            fits = fits & (s >= 0) & (s + z <= n)
+        starts.append(s)
+    return starts, fits
+
+
+def window_between(before: Region, after: Region, statics: Any) -> Win | None:
+    """The one window that is `before` but not `after` (a loop step's recovered element:
+    unknown before the step, the window and what reads it; after it, what reads it), where
+    the atoms show that: one conjunction of `before` is a window disjoint from `after` at
+    every iteration, and `after` holds the others. None otherwise."""
+    wins = [c for c in before if len(c) == 1 and isinstance(next(iter(c)), Win)]
+    if len(wins) != 1:
+        return None
+    w = next(iter(wins[0]))
+    if not implies(frozenset(c for c in before if c != wins[0]), after):
+        return None
+    if intersect(win_region(w, statics), after, statics) != EMPTY:
+        return None
+    return w
 
 
 def _window_mask(w: Win, read: Callable[[Any], Any]) -> Any:
