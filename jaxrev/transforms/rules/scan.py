@@ -42,6 +42,7 @@ from jaxrev._graph import (
     work_of,
 )
 from jaxrev._prepare import prepare
+from jaxrev.transforms.custom import custom_inverse
 from jaxrev.transforms.knowledge import records
 from jaxrev.transforms.knowledge import regions as R
 from jaxrev.transforms.knowledge.elements import learn, region_of
@@ -62,7 +63,7 @@ from jaxrev.transforms.propagation.walker import (
     seed,
     statics_for,
 )
-from jaxrev.transforms.registry import Lossy, NeedMore, Unsupported, define
+from jaxrev.transforms.registry import NeedMore, Unsupported, define
 from jaxrev.transforms.rules.indexing import written_region
 from jaxrev.transforms.sweep import drift
 from jaxrev.transforms.sweep.backward import (
@@ -127,8 +128,10 @@ def _scan_inverse(outs, *ins, ctx: RuleContext, **params):
     known_idx = sorted([*fwd_idx, *emitted])
     xk = [x for x in xs if not is_unknown(x)]
 
-    def body_ins(kin_t: Sequence[Any], kidx: Sequence[int], xs_t: Sequence[Any]) -> list:
-        return _body_inputs(sp, consts, xs_known, kidx, kin_t, xs_t)
+    def body_ins(
+        kin_t: Sequence[Any], kidx: Sequence[int], xs_t: Sequence[Any], cs: Sequence[Any]
+    ) -> list:
+        return _body_inputs(sp, cs, xs_known, kidx, kin_t, xs_t)
 
     kin_of: dict[int, Any] = dict(emitted)
     if fwd_idx:
@@ -147,7 +150,7 @@ def _scan_inverse(outs, *ins, ctx: RuleContext, **params):
     floats = [d for d in floats if jnp.issubdtype(d, jnp.inexact)]
     ld_dtype = jnp.result_type(*floats) if floats else jnp.float32
 
-    def ibody(c_unk, sl, settings=None):
+    def ibody(c_unk, sl, settings=None, cs=consts):
         kin_t, ys_t, xs_t = sl
         outs_t = [Unknown(v.aval) for v in bj.outvars]
         for i, c in zip(unk, c_unk):
@@ -155,7 +158,7 @@ def _scan_inverse(outs, *ins, ctx: RuleContext, **params):
         for j, y in zip(ys_known_idx, ys_t):
             outs_t[ncar + j] = y
         rec = invert_jaxpr(
-            body, body_ins(kin_t, known_idx, xs_t), outs_t, hints, ctx=ctx, settings=settings
+            body, body_ins(kin_t, known_idx, xs_t, cs), outs_t, hints, ctx=ctx, settings=settings
         )
         c_prev = [rec[nc + i] for i in unk]
         x_rec = [rec[nc + ncar + j] for j, kn in enumerate(xs_known) if not kn]
@@ -164,8 +167,12 @@ def _scan_inverse(outs, *ins, ctx: RuleContext, **params):
     final = [carry_out[i] for i in unk]
     per_t = (kin, [ys[j] for j in ys_known_idx], xk)
 
+    # where the inverse program may be reversed again (`reverse`'s), a loop undone at once is
+    # emitted as a `custom_inverse` step whose inverse is the loop itself (its unknown xs and
+    # its log-det are then not asked for: the log-det transforms' programs only run)
+    again = ctx.walk.settings.reinverted
     writers = None
-    if not ctx.walk.settings.reinverted and not ctx.walk.settings.rebuilds:
+    if not ctx.walk.settings.rebuilds and (not again or (all(xs_known) and logdets is None)):
         writers = _undone_at_once(sp, consts, unk, known_idx, xs_known, hints, ctx)
     try:
         if writers is None:
@@ -173,9 +180,29 @@ def _scan_inverse(outs, *ins, ctx: RuleContext, **params):
                 ibody, final, per_t, length=length, reverse=not rev
             )
         else:
-            c0, (xs_rec, per_iteration) = _at_once(
-                ibody, final, per_t, [writers[i] for i in unk], length
-            )
+            ws = [writers[i] for i in unk]
+
+            def undo(last: list, known: tuple) -> list:
+                cs, per, _ = known
+                at_once = _at_once(lambda c, sl, st: ibody(c, sl, st, cs), last, per, ws, length)
+                return list(at_once[0])
+
+            def redo(first: list, known: tuple) -> list:
+                cs, per, init_known = known
+                carries, it_first, it_known = [], iter(first), iter(init_known)
+                for i in range(ncar):
+                    carries.append(next(it_first) if i in unk else next(it_known))
+                outs = ctx.eqn.primitive.bind(*cs, *carries, *per[2], **ctx.eqn.params)
+                return [outs[i] for i in unk]
+
+            known = (list(consts), per_t, [c for i, c in enumerate(init) if i not in unk])
+            leaves = jax.tree_util.tree_leaves((final, known))
+            if again and not all(is_concrete(x) for x in leaves):
+                step = custom_inverse(undo)
+                step.definverse(redo)
+                c0, xs_rec, per_iteration = step(final, known), [], None
+            else:
+                c0, (xs_rec, per_iteration) = _at_once(ibody, final, per_t, ws, length)
     except NotInvertibleError:
         if waiting:  # may work once the chain's start is known
             raise NeedMore("the start of a carry that the loop also emits is not known yet")
@@ -193,6 +220,14 @@ def _scan_inverse(outs, *ins, ctx: RuleContext, **params):
         if not kn:
             res[nc + ncar + j] = next(it)
     return res
+
+
+AT_ONCE_WORK = 8
+"""How much more than the size of its unknown carries a loop's body must compute (`work_of`)
+for its steps to be undone at once: each step undone at once writes what it recovers into a
+copy of the carries (under the steps' `vmap`), which pays where the steps share a costly
+computation (a masked network), not where a step is a few scalar operations (NiLang's
+``x[i] += tanh(x[i - 1])``, whose steps undone one by one cost O(1) each)."""
 
 
 def _undone_at_once(
@@ -220,7 +255,8 @@ def _undone_at_once(
         return None
     closed = prepare(sp.body)
     bj = closed.jaxpr
-    if any(size_of([bj.invars[nc + i].aval]) * T > Statics.MAX_SIZE for i in unk):
+    carried = sum(size_of([bj.invars[nc + i].aval]) for i in unk)
+    if carried * T > Statics.MAX_SIZE or work_of(bj) < AT_ONCE_WORK * carried:
         return None
     writes = {}
     shown = Env(info=statics_for(bj, closed.consts, hints))
@@ -279,7 +315,7 @@ def _undone_at_once(
 
     try:
         jax.eval_shape(dry)
-    except (NotInvertibleError, NeedMore, Unsupported, Lossy):
+    except Exception:  # noqa: BLE001 (whatever stops the dry run: the loop is undone one by one)
         return None
     return found if len(found) == len(unk) else None
 
