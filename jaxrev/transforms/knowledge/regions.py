@@ -374,13 +374,18 @@ def _starts(w: Win, statics: Any) -> tuple[list[Any], Any] | None:
         c = _corner(o, statics)
         if c is None:
             return None
-        s = c[1]
-        if w.mode == "clamp":
-            s = np.clip(s, 0, max(n - z, 0))
-        else:
-            valid = valid & (s >= 0) & (s + z <= n)
+        s, fits = _placed(c[1], z, n, w.mode, np.clip)
+        valid = valid & fits
         starts.append(s)
     return starts, valid
+
+
+def _placed(corner: Any, size: int, n: int, mode: str, clip: Callable) -> tuple[Any, Any]:
+    """A window's start along one dimension of `n` positions, as its mode places it (`clip`:
+    numpy's when traced, jnp's when the program runs), and whether it is there at all."""
+    if mode == "clamp":
+        return clip(corner, 0, max(n - size, 0)), True
+    return corner, (corner >= 0) & (corner + size <= n)
 
 
 def relation(a: Win, b: Win, statics: Any) -> str | None:
@@ -832,10 +837,8 @@ def window_starts(w: Win, read: Callable[[Any], Any]) -> tuple[list[Any], Any]:
             var, k = o
             v = read(var)
             s = (v if k is None else jnp.reshape(v, (-1,))[k]).astype(jnp.int32)
-        if w.mode == "clamp":
-            s = jnp.clip(s, 0, max(n - z, 0))
-        else:
-            fits = fits & (s >= 0) & (s + z <= n)
+        s, there = _placed(s, z, n, w.mode, jnp.clip)
+        fits = fits & there
         starts.append(s)
     return starts, fits
 
@@ -857,22 +860,11 @@ def window_between(before: Region, after: Region, statics: Any) -> Win | None:
 
 
 def _window_mask(w: Win, read: Callable[[Any], Any]) -> Any:
-    inside = None
-    for d, (o, z, n) in enumerate(zip(w.origin, w.sizes, w.shape)):
-        if isinstance(o, (int, np.integer)):
-            s = jnp.asarray(int(o))
-        else:
-            var, k = o
-            v = read(var)
-            s = v if k is None else jnp.reshape(v, (-1,))[k]
-        if w.mode == "clamp":
-            s = jnp.clip(s, 0, max(n - z, 0))
+    starts, fits = window_starts(w, read)
+    inside = jnp.broadcast_to(jnp.asarray(fits), w.shape)
+    for d, (s, z) in enumerate(zip(starts, w.sizes)):
         pos = lax.broadcasted_iota(jnp.int32, w.shape, d)
-        s = s.astype(jnp.int32)
-        here = (pos >= s) & (pos < s + z)
-        if w.mode != "clamp":
-            here = here & (s >= 0) & (s + z <= n)
-        inside = here if inside is None else inside & here
+        inside = inside & (pos >= s) & (pos < s + z)
     return inside
 
 
