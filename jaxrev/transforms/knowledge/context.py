@@ -51,10 +51,9 @@ class Settings:
     inverts, but writes a traced stand-in of the preimage's shape instead of computing it
     (no search, no candidates checked, no Newton iterations traced); `fill`: unknown elements
     are replaced by `elements.FILL` before they enter a computation (False in the walk of a
-    loop's iterations undone all at once, whose unknown elements hold the loop's final values:
-    finite data, the same at every iteration, so that what the iterations compute from them is
-    computed once; the loop rule catches a non-finite result and undoes the loop one
-    iteration at a time instead)."""
+    loop's iterations undone all at once, whose unknown elements hold the loop's final values,
+    the same at every iteration, so that what the iterations compute from them is computed
+    once; `rules.scan._at_once` says why those values are safe there)."""
 
     who: str = "jaxrev.reverse"
     on_error: str = "raise"
