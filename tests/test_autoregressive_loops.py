@@ -231,6 +231,44 @@ def test_a_condition_joined_to_the_carry():
     np.testing.assert_allclose(got, y, rtol=1e-12, atol=1e-12)
 
 
+def test_a_condition_joined_to_the_carry_log_det_undone_at_once():
+    """The same conditional loop under `inverse_and_slogdet`: undone at once, its steps' log-det
+    pivots are taken on the element each recovers, a window found within the spread of the
+    joined network's outputs by its positions at every step (`regions.window_between`).
+    Values and log-det are the closed form's and the dense Jacobian's, eager and under jit."""
+    p = _params(jax.random.PRNGKey(38))
+    m1 = jnp.concatenate([p["m1"], jnp.ones((H, 2), bool)], axis=1)
+    w1 = jnp.concatenate([p["w1"], 0.4 * jnp.ones((H, 2))], axis=1)
+
+    def shift_log_scale(z, c):
+        hidden = jnp.tanh(jnp.where(m1, w1, 0) @ jnp.concatenate([z, c]) + p["b1"])
+        out = (jnp.where(p["m2"], p["w2"], 0) @ hidden + p["b2"]).reshape(-1, 2)
+        return out[:, 0], 0.5 * jnp.tanh(out[:, 1])
+
+    def loop(y, c):
+        def step(carry, _):
+            z, rank = carry
+            t, s = shift_log_scale(z, c)
+            return (z.at[rank].set(((z - t) * jnp.exp(-s))[rank]), rank + 1), None
+
+        return lax.scan(step, (y, 0), None, length=D)[0][0]
+
+    def closed(x, c):
+        t, s = shift_log_scale(x, c)
+        return x * jnp.exp(s) + t
+
+    cond = jnp.array([0.7, -0.4])
+    x = _point(39)
+    f = lambda y: loop(y, cond)  # noqa: E731
+    inv = jr.inverse_and_slogdet(f)
+    assert not _looped_with_net(jax.make_jaxpr(inv)(x).jaxpr)
+    want = jnp.linalg.slogdet(jax.jacfwd(lambda z: closed(z, cond))(x))[1]
+    for run in (inv, jax.jit(inv)):
+        back, ld = run(x)
+        np.testing.assert_allclose(back, closed(x, cond), rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(ld, want, rtol=1e-10, atol=1e-10)
+
+
 def test_pivots_of_one_equation_are_taken_once():
     # inverting the closed-form map recovers x one element per step, each through the same
     # ``x * exp(s) + t``: the log-det takes that equation's pivots once over all D elements

@@ -846,17 +846,33 @@ def window_starts(w: Win, read: Callable[[Any], Any]) -> tuple[list[Any], Any]:
 def window_between(before: Region, after: Region, statics: Any) -> Win | None:
     """The one window that is `before` but not `after` (a loop step's recovered element:
     unknown before the step, the window and what reads it; after it, what reads it), where
-    the atoms show that: one conjunction of `before` is a window disjoint from `after` at
-    every iteration, and `after` holds the others. None otherwise."""
+    the atoms show that (one conjunction of `before` is a window disjoint from `after` at
+    every iteration, and `after` holds the others), or, where `before` names one window,
+    their positions at every iteration of the enclosing loop do (a window within a spread: a
+    conditional flow's network reads its state joined to the condition). None otherwise."""
     wins = [c for c in before if len(c) == 1 and isinstance(next(iter(c)), Win)]
-    if len(wins) != 1:
+    if len(wins) == 1:
+        w = next(iter(wins[0]))
+        if implies(frozenset(c for c in before if c != wins[0]), after) and (
+            intersect(win_region(w, statics), after, statics) == EMPTY
+        ):
+            return w
+    named = {a for c in before for a in c if isinstance(a, Win)}
+    length = getattr(statics, "length", None)
+    enumerable = (Mask, Win, CoWin, Spread, PerIteration)
+    if len(named) != 1 or not length:
         return None
-    w = next(iter(wins[0]))
-    if not implies(frozenset(c for c in before if c != wins[0]), after):
+    if not all(isinstance(a, enumerable) for c in (*before, *after) for a in c):
         return None
-    if intersect(win_region(w, statics), after, statics) != EMPTY:
+    (w,) = named
+    shape = tuple(w.shape)
+    if length * int(np.prod(shape, dtype=np.int64)) > _MAX_ENUMERATED:
         return None
-    return w
+    inside = _iteration_masks(w, shape, statics)
+    if inside is None or inside.shape[0] != length:
+        return None
+    b, a = (iteration_masks(r, shape, length, statics) for r in (before, after))
+    return w if np.array_equal((b & ~a).reshape(length, -1), inside) else None
 
 
 def _window_mask(w: Win, read: Callable[[Any], Any]) -> Any:
