@@ -201,42 +201,10 @@ def test_masks_known_only_when_the_program_runs_are_refused():
     assert f"{HERE}:" in str(info.value), str(info.value)
 
 
-def test_a_condition_joined_to_the_carry():
-    """A conditional flow's network reads ``concatenate([z, condition])``: the overwritten
-    element's window, read through the concatenation, is a spread of it (`regions.pullback`)."""
-    p = _params(jax.random.PRNGKey(11))
-    cond = jnp.array([0.3, -1.2])
-    m1 = jnp.concatenate([p["m1"], jnp.ones((H, 2), bool)], axis=1)
-    w1 = jnp.concatenate([p["w1"], 0.4 * jnp.ones((H, 2))], axis=1)
-    pc = {**p, "m1": m1, "w1": w1}
-
-    def shift_log_scale(z, c):
-        hidden = jnp.tanh(jnp.where(pc["m1"], pc["w1"], 0) @ jnp.concatenate([z, c]) + p["b1"])
-        out = (jnp.where(p["m2"], p["w2"], 0) @ hidden + p["b2"]).reshape(-1, 2)
-        return out[:, 0], 0.5 * jnp.tanh(out[:, 1])
-
-    def inverse_loop(y, c):
-        def step(carry, _):
-            z, rank = carry
-            t, s = shift_log_scale(z, c)
-            return (z.at[rank].set(((z - t) * jnp.exp(-s))[rank]), rank + 1), None
-
-        return lax.scan(step, (y, 0), None, length=D)[0][0]
-
-    x = _point(12)
-    t, s = shift_log_scale(x, cond)
-    y = x * jnp.exp(s) + t
-    np.testing.assert_allclose(inverse_loop(y, cond), x, atol=1e-12)
-    got = jax.jit(jr.reverse(inverse_loop))(x, cond)
-    np.testing.assert_allclose(got, y, rtol=1e-12, atol=1e-12)
-
-
-def test_a_condition_joined_to_the_carry_log_det_undone_at_once():
-    """The same conditional loop under `inverse_and_slogdet`: undone at once, its steps' log-det
-    pivots are taken on the element each recovers, a window found within the spread of the
-    joined network's outputs by its positions at every step (`regions.window_between`).
-    Values and log-det are the closed form's and the dense Jacobian's, eager and under jit."""
-    p = _params(jax.random.PRNGKey(38))
+def _conditional(seed: int) -> tuple:
+    """A conditional flow's network, reading ``concatenate([z, condition])`` (a condition of
+    2), and its element loop and closed form, as in `maf_inverse_loop` / `maf_forward`."""
+    p = _params(jax.random.PRNGKey(seed))
     m1 = jnp.concatenate([p["m1"], jnp.ones((H, 2), bool)], axis=1)
     w1 = jnp.concatenate([p["w1"], 0.4 * jnp.ones((H, 2))], axis=1)
 
@@ -257,6 +225,27 @@ def test_a_condition_joined_to_the_carry_log_det_undone_at_once():
         t, s = shift_log_scale(x, c)
         return x * jnp.exp(s) + t
 
+    return loop, closed
+
+
+def test_a_condition_joined_to_the_carry():
+    """A conditional flow's network reads ``concatenate([z, condition])``: the overwritten
+    element's window, read through the concatenation, is a spread of it (`regions.pullback`)."""
+    loop, closed = _conditional(11)
+    cond = jnp.array([0.3, -1.2])
+    x = _point(12)
+    y = closed(x, cond)
+    np.testing.assert_allclose(loop(y, cond), x, atol=1e-12)
+    got = jax.jit(jr.reverse(loop))(x, cond)
+    np.testing.assert_allclose(got, y, rtol=1e-12, atol=1e-12)
+
+
+def test_a_condition_joined_to_the_carry_log_det_undone_at_once():
+    """The same conditional loop under `inverse_and_slogdet`: undone at once, its steps' log-det
+    pivots are taken on the element each recovers, a window found within the spread of the
+    joined network's outputs by its positions at every step (`regions.window_between`).
+    Values and log-det are the closed form's and the dense Jacobian's, eager and under jit."""
+    loop, closed = _conditional(38)
     cond = jnp.array([0.7, -0.4])
     x = _point(39)
     f = lambda y: loop(y, cond)  # noqa: E731
