@@ -371,7 +371,7 @@ class Env:
     (`transforms/knowledge/context.py`: its settings, record, drift log), kept by copies (None
     for an env only evaluated forward)."""
 
-    __slots__ = ("vals", "knowledge", "masks", "fit", "info", "ctx")
+    __slots__ = ("vals", "knowledge", "masks", "windows", "fit", "info", "ctx")
 
     def __init__(
         self, fit: bool = True, info: Statics | None = None, ctx: WalkSettings | None = None
@@ -379,6 +379,9 @@ class Env:
         self.vals: dict[Var, Any] = {}
         self.knowledge = ElementKnowledge()
         self.masks: dict[tuple[ElementRegion, tuple[int, ...]], Any] = {}
+        # the windows the walk wrote into arrays (`elements._write_window`), by the id of the
+        # array written: a read of the same window is the piece written (shared by copies)
+        self.windows: dict[int, Any] = {}
         self.fit = fit
         self.info: Statics = info if info is not None else Statics()
         self.ctx: WalkSettings | None = ctx
@@ -429,6 +432,7 @@ class Env:
         e.vals = dict(self.vals)
         e.knowledge = self.knowledge.copy()
         e.masks = self.masks
+        e.windows = self.windows
         return e
 
 

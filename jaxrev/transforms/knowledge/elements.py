@@ -21,9 +21,9 @@ turn into a NaN derivative through the `select` that finally drops it).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
@@ -31,7 +31,7 @@ from jax import lax
 
 from jaxrev._cache import memo
 from jaxrev._compat import DropVar, JaxprEqn, ShapedArray, Var, prims
-from jaxrev._env import Env, Unknown, fit_to_aval
+from jaxrev._env import Env, Unknown, fit_to_aval, is_unknown
 from jaxrev._evaluate import apply, apply_on_host
 from jaxrev._graph import is_var, real_outvars
 from jaxrev.transforms.knowledge import regions as R
@@ -60,6 +60,9 @@ __all__ = [
     "value_of",
     "static_of",
     "is_partial",
+    "WindowWrite",
+    "written_window",
+    "through_window",
     "read_window",
     "not_case",
     "token",
@@ -294,7 +297,10 @@ def _merge(env: Env, v: Var, old: Any, old_base: R.Region, new: Any, new_region:
         return _write_window(new, two, _read_window_value(old, two, env), env)
     if isinstance(two, R.CoWin):
         return _write_window(old, two.win, _read_window_value(new, two.win, env), env)
-    return jnp.where(R.materialize(old_base, shape, env.read, env.masks), new, old)
+    mask = R.materialize(old_base, shape, env.read, env.masks)
+    select = lambda m, a, b: [jnp.where(m, a, b)]  # noqa: E731
+    (out,) = through_window(select, [mask, new, old], shape, env) or select(mask, new, old)
+    return out
 
 
 def _single_atom(r: R.Region) -> Any:
@@ -330,19 +336,59 @@ def _in_bounds(w: R.Win, starts: Sequence[Any]) -> Any:
     return ok
 
 
+class WindowWrite(NamedTuple):
+    """A window the walk wrote into an array (`_write_window`): `value` is `base` with `piece`
+    on the window `w` (its corner `starts`), where `in_bounds` (None: a clamped window, always
+    written)."""
+
+    value: Any
+    base: Any
+    w: R.Win
+    starts: list
+    piece: Any
+    in_bounds: Any
+
+
+def written_window(env: Env, val: Any) -> WindowWrite | None:
+    """How the walk made `val`, where it wrote a window into an array (`_write_window`)."""
+    wrote = env.windows.get(id(val))
+    return wrote if wrote is not None and wrote.value is val else None
+
+
 def _read_window_value(val: Any, w: R.Win, env: Env) -> Any:
+    wrote = written_window(env, val)
+    if wrote is not None and _same_positions(wrote.w, w, env):
+        # the window just written: its piece, not a slice of the array it went into (under a
+        # `vmap` over a loop's steps, that array is a copy per step: `rules.scan._at_once`)
+        if wrote.in_bounds is None:
+            return wrote.piece
+        return jnp.where(wrote.in_bounds, wrote.piece, _read_window_value(wrote.base, w, env))
     starts = _starts(w, env)
     return lax.dynamic_slice(val, starts, w.sizes)
+
+
+def _same_positions(written: R.Win, read: R.Win, env: Env) -> bool:
+    """Whether reading the window `read` (a `dynamic_slice`, clamped whatever its mode) reads
+    the positions a write of `written` wrote, where it wrote: the same corner (the same
+    values, clamped alike), or the same positions at every iteration as each mode places
+    them, where neither box is dropped for not fitting (`regions.relation`: a read that fits
+    is not moved by the clamp)."""
+    if (written.origin, written.sizes, written.shape) == (read.origin, read.sizes, read.shape):
+        return True
+    return written.sizes == read.sizes and R.relation(written, read, env.info) == "same"
 
 
 def _write_window(val: Any, w: R.Win, piece: Any, env: Env) -> Any:
     starts = _starts(w, env)
     piece = jnp.reshape(piece, w.sizes).astype(val.dtype)
     new = lax.dynamic_update_slice(val, piece, starts)
-    if w.mode == "clamp":
-        return new
-    # a box that does not fit is no position at all: nothing is written
-    return jnp.where(_in_bounds(w, starts), new, val)
+    in_bounds = None
+    if w.mode != "clamp":
+        # a box that does not fit is no position at all: nothing is written
+        in_bounds = _in_bounds(w, starts)
+        new = jnp.where(in_bounds, new, val)
+    env.windows[id(new)] = WindowWrite(new, val, w, starts, piece, in_bounds)
+    return new
 
 
 def read_window(env: Env, v: Any, w: R.Win) -> Any:
@@ -456,8 +502,49 @@ def _elementwise_forward(eqn: JaxprEqn, env: Env) -> bool:
         region = R.union(region, region_on(env, v, o.aval.shape), env.info)
     if region == R.FULL:
         return False
-    out = apply(eqn, [value_of(env, v, clean=True) for v in eqn.invars])[0]
+    ins = [value_of(env, v, clean=True) for v in eqn.invars]
+    (out,) = through_window(lambda *xs: apply(eqn, xs), ins, tuple(o.aval.shape), env) or apply(
+        eqn, ins
+    )
     return learn(env, o, out, region)
+
+
+def through_window(fn: Callable, vals: Sequence[Any], shape: tuple, env: Env) -> list | None:
+    """``fn(*vals)``, elementwise over its operands of `shape` (the others scalars or
+    `Unknown`), where some of those are one window the walk wrote into an array
+    (`_write_window`): `fn` of the arrays written into, with the window written by `fn` of
+    the windows' values (the same elements). Under a `vmap` over a loop's steps undone at
+    once (`rules.scan._at_once`), the array written into is the loop's final carry, the same
+    at every step: `fn` runs on it once and on each step's window, not on a copy of the
+    carry per step. None where no operand is such a window, two are different ones, or an
+    operand is broadcast over some axes (then `fn(*vals)` is the caller's to run)."""
+    writes = [
+        written_window(env, v) if tuple(np.shape(v)) == shape and not is_unknown(v) else None
+        for v in vals
+    ]
+    w = next((wr.w for wr in writes if wr is not None), None)
+    if w is None or any(wr is not None and wr.w != w for wr in writes):
+        return None
+    if any(not is_unknown(v) and np.shape(v) not in ((), shape) for v in vals):
+        return None  # (an operand broadcast over some axes: not one element per element)
+    bases, pieces = [], []
+    for v, wr in zip(vals, writes):
+        if is_unknown(v):
+            bases.append(v)
+            pieces.append(Unknown(ShapedArray(tuple(w.sizes), v.aval.dtype)))
+        elif tuple(np.shape(v)) == shape:
+            bases.append(v if wr is None else wr.base)
+            pieces.append(_read_window_value(v, w, env))
+        else:  # (a scalar, broadcast over the output)
+            bases.append(v)
+            pieces.append(v)
+    outs_base = fn(*bases)
+    outs_piece = None if outs_base is None else fn(*pieces)
+    if outs_piece is None:
+        return None
+    return [
+        None if b is None else _write_window(b, w, p, env) for b, p in zip(outs_base, outs_piece)
+    ]
 
 
 def _elementwise_backward(eqn: JaxprEqn, env: Env) -> bool | None:
@@ -493,8 +580,12 @@ def _elementwise_backward(eqn: JaxprEqn, env: Env) -> bool | None:
             Unknown(v.aval) if j == k else value_of(env, v, clean=True)
             for j, v in enumerate(eqn.invars)
         ]
+        rule = inverse_rules[eqn.primitive]
         try:
-            rec = inverse_rules[eqn.primitive](value_of(env, o, clean=True), *ins, **eqn.params)
+            args = [value_of(env, o, clean=True), *ins]
+            shape = tuple(o.aval.shape)
+            rec = through_window(lambda *xs: rule(*xs, **eqn.params), args, shape, env)
+            rec = rule(*args, **eqn.params) if rec is None else rec
         except (NeedMore, Lossy):
             continue
         if rec is not None and rec[k] is not None:

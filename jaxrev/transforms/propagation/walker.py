@@ -51,6 +51,7 @@ from jaxrev.transforms.registry import (
     Lossy,
     NeedMore,
     element_rules,
+    elementwise_over,
     inverse_jvp_rules,
     inverse_rules,
     is_kind,
@@ -208,7 +209,17 @@ def _apply_rule(eqn: JaxprEqn, env: Env, rules: Rules) -> list[Any] | None:
     outs = [env.read_or_unknown(v) for v in eqn.outvars]
     ins = [env.read_or_unknown(v) for v in eqn.invars]
     out = outs if eqn.primitive.multiple_results else outs[0]
-    rec = _call_rule(eqn, env, rule, out, ins, eqn.params)
+    rec = None
+    if len(outs) == 1 and elementwise_over(eqn, tuple(eqn.outvars[0].aval.shape)):
+        # (on a window written into an array and on the array apart: `through_window`)
+        rec = elements.through_window(
+            lambda o, *xs: _call_rule(eqn, env, rule, o, xs, eqn.params),
+            [out, *ins],
+            tuple(eqn.outvars[0].aval.shape),
+            env,
+        )
+    if rec is None:
+        rec = _call_rule(eqn, env, rule, out, ins, eqn.params)
     if rec is None:
         return None
     if not isinstance(rec, (list, tuple)) or len(rec) != len(ins):
@@ -832,6 +843,7 @@ def invert_jaxpr(
     ctx: RuleContext,
     more_may_follow: bool = False,
     settings: dict | None = None,
+    windows: dict | None = None,
 ) -> list[Any]:
     """Recover the `Unknown` entries of `ins` from the known `outs` (`Unknown` where not known);
     None for the inputs that were known. Raises `NotInvertibleError` where it cannot, or
@@ -839,8 +851,11 @@ def invert_jaxpr(
     may still learn some unknown `ins` or `outs` by another route. `ctx`: the rule context of
     the loop's or branch's rule that walks its body (the walk inherits its walk's context;
     where that walk is recorded, it is recorded as the equation's child); `settings`: changes
-    to its context's `Settings` (the walks it starts inherit them)."""
+    to its context's `Settings` (the walks it starts inherit them); `windows`: a dict the walk
+    notes the windows it writes into arrays in (`elements.written_window` reads it)."""
     jaxpr, env, goals = seed(closed, ins, outs, hints, ctx=None)
+    if windows is not None:
+        env.windows = windows
     env.ctx, attach = records.child(
         ctx.env,
         ctx.eqn,

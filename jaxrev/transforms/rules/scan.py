@@ -150,7 +150,7 @@ def _scan_inverse(outs, *ins, ctx: RuleContext, **params):
     floats = [d for d in floats if jnp.issubdtype(d, jnp.inexact)]
     ld_dtype = jnp.result_type(*floats) if floats else jnp.float32
 
-    def ibody(c_unk, sl, settings=None, cs=consts):
+    def ibody(c_unk, sl, settings=None, cs=consts, windows=None):
         kin_t, ys_t, xs_t = sl
         outs_t = [Unknown(v.aval) for v in bj.outvars]
         for i, c in zip(unk, c_unk):
@@ -158,7 +158,13 @@ def _scan_inverse(outs, *ins, ctx: RuleContext, **params):
         for j, y in zip(ys_known_idx, ys_t):
             outs_t[ncar + j] = y
         rec = invert_jaxpr(
-            body, body_ins(kin_t, known_idx, xs_t, cs), outs_t, hints, ctx=ctx, settings=settings
+            body,
+            body_ins(kin_t, known_idx, xs_t, cs),
+            outs_t,
+            hints,
+            ctx=ctx,
+            settings=settings,
+            windows=windows,
         )
         c_prev = [rec[nc + i] for i in unk]
         x_rec = [rec[nc + ncar + j] for j, kn in enumerate(xs_known) if not kn]
@@ -184,7 +190,9 @@ def _scan_inverse(outs, *ins, ctx: RuleContext, **params):
 
             def undo(last: list, known: tuple) -> list:
                 cs, per, _ = known
-                at_once = _at_once(lambda c, sl, st: ibody(c, sl, st, cs), last, per, ws, length)
+                at_once = _at_once(
+                    lambda c, sl, st, wins: ibody(c, sl, st, cs, wins), last, per, ws, length
+                )
                 return list(at_once[0])
 
             def redo(first: list, known: tuple) -> list:
@@ -202,7 +210,9 @@ def _scan_inverse(outs, *ins, ctx: RuleContext, **params):
                 step.definverse(redo)
                 c0, xs_rec, per_iteration = step(final, known), [], None
             else:
-                c0, (xs_rec, per_iteration) = _at_once(ibody, final, per_t, ws, length)
+                c0, (xs_rec, per_iteration) = _at_once(
+                    lambda c, sl, st, wins: ibody(c, sl, st, windows=wins), final, per_t, ws, length
+                )
     except NotInvertibleError:
         if waiting:  # may work once the chain's start is known
             raise NeedMore("the start of a carry that the loop also emits is not known yet")
@@ -352,15 +362,81 @@ def _at_once(
     iterations compute with where they do know the carry (the elements earlier iterations
     wrote), and reach a known result only through the zeros that hide them (a masked weight,
     a select's other case), which keep them out exactly where they are finite; a non-finite
-    input makes every result non-finite, as the loop itself does."""
-    stacked, (xs_rec, per_iteration) = jax.vmap(
-        lambda sl: ibody(final, sl, {"fill": False}), axis_size=length
-    )(per_t)
+    input makes every result non-finite, as the loop itself does.
+
+    Where an iteration's carry is the final carry with windows written into it (by the
+    walk: `elements.written_window`), the iteration hands back those windows alone, written
+    into the final carry once at the end (`_owned_windows`): a copy of the carry per
+    iteration is D x D values a sample for an autoregressive map of D elements, where its
+    network's pass is D x width."""
+    layouts: list = []  # per carry: its windows (`Win`s), or None (the whole carry)
+
+    def one(sl: Any) -> tuple:
+        windows: dict = {}
+        c_prev, rest = ibody(final, sl, {"fill": False}, windows)
+        outs = []
+        layouts.clear()
+        for c, f in zip(c_prev, final):
+            chain = _window_chain(c, f, windows)
+            layouts.append(None if chain is None else [e.w for e in chain])
+            outs.append(c if chain is None else [(e.starts, e.piece, e.in_bounds) for e in chain])
+        return outs, rest
+
+    stacked, (xs_rec, per_iteration) = jax.vmap(one, axis_size=length)(per_t)
     c0 = []
-    for c, st, writer in zip(final, stacked, writers):
-        taken = jnp.take_along_axis(st, np.maximum(writer, 0)[None], axis=0)[0]
-        c0.append(jnp.where(writer >= 0, taken, c))
+    for c, st, writer, layout in zip(final, stacked, writers, layouts):
+        if layout is None:
+            taken = jnp.take_along_axis(st, np.maximum(writer, 0)[None], axis=0)[0]
+            c0.append(jnp.where(writer >= 0, taken, c))
+            continue
+        for (starts, piece, in_bounds), w in zip(st, layout):
+            c = _owned_windows(c, w, starts, piece, in_bounds, writer, length)
+        c0.append(c)
     return c0, (xs_rec, per_iteration)
+
+
+def _window_chain(value: Any, base: Any, windows: dict) -> list | None:
+    """The windows (`elements.WindowWrite`s, first written first) that make `value` of `base`,
+    or None where it is not `base` with windows written into it."""
+    chain = []
+    while value is not base:
+        wrote = windows.get(id(value))
+        if wrote is None or wrote.value is not value:
+            return None
+        chain.append(wrote)
+        value = wrote.base
+    return chain[::-1]
+
+
+def _owned_windows(
+    carry: Any,
+    w: Any,
+    starts: Sequence[Any],
+    piece: Any,
+    in_bounds: Any,
+    writer: np.ndarray,
+    length: int,
+) -> Any:
+    """`carry` with each iteration's window `w` (its corner `starts`, its values `piece`, over
+    the iterations on the leading axis) written where that iteration is the one that writes
+    the position (`writer`: the iteration writing each position, -1 none), as the carries
+    stacked over the iterations are picked (`_at_once`); where the window was dropped for not
+    fitting (`in_bounds` false), nothing. The positions go in one scatter, those of another
+    iteration dropped: each is kept by one iteration at most."""
+    shape, sizes = tuple(w.shape), tuple(w.sizes)
+    # (a window is placed as `dynamic_update_slice` places it: its corner clamped)
+    corner = [
+        jnp.clip(jnp.reshape(s, (length,)), 0, max(n - z, 0))
+        for s, n, z in zip(starts, shape, sizes)
+    ]
+    offsets = np.indices(sizes).reshape(len(sizes), -1)
+    pos = [c[:, None] + o[None, :] for c, o in zip(corner, offsets)]  # (iterations, elements)
+    owned = jnp.asarray(writer)[tuple(pos)] == jnp.arange(length)[:, None]
+    if in_bounds is not None:
+        owned = owned & jnp.reshape(in_bounds, (length, 1))
+    idx = tuple(jnp.where(owned, p, n).reshape(-1) for p, n in zip(pos, shape))
+    vals = jnp.reshape(piece, (-1,)).astype(carry.dtype)
+    return carry.at[idx].set(vals, mode="drop")
 
 
 def _iteration_logdet(parent: Any, logdets: dict | None, eqn: Any, dtype: Any) -> Any:
