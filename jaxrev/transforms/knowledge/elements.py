@@ -63,6 +63,7 @@ __all__ = [
     "WindowWrite",
     "written_window",
     "through_window",
+    "rules_through_windows",
     "read_window",
     "not_case",
     "token",
@@ -509,6 +510,16 @@ def _elementwise_forward(eqn: JaxprEqn, env: Env) -> bool:
     return learn(env, o, out, region)
 
 
+def rules_through_windows(env: Env) -> bool:
+    """Whether an inverse rule may run on an array with a window written into it as the rule
+    on the array and on the window apart (`through_window`): only in a walk that computes
+    with the loop's own values where it knows nothing (`Settings.fill` off: the steps undone
+    at once, `rules.scan._at_once`). Elsewhere the array's old values under the window, which
+    the value does not hold, could fail a rule's run-time check (an integer quotient that
+    must be exact) where the value itself passes: a false alarm."""
+    return env.ctx is not None and not env.ctx.settings.fill
+
+
 def through_window(fn: Callable, vals: Sequence[Any], shape: tuple, env: Env) -> list | None:
     """``fn(*vals)``, elementwise over its operands of `shape` (the others scalars or
     `Unknown`), where some of those are one window the walk wrote into an array
@@ -584,7 +595,9 @@ def _elementwise_backward(eqn: JaxprEqn, env: Env) -> bool | None:
         try:
             args = [value_of(env, o, clean=True), *ins]
             shape = tuple(o.aval.shape)
-            rec = through_window(lambda *xs: rule(*xs, **eqn.params), args, shape, env)
+            rec = None
+            if rules_through_windows(env):
+                rec = through_window(lambda *xs: rule(*xs, **eqn.params), args, shape, env)
             rec = rule(*args, **eqn.params) if rec is None else rec
         except (NeedMore, Lossy):
             continue

@@ -210,13 +210,11 @@ def _apply_rule(eqn: JaxprEqn, env: Env, rules: Rules) -> list[Any] | None:
     ins = [env.read_or_unknown(v) for v in eqn.invars]
     out = outs if eqn.primitive.multiple_results else outs[0]
     rec = None
-    if len(outs) == 1 and elementwise_over(eqn, tuple(eqn.outvars[0].aval.shape)):
+    shape = tuple(eqn.outvars[0].aval.shape) if len(outs) == 1 else None
+    if shape is not None and elementwise_over(eqn, shape) and elements.rules_through_windows(env):
         # (on a window written into an array and on the array apart: `through_window`)
         rec = elements.through_window(
-            lambda o, *xs: _call_rule(eqn, env, rule, o, xs, eqn.params),
-            [out, *ins],
-            tuple(eqn.outvars[0].aval.shape),
-            env,
+            lambda o, *xs: _call_rule(eqn, env, rule, o, xs, eqn.params), [out, *ins], shape, env
         )
     if rec is None:
         rec = _call_rule(eqn, env, rule, out, ins, eqn.params)
