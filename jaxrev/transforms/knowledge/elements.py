@@ -30,7 +30,7 @@ import numpy as np
 from jax import lax
 
 from jaxrev._cache import memo
-from jaxrev._compat import DropVar, JaxprEqn, ShapedArray, Var, prims
+from jaxrev._compat import DropVar, JaxprEqn, ShapedArray, Var, is_concrete, prims
 from jaxrev._env import Env, Unknown, fit_to_aval, is_unknown
 from jaxrev._evaluate import apply, apply_on_host
 from jaxrev._graph import is_var, real_outvars
@@ -319,19 +319,23 @@ def _starts(w: R.Win, env: Env) -> list[Any]:
     out = []
     for o in w.origin:
         if isinstance(o, (int, np.integer)):
-            out.append(jnp.asarray(int(o), jnp.int32))
+            out.append(np.asarray(int(o), np.int32))
         else:
             var, k = o
             val = env.read(var)
-            out.append(val if k is None else jnp.reshape(val, (-1,))[k])
+            if k is not None:
+                val = np.reshape(val, (-1,))[k] if is_concrete(val) else jnp.reshape(val, (-1,))[k]
+            out.append(val)
     # one index dtype for all (lax.dynamic_slice requires it): a traced start in int64
     # (x64: diffrax's step counter) beside the int32 ones written for static origins
     dtype = jnp.result_type(*out) if out else jnp.int32
+    if all(is_concrete(x) for x in out):
+        return [np.asarray(x, dtype) for x in out]
     return [jnp.asarray(x, dtype) for x in out]
 
 
 def _in_bounds(w: R.Win, starts: Sequence[Any]) -> Any:
-    ok = jnp.asarray(True)
+    ok = np.asarray(True) if all(is_concrete(s) for s in starts) else jnp.asarray(True)
     for s, z, n in zip(starts, w.sizes, w.shape):
         ok = ok & (s >= 0) & (s + z <= n)
     return ok
@@ -365,7 +369,31 @@ def _read_window_value(val: Any, w: R.Win, env: Env) -> Any:
             return wrote.piece
         return jnp.where(wrote.in_bounds, wrote.piece, _read_window_value(wrote.base, w, env))
     starts = _starts(w, env)
-    return lax.dynamic_slice(val, starts, w.sizes)
+    if is_concrete(val) and all(is_concrete(x) for x in starts):
+        # (known when traced, under a walk that folds constants: numpy's slice, not an XLA
+        # program compiled for each new shape while tracing)
+        box = _box(starts, w.sizes, np.shape(val))
+        return np.asarray(val)[box]
+    return lax.dynamic_slice(val, _static_ints(starts), w.sizes)
+
+
+def _static_ints(starts: Sequence[Any]) -> list[Any]:
+    """Starts known when traced as Python ints, which `lax.dynamic_slice` and its update
+    normalize in Python, not by operations compiled while tracing."""
+    if all(is_concrete(x) for x in starts):
+        return [int(np.asarray(x)) for x in starts]
+    return list(starts)
+
+
+def _box(starts: Sequence[Any], sizes: Sequence[int], shape: Sequence[int]) -> tuple:
+    """The slices of a window at concrete `starts`, clamped as `dynamic_slice` clamps them."""
+    return tuple(
+        slice(c, c + z)
+        for c, z in (
+            (int(np.clip(np.asarray(s), 0, max(n - z, 0))), z)
+            for s, z, n in zip(starts, sizes, shape)
+        )
+    )
 
 
 def _same_positions(written: R.Win, read: R.Win, env: Env) -> bool:
@@ -381,9 +409,18 @@ def _same_positions(written: R.Win, read: R.Win, env: Env) -> bool:
 
 def _write_window(val: Any, w: R.Win, piece: Any, env: Env) -> Any:
     starts = _starts(w, env)
-    piece = jnp.reshape(piece, w.sizes).astype(val.dtype)
-    new = lax.dynamic_update_slice(val, piece, starts)
     in_bounds = None
+    if all(is_concrete(x) for x in (val, piece, *starts)):
+        # (known when traced: numpy's update, as `_read_window_value` reads)
+        piece = np.reshape(np.asarray(piece), w.sizes).astype(np.asarray(val).dtype)
+        new = np.array(val)
+        fits = w.mode == "clamp" or bool(_in_bounds(w, [np.asarray(x) for x in starts]))
+        if fits:
+            new[_box(starts, w.sizes, new.shape)] = piece
+        env.windows[id(new)] = WindowWrite(new, val, w, starts, piece, None if fits else False)
+        return new
+    piece = jnp.reshape(piece, w.sizes).astype(val.dtype)
+    new = lax.dynamic_update_slice(val, piece, _static_ints(starts))
     if w.mode != "clamp":
         # a box that does not fit is no position at all: nothing is written
         in_bounds = _in_bounds(w, starts)

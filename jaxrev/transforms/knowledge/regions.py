@@ -37,6 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxrev._compat import is_concrete
+
 __all__ = [
     "Mask",
     "Pred",
@@ -825,19 +827,21 @@ def _pred_pulled(a: Pred, im: IndexMap) -> list[set]:
 # --------------------------------------------------------------------------- run-time masks
 
 
-def window_starts(w: Win, read: Callable[[Any], Any]) -> tuple[list[Any], Any]:
+def window_starts(w: Win, read: Callable[[Any], Any], xp: Any = jnp) -> tuple[list[Any], Any]:
     """The window's corner when the program runs (`read` gives a variable's value), clamped
     as its mode says, and whether it is a position at all (True, or a boolean scalar for a
-    "drop" window that may not fit)."""
+    "drop" window that may not fit). `xp`: numpy where every value read is known when traced
+    (`materialize`)."""
     starts, fits = [], True
     for o, z, n in zip(w.origin, w.sizes, w.shape):
         if isinstance(o, (int, np.integer)):
-            s = jnp.asarray(int(o), jnp.int32)
+            s = np.asarray(int(o), np.int32)
         else:
             var, k = o
             v = read(var)
-            s = (v if k is None else jnp.reshape(v, (-1,))[k]).astype(jnp.int32)
-        s, there = _placed(s, z, n, w.mode, jnp.clip)
+            s = (v if k is None else xp.reshape(v, (-1,))[k]).astype(xp.int32)
+        # (a start known when traced placed by numpy, not by operations compiled meanwhile)
+        s, there = _placed(s, z, n, w.mode, np.clip if is_concrete(s) else xp.clip)
         fits = fits & there
         starts.append(s)
     return starts, fits
@@ -875,24 +879,27 @@ def window_between(before: Region, after: Region, statics: Any) -> Win | None:
     return w if np.array_equal((b & ~a).reshape(length, -1), inside) else None
 
 
-def _window_mask(w: Win, read: Callable[[Any], Any]) -> Any:
-    starts, fits = window_starts(w, read)
-    inside = jnp.broadcast_to(jnp.asarray(fits), w.shape)
+def _window_mask(w: Win, read: Callable[[Any], Any], xp: Any = jnp) -> Any:
+    starts, fits = window_starts(w, read, xp)
+    inside = (np if is_concrete(fits) else xp).broadcast_to(fits, w.shape)
+    positions = np.indices(w.shape, np.int32)  # (constants, staged only where they meet a start)
     for d, (s, z) in enumerate(zip(starts, w.sizes)):
-        pos = lax.broadcasted_iota(jnp.int32, w.shape, d)
-        inside = inside & (pos >= s) & (pos < s + z)
+        inside = inside & (positions[d] >= s) & (positions[d] < s + z)
     return inside
 
 
-def _spread_mask(a: Spread, read: Callable[[Any], Any]) -> Any:
-    box = jnp.reshape(_window_mask(a.win, read), (-1,))
+def _spread_mask(a: Spread, read: Callable[[Any], Any], xp: Any = jnp) -> Any:
+    box = xp.reshape(_window_mask(a.win, read, xp), (-1,))
     rel = a.rel.array
     if int(np.prod(a.win.sizes, dtype=np.int64)) == 1:
         # one position: the relation's column there (a window that does not fit: none)
-        col = lax.dynamic_index_in_dim(jnp.asarray(rel), jnp.argmax(box), 1, keepdims=False)
-        return jnp.reshape(col & jnp.any(box), a.shape)
-    hits = jnp.asarray(rel, jnp.float32) @ box.astype(jnp.float32)
-    return jnp.reshape(hits > 0, a.shape)
+        if xp is np:
+            col = rel[:, int(np.argmax(box))]
+        else:
+            col = lax.dynamic_index_in_dim(jnp.asarray(rel), jnp.argmax(box), 1, keepdims=False)
+        return xp.reshape(col & xp.any(box), a.shape)
+    hits = xp.asarray(rel, xp.float32) @ box.astype(xp.float32)
+    return xp.reshape(hits > 0, a.shape)
 
 
 def _pred_mask(a: Pred, read: Callable[[Any], Any]) -> Any:
@@ -920,31 +927,57 @@ def materialize(
             hit = cache[key] = materialize(r, shape, read)
         return hit
     if r == EMPTY:
-        return jnp.zeros(shape, bool)
+        return np.zeros(shape, bool)
     if r == FULL:
-        return jnp.ones(shape, bool)
+        return np.ones(shape, bool)
     out = None
     for c in r:
         m = None
         for a in c:
-            if isinstance(a, Mask):
-                am = jnp.asarray(a.array)
-            elif isinstance(a, Pred):
-                am = _pred_mask(a, read)
-            elif isinstance(a, Win):
-                am = _window_mask(a, read)
-            elif isinstance(a, Spread):
-                am = _spread_mask(a, read)
-            elif isinstance(a, PerIteration):
-                # no iteration is current outside the dry run that made it: every position
-                # some iteration names (an over-approximation of the unknown, always safe)
-                am = jnp.asarray(a.table.array.any(axis=0))
-            else:
-                am = ~_window_mask(a.win, read)
+            am = _atom_mask(a, read)
             m = am if m is None else m & am
-        m = jnp.ones(shape, bool) if m is None else jnp.broadcast_to(m, shape)
+        m = np.ones(shape, bool) if m is None else _broadcast(m, shape)
         out = m if out is None else out | m
     return out
+
+
+def _broadcast(m: Any, shape: tuple) -> Any:
+    return np.broadcast_to(m, shape) if isinstance(m, np.ndarray) else jnp.broadcast_to(m, shape)
+
+
+class _Traced(Exception):
+    """An atom's mask reads a value known only when the program runs."""
+
+
+def _atom_mask(a: Any, read: Callable[[Any], Any]) -> Any:
+    """One atom of a region as a boolean array: numpy where every value it reads is known
+    when traced (under a walk that folds constants, each jnp operation of a new shape was an
+    XLA program compiled while tracing), else staged into the program."""
+    if isinstance(a, Mask):
+        return a.array
+    if isinstance(a, PerIteration):
+        # no iteration is current outside the dry run that made it: every position some
+        # iteration names (an over-approximation of the unknown, always safe)
+        return a.table.array.any(axis=0)
+    if isinstance(a, Pred):
+        return _pred_mask(a, read)
+
+    def concrete(var: Any) -> Any:
+        v = read(var)
+        if not is_concrete(v):
+            raise _Traced
+        return np.asarray(v)
+
+    for xp, rd in ((np, concrete), (jnp, read)):
+        try:
+            if isinstance(a, Win):
+                return _window_mask(a, rd, xp)
+            if isinstance(a, Spread):
+                return _spread_mask(a, rd, xp)
+            return ~_window_mask(a.win, rd, xp)
+        except _Traced:
+            continue
+    raise AssertionError("unreachable")
 
 
 def iteration_masks(r: Region, shape: tuple, length: int, statics: Any) -> np.ndarray:

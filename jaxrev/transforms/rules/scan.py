@@ -211,7 +211,12 @@ def _scan_inverse(outs, *ins, ctx: RuleContext, **params):
                 c0, xs_rec, per_iteration = step(final, known), [], None
             else:
                 c0, (xs_rec, per_iteration) = _at_once(
-                    lambda c, sl, st, wins: ibody(c, sl, st, windows=wins), final, per_t, ws, length
+                    lambda c, sl, st, wins: ibody(c, sl, st, windows=wins),
+                    final,
+                    per_t,
+                    ws,
+                    length,
+                    ctx.walk.settings.values,
                 )
     except NotInvertibleError:
         if waiting:  # may work once the chain's start is known
@@ -278,7 +283,9 @@ def _undone_at_once(
     found: dict[int, np.ndarray] = {}
 
     def dry() -> None:
-        stand_ins = [jnp.zeros(v.aval.shape, v.aval.dtype) for v in bj.invars]
+        # (numpy: under a walk that folds constants, each `jnp.zeros` of a new shape was an
+        # XLA program compiled while tracing)
+        stand_ins = [np.zeros(v.aval.shape, v.aval.dtype) for v in bj.invars]
         ins = list(consts) + stand_ins[nc:]
         for i in unk:
             ins[nc + i] = Unknown(bj.invars[nc + i].aval)
@@ -349,7 +356,12 @@ def _per_iteration_writes(jaxpr: Any, env: Env, k: int, i: int, T: int) -> np.nd
 
 
 def _at_once(
-    ibody: Callable, final: list, per_t: tuple, writers: Sequence[np.ndarray], length: int
+    ibody: Callable,
+    final: list,
+    per_t: tuple,
+    writers: Sequence[np.ndarray],
+    length: int,
+    values: bool = True,
 ) -> tuple:
     """The loop undone all at once (`_undone_at_once`): every iteration's body inverted from
     the final carry, under `vmap` over the iterations, and each position of the first carry
@@ -383,6 +395,8 @@ def _at_once(
         return outs, rest
 
     stacked, (xs_rec, per_iteration) = jax.vmap(one, axis_size=length)(per_t)
+    if not values:  # (a planning walk: its values are stand-ins nothing reads)
+        return list(final), (xs_rec, per_iteration)
     c0 = []
     for c, st, writer, layout in zip(final, stacked, writers, layouts):
         if layout is None:
