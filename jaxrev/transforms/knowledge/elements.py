@@ -386,14 +386,15 @@ def _static_ints(starts: Sequence[Any]) -> list[Any]:
 
 
 def _box(starts: Sequence[Any], sizes: Sequence[int], shape: Sequence[int]) -> tuple:
-    """The slices of a window at concrete `starts`, clamped as `dynamic_slice` clamps them."""
-    return tuple(
-        slice(c, c + z)
-        for c, z in (
-            (int(np.clip(np.asarray(s), 0, max(n - z, 0))), z)
-            for s, z, n in zip(starts, sizes, shape)
-        )
-    )
+    """The slices of a window at concrete `starts`, placed as `dynamic_slice` places them: a
+    negative start counted from the end, then clamped so that the window fits."""
+    box = []
+    for s, z, n in zip(starts, sizes, shape):
+        c = int(np.asarray(s))
+        c = c + n if c < 0 else c
+        c = min(max(c, 0), max(n - z, 0))
+        box.append(slice(c, c + z))
+    return tuple(box)
 
 
 def _same_positions(written: R.Win, read: R.Win, env: Env) -> bool:

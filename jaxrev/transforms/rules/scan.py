@@ -438,11 +438,12 @@ def _owned_windows(
     fitting (`in_bounds` false), nothing. The positions go in one scatter, those of another
     iteration dropped: each is kept by one iteration at most."""
     shape, sizes = tuple(w.shape), tuple(w.sizes)
-    # (a window is placed as `dynamic_update_slice` places it: its corner clamped)
-    corner = [
-        jnp.clip(jnp.reshape(s, (length,)), 0, max(n - z, 0))
-        for s, n, z in zip(starts, shape, sizes)
-    ]
+    # (a window is placed as `dynamic_update_slice` places it: a negative corner counted from
+    # the end, then clamped so that the window fits)
+    corner = []
+    for s, n, z in zip(starts, shape, sizes):
+        s = jnp.reshape(s, (length,))
+        corner.append(jnp.clip(jnp.where(s < 0, s + n, s), 0, max(n - z, 0)))
     offsets = np.indices(sizes).reshape(len(sizes), -1)
     pos = [c[:, None] + o[None, :] for c, o in zip(corner, offsets)]  # (iterations, elements)
     owned = jnp.asarray(writer)[tuple(pos)] == jnp.arange(length)[:, None]
