@@ -375,7 +375,12 @@ def test_a_reversed_loop_is_undone_at_once():
         t, s = shift_log_scale(x)
         return x * jnp.exp(s) + t
 
-    x = _point(28)
+    _undone_at_once_as_closed_form(loop, closed, _point(28))
+
+
+def _undone_at_once_as_closed_form(loop, closed, x) -> None:
+    """`loop` (an element loop, the inverse of `closed`) is undone at once by
+    `inverse_and_slogdet` (no loop evaluating a network), into `closed`'s values and log-det."""
     np.testing.assert_allclose(loop(closed(x)), x, rtol=1e-12, atol=1e-12)
     inv = jr.inverse_and_slogdet(loop)
     assert not _looped_with_net(jax.make_jaxpr(inv)(x).jaxpr)
@@ -518,10 +523,4 @@ def test_blocks_written_in_any_order_are_undone_at_once(size):
         t, s = net(x)
         return x * jnp.exp(s) + t
 
-    x = _point(46, d)
-    np.testing.assert_allclose(loop(closed(x)), x, rtol=1e-12, atol=1e-12)
-    inv = jr.inverse_and_slogdet(loop)
-    assert not _looped_with_net(jax.make_jaxpr(inv)(x).jaxpr)
-    back, ld = jax.jit(inv)(x)
-    np.testing.assert_allclose(back, closed(x), rtol=1e-12, atol=1e-12)
-    np.testing.assert_allclose(ld, jnp.linalg.slogdet(jax.jacfwd(closed)(x))[1], rtol=1e-10)
+    _undone_at_once_as_closed_form(loop, closed, _point(46, d))
