@@ -524,3 +524,61 @@ def test_blocks_written_in_any_order_are_undone_at_once(size):
         return x * jnp.exp(s) + t
 
     _undone_at_once_as_closed_form(loop, closed, _point(46, d))
+
+
+@pytest.mark.parametrize("how", ["eager", "jit"])
+def test_a_negative_corner_is_clamped_as_the_primitive_clamps_it(how):
+    """A window whose corner operand is negative in the program (``allow_negative_indices=
+    False``, or ``-8`` on 6 elements, which `lax` counts from the end to ``-2`` before the
+    primitive): the `dynamic_slice` primitive clamps it to 0, and so do the walk's reads and
+    writes of that window and the steps undone at once (they counted it from the end again:
+    wrong values, eager and under `jit`)."""
+
+    def f(x):
+        w = lax.dynamic_slice(x, (-8,), (2,))
+        return lax.dynamic_update_slice(x, 2.0 * w + 1.0, (-8,))
+
+    x = jnp.arange(6.0) + 1
+    run = jax.jit if how == "jit" else (lambda g: g)
+    np.testing.assert_allclose(run(jr.reverse(f))(f(x)), x, rtol=1e-12)
+    order, size = np.array([2, 0, 1]), 2
+    corners = np.array([4, -1, 2])  # (block 0 given as -1: the primitive clamps it to 0)
+    p, net = _blocked(jax.random.PRNGKey(47), order, size, 20)
+
+    def loop(y):
+        def step(z, c):
+            t, s = net(z)
+            x = (z - t) * jnp.exp(-s)
+            block = lax.dynamic_slice(x, (c,), (size,), allow_negative_indices=False)
+            return lax.dynamic_update_slice(z, block, (c,), allow_negative_indices=False), None
+
+        return lax.scan(step, y, jnp.asarray(corners))[0]
+
+    def closed(x):
+        t, s = net(x)
+        return x * jnp.exp(s) + t
+
+    x = _point(48, len(order) * size)
+    back, ld = run(jr.inverse_and_slogdet(loop))(x)
+    np.testing.assert_allclose(back, closed(x), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(run(jr.reverse(loop))(x), closed(x), rtol=1e-12, atol=1e-12)
+
+
+def test_an_eager_inverse_whose_final_carry_is_known_when_traced():
+    """Eagerly, the loop's final carry may be known when traced with a window written into it
+    (an update of the loop's result after the loop), written by numpy: the steps undone at
+    once write into it, and the inverse hands back JAX arrays."""
+    p = _params(jax.random.PRNGKey(49))
+
+    def f(y):
+        z = maf_inverse_loop(p, y)
+        head = lax.dynamic_slice(z, (0,), (1,))
+        return lax.dynamic_update_slice(z, 2.0 * head + 1.0, (0,))
+
+    y = _point(50)
+    out = f(y)
+    for transform in (jr.reverse, jr.inverse_and_slogdet):
+        got = transform(f)(out)
+        back = got[0] if isinstance(got, tuple) else got
+        assert isinstance(back, jax.Array), type(back)
+        np.testing.assert_allclose(back, y, rtol=1e-12, atol=1e-12)

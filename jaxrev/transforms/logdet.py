@@ -735,7 +735,8 @@ def _window_pivots(
         if x is None:
             return None
         if tuple(jnp.shape(x)) == shape:
-            parts.append(jax.lax.dynamic_slice(x, starts, w.sizes))
+            # (starts as `window_starts` placed them: clamped, never counted from the end)
+            parts.append(jax.lax.dynamic_slice(x, starts, w.sizes, allow_negative_indices=False))
         elif not jnp.shape(x):
             parts.append(x)
         else:

@@ -30,7 +30,7 @@ import numpy as np
 from jax import lax
 
 from jaxrev._cache import memo
-from jaxrev._compat import DropVar, JaxprEqn, ShapedArray, Var, is_concrete, prims
+from jaxrev._compat import DropVar, JaxprEqn, ShapedArray, Var, is_concrete, is_key, prims
 from jaxrev._env import Env, Unknown, fit_to_aval, is_unknown
 from jaxrev._evaluate import apply, apply_on_host
 from jaxrev._graph import is_var, real_outvars
@@ -63,7 +63,7 @@ __all__ = [
     "WindowWrite",
     "written_window",
     "through_window",
-    "rules_through_windows",
+    "windows_apart",
     "read_window",
     "not_case",
     "token",
@@ -369,32 +369,38 @@ def _read_window_value(val: Any, w: R.Win, env: Env) -> Any:
             return wrote.piece
         return jnp.where(wrote.in_bounds, wrote.piece, _read_window_value(wrote.base, w, env))
     starts = _starts(w, env)
-    if is_concrete(val) and all(is_concrete(x) for x in starts):
+    if _plain(val) and all(is_concrete(x) for x in starts):
         # (known when traced, under a walk that folds constants: numpy's slice, not an XLA
         # program compiled for each new shape while tracing)
-        box = _box(starts, w.sizes, np.shape(val))
-        return np.asarray(val)[box]
-    return lax.dynamic_slice(val, _static_ints(starts), w.sizes)
+        return jnp.asarray(np.asarray(val)[_box(starts, w.sizes, np.shape(val))])
+    return lax.dynamic_slice(val, _corner(starts), w.sizes, allow_negative_indices=False)
 
 
-def _static_ints(starts: Sequence[Any]) -> list[Any]:
-    """Starts known when traced as Python ints, which `lax.dynamic_slice` and its update
-    normalize in Python, not by operations compiled while tracing."""
-    if all(is_concrete(x) for x in starts):
-        return [int(np.asarray(x)) for x in starts]
-    return list(starts)
+def _plain(x: Any) -> bool:
+    """Whether `x` is known when traced and numpy holds it as it is (not a PRNG key, not
+    weakly typed: numpy would drop what JAX's promotion reads)."""
+    return is_concrete(x) and not is_key(x) and not getattr(x, "weak_type", False)
+
+
+def _corner(starts: Sequence[Any]) -> list[Any]:
+    """Starts for `lax.dynamic_slice` and its update (with ``allow_negative_indices=False``),
+    which then place a window as the primitive does, clamped: those known when traced as
+    Python ints (at least 0), normalized in Python rather than by operations compiled while
+    tracing."""
+    return [max(int(np.asarray(x)), 0) if is_concrete(x) else x for x in starts]
 
 
 def _box(starts: Sequence[Any], sizes: Sequence[int], shape: Sequence[int]) -> tuple:
-    """The slices of a window at concrete `starts`, placed as `dynamic_slice` places them: a
-    negative start counted from the end, then clamped so that the window fits."""
-    box = []
-    for s, z, n in zip(starts, sizes, shape):
-        c = int(np.asarray(s))
-        c = c + n if c < 0 else c
-        c = min(max(c, 0), max(n - z, 0))
-        box.append(slice(c, c + z))
-    return tuple(box)
+    """The slices of a window at concrete `starts`, placed as the `dynamic_slice` primitive
+    places them: clamped so that the window fits (a negative index was counted from the end
+    by `lax.dynamic_slice` in the user's program, before the primitive)."""
+    return tuple(
+        slice(c, c + z)
+        for c, z in (
+            (min(max(int(np.asarray(s)), 0), max(n - z, 0)), z)
+            for s, z, n in zip(starts, sizes, shape)
+        )
+    )
 
 
 def _same_positions(written: R.Win, read: R.Win, env: Env) -> bool:
@@ -411,17 +417,18 @@ def _same_positions(written: R.Win, read: R.Win, env: Env) -> bool:
 def _write_window(val: Any, w: R.Win, piece: Any, env: Env) -> Any:
     starts = _starts(w, env)
     in_bounds = None
-    if all(is_concrete(x) for x in (val, piece, *starts)):
+    if _plain(val) and _plain(piece) and all(is_concrete(x) for x in starts):
         # (known when traced: numpy's update, as `_read_window_value` reads)
         piece = np.reshape(np.asarray(piece), w.sizes).astype(np.asarray(val).dtype)
         new = np.array(val)
         fits = w.mode == "clamp" or bool(_in_bounds(w, [np.asarray(x) for x in starts]))
         if fits:
             new[_box(starts, w.sizes, new.shape)] = piece
+        new, piece = jnp.asarray(new), jnp.asarray(piece)
         env.windows[id(new)] = WindowWrite(new, val, w, starts, piece, None if fits else False)
         return new
     piece = jnp.reshape(piece, w.sizes).astype(val.dtype)
-    new = lax.dynamic_update_slice(val, piece, _static_ints(starts))
+    new = lax.dynamic_update_slice(val, piece, _corner(starts), allow_negative_indices=False)
     if w.mode != "clamp":
         # a box that does not fit is no position at all: nothing is written
         in_bounds = _in_bounds(w, starts)
@@ -542,19 +549,22 @@ def _elementwise_forward(eqn: JaxprEqn, env: Env) -> bool:
     if region == R.FULL:
         return False
     ins = [value_of(env, v, clean=True) for v in eqn.invars]
-    (out,) = through_window(lambda *xs: apply(eqn, xs), ins, tuple(o.aval.shape), env) or apply(
-        eqn, ins
-    )
+    shape = tuple(o.aval.shape)
+    through = windows_apart(env) and through_window(lambda *xs: apply(eqn, xs), ins, shape, env)
+    (out,) = through or apply(eqn, ins)
     return learn(env, o, out, region)
 
 
-def rules_through_windows(env: Env) -> bool:
-    """Whether an inverse rule may run on an array with a window written into it as the rule
-    on the array and on the window apart (`through_window`): only in a walk that computes
-    with the loop's own values where it knows nothing (`Settings.fill` off: the steps undone
-    at once, `rules.scan._at_once`). Elsewhere the array's old values under the window, which
-    the value does not hold, could fail a rule's run-time check (an integer quotient that
-    must be exact) where the value itself passes: a false alarm."""
+def windows_apart(env: Env) -> bool:
+    """Whether an equation (applied forward, or its inverse rule) may run on an array with a
+    window written into it as on the array and on the window apart (`through_window`): only
+    in a walk that computes with the loop's own values where it knows nothing
+    (`Settings.fill` off: the steps undone at once, `rules.scan._at_once`). Elsewhere the
+    array's old values under the window, which the value does not hold (zeros under a window
+    assembled from pieces), could fail a rule's run-time check (an exact integer quotient)
+    where the value passes, or be a point where the equation's derivative is infinite
+    (``log`` of 0), which the window's zero cotangent turns into NaN. A select computes
+    nothing of its operands: it goes through windows in every walk."""
     return env.ctx is not None and not env.ctx.settings.fill
 
 
@@ -574,8 +584,10 @@ def through_window(fn: Callable, vals: Sequence[Any], shape: tuple, env: Env) ->
     w = next((wr.w for wr in writes if wr is not None), None)
     if w is None or any(wr is not None and wr.w != w for wr in writes):
         return None
-    if any(not is_unknown(v) and np.shape(v) not in ((), shape) for v in vals):
+    if any(np.shape(v.aval if is_unknown(v) else v) not in ((), shape) for v in vals):
         return None  # (an operand broadcast over some axes: not one element per element)
+    if any(is_unknown(v) and tuple(v.aval.shape) != shape for v in vals):
+        return None  # (an unknown scalar broadcast over the output: not element by element)
     bases, pieces = [], []
     for v, wr in zip(vals, writes):
         if is_unknown(v):
@@ -634,7 +646,7 @@ def _elementwise_backward(eqn: JaxprEqn, env: Env) -> bool | None:
             args = [value_of(env, o, clean=True), *ins]
             shape = tuple(o.aval.shape)
             rec = None
-            if rules_through_windows(env):
+            if windows_apart(env):
                 rec = through_window(lambda *xs: rule(*xs, **eqn.params), args, shape, env)
             rec = rule(*args, **eqn.params) if rec is None else rec
         except (NeedMore, Lossy):

@@ -211,7 +211,7 @@ def _apply_rule(eqn: JaxprEqn, env: Env, rules: Rules) -> list[Any] | None:
     out = outs if eqn.primitive.multiple_results else outs[0]
     rec = None
     shape = tuple(eqn.outvars[0].aval.shape) if len(outs) == 1 else None
-    if shape is not None and elementwise_over(eqn, shape) and elements.rules_through_windows(env):
+    if shape is not None and elementwise_over(eqn, shape) and elements.windows_apart(env):
         # (on a window written into an array and on the array apart: `through_window`)
         rec = elements.through_window(
             lambda o, *xs: _call_rule(eqn, env, rule, o, xs, eqn.params), [out, *ins], shape, env

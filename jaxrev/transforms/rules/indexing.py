@@ -483,7 +483,11 @@ def _dus_forward(eqn: JaxprEqn, env: Env) -> bool | None:
     if region == R.FULL:
         return False
     uv = _zeros(u) if ru == R.FULL else value_of(env, u, clean=True)
-    out = lax.dynamic_update_slice(value_of(env, x, clean=True), uv, [env.read(s) for s in starts])
+    # (the primitive's own starts: clamped, never counted from the end again)
+    corner = [env.read(s) for s in starts]
+    out = lax.dynamic_update_slice(
+        value_of(env, x, clean=True), uv, corner, allow_negative_indices=False
+    )
     return learn(env, o, out, region)
 
 

@@ -438,12 +438,12 @@ def _owned_windows(
     fitting (`in_bounds` false), nothing. The positions go in one scatter, those of another
     iteration dropped: each is kept by one iteration at most."""
     shape, sizes = tuple(w.shape), tuple(w.sizes)
-    # (a window is placed as `dynamic_update_slice` places it: a negative corner counted from
-    # the end, then clamped so that the window fits)
-    corner = []
-    for s, n, z in zip(starts, shape, sizes):
-        s = jnp.reshape(s, (length,))
-        corner.append(jnp.clip(jnp.where(s < 0, s + n, s), 0, max(n - z, 0)))
+    # (a window is placed as the `dynamic_update_slice` primitive places it: its corner
+    # clamped so that the window fits)
+    corner = [
+        jnp.clip(jnp.reshape(s, (length,)), 0, max(n - z, 0))
+        for s, n, z in zip(starts, shape, sizes)
+    ]
     offsets = np.indices(sizes).reshape(len(sizes), -1)
     pos = [c[:, None] + o[None, :] for c, o in zip(corner, offsets)]  # (iterations, elements)
     owned = jnp.asarray(writer)[tuple(pos)] == jnp.arange(length)[:, None]
@@ -451,7 +451,7 @@ def _owned_windows(
         owned = owned & jnp.reshape(in_bounds, (length, 1))
     idx = tuple(jnp.where(owned, p, n).reshape(-1) for p, n in zip(pos, shape))
     vals = jnp.reshape(piece, (-1,)).astype(carry.dtype)
-    return carry.at[idx].set(vals, mode="drop")
+    return jnp.asarray(carry).at[idx].set(vals, mode="drop")
 
 
 def _iteration_logdet(parent: Any, logdets: dict | None, eqn: Any, dtype: Any) -> Any:
