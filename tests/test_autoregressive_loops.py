@@ -582,3 +582,32 @@ def test_an_eager_inverse_whose_final_carry_is_known_when_traced():
         back = got[0] if isinstance(got, tuple) else got
         assert isinstance(back, jax.Array), type(back)
         np.testing.assert_allclose(back, y, rtol=1e-12, atol=1e-12)
+
+
+def test_a_dropped_write_out_of_bounds_in_a_loop_is_a_typed_error_or_right():
+    """A step writing past the end (``.at[c].set(..., mode="drop")``, c = 7 on 5 elements)
+    writes nothing: the region tests placed the dropped box outside the masks' table and
+    raised IndexError. Now the inverse is right or refused naming the step."""
+    order = np.array([3, 1, 4, 0, 2])
+    p, net = _blocked(jax.random.PRNGKey(51), order, 1, 12)
+    corners = jnp.asarray([3, 1, 7, 0, 2, 4])
+
+    def loop(y):
+        def step(z, c):
+            t, s = net(z)
+            x = (z - t) * jnp.exp(-s)
+            return z.at[c].set(x[jnp.clip(c, 0, 4)], mode="drop"), None
+
+        return lax.scan(step, y, corners)[0]
+
+    def closed(x):
+        t, s = net(x)
+        return x * jnp.exp(s) + t
+
+    x = _point(52)
+    try:
+        back = jax.jit(jr.reverse(loop))(x)
+    except jr.NotInvertibleError as e:
+        assert "`scatter`" in str(e) and HERE in str(e), str(e)
+        return
+    np.testing.assert_allclose(back, closed(x), rtol=1e-12, atol=1e-12)

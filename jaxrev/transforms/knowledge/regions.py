@@ -425,6 +425,8 @@ def _window_meets_mask(w: Win, m: np.ndarray, statics: Any) -> bool | None:
     valid = np.broadcast_to(np.asarray(valid), (T,))
     if T > 1_000_000:
         return None
+    # (a dropped box's corner may lie outside: placed anywhere inside, it is not counted)
+    starts = [np.clip(s, 0, max(n - z, 0)) for s, z, n in zip(starts, w.sizes, m.shape)]
     # a summed-area table answers "any mask position in this box" in O(1) per iteration
     sat = np.pad(np.asarray(m, np.int64), [(1, 0)] * m.ndim)
     for d in range(m.ndim):
