@@ -38,9 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-os.environ.setdefault(
-    "XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
-)
+os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -26,9 +26,7 @@ import warnings
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # no BLAS threads spinning on a busy CPU
 # XLA:CPU on one thread too: ratios against peers are not distorted by threads spinning
 # on a busy machine (set XLA_FLAGS to change it)
-os.environ.setdefault(
-    "XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
-)
+os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
