@@ -970,16 +970,19 @@ def _atom_mask(a: Any, read: Callable[[Any], Any]) -> Any:
             raise _Traced
         return np.asarray(v)
 
-    for xp, rd in ((np, concrete), (jnp, read)):
-        try:
-            if isinstance(a, Win):
-                return _window_mask(a, rd, xp)
-            if isinstance(a, Spread):
-                return _spread_mask(a, rd, xp)
-            return ~_window_mask(a.win, rd, xp)
-        except _Traced:
-            continue
-    raise AssertionError("unreachable")
+    try:
+        return _box_mask(a, concrete, np)
+    except _Traced:
+        return _box_mask(a, read, jnp)
+
+
+def _box_mask(a: Any, read: Callable[[Any], Any], xp: Any) -> Any:
+    """A `Win`'s, `Spread`'s or `CoWin`'s mask, with `xp`'s operations."""
+    if isinstance(a, Win):
+        return _window_mask(a, read, xp)
+    if isinstance(a, Spread):
+        return _spread_mask(a, read, xp)
+    return ~_window_mask(a.win, read, xp)
 
 
 def iteration_masks(r: Region, shape: tuple, length: int, statics: Any) -> np.ndarray:

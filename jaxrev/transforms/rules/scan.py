@@ -239,9 +239,10 @@ def _scan_inverse(outs, *ins, ctx: RuleContext, **params):
 
 AT_ONCE_WORK = 8
 """How much more than the size of its unknown carries a loop's body must compute (`work_of`)
-for its steps to be undone at once: each step undone at once writes what it recovers into a
-copy of the carries (under the steps' `vmap`), which pays where the steps share a costly
-computation (a masked network), not where a step is a few scalar operations (NiLang's
+for its steps to be undone at once: the steps' `vmap` and the windows written back into the
+final carry (`_owned_windows`; or, where a step's carry is not the final one with windows
+written, a copy of the carries per step) pay where the steps share a costly computation (a
+masked network), not where a step is a few scalar operations (NiLang's
 ``x[i] += tanh(x[i - 1])``, whose steps undone one by one cost O(1) each)."""
 
 
@@ -446,7 +447,7 @@ def _owned_windows(
     ]
     offsets = np.indices(sizes).reshape(len(sizes), -1)
     pos = [c[:, None] + o[None, :] for c, o in zip(corner, offsets)]  # (iterations, elements)
-    owned = jnp.asarray(writer)[tuple(pos)] == jnp.arange(length)[:, None]
+    owned = jnp.asarray(writer)[tuple(pos)] == np.arange(length)[:, None]
     if in_bounds is not None:
         owned = owned & jnp.reshape(in_bounds, (length, 1))
     idx = tuple(jnp.where(owned, p, n).reshape(-1) for p, n in zip(pos, shape))
