@@ -210,6 +210,44 @@ def test_spline_searched_over_a_table_padded_with_infinities():
         np.testing.assert_allclose(call(jax.vmap(f)(x)), x, rtol=1e-12, atol=1e-12)
 
 
+def test_a_search_runs_unrolled_and_a_long_loop_stays_a_loop():
+    """`jnp.searchsorted`'s bisection is a `scan` of a few trips; the programs jaxrev emits
+    run such short loops unrolled (`_compat.SHORT_LOOP_TRIPS`: XLA:CPU pays several
+    microseconds a trip, and a search runs it at every knot): the compiled inverse of a spline
+    holds no loop, values unchanged. A loop of many trips in the same program stays a loop."""
+    xk, yk, d = _spline_params(6, key=3)
+
+    def f(x):
+        return clipped_spline(x, xk, yk, d)
+
+    def g(x):  # (the spline, then a long loop of a small body)
+        return jax.lax.fori_loop(0, 100, lambda i, v: v + 0.01 * jnp.sin(v), f(x))
+
+    x = jnp.array([-3.2, -2.5, -0.4, 0.9, 2.6, 3.3])
+
+    def scans(jaxpr):
+        for e in jaxpr.eqns:
+            if e.primitive.name == "scan":
+                yield e
+            for v in e.params.values():
+                inner = getattr(v, "jaxpr", v)
+                if hasattr(inner, "eqns"):
+                    yield from scans(inner)
+
+    loops = list(scans(make_jaxpr(f, x[0])[0].jaxpr))
+    assert loops and all(e.params["unroll"] == e.params["length"] for e in loops)
+    assert [
+        e.params["unroll"] for e in scans(make_jaxpr(g, x[0])[0].jaxpr) if e.params["length"] == 100
+    ] == [1]
+    inv = jax.jit(jax.vmap(jr.reverse(f)))
+    assert "while" not in inv.lower(jax.vmap(f)(x)).compile().as_text()
+    np.testing.assert_allclose(inv(jax.vmap(f)(x)), x, rtol=1e-12, atol=1e-12)
+    inv_g = jax.jit(jax.vmap(jr.reverse(g)))
+    y = jax.vmap(g)(x)
+    assert " while(" in inv_g.lower(y).compile().as_text()
+    np.testing.assert_allclose(inv_g(y), x, rtol=1e-10, atol=1e-10)
+
+
 def test_a_tables_order_is_checked_in_one_walk_either_way():
     """The certificate's walk along a searched table (`choices._table_in_order`): values
     rising along thresholds in order, or in reverse order, pass; a value below an earlier
