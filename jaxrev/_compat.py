@@ -166,7 +166,7 @@ class _Prims:
             "abs sign floor ceil sin cos tan exp2 reduce_precision erf erf_inv "
             "eq ne lt le gt ge and or not xor is_finite "
             "optimization_barrier stack reduce_or rem shift_left shift_right_arithmetic "
-            "shift_right_logical"
+            "shift_right_logical reduce_max reduce_min reduce_prod reduce_and argmax argmin"
         ).split():
             setattr(self, name, _prim(name + "_p"))
         self.slice = _prim("slice_p")
@@ -204,6 +204,8 @@ class _Prims:
             self.cumsum = self.cumsum or getattr(_loops, "cumsum_p", None)
             self.cumprod = self.cumprod or getattr(_loops, "cumprod_p", None)
             self.cumlogsumexp = getattr(_loops, "cumlogsumexp_p", None)
+            self.cummax = getattr(_loops, "cummax_p", None)
+            self.cummin = getattr(_loops, "cummin_p", None)
         except ImportError:  # pragma: no cover
             pass
         try:

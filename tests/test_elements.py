@@ -357,3 +357,30 @@ def test_a_condition_concatenated_to_the_state_opens_a_masked_network(how):
     np.testing.assert_allclose(got, x, atol=1e-12)
     _, ref = jnp.linalg.slogdet(jax.jacfwd(layer)(x, c))
     np.testing.assert_allclose(ld, -ref, atol=1e-12)
+
+
+@pytest.mark.parametrize("reduce", ["max", "sum", "cumsum"])
+def test_a_rows_reduction_is_known_once_its_row_is(reduce):
+    """An autoregressive affine layer whose scale is a reduction over a row a masked product
+    computes (a max, a sum, the last of a cumsum): the row of element i reads the elements
+    before i only, so its reduction is known once they are, and the layer inverts element by
+    element (`elements.along_axes_forward`; before, nothing of a reduction of a partly known
+    operand was known, and the walk was stuck)."""
+    D, R = 5, 3
+    mask = np.repeat(np.tril(np.ones((D, D), bool), -1), R, axis=0).reshape(D, R, D)
+    M = jnp.where(mask, 0.4 * jax.random.normal(jax.random.key(2), (D, R, D)), 0.0)
+    red = {
+        "max": lambda r: jnp.max(r, axis=-1),
+        "sum": lambda r: jnp.sum(r, axis=-1),
+        "cumsum": lambda r: jnp.cumsum(r, axis=-1)[:, -1],
+    }[reduce]
+
+    def f(x):
+        rows = jnp.tanh(jnp.einsum("irj,j->ir", M, x))
+        return x * jnp.exp(0.5 * red(rows)) + 0.1
+
+    x = jnp.array([0.3, -1.2, 0.8, 2.0, -0.4])
+    for inv in (jr.inverse_and_slogdet(f), jax.jit(jr.inverse_and_slogdet(f))):
+        got, ld = inv(f(x))
+        np.testing.assert_allclose(got, x, rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(ld, -jnp.linalg.slogdet(jax.jacfwd(f)(x))[1], rtol=1e-10)

@@ -34,14 +34,13 @@ HOWS = ("eager", "jit", "vmap")
 REFUSED = {
     # flowjax's inverse of a masked autoregressive layer with spline transformers (a scan
     # overwriting the carry's element `rank`): each step's spline inverse is a choice (a bin)
-    # on knots known only on some elements (those the masked network computes from the
-    # elements already known), which the choice groups do not split per element
+    # on knots known on some elements, whose output is known on the element `rank` alone: a
+    # window decided when the program runs, which the log-det's plan cannot follow, so the
+    # group is not solved on it. (The same layer run forward, its knots computed from the
+    # state, inverts: each pass solves the elements whose knots the masked network has
+    # computed, a static set: `choices._partly_known`.)
     "MaskedAutoregressive/spline@inverted": "dynamic_slice",
     "masked_autoregressive_flow/spline": "dynamic_slice",
-    # a spline whose knots the state computes, element by element (choices on partly known
-    # parameters)
-    "MaskedAutoregressive/spline": "select_n",
-    "masked_autoregressive_flow/spline@inverted": "select_n",
 }
 NAMES = fc.all_names()
 

@@ -126,11 +126,41 @@ def region_of(env: Env, v: Any) -> R.Region:
 
 def region_on(env: Env, v: Any, shape: tuple) -> R.Region:
     """`v`'s unknown region on an array of `shape` it is broadcast to (a scalar operand of an
-    elementwise op: unknown anywhere is unknown everywhere)."""
+    elementwise op: unknown anywhere is unknown everywhere; one broadcast over size-1 axes:
+    its region broadcast where that is static, else everywhere)."""
     r = region_of(env, v)
-    if tuple(np.shape(v.aval)) == tuple(shape) or r in (R.EMPTY, R.FULL):
+    own = tuple(np.shape(v.aval))
+    if own == tuple(shape) or r in (R.EMPTY, R.FULL):
         return r
-    return R.FULL
+    if len(own) != len(shape):
+        return R.FULL
+    # (broadcast over size-1 axes, a softmax's max per row: carried through the relation)
+    rel = reads_relation("broadcast", own, tuple(shape))
+    return R.FULL if rel is None else R.spread(r, rel, tuple(shape))
+
+
+def reads_relation(kind: str, shape: tuple, out_shape: tuple) -> np.ndarray | None:
+    """``(positions of out_shape, positions of shape)``, flattened: which elements of an array
+    of `shape` each element of one of `out_shape` reads, for `kind` "broadcast" (over size-1
+    axes) or "rows" (`shape` is `out_shape` and trailing axes: each element reads its row);
+    None where that is larger than `regions.MAX_RELATION`."""
+    n, m = int(np.prod(shape, dtype=np.int64)), int(np.prod(out_shape, dtype=np.int64))
+    if n * m > R.MAX_RELATION:
+        return None
+    cache = memo("elements.reads_relation", 256)
+    hit = cache.get((kind, shape, out_shape))
+    if hit is not None:
+        return hit
+    if kind == "broadcast":
+        coords = np.indices(out_shape).reshape(len(out_shape), -1)
+        src = np.stack([c if s > 1 else np.zeros_like(c) for c, s in zip(coords, shape)])
+        into = np.ravel_multi_index(src, shape) if shape else np.zeros(m, np.int64)
+        rel = np.zeros((m, n), bool)
+        rel[np.arange(m), into] = True
+    else:
+        rel = np.repeat(np.eye(m, dtype=bool), n // m, axis=1)
+    rel.setflags(write=False)
+    return cache.put((kind, shape, out_shape), [], rel)
 
 
 def _zeros(v: Any) -> Any:
@@ -532,6 +562,60 @@ def backward(eqn: JaxprEqn, env: Env) -> bool | None:
     if len(outs) == 1 and elementwise_over(eqn, tuple(outs[0].aval.shape)):
         return _elementwise_backward(eqn, env)
     return None
+
+
+# --------------------------------------------------------------------------- along axes
+
+
+def along_axes_forward(eqn: JaxprEqn, env: Env) -> bool | None:
+    """A reduction over axes (`reduce_max`, `argmax`, ...) or a cumulative operation along one
+    (`cumsum`, ...) of a partly known operand: each output element is known where every
+    operand element it reads is (a softmax's max over a spline's bins, known on the rows a
+    masked network has computed: the rows of the knots it makes). The value is computed on
+    the operand with `FILL` where unknown. None: declined (a relation too large to build)."""
+    (x,) = eqn.invars
+    (o,) = eqn.outvars
+    if not is_var(x) or not is_partial(env, x) or env.known(o):
+        return None
+    reads = _reads_along(eqn)
+    if reads is None:
+        return None
+    region = R.spread(region_of(env, x), reads, tuple(o.aval.shape))
+    if region == R.FULL:
+        return False
+    return learn(env, o, apply(eqn, [value_of(env, x, clean=True)])[0], region)
+
+
+def _reads_along(eqn: JaxprEqn) -> np.ndarray | None:
+    """``(outputs, operand elements)``, flattened: which operand elements each output element
+    of a reduction (`axes`) or a cumulative operation (`axis`, `reverse`) reads; None where
+    that relation is larger than `regions.MAX_RELATION`."""
+    shape = tuple(eqn.invars[0].aval.shape)
+    out_shape = tuple(eqn.outvars[0].aval.shape)
+    n, m = int(np.prod(shape, dtype=np.int64)), int(np.prod(out_shape, dtype=np.int64))
+    if n * m > R.MAX_RELATION:
+        return None
+    key = (eqn.primitive.name, shape, tuple(sorted(eqn.params.items(), key=str)))
+    cache = memo("elements.reads_along", 256)
+    hit = cache.get(key)
+    if hit is not None:
+        return hit
+    coords = np.indices(shape).reshape(len(shape), -1)
+    if "axes" in eqn.params:  # (a reduction: the output keeps the other axes)
+        kept = [d for d in range(len(shape)) if d not in eqn.params["axes"]]
+        into = np.ravel_multi_index(coords[kept], out_shape) if kept else np.zeros(n, np.int64)
+        rel = np.zeros((m, n), bool)
+        rel[into, np.arange(n)] = True
+    else:  # (cumulative along `axis`: the elements up to each, or from it with `reverse`)
+        a = eqn.params["axis"]
+        others = [d for d in range(len(shape)) if d != a]
+        same = np.all(coords[others][:, :, None] == coords[others][:, None, :], axis=0)
+        before = coords[a][None, :] <= coords[a][:, None]
+        if eqn.params.get("reverse", False):
+            before = coords[a][None, :] >= coords[a][:, None]
+        rel = same & before
+    rel.setflags(write=False)  # (shared by every caller through the cache)
+    return cache.put(key, [], rel)
 
 
 # --------------------------------------------------------------------------- elementwise

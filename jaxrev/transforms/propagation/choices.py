@@ -53,7 +53,8 @@ from jaxrev._errors import ReversibilityError, at_eqn, not_invertible
 from jaxrev._evaluate import evaluate
 from jaxrev._graph import is_var, mentions, real_outvars, size_of
 from jaxrev.transforms.custom import custom_inverse
-from jaxrev.transforms.knowledge import records
+from jaxrev.transforms.knowledge import elements, records
+from jaxrev.transforms.knowledge import regions as R
 from jaxrev.transforms.knowledge.checks import NEWTON_STARTS, raise_where
 from jaxrev.transforms.knowledge.context import placeholders
 from jaxrev.transforms.propagation.reach import decided_on, int_range, reachable
@@ -319,6 +320,9 @@ def choice_step(
     cand = [i for i in pending if any(not env.known(v) for v in eqns[i].invars)]
     stuck = [i for i in cand if any(env.known(v) for v in real_outvars(eqns[i]))]
     if not stuck:
+        # (outputs known on some elements only: a group solved on those, `_partly_known`)
+        stuck = [i for i in cand if any(elements.is_partial(env, v) for v in eqns[i].outvars)]
+    if not stuck:
         return False
     top = max(stuck)
     for t in sorted((i for i in cand if i <= top), reverse=True)[:MAX_GROUP_EQNS]:
@@ -335,41 +339,151 @@ def choice_step(
             )
         )
         outputs = [v for e in G for v in real_outvars(e) if env.known(v)]
+        solving, partly = env, None
+        if inputs and size_of(v.aval for v in inputs) != size_of(v.aval for v in outputs):
+            # (some of what the group reads, or of its outputs, is known on some elements
+            # only: the knots of a spline a masked network computes from the state, known on
+            # the rows of the elements already recovered)
+            partly = _partly_known(G, inputs, outputs, env)
+            if partly is None:
+                continue
+            inputs, outputs, solving = partly.state, partly.outputs, partly.env
         if not inputs or size_of(v.aval for v in inputs) != size_of(v.aval for v in outputs):
             continue
         shape = tuple(outputs[0].aval.shape)
         # (the comparisons of the state taken as one piece decision only where the choices
         # alone leave a group that is not elementwise: distrax's one-hot bins)
         for pieces in (False, True):
-            ch = _choices(G, env, pieces)
-            if ch and _decomposes(G, ch, inputs, outputs, env, shape):
+            ch = _choices(G, solving, pieces)
+            if ch and _decomposes(G, ch, inputs, outputs, solving, shape):
                 break
         else:
             continue
         for c in ch:
             if isinstance(c, _Piece):
                 c.producer = every
-        per_element = _decomposes(G, ch, inputs, outputs, env, shape, whole=False)
-        combos = _combos(G, ch, outputs, env)
+        per_element = _decomposes(G, ch, inputs, outputs, solving, shape, whole=False)
+        if partly is not None and not (per_element and _per_element(G, set(inputs), shape)):
+            continue  # (elements solved apart must not depend on one another)
+        combos = _combos(G, ch, outputs, solving)
         if combos is None:
             continue
         try:
-            return _split(
+            done = _split(
                 G,
                 ch,
                 combos,
                 inputs,
                 outputs,
-                env,
+                solving,
                 shape if per_element else None,
                 walk,
                 None if soft else state,
+                None if partly is None else partly.active,
             )
         except _Lost as e:
             if soft:
                 return False
             raise e.error from None
+        if not done or partly is None:
+            return done
+        # (learned on the elements whose reads and outputs are known; the others wait)
+        learned = False
+        for v in inputs:
+            was = elements.region_of(env, v)
+            new = R.intersect(was, partly.unknown, env.info)
+            # (the solved values on the elements solved and newly known, the known ones kept
+            # elsewhere: a region with windows is completed by its value whole)
+            val = solving.read(v)
+            if was != R.FULL:
+                take = partly.active & _as_mask(was, tuple(v.aval.shape), env)
+                val = jnp.where(take, val, elements.value_of(env, v))
+            learned = elements.learn(env, v, val, new) or learned
+        return learned
     return False
+
+
+class _PartlyKnown(NamedTuple):
+    """A group whose reads or outputs are known on some elements only (`_partly_known`): its
+    `state` (the unknowns it maps to its `outputs`, all of one shape), where it cannot be
+    solved (`unknown`: a region of that shape, where a read's row or an output is not known),
+    the elements it is solved on (`active`, a static mask of that shape: the others' values
+    are not to be read, nor checked), and `env`, a copy of the walk's with the reads and
+    outputs written whole (`FILL` where unknown)."""
+
+    state: list[Var]
+    outputs: list[Var]
+    unknown: Any
+    active: Any
+    env: Env
+
+
+def _as_mask(r: Any, shape: tuple, env: Env) -> Any:
+    """A region as a boolean array: numpy where it is static, else made when the program runs."""
+    static = R.static_mask(r, shape)
+    return static if static is not None else R.materialize(r, shape, env.read, env.masks)
+
+
+def _partly_known(
+    G: Sequence[JaxprEqn], inputs: Sequence[Var], outputs: Sequence[Var], env: Env
+) -> _PartlyKnown | None:
+    """The group as one solved element by element on the elements where its reads (laid out
+    per element: the outputs' shape leading) and its outputs are known, where its unknowns
+    are the state (the outputs' shape): a masked network's knots, known on the rows of the
+    elements already recovered. Its outputs are those known and those known on some elements
+    that nothing in the group reads. None where the group is not so, where it would learn
+    nothing, or where the elements it would solve are decided when the program runs (a
+    window a loop's step writes: flowjax's MAF inverse loop with spline transformers)."""
+    read_in_g = {v for e in G for v in e.invars if is_var(v)}
+    outs = [
+        v
+        for e in G
+        for v in real_outvars(e)
+        if (env.known(v) or elements.is_partial(env, v)) and v not in read_in_g
+    ]
+    if not outs:
+        return None
+    produced = {o for e in G for o in real_outvars(e)}
+    inputs = list(
+        dict.fromkeys(
+            v for e in G for v in e.invars if is_var(v) and not env.known(v) and v not in produced
+        )
+    )
+    shape = tuple(outs[0].aval.shape)
+    if not shape or any(tuple(o.aval.shape) != shape for o in outs):
+        return None
+    state = [v for v in inputs if tuple(v.aval.shape) == shape]
+    reads = [v for v in inputs if tuple(v.aval.shape) != shape]
+    if not state or not all(elements.is_partial(env, v) for v in reads):
+        return None
+    unknown = R.EMPTY
+    for v in reads:
+        vs = tuple(v.aval.shape)
+        rows = elements.reads_relation("rows", vs, shape) if vs[: len(shape)] == shape else None
+        if rows is None:
+            return None
+        unknown = R.union(unknown, R.spread(elements.region_of(env, v), rows, shape), env.info)
+    for v in outs:
+        unknown = R.union(unknown, elements.region_of(env, v), env.info)
+    if unknown == R.FULL or all(
+        R.implies(
+            elements.region_of(env, v),
+            R.intersect(elements.region_of(env, v), unknown, env.info),
+        )
+        for v in state
+    ):
+        return None  # (nothing to learn yet)
+    static = R.static_mask(unknown, shape)
+    if static is None:
+        # (where the elements solved are decided when the program runs, a window a loop's step
+        # writes, the log-det's plan cannot follow them: not solved here)
+        return None
+    active = ~static
+    solving = env.copy()
+    for v in [*reads, *outs]:
+        if not env.known(v):
+            solving.write(v, elements.value_of(env, v, clean=True))
+    return _PartlyKnown(state, outs, unknown, active, solving)
 
 
 def _decomposes(
@@ -698,9 +812,12 @@ def _split(
     shape: tuple | None,
     walk: SubWalk,
     state: Any,
+    active: np.ndarray | None = None,
 ) -> bool:
-    """Invert the group branch by branch and write the consistent candidate. Where the walk's
-    program may be walked again (`WalkContext.reinverted`), the inverse is emitted as one
+    """Invert the group branch by branch and write the consistent candidate (`active`: the
+    elements it is solved on, a static mask, where its reads are known; checks elsewhere are
+    dropped, and the values there are not to be read). Where the walk's program may be walked
+    again (`WalkContext.reinverted`), the inverse is emitted as one
     `custom_inverse` step whose own inverse is the group run forward, so that it can be
     inverted again (``reverse(reverse(f))``)."""
     produced = {o for e in G for o in real_outvars(e)}
@@ -720,7 +837,16 @@ def _split(
 
     def solve(ys: Sequence[Any], rs: Sequence[Any]) -> tuple | None:
         xs = _solve(
-            G, ch, combos, inputs, outputs, fresh([(reads, rs), (outputs, ys)]), shape, walk, state
+            G,
+            ch,
+            combos,
+            inputs,
+            outputs,
+            fresh([(reads, rs), (outputs, ys)]),
+            shape,
+            walk,
+            state,
+            active,
         )
         return None if xs is None else tuple(xs)
 
@@ -760,6 +886,7 @@ def _solve(
     shape: tuple | None,
     walk: SubWalk,
     state: Any,
+    active: np.ndarray | None = None,
 ) -> list[Any] | None:
     # candidates stacked on a leading axis, one block per family of combinations; `masks`:
     # per block, where its candidates may be taken beyond consistency (None: everywhere)
@@ -862,7 +989,7 @@ def _solve(
         return placeholders(inputs)
     with staged_constants():
         got = _Gathered(chunks, masks, tried, lost, searched)
-        return _pick(G, ch, inputs, outputs, env, shape, got)
+        return _pick(G, ch, inputs, outputs, env, shape, got, active)
 
 
 class _Gathered(NamedTuple):
@@ -886,6 +1013,7 @@ def _pick(
     env: Env,
     shape: tuple | None,
     got: _Gathered,
+    active: np.ndarray | None = None,
 ) -> list[Any]:
     """The candidates `_solve` gathered (`got`), checked and merged into the preimage.
 
@@ -906,7 +1034,7 @@ def _pick(
                 for n, m in zip(sizes, masks)
             ]
         )
-    out, idx = _merge(ch, inputs, cands, ok, got.lost, env.ctx, got.searched)
+    out, idx = _merge(ch, inputs, cands, ok, got.lost, env.ctx, got.searched, active)
     if shape is not None and not _per_element(G, set(inputs), shape):
         _recheck(G, ch, inputs, outputs, env, out, idx, tried)
     return out
@@ -1635,6 +1763,7 @@ def _merge(
     lost: list,
     ctx: Any,
     searched: Sequence[JaxprEqn] = (),
+    active: np.ndarray | None = None,
 ) -> tuple[list[Any], Any]:
     """Per element (or as a whole), the first consistent candidate (`cands`: per input, the
     candidates stacked on a leading axis; `ok`: where each is consistent); checks that one is
@@ -1672,6 +1801,8 @@ def _merge(
     rough = jnp.zeros(idx.shape, bool)
     for _, where in searched:
         rough = rough | where
+    if active is not None:  # (elements whose reads are not known yet: nothing to check)
+        anyok, apart, gone, rough = anyok | ~active, apart & active, gone & active, rough & active
 
     def error(anyok, apart, gone, rough):
         if np.any(rough):

@@ -28,7 +28,13 @@ from jaxrev._evaluate import apply, eval_closed
 from jaxrev.transforms.custom import custom_inverse
 from jaxrev.transforms.knowledge import regions as R
 from jaxrev.transforms.knowledge.checks import raise_where
-from jaxrev.transforms.knowledge.elements import learn, region_of, static_of, value_of
+from jaxrev.transforms.knowledge.elements import (
+    along_axes_forward,
+    learn,
+    region_of,
+    static_of,
+    value_of,
+)
 from jaxrev.transforms.knowledge.signs import nonnegative
 from jaxrev.transforms.registry import (
     BILINEAR,
@@ -665,15 +671,36 @@ def _cumsum_logdet(ctx: LogdetContext) -> tuple[Any, Any]:
     return jnp.ones((), ctx.dtype), jnp.zeros((), ctx.dtype)
 
 
-define(prims.cumsum, inverse=_cumsum, logdet=_cumsum_logdet, kind=(LINEAR,))
+define(
+    prims.cumsum,
+    inverse=_cumsum,
+    logdet=_cumsum_logdet,
+    element=ElementRule(along_axes_forward),
+    kind=(LINEAR,),
+)
 
 
 # A cumulative product or log-sum-exp has no inverse rule of its own here; smooth, it may sit
 # inside a group Newton's method solves (numpyro's `L1BallTransform`, a stick-breaking map
 # ``t * pad(cumprod(1 - |t[:-1]|))``, triangular in its state)
 for _cumulative in (prims.cumprod, prims.cumlogsumexp):
-    if _cumulative is not None:
-        define(_cumulative, kind=(SMOOTH,))
+    define(_cumulative, element=ElementRule(along_axes_forward), kind=(SMOOTH,))
+
+# Reductions and running extremes have no inverse (many operands, one value); what they give
+# is element knowledge: an output element is known once every element it reads is (a
+# softmax's max over a spline's bins, on the rows a masked network has computed)
+for _p in (
+    prims.reduce_max,
+    prims.reduce_min,
+    prims.reduce_prod,
+    prims.reduce_and,
+    prims.reduce_or,
+    prims.argmax,
+    prims.argmin,
+    prims.cummax,
+    prims.cummin,
+):
+    define(_p, element=ElementRule(along_axes_forward))
 
 
 def _real(out, x, **_):
@@ -875,5 +902,5 @@ for _p in (
 for _p in (prims.sin, prims.cos, prims.tan, prims.square):
     define(_p, kind=(ELEMENTWISE, SMOOTH))
 
-for _p in (prims.reduce_sum, prims.imag):
-    define(_p, kind=(LINEAR,))
+define(prims.reduce_sum, element=ElementRule(along_axes_forward), kind=(LINEAR,))
+define(prims.imag, kind=(LINEAR,))
