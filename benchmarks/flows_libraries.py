@@ -7,7 +7,8 @@ defaults a user gets. Flows:
 
 - flowjax `coupling_flow` with rational-quadratic splines (knots 8, and 32 as a hard variant;
   interval 4) and with affine couplings, `masked_autoregressive_flow` with affine
-  transformers, `planar_flow` (flowjax has no inverse for its tanh layers: its own forward
+  transformers and with spline ones (refused in flowjax's default layout: its `transform` is
+  the element loop, whose step solves a window), `planar_flow` (flowjax has no inverse for its tanh layers: its own forward
   map is timed in that column), and
   `block_neural_autoregressive_flow`, each built with flowjax's defaults (`invert=True`: the
   flow's `transform` is the bijection's inverse, which is what jaxrev is handed) and with
@@ -98,6 +99,11 @@ def flowjax_flows(layers: int) -> dict:
         ),
         "masked_autoregressive_flow (affine)": lambda **kw: ff.masked_autoregressive_flow(
             key, base_dist=base, flow_layers=layers, **kw
+        ),
+        # (a hard variant: knots from a masked network, the spline of element i on the knots
+        # the elements before it make; its inverse solves one element more per pass)
+        "masked_autoregressive_flow (spline)": lambda **kw: ff.masked_autoregressive_flow(
+            key, base_dist=base, transformer=spline, flow_layers=layers, **kw
         ),
         "planar_flow (tanh)": lambda **kw: ff.planar_flow(
             key, base_dist=base, flow_layers=layers, **kw
