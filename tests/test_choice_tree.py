@@ -438,6 +438,24 @@ def test_autoregressive_spline_inverts_element_by_element(how):
     np.testing.assert_allclose(ld, want, rtol=1e-9, atol=1e-10)
 
 
+def test_a_group_that_sums_a_partly_known_table_over_its_elements_is_not_solved_apart():
+    """A choice group whose scale sums a masked network's rows over the elements (element 0's
+    output reads row 1, which reads x0): solved on the elements whose rows are known, element
+    0 would read row 1's fill value. Not solved so (`_per_element` over the reads too): the
+    map is refused, not inverted wrongly (a review found the wrong inverse)."""
+    M = jnp.array([[[0.0, 0.0]], [[1.3, 0.0]]])  # (D, 1, D): row i reads x_<i
+
+    def f(x):
+        rows = jnp.tanh(jnp.einsum("irj,j->ir", M, x))
+        s = jnp.sum(rows[:, 0])  # (mixes the elements' rows)
+        return jnp.where(x > 0, 2 * x, x) * jnp.exp(0.3 * s) + 0.1
+
+    x = jnp.array([0.7, -1.2])
+    for inv in (jr.reverse(f), jax.jit(jr.reverse(f))):
+        with pytest.raises(jr.JaxrevError):
+            inv(f(x))
+
+
 def test_masked_autoregressive_layers_stacked_in_a_scan():
     D, L = 5, 3
     Ws = [_made(D, 12, k) for k in range(L)]

@@ -363,8 +363,12 @@ def choice_step(
             if isinstance(c, _Piece):
                 c.producer = every
         per_element = _decomposes(G, ch, inputs, outputs, solving, shape, whole=False)
-        if partly is not None and not (per_element and _per_element(G, set(inputs), shape)):
-            continue  # (elements solved apart must not depend on one another)
+        if partly is not None and not (
+            per_element and _per_element(G, {*inputs, *partly.reads}, shape)
+        ):
+            # (elements solved apart must not depend on one another, nor on the reads' rows
+            # of other elements: a sum over the elements of a table known on some rows)
+            continue
         combos = _combos(G, ch, outputs, solving)
         if combos is None:
             continue
@@ -405,13 +409,15 @@ def choice_step(
 
 class _PartlyKnown(NamedTuple):
     """A group whose reads or outputs are known on some elements only (`_partly_known`): its
-    `state` (the unknowns it maps to its `outputs`, all of one shape), where it cannot be
+    `state` (the unknowns it maps to its `outputs`, all of one shape), its `reads` (known on
+    some elements, laid out per element), where it cannot be
     solved (`unknown`: a region of that shape, where a read's row or an output is not known),
     the elements it is solved on (`active`, a static mask of that shape: the others' values
     are not to be read, nor checked), and `env`, a copy of the walk's with the reads and
     outputs written whole (`FILL` where unknown)."""
 
     state: list[Var]
+    reads: list[Var]
     outputs: list[Var]
     unknown: Any
     active: Any
@@ -483,7 +489,7 @@ def _partly_known(
     for v in [*reads, *outs]:
         if not env.known(v):
             solving.write(v, elements.value_of(env, v, clean=True))
-    return _PartlyKnown(state, outs, unknown, active, solving)
+    return _PartlyKnown(state, reads, outs, unknown, active, solving)
 
 
 def _decomposes(
