@@ -369,12 +369,21 @@ def _unroll_in_param(v: Any) -> Any:
 
 
 def _count_eqns(jaxpr: Any, limit: int) -> int:
-    """The equations of `jaxpr`, nested ones counted, or a number above `limit` once past it."""
+    """The equations of `jaxpr` as emitted, nested ones counted (a loop's body times the trips
+    it unrolls: nested short loops multiply), or a number above `limit` once past it."""
     total = 0
     for e in jaxpr.eqns:
         total += 1
+        copies = 1
+        if e.primitive is prims.scan:
+            unroll = e.params.get("unroll", 1)
+            copies = (
+                e.params["length"]
+                if unroll is True
+                else max(1, min(int(unroll), e.params["length"]))
+            )
         for sub in _core.jaxprs_in_params(e.params):
-            total += _count_eqns(sub, limit - total)
+            total += copies * _count_eqns(sub, (limit - total) // copies)
         if total > limit:
             break
     return total

@@ -247,6 +247,23 @@ def test_a_search_runs_unrolled_and_a_long_loop_stays_a_loop():
     assert " while(" in inv_g.lower(y).compile().as_text()
     np.testing.assert_allclose(inv_g(y), x, rtol=1e-10, atol=1e-10)
 
+    def nested(v):  # (loops of 8 trips in loops of 8: only the innermost is unrolled, the
+        # outer ones would hold its body 8 times per trip: 8^3 bodies)
+        def inner(u, _):  # (28 equations: 8 trips unrolled are 224)
+            for k in range(7):
+                u = u + 0.001 * jnp.tanh(u * (k + 1))
+            return u, None
+
+        def middle(u, _):
+            return jax.lax.scan(inner, u, None, length=8)[0], None
+
+        return jax.lax.scan(middle, v, None, length=8)[0]
+
+    got = {
+        e.params["length"] * 100 + e.params["unroll"] for e in scans(make_jaxpr(nested, x)[0].jaxpr)
+    }
+    assert got == {808, 801}, got
+
 
 def test_a_tables_order_is_checked_in_one_walk_either_way():
     """The certificate's walk along a searched table (`choices._table_in_order`): values

@@ -1341,6 +1341,7 @@ def _thresholds(
 
     # (slices of one known table, by its column ranges: {table: [(start, stop, slice)]})
     sliced: dict = {}
+    reads_u = False
     for q in G:
         if q not in eqns:
             continue
@@ -1349,6 +1350,7 @@ def _thresholds(
             if is_var(v) and not env.known(v):
                 if floating and v not in passes:
                     return None  # the index reads another function of u
+                reads_u = reads_u or v in passes
                 continue
             if not floating:
                 continue
@@ -1370,7 +1372,9 @@ def _thresholds(
                 column.setdefault(c, val if b - a == 1 and val.shape == shape else val[..., c - a])
         if not add(jnp.stack([column[c] for c in sorted(column)], axis=-1)):
             return None
-    if not cols or sum(c.shape[0] for c in cols) > MAX_THRESHOLDS:
+    if not reads_u or not cols or sum(c.shape[0] for c in cols) > MAX_THRESHOLDS:
+        # (a decision that never compares the unknown, an argmax of known values: no
+        # threshold of it; its family is enumerated)
         return None
     dt = u.aval.dtype
     pts = jnp.concatenate([c.astype(dt) for c in cols], axis=0)
