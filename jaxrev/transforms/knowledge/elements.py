@@ -127,7 +127,7 @@ def region_of(env: Env, v: Any) -> R.Region:
 def region_on(env: Env, v: Any, shape: tuple) -> R.Region:
     """`v`'s unknown region on an array of `shape` it is broadcast to (a scalar operand of an
     elementwise op: unknown anywhere is unknown everywhere; one broadcast over size-1 axes:
-    its region broadcast where that is static, else everywhere)."""
+    its region carried through the broadcast, `reads_relation`)."""
     r = region_of(env, v)
     own = tuple(np.shape(v.aval))
     if own == tuple(shape) or r in (R.EMPTY, R.FULL):
