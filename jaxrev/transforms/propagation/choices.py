@@ -344,7 +344,7 @@ def choice_step(
             # (some of what the group reads, or of its outputs, is known on some elements
             # only: the knots of a spline a masked network computes from the state, known on
             # the rows of the elements already recovered)
-            partly = _partly_known(G, inputs, outputs, env)
+            partly = _partly_known(G, inputs, env)
             if partly is None:
                 continue
             inputs, outputs, solving = partly.state, partly.outputs, partly.env
@@ -410,11 +410,11 @@ def choice_step(
 class _PartlyKnown(NamedTuple):
     """A group whose reads or outputs are known on some elements only (`_partly_known`): its
     `state` (the unknowns it maps to its `outputs`, all of one shape), its `reads` (known on
-    some elements, laid out per element), where it cannot be
-    solved (`unknown`: a region of that shape, where a read's row or an output is not known),
-    the elements it is solved on (`active`, a static mask of that shape: the others' values
-    are not to be read, nor checked), and `env`, a copy of the walk's with the reads and
-    outputs written whole (`FILL` where unknown)."""
+    some elements, laid out per element), where it cannot be solved (`unknown`: a region of
+    that shape, where a read's row or an output is not known), the elements it is solved on
+    (`active`, a static mask of that shape: the others' values are not to be read, nor
+    checked), and `env`, a copy of the walk's with the reads and outputs written whole
+    (`FILL` where unknown)."""
 
     state: list[Var]
     reads: list[Var]
@@ -430,12 +430,11 @@ def _as_mask(r: Any, shape: tuple, env: Env) -> Any:
     return static if static is not None else R.materialize(r, shape, env.read, env.masks)
 
 
-def _partly_known(
-    G: Sequence[JaxprEqn], inputs: Sequence[Var], outputs: Sequence[Var], env: Env
-) -> _PartlyKnown | None:
+def _partly_known(G: Sequence[JaxprEqn], inputs: Sequence[Var], env: Env) -> _PartlyKnown | None:
     """The group as one solved element by element on the elements where its reads (laid out
     per element: the outputs' shape leading) and its outputs are known, where its unknowns
-    are the state (the outputs' shape): a masked network's knots, known on the rows of the
+    (`inputs`: what it reads and does not make, not known whole) are the state (the outputs'
+    shape) and reads known on some elements: a masked network's knots, known on the rows of the
     elements already recovered. Its outputs are those known and those known on some elements
     that nothing in the group reads. None where the group is not so, where it would learn
     nothing, or where the elements it would solve are decided when the program runs (a
@@ -449,12 +448,6 @@ def _partly_known(
     ]
     if not outs:
         return None
-    produced = {o for e in G for o in real_outvars(e)}
-    inputs = list(
-        dict.fromkeys(
-            v for e in G for v in e.invars if is_var(v) and not env.known(v) and v not in produced
-        )
-    )
     shape = tuple(outs[0].aval.shape)
     if not shape or any(tuple(o.aval.shape) != shape for o in outs):
         return None
