@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tiers import tiered
 
 import jaxrev as jr
 from jaxrev._compat import make_jaxpr
@@ -434,12 +435,7 @@ def test_autoregressive_spline_inverts_element_by_element(how):
     and sum and its cumsum, known once the row is: `elements.along_axes_forward`). Before,
     refused at the spline's select."""
     D, K = 4, 5
-    rin, rh = np.arange(D), np.arange(12) % (D - 1)
-    k1, k2, k3 = jax.random.split(jax.random.key(4), 3)
-    W1 = jnp.where(rin[:, None] <= rh[None, :], jax.random.normal(k1, (D, 12)) / 2, 0.0)
-    m2 = np.repeat(rh[:, None] < rin[None, :], 3 * K - 1, axis=1)
-    W2 = jnp.where(m2, 0.3 * jax.random.normal(k2, (12, D * (3 * K - 1))), 0.0)
-    b = 0.2 * jax.random.normal(k3, (D * (3 * K - 1),))
+    W1, W2, b = _made_spline(D, K)
     f = lambda x: _ar_spline(x, W1, W2, b, K)  # noqa: E731
     xs = jnp.array([[-1.7, 0.4, 2.2, -0.3], [0.9, -2.5, 0.1, 3.5]])  # (3.5: past the interval)
     inv = jr.inverse_and_slogdet(f)
@@ -453,6 +449,78 @@ def test_autoregressive_spline_inverts_element_by_element(how):
     np.testing.assert_allclose(got, xs, rtol=1e-10, atol=1e-10)
     want = jnp.stack([-jnp.linalg.slogdet(jax.jacfwd(f)(x))[1] for x in xs])
     np.testing.assert_allclose(ld, want, rtol=1e-9, atol=1e-10)
+
+
+def _made_spline(D: int, K: int, key: int = 4):
+    """A masked network's weights for `_ar_spline` (row i of the knots reads x_<i)."""
+    rin, rh = np.arange(D), np.arange(12) % (D - 1)
+    k1, k2, k3 = jax.random.split(jax.random.key(key), 3)
+    W1 = jnp.where(rin[:, None] <= rh[None, :], jax.random.normal(k1, (D, 12)) / 2, 0.0)
+    m2 = np.repeat(rh[:, None] < rin[None, :], 3 * K - 1, axis=1)
+    W2 = jnp.where(m2, 0.3 * jax.random.normal(k2, (12, D * (3 * K - 1))), 0.0)
+    return W1, W2, 0.2 * jax.random.normal(k3, (D * (3 * K - 1),))
+
+
+def _ar_spline_loop(y, W1, W2, b, K: int):
+    """The autoregressive spline as flowjax's `MaskedAutoregressive.inv_scan_fn` loops over
+    it (the `transform` of flowjax's default flows): D steps, each computing every element's
+    spline from the current state and keeping element `rank`'s."""
+
+    def step(carry, _):
+        y, rank = carry
+        return (y.at[rank].set(_ar_spline(y, W1, W2, b, K)[rank]), rank + 1), None
+
+    return jax.lax.scan(step, (y, 0), None, length=y.shape[-1])[0][0]
+
+
+@pytest.mark.parametrize("how", tiered(["eager", "jit", "vmap"], slow={"eager", "vmap"}))
+def test_an_autoregressive_spline_loop_inverts_one_element_per_step(how):
+    """Each step's spline is a choice group whose knots are known on the rows of the elements
+    already recovered and whose output is known on element `rank` alone: a window decided
+    when the program runs. The group is solved there (`choices._partly_known`, its checks on
+    that element), and the record says which element it recovered, so that the log-det
+    takes its pivot there (`logdet._plan_some_elements`). Before: refused at the loop's
+    `dynamic_slice` (and, solved but unrecorded, a log-det of 0)."""
+    D, K = 4, 5
+    W1, W2, b = _made_spline(D, K)
+    f = lambda y: _ar_spline_loop(y, W1, W2, b, K)  # noqa: E731
+    xs = jnp.array([[-1.7, 0.4, 2.2, -0.3], [0.9, -2.5, 0.1, 3.5]])  # (3.5: past the interval)
+    inv = jr.inverse_and_slogdet(f)
+    if how == "jit":
+        inv = jax.jit(inv)
+    if how == "vmap":
+        got, ld = jax.vmap(inv)(jax.vmap(f)(xs))
+    else:
+        got, ld = zip(*[inv(f(x)) for x in xs])
+        got, ld = jnp.stack(got), jnp.stack(ld)
+    np.testing.assert_allclose(got, xs, rtol=1e-10, atol=1e-10)
+    want = jnp.stack([-jnp.linalg.slogdet(jax.jacfwd(f)(x))[1] for x in xs])
+    np.testing.assert_allclose(ld, want, rtol=1e-9, atol=1e-10)
+    assert jr.logdet_strategy(f, f(xs[0])).startswith("sweep")
+
+
+def test_a_recovery_missing_from_the_record_falls_back_to_the_dense_log_det(monkeypatch):
+    """The log-det's plan lets a step at elements decided when the program runs (the loop's
+    carry outside element `rank`) take all of its output's slots, on the promise that other
+    steps recover the rest; a goal claimed so and recovered by no other recorded step is not
+    followed (`logdet._Slots.owed`): with the partly known group's record dropped, the
+    log-det is the dense Jacobian's, right, not the sweep's 0."""
+    from jaxrev.transforms.knowledge import records
+
+    D, K = 4, 5
+    W1, W2, b = _made_spline(D, K)
+    f = lambda y: _ar_spline_loop(y, W1, W2, b, K)  # noqa: E731
+    x = jnp.array([-1.7, 0.4, 2.2, -0.3])
+    group_step = records.group_step
+
+    def unrecorded(env, kind, eqns, inputs, outputs, tear=None, elementwise=False, recovered=()):
+        if not recovered:
+            group_step(env, kind, eqns, inputs, outputs, tear, elementwise)
+
+    monkeypatch.setattr(records, "group_step", unrecorded)
+    assert jr.logdet_strategy(f, f(x)).startswith("dense: elements recovered at run time")
+    _, ld = jr.inverse_and_slogdet(f)(f(x))
+    np.testing.assert_allclose(ld, -jnp.linalg.slogdet(jax.jacfwd(f)(x))[1], rtol=1e-9)
 
 
 def test_a_group_that_sums_a_partly_known_table_over_its_elements_is_not_solved_apart():

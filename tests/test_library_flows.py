@@ -30,18 +30,10 @@ from tiers import cover, tiered  # noqa: E402
 
 HOWS = ("eager", "jit", "vmap")
 
-# what jaxrev refuses, and the primitive its error names (issue 32's open items)
-REFUSED = {
-    # flowjax's inverse of a masked autoregressive layer with spline transformers (a scan
-    # overwriting the carry's element `rank`): each step's spline inverse is a choice (a bin)
-    # on knots known on some elements, whose output is known on the element `rank` alone: a
-    # window decided when the program runs, which the log-det's plan cannot follow, so the
-    # group is not solved on it. (The same layer run forward, its knots computed from the
-    # state, inverts: each pass solves the elements whose knots the masked network has
-    # computed, a static set: `choices._partly_known`.)
-    "MaskedAutoregressive/spline@inverted": "dynamic_slice",
-    "masked_autoregressive_flow/spline": "dynamic_slice",
-}
+# what jaxrev refuses, and the primitive its error names: nothing of flowjax's since the
+# masked autoregressive layer's inverse loop with spline transformers inverted (each step's
+# spline a choice group solved on the element `rank`, a window decided when the program runs)
+REFUSED: dict[str, str] = {}
 NAMES = fc.all_names()
 
 
@@ -78,6 +70,9 @@ ONE_WAY = [
     "planar_flow",  # no library inverse: a round trip
     "MaskedAutoregressive/affine@inverted",  # flowjax's MAF inverse: a scan over elements
     "DiscreteCosine",  # FFTs and `real`: one lump over the reals
+    # flowjax's default MAF with splines: its element loop, each step's spline solved on one
+    # element decided when the program runs
+    "masked_autoregressive_flow/spline",
 ]
 
 

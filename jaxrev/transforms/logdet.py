@@ -151,6 +151,11 @@ class _Slots:
         self.of: dict[Var, np.ndarray] = {}
         self.exact = True
         self.pairs: set = set()  # (recovered, output) taken over at run-time elements
+        # how many recorded steps recovered elements of each variable, and those that took
+        # all of an output's slots at elements decided when the program runs, some of whose
+        # elements were left to other steps (`claim`)
+        self.steps_of: dict[Var, int] = {}
+        self.claimed: set = set()
         self.sign = 1  # the iterated permutations of loop bodies
         self.unsigned = False  # a step whose rule gives log|det| only
         # a loop body's plan for one iteration: indices the body reads from the loop's
@@ -172,6 +177,34 @@ class _Slots:
         if np.any(from_slots[u_mask] < 0) or np.any(s[u_mask] >= 0):
             self.exact = False
         s[u_mask] = from_slots[u_mask]
+
+    def claim(self, v: Var, o: Var, after: Any) -> None:
+        """`v`'s elements recovered by a step at elements decided when the program runs come
+        from `o`'s position for position: `v` takes `o`'s slots where it has none yet, on
+        the promise that other steps recover its elements still unknown `after` it (the
+        complementary steps agree). A recovery the record misses would break that promise
+        silently, its pivots never taken: a goal claimed so must be recovered by another step
+        too (`owed`, checked at the plan's end; an intermediate value's other elements may be
+        known forward, or never needed)."""
+        if after != R.EMPTY:
+            self.claimed.add(v)
+        if (v, o) in self.pairs:
+            return
+        self.pairs.add((v, o))
+        s_v, s_o = self.get(v), self.get(o)
+        if np.any(s_v >= 0):
+            self.exact = False
+        self.of[v] = np.where(s_v < 0, s_o, s_v)
+        self.of[o] = np.full(_shape(o), -1, np.int64)
+
+    def follow(self, vs: Sequence[Var]) -> None:
+        """A step recovers some elements of each of `vs`."""
+        for v in vs:
+            self.steps_of[v] = self.steps_of.get(v, 0) + 1
+
+    def owed(self) -> list[Var]:
+        """The claimed variables no other step recovered."""
+        return [v for v in self.claimed if self.steps_of.get(v, 0) < 2]
 
     def consume(self, o: Var, mask: np.ndarray | None) -> np.ndarray:
         s = self.get(o).copy()
@@ -268,6 +301,10 @@ def plan(
     n = len(final)
     if n != off:
         raise Unsupported(f"the state has {n} numbers and the output {off}")
+    if set(slots.owed()) & set(gs):
+        raise Unsupported(
+            "elements recovered at run time are not all recovered by a step the plan follows"
+        )
     perm_sign: int | None = None
     identity = False
     if slots.exact:
@@ -304,6 +341,7 @@ def _plan_step(st: records.Step, rec: records.Recorder, slots: _Slots) -> _PStep
     got = [(eqn.invars.index(v), v, b, a) for v, b, a in st.recovered if _inexact(v)]
     if not got:  # an integer recovered (a loop counter): no Jacobian
         return _PStep("none", st)
+    slots.follow([v for _, v, _, _ in got])
     outs = [o for o in real_outvars(eqn) if _inexact(o)]
     p = eqn.primitive
     if p in logdet_rules:
@@ -356,20 +394,18 @@ def _plan_step(st: records.Step, rec: records.Recorder, slots: _Slots) -> _PStep
             m = _new_mask(b, a, _shape(v))
             if m is False:
                 # elements decided when the program runs (a window at a loop counter): all of
-                # `v` that this step recovers comes from `o` position for position, so `v`
-                # takes `o`'s slots where it has none yet (complementary steps agree)
-                parts.append((k, (b, a)))
-                if (v, o) not in slots.pairs:
-                    slots.pairs.add((v, o))
-                    s_v, s_o = slots.get(v), slots.get(o)
-                    if np.any(s_v >= 0):
-                        slots.exact = False
-                    slots.of[v] = np.where(s_v < 0, s_o, s_v)
-                    slots.of[o] = np.full(_shape(o), -1, np.int64)
+                # `v` that this step recovers comes from `o` position for position (unless
+                # `o` holds no slot: then they follow from others, as below)
+                if (v, o) in slots.pairs or _live(o, None, slots).any():
+                    parts.append((k, (b, a)))
+                    slots.claim(v, o, a)
                 continue
-            slots.take(v, m, slots.consume(o, m))
-            slots.of[o] = np.where(np.ones(_shape(o), bool) if m is None else m, -1, slots.get(o))
-            parts.append((k, None if m is None else m))
+            live = _live(o, m, slots)
+            if not live.any():
+                continue
+            slots.take(v, live, slots.consume(o, live))
+            slots.of[o] = np.where(live, -1, slots.get(o))
+            parts.append((k, None if live.all() else live))
         copies = [g for g, h in zip(got, how) if h == "copy"]
         if copies:
             _structural_slots(eqn, copies, rec, slots)
@@ -508,6 +544,9 @@ def _opaque(got: list, eqn: JaxprEqn, slots: _Slots) -> None:
 def _plan_group(st: records.Step, slots: _Slots) -> _PStep:
     us = [u for u in st.inputs if _inexact(u)]
     os = [o for o in st.outputs if _inexact(o)]
+    slots.follow(us)
+    if st.recovered:
+        return _plan_some_elements(st, us, os, slots)
     shapes = {_shape(v) for v in [*us, *os]}
     if (
         len(shapes) == 1
@@ -523,6 +562,15 @@ def _plan_group(st: records.Step, slots: _Slots) -> _PStep:
             )
         )
     ):
+        # (elements of its inputs recovered before, by earlier passes of the same group on
+        # some elements: its step is the rest, element by element)
+        rest = [(slots.get(u) == -1) & (slots.get(o) != -1) for u, o in zip(us, os)]
+        m = rest[0]
+        if m.any() and not m.all() and all(np.array_equal(r, m) for r in rest):
+            for u, o in zip(us, os):
+                slots.take(u, m, slots.consume(o, m))
+                slots.of[o] = np.where(m, -1, slots.get(o))
+            return _PStep("blocks", st, [m])
         for u, o in zip(us, os):
             slots.take(u, None, slots.consume(o, None))
             slots.of[o] = np.full(_shape(o), -1, np.int64)
@@ -553,6 +601,43 @@ def _plan_group(st: records.Step, slots: _Slots) -> _PStep:
     for o in os:
         slots.of[o] = np.full(_shape(o), -1, np.int64)
     return _PStep("dense", st, [(rows, cols)])
+
+
+def _live(o: Var, m: np.ndarray | None, slots: _Slots) -> np.ndarray:
+    """The elements of `m` (None: all) where output `o` still holds a slot. Elsewhere an
+    element recovered from `o` follows from elements recovered before (a scale inside a
+    choice group that has just recovered the state there, found again by its product's
+    element rule) and takes no pivot: counted again, its pivot would be the group's twice."""
+    s = slots.get(o)
+    return (s != -1) if m is None else m & (s != -1)
+
+
+def _plan_some_elements(
+    st: records.Step, us: Sequence[Var], os: Sequence[Var], slots: _Slots
+) -> _PStep:
+    """An elementwise group solved on some elements only (`records.Step.recovered`: an
+    autoregressive spline's bins where its knots are known): input k on those elements takes
+    the slots of output k there, and its pivots are taken there (`_PStep.parts`: one mask,
+    static or a pair of regions decided when the program runs, for every input)."""
+    what = f"a {st.kind} group at `{st.eqns[0].primitive}`"
+    got = {v: (b, a) for v, b, a in st.recovered}
+    if (
+        not st.elementwise
+        or len(us) != len(os)
+        or len({_shape(v) for v in [*us, *os]}) != 1
+        or set(got) != set(us)
+        or len(set(got.values())) != 1
+    ):
+        raise Unsupported(f"{what} recovers some elements of its inputs, not one element map")
+    b, a = got[us[0]]
+    m = _new_mask(b, a, _shape(us[0]))
+    for u, o in zip(us, os):
+        if m is False:
+            slots.claim(u, o, a)
+            continue
+        slots.take(u, m, slots.consume(o, m))
+        slots.of[o] = np.where(np.ones(_shape(o), bool) if m is None else m, -1, slots.get(o))
+    return _PStep("blocks", st, [(b, a) if m is False else m])
 
 
 # --------------------------------------------------------------------------- evaluation
@@ -614,19 +699,27 @@ def _merged_parts(steps: Sequence[_PStep]) -> dict[int, list[_Pivots]]:
     inverse recovers one element per step through the same equation (numpyro's IAF: D steps
     of ``x * exp(s) + m``), and each step's pivots are the same JVP at the same values, so
     the pivots are taken once, where the equation's first step is, over the union of the
-    steps' masks (disjoint: each step's are the elements it recovered first). Returns, by
-    step id, the pivots it takes (none where an earlier step of its equation takes them)."""
+    steps' masks (disjoint: each step's are the elements it recovered first). So are the
+    passes of a group solved on some elements each (an autoregressive spline's, one pass per
+    element: D element blocks of D elements each, else), by its equations, inputs and
+    outputs. Returns, by step id, the pivots it takes (none where an earlier step of its
+    equation takes them)."""
     first: dict[tuple, _Pivots] = {}
     out: dict[int, list[_Pivots]] = {}
     for ps in steps:
-        if ps.how != "positional":
+        st = ps.step
+        if ps.how == "blocks" and ps.parts:
+            key: Any = (tuple(map(id, st.eqns)), tuple(st.inputs), tuple(st.outputs))
+            parts = [(-1, m) for m in ps.parts]
+        elif ps.how == "positional":
+            key, parts = id(st.eqns[0]), ps.parts
+        else:
             continue
-        (eqn,) = ps.step.eqns
         mine = out.setdefault(id(ps), [])
-        for k, m in ps.parts:
-            taken = first.get((id(eqn), k))
+        for k, m in parts:
+            taken = first.get((key, k))
             if taken is None:
-                first[(id(eqn), k)] = piv = _Pivots(k, None if m is None else [m])
+                first[(key, k)] = piv = _Pivots(k, None if m is None else [m])
                 mine.append(piv)
             elif taken.masks is not None:
                 if m is None:
@@ -802,6 +895,10 @@ def _eval_step(
         return sign * got.sign, logabs + got.logabs
     if st.tear is not None and not ps.parts:
         return _torn_step(st, read, sign, logabs, pl)
+    if ps.how == "blocks" and ps.parts and not pivots:
+        # (a group solved on some elements, whose pivots an earlier pass of it takes:
+        # `_merged_parts`)
+        return sign, logabs
     # groups and dense single steps: F maps the recovered inputs to the consumed outputs
     if st.kind == "eqn":
         (eqn,) = st.eqns
@@ -815,14 +912,18 @@ def _eval_step(
     F = _group_map(eqns, us, os, read, pl.info)
     xs = [read(u) for u in us]
     if ps.how == "blocks":
+        # (a group solved on some elements: its pivots there)
+        mask = _union_mask(pivots[0].masks, _shape(us[0]), read) if ps.parts else None
         cols = []
         for j in range(len(us)):
             t = [jnp.ones_like(x) if i == j else jnp.zeros_like(x) for i, x in enumerate(xs)]
             cols.append(jnp.stack(jax.jvp(F, (xs,), (t,))[1], axis=-1))
         B = jnp.stack(cols, axis=-1)  # [..., out i, in j]
         if len(us) == 1:
-            return _acc(sign, logabs, B[..., 0, 0])
+            return _acc(sign, logabs, B[..., 0, 0], mask)
         s, la = dense.slogdet(B)
+        if mask is not None:
+            s, la = jnp.where(mask, s, 1), jnp.where(mask, la, 0)
         return sign * jnp.prod(s), logabs + jnp.sum(la)
     sizes = [size_of([u.aval]) for u in us]
     x0 = jnp.concatenate([jnp.ravel(x) for x in xs])

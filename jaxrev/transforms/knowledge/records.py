@@ -39,7 +39,10 @@ class Step:
     `outputs` through `eqns`; a Newton group solved on a few values of its own: its `tear`).
     `elementwise`: the group maps each element of its inputs to the same element of its
     outputs, whatever its equations look like (a choice whose bin is searched over a table, but
-    whose pieces are computed element by element): its Jacobian is block diagonal by element."""
+    whose pieces are computed element by element): its Jacobian is block diagonal by element.
+    A group solved on some elements only (an autoregressive spline's, on the elements whose
+    knots are known: `choices._partly_known`) says which in `recovered`, as an equation's
+    step does: each input's unknown region before and after it."""
 
     kind: str
     eqns: tuple[JaxprEqn, ...]
@@ -105,6 +108,7 @@ def group_step(
     outputs: Sequence[Var],
     tear: Tear | None = None,
     elementwise: bool = False,
+    recovered: Sequence[tuple[Var, Any, Any]] = (),
 ) -> None:
     rec = active(env)
     if rec is not None:
@@ -112,6 +116,7 @@ def group_step(
             Step(
                 kind,
                 tuple(eqns),
+                recovered=list(recovered),
                 inputs=list(inputs),
                 outputs=list(outputs),
                 tear=tear,

@@ -319,12 +319,32 @@ def choice_step(
     )
     cand = [i for i in pending if any(not env.known(v) for v in eqns[i].invars)]
     stuck = [i for i in cand if any(env.known(v) for v in real_outvars(eqns[i]))]
-    if not stuck:
-        # (outputs known on some elements only: a group solved on those, `_partly_known`)
-        stuck = [i for i in cand if any(elements.is_partial(env, v) for v in eqns[i].outvars)]
-    if not stuck:
+    if stuck and _group_ending_at(eqns, env, cand, max(stuck), soft, walk, state, every):
+        return True
+    # then the groups ending at outputs known on some elements only, solved there
+    # (`_partly_known`): the spline of flowjax's inverse loop, whose one known output element
+    # the step's `dynamic_slice` reads (a group ending at that read holds the slice, which
+    # gives nothing of the rest)
+    partial = [i for i in cand if any(elements.is_partial(env, v) for v in eqns[i].outvars)]
+    if not partial or (stuck and max(partial) >= max(stuck)):
         return False
-    top = max(stuck)
+    top = max(partial)
+    return _group_ending_at(eqns, env, [i for i in cand if i <= top], top, soft, walk, state, every)
+
+
+def _group_ending_at(
+    eqns: Sequence[JaxprEqn],
+    env: Env,
+    cand: list[int],
+    top: int,
+    soft: bool,
+    walk: SubWalk,
+    state: _Lazy,
+    every: _Lazy,
+) -> bool:
+    """`choice_step` on the groups of the candidates `cand` (the pending equations with an
+    input not known) that end at equation `top`, the smallest first: whether one was
+    solved."""
     for t in sorted((i for i in cand if i <= top), reverse=True)[:MAX_GROUP_EQNS]:
         G = [eqns[i] for i in cand if i >= t]
         if not any(e.primitive in choice_rules or _int_out(e) for e in G):
@@ -392,7 +412,7 @@ def choice_step(
         if not done or partly is None:
             return done
         # (learned on the elements whose reads and outputs are known; the others wait)
-        learned = False
+        changes = []
         for v in inputs:
             was = elements.region_of(env, v)
             new = R.intersect(was, partly.unknown, env.info)
@@ -402,8 +422,15 @@ def choice_step(
             if was != R.FULL:
                 take = partly.active & _as_mask(was, tuple(v.aval.shape), env)
                 val = jnp.where(take, val, elements.value_of(env, v))
-            learned = elements.learn(env, v, val, new) or learned
-        return learned
+            if elements.learn(env, v, val, new):
+                changes.append((v, was, elements.region_of(env, v)))
+        if changes:
+            # (the record says which elements this pass recovered, for the log-det's plan: a
+            # window at a loop counter in flowjax's inverse loop, one element per step)
+            records.group_step(
+                env, "choice", G, partly.state, partly.outputs, elementwise=True, recovered=changes
+            )
+        return bool(changes)
     return False
 
 
@@ -412,9 +439,9 @@ class _PartlyKnown(NamedTuple):
     `state` (the unknowns it maps to its `outputs`, all of one shape), its `reads` (known on
     some elements, laid out per element), where it cannot be solved (`unknown`: a region of
     that shape, where a read's row or an output is not known), the elements it is solved on
-    (`active`, a static mask of that shape: the others' values are not to be read, nor
-    checked), and `env`, a copy of the walk's with the reads and outputs written whole
-    (`FILL` where unknown)."""
+    (`active`, a mask of that shape, static or made when the program runs: the others'
+    values are not to be read, nor checked), and `env`, a copy of the walk's with the reads
+    and outputs written whole (`FILL` where unknown)."""
 
     state: list[Var]
     reads: list[Var]
@@ -436,9 +463,10 @@ def _partly_known(G: Sequence[JaxprEqn], inputs: Sequence[Var], env: Env) -> _Pa
     (`inputs`: what it reads and does not make, not known whole) are the state (the outputs'
     shape) and reads known on some elements: a masked network's knots, known on the rows of the
     elements already recovered. Its outputs are those known and those known on some elements
-    that nothing in the group reads. None where the group is not so, where it would learn
-    nothing, or where the elements it would solve are decided when the program runs (a
-    window a loop's step writes: flowjax's MAF inverse loop with spline transformers)."""
+    that nothing in the group reads. The elements solved may be decided when the program runs
+    (flowjax's MAF inverse loop with spline transformers: the one element `rank` a step
+    writes, a window at a loop counter): `active` is then made when it runs. None where the
+    group is not so, or where it would learn nothing."""
     read_in_g = {v for e in G for v in e.invars if is_var(v)}
     outs = [
         v
@@ -472,12 +500,7 @@ def _partly_known(G: Sequence[JaxprEqn], inputs: Sequence[Var], env: Env) -> _Pa
         for v in state
     ):
         return None  # (nothing to learn yet)
-    static = R.static_mask(unknown, shape)
-    if static is None:
-        # (where the elements solved are decided when the program runs, a window a loop's step
-        # writes, the log-det's plan cannot follow them: not solved here)
-        return None
-    active = ~static
+    active = ~_as_mask(unknown, shape, env)
     solving = env.copy()
     for v in [*reads, *outs]:
         if not env.known(v):
