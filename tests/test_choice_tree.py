@@ -523,6 +523,75 @@ def test_a_recovery_missing_from_the_record_falls_back_to_the_dense_log_det(monk
     np.testing.assert_allclose(ld, -jnp.linalg.slogdet(jax.jacfwd(f)(x))[1], rtol=1e-9)
 
 
+def _masked_net(D: int, n: int, key: int = 1):
+    """A masked network whose row i reads x_<i: ``(D,) -> (D, n)``."""
+    rin, rh = np.arange(D), np.arange(8) % (D - 1)
+    k1, k2 = jax.random.split(jax.random.key(key))
+    W1 = jnp.where(rin[:, None] <= rh[None, :], jax.random.normal(k1, (D, 8)) / 2, 0.0)
+    m2 = np.repeat(rh[:, None] < rin[None, :], n, axis=1)
+    W2 = jnp.where(m2, 0.4 * jax.random.normal(k2, (8, D * n)), 0.0)
+    return lambda x: (jnp.tanh(x @ W1) @ W2).reshape(D, n)
+
+
+def _written_per_step(g):
+    """``y.at[i].set(g(y)[i])`` for each i in turn: an autoregressive map as a loop."""
+
+    def f(y):
+        return jax.lax.fori_loop(0, y.shape[0], lambda i, y: y.at[i].set(g(y)[i]), y)
+
+    return f
+
+
+def _selected_per_step(g):
+    """The same loop written as a select of element i (``where(arange == i, g(y), y)``)."""
+
+    def f(y):
+        n = y.shape[0]
+        return jax.lax.fori_loop(0, n, lambda i, y: jnp.where(jnp.arange(n) == i, g(y), y), y)
+
+    return f
+
+
+@pytest.mark.parametrize(
+    "name", ["relu_plus_shift", "relu_times_scale", "loop_relu_times_scale", "loop_select"]
+)
+def test_log_dets_of_groups_solved_on_some_elements_count_each_pivot_once(name):
+    """A review's programs: a choice group solved on some elements (its record new this
+    round) whose outputs an element step inside the group had consumed first (a shift's or a
+    scale's element rule recovering the leaky relu's output), statically and at a loop's
+    window, counted those elements' pivots twice; and a select's case at a loop's window lost
+    its pivots to a check that its output's slots were spent by the other case. Each log-det
+    against the dense Jacobian's, both ways."""
+    D = 4
+    net = _masked_net(D, 3)
+
+    def lrelu_shift(x):
+        s = net(x)[:, 2]  # (the network first: the other order is refused, as before)
+        return jax.nn.leaky_relu(x, 0.3) + s
+
+    def lrelu_scale(x):
+        s = net(x)[:, 2]
+        return jax.nn.leaky_relu(x, 0.3) * jnp.exp(s)
+
+    def affine(x):
+        p = net(x)
+        return x * jnp.exp(p[:, 0]) + p[:, 1]
+
+    f = {
+        "relu_plus_shift": lrelu_shift,
+        "relu_times_scale": lrelu_scale,
+        "loop_relu_times_scale": _written_per_step(lrelu_scale),
+        "loop_select": _selected_per_step(affine),
+    }[name]
+    x = jnp.array([0.9, -2.5, 0.1, 1.5])
+    want = jnp.linalg.slogdet(jax.jacfwd(f)(x))[1]
+    y, ld = jax.jit(jr.forward_and_slogdet(f))(x)
+    np.testing.assert_allclose(ld, want, rtol=1e-9)
+    got, ldi = jax.jit(jr.inverse_and_slogdet(f))(y)
+    np.testing.assert_allclose(got, x, rtol=1e-10, atol=1e-10)
+    np.testing.assert_allclose(ldi, -want, rtol=1e-9)
+
+
 def test_a_group_that_sums_a_partly_known_table_over_its_elements_is_not_solved_apart():
     """A choice group whose scale sums a masked network's rows over the elements (element 0's
     output reads row 1, which reads x0): solved on the elements whose rows are known, element

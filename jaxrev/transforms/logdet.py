@@ -156,6 +156,7 @@ class _Slots:
         # elements were left to other steps (`claim`)
         self.steps_of: dict[Var, int] = {}
         self.claimed: set = set()
+        self.claimed_from: set = set()  # the outputs such steps took slots of
         self.sign = 1  # the iterated permutations of loop bodies
         self.unsigned = False  # a step whose rule gives log|det| only
         # a loop body's plan for one iteration: indices the body reads from the loop's
@@ -188,6 +189,7 @@ class _Slots:
         known forward, or never needed)."""
         if after != R.EMPTY:
             self.claimed.add(v)
+        self.claimed_from.add(o)
         if (v, o) in self.pairs:
             return
         self.pairs.add((v, o))
@@ -394,11 +396,10 @@ def _plan_step(st: records.Step, rec: records.Recorder, slots: _Slots) -> _PStep
             m = _new_mask(b, a, _shape(v))
             if m is False:
                 # elements decided when the program runs (a window at a loop counter): all of
-                # `v` that this step recovers comes from `o` position for position (unless
-                # `o` holds no slot: then they follow from others, as below)
-                if (v, o) in slots.pairs or _live(o, None, slots).any():
-                    parts.append((k, (b, a)))
-                    slots.claim(v, o, a)
+                # `v` that this step recovers comes from `o` position for position (a
+                # select's other case, at the complementary elements, from the same `o`)
+                parts.append((k, (b, a)))
+                slots.claim(v, o, a)
                 continue
             live = _live(o, m, slots)
             if not live.any():
@@ -612,6 +613,10 @@ def _live(o: Var, m: np.ndarray | None, slots: _Slots) -> np.ndarray:
     return (s != -1) if m is None else m & (s != -1)
 
 
+def _count(m: np.ndarray | None, v: Var) -> int:
+    return size_of([v.aval]) if m is None else int(np.sum(m))
+
+
 def _plan_some_elements(
     st: records.Step, us: Sequence[Var], os: Sequence[Var], slots: _Slots
 ) -> _PStep:
@@ -631,6 +636,13 @@ def _plan_some_elements(
         raise Unsupported(f"{what} recovers some elements of its inputs, not one element map")
     b, a = got[us[0]]
     m = _new_mask(b, a, _shape(us[0]))
+    # (an element step may have recovered a value inside the group from the same output
+    # elements first, its pivot taken: the group's map from the state to the output would
+    # count that pivot again; such a record is not followed)
+    if m is False and any(o in slots.claimed_from for o in os):
+        raise Unsupported(f"{what}, on elements decided when the program runs, shares them")
+    if m is not False and not all(_live(o, m, slots).sum() == _count(m, o) for o in os):
+        raise Unsupported(f"{what} recovers elements whose outputs a step consumed before")
     for u, o in zip(us, os):
         if m is False:
             slots.claim(u, o, a)
