@@ -553,15 +553,23 @@ def _selected_per_step(g):
 
 
 @pytest.mark.parametrize(
-    "name", ["relu_plus_shift", "relu_times_scale", "loop_relu_times_scale", "loop_select"]
+    "name",
+    [
+        "relu_plus_shift",
+        "relu_times_scale",
+        "loop_relu_times_scale",
+        "loop_select",
+        "loop_relu_first_plus_shift",
+    ],
 )
 def test_log_dets_of_groups_solved_on_some_elements_count_each_pivot_once(name):
     """A review's programs: a choice group solved on some elements (its record new this
     round) whose outputs an element step inside the group had consumed first (a shift's or a
     scale's element rule recovering the leaky relu's output), statically and at a loop's
     window, counted those elements' pivots twice; and a select's case at a loop's window lost
-    its pivots to a check that its output's slots were spent by the other case. Each log-det
-    against the dense Jacobian's, both ways."""
+    its pivots to a check that its output's slots were spent by the other case; a group
+    solved whole at a loop's step whose state was known but at the window counted every
+    element's pivot at every step. Each log-det against the dense Jacobian's, both ways."""
     D = 4
     net = _masked_net(D, 3)
 
@@ -573,6 +581,10 @@ def test_log_dets_of_groups_solved_on_some_elements_count_each_pivot_once(name):
         s = net(x)[:, 2]
         return jax.nn.leaky_relu(x, 0.3) * jnp.exp(s)
 
+    def lrelu_first(x):  # (in a loop, whose step's group is solved whole on a carry known
+        r = jax.nn.leaky_relu(x, 0.3)  # but at the window: its pivots there only)
+        return r + net(x)[:, 2]
+
     def affine(x):
         p = net(x)
         return x * jnp.exp(p[:, 0]) + p[:, 1]
@@ -582,6 +594,7 @@ def test_log_dets_of_groups_solved_on_some_elements_count_each_pivot_once(name):
         "relu_times_scale": lrelu_scale,
         "loop_relu_times_scale": _written_per_step(lrelu_scale),
         "loop_select": _selected_per_step(affine),
+        "loop_relu_first_plus_shift": _written_per_step(lrelu_first),
     }[name]
     x = jnp.array([0.9, -2.5, 0.1, 1.5])
     want = jnp.linalg.slogdet(jax.jacfwd(f)(x))[1]

@@ -392,6 +392,16 @@ def _group_ending_at(
         combos = _combos(G, ch, outputs, solving)
         if combos is None:
             continue
+        # (inputs known before on elements decided when the program runs, a loop's carry but
+        # the window its step writes: the record says so, and the log-det's plan takes the
+        # group's pivots on the rest only, or not at all: `logdet._plan_some_elements`)
+        was = [(v, elements.region_of(env, v)) for v in inputs]
+        if partly is None and any(
+            r != R.FULL and R.static_mask(r, tuple(v.aval.shape)) is None for v, r in was
+        ):
+            recovered = [(v, r, R.EMPTY) for v, r in was]
+        else:
+            recovered = []
         try:
             done = _split(
                 G,
@@ -404,6 +414,7 @@ def _group_ending_at(
                 walk,
                 None if soft else state,
                 None if partly is None else partly.active,
+                recovered,
             )
         except _Lost as e:
             if soft:
@@ -835,10 +846,12 @@ def _split(
     walk: SubWalk,
     state: Any,
     active: np.ndarray | None = None,
+    recovered: Sequence[tuple[Var, Any, Any]] = (),
 ) -> bool:
     """Invert the group branch by branch and write the consistent candidate (`active`: the
     elements it is solved on, a static mask, where its reads are known; checks elsewhere are
-    dropped, and the values there are not to be read). Where the walk's program may be walked
+    dropped, and the values there are not to be read; `recovered`: what its record says it
+    recovered, where not its inputs whole). Where the walk's program may be walked
     again (`WalkContext.reinverted`), the inverse is emitted as one
     `custom_inverse` step whose own inverse is the group run forward, so that it can be
     inverted again (``reverse(reverse(f))``)."""
@@ -894,7 +907,9 @@ def _split(
         env.write(v, x)
     # (decided per element, computed per element: the log-det takes its Jacobian's diagonal
     # blocks, not the dense matrix a search's table would otherwise call for)
-    records.group_step(env, "choice", G, inputs, outputs, elementwise=shape is not None)
+    records.group_step(
+        env, "choice", G, inputs, outputs, elementwise=shape is not None, recovered=recovered
+    )
     return True
 
 
