@@ -427,17 +427,10 @@ def _ar_spline(x, W1, W2, b, K: int):
     return jax.vmap(clipped_spline)(x, xk, yk, dk)
 
 
-@pytest.mark.parametrize("how", ["eager", "jit", "vmap"])
-def test_autoregressive_spline_inverts_element_by_element(how):
-    """Knots known on some elements only (the rows a masked network has computed from the
-    elements already recovered): each pass solves those elements' bins (a choice group on
-    partly known reads, `choices._partly_known`; reductions over a row, a softmax's max
-    and sum and its cumsum, known once the row is: `elements.along_axes_forward`). Before,
-    refused at the spline's select."""
-    D, K = 4, 5
-    W1, W2, b = _made_spline(D, K)
-    f = lambda x: _ar_spline(x, W1, W2, b, K)  # noqa: E731
-    xs = jnp.array([[-1.7, 0.4, 2.2, -0.3], [0.9, -2.5, 0.1, 3.5]])  # (3.5: past the interval)
+def _inverts_two_points(f, how: str) -> None:
+    """`inverse_and_slogdet(f)` called `how` on two points (one past the splines' interval):
+    the points and the log-dets of the dense Jacobian."""
+    xs = jnp.array([[-1.7, 0.4, 2.2, -0.3], [0.9, -2.5, 0.1, 3.5]])
     inv = jr.inverse_and_slogdet(f)
     if how == "jit":
         inv = jax.jit(inv)
@@ -449,6 +442,19 @@ def test_autoregressive_spline_inverts_element_by_element(how):
     np.testing.assert_allclose(got, xs, rtol=1e-10, atol=1e-10)
     want = jnp.stack([-jnp.linalg.slogdet(jax.jacfwd(f)(x))[1] for x in xs])
     np.testing.assert_allclose(ld, want, rtol=1e-9, atol=1e-10)
+
+
+@pytest.mark.parametrize("how", ["eager", "jit", "vmap"])
+def test_autoregressive_spline_inverts_element_by_element(how):
+    """Knots known on some elements only (the rows a masked network has computed from the
+    elements already recovered): each pass solves those elements' bins (a choice group on
+    partly known reads, `choices._partly_known`; reductions over a row, a softmax's max
+    and sum and its cumsum, known once the row is: `elements.along_axes_forward`). Before,
+    refused at the spline's select."""
+    D, K = 4, 5
+    W1, W2, b = _made_spline(D, K)
+    f = lambda x: _ar_spline(x, W1, W2, b, K)  # noqa: E731
+    _inverts_two_points(f, how)
 
 
 def _made_spline(D: int, K: int, key: int = 4):
@@ -484,19 +490,8 @@ def test_an_autoregressive_spline_loop_inverts_one_element_per_step(how):
     D, K = 4, 5
     W1, W2, b = _made_spline(D, K)
     f = lambda y: _ar_spline_loop(y, W1, W2, b, K)  # noqa: E731
-    xs = jnp.array([[-1.7, 0.4, 2.2, -0.3], [0.9, -2.5, 0.1, 3.5]])  # (3.5: past the interval)
-    inv = jr.inverse_and_slogdet(f)
-    if how == "jit":
-        inv = jax.jit(inv)
-    if how == "vmap":
-        got, ld = jax.vmap(inv)(jax.vmap(f)(xs))
-    else:
-        got, ld = zip(*[inv(f(x)) for x in xs])
-        got, ld = jnp.stack(got), jnp.stack(ld)
-    np.testing.assert_allclose(got, xs, rtol=1e-10, atol=1e-10)
-    want = jnp.stack([-jnp.linalg.slogdet(jax.jacfwd(f)(x))[1] for x in xs])
-    np.testing.assert_allclose(ld, want, rtol=1e-9, atol=1e-10)
-    assert jr.logdet_strategy(f, f(xs[0])).startswith("sweep")
+    _inverts_two_points(f, how)
+    assert jr.logdet_strategy(f, f(jnp.array([-1.7, 0.4, 2.2, -0.3]))).startswith("sweep")
 
 
 def test_a_recovery_missing_from_the_record_falls_back_to_the_dense_log_det(monkeypatch):
