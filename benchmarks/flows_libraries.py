@@ -8,8 +8,8 @@ defaults a user gets. Flows:
 - flowjax `coupling_flow` with rational-quadratic splines (knots 8, and 32 as a hard variant;
   interval 4) and with affine couplings, `masked_autoregressive_flow` with affine
   transformers and with spline ones (in flowjax's default layout its `transform` is the
-  element loop, whose step solves the spline on one element), `planar_flow` (flowjax has no inverse for
-  its tanh layers: its own forward map is timed in that column), and
+  element loop, whose step solves the spline on one element), `planar_flow` (flowjax has
+  no inverse for its tanh layers: its own forward map is timed in that column), and
   `block_neural_autoregressive_flow`, each built with flowjax's defaults (`invert=True`: the
   flow's `transform` is the bijection's inverse, which is what jaxrev is handed) and with
   `invert=False`;

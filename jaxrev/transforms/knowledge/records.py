@@ -41,8 +41,10 @@ class Step:
     outputs, whatever its equations look like (a choice whose bin is searched over a table, but
     whose pieces are computed element by element): its Jacobian is block diagonal by element.
     A group solved on some elements only (an autoregressive spline's, on the elements whose
-    knots are known: `choices._partly_known`) says which in `recovered`, as an equation's
-    step does: each input's unknown region before and after it."""
+    knots are known: `choices._partly_known`), or whose inputs were known before on elements
+    decided when the program runs (a loop's carry but its step's window), says which in
+    `recovered`, as an equation's step does: each input's unknown region before and after
+    it."""
 
     kind: str
     eqns: tuple[JaxprEqn, ...]

@@ -395,11 +395,11 @@ def _group_ending_at(
         # (inputs known before on elements decided when the program runs, a loop's carry but
         # the window its step writes: the record says so, and the log-det's plan takes the
         # group's pivots on the rest only, or not at all: `logdet._plan_some_elements`)
-        was = [(v, elements.region_of(env, v)) for v in inputs]
+        before = [(v, elements.region_of(env, v)) for v in inputs]
         if partly is None and any(
-            r != R.FULL and R.static_mask(r, tuple(v.aval.shape)) is None for v, r in was
+            r != R.FULL and R.static_mask(r, tuple(v.aval.shape)) is None for v, r in before
         ):
-            recovered = [(v, r, R.EMPTY) for v, r in was]
+            recovered = [(v, r, R.EMPTY) for v, r in before]
         else:
             recovered = []
         try:
@@ -849,8 +849,9 @@ def _split(
     recovered: Sequence[tuple[Var, Any, Any]] = (),
 ) -> bool:
     """Invert the group branch by branch and write the consistent candidate (`active`: the
-    elements it is solved on, a static mask, where its reads are known; checks elsewhere are
-    dropped, and the values there are not to be read; `recovered`: what its record says it
+    elements it is solved on, a mask static or made when the program runs, where its reads
+    are known; checks elsewhere are dropped, and the values there are not to be read;
+    `recovered`: what its record says it
     recovered, where not its inputs whole). Where the walk's program may be walked
     again (`WalkContext.reinverted`), the inverse is emitted as one
     `custom_inverse` step whose own inverse is the group run forward, so that it can be
