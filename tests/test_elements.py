@@ -386,6 +386,29 @@ def test_a_rows_reduction_is_known_once_its_row_is(reduce):
         np.testing.assert_allclose(ld, -jnp.linalg.slogdet(jax.jacfwd(f)(x))[1], rtol=1e-10)
 
 
+def test_an_integer_step_met_on_some_elements_waits_for_its_whole_output():
+    """An integer's inverse rule applied by element-level propagation (on an output known on
+    some elements: the argmax of a masked row, cast to a float scale, in a loop writing one
+    element per step) waits for the whole output; it raised `TypeError` (`NeedMore` made
+    without its reason) instead of the walk's own error, which names the step and the user's
+    line (a review found it)."""
+    D = 4
+    M = jnp.tril(jax.random.normal(jax.random.key(7), (D, D)), -1)  # row i reads x_<i
+    mask = np.tril(np.ones((D, D), bool), -1)
+
+    def g(x):
+        s = 0.2 * jnp.argmax(jnp.where(mask, M * x[None, :], -jnp.inf), axis=1).astype(x.dtype)
+        return x * jnp.exp(s) + 0.1
+
+    def f(y):
+        return jax.lax.fori_loop(0, D, lambda i, y: y.at[i].set(g(y)[i]), y)
+
+    x = jnp.array([-1.7, 0.4, 2.2, -0.3])
+    with pytest.raises(jr.JaxrevError) as info:
+        jr.inverse_and_slogdet(f)(f(x))
+    assert "`dynamic_slice`" in str(info.value) and "test_elements.py:" in str(info.value)
+
+
 def test_an_argmax_of_a_row_used_as_an_index_inverts():
     """An autoregressive affine layer scaled by a table entry at the argmax of its row: the
     argmax is known once its row is, and, an integer choice that never compares the state,

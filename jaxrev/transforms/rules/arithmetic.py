@@ -86,11 +86,16 @@ def _sub(out, x, y, **_):
 define(prims.sub, inverse=_sub, kind=(ELEMENTWISE, LINEAR))
 
 
+_WHOLE = "an integer's image is checked whole, not on some of its elements"
+"""Why an integer step's inverse rule waits for its whole output (element-level propagation
+applies a rule on a partly known output, without the walk's context)."""
+
+
 def _mul(out, x, y, *, ctx=None, **_):
     # (element-level propagation applies the rule on a partly known output, without `ctx`:
     # an integer product is checked whole, by the walk, not on some of its elements)
     if ctx is None and _exact(out):
-        raise NeedMore
+        raise NeedMore(_WHOLE)
     if is_unknown(x) and not is_unknown(y):
         check_nonzero(y, "the known factor")
         return [_quotient(out, y, ctx) if _exact(out) else out / y, None]
@@ -168,7 +173,7 @@ define(
 def _div(out, x, y, *, ctx=None, **_):
     if _exact(out):
         if ctx is None:  # (element-level propagation: integers are inverted whole, as `_mul`)
-            raise NeedMore
+            raise NeedMore(_WHOLE)
         return _integer_div(out, x, y, ctx)
     if is_unknown(x) and not is_unknown(y):
         check_nonzero(y, "the known divisor")
@@ -264,7 +269,7 @@ def _shift_left(out, x, s, *, ctx=None, **_):
     """x from ``out = x << s``: the product by 2**s, undone by a right shift where the low s
     bits of the output are zero (and 0 <= s < bits)."""
     if ctx is None:
-        raise NeedMore  # (as `_mul`: checked whole)
+        raise NeedMore(_WHOLE)  # (as `_mul`)
     if not (is_unknown(x) and not is_unknown(s)):
         if is_unknown(s):
             raise Lossy("a shift's amount is not determined by the shifted value")
@@ -548,7 +553,7 @@ def _convert(out, x, *, new_dtype, ctx=None, **_):
             "precision (only widening conversions are invertible)"
         )
     if ctx is None:
-        raise NeedMore  # (as `_mul`: an integer's image is checked whole)
+        raise NeedMore(_WHOLE)  # (as `_mul`)
     return [_to_exact(jnp.asarray(out), old, ctx)]
 
 
