@@ -208,6 +208,12 @@ class _Slots:
         """The claimed variables no other step recovered."""
         return [v for v in self.claimed if self.steps_of.get(v, 0) < 2]
 
+    def pass_on(self, o: Var, u: Var, mask: np.ndarray | None) -> None:
+        """`u` takes output `o`'s slots position for position where `mask` (None: all), and
+        `o` holds none there any more."""
+        self.take(u, mask, self.consume(o, mask))
+        self.of[o] = np.where(np.ones(_shape(o), bool) if mask is None else mask, -1, self.get(o))
+
     def consume(self, o: Var, mask: np.ndarray | None) -> np.ndarray:
         s = self.get(o).copy()
         if mask is not None:
@@ -404,8 +410,7 @@ def _plan_step(st: records.Step, rec: records.Recorder, slots: _Slots) -> _PStep
             live = _live(o, m, slots)
             if not live.any():
                 continue
-            slots.take(v, live, slots.consume(o, live))
-            slots.of[o] = np.where(live, -1, slots.get(o))
+            slots.pass_on(o, v, live)
             parts.append((k, None if live.all() else live))
         copies = [g for g, h in zip(got, how) if h == "copy"]
         if copies:
@@ -569,12 +574,10 @@ def _plan_group(st: records.Step, slots: _Slots) -> _PStep:
         m = rest[0]
         if m.any() and not m.all() and all(np.array_equal(r, m) for r in rest):
             for u, o in zip(us, os):
-                slots.take(u, m, slots.consume(o, m))
-                slots.of[o] = np.where(m, -1, slots.get(o))
+                slots.pass_on(o, u, m)
             return _PStep("blocks", st, [m])
         for u, o in zip(us, os):
-            slots.take(u, None, slots.consume(o, None))
-            slots.of[o] = np.full(_shape(o), -1, np.int64)
+            slots.pass_on(o, u, None)
         return _PStep("blocks", st)
     # the group solves all of its inputs from all of its outputs, but elements of its inputs
     # known before (a scatter's operand outside its window) were recovered elsewhere, from
@@ -647,8 +650,7 @@ def _plan_some_elements(
         if m is False:
             slots.claim(u, o, a)
             continue
-        slots.take(u, m, slots.consume(o, m))
-        slots.of[o] = np.where(np.ones(_shape(o), bool) if m is None else m, -1, slots.get(o))
+        slots.pass_on(o, u, m)
     return _PStep("blocks", st, [(b, a) if m is False else m])
 
 
