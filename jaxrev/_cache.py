@@ -404,10 +404,15 @@ def compiled(key: Any, fn: Callable, *args: Any) -> Any:
     it names). A run-time check that fails inside is re-run as `fn(*args)`, so that it raises
     its own error eagerly (and the call waits for its result where its program holds a
     check: the error never reaches the caller later as JAX's runtime error). Traced
-    arguments (under `jit`) run `fn` as it is."""
+    arguments (under `jit`) run `fn` as it is. Without a `key` (None), compiled for this call
+    alone: `fn` closes over values that no key could name (a loop body's walk, compiled in
+    place of running it operation by operation, each operation compiled apart)."""
     if tracing() or not all(is_concrete(x) for x in jax.tree_util.tree_leaves(args)):
         return fn(*args)
-    jitted = _COMPILED.get(key) or _COMPILED.put(key, [], checked_jit(fn, convert=False))
+    if key is None:
+        jitted = checked_jit(fn, convert=False)
+    else:
+        jitted = _COMPILED.get(key) or _COMPILED.put(key, [], checked_jit(fn, convert=False))
     ok, out = _run_quietly(jitted, *args)
     return out if ok else _eager(fn, *args)
 

@@ -29,6 +29,7 @@ from tiers import tiered
 import jaxrev as jr
 from jaxrev._compat import make_jaxpr
 from jaxrev._stats import counting
+from jaxrev.transforms.knowledge import elements
 from jaxrev.transforms.propagation import choices
 
 jax.config.update("jax_enable_x64", True)
@@ -603,7 +604,7 @@ def test_log_dets_of_groups_solved_on_some_elements_count_each_pivot_once(name):
 def test_a_group_that_sums_a_partly_known_table_over_its_elements_is_not_solved_apart():
     """A choice group whose scale sums a masked network's rows over the elements (element 0's
     output reads row 1, which reads x0): solved on the elements whose rows are known, element
-    0 would read row 1's fill value. Not solved so (`_per_element` over the reads too): the
+    0 would read row 1's fill value. Not solved so (`elements.per_element` over the reads too): the
     map is refused, not inverted wrongly (a review found the wrong inverse)."""
     M = jnp.array([[[0.0, 0.0]], [[1.3, 0.0]]])  # (D, 1, D): row i reads x_<i
 
@@ -690,15 +691,15 @@ def test_inputs_on_a_knot_invert():
 
 
 def _per_element_of(f, *args) -> bool:
-    """`choices._per_element` of `f`'s equations, what they compute from its first argument
+    """`elements.per_element` of `f`'s equations, what they compute from its first argument
     laid out per element of that argument's shape (traced as jaxrev traces: on JAX >= 0.12,
     `searchsorted` lowered to its bisection)."""
     jaxpr = make_jaxpr(f, *args)[0].jaxpr
-    return choices._per_element(jaxpr.eqns, {jaxpr.invars[0]}, tuple(args[0].shape))
+    return elements.per_element(jaxpr.eqns, {jaxpr.invars[0]}, tuple(args[0].shape))
 
 
 def test_what_is_computed_element_by_element_is_told_apart():
-    """`_per_element`: a search per element (a table of knots per element, as flowjax's
+    """`elements.per_element`: a search per element (a table of knots per element, as flowjax's
     spline coupling writes it under `vmap`, or one table for all), a gather per element,
     elementwise arithmetic and reductions over trailing axes are element by element; a
     reduction over the elements, a reversal, a sort or a cumulative sum is not."""

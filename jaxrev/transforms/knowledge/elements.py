@@ -30,16 +30,29 @@ import numpy as np
 from jax import lax
 
 from jaxrev._cache import memo
-from jaxrev._compat import DropVar, JaxprEqn, ShapedArray, Var, is_concrete, is_key, prims
+from jaxrev._compat import (
+    CALL_PRIMITIVES,
+    DropVar,
+    JaxprEqn,
+    ShapedArray,
+    Var,
+    call_jaxpr,
+    is_concrete,
+    is_key,
+    prims,
+    scan_info,
+)
 from jaxrev._env import Env, Unknown, fit_to_aval, is_unknown
 from jaxrev._evaluate import apply, apply_on_host
 from jaxrev._graph import is_var, real_outvars
 from jaxrev.transforms.knowledge import regions as R
 from jaxrev.transforms.registry import (
+    ELEMENTWISE,
     STRUCTURAL,
     ElementResult,
     Lossy,
     NeedMore,
+    broadcasts_to,
     element_rules,
     elementwise_over,
     index_args,
@@ -67,6 +80,9 @@ __all__ = [
     "read_window",
     "not_case",
     "token",
+    "per_element",
+    "reached_per_element",
+    "per_element_forward",
 ]
 
 FILL = 0.5
@@ -139,16 +155,19 @@ def region_on(env: Env, v: Any, shape: tuple) -> R.Region:
     return R.FULL if rel is None else R.spread(r, rel, tuple(shape))
 
 
-def reads_relation(kind: str, shape: tuple, out_shape: tuple) -> np.ndarray | None:
+def reads_relation(
+    kind: str, shape: tuple, out_shape: tuple, lead: tuple | None = None
+) -> np.ndarray | None:
     """``(positions of out_shape, positions of shape)``, flattened: which elements of an array
     of `shape` each element of one of `out_shape` reads, for `kind` "broadcast" (over size-1
-    axes) or "rows" (`shape` is `out_shape` and trailing axes: each element reads its row);
-    None where that is larger than `regions.MAX_RELATION`."""
+    axes) or "rows" (both shapes start with the axes `lead`, `out_shape` itself by default:
+    each element reads the row of its leading index); None where that is larger than
+    `regions.MAX_RELATION`."""
     n, m = int(np.prod(shape, dtype=np.int64)), int(np.prod(out_shape, dtype=np.int64))
     if n * m > R.MAX_RELATION:
         return None
     cache = memo("elements.reads_relation", 256)
-    hit = cache.get((kind, shape, out_shape))
+    hit = cache.get((kind, shape, out_shape, lead))
     if hit is not None:
         return hit
     if kind == "broadcast":
@@ -158,9 +177,10 @@ def reads_relation(kind: str, shape: tuple, out_shape: tuple) -> np.ndarray | No
         rel = np.zeros((m, n), bool)
         rel[np.arange(m), into] = True
     else:
-        rel = np.repeat(np.eye(m, dtype=bool), n // m, axis=1)
+        rows = int(np.prod(out_shape if lead is None else lead, dtype=np.int64))
+        rel = np.kron(np.eye(rows, dtype=bool), np.ones((m // rows, n // rows), bool))
     rel.setflags(write=False)
-    return cache.put((kind, shape, out_shape), [], rel)
+    return cache.put((kind, shape, out_shape, lead), [], rel)
 
 
 def _zeros(v: Any) -> Any:
@@ -929,3 +949,186 @@ def _known_readers(m: R.IndexMap, ro: R.Region, shape: tuple) -> R.IndexMap | No
     back = np.full(int(np.prod(shape, dtype=np.int64)), -1, np.int64)
     back[idx[ks][::-1]] = ks[::-1]
     return R.IndexMap(back, shape, True)
+
+
+# --------------------------------------------------------------------------- element by element
+
+_ALSO_ELEMENTWISE = frozenset({"clamp", "le_to", "lt_to", "atan2", "nextafter", "erfc"})
+"""Elementwise primitives without an inverse rule of that kind (a total-order comparison that
+`searchsorted` writes, a clip), for `per_element` alone."""
+_REARRANGES = frozenset({"reshape", "squeeze", "expand_dims", "copy"})
+_REDUCES = frozenset(
+    {
+        "reduce_sum",
+        "reduce_max",
+        "reduce_min",
+        "reduce_prod",
+        "reduce_and",
+        "reduce_or",
+        "argmax",
+        "argmin",
+    }
+)
+
+
+def per_element(eqns: Sequence[JaxprEqn], dep: set, shape: tuple) -> bool:
+    """Whether `eqns` compute, element by element of `shape` (the leading axes), what they
+    compute from `dep` (values laid out so, the group's unknowns): element i of every such
+    value from element i of its operands alone, and known values (a table of knots) read
+    whole. Then candidates checked each on its own (a choice group's branches) stay right
+    when picked element by element, with no check of the picked ones together. Elementwise
+    operations, moves of the trailing axes, reductions over them, a gather per element
+    (``take_along_axis`` of a spline's knots at its bin index), and loops and calls whose
+    bodies are so (`searchsorted`'s bisection): anything else answers False."""
+    return reached_per_element(eqns, dep, shape) is not None
+
+
+def reached_per_element(eqns: Sequence[JaxprEqn], dep: set, shape: tuple) -> set | None:
+    """What `eqns` compute from `dep`, where they compute it element by element of `shape`
+    (`per_element`); None where they may not."""
+    dep = set(dep)
+    for e in eqns:
+        if not any(is_var(v) and v in dep for v in e.invars):
+            continue
+        outs = _per_element_outs(e, dep, shape)
+        if outs is None:
+            return None
+        dep.update(outs)
+    return dep
+
+
+def _per_element_outs(e: JaxprEqn, dep: set, shape: tuple) -> list | None:
+    """The outputs of `e` that depend on `dep`, where `e` computes them element by element
+    of `shape` (`per_element`); None where it may not."""
+    k = len(shape)
+    name = e.primitive.name
+    outs = real_outvars(e)
+
+    def lead(v: Any) -> bool:
+        return tuple(v.aval.shape[:k]) == shape
+
+    mine = [v for v in e.invars if is_var(v) and v in dep]
+    if not all(lead(v) for v in mine):
+        return None
+    if name == "scan":
+        return _per_element_loop(e, dep, shape)
+    if e.primitive in CALL_PRIMITIVES:
+        sub = call_jaxpr(e.params).jaxpr
+        inner = {s for s, v in zip(sub.invars, e.invars) if is_var(v) and v in dep}
+        got = reached_per_element(sub.eqns, inner, shape)
+        if got is None:
+            return None
+        mine_out = [o for o, s in zip(e.outvars, sub.outvars) if is_var(s) and s in got]
+        return mine_out if all(lead(o) for o in mine_out) else None
+    if not all(lead(o) for o in outs):
+        return None
+    out_shape = tuple(outs[0].aval.shape) if outs else shape
+    if is_kind(e.primitive, ELEMENTWISE) or name in _ALSO_ELEMENTWISE:
+        # (operands may broadcast over size-1 axes: the unknowns' only inside an element,
+        # their leading axes being the elements')
+        ok = all(broadcasts_to(tuple(v.aval.shape), out_shape) for v in e.invars)
+        return outs if ok else None
+    if name == "broadcast_in_dim":
+        return outs if tuple(e.params["broadcast_dimensions"][:k]) == tuple(range(k)) else None
+    if name in _REARRANGES:
+        # (the leading axes kept on both sides: a row-major move inside each element)
+        if e.params.get("dimensions") is not None and name == "reshape":
+            return None  # (a reshape that transposes first)
+        if name == "squeeze" and any(a < k for a in e.params["dimensions"]):
+            return None
+        return outs
+    if name in _REDUCES:
+        return outs if all(a >= k for a in e.params["axes"]) else None
+    if name == "slice":  # (its leading axes whole on both sides: a slice inside each element,
+        return outs  # a one-hot spline's masked sums taken apart)
+    if name == "gather":
+        d = e.params["dimension_numbers"]
+        if any(a < k for a in d.offset_dims):
+            return None
+        if is_var(e.invars[0]) and e.invars[0] in dep:  # (a table per element, paired)
+            pairs = (
+                tuple(getattr(d, "operand_batching_dims", ())[:k]),
+                tuple(getattr(d, "start_indices_batching_dims", ())[:k]),
+            )
+            if pairs != (tuple(range(k)), tuple(range(k))):
+                return None
+        return outs if len(e.invars[1].aval.shape) > k else None
+    return None
+
+
+def _per_element_loop(e: JaxprEqn, dep: set, shape: tuple) -> list | None:
+    """A `scan` whose body computes element by element (`per_element`): the unknowns reach
+    its constants and carries only (laid out per element), never the stacked inputs or
+    outputs; the carries they reach found by iterating the body to a fixed point."""
+    info = scan_info(e.params)
+    body = info.body.jaxpr
+    n = len(e.invars)
+    nx = n - info.nconsts - info.ncarry
+    reached = [is_var(v) and v in dep for v in e.invars]
+    if any(reached[n - nx :]):
+        return None
+    for _ in range(info.ncarry + 1):
+        made = reached_per_element(body.eqns, {b for b, r in zip(body.invars, reached) if r}, shape)
+        if made is None:
+            return None
+        outs_reached = [is_var(o) and o in made for o in body.outvars]
+        carry_in = reached[info.nconsts : info.nconsts + info.ncarry]
+        new = [a or b for a, b in zip(carry_in, outs_reached[: info.ncarry])]
+        if new == carry_in:
+            break
+        reached[info.nconsts : info.nconsts + info.ncarry] = new
+    else:
+        return None
+    if any(outs_reached[info.ncarry :]):
+        return None
+    return [o for o, r in zip(e.outvars[: info.ncarry], new) if r and is_var(o)]
+
+
+def per_element_forward(eqn: JaxprEqn, env: Env) -> bool | None:
+    """A loop (or call) computing element by element of its operands' leading axes
+    (`per_element`: `jnp.searchsorted`'s bisection of each row of a spline's knots) on
+    operands known on some elements: each output element is known where its row of every
+    operand is (the dry run of steps undone at once, whose carry is known but where later steps
+    write; a spline's bin there). The value is computed on the operands with `FILL` where
+    unknown. None: declined (an operand not known anywhere, or not element by element)."""
+    unknown = [v for v in eqn.invars if is_var(v) and not env.known(v)]
+    if not unknown or not all(is_partial(env, v) for v in unknown):
+        return None
+    outs = real_outvars(eqn)
+    if not outs or all(env.known(o) for o in outs):
+        return None
+    lead = _common_lead([tuple(v.aval.shape) for v in [*unknown, *outs]])
+    if not lead:
+        return None
+    reached = reached_per_element([eqn], set(unknown), lead)
+    if reached is None:
+        return None
+    regions = {}
+    for o in outs:
+        region = R.EMPTY
+        if o in reached:
+            for v in unknown:
+                rows = reads_relation("rows", tuple(v.aval.shape), tuple(o.aval.shape), lead)
+                if rows is None:
+                    return None
+                region = R.union(
+                    region, R.spread(region_of(env, v), rows, tuple(o.aval.shape)), env.info
+                )
+        regions[o] = region
+    vals = apply(eqn, [value_of(env, v, clean=True) for v in eqn.invars])
+    learned = False
+    for o, val in zip(eqn.outvars, vals):
+        if o in regions and regions[o] != R.FULL:
+            learned = learn(env, o, val, regions[o]) or learned
+    return learned
+
+
+def _common_lead(shapes: Sequence[tuple]) -> tuple:
+    """The leading axes every shape starts with."""
+    lead = shapes[0]
+    for s in shapes[1:]:
+        k = 0
+        while k < min(len(lead), len(s)) and lead[k] == s[k]:
+            k += 1
+        lead = lead[:k]
+    return tuple(lead)

@@ -36,16 +36,13 @@ import numpy as np
 from jax import lax
 
 from jaxrev._compat import (
-    CALL_PRIMITIVES,
     JaxprEqn,
     Literal,
     Var,
-    call_jaxpr,
     has_user_frame,
     is_concrete,
     is_host_callback,
     prims,
-    scan_info,
     staged_constants,
 )
 from jaxrev._env import Env
@@ -59,11 +56,8 @@ from jaxrev.transforms.knowledge.checks import NEWTON_STARTS, raise_where
 from jaxrev.transforms.knowledge.context import placeholders
 from jaxrev.transforms.propagation.reach import decided_on, int_range, reachable
 from jaxrev.transforms.registry import (
-    ELEMENTWISE,
-    broadcasts_to,
     choice_rules,
     elementwise_in,
-    is_kind,
 )
 
 __all__ = ["choice_step", "MAX_COMBOS"]
@@ -317,9 +311,12 @@ def choice_step(
             every(),
         )
     )
+    # (what the walk's equations read: a value known on some elements by running the group
+    # forward that nothing reads, a loop's dead carry, is no output to solve for)
+    read = _Lazy(lambda: {v for e in eqns for v in e.invars if is_var(v)})
     cand = [i for i in pending if any(not env.known(v) for v in eqns[i].invars)]
     stuck = [i for i in cand if any(env.known(v) for v in real_outvars(eqns[i]))]
-    if stuck and _group_ending_at(eqns, env, cand, max(stuck), soft, walk, state, every):
+    if stuck and _group_ending_at(eqns, env, cand, max(stuck), soft, walk, state, every, read):
         return True
     # then the groups ending at outputs known on some elements only, solved there
     # (`_partly_known`): the spline of flowjax's inverse loop, whose one known output element
@@ -329,7 +326,8 @@ def choice_step(
     if not partial or (stuck and max(partial) >= max(stuck)):
         return False
     top = max(partial)
-    return _group_ending_at(eqns, env, [i for i in cand if i <= top], top, soft, walk, state, every)
+    below = [i for i in cand if i <= top]
+    return _group_ending_at(eqns, env, below, top, soft, walk, state, every, read)
 
 
 def _group_ending_at(
@@ -341,10 +339,11 @@ def _group_ending_at(
     walk: SubWalk,
     state: _Lazy,
     every: _Lazy,
+    read: _Lazy,
 ) -> bool:
     """`choice_step` on the groups of the candidates `cand` (the pending equations with an
-    input not known) that end at equation `top`, the smallest first: whether one was
-    solved."""
+    input not known) that end at equation `top`, the smallest first (`read`: what the walk's
+    equations read): whether one was solved."""
     for t in sorted((i for i in cand if i <= top), reverse=True)[:MAX_GROUP_EQNS]:
         G = [eqns[i] for i in cand if i >= t]
         if not any(e.primitive in choice_rules or _int_out(e) for e in G):
@@ -364,7 +363,7 @@ def _group_ending_at(
             # (some of what the group reads, or of its outputs, is known on some elements
             # only: the knots of a spline a masked network computes from the state, known on
             # the rows of the elements already recovered)
-            partly = _partly_known(G, inputs, env)
+            partly = _partly_known(G, inputs, env, read())
             if partly is None:
                 continue
             inputs, outputs, solving = partly.state, partly.outputs, partly.env
@@ -384,7 +383,7 @@ def _group_ending_at(
                 c.producer = every
         per_element = _decomposes(G, ch, inputs, outputs, solving, shape, whole=False)
         if partly is not None and not (
-            per_element and _per_element(G, {*inputs, *partly.reads}, shape)
+            per_element and elements.per_element(G, {*inputs, *partly.reads}, shape)
         ):
             # (elements solved apart must not depend on one another, nor on the reads' rows
             # of other elements: a sum over the elements of a table known on some rows)
@@ -468,7 +467,9 @@ def _as_mask(r: Any, shape: tuple, env: Env) -> Any:
     return static if static is not None else R.materialize(r, shape, env.read, env.masks)
 
 
-def _partly_known(G: Sequence[JaxprEqn], inputs: Sequence[Var], env: Env) -> _PartlyKnown | None:
+def _partly_known(
+    G: Sequence[JaxprEqn], inputs: Sequence[Var], env: Env, read: set
+) -> _PartlyKnown | None:
     """The group as one solved element by element on the elements where its reads (laid out
     per element: the outputs' shape leading) and its outputs are known, where its unknowns
     (`inputs`: what it reads and does not make, not known whole) are the state (the outputs'
@@ -483,7 +484,7 @@ def _partly_known(G: Sequence[JaxprEqn], inputs: Sequence[Var], env: Env) -> _Pa
         v
         for e in G
         for v in real_outvars(e)
-        if (env.known(v) or elements.is_partial(env, v)) and v not in read_in_g
+        if v not in read_in_g and (env.known(v) or (elements.is_partial(env, v) and v in read))
     ]
     if not outs:
         return None
@@ -632,137 +633,6 @@ def _pointwise_gather(e: JaxprEqn, shape: tuple) -> bool:
         and tuple(idx.aval.shape[: len(shape)]) == shape
         and int(np.prod(idx.aval.shape[len(shape) :], dtype=np.int64)) == 1
     )
-
-
-_ALSO_ELEMENTWISE = frozenset({"clamp", "le_to", "lt_to", "atan2", "nextafter", "erfc"})
-"""Elementwise primitives without an inverse rule of that kind (a total-order comparison that
-`searchsorted` writes, a clip), for `_per_element` alone."""
-_REARRANGES = frozenset({"reshape", "squeeze", "expand_dims", "copy"})
-_REDUCES = frozenset(
-    {
-        "reduce_sum",
-        "reduce_max",
-        "reduce_min",
-        "reduce_prod",
-        "reduce_and",
-        "reduce_or",
-        "argmax",
-        "argmin",
-    }
-)
-
-
-def _per_element(eqns: Sequence[JaxprEqn], dep: set, shape: tuple) -> bool:
-    """Whether `eqns` compute, element by element of `shape` (the leading axes), what they
-    compute from `dep` (values laid out so, the group's unknowns): element i of every such
-    value from element i of its operands alone, and known values (a table of knots) read
-    whole. Then candidates checked each on its own (`_branch`) stay right when picked element
-    by element, with no check of the picked ones together (`_recheck`). Elementwise
-    operations, moves of the trailing axes, reductions over them, a gather per element
-    (``take_along_axis`` of a spline's knots at its bin index), and loops and calls whose
-    bodies are so (`searchsorted`'s bisection): anything else answers False."""
-    return _reached(eqns, dep, shape) is not None
-
-
-def _reached(eqns: Sequence[JaxprEqn], dep: set, shape: tuple) -> set | None:
-    """What `eqns` compute from `dep`, where they compute it element by element of `shape`
-    (`_per_element`); None where they may not."""
-    dep = set(dep)
-    for e in eqns:
-        if not any(is_var(v) and v in dep for v in e.invars):
-            continue
-        outs = _per_element_outs(e, dep, shape)
-        if outs is None:
-            return None
-        dep.update(outs)
-    return dep
-
-
-def _per_element_outs(e: JaxprEqn, dep: set, shape: tuple) -> list | None:
-    """The outputs of `e` that depend on `dep`, where `e` computes them element by element
-    of `shape` (`_per_element`); None where it may not."""
-    k = len(shape)
-    name = e.primitive.name
-    outs = real_outvars(e)
-
-    def lead(v: Any) -> bool:
-        return tuple(v.aval.shape[:k]) == shape
-
-    mine = [v for v in e.invars if is_var(v) and v in dep]
-    if not all(lead(v) for v in mine):
-        return None
-    if name == "scan":
-        return _per_element_loop(e, dep, shape)
-    if e.primitive in CALL_PRIMITIVES:
-        sub = call_jaxpr(e.params).jaxpr
-        inner = {s for s, v in zip(sub.invars, e.invars) if is_var(v) and v in dep}
-        got = _reached(sub.eqns, inner, shape)
-        if got is None:
-            return None
-        mine_out = [o for o, s in zip(e.outvars, sub.outvars) if is_var(s) and s in got]
-        return mine_out if all(lead(o) for o in mine_out) else None
-    if not all(lead(o) for o in outs):
-        return None
-    out_shape = tuple(outs[0].aval.shape) if outs else shape
-    if is_kind(e.primitive, ELEMENTWISE) or name in _ALSO_ELEMENTWISE:
-        # (operands may broadcast over size-1 axes: the unknowns' only inside an element,
-        # their leading axes being the elements')
-        ok = all(broadcasts_to(tuple(v.aval.shape), out_shape) for v in e.invars)
-        return outs if ok else None
-    if name == "broadcast_in_dim":
-        return outs if tuple(e.params["broadcast_dimensions"][:k]) == tuple(range(k)) else None
-    if name in _REARRANGES:
-        # (the leading axes kept on both sides: a row-major move inside each element)
-        if e.params.get("dimensions") is not None and name == "reshape":
-            return None  # (a reshape that transposes first)
-        if name == "squeeze" and any(a < k for a in e.params["dimensions"]):
-            return None
-        return outs
-    if name in _REDUCES:
-        return outs if all(a >= k for a in e.params["axes"]) else None
-    if name == "slice":  # (its leading axes whole on both sides: a slice inside each element,
-        return outs  # a one-hot spline's masked sums taken apart)
-    if name == "gather":
-        d = e.params["dimension_numbers"]
-        if any(a < k for a in d.offset_dims):
-            return None
-        if is_var(e.invars[0]) and e.invars[0] in dep:  # (a table per element, paired)
-            pairs = (
-                tuple(getattr(d, "operand_batching_dims", ())[:k]),
-                tuple(getattr(d, "start_indices_batching_dims", ())[:k]),
-            )
-            if pairs != (tuple(range(k)), tuple(range(k))):
-                return None
-        return outs if len(e.invars[1].aval.shape) > k else None
-    return None
-
-
-def _per_element_loop(e: JaxprEqn, dep: set, shape: tuple) -> list | None:
-    """A `scan` whose body computes element by element (`_per_element`): the unknowns reach
-    its constants and carries only (laid out per element), never the stacked inputs or
-    outputs; the carries they reach found by iterating the body to a fixed point."""
-    info = scan_info(e.params)
-    body = info.body.jaxpr
-    n = len(e.invars)
-    nx = n - info.nconsts - info.ncarry
-    reached = [is_var(v) and v in dep for v in e.invars]
-    if any(reached[n - nx :]):
-        return None
-    for _ in range(info.ncarry + 1):
-        made = _reached(body.eqns, {b for b, r in zip(body.invars, reached) if r}, shape)
-        if made is None:
-            return None
-        outs_reached = [is_var(o) and o in made for o in body.outvars]
-        carry_in = reached[info.nconsts : info.nconsts + info.ncarry]
-        new = [a or b for a, b in zip(carry_in, outs_reached[: info.ncarry])]
-        if new == carry_in:
-            break
-        reached[info.nconsts : info.nconsts + info.ncarry] = new
-    else:
-        return None
-    if any(outs_reached[info.ncarry :]):
-        return None
-    return [o for o, r in zip(e.outvars[: info.ncarry], new) if r and is_var(o)]
 
 
 class _Lost(Exception):
@@ -1073,7 +943,7 @@ def _pick(
             ]
         )
     out, idx = _merge(ch, inputs, cands, ok, got.lost, env.ctx, got.searched, active)
-    if shape is not None and not _per_element(G, set(inputs), shape):
+    if shape is not None and not elements.per_element(G, set(inputs), shape):
         _recheck(G, ch, inputs, outputs, env, out, idx, tried)
     return out
 

@@ -38,6 +38,7 @@ from jaxrev.transforms.knowledge.elements import (
     learn,
     learn_piece,
     not_case,
+    per_element_forward,
     read_window,
     region_of,
     static_of,
@@ -523,6 +524,9 @@ def _gather_window(eqn: JaxprEqn) -> R.Win | None:
 def _gather_forward(eqn: JaxprEqn, env: Env) -> bool | ElementResult | None:
     x, idx = eqn.invars
     o = eqn.outvars[0]
+    if not env.known(o) and is_var(idx) and is_partial(env, idx):
+        # (an index known on some elements: a spline's bin, taken element by element)
+        return per_element_forward(eqn, env)
     if env.known(o) or not is_partial(env, x) or not env.known(idx):
         return None
     w = _gather_window(eqn)

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxrev._cache import compiled
 from jaxrev._compat import (
     JaxprEqn,
     Literal,
@@ -45,7 +46,7 @@ from jaxrev._prepare import prepare
 from jaxrev.transforms.custom import custom_inverse
 from jaxrev.transforms.knowledge import records
 from jaxrev.transforms.knowledge import regions as R
-from jaxrev.transforms.knowledge.elements import learn, region_of
+from jaxrev.transforms.knowledge.elements import learn, per_element_forward, region_of
 from jaxrev.transforms.logdet import (
     LogdetContext,
     LogdetResult,
@@ -63,7 +64,7 @@ from jaxrev.transforms.propagation.walker import (
     seed,
     statics_for,
 )
-from jaxrev.transforms.registry import NeedMore, Unsupported, define
+from jaxrev.transforms.registry import ElementRule, NeedMore, Unsupported, define
 from jaxrev.transforms.rules.indexing import written_region
 from jaxrev.transforms.sweep import drift
 from jaxrev.transforms.sweep.backward import (
@@ -190,9 +191,7 @@ def _scan_inverse(outs, *ins, ctx: RuleContext, **params):
 
             def undo(last: list, known: tuple) -> list:
                 cs, per, _ = known
-                at_once = _at_once(
-                    lambda c, sl, st, wins: ibody(c, sl, st, cs, wins), last, per, ws, length
-                )
+                at_once = _at_once(ibody, last, per, ws, length, cs)
                 return list(at_once[0])
 
             def redo(first: list, known: tuple) -> list:
@@ -211,12 +210,7 @@ def _scan_inverse(outs, *ins, ctx: RuleContext, **params):
                 c0, xs_rec, per_iteration = step(final, known), [], None
             else:
                 c0, (xs_rec, per_iteration) = _at_once(
-                    lambda c, sl, st, wins: ibody(c, sl, st, windows=wins),
-                    final,
-                    per_t,
-                    ws,
-                    length,
-                    ctx.walk.settings.values,
+                    ibody, final, per_t, ws, length, consts, ctx.walk.settings.values
                 )
     except NotInvertibleError:
         if waiting:  # may work once the chain's start is known
@@ -362,11 +356,13 @@ def _at_once(
     per_t: tuple,
     writers: Sequence[np.ndarray],
     length: int,
+    consts: Sequence[Any],
     values: bool = True,
 ) -> tuple:
     """The loop undone all at once (`_undone_at_once`): every iteration's body inverted from
     the final carry, under `vmap` over the iterations, and each position of the first carry
-    taken from the iteration that writes it (the final carry's where none does).
+    taken from the iteration that writes it (the final carry's where none does). `ibody(carry,
+    per-iteration values, settings, consts, windows)` inverts one iteration.
 
     The body's walk computes with the final carry's values where it knows nothing, rather
     than `elements.FILL` (`Settings.fill`): so what the iterations compute from the carry
@@ -384,18 +380,30 @@ def _at_once(
     network's pass is D x width."""
     layouts: list = []  # per carry: its windows (`Win`s), or None (the whole carry)
 
-    def one(sl: Any) -> tuple:
-        windows: dict = {}
-        c_prev, rest = ibody(final, sl, {"fill": False}, windows)
-        outs = []
-        layouts.clear()
-        for c, f in zip(c_prev, final):
-            chain = _window_chain(c, f, windows)
-            layouts.append(None if chain is None else [e.w for e in chain])
-            outs.append(c if chain is None else [(e.starts, e.piece, e.in_bounds) for e in chain])
-        return outs, rest
+    def every_iteration(final: list, per_t: tuple, consts: Sequence[Any]) -> tuple:
+        def one(sl: Any) -> tuple:
+            windows: dict = {}
+            c_prev, rest = ibody(final, sl, {"fill": False}, consts, windows)
+            outs = []
+            layouts.clear()
+            for c, f in zip(c_prev, final):
+                chain = _window_chain(c, f, windows)
+                layouts.append(None if chain is None else [e.w for e in chain])
+                outs.append(
+                    c if chain is None else [(e.starts, e.piece, e.in_bounds) for e in chain]
+                )
+            return outs, rest
 
-    stacked, (xs_rec, per_iteration) = jax.vmap(one, axis_size=length)(per_t)
+        return jax.vmap(one, axis_size=length)(per_t)
+
+    if values:
+        # (on concrete values, one compiled call: run eagerly, the vmapped walk compiled each
+        # of its operations apart, hundreds of XLA compilations on a masked network's loop)
+        stacked, (xs_rec, per_iteration) = compiled(
+            None, every_iteration, list(final), per_t, list(consts)
+        )
+    else:
+        stacked, (xs_rec, per_iteration) = every_iteration(final, per_t, consts)
     if not values:  # (a planning walk: its values are stand-ins nothing reads)
         return list(final), (xs_rec, per_iteration)
     c0 = []
@@ -855,5 +863,7 @@ define(
     sweep=_scan_sweep,
     forward=_scan_forward,
     logdet=_scan_logdet,
+    # (a loop that computes element by element, on operands known on some elements)
+    element=ElementRule(per_element_forward),
     walks=True,
 )
