@@ -41,7 +41,7 @@ from jaxrev.transforms.custom import recompute_p, store_p
 from jaxrev.transforms.knowledge.context import WalkContext
 from jaxrev.transforms.propagation.walker import Hints, Stuck, Window, blame, propagate, statics_for
 from jaxrev.transforms.registry import forward_rules, sweep_rules
-from jaxrev.transforms.sweep import drift
+from jaxrev.transforms.sweep import drift, sums
 from jaxrev.transforms.sweep.dial import Dial
 from jaxrev.transforms.sweep.params import ParamOnly, tie_of
 
@@ -96,7 +96,8 @@ def acc(ctenv: dict, v: Any, ct: Any) -> None:
     if getattr(ct, "dtype", None) == jax.dtypes.float0 or is_symbolic_zero(ct):
         return
     ct = jnp.asarray(ct, v.aval.dtype) if jnp.result_type(ct) != v.aval.dtype else ct
-    ctenv[v] = ctenv[v] + ct if v in ctenv else ct
+    # (large ones one at a time: XLA:CPU fuses a chain of sums into one holding every term)
+    ctenv[v] = sums.add(ctenv[v], ct) if v in ctenv else ct
 
 
 def get_ct(ctenv: dict, v: Any) -> Any:

@@ -40,6 +40,7 @@ from jaxrev._compat import (
 )
 from jaxrev._evaluate import eval_closed
 from jaxrev._program import avals_of
+from jaxrev.transforms.sweep import sums
 from jaxrev.transforms.sweep.drift import Budget, budget_dtype, combine, finite
 
 __all__ = [
@@ -565,7 +566,7 @@ def body_redo(
                     ct = next(given) if ys_ct_given[o - ncarry] else None
                 ct = zeros_of(aval) if ct is None else ct
                 cts.append(ct if live is None else select_batched(live, ct, jnp.zeros_like(ct)))
-            g_carry, g_consts, g_xs = vjp(pick(cts, floating))
+            g_carry, g_consts, g_xs = sums.pulled_back(vjp, pick(cts, floating))
             g_carry = iter(g_carry)
             return (
                 [next(g_carry) if a else None for a in carry_active],
