@@ -215,8 +215,10 @@ def one_state_table(rows: list[dict]) -> list[str]:
         "The batch as one state (issue 43's layout): `y0` of shape 32 x 8, the MLP vmapped "
         "over it inside one solve, Tsit5. The scratch is no longer dominated by "
         "RecursiveCheckpointAdjoint's per-sample checkpoints, and the reversible backward "
-        "step's own buffers show: XLA:CPU keeps the 12 stage evaluations' 64 x 64 "
-        "weight-gradient products alive at once, summing them in one fusion.",
+        "step's own buffers show: one step's 12 stage evaluations (two steps of the base "
+        "solver) and their activations. Their 64 x 64 weight-gradient products are added "
+        "one at a time (`sweep/sums.py`; XLA:CPU fused their sum and held all 12: 0.709 MB "
+        "before).",
         "",
         f"| steps | {rev} MB | {rc} MB | memory / RC | {rev} s | {rc} s | time / RC | "
         "gradient vs RC |",

@@ -220,6 +220,27 @@ def test_flowjax_spline_at_its_interval_end_is_refused_not_wrong():
         jr.reverse(f)(f(jnp.asarray(3.0)))
 
 
+def test_a_preimage_not_found_under_on_error_nan_has_a_nan_log_det():
+    """Under ``on_error="nan"`` the refusal at flowjax's interval end leaves NaN in the
+    preimage there, and the log-det is NaN with it (it was a finite number, the map's
+    terms at the other elements: found by a review), eager, jitted and vmapped; the other
+    points' log-dets are the map's."""
+    import flowjax.bijections as fb
+
+    bij = fc._perturbed(fb.RationalQuadraticSpline(knots=5, interval=3.0))
+    f = jax.vmap(lambda x: bij.transform(x))  # noqa: E731
+    inv = jr.inverse_and_slogdet(f, on_error="nan")
+    for x, bad in ((jnp.array([3.0, 0.7, -0.2]), True), (jnp.array([2.0, 0.7, -0.2]), False)):
+        want = -jnp.linalg.slogdet(jax.jacfwd(f)(x))[1]
+        for call in (inv, jax.jit(inv), lambda y: jax.vmap(inv)(y[None])):
+            got_x, got_ld = call(f(x))
+            assert np.isnan(np.asarray(got_x)).any() == bad
+            if bad:
+                assert np.isnan(got_ld).all()
+            else:
+                np.testing.assert_allclose(got_ld, want, rtol=1e-9)
+
+
 def test_a_spline_couplings_log_det_is_its_diagonal_not_a_dense_jacobian():
     """A spline coupling's bins are searched over a table (not an elementwise program), yet
     each element's piece is computed from that element alone: the log-det sums the logs of

@@ -745,7 +745,9 @@ def inverse_and_slogdet(
     def impl(*args: Any) -> tuple[Any, Any]:
         x, logdet = _inverse_and_slogdet(fun, args, argnums, method, on_error, state, who)
         given = [args[a] for a in normalize_argnums(argnums, len(args), fun)]
-        return x, _nan_where_nan(logdet, given)
+        # (and at a preimage not found: under on_error="nan" a step that could not be undone
+        # leaves NaN in `x`, and the log-det's terms there are not the map's)
+        return x, _nan_where_nan(logdet, given, x)
 
     settings = (who, _hashable(argnums), method, on_error)
 
