@@ -96,8 +96,15 @@ def acc(ctenv: dict, v: Any, ct: Any) -> None:
     if getattr(ct, "dtype", None) == jax.dtypes.float0 or is_symbolic_zero(ct):
         return
     ct = jnp.asarray(ct, v.aval.dtype) if jnp.result_type(ct) != v.aval.dtype else ct
-    # (large ones one at a time: XLA:CPU fuses a chain of sums into one holding every term)
-    ctenv[v] = sums.add(ctenv[v], ct) if v in ctenv else ct
+    # (large ones one at a time: XLA:CPU fuses a chain of sums into one holding every term;
+    # how many terms each sum has had is kept under a key no variable is)
+    terms = ctenv.setdefault(_TERMS, {})
+    terms[v] = terms.get(v, 0) + 1
+    ctenv[v] = sums.add(ctenv[v], ct, terms[v]) if v in ctenv else ct
+
+
+_TERMS = object()
+"""The key of a cotangent environment's term counts (`acc`)."""
 
 
 def get_ct(ctenv: dict, v: Any) -> Any:

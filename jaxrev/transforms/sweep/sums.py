@@ -49,23 +49,26 @@ def summed_apart(total: Any, term: Any) -> Any:
     return jax.lax.platform_dependent(total, term, cpu=on_cpu, default=jnp.add)
 
 
-def add(total: Any, term: Any) -> Any:
-    """``total + term``: `summed_apart` where the term holds `APART_BYTES` or more."""
-    if np.size(term) * np.dtype(jnp.result_type(term)).itemsize >= APART_BYTES:
+def add(total: Any, term: Any, nth: int) -> Any:
+    """``total + term``, where `term` is the `nth` term of the sum (the first is 1):
+    `summed_apart` from the third term on where the term holds `APART_BYTES` or more (two
+    terms are held at once whichever way they are added)."""
+    if nth >= 3 and np.size(term) * np.dtype(jnp.result_type(term)).itemsize >= APART_BYTES:
         return summed_apart(total, term)
     return total + term
 
 
-def _add_any_apart(i: int, eqn: JaxprEqn, ins: list) -> list | None:
-    # (an `evaluate` rule: JAX's sum of two cotangents, as `add`)
-    if eqn.primitive is not prims.add_any:
-        return None
-    return [add(*ins)]
-
-
 def pulled_back(vjp: Callable, cts: Sequence[Any]) -> Any:
     """``vjp(cts)`` (a pullback of `jax.vjp`), its sums of large cotangents (JAX's `add_any`)
-    added one at a time (`add`)."""
+    added one at a time from their third term on (`add`)."""
     closed, consts, out_tree = trace_to_closed(vjp, cts)
-    flat = eval_closed(closed, *consts, *jax.tree_util.tree_leaves(cts), rule=_add_any_apart)
+    # (a sum whose operand is itself a sum adds a third term at least)
+    sums = {o for e in closed.jaxpr.eqns if e.primitive is prims.add_any for o in e.outvars}
+
+    def add_any_apart(i: int, eqn: JaxprEqn, ins: list) -> list | None:
+        if eqn.primitive is not prims.add_any:
+            return None
+        return [add(*ins, nth=3 if any(v in sums for v in eqn.invars) else 2)]
+
+    flat = eval_closed(closed, *consts, *jax.tree_util.tree_leaves(cts), rule=add_any_apart)
     return jax.tree_util.tree_unflatten(out_tree, flat)
