@@ -294,8 +294,10 @@ def test_reversible_transformer_example_in_bfloat16(kind):
     the streams rebuilt bit for bit (checked at the end of every backward run), the gradient
     within 1.5x `jax.grad`'s own bfloat16 error against the float32 gradient, and the scratch
     of the fully reversible mode, but for the streams' int32 grid (two bytes per element
-    more than bfloat16: here 1.00x with Equinox, 1.11x with Flax; 24 blocks of d_model 64
-    over 16 x 64 tokens: 0.97x and 1.07x)."""
+    more than bfloat16: here 1.13x with Equinox, 1.18x with Flax on JAX 0.10.2, 1.11x and
+    1.06x on 0.12; 1.02x and 1.11x before 2026-12-08, when the fully reversible mode summed
+    a weight's cotangents in one fusion: it lost 11 % of its scratch to `sweep.sums`, exact
+    reversal 1.5 %; 24 blocks of d_model 64 over 16 x 64 tokens: 0.97x and 1.07x then)."""
     examples = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
     if examples not in sys.path:
         sys.path.insert(0, examples)
@@ -317,7 +319,7 @@ def test_reversible_transformer_example_in_bfloat16(kind):
         return fn.lower(params, batch).compile().memory_analysis().temp_size_in_bytes
 
     fully = grad("reversible", checkpoint_every=None, on_drift="ignore")
-    assert scratch(grad("exact reversal")) <= 1.15 * scratch(fully)
+    assert scratch(grad("exact reversal")) <= 1.25 * scratch(fully)
 
 
 def test_permuted_carries_xs_ys_and_reverse_scans():

@@ -66,6 +66,7 @@ from jaxrev._errors import ReversibilityError, at_eqn, not_invertible
 from jaxrev._evaluate import eval_closed, evaluate
 from jaxrev._prepare import prepare
 from jaxrev.transforms.knowledge.checks import raise_where
+from jaxrev.transforms.sweep import sums
 
 __all__ = ["Exact", "LoopPlan", "plan_loop", "exact_scan", "run_exact", "stored"]
 
@@ -844,7 +845,8 @@ class _Loop:
 
             _, vjp = jax.vjp(iteration, fc, fcar, fxs)
             ct_out = [c for c, f in zip(ct_carry, carry_float) if f]
-            g_c, g_car, g_xs = vjp((ct_out, list(ct_y)))
+            # (a weight's terms added apart: `sums`, as the other backward runs add them)
+            g_c, g_car, g_xs = sums.pulled_back(vjp, (ct_out, list(ct_y)))
             ct_carry = _merge([None] * plan.ncarry, g_car, carry_float)
             ct_consts = [a + b for a, b in zip(ct_consts, g_c)]
             return (ints, buf, flags, ct_carry, ct_consts), g_xs
