@@ -396,16 +396,14 @@ def _at_once(
 
         return jax.vmap(one, axis_size=length)(per_t)
 
-    if values:
-        # (on concrete values, one compiled call: run eagerly, the vmapped walk compiled each
-        # of its operations apart, hundreds of XLA compilations on a masked network's loop)
-        stacked, (xs_rec, per_iteration) = compiled(
-            None, every_iteration, list(final), per_t, list(consts)
-        )
-    else:
-        stacked, (xs_rec, per_iteration) = every_iteration(final, per_t, consts)
     if not values:  # (a planning walk: its values are stand-ins nothing reads)
+        _, (xs_rec, per_iteration) = every_iteration(final, per_t, consts)
         return list(final), (xs_rec, per_iteration)
+    # (on concrete values, one compiled call: run eagerly, the vmapped walk compiled each of
+    # its operations apart, hundreds of XLA compilations on a masked network's loop)
+    stacked, (xs_rec, per_iteration) = compiled(
+        None, every_iteration, list(final), per_t, list(consts)
+    )
     c0 = []
     for c, st, writer, layout in zip(final, stacked, writers, layouts):
         if layout is None:
